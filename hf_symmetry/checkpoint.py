@@ -1,0 +1,230 @@
+"""Streaming safetensors I/O shared by every weight-space conversion.
+
+Peak memory is bounded by what the caller holds (one layer, the embeddings): tensors are
+read on demand from (possibly sharded) safetensors files, and written tensor by tensor
+into shards assembled on disk. Output goes to a temporary
+sibling folder that is renamed into place only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Files a conversion carries over unchanged: tokenizer and generation settings.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+              "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def parse_size(size: str | int) -> int:
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of an HF folder stored as safetensors (single or sharded)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"model folder {self.path} does not exist")
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face model folder")
+        self.config = json.loads(cfg.read_text())
+        self.key_to_file: dict[str, str] = {}
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self.key_to_file = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.path / SINGLE_FILE).is_file():
+            self.key_to_file = dict.fromkeys(self._header_keys(SINGLE_FILE), SINGLE_FILE)
+        else:
+            raise FileNotFoundError(f"{self.path} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); "
+                                    "hf_symmetry reads only safetensors")
+        for fname in sorted(set(self.key_to_file.values())):
+            if not (self.path / fname).is_file():
+                raise FileNotFoundError(f"{self.path}: shard {fname} named in the index is missing")
+            # Validate every header up front (safetensors also checks offsets against the file
+            # size), so a corrupt or truncated shard fails before any output is written.
+            absent = {k for k, f in self.key_to_file.items() if f == fname} - set(self._header_keys(fname))
+            if absent:
+                raise ValueError(f"corrupt checkpoint {self.path}: {fname} lacks {sorted(absent)[:3]} named in the index")
+
+    def _header_keys(self, fname: str) -> list[str]:
+        try:
+            with safe_open(self.path / fname, framework="pt") as f:
+                return list(f.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"corrupt safetensors file {self.path / fname}: {exc}") from None
+
+    def keys(self) -> list[str]:
+        return list(self.key_to_file)
+
+    def get(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read the named tensors; each shard is opened once per call and closed again, so
+        no mapping outlives the call."""
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for n in names:
+            by_file[self.key_to_file[n]].append(n)
+        out = {}
+        for fname, keys in by_file.items():
+            try:
+                with safe_open(self.path / fname, framework="pt") as f:
+                    for k in keys:
+                        out[k] = f.get_tensor(k).clone()  # own the memory: the mmap closes with the file
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise ValueError(f"corrupt safetensors file {self.path / fname}: {exc}") from None
+        return out
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the safetensors headers (no tensor data is read)."""
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for k, fname in self.key_to_file.items():
+            by_file[fname].append(k)
+        out = {}
+        for fname, keys in by_file.items():
+            try:
+                with safe_open(self.path / fname, framework="pt") as f:
+                    out.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise ValueError(f"corrupt safetensors file {self.path / fname}: {exc}") from None
+        return out
+
+    def total_bytes(self) -> int:
+        return sum((self.path / f).stat().st_size for f in set(self.key_to_file.values()))
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+class ShardedWriter:
+    """Writes tensors into safetensors shards of at most ``max_shard_bytes`` as they come.
+
+    Tensor bytes are spooled straight to disk and the shard file (header + data) is
+    assembled when the shard closes, so memory holds one tensor at a time, whatever the
+    shard size. The format is the documented safetensors layout: an 8-byte little-endian
+    header length, a JSON header padded to 8 bytes, then the raw data."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int = 2 * 10**9, metadata: dict | None = None):
+        self.folder = Path(folder)
+        self.max_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+        self._spool = None
+        self._header: dict[str, dict] = {}
+        self._offset = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            if t.dtype not in _ST_DTYPES:
+                raise TypeError(f"cannot store dtype {t.dtype} in safetensors ({name})")
+            size = t.numel() * t.element_size()
+            if self._header and self._offset + size > self.max_bytes:
+                self.flush()
+            if self._spool is None:
+                self._spool = open(self.folder / f".spool-{len(self.shards):05d}", "wb")
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._spool.write(memoryview(data))
+            self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                                  "data_offsets": [self._offset, self._offset + size]}
+            self._offset += size
+            self.total_bytes += size
+
+    def flush(self) -> None:
+        if self._spool is None:
+            return
+        spool_path = Path(self._spool.name)
+        self._spool.close()
+        header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        fname = f"shard-{len(self.shards):05d}.tmp"
+        with open(self.folder / fname, "wb") as out, open(spool_path, "rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, length=16 * 2**20)
+        spool_path.unlink()
+        self.shards.append((fname, list(self._header)))
+        self._spool, self._header, self._offset = None, {}, 0
+
+    def close(self) -> list[str]:
+        """Flush, give shards their final HF names, write the index when sharded."""
+        self.flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.folder / self.shards[0][0], self.folder / SINGLE_FILE)
+            return [SINGLE_FILE]
+        weight_map, names = {}, []
+        for i, (tmp, keys) in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / tmp, self.folder / final)
+            weight_map.update({k: final for k in keys})
+            names.append(final)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse a non-empty OUT unless overwriting; call before any work."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"output folder {out} exists and is not empty (pass --overwrite to replace it)")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; on success it replaces ``out``, on any error it
+    is deleted and ``out`` is left as it was."""
+    out = check_output_dir(out, overwrite).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary folder
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def write_config(dst: Path, config: dict) -> None:
+    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

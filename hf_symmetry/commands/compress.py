@@ -1,0 +1,83 @@
+"""``hf-symmetry compress [MODEL] OUT``: structured compression with orthogonal transforms (ProcrustesGPT),
+or SliceGPT, saved as a Hugging Face model that loads with ``trust_remote_code=True``."""
+
+from __future__ import annotations
+
+from ..assets import resolve_model, resolve_text
+from ..conversion.compress import STAGES, STRUCTURES, CompressOptions, compress_checkpoint
+from .common import add_output_args, emit
+
+
+def _blocks(text: str) -> tuple[int, int]:
+    try:
+        kl, kr = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--gs-blocks takes two integers KL,KR (e.g. 4,4), got {text!r}") from None
+    return kl, kr
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compress", help="structured compression (Kronecker / GS / low rank) with orthogonal "
+                                        "transforms, or SliceGPT", description=__doc__)
+    p.add_argument("model", nargs="?", default="default",
+                   help="HF folder of a Llama-family model (llama, mistral, qwen2) or an embedded alias "
+                        "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--structure", choices=STRUCTURES, default="kron",
+                   help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
+                        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron)")
+    p.add_argument("--ratio", type=float, default=0.25,
+                   help="fraction of the compressed matrices' parameters removed, skip/head matrices paid for "
+                        "(equal ratios give equal model sizes across methods; default: 0.25)")
+    p.add_argument("--calib", metavar="TEXT",
+                   help="calibration text: a UTF-8 file or an embedded name such as britannica-calib "
+                        "(needed for stages f and w and for slice)")
+    p.add_argument("--stage", choices=STAGES, default="w",
+                   help="none: project without rotation; f: Frobenius-optimal rotations (Procrustes); "
+                        "w: then calibration-weighted projections and rotations (default: w)")
+    p.add_argument("--q-mode", choices=["segment", "global"], default="segment",
+                   help="one rotation per residual segment (skip connections carry Q_prevᵀQ_next) or one "
+                        "global rotation (no skip matrices) (default: segment)")
+    p.add_argument("--kron-factor", type=int, metavar="Q",
+                   help="Kronecker split of the hidden dimension: A_s is 1xQ / Qx1 (default: chosen from the ratio)")
+    p.add_argument("--gs-blocks", metavar="KL,KR", help="GS tile grid of layer matrices (default: 4,4)")
+    p.add_argument("--keep-embeddings", action="store_true", help="leave the embedding (and head) dense")
+    p.add_argument("--compress-v", action="store_true", help="also compress v_proj (the paper keeps it dense)")
+    p.add_argument("--f-iters", type=int, default=20, help="stage F alternations (default: 20)")
+    p.add_argument("--w-iters", type=int, default=1, help="stage W alternations (default: 1, as in the paper)")
+    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
+    p.add_argument("--eval-text", metavar="TEXT",
+                   help="held-out text for perplexity of the original and compressed model (e.g. britannica-eval)")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (default: 4096)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    options = CompressOptions(
+        structure=args.structure, ratio=args.ratio, stage=args.stage, q_mode=args.q_mode,
+        kron_factor=args.kron_factor, gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
+        compress_embeddings=not args.keep_embeddings, dense_modules=() if args.compress_v else ("v",),
+        f_iters=args.f_iters, w_iters=args.w_iters, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len)
+    options.validate()
+    src = resolve_model(args.model)
+    calib = resolve_text(args.calib) if args.calib else None
+    eval_text = resolve_text(args.eval_text) if args.eval_text else None
+    report = compress_checkpoint(src, args.out, options, calib, overwrite=args.overwrite, progress=not args.quiet,
+                                 eval_text=eval_text, eval_tokens=args.eval_tokens)
+    acc = report.accounting
+    method = "SliceGPT" if args.structure == "slice" else f"ProcrustesGPT {args.structure}, stage {args.stage}"
+    lines = [f"compressed {report.family} model {src} -> {args.out} ({method}, q-mode {args.q_mode}) "
+             f"in {sum(report.seconds.values()):.1f} s",
+             f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
+             f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
+             f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
+             f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
+             f"  report: {args.out}/compression_report.json"]
+    if report.perplexity:
+        pp = report.perplexity
+        lines.append(f"  perplexity on {pp['tokens']} tokens: original {pp['original']:.3f}, "
+                     f"compressed {pp['compressed']:.3f} (x{pp['compressed'] / pp['original']:.3f})")
+    emit(report.as_dict(), lines, args.json_out)
+    return 0

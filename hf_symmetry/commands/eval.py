@@ -1,0 +1,80 @@
+"""``hf-symmetry eval [MODEL] [--text FILE] [--tasks T1,T2 --task-dir DIR]``: sliding-window
+perplexity on a local text and/or lm-eval tasks run offline from local task definitions
+(``hf_symmetry_smoke_cloze`` is built in: ARC-Easy's format on local text, a smoke test, not a
+benchmark). ``--update-card`` writes the results into MODEL's README model card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..evaluation.bridge import (lm_eval_card_entries, parse_tasks, perplexity_card_entry, run_lm_eval,
+                                 text_perplexity)
+from .common import emit
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity on a text and/or lm-eval tasks (offline)", description=__doc__)
+    p.add_argument("model", nargs="?", default="default", help="model folder or embedded alias (default: SmolLM2)")
+    p.add_argument("--text", default=None,
+                   help="UTF-8 file or embedded text name for perplexity (default: britannica-eval, "
+                        "unless only --tasks are given)")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--stride", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    p.add_argument("--tasks", default=None, metavar="T1,T2",
+                   help="lm-eval tasks (pip install 'hf_symmetry[eval]'), e.g. hf_symmetry_smoke_cloze, or "
+                        "arc_easy with its data available offline")
+    p.add_argument("--task-dir", default=None, metavar="DIR", help="folder of local lm-eval task YAMLs")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N examples per task")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--update-card", action="store_true",
+                   help="add the results to MODEL/README.md (model-index metadata and the evaluation table)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", dest="json_out", metavar="FILE")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _check_args(args) -> list[str] | None:
+    """Refuse bad combinations before loading anything."""
+    tasks = parse_tasks(args.tasks) if args.tasks else None
+    if tasks:
+        from ..evaluation.bridge import _require_lm_eval
+
+        _require_lm_eval()
+    if args.task_dir and not Path(args.task_dir).is_dir():
+        raise FileNotFoundError(f"task folder {args.task_dir} does not exist")
+    if args.update_card and not (Path(args.model) / "config.json").is_file():
+        raise ValueError("--update-card needs MODEL to be a model folder (its README.md is the card)")
+    return tasks
+
+
+def run(args) -> int:
+    tasks = _check_args(args)
+    text = args.text or (None if tasks else "britannica-eval")
+    summary, lines, entries = {"model": str(args.model)}, [], []
+    if text:
+        r = text_perplexity(args.model, text, max_tokens=args.max_tokens, window=args.window, stride=args.stride,
+                            trust_remote_code=args.trust_remote_code, progress=not args.quiet)
+        entry = perplexity_card_entry(r, text, args.max_tokens)
+        entries.append(entry)
+        summary.update(text=entry.get("_text_path", str(text)), **r.as_dict())
+        lines.append(f"perplexity {r.perplexity:.4f} over {r.tokens} tokens of {text} "
+                     f"(window {r.window}, stride {r.stride})")
+    if tasks:
+        results = run_lm_eval(args.model, tasks, task_dir=args.task_dir, limit=args.limit,
+                              num_fewshot=args.num_fewshot, trust_remote_code=args.trust_remote_code)
+        task_entries = lm_eval_card_entries(results)
+        entries += task_entries
+        summary["lm_eval"] = {t: {k: v for k, v in m.items() if k != "alias"} for t, m in results["results"].items()}
+        for e in task_entries:
+            note = f"  [{e['notes']}]" if e.get("notes") else ""
+            lines.append(f"{e['task_name']}: {e['metric_type']} {e['metric_value']:.4f} "
+                         f"({e['dataset_args'].get('samples')} examples){note}")
+    summary["card_entries"] = entries
+    if args.update_card:
+        from ..hub.cards import update_card
+
+        lines.append(f"card updated: {update_card(args.model, eval_results=entries)}")
+    emit(summary, lines, args.json_out)
+    return 0

@@ -1,0 +1,79 @@
+"""``hf-symmetry match ANCHOR SOURCE OUT``: SOURCE re-parametrised to sit as close as possible to
+ANCHOR (same function as SOURCE), ready for averaging-style merges."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from ..assets import resolve_model
+from ..conversion.match import MatchOptions, match_checkpoint, vocabulary_fingerprint
+from ..evaluation.bridge import verification_card_entries
+from ..evaluation.compare import verify
+from ..hub.cards import update_card
+from .common import add_output_args, add_push_args, add_text_args, emit, fmt, push_if_requested
+
+
+def add_match_args(p, residual_help: str = "") -> None:
+    """Matching options shared by ``match`` and ``merge --match``."""
+    p.add_argument("--heads", choices=["auto", "both", "qk", "vo", "none"], default="auto",
+                   help="per-KV-group head rotations to match (default auto: QK and VO, VO only under QK-norm)")
+    p.add_argument("--ffn", action=argparse.BooleanOptionalAction, default=True,
+                   help="match FFN neurons by linear assignment (default: on)")
+    p.add_argument("--scaling", action="store_true", help="also match per-group QK and VO scalings (quartic)")
+    p.add_argument("--residual", action="store_true",
+                   help="also match the residual stream by Procrustes after norm fusion (RMSNorm families; "
+                        "norm weights become 1 and tied embeddings are untied)" + residual_help)
+    p.add_argument("--residual-iters", type=int, default=0,
+                   help="refinement passes for the residual rotation over every weight (default 0: embeddings "
+                        "and LM head only)")
+
+
+def match_options(args) -> MatchOptions:
+    return MatchOptions(heads=args.heads, ffn=args.ffn, scaling=args.scaling, residual=args.residual,
+                        residual_iters=args.residual_iters)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("match", help="align SOURCE to ANCHOR inside its symmetry orbit (same function as SOURCE)",
+                       description=__doc__)
+    p.add_argument("anchor", help="reference model folder (or embedded alias); left unchanged")
+    p.add_argument("source", help="model folder to align; the output computes its function")
+    p.add_argument("out", help="output folder")
+    add_match_args(p)
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
+    p.add_argument("--no-verify", action="store_true", help="skip the max |Δlogit| check of OUT against SOURCE")
+    add_text_args(p)
+    add_output_args(p)
+    add_push_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    anchor, source = resolve_model(args.anchor), resolve_model(args.source)
+    report = match_checkpoint(anchor, source, args.out, match_options(args), overwrite=args.overwrite,
+                              max_shard_size=args.max_shard_size, progress=not args.quiet)
+    lines = [f"matched {report.family} model {source} to {anchor} -> {args.out} in {report.seconds:.1f} s",
+             f"  matched: {', '.join(report.symmetries) or 'nothing'}"]
+    if report.untied_embeddings:
+        lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
+    lines.append(f"  squared distance to the anchor{' (norm-folded)' if args.residual else ''}:")
+    for name, d in report.distances.items():
+        lines.append(f"    {name:<10} {d['before']:.4e} -> {d['after']:.4e}  ({100 * d['reduction']:.1f} % less)")
+    if args.no_verify:
+        pass
+    elif vocabulary_fingerprint(source) is None:
+        lines.append("  verification skipped: SOURCE has no tokenizer")
+    else:
+        v = verify(source, args.out, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
+        report.verification = v.as_dict()
+        lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}| against SOURCE over "
+                     f"{v.tokens} tokens: {v.max_abs_dlogit:.2e}")
+        if v.perplexity_original is not None:
+            lines.append(f"  perplexity: SOURCE {v.perplexity_original:.4f}, matched {v.perplexity_converted:.4f} "
+                         f"(Δ {fmt(v.delta_perplexity, '.2e')})")
+        update_card(args.out, exactness=v.as_dict(), eval_results=verification_card_entries(v))
+    summary = asdict(report)
+    summary["push"] = push_if_requested(args, args.out, lines)
+    emit(summary, lines, args.json_out)
+    return 0

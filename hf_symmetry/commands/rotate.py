@@ -1,0 +1,59 @@
+"""``hf-symmetry rotate [MODEL] OUT``: write a functionally equivalent, re-parametrised checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..assets import resolve_model
+from ..conversion.rotate import RotateOptions, rotate_checkpoint
+from ..evaluation.compare import verify
+from ..evaluation.bridge import verification_card_entries
+from ..hub.cards import update_card
+from .common import add_output_args, add_push_args, add_text_args, emit, fmt, push_if_requested
+
+
+def register(sub) -> None:
+    p = sub.add_parser("rotate", help="apply random exact symmetries (residual/head rotations, FFN permutation)",
+                       description=__doc__)
+    p.add_argument("model", nargs="?", default="default",
+                   help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--residual", choices=["none", "hadamard", "random"], default="hadamard",
+                   help="residual-stream rotation after norm fusion (RMSNorm families only; default: hadamard)")
+    p.add_argument("--heads", choices=["none", "qk", "vo", "random"], default="random",
+                   help="per-KV-group head rotations: QK (inside the RoPE commutant), VO, or both (default)")
+    p.add_argument("--ffn", action=__import__("argparse").BooleanOptionalAction, default=True,
+                   help="randomly permute FFN neurons (default: on)")
+    p.add_argument("--scaling", action="store_true", help="also apply random per-group QK and VO scalings")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
+    p.add_argument("--no-verify", action="store_true", help="skip the max |Δlogit| check against the original")
+    add_text_args(p)
+    add_output_args(p)
+    add_push_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    src = resolve_model(args.model)
+    options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
+                            seed=args.seed)
+    report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
+                               max_shard_size=args.max_shard_size, progress=not args.quiet)
+    lines = [f"rotated {report.family} model {src} -> {args.out} in {report.seconds:.1f} s",
+             f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})"]
+    if report.untied_embeddings:
+        lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
+    if not args.no_verify:
+        v = verify(src, args.out, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
+        report.verification = v.as_dict()
+        lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}| over {v.tokens} tokens: "
+                     f"{v.max_abs_dlogit:.2e}")
+        if v.perplexity_original is not None:
+            lines.append(f"  perplexity: original {v.perplexity_original:.4f}, rotated {v.perplexity_converted:.4f} "
+                         f"(Δ {fmt(v.delta_perplexity, '.2e')})")
+        update_card(args.out, exactness=v.as_dict(), eval_results=verification_card_entries(v))
+    summary = asdict(report)
+    summary["push"] = push_if_requested(args, args.out, lines)
+    emit(summary, lines, args.json_out)
+    return 0

@@ -1,0 +1,596 @@
+"""FaRR (fuse and rank reduce, DESIGN.md §5): analyse the fused attention maps of a checkpoint and
+write a model with smaller per-layer head dims.
+
+Two streaming passes over the checkpoint: the first reads each layer, folds its pre-norm γ
+(pre-LN families) and keeps only the singular values of each KV group's fused maps, from which
+the per-layer ranks are chosen; the second truncates, splits back with ``√Σ`` on each side and
+writes the layer. Ranks: ``τ`` gives each KV group the smallest rank keeping a fraction τ of its
+fused energy and each layer the largest of its groups (batched attention needs one head dim per
+layer); a parameter fraction spends a global budget greedily on the rank increments that keep
+the most relative energy per parameter.
+
+The output is a FaRR model (:mod:`hf_symmetry.modeling.modeling_farr`): the stock Llama-family
+decoder or BERT/RoBERTa encoder with per-layer head dims, saved with its remote code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..architectures import Adapter
+from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
+                          parse_size)
+from ..evaluation.compare import write_json
+from ..hub.cards import write_card
+from ..modeling import configuration_farr, modeling_farr
+from ..modeling.configuration_farr import qk_parameters, vo_parameters
+from ..symmetry import fused
+from ..symmetry.actions import fold_layer_norms
+from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
+
+Tensors = dict[str, torch.Tensor]
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ENCODER_TYPES = ("bert", "roberta")
+REPORT_FILE = "farr_report.json"
+
+
+# ---------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class FarrOptions:
+    """Exactly one of ``tau`` (per-group energy threshold) and ``params_fraction`` (the fraction of the
+    parameters of the projections FaRR rewrites that the result keeps: ``v_proj`` + ``o_proj``, plus
+    ``q_proj`` + ``k_proj`` with ``qk``, weights and biases). ``basis`` other than ``"fused"`` selects
+    the single-factor baselines of the benchmark (see :func:`fused.factor_basis_split`)."""
+    tau: float | None = None
+    params_fraction: float | None = None
+    vo: bool = True
+    qk: bool = False
+    basis: fused.Basis = "fused"
+
+    def validate(self) -> None:
+        if (self.tau is None) == (self.params_fraction is None):
+            raise ValueError("give exactly one of tau (energy threshold) and params_fraction (parameter budget)")
+        if self.tau is not None:
+            fused.check_tau(self.tau)
+        if self.params_fraction is not None and not 0.0 < self.params_fraction <= 1.0:
+            raise ValueError(f"params_fraction must be in (0, 1], got {self.params_fraction}")
+        if not (self.vo or self.qk):
+            raise ValueError("nothing to reduce: enable the value/output path, the query/key path or both")
+        if self.basis not in ("fused", "input", "output"):
+            raise ValueError(f"unknown basis {self.basis!r}; choose fused, input or output")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(p for p, on in (("vo", self.vo), ("qk", self.qk)) if on)
+
+
+# ---------------------------------------------------------------------- target family
+@dataclass(frozen=True)
+class FarrTarget:
+    """What the FaRR model of a source checkpoint looks like (facts read from config and keys)."""
+    kind: str                  # "decoder" or "encoder"
+    source_config: dict        # normalised by the source's own config class
+    hidden: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    q_bias: bool
+    k_bias: bool               # after FaRR: encoders drop it (exact without RoPE)
+    o_bias: bool               # after FaRR: holds the folded value bias
+    qk_norm: bool
+    mlp_bias: bool
+
+    def path_params(self, path: str, rank: int) -> int:
+        """Parameters of one layer's rewritten projections for ``path`` at ``rank``."""
+        if path == "vo":
+            return vo_parameters(self.hidden, self.n_heads, self.n_kv, rank, self.o_bias)
+        return qk_parameters(self.hidden, self.n_heads, self.n_kv, rank, self.q_bias, self.k_bias)
+
+    @property
+    def model_classes(self) -> dict[str, type]:
+        if self.kind == "decoder":
+            return {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
+                    "AutoModel": modeling_farr.FarrLlamaModel}
+        if self.source_config["model_type"] == "roberta":
+            return {"AutoModel": modeling_farr.FarrRobertaModel}
+        return {"AutoModel": modeling_farr.FarrBertModel}
+
+    def make_config(self, vo_dims: list[int] | None, qk_dims: list[int] | None):
+        cfg = {k: v for k, v in self.source_config.items()
+               if k not in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")}
+        if self.kind == "decoder":
+            fields = {f.name for f in dataclasses.fields(configuration_farr.FarrLlamaConfig)}
+            cfg = {k: v for k, v in cfg.items() if k in fields or k.endswith("_token_id")}
+            cfg.update(attention_bias=self.q_bias, o_bias=self.o_bias, qk_norm=self.qk_norm, mlp_bias=self.mlp_bias,
+                       head_dim=self.head_dim, num_key_value_heads=self.n_kv, v_head_dims=vo_dims)
+            config = configuration_farr.FarrLlamaConfig(**cfg)
+        else:
+            cls = (configuration_farr.FarrRobertaConfig if self.source_config["model_type"] == "roberta"
+                   else configuration_farr.FarrBertConfig)
+            config = cls(**cfg, qk_head_dims=qk_dims, v_head_dims=vo_dims)
+        config.architectures = [next(iter(self.model_classes.values())).__name__]
+        return config
+
+
+def _normalised_config(config) -> dict:
+    """The source config as its own transformers class writes it (legacy keys such as a top-level
+    ``rope_theta`` become ``rope_parameters``)."""
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(config, dict):
+        return config.to_dict()
+    return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()
+
+
+def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOptions) -> FarrTarget:
+    """The FaRR family for this checkpoint; refuses, before any work, what FaRR cannot do exactly."""
+    options.validate()
+    model_type = config.get("model_type")
+    if model_type not in DECODER_TYPES + ENCODER_TYPES:
+        raise ValueError(f"farr writes Llama-family decoders ({', '.join(DECODER_TYPES)}) and BERT/RoBERTa encoders; "
+                         f"got model_type {model_type!r} (`hf-symmetry spectra` still analyses it)")
+    src = _normalised_config(config)
+    if model_type in ENCODER_TYPES:
+        if adapter.prefix:
+            raise ValueError(f"this {model_type} checkpoint wraps the encoder under {adapter.prefix!r} with a task head; "
+                             "FaRR encoders are base models: convert the base model")
+        if src.get("is_decoder") or src.get("add_cross_attention"):
+            raise ValueError("FaRR encoders do not support is_decoder / add_cross_attention BERT models")
+    elif _sliding(src):
+        raise ValueError(f"{model_type}: sliding-window attention is not supported by the FaRR decoder "
+                         "(it runs full causal attention)")
+    L = adapter.layout
+    if options.qk:
+        reason = fused.qk_fusion_blocker(L)
+        if reason or L.rotary_dim:
+            raise ValueError(f"--qk is not possible for {model_type}: "
+                             f"{reason or 'partially rotary heads are not supported'}; reduce V/O only")
+    has = lambda module, kind="bias": f"{adapter.layer_prefix(0)}{module}.{kind}" in set(keys)  # noqa: E731
+    a, f = adapter.spec.attention, adapter.spec.ffn
+    return FarrTarget(
+        kind="encoder" if model_type in ENCODER_TYPES else "decoder", source_config=src, hidden=adapter.hidden,
+        n_heads=L.n_heads, n_kv=L.n_kv_heads, head_dim=L.head_dim, q_bias=has(a.q),
+        k_bias=has(a.k) and model_type not in ENCODER_TYPES, o_bias=has(a.o) or has(a.v), qk_norm=L.qk_norm,
+        mlp_bias=has(f.up))
+
+
+def _sliding(config: dict) -> bool:
+    if config.get("model_type") == "mistral":
+        return config.get("sliding_window") is not None
+    if config.get("use_sliding_window"):
+        return True
+    return any(t != "full_attention" for t in (config.get("layer_types") or []))
+
+
+# ---------------------------------------------------------------------- analysis pass
+def prepare_layer(layer: Tensors, adapter: Adapter) -> Tensors:
+    """Fold the pre-norms' γ (and β) into their readers, so the fused maps act on the normalised
+    stream. Post-LN encoders read the residual stream itself: nothing to fold."""
+    return fold_layer_norms(layer) if adapter.spec.placement == "pre" else layer
+
+
+@dataclass
+class LayerAnalysis:
+    layer: int
+    spectra: dict[str, list[fused.GroupSpectrum]]
+    touchable: dict[str, int]    # parameters of the original projections of each path
+
+
+_PATH_TENSORS = {"vo": ("v.weight", "v.bias", "o.weight", "o.bias"), "qk": ("q.weight", "q.bias", "k.weight", "k.bias")}
+
+
+def analyze(source: TensorSource, adapter: Adapter, paths: tuple[str, ...], detail: bool = False,
+            progress: bool = True, weights: dict[int, fused.InputWeights] | None = None) -> list[LayerAnalysis]:
+    """Spectra of every layer's fused maps, one layer in memory at a time. With ``weights``
+    (calibration), the maps are measured on the module's actual input, so γ is not folded."""
+    _, per_layer, _ = partition_keys(adapter, source.keys())
+    out = []
+    for i in tqdm(range(adapter.n_layers), desc="fused spectra", disable=not progress, unit="layer"):
+        layer = adapter.read_layer(i, source.get(per_layer[i]))
+        w = weights[i] if weights else None
+        layer = prepare_layer(layer, adapter) if w is None else layer
+        out.append(LayerAnalysis(
+            i, {p: fused.group_spectra(layer, adapter.layout, p, detail, w) for p in paths},
+            {p: sum(layer[k].numel() for k in _PATH_TENSORS[p] if k in layer) for p in paths}))
+    return out
+
+
+# ---------------------------------------------------------------------- rank selection
+@dataclass
+class RankPlan:
+    ranks: dict[str, list[int]]          # path -> rank per layer
+    touchable_before: int                # parameters of the rewritten projections, original
+    touchable_after: int                 # ... and in the FaRR model
+
+    @property
+    def kept_fraction(self) -> float:
+        return self.touchable_after / self.touchable_before
+
+
+def ranks_for_tau(analysis: list[LayerAnalysis], path: str, tau: float) -> list[int]:
+    """Per layer: the largest per-group effective rank at τ (at least 1)."""
+    return [max([1] + [fused.effective_rank(g.S, tau) for g in a.spectra[path]]) for a in analysis]
+
+
+def plan_ranks(analysis: list[LayerAnalysis], options: FarrOptions, target: FarrTarget) -> RankPlan:
+    paths = options.paths
+    before = sum(a.touchable[p] for a in analysis for p in paths)
+    if options.tau is not None:
+        ranks = {p: ranks_for_tau(analysis, p, options.tau) for p in paths}
+    else:
+        ranks = _ranks_for_budget(analysis, paths, target, int(options.params_fraction * before), before)
+    after = sum(target.path_params(p, ranks[p][a.layer]) for a in analysis for p in paths)
+    return RankPlan(ranks, before, after)
+
+
+def _ranks_for_budget(analysis: list[LayerAnalysis], paths: tuple[str, ...], target: FarrTarget, budget: int,
+                      before: int) -> dict[str, list[int]]:
+    """Greedy on the marginal gain per parameter. A rank increment r -> r+1 of a layer's path gains
+    the mean over its groups of ``σ_{r+1}² / Σσ²`` (relative energy, so every layer counts alike) and
+    costs a fixed number of parameters; gains fall with r, so taking increments in order of gain per
+    parameter keeps each layer's choice a prefix."""
+    ranks = {p: [1] * len(analysis) for p in paths}
+    spent = sum(target.path_params(p, 1) for _ in analysis for p in paths)
+    if spent > budget:
+        raise ValueError(f"the parameter budget ({budget:,} of {before:,}) removes everything: the smallest FaRR model "
+                         f"(rank 1 in every layer) keeps {spent:,} ({spent / before:.2%}); raise --params-fraction")
+    units = []
+    for a in analysis:
+        for p in paths:
+            cost = target.path_params(p, 2) - target.path_params(p, 1)
+            for r in range(1, target.head_dim):
+                gain = sum(_rel_energy(g.S, r) for g in a.spectra[p]) / len(a.spectra[p])
+                if gain > 0:
+                    units.append((-gain / cost, a.layer, p, r, cost))
+    closed: set[tuple[int, str]] = set()
+    for _, layer, p, r, cost in sorted(units):
+        if (layer, p) in closed or ranks[p][layer] != r:
+            continue
+        if spent + cost > budget:
+            closed.add((layer, p))   # later increments of this layer would break the prefix
+            continue
+        ranks[p][layer] = r + 1
+        spent += cost
+    return ranks
+
+
+def _rel_energy(S: torch.Tensor, index: int) -> float:
+    total = float((S ** 2).sum())
+    return float(S[index] ** 2) / total if total > 0 and index < S.numel() else 0.0
+
+
+# ---------------------------------------------------------------------- reduction pass
+@dataclass
+class FarrReport:
+    source: str
+    output: str | None
+    model_type: str
+    options: dict
+    ranks: dict[str, list[int]]
+    head_dim: int
+    kept_energy: dict[str, list[list[float]]] = field(default_factory=dict)  # path -> layer -> per group
+    touchable_params_before: int = 0
+    touchable_params_after: int = 0
+    params_before: int = 0
+    params_after: int = 0
+    notes: list[str] = field(default_factory=list)
+    calibration: dict | None = None        # text and tokens of the activation-aware metric
+    seconds: float = 0.0
+    verification: dict = field(default_factory=dict)
+
+    @property
+    def touchable_kept_fraction(self) -> float:
+        return self.touchable_params_after / self.touchable_params_before
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["touchable_kept_fraction"] = self.touchable_kept_fraction
+        return d
+
+
+def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: FarrOptions,
+                 ranks: dict[str, int], weights: fused.InputWeights | None = None) -> tuple[Tensors, dict[str, list[float]]]:
+    """One layer of the FaRR model, canonical form. The bias rewrites apply whether or not their
+    path is reduced, because the FaRR architecture has no value (and, for encoders, key) bias.
+    Data-free, the maps are truncated with the pre-norm γ folded in (measured on the normalised
+    stream); calibrated, on the module's input (γ included), and γ is folded afterwards."""
+    L = adapter.layout
+    if weights is None:
+        layer = prepare_layer(layer, adapter)
+    layer = fused.fold_value_bias(layer, L)
+    if target.kind == "encoder":
+        layer = fused.drop_key_bias(layer, L)
+    kept = {}
+    if options.vo:
+        layer, red = fused.reduce_vo(layer, L, ranks["vo"], options.basis, weights)
+        kept["vo"] = red.kept_energy
+    if options.qk:
+        layer, red = fused.reduce_qk(layer, L, ranks["qk"], options.basis, weights)
+        kept["qk"] = red.kept_energy
+    return prepare_layer(layer, adapter) if weights is not None else layer, kept
+
+
+def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progress: bool,
+          moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+    keys = source.keys()
+    adapter = Adapter.from_config(config, keys)
+    target = farr_target(adapter, config, keys, options)
+    weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
+    analysis = analyze(source, adapter, options.paths, progress=progress, weights=weights)
+    plan = plan_ranks(analysis, options, target)
+    kept: dict[str, list[list[float]]] = {p: [] for p in options.paths}
+
+    def layer_fn(i: int, layer: Tensors) -> Tensors:
+        new, k = reduce_layer(layer, adapter, target, options, {p: plan.ranks[p][i] for p in options.paths},
+                              weights[i] if weights else None)
+        for p, v in k.items():
+            kept[p].append(v)
+        return new
+
+    # the stream drops the biases reduce_layer folded away: modelled keys absent from the result
+    transform_checkpoint(source, adapter, sink, layer_fn, globals_fn=lambda g: g, progress=progress, desc="farr")
+    farr_config = target.make_config(plan.ranks.get("vo"), plan.ranks.get("qk"))
+    report = FarrReport(source="", output=None, model_type=farr_config.model_type,
+                        options=dataclasses.asdict(options), ranks=plan.ranks, head_dim=adapter.layout.head_dim,
+                        kept_energy=kept, touchable_params_before=plan.touchable_before,
+                        touchable_params_after=plan.touchable_after)
+    if not options.qk:
+        reason = fused.qk_fusion_blocker(adapter.layout)
+        report.notes.append(f"query/key kept at full size: {reason}" if reason
+                            else "query/key kept at full size (pass qk=True / --qk to reduce them too)")
+    return farr_config, report
+
+
+_BUFFERS = ("position_ids", "token_type_ids")   # index buffers some BERT checkpoints carry, not parameters
+
+
+def _param_count(tensors: Tensors, tied: bool = False) -> int:
+    """Parameters in ``tensors``; a tied ``lm_head`` (present in in-memory state dicts) is the
+    embedding, counted once."""
+    return sum(t.numel() for k, t in tensors.items()
+               if not k.endswith(_BUFFERS) and not (tied and k == "lm_head.weight"))
+
+
+def farr_state_dict(state_dict: Tensors, config, options: FarrOptions, progress: bool = False,
+                    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """In-memory FaRR: returns (new state dict, FaRR config, report). ``moments`` (from
+    :func:`attention_input_moments`) switches to the calibrated, activation-aware metric."""
+    config = _normalised_config(config)
+    sink = DictSink()
+    farr_config, report = _farr(DictSource(state_dict), config, options, sink, progress, moments)
+    tied = bool(config.get("tie_word_embeddings"))
+    report.params_before, report.params_after = _param_count(state_dict, tied), _param_count(sink, tied)
+    return dict(sink), farr_config, report
+
+
+def build_farr_model(state_dict: Tensors, farr_config, dtype: torch.dtype | None = None):
+    """A FaRR model instance holding ``state_dict`` (in eval mode)."""
+    target_cls = next(iter(_classes_for(farr_config).values()))
+    dtype = dtype or next(iter(state_dict.values())).dtype
+    model = target_cls(farr_config).to(dtype)   # before loading, so float64 weights stay float64
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict and not (k == "lm_head.weight" and farr_config.tie_word_embeddings)]
+    unexpected = [k for k in state_dict if k not in own and not k.endswith(_BUFFERS)]
+    if missing or unexpected:
+        raise ValueError(f"FaRR state dict does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False)
+    if getattr(farr_config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+def farr_model(model, options: FarrOptions, progress: bool = False, calib_ids: torch.Tensor | None = None):
+    """FaRR of an in-memory model: returns (FaRR model, report). ``calib_ids`` (1-D token ids)
+    switches to the calibrated metric, measured on the model's own attention inputs."""
+    moments = attention_input_moments(model, calib_ids) if calib_ids is not None else None
+    sd, cfg, report = farr_state_dict(model.state_dict(), model.config, options, progress, moments)
+    if calib_ids is not None:
+        report.calibration = {"tokens": int(calib_ids.numel())}
+    return build_farr_model(sd, cfg, next(model.parameters()).dtype), report
+
+
+@torch.no_grad()
+def attention_input_moments(model, ids: torch.Tensor, window: int = 512) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, ``(E[x xᵀ], E[x])`` of the attention input x (what q/k/v read: the pre-norm's
+    output, γ included, or the residual stream of post-LN encoders) over ``ids``, in float64."""
+    state_keys = list(model.state_dict())
+    adapter = Adapter.from_config(model.config, state_keys)
+    reader = adapter.spec.attention.v or adapter.spec.attention.qkv
+    modules = dict(model.named_modules())
+    acc: dict[int, list] = {}
+
+    def hook(i):
+        def keep(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float64)
+            a = acc.setdefault(i, [0.0, 0.0, 0])
+            a[0], a[1], a[2] = a[0] + x.T @ x, a[1] + x.sum(0), a[2] + x.shape[0]
+        return keep
+
+    handles = [modules[adapter.layer_prefix(i) + reader].register_forward_pre_hook(hook(i))
+               for i in range(adapter.n_layers)]
+    window = min(window, getattr(model.config, "max_position_embeddings", None) or window)
+    try:
+        for start in range(0, ids.numel(), window):
+            model(input_ids=ids[start:start + window].reshape(1, -1).to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: (g / n, s / n) for i, (g, s, n) in acc.items()}
+
+
+def _classes_for(farr_config) -> dict[str, type]:
+    return {
+        "hf_symmetry_farr_llama": {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
+                                   "AutoModel": modeling_farr.FarrLlamaModel},
+        "hf_symmetry_farr_bert": {"AutoModel": modeling_farr.FarrBertModel},
+        "hf_symmetry_farr_roberta": {"AutoModel": modeling_farr.FarrRobertaModel},
+    }[farr_config.model_type]
+
+
+def save_farr_config(farr_config, folder: Path) -> None:
+    """config.json with ``auto_map`` plus the flat remote-code files, so the folder loads with
+    ``trust_remote_code=True`` where hf_symmetry is not installed."""
+    classes = _classes_for(farr_config)
+    farr_config.auto_map = {"AutoConfig": f"configuration_farr.{type(farr_config).__name__}",
+                            **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()}}
+    farr_config.save_pretrained(folder)   # also copies configuration_farr.py (register_for_auto_class)
+    shutil.copyfile(modeling_farr.__file__, folder / "modeling_farr.py")
+    shutil.copyfile(configuration_farr.__file__, folder / "configuration_farr.py")
+
+
+def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, overwrite: bool = False,
+                    max_shard_size: str | int = "2GB", progress: bool = True, calib_text: str | Path | None = None,
+                    calib_tokens: int = 2048) -> FarrReport:
+    """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
+    ``calib_text`` the source model is loaded once to measure its attention inputs on the first
+    ``calib_tokens`` tokens (activation-aware metric); the conversion itself still streams."""
+    start = time.perf_counter()
+    check_output_dir(out, overwrite)
+    reader = CheckpointReader(src)
+    farr_target(Adapter.from_config(reader.config, reader.keys()), reader.config, reader.keys(), options)
+    moments, calibration = None, None
+    if calib_text is not None:
+        moments, calibration = calibration_moments(src, calib_text, calib_tokens)
+    with atomic_output_dir(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
+        counter = _CountingSink(writer)
+        farr_config, report = _farr(reader, reader.config, options, counter, progress, moments)
+        report.calibration = calibration
+        writer.close()
+        farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
+        save_farr_config(farr_config, tmp)
+        copy_side_files(reader.path, tmp)
+        report.source, report.output = str(src), str(out)
+        report.params_before = _param_count_reader(reader)
+        report.params_after = counter.params
+        report.seconds = time.perf_counter() - start
+        write_json(tmp / REPORT_FILE, report.as_dict())
+        write_card(tmp, "farr", farr_card_data(src, out, report))
+    return report
+
+
+def farr_card_data(src, out, report: FarrReport) -> dict:
+    """What the model card says about a FaRR model (quality figures are added once verified)."""
+    paths = " and ".join({"vo": "value/output", "qk": "query/key"}[p] for p in report.ranks)
+    how = (f"energy threshold τ = {report.options['tau']}" if report.options["tau"] is not None
+           else f"a budget of {report.options['params_fraction']:.0%} of the rewritten projections' parameters")
+    metric = (f"the activation-aware metric ({report.calibration['tokens']} calibration tokens)" if report.calibration
+              else "the data-free Frobenius metric")
+    summary = (f"FaRR (fuse and rank reduce) of `{Path(src).name}`: each layer's fused {paths} maps were truncated "
+               f"with {how} in {metric} and split back with a balanced √Σ split, giving per-layer head dims "
+               f"(`v_head_dims`{', `qk_head_dims`' if 'qk' in report.ranks else ''} in config.json). "
+               f"The rewritten projections keep {report.touchable_kept_fraction:.1%} of their parameters "
+               f"({report.params_before:,} → {report.params_after:,} in the whole model). Custom model class: load "
+               "with `trust_remote_code=True` (or `import hf_symmetry`).")
+    return {"title": Path(out).name, "inputs": [str(src)], "summary": summary,
+            "parameters": {**{k: v for k, v in report.options.items() if v is not None}, **{
+                f"{p}_head_dims": r for p, r in report.ranks.items()}},
+            "notes": "\n".join(f"- {n}" for n in report.notes) or None,
+            "extra": {"touchable_params_before": report.touchable_params_before,
+                      "touchable_params_after": report.touchable_params_after,
+                      "calibration": report.calibration, "original_head_dim": report.head_dim}}
+
+
+def calibration_moments(src, text, tokens: int) -> tuple[dict, dict]:
+    """Attention-input moments of the model folder ``src`` on the first ``tokens`` tokens of ``text``,
+    and a record of what was used."""
+    from ..assets import resolve_text
+    from ..evaluation.compare import load_model, load_tokenizer
+    from ..evaluation.perplexity import read_text, tokenize_text
+
+    if tokens <= 0:
+        raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
+    path = resolve_text(text)
+    ids = tokenize_text(load_tokenizer(src), read_text(path)[:tokens * 16], max_tokens=tokens)
+    model = load_model(src)
+    try:
+        return attention_input_moments(model, ids), {"text": str(path), "tokens": int(ids.numel())}
+    finally:
+        del model
+
+
+class _CountingSink:
+    def __init__(self, sink):
+        self.sink, self.params = sink, 0
+
+    def add(self, tensors: Tensors) -> None:
+        self.params += _param_count(tensors)
+        self.sink.add(tensors)
+
+
+def _param_count_reader(reader: CheckpointReader) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for fname in set(reader.key_to_file.values()):
+        with safe_open(reader.path / fname, framework="pt") as f:
+            for k in f.keys():
+                if not k.endswith(_BUFFERS):
+                    total += math.prod(f.get_slice(k).get_shape())
+    return total
+
+
+# ---------------------------------------------------------------------- spectra report
+def _group_entry(g: fused.GroupSpectrum, taus: list[float], gqa: bool) -> dict:
+    ranks = lambda S: {f"{t:g}": fused.effective_rank(S, t) for t in taus}  # noqa: E731
+    entry = {"group": g.group, "heads": g.heads, "singular_values": [float(s) for s in g.S],
+             "energy": float((g.S ** 2).sum()), "effective_rank": ranks(g.S), "stable_rank": fused.stable_rank(g.S),
+             "alignment": g.alignment}
+    if g.factor_S is not None:
+        entry["factor_effective_rank"] = {"output": ranks(g.factor_S[0]), "input": ranks(g.factor_S[1])}
+    if gqa and g.head_S is not None:
+        entry["head_effective_rank"] = [ranks(S) for S in g.head_S]
+    return entry
+
+
+def spectra_report(source: TensorSource, config: dict, taus: list[float], name: str = "", progress: bool = True,
+                   moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
+    """Per layer and KV group (head, without GQA): singular values of the fused value map and, where
+    exact, of the fused score map; effective rank at each τ, stable rank, alignment, and the
+    factors' own effective ranks. With a summary of what ``farr --tau`` would keep. ``moments``
+    (from :func:`attention_input_moments`) measures the maps in the activation-aware metric."""
+    taus = [fused.check_tau(t) for t in taus]
+    keys = source.keys()
+    adapter = Adapter.from_config(config, keys)
+    L = adapter.layout
+    qk_reason = fused.qk_fusion_blocker(L)
+    paths = ("vo",) if qk_reason else ("vo", "qk")
+    weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
+    analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
+    gqa = L.n_kv_heads != L.n_heads
+    report = {
+        "model_name": name, "model_type": config.get("model_type"), "family": adapter.family,
+        "layout": {"n_heads": L.n_heads, "n_kv_heads": L.n_kv_heads, "head_dim": L.head_dim,
+                   "rotary_dim": L.rotary_dim, "rope_layout": L.rope_layout, "qk_norm": L.qk_norm},
+        "paths": list(paths), "taus": taus, "norms_folded": adapter.spec.placement == "pre" and not moments,
+        "metric": "activation-aware" if moments else "data-free (Frobenius)",
+        "qk": {"available": qk_reason is None, "reason": qk_reason,
+               "dims": "non-rotary dims only" if L.rotary_dim and not qk_reason else "all head dims"},
+        "layers": [{"layer": a.layer, **{p: [_group_entry(g, taus, gqa) for g in a.spectra[p]] for p in paths}}
+                   for a in analysis],
+        "summary": {p: {f"{t:g}": _tau_summary(analysis, p, t, adapter, config, keys) for t in taus} for p in paths},
+    }
+    return report
+
+
+def _tau_summary(analysis: list[LayerAnalysis], path: str, tau: float, adapter: Adapter, config: dict,
+                 keys: list[str]) -> dict:
+    layer_ranks = ranks_for_tau(analysis, path, tau)
+    per_group = [fused.effective_rank(g.S, tau) for a in analysis for g in a.spectra[path]]
+    out = {"layer_ranks": layer_ranks, "mean_layer_rank": sum(layer_ranks) / len(layer_ranks),
+           "mean_group_rank": sum(per_group) / len(per_group), "farr_kept_params_fraction": None}
+    try:
+        options = FarrOptions(tau=tau, vo=path == "vo", qk=path == "qk")
+        plan = plan_ranks(analysis, options, farr_target(adapter, config, keys, options))
+        out["farr_kept_params_fraction"] = plan.kept_fraction
+    except ValueError:
+        pass   # no FaRR model for this family/path: the spectra still stand
+    return out

@@ -1,0 +1,438 @@
+"""``merge``: combine models of one architecture, optionally matched to an anchor first.
+
+Pipeline (DESIGN.md §2):
+
+1. checks, before any work: one family and shapes, one vocabulary, a base where the method
+   needs one, a supported matching plan, calibration text for data-dependent methods;
+2. the anchor: the base model when one is given, else the input nearest the mean of all inputs
+   (or the one the recipe names); every other input is matched to it
+   (:mod:`hf_symmetry.conversion.match`);
+3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge_methods`).
+
+Weight-only methods (average, task arithmetic, TIES) stream layer by layer: each layer of every
+input is read, matched and merged before the next one is read. Data-dependent methods hold the
+inputs in memory: Fisher is computed on the *matched* models (a diagonal Fisher does not
+transform under rotations), RegMean's Gram matrices on the inputs as given and carried exactly
+through the match (``RᵀGR``, ``PᵀGP``; :meth:`MatchSolution.transform_grams`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..architectures import Adapter
+from ..assets import resolve_model, resolve_text
+from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
+                          parse_size, write_config)
+from ..hub.cards import hub_id_of, public_model_label, public_text_label, write_card
+from .calibration import calibration_batches, fisher_diagonal, gram_matrices
+from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
+                    vocabulary_fingerprint, with_lm_head)
+from .merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
+from .recipe import DATA_METHODS, MergeRecipe, ModelEntry, recipe_from_dict
+from .rotate import RotateOptions, plan_checks
+from .stream import DictSink, DictSource, TensorSource, combine_checkpoints, partition_keys
+
+Tensors = dict[str, torch.Tensor]
+
+# Canonical linear weight -> the Gram of its input (RegMean).
+_GRAM_OF = {"q.weight": "attn_in", "k.weight": "attn_in", "v.weight": "attn_in", "o.weight": "o_in",
+            "gate.weight": "ffn_in", "up.weight": "ffn_in", "down.weight": "down_in"}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+@dataclass
+class MergeRule:
+    """One merge method applied to canonical tensors. Participants are the merged models, then
+    the base (``has_base``). ``fishers`` (per model, keyed like the state dict) and ``grams`` (per
+    model, canonical keys) must already be in the anchor's frame."""
+    method: str
+    params: dict
+    entries: list[ModelEntry]
+    has_base: bool
+    adapter: Adapter
+    fishers: list[Tensors] | None = None
+    grams: list[Tensors] | None = None
+
+    @property
+    def weights(self) -> list[float]:
+        return [e.weight for e in self.entries]
+
+    def combine(self, tensors: list[torch.Tensor], fishers: list[torch.Tensor] | None = None) -> torch.Tensor:
+        models, base = (tensors[:-1], tensors[-1]) if self.has_base else (tensors, None)
+        p, w = self.params, self.weights
+        if self.method == "average":
+            return weighted_average(models, w, p["normalize"])
+        if self.method == "regmean":  # everything that is not a linear weight: biases, norms, embeddings
+            return weighted_average(models, w)
+        if self.method == "task_arithmetic":
+            return task_arithmetic(base, models, w, p["lambda"], p["normalize"])
+        if self.method == "ties":
+            return ties(base, models, w, [e.density for e in self.entries], p["lambda"], p["normalize"])
+        if self.method == "fisher":
+            return fisher_average(models, fishers, w, p["fisher_floor"])
+        raise ValueError(f"unknown merge method {self.method!r}")
+
+    def _merge_dict(self, parts: list[Tensors], fishers: list[Tensors] | None, gram_key) -> Tensors:
+        out = {}
+        for key in parts[0]:
+            tensors = [p[key] for p in parts]
+            gkey = gram_key(key)
+            if self.method == "regmean" and gkey is not None:
+                grams = [g[gkey] for g in self.grams]
+                n = len(self.entries)
+                try:
+                    out[key] = regmean(tensors[:n], grams, self.weights, self.params["alpha"])
+                except ValueError as exc:
+                    raise ValueError(f"{gkey}: {exc}") from None
+            else:
+                out[key] = self.combine(tensors, [f[key] for f in fishers] if fishers else None)
+        return out
+
+    def layer(self, i: int, layers: list[Tensors]) -> Tensors:
+        fishers = [self.adapter.read_layer(i, f) for f in self.fishers] if self.method == "fisher" else None
+        return self._merge_dict(layers, fishers,
+                                lambda key: f"layers.{i}.{_GRAM_OF[key]}" if key in _GRAM_OF else None)
+
+    def globals(self, gs: list[Tensors]) -> Tensors:
+        fishers = None
+        if self.method == "fisher":
+            fishers = [self.adapter.read_globals(f) for f in self.fishers]
+            if "lm_head.weight" in gs[0]:
+                fishers = [with_lm_head(f, self.adapter) for f in fishers]
+        return self._merge_dict(gs, fishers, lambda key: "head_in" if key == "lm_head.weight" else None)
+
+    def rest(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Tensors outside the adapter's layout (buffers, task heads): merged element-wise;
+        integer buffers must agree."""
+        if not tensors[0].is_floating_point():
+            if any(not torch.equal(t, tensors[0]) for t in tensors[1:]):
+                raise ValueError(f"integer tensor {key} differs between the inputs; cannot merge it")
+            return tensors[0]
+        fishers = None
+        if self.method == "fisher":
+            found = [f.get(key) for f in self.fishers]
+            fishers = found if all(f is not None for f in found) else [torch.ones_like(t) for t in tensors[:len(found)]]
+        return self.combine(tensors, fishers).to(tensors[0].dtype)
+
+
+# --------------------------------------------------------------------------- the core
+
+
+@dataclass
+class MergeOutcome:
+    config: dict
+    anchor: int
+    tied_output: bool
+    distances: dict = field(default_factory=dict)       # participant name -> match distance summary
+    anchor_distances: dict = field(default_factory=dict)  # participant name -> squared distance to the mean
+    seconds: dict = field(default_factory=dict)
+
+
+def _tied_output(adapter: Adapter, configs: list[dict], plan: MatchPlan | None) -> bool:
+    if adapter.spec.lm_head is None or (plan is not None and plan.residual):
+        return False
+    return all(Adapter.from_config(c).tied_embeddings for c in configs)
+
+
+def distances_to_mean(sources: list[TensorSource], adapter: Adapter, progress: bool = True) -> list[float]:
+    """``‖θ_j − mean‖²`` of every input (one streaming pass)."""
+    parts = [partition_keys(adapter, s.keys()) for s in sources]
+    out = [0.0] * len(sources)
+
+    def accumulate(dicts: list[Tensors]) -> None:
+        for key in dicts[0]:
+            mean = sum(d[key].to(torch.float64) for d in dicts) / len(dicts)
+            for j, d in enumerate(dicts):
+                out[j] += (d[key].to(torch.float64) - mean).pow(2).sum().item()
+
+    accumulate([with_lm_head(adapter.read_globals(s.get(p[0])), adapter) for s, p in zip(sources, parts)])
+    for i in tqdm(range(adapter.n_layers), desc="anchor", disable=not progress, unit="layer"):
+        accumulate([adapter.read_layer(i, s.get(p[1][i])) for s, p in zip(sources, parts)])
+    return out
+
+
+def choose_anchor(sources: list[TensorSource], names: list[str], adapter: Adapter, anchor: str, has_base: bool,
+                  n_models: int, progress: bool) -> tuple[int, dict]:
+    """The recipe's anchor, else the base, else the model nearest the mean (the first of two:
+    both are equally far from their mean)."""
+    if anchor != "auto":
+        return names.index(anchor), {}
+    if has_base:
+        return len(sources) - 1, {}
+    if n_models == 2:
+        return 0, {}
+    d = distances_to_mean(sources[:n_models], adapter, progress)
+    return min(range(n_models), key=d.__getitem__), dict(zip(names, d))
+
+
+def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule, sink, anchor: int,
+                  plan: MatchPlan | None, tied_output: bool, progress: bool = True) -> list[PairMatcher] | None:
+    """Stream every participant layer by layer, matched to ``sources[anchor]`` when ``plan`` is
+    given, merged by ``rule`` into ``sink``. Returns the matchers (solutions and distances)."""
+    matchers = None
+    if plan is not None:
+        matchers = [PairMatcher(adapter, plan, identity=(j == anchor)) for j in range(len(sources))]
+        for j, m in enumerate(matchers):
+            m.solve_residual(sources[anchor], sources[j], progress)
+
+    def globals_fn(gs: list[Tensors]) -> Tensors:
+        if matchers:
+            gs = [m.match_globals(gs[anchor], g) for m, g in zip(matchers, gs)]
+        gs = [{k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
+              for g in gs]
+        return rule.globals(gs)
+
+    def layer_fn(i: int, layers: list[Tensors]) -> Tensors:
+        if matchers:
+            layers = [m.match_layer(i, layers[anchor], layer) for m, layer in zip(matchers, layers)]
+        return rule.layer(i, layers)
+
+    combine_checkpoints(sources, adapter, sink, layer_fn, globals_fn, rule.rest, like=anchor, progress=progress,
+                        desc=f"{'match + ' if plan else ''}{rule.method}")
+    return matchers
+
+
+def _matched_in_memory(sources: list[TensorSource], adapter: Adapter, plan: MatchPlan | None, anchor: int,
+                       progress: bool) -> tuple[list[Tensors], list]:
+    """Every participant moved into the anchor's frame, in memory, with its match solution."""
+    if plan is None:
+        return [s.get(s.keys()) for s in sources], [None] * len(sources)
+    matched, solutions = [], []
+    for j, s in enumerate(sources):
+        sink = DictSink()
+        m = run_pair(sources[anchor], s, adapter, plan, sink, identity=(j == anchor), progress=progress)
+        matched.append(dict(sink))
+        solutions.append(m)
+    return matched, solutions
+
+
+def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors], matchers: list, configs: list[dict],
+                matched_config: dict, adapter: Adapter, batches: list[torch.Tensor], n_models: int,
+                progress: bool) -> tuple[list | None, list | None]:
+    """(fishers, grams) of the merged models, in the anchor's frame."""
+    from ..evaluation.compare import model_from_state_dict
+
+    def dtype_of(sd: Tensors) -> torch.dtype:  # statistics in float32 at least, float64 when given float64
+        return torch.float64 if next(iter(sd.values())).dtype == torch.float64 else torch.float32
+
+    fishers = grams = None
+    if method == "fisher":
+        fishers = []
+        for j in range(n_models):  # on the matched models: the diagonal Fisher does not transform
+            model = model_from_state_dict(matched_config, matched[j], dtype_of(matched[j]))
+            fishers.append(fisher_diagonal(model, batches, progress, desc=f"fisher {j + 1}/{n_models}"))
+            del model
+    if method == "regmean":
+        grams = []
+        for j in range(n_models):  # on the inputs as given, carried exactly through the match
+            raw = sources[j].get(sources[j].keys())
+            model = model_from_state_dict(configs[j], raw, dtype_of(raw))
+            G = gram_matrices(model, Adapter.from_config(configs[j], list(raw)), batches, progress,
+                              desc=f"grams {j + 1}/{n_models}")
+            del model, raw
+            if matchers[j] is not None:
+                G = matchers[j].solution.transform_grams(G, adapter.layout)
+            grams.append(G)
+    return fishers, grams
+
+
+def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str], recipe: MergeRecipe, sink,
+              calibration_ids: torch.Tensor | None = None, folders: list | None = None,
+              progress: bool = True) -> MergeOutcome:
+    """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first."""
+    folders = folders or [None] * len(sources)
+    has_base = recipe.base_model is not None
+    n_models = len(recipe.models)
+    check_same_architecture([(n, c, s.shapes()) for n, c, s in zip(names, configs, sources)])
+    check_same_vocabulary(list(zip(names, folders)), "merging combines embedding rows token by token")
+    adapter = Adapter.from_config(configs[0], sources[0].keys())
+    plan = recipe.match.plan(adapter) if recipe.match else None
+    if plan is not None and plan.residual:
+        plan_checks(adapter, RotateOptions(residual="random", heads="none", ffn=False), sources[0].keys())
+    if recipe.method in DATA_METHODS and calibration_ids is None:
+        raise ValueError(f"{recipe.method} needs calibration token ids")
+    if recipe.method == "fisher" and adapter.spec.lm_head is None:
+        raise ValueError(f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
+                         "base models have none (use average or regmean)")
+    if recipe.method in DATA_METHODS:
+        batches = calibration_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size)
+
+    timings = {}
+    start = time.perf_counter()
+    anchor, to_mean = choose_anchor(sources, names, adapter, recipe.anchor, has_base, n_models, progress)
+    timings["anchor"] = time.perf_counter() - start
+    tied = _tied_output(adapter, configs, plan)
+    config = dict(configs[anchor])
+    if adapter.spec.lm_head is not None:
+        config["tie_word_embeddings"] = tied
+    rule = MergeRule(recipe.method, recipe.parameters, recipe.models, has_base, adapter)
+
+    start = time.perf_counter()
+    if recipe.method in DATA_METHODS:
+        matched, matchers = _matched_in_memory(sources, adapter, plan, anchor, progress)
+        timings["match"] = time.perf_counter() - start
+        start = time.perf_counter()
+        rule.fishers, rule.grams = _statistics(recipe.method, sources, matched, matchers, configs, config, adapter,
+                                               batches, n_models, progress)
+        timings["statistics"] = time.perf_counter() - start
+        start = time.perf_counter()
+        merge_sources([DictSource(m) for m in matched], adapter, rule, sink, anchor, None, tied, progress)
+        timings["merge"] = time.perf_counter() - start
+    else:
+        matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress)
+        timings["match_and_merge" if plan else "merge"] = time.perf_counter() - start
+    distances = {names[j]: m.distances.summary() for j, m in enumerate(matchers or []) if m and j != anchor}
+    return MergeOutcome(config=config, anchor=anchor, tied_output=tied, distances=distances,
+                        anchor_distances=to_mean, seconds=timings)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+@dataclass
+class MergeResult:
+    state_dict: Tensors
+    outcome: MergeOutcome
+
+
+def merge_state_dicts(state_dicts: list[Tensors], config, recipe: dict | MergeRecipe, base: Tensors | None = None,
+                      calibration_ids: torch.Tensor | None = None, progress: bool = False) -> MergeResult:
+    """In-memory merge. ``recipe`` is a recipe mapping (or :class:`MergeRecipe`); its ``models``
+    entries give weights/densities in the order of ``state_dicts`` (their ``model`` names are
+    labels only) and ``base_model`` labels ``base``. Data-dependent methods take
+    ``calibration_ids`` (1-D token ids)."""
+    recipe = recipe if isinstance(recipe, MergeRecipe) else recipe_from_dict(recipe)
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if len(recipe.models) != len(state_dicts) or (base is None) != (recipe.base_model is None):
+        raise ValueError("the recipe's models and base_model must correspond to the state dicts given")
+    dicts = list(state_dicts) + ([base] if base is not None else [])
+    sink = DictSink()
+    outcome = run_merge([DictSource(d) for d in dicts], [config] * len(dicts), recipe.inputs, recipe, sink,
+                        calibration_ids, progress=progress)
+    return MergeResult(dict(sink), outcome)
+
+
+class _CastingSink:
+    """Writes floating tensors in the recipe's dtype."""
+
+    def __init__(self, sink, dtype: torch.dtype | None):
+        self.sink, self.dtype = sink, dtype
+
+    def add(self, tensors: Tensors) -> None:
+        if self.dtype is not None:
+            tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        self.sink.add(tensors)
+
+
+@dataclass
+class MergeReport:
+    output: str
+    method: str
+    inputs: list[str]
+    anchor: str
+    matched: bool
+    distances: dict
+    seconds: float
+    timings: dict
+    evaluation: dict = field(default_factory=dict)
+
+
+def _tokenizer_folder(folders: list[Path]) -> Path | None:
+    return next((f for f in folders if vocabulary_fingerprint(f) is not None), None)
+
+
+def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = False, max_shard_size: str | int = "2GB",
+                      progress: bool = True) -> MergeReport:
+    """Merge the recipe's HF folders into ``out``: a stock folder with the anchor's config, the
+    inputs' tokenizer and a model card (with the perplexities of the merge and of every input
+    on the recipe's evaluation text, for causal LMs)."""
+    from ..evaluation import read_text, tokenize_text
+    from ..evaluation.compare import load_tokenizer
+
+    start = time.perf_counter()
+    check_output_dir(out, overwrite)
+    folders = [resolve_model(m) for m in recipe.inputs]
+    readers = [CheckpointReader(f) for f in folders]
+    tok_folder = _tokenizer_folder(folders)
+    calibration_ids = None
+    if recipe.method in DATA_METHODS:
+        text = resolve_text(recipe.calibration.text)
+        if tok_folder is None:
+            raise ValueError(f"{recipe.method} tokenises its calibration text, but no input folder has a tokenizer")
+        calibration_ids = tokenize_text(load_tokenizer(tok_folder), read_text(text), recipe.calibration.tokens)
+    eval_text = resolve_text(recipe.evaluation.text) if recipe.evaluation else None
+    with atomic_output_dir(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method}"})
+        sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
+        outcome = run_merge(readers, [r.config for r in readers], recipe.inputs, recipe, sink, calibration_ids,
+                            folders, progress)
+        writer.close()
+        config = dict(outcome.config)
+        if recipe.dtype:
+            config["dtype"] = recipe.dtype
+        write_config(tmp, config)
+        copy_side_files(tok_folder or folders[outcome.anchor], tmp)
+        report = MergeReport(output=str(out), method=recipe.method, inputs=recipe.inputs,
+                             anchor=recipe.inputs[outcome.anchor], matched=recipe.match is not None,
+                             distances=outcome.distances, seconds=time.perf_counter() - start,
+                             timings=outcome.seconds)
+        entries = []
+        if eval_text is not None and tok_folder is not None and _is_causal_lm(config):
+            entries, report.evaluation = evaluate_merge(tmp, folders, recipe, tok_folder, progress)
+        write_card(tmp, "merge", merge_card_data(recipe, report, outcome, entries))
+    return report
+
+
+def _is_causal_lm(config: dict) -> bool:
+    arch = " ".join(config.get("architectures") or [])
+    return "CausalLM" in arch or "LMHead" in arch
+
+
+def evaluate_merge(merged: Path, folders: list[Path], recipe: MergeRecipe, tok_folder: Path,
+                   progress: bool) -> tuple[list[dict], dict]:
+    """(card entries for the merged model, perplexities of the merge and of every input) on the
+    recipe's evaluation text."""
+    from ..evaluation.bridge import perplexity_card_entry, text_perplexity
+    from ..evaluation.compare import load_tokenizer
+
+    text, limit = recipe.evaluation.text, recipe.evaluation.tokens
+    tokenizer = load_tokenizer(tok_folder)
+    result = text_perplexity(merged, text, limit, tokenizer=tokenizer, progress=progress)
+    figures = {"text": public_text_label(text), "tokens": result.tokens, "merged": result.perplexity,
+               "inputs": {}}
+    for name, folder in zip(recipe.inputs, folders):
+        r = text_perplexity(folder, text, limit, tokenizer=tokenizer, progress=progress)
+        figures["inputs"][public_model_label(name)] = r.perplexity
+    return [perplexity_card_entry(result, text, limit)], figures
+
+
+def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutcome, entries: list[dict]) -> dict:
+    """What the model card says about a merge (local paths appear only as folder names)."""
+    label = {m: public_model_label(m) for m in recipe.inputs}
+    models = [{"model": label[m.model], "weight": m.weight, **({"density": m.density} if recipe.method == "ties"
+                                                                else {})} for m in recipe.models]
+    params = {**recipe.parameters, "match": asdict(recipe.match) if recipe.match else False}
+    if recipe.method in DATA_METHODS:
+        params["calibration"] = {**asdict(recipe.calibration), "text": public_text_label(recipe.calibration.text)}
+    return {
+        "title": f"{recipe.method} merge of {', '.join(Path(m.model).name for m in recipe.models)}",
+        "method": f"merge/{recipe.method}",
+        "parameters": params,
+        "inputs": recipe.inputs,
+        "base_model": [hub_id_of(m) or label[m] for m in recipe.inputs],   # lineage: every input
+        "eval_results": entries,
+        "extra": {"models": models, "base": label.get(recipe.base_model), "anchor": label[report.anchor],
+                  "matched": recipe.match is not None,
+                  "distances": {label[k]: v for k, v in report.distances.items()},
+                  "evaluation": report.evaluation, "timings_s": report.timings,
+                  "tied_embeddings": outcome.tied_output},
+    }

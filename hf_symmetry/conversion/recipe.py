@@ -1,0 +1,264 @@
+"""Merge recipes: a YAML file in the style of mergekit, checked completely before any work.
+
+```yaml
+merge_method: ties            # average (alias: linear) | task_arithmetic | ties | fisher | regmean
+base_model: ./smollm2         # required by task_arithmetic and ties; the matching anchor when given
+models:
+  - model: ./finetune-a
+    parameters: {weight: 1.0, density: 0.5}
+  - model: ./finetune-b
+    parameters: {weight: 1.0, density: 0.5}
+parameters: {lambda: 1.0}     # method parameters; weight/density here are defaults for every model
+match: {heads: auto, ffn: true, scaling: false, residual: false, residual_iters: 0, anchor: auto}
+calibration: {text: britannica-calib, tokens: 4096, seq_len: 256, batch_size: 4}   # fisher, regmean
+evaluation: {text: britannica-eval, tokens: 2048}   # perplexities for the model card (or: false)
+dtype: float32                # output dtype (default: the anchor's)
+```
+``match: true`` takes every matching default; no ``match`` key (or ``false``) merges as given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .match import MatchOptions
+
+METHODS = ("average", "task_arithmetic", "ties", "fisher", "regmean")
+METHOD_ALIASES = {"linear": "average"}
+NEEDS_BASE = ("task_arithmetic", "ties")
+DATA_METHODS = ("fisher", "regmean")
+# Method parameters and their defaults (mergekit's where mergekit has the method).
+METHOD_PARAMETERS = {
+    "average": {"normalize": True},
+    "task_arithmetic": {"lambda": 1.0, "normalize": False},
+    "ties": {"lambda": 1.0, "normalize": True},
+    "fisher": {"fisher_floor": 1e-12},
+    "regmean": {"alpha": 0.9},
+}
+MODEL_PARAMETERS = {"weight": 1.0, "density": 1.0}   # density: ties only
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+_TOP_KEYS = ("merge_method", "method", "base_model", "models", "parameters", "match", "calibration", "evaluation",
+             "dtype", "anchor")
+_MATCH_KEYS = ("enabled", "heads", "ffn", "scaling", "residual", "residual_iters", "anchor")
+
+
+@dataclass
+class ModelEntry:
+    model: str
+    weight: float = 1.0
+    density: float = 1.0
+
+
+@dataclass
+class CalibrationSpec:
+    text: str = "britannica-calib"
+    tokens: int = 4096
+    seq_len: int = 256
+    batch_size: int = 4
+
+
+@dataclass
+class EvaluationSpec:
+    text: str = "britannica-eval"
+    tokens: int = 2048
+
+
+@dataclass
+class MergeRecipe:
+    method: str
+    models: list[ModelEntry]
+    base_model: str | None = None
+    parameters: dict = field(default_factory=dict)
+    match: MatchOptions | None = None
+    anchor: str = "auto"
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    evaluation: EvaluationSpec | None = field(default_factory=EvaluationSpec)
+    dtype: str | None = None
+
+    @property
+    def inputs(self) -> list[str]:
+        """Every input model: the merged ones, then the base."""
+        return [m.model for m in self.models] + ([self.base_model] if self.base_model else [])
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["match"] = asdict(self.match) if self.match else None
+        return d
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"merge recipe: {msg}")
+
+
+def _check_keys(given: dict, allowed, where: str) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        _fail(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {where} "
+              f"(allowed: {', '.join(allowed)})")
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _method(raw: dict) -> str:
+    method = raw.get("merge_method", raw.get("method"))
+    if method is None:
+        _fail(f"no merge_method given (choose one of {', '.join(METHODS)})")
+    method = METHOD_ALIASES.get(str(method), str(method))
+    if method not in METHODS:
+        _fail(f"unknown merge method {raw.get('merge_method', raw.get('method'))!r}; choose one of "
+              f"{', '.join(METHODS)} (linear = average)")
+    return method
+
+
+def _parameters(raw: dict, method: str) -> tuple[dict, dict]:
+    """(method parameters with defaults, per-model defaults)."""
+    given = dict(raw.get("parameters") or {})
+    if not isinstance(given, dict):
+        _fail("parameters must be a mapping")
+    allowed = {**METHOD_PARAMETERS[method], **MODEL_PARAMETERS}
+    _check_keys(given, allowed, f"parameters of {method}")
+    params = dict(METHOD_PARAMETERS[method])
+    model_defaults = dict(MODEL_PARAMETERS)
+    for k, v in given.items():
+        if k in ("normalize",):
+            if not isinstance(v, bool):
+                _fail(f"{k} must be true or false")
+            params[k] = v
+        elif k in MODEL_PARAMETERS:
+            if k == "density" and method != "ties":
+                _fail("density applies to ties only")
+            model_defaults[k] = _number(v, k)
+        else:
+            params[k] = _number(v, k)
+    if "alpha" in params and not 0 <= params["alpha"] <= 1:
+        _fail(f"alpha must be in [0, 1]; got {params['alpha']}")
+    if "fisher_floor" in params and params["fisher_floor"] < 0:
+        _fail("fisher_floor must be >= 0")
+    return params, model_defaults
+
+
+def _models(raw: dict, method: str, defaults: dict) -> list[ModelEntry]:
+    items = raw.get("models")
+    if not isinstance(items, list) or not items:
+        _fail("models must be a non-empty list of {model: PATH, parameters: {...}}")
+    out = []
+    for item in items:
+        item = {"model": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or "model" not in item:
+            _fail(f"each entry of models needs a 'model' key; got {item!r}")
+        _check_keys(item, ("model", "parameters"), f"model entry {item['model']!r}")
+        p = dict(item.get("parameters") or {})
+        _check_keys(p, tuple(MODEL_PARAMETERS), f"parameters of {item['model']!r}")
+        if "density" in p and method != "ties":
+            _fail(f"density applies to ties only (model {item['model']!r})")
+        entry = ModelEntry(model=str(item["model"]), weight=_number(p.get("weight", defaults["weight"]), "weight"),
+                           density=_number(p.get("density", defaults["density"]), "density"))
+        if not 0 < entry.density <= 1:
+            _fail(f"density of {entry.model!r} must be in (0, 1]; got {entry.density}")
+        out.append(entry)
+    return out
+
+
+def _match(raw) -> tuple[MatchOptions | None, str]:
+    value = raw.get("match")
+    anchor = str(raw.get("anchor", "auto"))
+    if value is None or value is False:
+        return None, anchor
+    if value is True:
+        return MatchOptions(), anchor
+    if not isinstance(value, dict):
+        _fail("match must be true, false or a mapping of matching options")
+    _check_keys(value, _MATCH_KEYS, "match")
+    if value.get("enabled", True) is False:
+        return None, anchor
+    opts = {k: v for k, v in value.items() if k not in ("enabled", "anchor")}
+    for k in ("ffn", "scaling", "residual"):
+        if k in opts and not isinstance(opts[k], bool):
+            _fail(f"match.{k} must be true or false")
+    if "residual_iters" in opts and (not isinstance(opts["residual_iters"], int) or opts["residual_iters"] < 0):
+        _fail("match.residual_iters must be a non-negative integer")
+    if opts.get("residual_iters") and not opts.get("residual"):
+        _fail("match.residual_iters needs match.residual: true")
+    if "heads" in opts and opts["heads"] not in ("auto", "both", "qk", "vo", "none"):
+        _fail(f"match.heads must be one of auto, both, qk, vo, none; got {opts['heads']!r}")
+    return MatchOptions(**opts), str(value.get("anchor", anchor))
+
+
+def _section(raw: dict, key: str, cls, default):
+    value = raw.get(key, None)
+    if value is None:
+        return default
+    if value is False:
+        return None
+    if not isinstance(value, dict):
+        _fail(f"{key} must be a mapping")
+    _check_keys(value, tuple(cls.__dataclass_fields__), key)
+    spec = cls(**value)
+    for name in ("tokens", "seq_len", "batch_size"):
+        v = getattr(spec, name, 1)
+        if not isinstance(v, int) or v < 1:
+            _fail(f"{key}.{name} must be a positive integer")
+    return spec
+
+
+def recipe_from_dict(raw: dict) -> MergeRecipe:
+    """Validate a recipe mapping (parsed YAML); every error is a one-line ValueError."""
+    if not isinstance(raw, dict):
+        _fail("the recipe must be a YAML mapping")
+    _check_keys(raw, _TOP_KEYS, "the recipe")
+    method = _method(raw)
+    params, defaults = _parameters(raw, method)
+    models = _models(raw, method, defaults)
+    base = raw.get("base_model")
+    base = str(base) if base else None
+    if method in NEEDS_BASE and not base:
+        _fail(f"{method} merges task vectors (model − base): it needs base_model")
+    if len(models) < 2 and not (method in NEEDS_BASE and base):
+        _fail(f"{method} needs at least two models")
+    if params.get("normalize", True) and method in ("average",) and sum(m.weight for m in models) == 0:
+        _fail("model weights sum to zero, so they cannot be normalised")
+    match, anchor = _match(raw)
+    if anchor != "auto" and anchor not in [m.model for m in models] + [base]:
+        _fail(f"anchor {anchor!r} is not one of the input models")
+    calibration = _section(raw, "calibration", CalibrationSpec, CalibrationSpec())
+    if calibration is None and method in DATA_METHODS:
+        _fail(f"{method} needs calibration text")
+    evaluation = _section(raw, "evaluation", EvaluationSpec, EvaluationSpec())
+    dtype = raw.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        _fail(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    return MergeRecipe(method=method, models=models, base_model=base, parameters=params, match=match, anchor=anchor,
+                       calibration=calibration or CalibrationSpec(), evaluation=evaluation, dtype=dtype)
+
+
+def load_recipe(path: str | os.PathLike) -> MergeRecipe:
+    """Read and validate a YAML recipe. Relative model paths are taken relative to the recipe's
+    folder when they exist there (as one would write them next to the recipe)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"merge recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    recipe = recipe_from_dict(raw)
+
+    def near(p: str | None) -> str | None:
+        if p is None or Path(p).is_absolute() or Path(p).exists():
+            return p
+        local = path.parent / p
+        return str(local) if local.exists() else p
+
+    for m in recipe.models:
+        m.model = near(m.model)
+    recipe.base_model = near(recipe.base_model)
+    recipe.anchor = near(recipe.anchor) if recipe.anchor != "auto" else "auto"
+    return recipe

@@ -1,0 +1,405 @@
+"""Convert a stock Llama / Mistral / Qwen2 checkpoint (MHA or GQA) into a Tensor Product Attention model.
+
+Full rank (``k_rank = v_rank = num_key_value_heads``, the default) is exact: GQA is non-contextual TPA
+with ``R = G`` and ``a_j = G·mask_j`` (DESIGN §4). Queries keep an ordinary projection (the
+TPA-KV-only variant); K/V become non-contextual TPA whose B projections are the original K/V
+heads, so the cache holds ``(R_K + R_V) d_h`` elements per token and layer.
+
+Below full rank the KV-head mode is reduced by a head-mode SVD. For each layer let ``M`` be the
+``h × (d_h (d+1))`` matrix whose row ``i`` is query head ``i``'s effective key map ``[W_K, b_K]`` of its
+KV group. The best rank-R approximation ``M ≈ U_R U_R^T M`` (``U_R`` the top-R left singular
+vectors, i.e. eigenvectors of ``M C M^T``) gives ``a[u, i] = R √g U[i, u]`` and
+``[W_b, b_b]_u = Σ_i U[i, u] M_i / √g`` (g = query heads per KV head). With ``C = I`` that is the plain
+weight-space SVD; with calibration (``C = Xᵀ X`` of the layer's attention inputs, augmented by a
+ones column for the bias) it is the exact least-squares optimum of ``Σ_i ‖X (W_i - Ŵ_i)ᵀ‖²`` over both
+factors, i.e. the reduction that best preserves the K (and V) activations on the calibration text.
+RoPE acts on the ``d_h`` mode only, so it commutes with any head-mode mixing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..checkpoint import atomic_output_dir, check_output_dir, copy_side_files
+from ..hub.cards import perplexity_result, write_card
+from ..modeling.configuration_tpa import TPAConfig
+from ..modeling.modeling_tpa import TPAForCausalLM
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LayerError:
+    layer: int
+    k_weight_rel_err: float
+    v_weight_rel_err: float
+    k_activation_rel_err: float | None = None   # on the calibration text (when given)
+    v_activation_rel_err: float | None = None
+
+
+@dataclass
+class ToTPAReport:
+    source: str
+    family: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    k_rank: int
+    v_rank: int
+    exact: bool
+    calibrated: bool
+    calib_tokens: int = 0
+    cache_elements_per_token_source: int = 0     # all layers
+    cache_elements_per_token_tpa: int = 0        # all layers (A is stored once, not per token)
+    layers: list[LayerError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    verification: dict | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the source
+# ----------------------------------------------------------------------------------------------
+def check_supported(model) -> None:
+    """Refuse (ValueError) anything that is not a plain Llama-like decoder."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"to-tpa supports {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, got model_type={cfg.model_type!r}")
+    layer = model.model.layers[0]
+    attn = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(attn, name):
+            raise ValueError(f"unexpected attention layout: no self_attn.{name}")
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        raise ValueError("QK-norm models are not supported by to-tpa")
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is active in this checkpoint; TPA models attend globally")
+
+
+def _heads(cfg) -> tuple[int, int, int]:
+    h = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or h
+    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    if h % n_kv:
+        raise ValueError(f"num_attention_heads ({h}) is not a multiple of num_key_value_heads ({n_kv})")
+    return h, n_kv, dh
+
+
+def tpa_config_from(source_config, k_rank: int, v_rank: int, attention_bias: bool, attention_out_bias: bool,
+                    mlp_bias: bool) -> TPAConfig:
+    h, _, dh = _heads(source_config)
+    c = source_config
+    return TPAConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=h, head_dim=dh,
+        q_rank=None, k_rank=k_rank, v_rank=v_rank, contextual_a=False,
+        hidden_act=c.hidden_act, max_position_embeddings=c.max_position_embeddings,
+        initializer_range=float(getattr(c, "initializer_range", 0.02)), rms_norm_eps=float(c.rms_norm_eps),
+        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        rope_parameters=copy.deepcopy(dict(c.rope_parameters)),
+        attention_bias=attention_bias, attention_out_bias=attention_out_bias, mlp_bias=mlp_bias,
+    )
+
+
+def group_masks(num_heads: int, num_kv_heads: int, group_of=None) -> torch.Tensor:
+    """``[n_kv, h]`` 0/1 masks: ``mask[j, i] = 1`` iff query head ``i`` reads KV head ``j``
+    (HF ``repeat_kv``: ``j = i // (h / n_kv)``). ``group_of`` overrides the grouping (tests)."""
+    g = num_heads // num_kv_heads
+    mask = torch.zeros(num_kv_heads, num_heads, dtype=torch.float64)
+    for i in range(num_heads):
+        mask[group_of(i) if group_of else i // g, i] = 1.0
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress: bool = True) -> list[torch.Tensor]:
+    """Per layer ``C = X̃ᵀ X̃`` (float64, ``(d+1)×(d+1)``) of the attention inputs (after the pre-norm),
+    ``X̃ = [X, 1]``, over ``ids`` cut into windows."""
+    layers = model.model.layers
+    d = model.config.hidden_size
+    grams = [torch.zeros(d + 1, d + 1, dtype=torch.float64) for _ in layers]
+    handles = []
+
+    def make_hook(idx):
+        def hook(module, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            x = x.reshape(-1, d).float().cpu()
+            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
+            grams[idx].add_((x.T @ x).double())  # float32 per window, float64 across windows
+        return hook
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True))
+    try:
+        device = next(model.parameters()).device
+        starts = list(range(0, ids.numel(), window))
+        for s in tqdm(starts, desc="calibration", disable=not progress, leave=False):
+            chunk = ids[s:s + window]
+            if chunk.numel() < 2:
+                continue
+            model(input_ids=chunk.unsqueeze(0).to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return grams
+
+
+# ----------------------------------------------------------------------------------------------
+# The factorisation
+# ----------------------------------------------------------------------------------------------
+def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, num_kv: int, rank: int,
+                       gram: torch.Tensor | None = None, eval_gram: torch.Tensor | None = None, group_of=None):
+    """Factor one projection ([n_kv*dh, d] weight, optional bias) into non-contextual A ``[R, h]`` and a
+    B projection (``[R*dh, d]`` weight, ``[R*dh]`` bias), fitting in the metric ``gram`` (identity when
+    None). Returns ``(A, W_b, b_b, weight_err, act_err)``: the relative error of all query heads'
+    effective maps, in the Frobenius norm and (with ``eval_gram``) on the calibration activations."""
+    dh = weight.shape[0] // num_kv
+    d = weight.shape[1]
+    g = num_heads // num_kv
+    W = weight.detach().to(torch.float64).reshape(num_kv, dh, d)
+    b = None if bias is None else bias.detach().to(torch.float64).reshape(num_kv, dh, 1)
+    Wt = W if b is None else torch.cat([W, b], dim=2)  # [n_kv, dh, F], F = d (+1 with a bias)
+    masks = group_masks(num_heads, num_kv, group_of)     # [n_kv, h]
+
+    if rank == num_kv:
+        # exact GQA form: a_j = R·mask_j, B_j = K/V head j
+        A, Wb = rank * masks, Wt
+        w_err, a_err = 0.0, (0.0 if eval_gram is not None else None)
+    else:
+        def head_gram(C):
+            """``M C Mᵀ`` over query heads (``h × h``), from the KV-head Gram."""
+            flat = Wt.reshape(num_kv * dh, -1)
+            if C is not None:
+                flat = flat @ (C if b is not None else C[:d, :d])
+            kv = torch.einsum("jef,kef->jk", flat.reshape(num_kv, dh, -1), Wt)
+            return masks.T @ kv @ masks
+
+        G_fit = head_gram(gram)
+        evals, evecs = torch.linalg.eigh(G_fit)
+        U = evecs[:, torch.argsort(evals, descending=True)[:rank]]  # [h, R], top head-mode components
+        A = rank * math.sqrt(g) * U.T
+        Wb = ((U.T @ masks.T) @ Wt.reshape(num_kv, -1)).reshape(rank, dh, -1) / math.sqrt(g)
+        resid = torch.eye(num_heads, dtype=torch.float64) - U @ U.T   # heads' maps: M -> U Uᵀ M
+
+        def rel_err(G):
+            return (torch.trace(resid @ G @ resid).clamp_min(0) / torch.trace(G).clamp_min(1e-300)).sqrt().item()
+
+        w_err = rel_err(G_fit if gram is None else head_gram(None))
+        a_err = None if eval_gram is None else rel_err(G_fit if eval_gram is gram else head_gram(eval_gram))
+
+    Wb = Wb.reshape(rank * dh, -1)
+    if b is not None:
+        return A, Wb[:, :d].contiguous(), Wb[:, d].contiguous(), w_err, a_err
+    return A, Wb.contiguous(), None, w_err, a_err
+
+
+@torch.no_grad()
+def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = None,
+                         calib_ids: torch.Tensor | None = None, calibrate: bool = True, calib_window: int = 512,
+                         calib_grams: list[torch.Tensor] | None = None, group_of=None,
+                         progress: bool = True) -> tuple[TPAForCausalLM, ToTPAReport]:
+    """In-memory conversion of a loaded Llama/Mistral/Qwen2 ``...ForCausalLM`` into a
+    :class:`TPAForCausalLM` (same dtype).
+
+    With ``calib_ids`` (and a reduced rank) the attention inputs on that text are collected: the
+    head-mode reduction is fitted to them when ``calibrate`` (else it is the plain weight SVD) and
+    the per-layer activation errors are reported either way. ``calib_grams`` (from
+    :func:`attention_input_grams`) can be passed instead of ``calib_ids`` to reuse them. ``group_of(i)``
+    overrides the head grouping (a deliberately wrong grouping is the negative control of the tests)."""
+    t0 = time.time()
+    check_supported(model)
+    cfg = model.config
+    h, n_kv, dh = _heads(cfg)
+    k_rank = n_kv if k_rank is None else int(k_rank)
+    v_rank = n_kv if v_rank is None else int(v_rank)
+    for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
+        if not 1 <= r <= n_kv:
+            raise ValueError(
+                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
+    attn0 = model.model.layers[0].self_attn
+    mlp0 = model.model.layers[0].mlp
+    qkv_bias = attn0.q_proj.bias is not None or attn0.k_proj.bias is not None
+    o_bias = attn0.o_proj.bias is not None
+    mlp_bias = getattr(mlp0.gate_proj, "bias", None) is not None
+    tcfg = tpa_config_from(cfg, k_rank, v_rank, qkv_bias, o_bias, mlp_bias)
+    report = ToTPAReport(
+        source=str(getattr(cfg, "_name_or_path", "")), family=cfg.model_type, num_attention_heads=h,
+        num_key_value_heads=n_kv, head_dim=dh, k_rank=k_rank, v_rank=v_rank,
+        exact=(k_rank == n_kv and v_rank == n_kv and group_of is None),
+        calibrated=((calib_ids is not None or calib_grams is not None) and calibrate
+                    and (k_rank < n_kv or v_rank < n_kv)),
+        calib_tokens=0 if calib_ids is None else int(calib_ids.numel()),
+        cache_elements_per_token_source=2 * n_kv * dh * cfg.num_hidden_layers,
+        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
+    if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
+        report.notes.append(f"source uses sliding-window attention ({cfg.sliding_window} tokens); the TPA model "
+                            "attends globally, so outputs agree only on sequences up to that length")
+        warnings.warn(report.notes[-1])
+
+    grams = calib_grams
+    if grams is None and calib_ids is not None and (k_rank < n_kv or v_rank < n_kv):
+        grams = attention_input_grams(model, calib_ids, window=calib_window, progress=progress)
+
+    dtype = model.model.embed_tokens.weight.dtype
+    tpa = _empty_model(tcfg)
+    src_sd = model.state_dict()
+    sd = {}
+    for key, value in src_sd.items():
+        if ".self_attn." in key and not key.split(".self_attn.")[1].startswith(("q_proj", "o_proj")):
+            continue
+        sd[key] = value
+    layers = model.model.layers
+    for i in tqdm(range(len(layers)), desc="to-tpa", disable=not progress, leave=False):
+        attn = layers[i].self_attn
+        gram = None if grams is None else grams[i]
+        fit = gram if calibrate else None
+        pre = f"model.layers.{i}.self_attn."
+        ka, kw, kb, kerr, kaerr = _head_mode_factors(attn.k_proj.weight, attn.k_proj.bias, h, n_kv, k_rank,
+                                                     fit, gram, group_of)
+        va, vw, vb, verr, vaerr = _head_mode_factors(attn.v_proj.weight, attn.v_proj.bias, h, n_kv, v_rank,
+                                                     fit, gram, group_of)
+        sd[pre + "k_a"], sd[pre + "k_b_proj.weight"] = ka, kw
+        sd[pre + "v_a"], sd[pre + "v_b_proj.weight"] = va, vw
+        if qkv_bias:
+            sd[pre + "k_b_proj.bias"] = kb if kb is not None else torch.zeros(k_rank * dh, dtype=torch.float64)
+            sd[pre + "v_b_proj.bias"] = vb if vb is not None else torch.zeros(v_rank * dh, dtype=torch.float64)
+        report.layers.append(LayerError(i, kerr, verr, kaerr, vaerr))
+    target = tpa.state_dict()
+    missing = set(target) - set(sd)
+    if tcfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+        sd.pop("lm_head.weight", None)
+    unexpected = set(sd) - set(target)
+    if missing or unexpected:
+        raise RuntimeError(f"to-tpa weight mapping mismatch: missing={sorted(missing)[:5]} "
+                           f"unexpected={sorted(unexpected)[:5]}")
+    tpa.load_state_dict({k: v.to(dtype=torch.float32) for k, v in sd.items()}, strict=False)
+    if tcfg.tie_word_embeddings:
+        tpa.tie_weights()
+    tpa = tpa.to(dtype)
+    tpa.generation_config = copy.deepcopy(model.generation_config)
+    tpa.eval()
+    report.seconds = time.time() - t0
+    return tpa, report
+
+
+def _empty_model(config: TPAConfig) -> TPAForCausalLM:
+    """A TPA model whose weights are about to be overwritten: skip the (slow) random initialisation."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: just initialise
+        return TPAForCausalLM(config)
+    with no_init_weights():
+        return TPAForCausalLM(config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint to checkpoint
+# ----------------------------------------------------------------------------------------------
+def compare_models(source, tpa, ids: torch.Tensor, logit_tokens: int = 512, ppl_tokens: int = 2048,
+                   window: int = 512) -> dict:
+    """max |Δlogit| over the first ``logit_tokens`` of ``ids`` (one forward) and both models'
+    sliding-window perplexities over the first ``ppl_tokens`` (0 skips them)."""
+    from ..evaluation.perplexity import perplexity
+
+    head = ids[:logit_tokens].unsqueeze(0)
+    result = {"tokens": int(head.numel()),
+              "max_abs_dlogit": (source(input_ids=head).logits.float() - tpa(input_ids=head).logits.float())
+              .abs().max().item()}
+    if ppl_tokens and ids.numel() > 1:
+        body = ids[:ppl_tokens]
+        w = min(window, body.numel())
+        result.update(ppl_tokens=int(body.numel()),
+                      perplexity_source=perplexity(source, body, window=w, stride=w, progress=False).perplexity,
+                      perplexity_tpa=perplexity(tpa, body, window=w, stride=w, progress=False).perplexity)
+    return result
+
+
+def tpa_card_data(src, out, report, verify_text) -> dict:
+    """The model card of a conversion: ranks, exactness and the perplexity it measured."""
+    data = {"title": Path(out).name, "inputs": [str(src)], "method": "to-tpa",
+            "parameters": {"k_rank": report.k_rank, "v_rank": report.v_rank, "exact": report.exact,
+                           "calibrated": report.calibrated, "calib_tokens": report.calib_tokens},
+            "extra": {"layers": [asdict(e) for e in report.layers], "notes": report.notes}}
+    v = report.verification
+    if v:
+        data["exactness"] = {"max_abs_dlogit": v["max_abs_dlogit"], "tokens": v["tokens"], "text": str(verify_text),
+                             "perplexity_original": v.get("perplexity_source"),
+                             "perplexity_converted": v.get("perplexity_tpa"), "ppl_tokens": v.get("ppl_tokens")}
+        if "perplexity_tpa" in v:
+            w = min(512, v["ppl_tokens"])
+            data["eval_results"] = [perplexity_result(v["perplexity_tpa"], verify_text, max_tokens=v["ppl_tokens"],
+                                                      window=w, stride=w, tokens=v["ppl_tokens"] - 1)]
+    return data
+
+
+def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int | None = None,
+                              v_rank: int | None = None, calib: str | Path | None = None, calib_tokens: int = 2048,
+                              verify_text: str | Path | None = None, verify_tokens: int = 512,
+                              ppl_tokens: int = 2048, overwrite: bool = False, progress: bool = True) -> ToTPAReport:
+    """Read ``source`` with ``AutoModelForCausalLM``, convert, and write an HF folder (config with
+    ``auto_map``, ``configuration_tpa.py``/``modeling_tpa.py``, weights, tokenizer, generation config,
+    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..assets import resolve_model, resolve_text
+    from ..evaluation.perplexity import read_text, tokenize_text
+
+    from transformers import AutoConfig
+
+    t0 = time.time()
+    src = resolve_model(source)
+    out = Path(out)
+    check_output_dir(out, overwrite)
+    config = AutoConfig.from_pretrained(src)  # fail fast, before reading any weights
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"to-tpa supports {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, "
+                         f"got model_type={config.model_type!r}")
+    n_kv = _heads(config)[1]
+    for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
+        if r is not None and not 1 <= r <= n_kv:
+            raise ValueError(
+                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
+    if calib is not None:
+        calib = resolve_text(calib)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
+    check_supported(model)
+    tokenizer = None
+    calib_ids = None
+    if calib is not None:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        calib_ids = tokenize_text(tokenizer, read_text(resolve_text(calib)), max_tokens=calib_tokens)
+    tpa, report = convert_model_to_tpa(model, k_rank=k_rank, v_rank=v_rank, calib_ids=calib_ids, progress=progress)
+    report.source = str(src)
+    if verify_text is not None:
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(src)
+        ids = tokenize_text(tokenizer, read_text(resolve_text(verify_text)),
+                            max_tokens=max(verify_tokens, ppl_tokens))
+        report.verification = compare_models(model, tpa, ids, logit_tokens=verify_tokens, ppl_tokens=ppl_tokens)
+        report.verification["text"] = str(verify_text)
+
+    with atomic_output_dir(out, overwrite) as tmp:
+        tpa.save_pretrained(tmp)
+        if not copy_side_files(Path(src), tmp):
+            report.notes.append("the source folder has no tokenizer to copy")
+        report.seconds = time.time() - t0
+        (tmp / "tpa_conversion.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+        write_card(tmp, "to_tpa", tpa_card_data(src, out, report, verify_text))
+    return report

@@ -1,0 +1,138 @@
+"""Loading models for comparison and measuring how far two models' outputs are apart."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..assets import resolve_model, resolve_text
+from .perplexity import perplexity, read_text, tokenize_text
+
+DEFAULT_TEXT = "britannica-eval"
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """An HF model folder as its LM class when it has one (logits), else its base model
+    (hidden states), in eval mode. hf_symmetry's own families are registered on import."""
+    import hf_symmetry  # noqa: F401  (registers custom families with the Auto classes)
+    from transformers import AutoConfig
+
+    path = resolve_model(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = auto_class(config).from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.eval()
+
+
+def auto_class(config, has_lm_head: bool = False):
+    """The Auto class :func:`load_model` uses: the LM class when the config names one (or, for a
+    config without ``architectures``, when the weights hold an ``lm_head``), else the base model."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    arch = " ".join(getattr(config, "architectures", None) or [])
+    if "CausalLM" in arch or "LMHead" in arch or (not arch and has_lm_head):
+        return AutoModelForCausalLM
+    if "MaskedLM" in arch:
+        return AutoModelForMaskedLM
+    return AutoModel
+
+
+def model_from_state_dict(config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    """An in-memory state dict (e.g. a matched or merged one) as a model in eval mode, without a
+    round trip through disk. Refuses missing or unexpected tensors (a tied LM head may be absent)."""
+    import hf_symmetry  # noqa: F401
+    from transformers import AutoConfig
+
+    cfg = dict(config)
+    cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    from ..architectures import SUPPORTED_MODEL_TYPES, spec_for_model_type
+
+    has_head = "lm_head.weight" in state_dict or (
+        cfg.model_type in SUPPORTED_MODEL_TYPES and spec_for_model_type(cfg.model_type).lm_head is not None)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is loaded below; random init would cost seconds for nothing
+        model = auto_class(cfg, has_lm_head=has_head).from_config(cfg, dtype=dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"state dict does not fit {type(model).__name__}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    if tied:
+        model.tie_weights()
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model(path))
+
+
+def model_output(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits when the model has an LM head, else the last hidden state."""
+    with torch.no_grad():
+        out = model(input_ids=ids.reshape(1, -1) if ids.dim() == 1 else ids)
+    return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
+
+
+def is_causal_lm(model) -> bool:
+    return any(s in type(model).__name__ for s in ("CausalLM", "LMHeadModel"))
+
+
+def max_abs_diff(model_a, model_b, ids: torch.Tensor) -> float:
+    return (model_output(model_a, ids) - model_output(model_b, ids)).abs().max().item()
+
+
+@dataclass
+class Verification:
+    max_abs_dlogit: float
+    output_kind: str             # "logits" or "hidden_states"
+    tokens: int
+    text: str
+    perplexity_original: float | None = None
+    perplexity_converted: float | None = None
+    # how the perplexities were measured (token limit, window, stride), so cards can record them
+    ppl_tokens: int | None = None
+    ppl_window: int | None = None
+    ppl_stride: int | None = None
+
+    @property
+    def delta_perplexity(self) -> float | None:
+        if self.perplexity_original is None:
+            return None
+        return self.perplexity_converted - self.perplexity_original
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["delta_perplexity"] = self.delta_perplexity
+        return d
+
+
+def verify(original: str | Path, converted: str | Path, text: str | Path = DEFAULT_TEXT, tokens: int = 512,
+           ppl_tokens: int = 2048, trust_remote_code: bool = False) -> Verification:
+    """max |Δlogit| over ``tokens`` tokens of ``text`` (hidden states for encoders) and, for
+    LMs, the perplexity of both models on the first ``ppl_tokens`` tokens."""
+    text_path = resolve_text(text)
+    tok = load_tokenizer(original)
+    a = load_model(original, trust_remote_code=trust_remote_code)
+    b = load_model(converted, trust_remote_code=trust_remote_code)
+    limit = getattr(a.config, "max_position_embeddings", None) or tokens
+    ids = tokenize_text(tok, read_text(text_path), max_tokens=min(tokens, limit))
+    has_logits = getattr(a(input_ids=ids[:2].unsqueeze(0)), "logits", None) is not None
+    result = Verification(max_abs_diff(a, b, ids), "logits" if has_logits else "hidden_states", ids.numel(),
+                          str(text_path))
+    if ppl_tokens and is_causal_lm(a):
+        ppl_ids = tokenize_text(tok, read_text(text_path), max_tokens=ppl_tokens)
+        result.perplexity_original = perplexity(a, ppl_ids, progress=False).perplexity
+        converted = perplexity(b, ppl_ids, progress=False)
+        result.perplexity_converted = converted.perplexity
+        result.ppl_tokens, result.ppl_window, result.ppl_stride = ppl_tokens, converted.window, converted.stride
+    return result
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")

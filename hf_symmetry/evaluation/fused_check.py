@@ -1,0 +1,145 @@
+"""Check fused-map extraction against the model's own forward, with hooks (DESIGN.md §5).
+
+A head-slicing mistake (wrong head rows, wrong KV group, K and V of different heads, as in the
+FaRR notebook's DeepSeek code) produces fused maps that look perfectly plausible. So for each
+layer we run the real module, capture its input ``X``, its attention probabilities ``α`` and the
+input ``Z`` of its output projection, and require for every query head h
+
+* value path: ``α_h X (W_O^h W_V^g)ᵀ + W_O^h b_V^g`` (our fused map, from the canonical layer) to
+  equal ``o_proj(Z with only head h's slice kept) − o_proj(0)`` (the module's own output
+  projection on the module's own head output), and their sum over heads plus ``b_O`` to equal the
+  module's output;
+* score path, where QK fusion is exact and no dim is rotary: ``softmax([X;1] M_h Xᵀ / √d_h + mask)``
+  with ``M_h = Q̃_hᵀ W_K^g`` to equal ``α_h``.
+
+The maps are taken unfolded here (the module sees the norm's output, γ included); the conversions
+fold γ first with :func:`hf_symmetry.symmetry.actions.fold_layer_norms`, which has its own tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..architectures import Adapter
+from ..conversion.stream import partition_keys
+from ..symmetry import fused
+from ..symmetry.layout import HeadLayout
+
+
+@dataclass
+class LayoutCheck:
+    tokens: int
+    tolerance: float
+    vo_max_rel_error: float = 0.0      # per head contribution, relative to its max magnitude
+    total_max_rel_error: float = 0.0   # Σ_h contributions + b_O vs the module's output
+    qk_max_abs_error: float | None = None   # attention probabilities; None where QK is not fused
+    per_layer: list[dict] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        errors = [self.vo_max_rel_error, self.total_max_rel_error, self.qk_max_abs_error or 0.0]
+        return all(e <= self.tolerance for e in errors)
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "passed": self.passed}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale > 0 else (a - b).abs().max().item()
+
+
+class _Capture:
+    """Forward hooks that record one layer's attention input, probabilities and O input/output."""
+
+    def __init__(self, model, adapter: Adapter, layer: int):
+        a, p = adapter.spec.attention, adapter.layer_prefix(layer)
+        modules = dict(model.named_modules())
+        reader = a.q or a.qkv
+        self.o_module = modules[p + a.o]
+        self.data: dict[str, torch.Tensor] = {}
+        self.handles = [
+            modules[p + reader].register_forward_pre_hook(lambda m, args: self._keep("x", args[0])),
+            self.o_module.register_forward_pre_hook(lambda m, args: self._keep("z", args[0])),
+            self.o_module.register_forward_hook(lambda m, args, out: self._keep("out", out)),
+            modules[p + reader.rsplit(".", 1)[0]].register_forward_hook(lambda m, args, out: self._keep("alpha", out[1])),
+        ]
+
+    def _keep(self, name: str, t: torch.Tensor) -> None:
+        if t is None:
+            raise RuntimeError("the attention module returned no probabilities (eager attention is required)")
+        self.data[name] = t.detach()[0]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None, tolerance: float = 1e-3,
+                       layout: HeadLayout | None = None) -> LayoutCheck:
+    """Compare fused maps with the module's forward on ``ids`` (1-D token ids). ``layout`` overrides
+    the adapter's (tests use it for negative controls)."""
+    state = model.state_dict()
+    adapter = Adapter.from_config(model.config, list(state))
+    L = layout or adapter.layout
+    _, per_layer, _ = partition_keys(adapter, list(state))
+    layers = list(range(adapter.n_layers)) if layers is None else layers
+    captures = {i: _Capture(model, adapter, i) for i in layers}
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")   # the only implementation that returns probabilities
+    try:
+        model(input_ids=ids.reshape(1, -1))
+    finally:
+        model.set_attn_implementation(previous)
+        for c in captures.values():
+            c.remove()
+    report = LayoutCheck(tokens=ids.numel(), tolerance=tolerance)
+    causal = adapter.spec.placement == "pre"   # every pre-LN family here is a causal decoder
+    for i in layers:
+        layer = adapter.read_layer(i, {k: state[k] for k in per_layer[i]})
+        entry = {"layer": i, **_check_vo(layer, L, captures[i])}
+        if fused.qk_fusion_blocker(L) is None and not L.rotary_dim:
+            entry["qk_max_abs_error"] = _check_qk(layer, L, captures[i].data, causal)
+            report.qk_max_abs_error = max(report.qk_max_abs_error or 0.0, entry["qk_max_abs_error"])
+        report.vo_max_rel_error = max(report.vo_max_rel_error, entry["vo_max_rel_error"])
+        report.total_max_rel_error = max(report.total_max_rel_error, entry["total_max_rel_error"])
+        report.per_layer.append(entry)
+    return report
+
+
+def _check_vo(layer: dict, L: HeadLayout, cap: _Capture) -> dict:
+    d = cap.data
+    X, alpha, Z = d["x"].double(), d["alpha"].double(), d["z"]
+    b_v = layer.get("v.bias")
+    zero_out = cap.o_module(torch.zeros_like(Z[:1])).double()   # o_proj's bias (or 0)
+    worst, total = 0.0, zero_out[0].clone().expand(X.shape[0], -1).clone()
+    for g, pair in enumerate(fused.group_pairs(layer, L, "vo")):
+        for j, h in enumerate(L.heads_of_group(g)):
+            A_h = pair.block(j)
+            mine = alpha[h] @ (X @ (A_h @ pair.B).T)
+            if b_v is not None:
+                mine = mine + A_h @ b_v[L.rows(g)]
+            only_h = torch.zeros_like(Z)
+            only_h[:, L.rows(h)] = Z[:, L.rows(h)]
+            theirs = cap.o_module(only_h).double() - zero_out
+            worst = max(worst, _rel(mine, theirs))
+            total += mine
+    return {"vo_max_rel_error": worst, "total_max_rel_error": _rel(total, d["out"].double())}
+
+
+def _check_qk(layer: dict, L: HeadLayout, d: dict, causal: bool) -> float:
+    X, alpha = d["x"].double(), d["alpha"].double()
+    T = X.shape[0]
+    X1 = torch.cat([X, torch.ones(T, 1, dtype=X.dtype)], dim=1) if "q.bias" in layer else X
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1) if causal else None
+    worst = 0.0
+    for g, pair in enumerate(fused.group_pairs(layer, L, "qk")):
+        for j, h in enumerate(L.heads_of_group(g)):
+            scores = X1 @ (pair.block(j) @ pair.B) @ X.T / L.head_dim ** 0.5
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            worst = max(worst, (scores.softmax(-1) - alpha[h]).abs().max().item())
+    return worst

@@ -1,0 +1,195 @@
+"""Publishing a converted folder to the Hugging Face Hub in one commit.
+
+Order of work, so that a failure never leaves anything half-published:
+1. refuse bad input (repo id, token, offline mode, folder layout) before any work;
+2. evaluate (optional) and write the results into the card;
+3. the pre-push check (:func:`hf_symmetry.hub.check.prepush_check`): the folder must load and
+   run where hf_symmetry is not installed;
+4. ``create_repo`` and a single ``create_commit`` holding every file (weights, config,
+   remote code, tokenizer, card, plots). If the commit fails on a repo this push created,
+   the empty repo is deleted again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .cards import CARD_RECORD, update_card
+
+# Never published: pickles (hf_symmetry writes safetensors only), local clutter, and the local
+# conversion record (it may hold local paths; the card's metadata carries its public part).
+REFUSED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+SKIPPED_NAMES = ("__pycache__", CARD_RECORD)
+
+
+@dataclass
+class PushResult:
+    repo_id: str
+    commit_url: str
+    commit_oid: str
+    files: list[str]
+    bytes: int
+    created_repo: bool
+    check: dict | None = None
+    eval_results: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_token(token: str | None = None) -> str:
+    """The token given, else ``HF_TOKEN`` / the one saved by ``hf auth login``."""
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise ValueError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (pushing needs write access)")
+    return token
+
+
+def validate_repo_id(repo_id: str) -> str:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id as hf_validate
+
+    if not repo_id or repo_id.count("/") != 1:
+        raise ValueError(f"repo id must be 'user/name' or 'org/name', got {repo_id!r}")
+    try:
+        hf_validate(repo_id)
+    except HFValidationError as exc:
+        raise ValueError(f"invalid repo id {repo_id!r}: {str(exc).splitlines()[0]}") from None
+    return repo_id
+
+
+def check_online() -> None:
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        raise ValueError("HF_HUB_OFFLINE is set: pushing needs the network (unset HF_HUB_OFFLINE)")
+
+
+def publishable_files(folder: Path) -> list[Path]:
+    """Every file of the folder except hidden ones and caches, in a stable order."""
+    files = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if not p.is_file() or any(part.startswith(".") or part in SKIPPED_NAMES for part in rel.parts):
+            continue
+        files.append(p)
+    return files
+
+
+def check_folder(folder: str | os.PathLike) -> Path:
+    """Refuse folders that are not a complete safetensors HF model folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"folder {folder} does not exist")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    pickles = [p.name for p in publishable_files(folder) if p.suffix in REFUSED_SUFFIXES]
+    if pickles:
+        raise ValueError(f"{folder} holds pickled files ({', '.join(pickles[:3])}); hf_symmetry publishes "
+                         "safetensors only")
+    if not list(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"{folder} holds no .safetensors weights")
+    config = json.loads(cfg_path.read_text())
+    for auto_class, ref in (config.get("auto_map") or {}).items():
+        for r in ref if isinstance(ref, list) else [ref]:
+            if r and "--" not in r:  # "repo--module.Class" points elsewhere on the Hub
+                module = r.rsplit(".", 1)[0]
+                if not (folder / f"{module}.py").is_file():
+                    raise FileNotFoundError(f"{folder}: auto_map {auto_class} needs {module}.py, which is missing")
+    return folder
+
+
+def _eval_for_card(folder: Path, eval_text: str | None, tasks: list[str] | None, task_dir: str | None,
+                   limit: int | None, progress: bool) -> list[dict]:
+    from ..evaluation.bridge import lm_eval_results, text_perplexity_result
+
+    results = []
+    if eval_text:
+        results.append(text_perplexity_result(folder, eval_text, progress=progress))
+    if tasks:
+        results += lm_eval_results(folder, tasks, task_dir=task_dir, limit=limit)
+    return results
+
+
+def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool = False, token: str | None = None,
+                eval_text: str | None = None, tasks: list[str] | None = None, task_dir: str | None = None,
+                eval_limit: int | None = None, check: bool = True, check_text: str | None = None,
+                commit_message: str | None = None, endpoint: str | None = None,
+                progress: bool = True) -> PushResult:
+    """Publish ``folder`` as ``repo_id`` in one commit (see the module docstring)."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    start = time.perf_counter()
+    validate_repo_id(repo_id)
+    token = resolve_token(token)
+    check_online()
+    folder = check_folder(folder)
+
+    results = _eval_for_card(folder, eval_text, tasks, task_dir, eval_limit, progress)
+    update_card(folder, eval_results=results, repo_id=repo_id)
+    check_report = prepush_check_for(folder, check_text) if check else None
+
+    files = publishable_files(folder)
+    # HF_ENDPOINT read now, not at huggingface_hub's import, so tests and scripts can point it anywhere.
+    api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
+    try:
+        existed = api.repo_exists(repo_id)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+    except Exception as exc:
+        raise ValueError(f"could not create {repo_id} on {api.endpoint}: {_one_line(exc)}") from exc
+    operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
+                  for p in files]
+    try:
+        info = api.create_commit(repo_id, operations, commit_message=commit_message or _default_message(folder))
+    except Exception as exc:
+        if not existed:
+            _delete_quietly(api, repo_id)
+        raise ValueError(f"the Hub refused the commit to {repo_id} (nothing was published): "
+                         f"{_one_line(exc)}") from exc
+    return PushResult(repo_id=repo_id, commit_url=str(info.commit_url), commit_oid=info.oid,
+                      files=[p.relative_to(folder).as_posix() for p in files],
+                      bytes=sum(p.stat().st_size for p in files), created_repo=not existed,
+                      check=check_report.as_dict() if check_report else None, eval_results=results,
+                      seconds=time.perf_counter() - start)
+
+
+def prepush_check_for(folder: Path, text: str | None = None):
+    """The pre-push check, on the text the card's exactness figures were measured on."""
+    from .check import prepush_check
+
+    if text is None:
+        record = folder / CARD_RECORD
+        if record.is_file():
+            text = (json.loads(record.read_text())["data"].get("exactness") or {}).get("text")
+        if text and not Path(text).is_file():
+            text = None
+    return prepush_check(folder, text=text)
+
+
+def _default_message(folder: Path) -> str:
+    from .. import __version__
+
+    kind = ""
+    record = folder / CARD_RECORD
+    if record.is_file():
+        kind = f" ({json.loads(record.read_text())['kind']})"
+    return f"Upload {folder.name}{kind} with hf_symmetry {__version__}"
+
+
+def _delete_quietly(api, repo_id: str) -> None:
+    try:
+        api.delete_repo(repo_id, missing_ok=True)
+    except Exception:  # the commit error is what the user needs to see
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

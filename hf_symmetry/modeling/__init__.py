@@ -1,0 +1,35 @@
+"""Custom Hugging Face model families shipped by hf_symmetry, registered with the Auto classes
+when ``hf_symmetry`` is imported (``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM``)."""
+
+from __future__ import annotations
+
+
+def register_auto_classes() -> None:
+    """Register every family with transformers' Auto classes (idempotent)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from .configuration_tpa import TPAConfig
+    from .modeling_tpa import TPAForCausalLM, TPAModel
+
+    AutoConfig.register(TPAConfig.model_type, TPAConfig, exist_ok=True)
+    AutoModel.register(TPAConfig, TPAModel, exist_ok=True)
+    AutoModelForCausalLM.register(TPAConfig, TPAForCausalLM, exist_ok=True)
+
+    from .configuration_farr import FarrBertConfig, FarrLlamaConfig, FarrRobertaConfig
+    from .modeling_farr import FarrBertModel, FarrLlamaForCausalLM, FarrLlamaModel, FarrRobertaModel
+
+    for config_cls, model_cls in ((FarrLlamaConfig, FarrLlamaModel), (FarrBertConfig, FarrBertModel),
+                                  (FarrRobertaConfig, FarrRobertaModel)):
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModel.register(config_cls, model_cls, exist_ok=True)
+    AutoModelForCausalLM.register(FarrLlamaConfig, FarrLlamaForCausalLM, exist_ok=True)
+
+    from .configuration_compressed_llama import CompressedLlamaConfig
+    from .modeling_compressed_llama import CompressedLlamaForCausalLM, CompressedLlamaModel
+
+    AutoConfig.register(CompressedLlamaConfig.model_type, CompressedLlamaConfig, exist_ok=True)
+    AutoModel.register(CompressedLlamaConfig, CompressedLlamaModel, exist_ok=True)
+    AutoModelForCausalLM.register(CompressedLlamaConfig, CompressedLlamaForCausalLM, exist_ok=True)
+
+
+register_auto_classes()

@@ -1,0 +1,148 @@
+"""Configurations of FaRR (fuse and rank reduce) models: stock Llama/BERT/RoBERTa architectures whose
+attention head dims differ per layer.
+
+FaRR truncates the fused value map ``W_O^h W_V^h`` (and, where exact, the score map ``W_Q^hᵀ W_K^h``)
+and splits it back, so layer ``i`` has value/output head dim ``v_head_dims[i]`` (and query/key head
+dim ``qk_head_dims[i]``) instead of ``head_dim``. The attention scale stays ``1/√(original head dim)``:
+the reduced maps approximate the original scores, not rescaled ones.
+
+Bias conventions of FaRR models (both exact rewrites of the original model):
+
+* ``v_proj``/``value`` has no bias: ``b_V`` is folded into the output bias, because every softmax row
+  sums to 1 (``Σ_j α_ij W_O b_V = W_O b_V``).
+* encoders: ``key`` has no bias: ``b_K`` adds ``q_i · b_K`` to all scores of query i, a per-row
+  constant that softmax ignores (not so under RoPE, so decoders keep theirs).
+
+This file is copied next to saved checkpoints (``trust_remote_code`` loading), so it imports only
+``transformers`` (and ``huggingface_hub``, which transformers depends on).
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import BertConfig, LlamaConfig, RobertaConfig
+
+
+def vo_parameters(hidden: int, n_heads: int, n_kv_heads: int, v_dim: int, o_bias: bool) -> int:
+    """Parameters of one layer's ``v_proj`` (no bias) and ``o_proj``."""
+    return n_kv_heads * v_dim * hidden + hidden * n_heads * v_dim + (hidden if o_bias else 0)
+
+
+def qk_parameters(hidden: int, n_heads: int, n_kv_heads: int, qk_dim: int, q_bias: bool, k_bias: bool,
+                  qk_norm: bool = False) -> int:
+    """Parameters of one layer's ``q_proj`` and ``k_proj`` (and per-head QK-norms)."""
+    return (n_heads * qk_dim * (hidden + int(q_bias)) + n_kv_heads * qk_dim * (hidden + int(k_bias))
+            + (2 * qk_dim if qk_norm else 0))
+
+
+def _check_dims(config, name: str, dims) -> None:
+    if dims is None:
+        return
+    if len(dims) != config.num_hidden_layers:
+        raise ValueError(f"{type(config).__name__}: {name} needs one entry per layer "
+                         f"({config.num_hidden_layers}), got {len(dims)}")
+    bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, int) or d <= 0]
+    if bad:
+        raise ValueError(f"{type(config).__name__}: {name} must be positive integers, got {bad[:3]}")
+
+
+@strict
+class FarrLlamaConfig(LlamaConfig):
+    r"""A Llama-family decoder (Llama, Mistral without sliding windows, Qwen2, Qwen3) after FaRR.
+
+    Args (besides :class:`~transformers.LlamaConfig`'s):
+        v_head_dims: value/output head dim of each layer (``None``: ``head_dim`` everywhere). Query/key
+            head dims stay ``head_dim``: RoPE rotates every query/key dim of these families, so their
+            score map cannot be fused.
+        attention_bias: biases on ``q_proj`` and ``k_proj`` (Qwen2); unlike Llama it does not
+            cover ``v_proj``/``o_proj``.
+        o_bias: bias on ``o_proj`` (holds the folded value bias).
+        qk_norm: per-head RMSNorms on q and k before RoPE (Qwen3).
+    """
+
+    model_type = "hf_symmetry_farr_llama"
+
+    v_head_dims: list[int] | None = None
+    o_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        _check_dims(self, "v_head_dims", self.v_head_dims)
+
+    def v_head_dim(self, layer: int) -> int:
+        return self.v_head_dims[layer] if self.v_head_dims else self.head_dim
+
+    def attention_parameters(self, layer: int | None = None) -> int:
+        """Attention parameters of one layer (or of all layers when ``layer`` is None)."""
+        if layer is None:
+            return sum(self.attention_parameters(i) for i in range(self.num_hidden_layers))
+        d, h, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        return (qk_parameters(d, h, kv, self.head_dim, self.attention_bias, self.attention_bias, self.qk_norm)
+                + vo_parameters(d, h, kv, self.v_head_dim(layer), self.o_bias))
+
+
+class _FarrEncoderMixin:
+    """Per-layer head dims of a FaRR encoder (BERT/RoBERTa): query ``bias``, no key/value bias."""
+
+    def _check_farr(self) -> None:
+        if self.is_decoder or self.add_cross_attention:
+            raise ValueError(f"{type(self).__name__}: FaRR encoders do not support is_decoder/add_cross_attention")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"{type(self).__name__}: hidden_size must be a multiple of num_attention_heads")
+        _check_dims(self, "qk_head_dims", self.qk_head_dims)
+        _check_dims(self, "v_head_dims", self.v_head_dims)
+
+    @property
+    def head_dim(self) -> int:
+        """The original head dim; the attention scale is ``head_dim ** -0.5``."""
+        return self.hidden_size // self.num_attention_heads
+
+    def qk_head_dim(self, layer: int) -> int:
+        return self.qk_head_dims[layer] if self.qk_head_dims else self.head_dim
+
+    def v_head_dim(self, layer: int) -> int:
+        return self.v_head_dims[layer] if self.v_head_dims else self.head_dim
+
+    def attention_parameters(self, layer: int | None = None) -> int:
+        if layer is None:
+            return sum(self.attention_parameters(i) for i in range(self.num_hidden_layers))
+        d, h = self.hidden_size, self.num_attention_heads
+        return (qk_parameters(d, h, h, self.qk_head_dim(layer), True, False)
+                + vo_parameters(d, h, h, self.v_head_dim(layer), True))
+
+
+@strict
+class FarrBertConfig(_FarrEncoderMixin, BertConfig):
+    r"""A BERT encoder after FaRR. ``qk_head_dims`` / ``v_head_dims``: per-layer query/key and
+    value/output head dims (``None``: ``hidden_size // num_attention_heads`` everywhere)."""
+
+    model_type = "hf_symmetry_farr_bert"
+
+    qk_head_dims: list[int] | None = None
+    v_head_dims: list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self._check_farr()
+
+
+@strict
+class FarrRobertaConfig(_FarrEncoderMixin, RobertaConfig):
+    r"""A RoBERTa encoder after FaRR (see :class:`FarrBertConfig`)."""
+
+    model_type = "hf_symmetry_farr_roberta"
+
+    qk_head_dims: list[int] | None = None
+    v_head_dims: list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self._check_farr()
+
+
+FarrLlamaConfig.register_for_auto_class()
+FarrBertConfig.register_for_auto_class()
+FarrRobertaConfig.register_for_auto_class()
+
+__all__ = ["FarrBertConfig", "FarrLlamaConfig", "FarrRobertaConfig", "qk_parameters", "vo_parameters"]

@@ -1,0 +1,526 @@
+"""ProcrustesGPT-compressed Llama-family models for Hugging Face Transformers.
+
+Linear layers are structured matrices with factorised forward passes (the dense matrix is never
+formed in ``forward``):
+
+* :class:`KroneckerLinear`  ``W = Σ_s A_s ⊗ B_s``: two small contractions, ``r (m1 n1 + m2 n2)`` params;
+* :class:`GSLinear`         ``W = L · P · R`` (block-diagonal, shuffle, block-diagonal): two batched matmuls;
+* :class:`LowRankLinear`    ``W = U V``;
+* :class:`DenseLinear`      an ordinary matrix (e.g. the paper leaves V dense).
+
+The embedding matrix can be structured too (``rows`` gathers token rows from the factors) and the LM
+head reuses it (``lm_head="tied"``/``"tied_mixed"``) or has its own structure.
+
+The residual stream is rotated (after norm fusion, DESIGN.md §1.4): RMSNorms have no weight and divide
+``Σ x²`` by the original ``hidden_size``. With one basis per residual segment every skip connection
+carries the orthogonal ``Q_prevᵀ Q_next``, stored as a Cayley parameter and turned into a matrix once
+(cached, recomputed only when its parameters change), not on every forward.
+
+This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only torch,
+transformers and its sibling ``configuration_compressed_llama``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding, apply_rotary_pos_emb,
+                                                      eager_attention_forward)
+
+from .configuration_compressed_llama import CompressedLlamaConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# Structured linear layers
+# ----------------------------------------------------------------------------------------------
+class _StructuredLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` for a structured ``W [out_features, in_features]``. Subclasses implement
+    ``_matmul(x2d)``, ``rows(ids)`` (rows of W, for embeddings) and ``dense_weight()`` (for tests and
+    inspection only)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class DenseLinear(_StructuredLinear):
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__(in_features, out_features, bias)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def _matmul(self, x):
+        return F.linear(x, self.weight)
+
+    def rows(self, ids):
+        return F.embedding(ids, self.weight)
+
+    def dense_weight(self):
+        return self.weight
+
+
+class LowRankLinear(_StructuredLinear):
+    """``W = U V``: ``lr_u [out, r]``, ``lr_v [r, in]``."""
+
+    def __init__(self, in_features, out_features, rank: int, bias=False):
+        super().__init__(in_features, out_features, bias)
+        self.rank = rank
+        self.lr_u = nn.Parameter(torch.empty(out_features, rank))
+        self.lr_v = nn.Parameter(torch.empty(rank, in_features))
+
+    def _matmul(self, x):
+        return F.linear(F.linear(x, self.lr_v), self.lr_u)
+
+    def rows(self, ids):
+        return F.embedding(ids, self.lr_u) @ self.lr_v
+
+    def dense_weight(self):
+        return self.lr_u @ self.lr_v
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rank={self.rank}"
+
+
+class KroneckerLinear(_StructuredLinear):
+    """``W = Σ_{s<r} A_s ⊗ B_s`` with ``A_s [m1, n1]``, ``B_s [m2, n2]`` (``(A ⊗ B)[i1 m2 + i2, j1 n2 + j2]
+    = A[i1, j1] B[i2, j2]``). Stored factor-row-major so that both contraction orders are plain
+    matmuls on views: ``kron_a[i, s, j] = A_s[i, j]`` (``[m1, r, n1]``), ``kron_b[i, s, j] = B_s[i, j]``
+    (``[m2, r, n2]``). The cheaper contraction order is fixed at construction."""
+
+    def __init__(self, in_features, out_features, rank: int, a_shape, bias=False):
+        super().__init__(in_features, out_features, bias)
+        m1, n1 = (int(a) for a in a_shape)
+        if m1 <= 0 or n1 <= 0 or out_features % m1 or in_features % n1:
+            raise ValueError(f"Kronecker factor shape {tuple(a_shape)} does not divide the "
+                             f"{out_features}x{in_features} matrix")
+        m2, n2 = out_features // m1, in_features // n1
+        self.rank, self.a_shape, self.b_shape = rank, (m1, n1), (m2, n2)
+        self.kron_a = nn.Parameter(torch.empty(m1, rank, n1))
+        self.kron_b = nn.Parameter(torch.empty(m2, rank, n2))
+        # flops per token of each order: contract A first / B first
+        self.a_first = rank * m1 * n2 * (n1 + m2) <= rank * m2 * n1 * (n2 + m1)
+
+    def _matmul(self, x):
+        (m1, n1), (m2, n2), r, N = self.a_shape, self.b_shape, self.rank, x.shape[0]
+        if self.a_first:
+            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))   # [N, n2, (i1, s)]
+            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)            # [(N, i1), (s, j2)]
+            return F.linear(u, self.kron_b.reshape(m2, r * n2)).view(N, m1 * m2)
+        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))                     # [N, n1, (i2, s)]
+        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)                # [(N, i2), (s, j1)]
+        y = F.linear(t, self.kron_a.reshape(m1, r * n1)).view(N, m2, m1)
+        return y.transpose(1, 2).reshape(N, m1 * m2)
+
+    def rows(self, ids):
+        m2 = self.b_shape[0]
+        flat = ids.reshape(-1)
+        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]                                # [N, r, n1], [N, r, n2]
+        return torch.bmm(a.transpose(1, 2), b).reshape(*ids.shape, self.in_features)
+
+    def dense_weight(self):
+        return torch.einsum("asc,bsd->abcd", self.kron_a, self.kron_b).reshape(self.out_features, self.in_features)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rank={self.rank}, a_shape={self.a_shape}, b_shape={self.b_shape}"
+
+
+class GSLinear(_StructuredLinear):
+    """Group-and-shuffle ``W = L · P · R``: ``gs_right [kr, kl·b, in/kr]`` (block-diagonal, applied first),
+    the shuffle routing ``b`` channels from every R-block to every L-block, ``gs_left [kl, out/kl, kr·b]``
+    (block-diagonal). Tile (i, j) of W is ``gs_left[i][:, j-th b] @ gs_right[j][i-th b, :]``."""
+
+    def __init__(self, in_features, out_features, rank: int, blocks, bias=False):
+        super().__init__(in_features, out_features, bias)
+        kl, kr = (int(k) for k in blocks)
+        if kl <= 0 or kr <= 0 or out_features % kl or in_features % kr:
+            raise ValueError(f"GS blocks {tuple(blocks)} do not divide the {out_features}x{in_features} matrix")
+        self.kl, self.kr, self.rank = kl, kr, rank
+        self.gs_left = nn.Parameter(torch.empty(kl, out_features // kl, kr * rank))
+        self.gs_right = nn.Parameter(torch.empty(kr, kl * rank, in_features // kr))
+
+    def _matmul(self, x):
+        kl, kr, b, N = self.kl, self.kr, self.rank, x.shape[0]
+        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))      # [kr, N, (i, c)]
+        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)                # shuffle: [kl, N, (j, c)]
+        y = torch.bmm(h, self.gs_left.transpose(1, 2))                                      # [kl, N, out/kl]
+        return y.transpose(0, 1).reshape(N, self.out_features)
+
+    def rows(self, ids):
+        kl, kr, b = self.kl, self.kr, self.rank
+        flat = ids.reshape(-1)
+        bl = self.out_features // kl
+        right = self.gs_right.view(kr, kl, b, -1)
+        out = torch.empty(flat.shape[0], self.in_features, dtype=self.gs_left.dtype, device=flat.device)
+        for i in range(kl):
+            sel = (flat // bl) == i
+            if kl > 1 and not bool(sel.any()):
+                continue
+            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)           # [kr, n_i, b]
+            out[sel] = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
+        return out.reshape(*ids.shape, self.in_features)
+
+    def dense_weight(self):
+        kl, kr, b = self.kl, self.kr, self.rank
+        left = self.gs_left.view(kl, -1, kr, b)
+        right = self.gs_right.view(kr, kl, b, -1)
+        return torch.einsum("ipjc,jicq->ipjq", left, right).reshape(self.out_features, self.in_features)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, blocks=({self.kl}, {self.kr}), rank={self.rank}"
+
+
+def structured_linear(in_features: int, out_features: int, spec: dict) -> _StructuredLinear:
+    """The module a config structure entry describes."""
+    kind, bias = spec["type"], bool(spec.get("bias", False))
+    if kind == "dense":
+        return DenseLinear(in_features, out_features, bias)
+    if kind == "lowrank":
+        return LowRankLinear(in_features, out_features, int(spec["rank"]), bias)
+    if kind == "kron":
+        return KroneckerLinear(in_features, out_features, int(spec["rank"]), spec["a_shape"], bias)
+    if kind == "gs":
+        return GSLinear(in_features, out_features, int(spec["rank"]), spec["blocks"], bias)
+    raise ValueError(f"unknown structure type {kind!r}")
+
+
+class StructuredEmbedding(nn.Module):
+    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``)."""
+
+    def __init__(self, vocab_size: int, dim: int, spec: dict):
+        super().__init__()
+        self.matrix = structured_linear(dim, vocab_size, {**spec, "bias": False})
+
+    def forward(self, input_ids):
+        return self.matrix.rows(input_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Residual stream: norms and skip connections
+# ----------------------------------------------------------------------------------------------
+class CompressedRMSNorm(nn.Module):
+    """RMSNorm without weight (γ is folded into the readers, so that ``RMSNorm(x Q) = RMSNorm(x) Q``).
+    ``Σ x²`` is divided by ``norm_dim``, the original width, also when the stream is sliced (SliceGPT)."""
+
+    def __init__(self, norm_dim: int, eps: float):
+        super().__init__()
+        self.norm_dim, self.variance_epsilon = norm_dim, eps
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        # at least float32, like LlamaRMSNorm; float64 stays float64 (exactness checks)
+        h = hidden_states if dtype == torch.float64 else hidden_states.to(torch.float32)
+        variance = h.pow(2).sum(-1, keepdim=True) / self.norm_dim
+        return (h * torch.rsqrt(variance + self.variance_epsilon)).to(dtype)
+
+    def extra_repr(self):
+        return f"norm_dim={self.norm_dim}, eps={self.variance_epsilon}"
+
+
+def cayley_decode(k: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``diag(signs) (I + K)(I − K)⁻¹`` with K skew-symmetric, upper triangle ``k`` (row-major);
+    computed in float64 and returned in ``k``'s dtype. ``I − K`` is always invertible (K is skew)."""
+    d = signs.shape[0]
+    iu = torch.triu_indices(d, d, 1, device=k.device)
+    K = torch.zeros(d, d, dtype=torch.float64, device=k.device)
+    K[iu[0], iu[1]] = k.to(torch.float64)
+    K = K - K.T
+    eye = torch.eye(d, dtype=torch.float64, device=k.device)
+    C = torch.linalg.solve((eye - K).T, (eye + K).T).T
+    return (signs.to(torch.float64)[:, None] * C).to(k.dtype)
+
+
+class OrthogonalSkip(nn.Module):
+    """``x -> x S`` for an orthogonal ``S = Q_prevᵀ Q_next`` stored as ``d(d+1)/2`` numbers
+    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once and cached; the cache is
+    rebuilt only when ``skip_k`` changes (loading, ``.to()``, in-place edits) — and on every call while
+    training with a trainable ``skip_k``, so that gradients flow."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.skip_k = nn.Parameter(torch.zeros(dim * (dim - 1) // 2))
+        self.register_buffer("skip_signs", torch.ones(dim))
+        self._cache: tuple | None = None
+
+    def matrix(self) -> torch.Tensor:
+        if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
+            return cayley_decode(self.skip_k, self.skip_signs)
+        key = (self.skip_k.data_ptr(), self.skip_k._version, self.skip_signs.data_ptr(), self.skip_signs._version,
+               self.skip_k.dtype, self.skip_k.device)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, cayley_decode(self.skip_k.detach(), self.skip_signs))
+        return self._cache[1]
+
+    def forward(self, x):
+        return x @ self.matrix()
+
+
+class DenseSkip(nn.Module):
+    """``x -> x S`` for a general ``S`` (``weight = Sᵀ``, nn.Linear convention)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dim))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+def make_skip(config: CompressedLlamaConfig) -> nn.Module | None:
+    if config.skip_connections == "orthogonal":
+        return OrthogonalSkip(config.residual_size)
+    if config.skip_connections == "dense":
+        return DenseSkip(config.residual_size)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoder
+# ----------------------------------------------------------------------------------------------
+class CompressedLlamaAttention(nn.Module):
+    def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        spec = config.layer_structures[layer_idx]
+        d, q_out, kv_out = config.residual_size, config.num_attention_heads * self.head_dim, \
+            config.num_key_value_heads * self.head_dim
+        self.q_proj = structured_linear(d, q_out, spec["q_proj"])
+        self.k_proj = structured_linear(d, kv_out, spec["k_proj"])
+        self.v_proj = structured_linear(d, kv_out, spec["v_proj"])
+        self.o_proj = structured_linear(q_out, d, spec["o_proj"])
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                    eager_attention_forward)
+        out, weights = attention_interface(self, q, k, v, attention_mask,
+                                           dropout=0.0 if not self.training else self.attention_dropout,
+                                           scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+class CompressedLlamaMLP(nn.Module):
+    def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
+        super().__init__()
+        spec = config.layer_structures[layer_idx]
+        d, h = config.residual_size, config.intermediate_size
+        self.gate_proj = structured_linear(d, h, spec["gate_proj"])
+        self.up_proj = structured_linear(d, h, spec["up_proj"])
+        self.down_proj = structured_linear(h, d, spec["down_proj"])
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = CompressedRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = CompressedLlamaAttention(config, layer_idx)
+        self.attn_skip = make_skip(config)
+        self.post_attention_layernorm = CompressedRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = CompressedLlamaMLP(config, layer_idx)
+        self.mlp_skip = make_skip(config)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
+                **kwargs):
+        attn, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                                       attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        skip = hidden_states if self.attn_skip is None else self.attn_skip(hidden_states)
+        hidden_states = skip + attn
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states))
+        skip = hidden_states if self.mlp_skip is None else self.mlp_skip(hidden_states)
+        return skip + mlp, weights
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+class CompressedLlamaPreTrainedModel(PreTrainedModel):
+    config_class = CompressedLlamaConfig
+    config: CompressedLlamaConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["CompressedLlamaDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """Random initialisation for ``from_config`` (converted checkpoints overwrite all of it): every
+        structured matrix starts near N(0, initializer_range²) entries, skips at the identity."""
+        std = self.config.initializer_range
+        if isinstance(module, DenseLinear):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, LowRankLinear):
+            init.normal_(module.lr_u, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
+            init.normal_(module.lr_v, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
+        elif isinstance(module, KroneckerLinear):
+            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank ** 0.5)
+            init.normal_(module.kron_b, mean=0.0, std=std / max(module.a_shape[1], 1) ** 0.5)
+        elif isinstance(module, GSLinear):
+            init.normal_(module.gs_left, mean=0.0, std=1.0 / (module.kr * module.rank) ** 0.5)
+            init.normal_(module.gs_right, mean=0.0, std=std * module.kr ** 0.5)
+        elif isinstance(module, OrthogonalSkip):
+            init.zeros_(module.skip_k)
+            init.ones_(module.skip_signs)
+        elif isinstance(module, DenseSkip) or (isinstance(module, nn.Linear) and module.in_features == module.out_features
+                                               and getattr(module, "_is_head_mix", False)):
+            init.eye_(module.weight)
+        else:
+            super()._init_weights(module)
+        if isinstance(module, _StructuredLinear) and module.bias is not None:
+            init.zeros_(module.bias)
+
+
+class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
+    def __init__(self, config: CompressedLlamaConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = StructuredEmbedding(config.vocab_size, config.residual_size, config.embed_structure)
+        self.layers = nn.ModuleList([CompressedLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = CompressedRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, **kwargs):
+        cfg = self.config
+        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
+        use_cache = use_cache if use_cache is not None else cfg.use_cache
+        return_dict = return_dict if return_dict is not None else cfg.return_dict
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=cfg)
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
+        causal_mask = create_causal_mask(config=cfg, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                         past_key_values=past_key_values, position_ids=position_ids)
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        all_hidden, all_attn = (), ()
+        for layer in self.layers[: cfg.num_hidden_layers]:
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+            hidden_states, weights = layer(hidden_states, attention_mask=causal_mask,
+                                           position_embeddings=position_embeddings, past_key_values=past_key_values,
+                                           output_attentions=output_attentions, **kwargs)
+            if output_attentions:
+                all_attn += (weights,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden += (hidden_states,)
+        out = BaseModelOutputWithPast(last_hidden_state=hidden_states,
+                                      past_key_values=past_key_values if use_cache else None,
+                                      hidden_states=all_hidden or None, attentions=all_attn or None)
+        return out if return_dict else out.to_tuple()
+
+
+class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {}
+
+    def __init__(self, config: CompressedLlamaConfig):
+        super().__init__(config)
+        self.model = CompressedLlamaModel(config)
+        self.vocab_size = config.vocab_size
+        d = config.residual_size
+        self.head_mix = None
+        self.lm_head = None
+        if config.lm_head == "tied_mixed":
+            self.head_mix = nn.Linear(d, d, bias=False)
+            self.head_mix._is_head_mix = True
+        elif config.lm_head == "separate":
+            self.lm_head = structured_linear(d, config.vocab_size, {**config.lm_head_structure, "bias": False})
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def logits_from_hidden(self, hidden_states):
+        if self.lm_head is not None:
+            return self.lm_head(hidden_states)
+        if self.head_mix is not None:
+            hidden_states = self.head_mix(hidden_states)
+        return self.model.embed_tokens.matrix(hidden_states)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                             return_dict=True, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.logits_from_hidden(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return out if return_dict else out.to_tuple()
+
+
+CompressedLlamaModel.register_for_auto_class("AutoModel")
+CompressedLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["CompressedLlamaForCausalLM", "CompressedLlamaModel", "CompressedLlamaPreTrainedModel",
+           "KroneckerLinear", "GSLinear", "LowRankLinear", "DenseLinear", "cayley_decode"]

@@ -1,0 +1,73 @@
+"""Tiny random models of every supported family (for tests and benchmarks), with every
+parameter that a symmetry could get wrong made non-trivial: norm γ ≠ 1, β ≠ 0, biases ≠ 0.
+GQA where the family has it; odd-ish sizes so head/group slicing mistakes show."""
+
+from __future__ import annotations
+
+import torch
+
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "gptj", "bert", "roberta")
+
+
+def tiny_config(family: str, **overrides):
+    import transformers as T
+
+    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+                  intermediate_size=80)
+    if family in ("llama", "mistral", "qwen2", "qwen3"):
+        cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config,
+               "qwen3": T.Qwen3Config}[family]
+        kw = dict(common, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                  tie_word_embeddings=family in ("llama", "qwen3"),
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        if family == "mistral":
+            kw["sliding_window"] = None
+        cfg = cls(**{**kw, **overrides})
+    elif family == "gpt2":
+        cfg = T.GPT2Config(vocab_size=97, n_embd=48, n_layer=2, n_head=6, n_positions=128, n_inner=80,
+                           bos_token_id=0, eos_token_id=0, **overrides)
+    elif family == "opt":
+        cfg = T.OPTConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, ffn_dim=80,
+                          max_position_embeddings=128, word_embed_proj_dim=48, bos_token_id=0, eos_token_id=0,
+                          pad_token_id=1, **overrides)
+    elif family == "gptj":  # interleaved, partial rotary: 6 of 8 head dims
+        cfg = T.GPTJConfig(vocab_size=97, n_embd=48, n_layer=2, n_head=6, rotary_dim=6, n_inner=80, n_positions=128,
+                           bos_token_id=0, eos_token_id=0, **overrides)
+    elif family in ("bert", "roberta"):
+        cls = T.BertConfig if family == "bert" else T.RobertaConfig
+        cfg = cls(**{**common, "max_position_embeddings": 130, "pad_token_id": 1, **overrides})
+    else:
+        raise ValueError(f"no tiny config for {family!r}; choose from {TINY_FAMILIES}")
+    return cfg
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A randomly initialised model whose norms and biases are all non-trivial."""
+    import transformers as T
+
+    cfg = tiny_config(family, **overrides)
+    cls = {"bert": T.BertModel, "roberta": T.RobertaModel}.get(family, T.AutoModelForCausalLM)
+    torch.manual_seed(seed)
+    model = cls.from_config(cfg) if cls is T.AutoModelForCausalLM else cls(cfg)
+    model = model.to(dtype).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype)
+            if "norm" in name.lower() or name.split(".")[-2].startswith("ln"):
+                p.copy_((1.0 + 0.3 * noise) if name.endswith("weight") else 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(0.2 * noise)
+    return model
+
+
+def input_ids(vocab_size: int = 97, batch: int = 2, length: int = 24, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def outputs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(input_ids=ids)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state

@@ -1,0 +1,83 @@
+"""Shared fixtures: real assets loaded once per session, tiny random models of every family,
+and float64-exact RMSNorms."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests never reach the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _exact_rmsnorm_forward(self, hidden_states):
+    # transformers' RMSNorms compute in float32 even for float64 inputs, which would cap
+    # float64 exactness tests at ~1e-7; this keeps the input dtype.
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _exact_gptj_attn(self, query, key, value, attention_mask=None):
+    # GPT-J computes attention scores in float32 whatever the input dtype; keep float64.
+    attn_weights = torch.matmul(query, key.transpose(-1, -2)) / self.scale_attn
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1)
+    return torch.matmul(attn_weights, value), attn_weights
+
+
+@pytest.fixture
+def exact_rmsnorm(monkeypatch):
+    """float64-exact transformers modules: RMSNorms and GPT-J attention keep the input dtype."""
+    from transformers.models.gptj import modeling_gptj
+
+    monkeypatch.setattr(modeling_gptj.GPTJAttention, "_attn", _exact_gptj_attn)
+    from transformers.models.llama import modeling_llama
+    from transformers.models.mistral import modeling_mistral
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    for cls in (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
+                modeling_qwen3.Qwen3RMSNorm):
+        monkeypatch.setattr(cls, "forward", _exact_rmsnorm_forward)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from hf_symmetry.assets import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def minilm_dir():
+    from hf_symmetry.assets import minilm_dir
+
+    return minilm_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    from hf_symmetry.evaluation.compare import load_model
+
+    return load_model(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def eval_ids(smollm2_tokenizer):
+    """512 tokens of real held-out prose (SmolLM2 tokenizer)."""
+    from hf_symmetry.assets import text_path
+    from hf_symmetry.evaluation import read_text, tokenize_text
+
+    return tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-eval")), max_tokens=512)

@@ -1,0 +1,287 @@
+"""``compress``: the compressed Llama family (structured layers, per-segment rotations with skip matrices,
+tied head with its change of basis, SliceGPT slicing), parameter accounting, refusals of bad input,
+the CLI, and on SmolLM2: full-rank exactness and loading as remote code without hf_symmetry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+
+import hf_symmetry  # noqa: F401  (registers the family)
+from hf_symmetry.cli import main
+from hf_symmetry.conversion import compress as C
+from hf_symmetry.symmetry import structured as S
+from hf_symmetry.symmetry.groups import haar_orthogonal, rng
+from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+
+def _source(model):
+    return C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
+
+
+def _full_rank(plan: C.Plan) -> C.Plan:
+    """Every structure at full rank: the compressed model must then be the original function."""
+    for m in plan.matrices:
+        s = m.structure
+        if s.kind == "kron":
+            m.structure = S.Kron(s.shape, s.max_rank, s.a_shape)
+        elif s.kind == "gs":
+            m.structure = S.GS(s.shape, s.kl, s.kr, min(s.tile))
+        elif s.kind == "lowrank":
+            m.structure = S.LowRank(s.shape, min(s.shape))
+    return plan
+
+
+def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=torch.float64, seed=0):
+    """Full-rank structures projected at random per-segment rotations (so skips and the head's change of
+    basis are far from the identity)."""
+    config = model.config.to_dict()
+    options = C.CompressOptions(structure=structure, ratio=0.25, stage="f", q_mode=q_mode, f_iters=0, tolerance=1.0)
+    src = _source(model)
+    plan = _full_rank(C.plan_for(src, config, options)[0])
+    n_seg = 2 * plan.n_layers + 1
+    if q_mode == "segment":
+        Qs = [haar_orthogonal(plan.hidden, rng(seed, k)) for k in range(n_seg)]
+    else:
+        Qs = [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg
+    state, cfg, _ = C.compress_tensors(src, config, options, dtype=dtype, progress=False, plan=plan,
+                                       hf_config=model.config, rotations=Qs)
+    return C.build_model(state, cfg, dtype)[0], cfg
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("structure", ["kron", "gs"])
+def test_full_rank_compression_reproduces_the_model(family, structure, exact_rmsnorm):
+    """Per-segment rotations, Cayley skips and the tied head's mix (llama) / untied head and biases (qwen2)."""
+    model = tiny_model(family)
+    compressed, cfg = _exact_compression(model, structure)
+    assert cfg["skip_connections"] == "orthogonal"
+    assert cfg["lm_head"] == ("tied_mixed" if family == "llama" else "separate")
+    ids = input_ids()
+    ref = outputs(model, ids)
+    assert (outputs(compressed, ids) - ref).abs().max().item() <= 1e-9
+    # negative control: a skip connection left at the identity breaks the function
+    with torch.no_grad():
+        compressed.model.layers[1].mlp_skip.skip_k.zero_()
+        compressed.model.layers[1].mlp_skip.skip_signs.fill_(1.0)
+    assert (outputs(compressed, ids) - ref).abs().max().item() > 1e-3
+
+
+def test_full_width_slicegpt_is_exact(exact_rmsnorm):
+    """SliceGPT's path (PCA rotations, dense skip matrices, norm over the original width) with nothing sliced."""
+    model = tiny_model("llama")
+    config = model.config.to_dict()
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0)
+    src = _source(model)
+    plan = C.plan_for(src, config, options)[0]
+    assert plan.residual < plan.hidden and plan.skip == "dense"
+    plan.residual = plan.hidden
+    for m in plan.matrices:
+        m.structure = S.Dense((m.structure.shape[0], plan.hidden))
+    state, cfg, _ = C.compress_tensors(src, config, options, calib_model=model, calib_ids=calib, dtype=torch.float64,
+                                       progress=False, plan=plan, hf_config=model.config)
+    compressed = C.build_model(state, cfg, torch.float64)[0]
+    ids = input_ids()
+    assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() <= 1e-9
+    with torch.no_grad():
+        compressed.model.layers[0].attn_skip.weight.copy_(torch.eye(plan.hidden))
+    assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() > 1e-3
+
+
+# ----------------------------------------------------------------------------- ratios and parameters
+@pytest.mark.parametrize("q_mode", ["segment", "global"])
+def test_equal_ratios_give_equal_model_sizes(q_mode):
+    model = tiny_model("llama", dtype=torch.float32)
+    calib = input_ids(batch=1, length=160, seed=5)[0]
+    ids = input_ids(batch=1, length=10)
+    totals = {}
+    for structure in ("kron", "gs", "lowrank", "slice"):
+        options = C.CompressOptions(structure=structure, ratio=0.3, stage="w", q_mode=q_mode, f_iters=2,
+                                    calib_seq_len=40, tolerance=0.05, wopp_iters=20)
+        compressed, report = C.compress_model(model, options, calib_ids=calib)
+        acc = report.accounting
+        # parameter counts from the module shapes agree with the plan
+        assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
+        assert abs(acc["ratio_over_compressed"] - 0.3) <= 0.05
+        totals[structure] = acc["compressed_model_params"]
+        out = compressed.generate(ids, max_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 14)
+    p_c = acc["dense_params_of_compressed_matrices"]
+    assert max(totals.values()) - min(totals.values()) <= 0.1 * p_c, totals
+
+
+def test_ratio_is_reported_per_matrix_and_over_the_model():
+    model = tiny_model("qwen2", dtype=torch.float32)
+    options = C.CompressOptions(structure="kron", ratio=0.25, stage="none", tolerance=0.05)
+    compressed, report = C.compress_model(model, options)
+    acc = report.accounting
+    per = acc["per_matrix"]
+    assert per["layers.0.v_proj"]["ratio"] == 0                     # V stays dense, as in the paper
+    assert all(0.2 < per[f"layers.0.{m}"]["ratio"] < 0.3 for m in ("q_proj", "o_proj", "down_proj"))
+    assert sum(p.numel() for p in compressed.parameters()) == acc["compressed_model_params"]
+    dense = sum(p.numel() for p in model.parameters())
+    assert acc["dense_model_params"] == dense
+    assert acc["ratio_over_model"] == pytest.approx(1 - acc["compressed_model_params"] / dense)
+    assert 0 < acc["ratio_over_model"] < acc["ratio_over_compressed"]
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ratio=0.995), "cannot be met|meets ratio"),
+    (dict(ratio=1.5), "ratio must be in"),
+    (dict(ratio=0.0), "ratio must be in"),
+    (dict(structure="kron", kron_factor=5), "does not divide"),
+    (dict(structure="gs", gs_blocks=(5, 4)), "do not divide"),
+    (dict(structure="tucker"), "unknown structure"),
+])
+def test_impossible_requests_are_refused_by_the_plan(kwargs, match):
+    model = tiny_model("llama", dtype=torch.float32)
+    options = C.CompressOptions(**{"stage": "none", **kwargs})
+    with pytest.raises(ValueError, match=match):
+        C.plan_for(_source(model), model.config.to_dict(), options)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "bert"])
+def test_unsupported_families_are_refused(family):
+    model = tiny_model(family, dtype=torch.float32)
+    with pytest.raises(ValueError, match="Llama-family|QK-norm|not a symmetry|residual rotation"):
+        C.plan_for(_source(model), model.config.to_dict(), C.CompressOptions(stage="none"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def test_empty_calibration_text_fails_before_any_work(tiny_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="empty"):
+        C.compress_checkpoint(tiny_dir, out, C.CompressOptions(stage="f"), empty, progress=False)
+    assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
+    assert main(["compress", str(tiny_dir), str(out), "--calib", str(empty), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "empty" in err[0] and not out.exists()
+    # a stage that needs calibration, without any
+    assert main(["compress", str(tiny_dir), str(out), "--stage", "w", "--quiet"]) == 2
+    assert "--calib is required" in capsys.readouterr().err and not out.exists()
+    # an impossible ratio is refused before the calibration text is even read
+    assert main(["compress", str(tiny_dir), str(out), "--ratio", "0.995", "--calib", str(empty), "--quiet"]) == 2
+    assert "ratio" in capsys.readouterr().err and not out.exists()
+
+
+def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(str(i) for i in range(400)))
+    out = tmp_path / "kron"
+    assert main(["compress", str(tiny_dir), str(out), "--structure", "kron", "--ratio", "0.3", "--stage", "w",
+                 "--f-iters", "2", "--calib", str(calib), "--calib-seq-len", "64", "--quiet",
+                 "--json", str(tmp_path / "summary.json")]) == 0
+    text = capsys.readouterr().out
+    assert "removed from the model" in text
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "hf_symmetry_compressed_llama"
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_compressed_llama.CompressedLlamaForCausalLM"
+    assert (out / "modeling_compressed_llama.py").is_file() and (out / "configuration_compressed_llama.py").is_file()
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["accounting"]["compressed_model_params"] == report["accounting"]["compressed_model_params_counted"]
+    assert (out / "README.md").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert sum(p.numel() for p in model.parameters()) + 2 * 2 * cfg["hidden_size"] == \
+        report["accounting"]["compressed_model_params"]    # + the skip signs (buffers)
+    ids = input_ids(batch=1, length=8)
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 11)
+    # refusing to overwrite
+    assert main(["compress", str(tiny_dir), str(out), "--stage", "none", "--quiet"]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+ISOLATED_LOADER = textwrap.dedent("""
+    import json, sys
+    sys.path.append(SITE_PACKAGES)  # -S: no .pth files, so the editable hf_symmetry is not importable
+    try:
+        import hf_symmetry
+    except ImportError:
+        importable = False
+    else:
+        importable = True
+    import torch
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True).eval()
+    ids = load_file(IDS)["ids"]
+    with torch.no_grad():
+        logits = model(ids.unsqueeze(0)).logits[0]
+    save_file({"logits": logits.contiguous()}, OUTPUT)
+    json.dump({"importable": importable, "module": type(model).__module__}, open(OUTPUT + ".json", "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def smollm2_full_rank(smollm2):
+    return _exact_compression(smollm2, "kron", dtype=torch.float32, seed=1)[0]
+
+
+@pytest.mark.slow
+def test_full_rank_compression_of_smollm2_reproduces_its_logits(smollm2, smollm2_full_rank, eval_ids):
+    ref = outputs(smollm2, eval_ids[None])
+    got = outputs(smollm2_full_rank, eval_ids[None])
+    assert (got - ref).abs().max().item() <= 1e-3
+    assert smollm2_full_rank.config.skip_connections == "orthogonal"
+
+
+@pytest.mark.slow
+def test_compressed_smollm2_loads_as_remote_code_without_hf_symmetry(smollm2_full_rank, eval_ids, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "compressed"
+    smollm2_full_rank.save_pretrained(folder)
+    ids = eval_ids[:128]
+    save_file({"ids": ids.contiguous()}, str(tmp_path / "ids.safetensors"))
+    out = str(tmp_path / "logits.safetensors")
+    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(folder)!r}\n"
+            f"IDS = {str(tmp_path / 'ids.safetensors')!r}\nOUTPUT = {out!r}\n" + ISOLATED_LOADER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = json.loads(open(out + ".json").read())
+    assert meta["importable"] is False and meta["module"].startswith("transformers_modules.")
+    with torch.no_grad():
+        ref = smollm2_full_rank(ids[None]).logits[0]
+    assert (load_file(out)["logits"] - ref).abs().max().item() <= 1e-4
+
+
+def test_modeling_files_only_import_torch_and_transformers():
+    import ast
+    from pathlib import Path
+
+    folder = Path(hf_symmetry.__file__).parent / "modeling"
+    allowed = {"torch", "transformers", "huggingface_hub", "__future__"}
+    for name in ("modeling_compressed_llama.py", "configuration_compressed_llama.py"):
+        for node in ast.walk(ast.parse((folder / name).read_text())):
+            if isinstance(node, ast.Import):
+                assert {a.name.split(".")[0] for a in node.names} <= allowed, name
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    assert node.level == 1 and node.module == "configuration_compressed_llama", name
+                else:
+                    assert node.module.split(".")[0] in allowed, name

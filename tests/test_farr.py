@@ -1,0 +1,447 @@
+"""FaRR (fuse and rank reduce) on tiny float64 models of every family it supports: fused-map math,
+exact bias rewrites, rank selection, per-layer-dim models, layout checks with hooks, saving with
+remote code, CLI refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_symmetry import cli
+from hf_symmetry.architectures import Adapter
+from hf_symmetry.conversion.farr import (FarrOptions, analyze, farr_checkpoint, farr_model, farr_state_dict,
+                                         plan_ranks, prepare_layer)
+from hf_symmetry.conversion.stream import DictSource, partition_keys
+from hf_symmetry.evaluation.fused_check import check_fused_layout
+from hf_symmetry.modeling.configuration_farr import qk_parameters, vo_parameters
+from hf_symmetry.symmetry import fused
+from hf_symmetry.symmetry.actions import NotASymmetry
+from hf_symmetry.symmetry.layout import HeadLayout
+from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+DECODERS = ("llama", "mistral", "qwen2", "qwen3")
+ENCODERS = ("bert", "roberta")
+
+
+def _canonical_layer(model, i: int = 0):
+    sd = model.state_dict()
+    adapter = Adapter.from_config(model.config.to_dict(), list(sd))
+    _, per_layer, _ = partition_keys(adapter, list(sd))
+    return prepare_layer(adapter.read_layer(i, {k: sd[k] for k in per_layer[i]}), adapter), adapter
+
+
+# ---------------------------------------------------------------------- math
+def test_fused_svd_is_the_svd_of_the_product():
+    gen = torch.Generator().manual_seed(0)
+    A, B = torch.randn(30, 6, generator=gen, dtype=torch.float64), torch.randn(6, 20, generator=gen, dtype=torch.float64)
+    svd = fused.fused_svd(fused.FusedPair(A, B, 3))
+    assert torch.allclose(svd.S, torch.linalg.svdvals(A @ B)[:6], atol=1e-12)
+    assert torch.allclose(svd.U * svd.S @ svd.Vh, A @ B, atol=1e-12)
+    A_r, B_r = fused.balanced_split(svd, 6)
+    assert torch.allclose(A_r @ B_r, A @ B, atol=1e-12)
+    # balanced: both halves carry √Σ, so their column/row norms agree
+    assert torch.allclose(A_r.norm(dim=0), B_r.norm(dim=1), atol=1e-12)
+
+
+def test_energy_effective_and_stable_rank():
+    S = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)   # energies 9, 4, 1, 0 of 14
+    assert fused.effective_rank(S, 9 / 14) == 1
+    assert fused.effective_rank(S, 0.9) == 2
+    assert fused.effective_rank(S, 0.99) == 3
+    assert fused.effective_rank(S, 1.0) == 3          # τ = 1 is the numerical rank, not the shape
+    assert fused.kept_energy(S, 2) == pytest.approx(13 / 14)
+    assert fused.stable_rank(S) == pytest.approx(14 / 9)
+    assert fused.effective_rank(torch.zeros(4, dtype=torch.float64), 0.9) == 0
+
+
+@pytest.mark.parametrize("tau", [0.0, -0.5, 1.0001, 2.0, float("nan")])
+def test_tau_outside_unit_interval_is_refused(tau):
+    with pytest.raises(ValueError, match="τ must be in"):
+        fused.effective_rank(torch.ones(3), tau)
+    with pytest.raises(ValueError, match="τ must be in"):
+        FarrOptions(tau=tau).validate()
+
+
+def test_alignment_is_one_for_aligned_factors_and_smaller_otherwise():
+    gen = torch.Generator().manual_seed(1)
+    Q1, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen, dtype=torch.float64))
+    Q2, _ = torch.linalg.qr(torch.randn(10, 4, generator=gen, dtype=torch.float64))
+    s = torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64)
+    aligned = fused.FusedPair(Q1 * s, s[:, None] * Q2.T, 1)                 # same inner basis, same order
+    anti = fused.FusedPair(Q1 * s, s.flip(0)[:, None] * Q2.T, 1)            # largest meets smallest
+    assert fused.alignment(aligned) == pytest.approx(1.0)
+    assert fused.alignment(anti) == pytest.approx(float((s * s.flip(0)).pow(2).sum() / s.pow(4).sum()))
+    assert fused.alignment(anti) < 0.5
+
+
+@pytest.mark.parametrize("family,path", [("llama", "vo"), ("qwen2", "vo"), ("bert", "vo"), ("bert", "qk")])
+@pytest.mark.parametrize("rank", [1, 3, 8])
+def test_relative_error_of_each_truncated_map_is_one_minus_kept_energy(family, path, rank):
+    layer, adapter = _canonical_layer(tiny_model(family))
+    L = adapter.layout
+    reduce = fused.reduce_vo if path == "vo" else fused.reduce_qk
+    new, red = reduce(layer, L, rank)
+    small = HeadLayout(L.n_heads, L.n_kv_heads, rank)
+    for g in range(L.n_kv_heads):
+        M = fused.group_pairs(layer, L, path)[g].fused()
+        M_r = fused.group_pairs(new, small, path)[g].fused()
+        rel = float((M - M_r).pow(2).sum() / M.pow(2).sum())
+        assert rel == pytest.approx(1 - red.kept_energy[g], abs=1e-12)
+        assert red.kept_energy[g] == pytest.approx(fused.kept_energy(fused.fused_svd(fused.group_pairs(layer, L, path)[g]).S, rank))
+    if rank == L.head_dim:
+        assert all(k == pytest.approx(1.0) for k in red.kept_energy)
+
+
+def test_value_bias_folds_into_output_bias_and_key_bias_needs_no_rope():
+    layer, adapter = _canonical_layer(tiny_model("qwen2"))   # q/k/v biases, RoPE
+    folded = fused.fold_value_bias(layer, adapter.layout)
+    assert "v.bias" not in folded and "o.bias" in folded
+    with pytest.raises(NotASymmetry, match="RoPE"):
+        fused.drop_key_bias(layer, adapter.layout)
+
+
+def test_dropping_the_key_bias_is_exact_without_rope_but_not_with_it():
+    ids = input_ids()
+    bert = tiny_model("bert")
+    ref = outputs(bert, ids)
+    with torch.no_grad():
+        for layer in bert.encoder.layer:
+            layer.attention.self.key.bias.zero_()
+    assert (outputs(bert, ids) - ref).abs().max() < 1e-12
+    qwen = tiny_model("qwen2")   # negative control: under RoPE q·R(Δ)b_K depends on the key position
+    ref = outputs(qwen, ids)
+    with torch.no_grad():
+        for layer in qwen.model.layers:
+            layer.self_attn.k_proj.bias.zero_()
+    assert (outputs(qwen, ids) - ref).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------- models
+@pytest.mark.parametrize("family,qk", [(f, False) for f in DECODERS + ENCODERS] + [(f, True) for f in ENCODERS])
+def test_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
+    model, ids = tiny_model(family), input_ids()
+    reduced, report = farr_model(model, FarrOptions(tau=1.0, qk=qk))
+    assert all(r == 8 for ranks in report.ranks.values() for r in ranks)
+    assert (outputs(model, ids) - outputs(reduced, ids)).abs().max() < 1e-10
+    # negative control: one direction less in one layer is visible
+    cut, _ = farr_model(model, FarrOptions(params_fraction=0.97, qk=qk))
+    assert (outputs(model, ids) - outputs(cut, ids)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("qwen3", False), ("bert", True)])
+def test_parameter_count_matches_formula_and_numel(family, qk):
+    model = tiny_model(family)
+    reduced, report = farr_model(model, FarrOptions(tau=0.95, qk=qk))
+    cfg = reduced.config
+    assert any(r < 8 for r in report.ranks["vo"])
+    layers = reduced.model.layers if family in DECODERS else reduced.encoder.layer
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", h)
+    for i, layer in enumerate(layers):
+        mods = ([layer.self_attn] if family in DECODERS else [layer.attention.self, layer.attention.output.dense])
+        numel = sum(p.numel() for m in mods for p in m.parameters())
+        assert numel == cfg.attention_parameters(i)
+        q_bias = family in ("qwen2", "bert")
+        qk_dim = report.ranks["qk"][i] if qk else 8
+        expected = (qk_parameters(d, h, kv, qk_dim, q_bias, q_bias and family not in ENCODERS, family == "qwen3")
+                    + vo_parameters(d, h, kv, report.ranks["vo"][i], o_bias=family in ("qwen2", "bert")))
+        assert numel == expected
+    total = sum(p.numel() for p in reduced.parameters())
+    assert report.params_after == total
+    assert report.params_before == sum(p.numel() for p in model.parameters())
+    touched = sum(cfg.attention_parameters(i) for i in range(cfg.num_hidden_layers))
+    untouched_qk = 0 if qk else sum(qk_parameters(d, h, kv, 8, family in ("qwen2", "bert"),
+                                                  family in ("qwen2",), family == "qwen3") for _ in layers)
+    assert report.touchable_params_after == touched - untouched_qk
+
+
+def test_budget_spends_the_fraction_and_shrinks_monotonically():
+    model = tiny_model("bert")
+    _, _, loose = farr_state_dict(model.state_dict(), model.config, FarrOptions(params_fraction=0.8, qk=True))
+    _, _, tight = farr_state_dict(model.state_dict(), model.config, FarrOptions(params_fraction=0.5, qk=True))
+    for rep, frac in ((loose, 0.8), (tight, 0.5)):
+        assert rep.touchable_kept_fraction <= frac
+        assert rep.touchable_kept_fraction > frac - 0.06   # within about one rank increment
+    for p in ("vo", "qk"):
+        assert all(a <= b for a, b in zip(tight.ranks[p], loose.ranks[p]))
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_params_fraction_outside_unit_interval_is_refused(fraction):
+    with pytest.raises(ValueError, match="params_fraction must be in"):
+        FarrOptions(params_fraction=fraction).validate()
+
+
+def test_budget_that_removes_everything_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="removes everything"):
+        farr_state_dict(model.state_dict(), model.config, FarrOptions(params_fraction=0.05))
+
+
+@pytest.mark.parametrize("family,reason", [("llama", "RoPE"), ("qwen3", "QK-norm")])
+def test_qk_reduction_is_refused_where_the_score_map_cannot_be_fused(family, reason):
+    model = tiny_model(family)
+    with pytest.raises(ValueError, match=reason):
+        farr_state_dict(model.state_dict(), model.config, FarrOptions(tau=0.99, qk=True))
+
+
+def test_unsupported_family_and_options_are_refused():
+    gpt2 = tiny_model("gpt2")
+    with pytest.raises(ValueError, match="Llama-family decoders"):
+        farr_state_dict(gpt2.state_dict(), gpt2.config, FarrOptions(tau=0.99))
+    with pytest.raises(ValueError, match="exactly one"):
+        FarrOptions(tau=0.9, params_fraction=0.9).validate()
+    with pytest.raises(ValueError, match="nothing to reduce"):
+        FarrOptions(tau=0.9, vo=False).validate()
+
+
+# ---------------------------------------------------------------------- layout check with hooks
+class _InterleavedGroups(HeadLayout):
+    """Wrong GQA grouping: heads g, g + n_kv, ... instead of the contiguous block HF uses."""
+
+    def heads_of_group(self, group: int) -> range:
+        return range(group, self.n_heads, self.n_kv_heads)
+
+
+class _ShiftedHeads(HeadLayout):
+    """Wrong head slicing: every head reads its neighbour's rows."""
+
+    def rows(self, head: int) -> slice:
+        h = (head + 1) % self.n_heads
+        return slice(h * self.head_dim, (h + 1) * self.head_dim)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "bert", "gpt2", "opt"])
+def test_fused_maps_reproduce_each_heads_contribution(family):
+    model = tiny_model(family)
+    # Llama-family eager attention takes its softmax in float32, so α carries ~1e-8 relative error
+    check = check_fused_layout(model, input_ids(batch=1)[0], tolerance=1e-6)
+    assert check.passed, check.as_dict()
+    assert (check.qk_max_abs_error is not None) == (family in ("bert", "gpt2", "opt"))
+
+
+@pytest.mark.parametrize("family,wrong", [("llama", _InterleavedGroups), ("bert", _ShiftedHeads)])
+def test_layout_check_catches_a_wrong_head_layout(family, wrong):
+    model = tiny_model(family)
+    L = Adapter.from_config(model.config.to_dict(), list(model.state_dict())).layout
+    bad = wrong(L.n_heads, L.n_kv_heads, L.head_dim, L.rotary_dim, L.rope_layout, L.qk_norm)
+    check = check_fused_layout(model, input_ids(batch=1)[0], tolerance=1e-6, layout=bad)
+    assert not check.passed
+    assert check.vo_max_rel_error > 1e-2
+
+
+# ---------------------------------------------------------------------- saving, remote code, CLI
+_REMOTE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.append(SITE_PACKAGES)  # run with -S: no .pth files, so the editable hf_symmetry is not importable
+    try:
+        import hf_symmetry  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        sys.exit("hf_symmetry is importable: the remote-code test would prove nothing")
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModel, AutoModelForCausalLM
+    result = {}
+    for name, auto in (("llama", AutoModelForCausalLM), ("bert", AutoModel)):
+        model = auto.from_pretrained(FOLDER + "/" + name, trust_remote_code=True).eval()
+        ref = load_file(FOLDER + "/expected.safetensors")
+        with torch.no_grad():
+            out = model(input_ids=ref["ids"])
+        got = out.logits if name == "llama" else out.last_hidden_state
+        result[name] = [type(model).__name__, (got - ref[name]).abs().max().item()]
+    print(json.dumps(result))
+""")
+
+
+def test_saved_models_reload_with_and_without_remote_code(tmp_path):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    ids = input_ids(batch=1)
+    expected = {"ids": ids}
+    for family, auto, qk in (("llama", AutoModelForCausalLM, False), ("bert", AutoModel, True)):
+        src = tmp_path / f"src-{family}"
+        tiny_model(family).save_pretrained(src)
+        out = tmp_path / "farr" / family
+        report = farr_checkpoint(src, out, FarrOptions(tau=0.9, qk=qk), progress=False)
+        files = {p.name for p in out.iterdir()}
+        assert {"config.json", "configuration_farr.py", "modeling_farr.py", "farr_report.json"} <= files
+        config = json.loads((out / "config.json").read_text())
+        assert config["model_type"].startswith("hf_symmetry_farr_") and "AutoConfig" in config["auto_map"]
+        assert config["v_head_dims"] == report.ranks["vo"]
+        native = auto.from_pretrained(out).eval()              # registered by importing hf_symmetry
+        remote = auto.from_pretrained(out, trust_remote_code=True).eval()
+        assert (outputs(native, ids) - outputs(remote, ids)).abs().max() == 0
+        # the reduced weights really are smaller, and no value bias came back through the stream
+        assert native.state_dict()[_v_weight(family)].shape[0] < 8 * (2 if family == "llama" else 6) or qk
+        expected[family] = outputs(native, ids).contiguous()
+    save_file(expected, str(tmp_path / "farr" / "expected.safetensors"))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    code = f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(tmp_path / 'farr')!r}\n" + _REMOTE_SCRIPT
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["llama"][0] == "FarrLlamaForCausalLM" and result["bert"][0] == "FarrBertModel"
+    assert result["llama"][1] < 1e-12 and result["bert"][1] < 1e-12
+
+
+def _v_weight(family: str) -> str:
+    return "model.layers.0.self_attn.v_proj.weight" if family == "llama" else "encoder.layer.0.attention.self.value.weight"
+
+
+def test_cli_refuses_bad_input_before_writing_anything(tmp_path, capsys):
+    src = tmp_path / "src"
+    tiny_model("llama").save_pretrained(src)
+    out = tmp_path / "out"
+    for bad in (["--tau", "0"], ["--tau", "1.5"], ["--params-fraction", "0"], ["--params-fraction", "0.01"],
+                ["--tau", "0.9", "--qk"]):
+        assert cli.main(["farr", str(src), str(out), *bad, "--no-verify", "--quiet"]) == 2, bad
+        assert not out.exists()
+    err = capsys.readouterr().err
+    assert "τ must be in (0, 1]" in err and "removes everything" in err and "RoPE" in err
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert cli.main(["farr", str(src), str(out), "--tau", "0.9", "--no-verify", "--quiet"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert cli.main(["spectra", str(src), str(tmp_path / "spec"), "--tau", "1.2", "--quiet"]) == 2
+    assert not (tmp_path / "spec").exists()
+
+
+def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys):
+    src = tmp_path / "src"
+    tiny_model("bert").save_pretrained(src)
+    out = tmp_path / "farr"
+    assert cli.main(["farr", str(src), str(out), "--tau", "0.9", "--vo", "--qk", "--no-verify", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "vo head dims" in text and "qk head dims" in text
+    spec = tmp_path / "spectra"
+    assert cli.main(["spectra", str(src), str(spec), "--tau", "0.9", "0.99", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "layout check" in text and "passed" in text
+    assert {p.name for p in spec.iterdir()} == {"report.json", "effective_rank.png", "vo_spectra.png", "qk_spectra.png"}
+    report = json.loads((spec / "report.json").read_text())
+    assert report["qk"]["available"] and report["layout_check"]["passed"]
+    group = report["layers"][0]["vo"][0]
+    assert set(group["effective_rank"]) == {"0.9", "0.99"} and 0 < group["alignment"] <= 1 + 1e-9
+    # the summary agrees with what farr did at the same τ
+    farr_report = json.loads((out / "farr_report.json").read_text())
+    assert report["summary"]["vo"]["0.9"]["layer_ranks"] == farr_report["ranks"]["vo"]
+
+
+def test_spectra_of_a_rope_model_reports_why_qk_is_not_fused(tmp_path, capsys):
+    src = tmp_path / "src"
+    tiny_model("llama").save_pretrained(src)
+    assert cli.main(["spectra", str(src), str(tmp_path / "spec"), "--quiet"]) == 0
+    assert "score path not fused" in capsys.readouterr().out
+    report = json.loads((tmp_path / "spec" / "report.json").read_text())
+    assert report["paths"] == ["vo"] and "RoPE" in report["qk"]["reason"]
+    assert len(report["layers"][0]["vo"]) == 2 and len(report["layers"][0]["vo"][0]["head_effective_rank"]) == 3
+
+
+def test_analysis_folds_pre_norm_gamma_but_not_post_ln(exact_rmsnorm):
+    llama = tiny_model("llama")
+    sd = llama.state_dict()
+    adapter = Adapter.from_config(llama.config.to_dict(), list(sd))
+    folded = analyze(DictSource(sd), adapter, ("vo",), progress=False)[0].spectra["vo"][0].S
+    W_V = sd["model.layers.0.self_attn.v_proj.weight"].double()[:8] * sd["model.layers.0.input_layernorm.weight"].double()
+    W_O = torch.cat([sd["model.layers.0.self_attn.o_proj.weight"].double()[:, h * 8:(h + 1) * 8] for h in range(3)])
+    assert torch.allclose(folded, torch.linalg.svdvals(W_O @ W_V)[:8], atol=1e-10)
+    bert = tiny_model("bert")
+    layer, _ = _canonical_layer(bert)
+    assert torch.equal(layer["v.weight"], bert.state_dict()["encoder.layer.0.attention.self.value.weight"])
+
+
+def test_plan_respects_tau_per_group_and_takes_the_layer_maximum():
+    model = tiny_model("llama")
+    sd = model.state_dict()
+    adapter = Adapter.from_config(model.config.to_dict(), list(sd))
+    analysis = analyze(DictSource(sd), adapter, ("vo",), progress=False)
+    from hf_symmetry.conversion.farr import farr_target
+
+    options = FarrOptions(tau=0.9)
+    plan = plan_ranks(analysis, options, farr_target(adapter, model.config.to_dict(), list(sd), options))
+    for a, r in zip(analysis, plan.ranks["vo"]):
+        group_ranks = [fused.effective_rank(g.S, 0.9) for g in a.spectra["vo"]]
+        assert r == max(group_ranks)
+        assert all(fused.kept_energy(g.S, r) >= 0.9 - 1e-12 for g in a.spectra["vo"])
+
+
+# ---------------------------------------------------------------------- activation-aware (calibrated) FaRR
+def _moments(X: torch.Tensor):
+    return X.T @ X / X.shape[0], X.mean(0)
+
+
+@pytest.mark.parametrize("family,path", [("llama", "vo"), ("bert", "vo"), ("bert", "qk")])
+def test_weighted_truncation_error_is_one_minus_kept_and_beats_data_free_on_the_data(family, path):
+    layer, adapter = _canonical_layer(tiny_model(family))
+    L = adapter.layout
+    gen = torch.Generator().manual_seed(5)
+    # anisotropic inputs, as real attention inputs are (a few channels dominate)
+    X = torch.randn(400, 48, generator=gen, dtype=torch.float64) * torch.logspace(0, 1.5, 48, dtype=torch.float64)
+    w = fused.InputWeights.from_moments(*_moments(X))
+    X1 = torch.cat([X, torch.ones(400, 1, dtype=X.dtype)], 1)
+    reduce = fused.reduce_vo if path == "vo" else fused.reduce_qk
+    cal, red = reduce(layer, L, 3, weights=w)
+    free, _ = reduce(layer, L, 3)
+    small = HeadLayout(L.n_heads, L.n_kv_heads, 3)
+    for g in range(L.n_kv_heads):
+        pw = fused.weigh(fused.group_pairs(layer, L, path)[g], path, w)
+        pw_r = fused.weigh(fused.group_pairs(cal, small, path)[g], path, w)
+        rel = float((pw.fused() - pw_r.fused()).pow(2).sum() / pw.fused().pow(2).sum())
+        assert rel == pytest.approx(1 - red.kept_energy[g], abs=1e-9)
+
+        def data_error(new):   # error of the map on the actual inputs (both sides for scores)
+            M = fused.group_pairs(layer, L, path)[g]
+            N = fused.group_pairs(new, small, path)[g]
+            m = M.A.shape[0] // M.blocks
+            err = 0.0
+            for j in range(M.blocks):
+                D = M.block(j) @ M.B - N.block(j) @ N.B
+                err += float(((X @ D.T) if path == "vo" else (X1[:, :m] @ D @ X.T)).pow(2).sum())
+            return err
+        assert data_error(cal) <= data_error(free) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("bert", True)])
+def test_calibrated_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
+    model, ids = tiny_model(family), input_ids()
+    reduced, report = farr_model(model, FarrOptions(tau=1.0, qk=qk), calib_ids=input_ids(batch=1, length=60, seed=3)[0])
+    assert report.calibration == {"tokens": 60}
+    assert all(r == 8 for ranks in report.ranks.values() for r in ranks)
+    assert (outputs(model, ids) - outputs(reduced, ids)).abs().max() < 1e-8
+    if family in DECODERS:   # γ is folded after the calibrated truncation: stock norm weights of 1
+        assert torch.equal(reduced.model.layers[0].input_layernorm.weight,
+                           torch.ones_like(reduced.model.layers[0].input_layernorm.weight))
+
+
+def test_reduced_decoder_generates_with_cache_and_attention_backends_agree():
+    model = tiny_model("llama")
+    reduced, report = farr_model(model, FarrOptions(tau=0.8))
+    assert min(report.ranks["vo"]) < 8   # value heads narrower than query/key heads
+    ids = input_ids(batch=1, length=10)
+    sdpa = outputs(reduced, ids)
+    reduced.set_attn_implementation("eager")
+    assert (outputs(reduced, ids) - sdpa).abs().max() < 1e-5   # eager softmax runs in float32
+    reduced.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        gen = reduced.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        # cached decoding equals recomputing the whole prefix each step
+        full = reduced(gen[:, :-1]).logits[0, ids.shape[1] - 1:].argmax(-1)
+    assert torch.equal(full, gen[0, ids.shape[1]:])
+    same, _ = farr_model(model, FarrOptions(tau=1.0))
+    with torch.no_grad():
+        assert torch.equal(same.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+                           model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))

@@ -1,0 +1,315 @@
+"""Merging (seed 000 §5): merge rules against hand-computed cases, the pipeline on tiny models
+(matched statistics, planted pairs, anchors), recipes and refusals, the CLI, and mergekit."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hf_symmetry.cli import main
+from hf_symmetry.conversion import merge as merge_module
+from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
+from hf_symmetry.conversion.merge import merge_state_dicts
+from hf_symmetry.conversion.merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
+from hf_symmetry.conversion.recipe import load_recipe, recipe_from_dict
+from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
+from hf_symmetry.evaluation.compare import model_from_state_dict
+from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+T = torch.tensor
+CALIB = torch.randint(2, 97, (256,), generator=torch.Generator().manual_seed(0))
+
+
+def _sd(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _recipe(method: str, n: int = 2, **extra) -> dict:
+    return {"merge_method": method, "models": [f"m{j}" for j in range(n)], **extra}
+
+
+def _close(a: dict, b: dict, tol: float) -> bool:
+    return all((a[k].double() - b[k].double()).abs().max() <= tol for k in a.keys() & b.keys())
+
+
+# --------------------------------------------------------------------------- rules by hand
+
+
+def test_weighted_average_and_task_arithmetic_by_hand():
+    a, b = T([1.0, 2.0]), T([3.0, 6.0])
+    assert torch.equal(weighted_average([a, b], [1, 3]), T([2.5, 5.0], dtype=torch.float64))
+    assert torch.equal(weighted_average([a, b], [1, 3], normalize=False), T([10.0, 20.0], dtype=torch.float64))
+    base, t1, t2 = T([1.0, 2.0, 3.0]), T([2.0, 2.0, 5.0]), T([0.0, 3.0, 3.0])
+    # deltas [1, 0, 2] and [-1, 1, 0]; weighted sum [0.5, 0.5, 2]; λ = 0.5
+    assert torch.allclose(task_arithmetic(base, [t1, t2], [1.0, 0.5], lam=0.5), T([1.25, 2.25, 4.0], dtype=torch.float64))
+    assert torch.allclose(task_arithmetic(base, [t1, t2], [1.0, 0.5], lam=0.5, normalize=True),
+                          T([1 + 0.25 / 1.5, 2 + 0.25 / 1.5, 3 + 1 / 1.5], dtype=torch.float64))
+
+
+def test_ties_by_hand():
+    base = torch.zeros(4)
+    t1, t2, t3 = T([3.0, -1.0, 2.0, 0.5]), T([-2.0, -2.5, 1.0, 4.0]), T([1.0, 1.5, -4.0, 0.1])
+    # trim to 2 of 4: [3,0,2,0], [0,-2.5,0,4], [0,1.5,-4,0]; elected signs of the sum [3,-1,-2,4]: + - - +;
+    # disjoint means over the agreeing entries: [3, -2.5, -4, 4]
+    expected = T([3.0, -2.5, -4.0, 4.0], dtype=torch.float64)
+    assert torch.equal(ties(base, [t1, t2, t3], [1, 1, 1], [0.5] * 3), expected)
+    # weights [1, 2, 1]: weighted sum [3, -3.5, -2, 8], same signs, weighted means unchanged
+    assert torch.equal(ties(base, [t1, t2, t3], [1, 2, 1], [0.5] * 3), expected)
+    # without normalising: the weighted sums of agreeing entries; λ scales the result
+    assert torch.equal(ties(base, [t1, t2, t3], [1, 2, 1], [0.5] * 3, lam=2.0, normalize=False),
+                       2 * T([3.0, -5.0, -4.0, 8.0], dtype=torch.float64))
+    # density 1: sign election only
+    assert torch.equal(ties(base, [t1, t2], [1, 1], [1, 1]), T([3.0, -1.75, 1.5, 2.25], dtype=torch.float64))
+
+
+def test_fisher_average_by_hand():
+    out = fisher_average([T([1.0, 4.0]), T([3.0, 0.0])], [T([1.0, 3.0]), T([3.0, 1.0])], [1, 1], floor=0)
+    assert torch.equal(out, T([2.5, 3.0], dtype=torch.float64))
+    # zero Fisher everywhere falls back to the weighted average through the floor
+    out = fisher_average([T([1.0]), T([3.0])], [T([0.0]), T([0.0])], [1, 3], floor=1e-12)
+    assert torch.allclose(out, T([2.5], dtype=torch.float64))
+
+
+def test_regmean_solves_the_merged_regression():
+    gen = torch.Generator().manual_seed(1)
+    X = [torch.randn(40, 6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    W = [torch.randn(3, 6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    got = regmean(W, [x.T @ x for x in X], [1.0, 1.0], alpha=1.0)
+    want = torch.linalg.lstsq(torch.cat(X), torch.cat([x @ w.T for x, w in zip(X, W)])).solution.T
+    assert torch.allclose(got, want, atol=1e-12)
+    assert torch.allclose(regmean([W[0], W[0]], [x.T @ x for x in X], [1, 2], alpha=0.5), W[0], atol=1e-12)
+    with pytest.raises(ValueError, match="singular"):
+        regmean(W, [torch.zeros(6, 6)] * 2, [1, 1], alpha=1.0)
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+@pytest.mark.parametrize("method", ["regmean", "fisher", "average"])
+def test_merging_identical_models_returns_that_model(method):
+    sd = _sd(tiny_model("qwen2"))
+    merged = merge_state_dicts([sd, sd], tiny_model("qwen2").config, _recipe(method), calibration_ids=CALIB)
+    assert _close(sd, merged.state_dict, 1e-10)
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("average", {}), ("regmean", {}), ("fisher", {}),
+    ("ties", {"parameters": {"density": 0.5}}), ("task_arithmetic", {"parameters": {"lambda": 0.7}}),
+])
+def test_merging_a_planted_pair_after_matching_returns_the_anchor(method, extra, exact_rmsnorm):
+    model = tiny_model("llama")
+    anchor = _sd(model)
+    planted, cfg = rotate_state_dict(anchor, model.config, RotateOptions(residual="random", scaling=True, seed=5))
+    base = {"base_model": "anchor"} if method in ("ties", "task_arithmetic") else {}
+    dicts = [anchor, planted]
+    recipe = _recipe(method, match={"residual": True, "scaling": True}, **base, **extra)
+    merged = merge_state_dicts(dicts, cfg, recipe, base=anchor if base else None, calibration_ids=CALIB)
+    ids = input_ids()
+    got = outputs(model_from_state_dict(merged.outcome.config, merged.state_dict, torch.float64), ids)
+    assert (got - outputs(model, ids)).abs().max() < 1e-9
+    if method == "average":  # negative control: the same merge without matching
+        plain = merge_state_dicts(dicts, cfg, _recipe(method, **extra))
+        bad = outputs(model_from_state_dict(plain.outcome.config, plain.state_dict, torch.float64), ids)
+        assert (bad - outputs(model, ids)).abs().max() > 0.1
+
+
+def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, exact_rmsnorm):
+    a_model, s_model = tiny_model("llama", seed=0), tiny_model("llama", seed=13)
+    anchor, source = _sd(a_model), _sd(s_model)
+    options = {"residual": True, "scaling": True}
+    matched = match_state_dict(anchor, source, s_model.config, MatchOptions(**options))
+    folded = fold_state_dict(anchor, a_model.config)
+
+    seen = []
+    real_fisher = merge_module.fisher_diagonal
+    monkeypatch.setattr(merge_module, "fisher_diagonal",
+                        lambda model, *a, **k: seen.append(model.state_dict()) or real_fisher(model, *a, **k))
+    merge_state_dicts([anchor, source], s_model.config, _recipe("fisher", match=options), calibration_ids=CALIB)
+    assert _close(seen[0], folded.state_dict, 1e-12) and _close(seen[1], matched.state_dict, 1e-12)
+    assert not _close(seen[1], {k: v for k, v in source.items()}, 1e-3)     # not the unmatched source
+
+    grams = []
+    real_regmean = merge_module.regmean
+    monkeypatch.setattr(merge_module, "regmean", lambda W, G, *a, **k: grams.append(G) or real_regmean(W, G, *a, **k))
+    merge_state_dicts([anchor, source], s_model.config, _recipe("regmean", match=options), calibration_ids=CALIB)
+    # Grams recomputed on the matched models, in the order the pipeline visits linear layers
+    from hf_symmetry.architectures import Adapter
+    from hf_symmetry.conversion.calibration import calibration_batches, gram_matrices
+
+    batches = calibration_batches(CALIB)
+    recomputed = []
+    for sd, cfg in ((folded.state_dict, folded.config), (matched.state_dict, matched.config)):
+        m = model_from_state_dict(cfg, sd, torch.float64)
+        recomputed.append(gram_matrices(m, Adapter.from_config(cfg, list(sd)), batches, progress=False))
+    down = [G for G in grams if G[0].shape[0] == 80]   # down_proj inputs (intermediate 80), layers 0 and 1
+    for i, G in enumerate(down):
+        for j in range(2):
+            want = recomputed[j][f"layers.{i}.down_in"]
+            assert (G[j] - want).abs().max() <= 1e-8 * want.abs().max()
+
+
+def test_three_models_anchor_nearest_the_mean_and_the_others_matched():
+    a, b = _sd(tiny_model("llama", seed=0)), _sd(tiny_model("llama", seed=1))
+    middle = {k: (a[k] + b[k]) / 2 + 0.01 * torch.randn_like(a[k]) for k in a}
+    cfg = tiny_model("llama").config
+    out = merge_state_dicts([a, middle, b], cfg, _recipe("average", n=3, match=True)).outcome
+    assert out.anchor == 1
+    assert min(out.anchor_distances.values()) == out.anchor_distances["m1"]
+    assert set(out.distances) == {"m0", "m2"}
+    for d in out.distances.values():
+        assert d["total"]["after"] < d["total"]["before"]
+    # a named anchor wins
+    assert merge_state_dicts([a, middle, b], cfg, _recipe("average", n=3, match=True, anchor="m2")).outcome.anchor == 2
+
+
+# --------------------------------------------------------------------------- recipes and refusals
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"merge_method": "slerp", "models": ["a", "b"]}, "unknown merge method 'slerp'"),
+    ({"merge_method": "ties", "models": ["a", "b"]}, "needs base_model"),
+    ({"merge_method": "task_arithmetic", "models": ["a", "b"]}, "needs base_model"),
+    ({"merge_method": "average", "models": ["a"]}, "at least two models"),
+    ({"merge_method": "average", "models": ["a", "b"], "tokenizer_source": "a"}, "unknown key 'tokenizer_source'"),
+    ({"merge_method": "average", "models": ["a", "b"], "parameters": {"density": 0.5}}, "ties only"),
+    ({"merge_method": "regmean", "models": ["a", "b"], "parameters": {"alpha": 2}}, "alpha must be in"),
+    ({"merge_method": "ties", "base_model": "c", "models": [{"model": "a", "parameters": {"density": 0}}, "b"]},
+     "density"),
+    ({"merge_method": "average", "models": ["a", "b"], "match": {"residual": "yes"}}, "match.residual"),
+    ({"merge_method": "average", "models": ["a", "b"], "anchor": "z"}, "anchor 'z'"),
+    ({"merge_method": "regmean", "models": ["a", "b"], "calibration": False}, "needs calibration"),
+])
+def test_bad_recipes_are_refused_with_one_clear_line(raw, message):
+    with pytest.raises(ValueError, match=message):
+        recipe_from_dict(raw)
+
+
+def test_bad_recipe_file_fails_before_any_work(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"merge_method": "dare_magic", "models": ["nowhere-a", "nowhere-b"]}))
+    assert main(["merge", str(recipe), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown merge method 'dare_magic'" in err[0]
+    assert not (tmp_path / "out").exists()
+    recipe.write_text(yaml.safe_dump({"merge_method": "ties", "models": ["nowhere-a", "nowhere-b"]}))
+    assert main(["merge", str(recipe), str(tmp_path / "out")]) == 2
+    assert "needs base_model" in capsys.readouterr().err
+    assert main(["merge", str(recipe), str(tmp_path / "out"), "--alpha", "0.5"]) == 2
+    assert "cannot be combined with a recipe" in capsys.readouterr().err
+
+
+def _save(model, folder: Path) -> Path:
+    model.to(torch.float32).save_pretrained(folder)
+    return folder
+
+
+def _word_tokenizer(folder: Path) -> None:
+    """A 97-word tokenizer for the tiny models (unknown words map to id 0), so perplexities run."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]"] + "the of and to in a is was by for with as on from that at his it an are which or be".split()
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(97 - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+
+
+def test_incompatible_inputs_are_refused_before_any_work(tmp_path, capsys):
+    a = _save(tiny_model("llama"), tmp_path / "a")
+    b = _save(tiny_model("qwen2"), tmp_path / "b")
+    capsys.readouterr()
+    assert main(["merge", "--method", "average", str(a), str(b), str(tmp_path / "out"), "--quiet"]) == 2
+    assert "is a qwen2 model but" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    g = _save(tiny_model("gpt2"), tmp_path / "g")
+    capsys.readouterr()
+    assert main(["merge", "--method", "fisher", str(g), str(g), str(tmp_path / "out"), "--quiet"]) == 2
+    assert "tokenizer" in capsys.readouterr().err   # fisher needs calibration text, i.e. a tokenizer
+    bert = _save(tiny_model("bert"), tmp_path / "bert")
+    with pytest.raises(ValueError, match="language-model head"):
+        merge_state_dicts([_sd(tiny_model("bert"))] * 2, tiny_model("bert").config, _recipe("fisher"),
+                          calibration_ids=CALIB)
+    assert bert.exists()
+
+
+def test_recipe_cli_streams_a_matched_merge_into_a_stock_folder_with_a_card(tmp_path, capsys):
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    models = [tiny_model("llama", seed=s, dtype=torch.float32) for s in (0, 1, 2)]
+    paths = [_save(m, tmp_path / f"m{j}") for j, m in enumerate(models)]
+    _word_tokenizer(paths[0])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "merge_method": "ties", "base_model": "m0",
+        "models": [{"model": "m1", "parameters": {"weight": 1.0, "density": 0.6}},
+                   {"model": "m2", "parameters": {"weight": 0.5}}],
+        "parameters": {"density": 0.8, "lambda": 0.9},
+        "match": {"residual": True, "scaling": True}, "evaluation": {"tokens": 300}}))
+    out = tmp_path / "merged"
+    assert main(["merge", str(recipe), str(out), "--quiet", "--max-shard-size", "60KB"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()          # streamed into several shards
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    # the same merge in memory
+    r = load_recipe(recipe)
+    assert [m.density for m in r.models] == [0.6, 0.8] and r.models[0].model == str(paths[1])
+    sds = [{k: v.double() for k, v in _sd(m).items()} for m in models]
+    want = merge_state_dicts(sds[1:], models[0].config, r, base=sds[0])
+    got = loaded.state_dict()
+    assert _close({k: v for k, v in want.state_dict.items() if k in got}, got, 1e-5)
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == ["m1 (local)", "m2 (local)", "m0 (local)"]   # every input, paths private
+    assert card.data.hf_symmetry["method"] == "merge/ties"
+    assert "hf_symmetry-merge" in card.data.tags
+    assert set(card.data.hf_symmetry["extra"]["distances"]) == {"m1 (local)", "m2 (local)"}
+    assert "Matching to `m0 (local)`, squared Frobenius distance" in card.text
+    assert str(tmp_path) not in (out / "README.md").read_text()
+    # measured figures: the merge's perplexity as model-index metadata, every input's in the text
+    (result,) = card.data.eval_results
+    assert result.metric_type == "perplexity" and result.metric_value > 1
+    assert "| **this merge** |" in card.text and "| `m2 (local)` |" in card.text
+    assert (out / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert main(["merge", str(recipe), str(out), "--quiet"]) == 2           # non-empty OUT
+    assert "not empty" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- mergekit
+
+
+def _mergekit_yaml() -> str | None:
+    exe = Path(sys.executable).parent / "mergekit-yaml"
+    return str(exe) if exe.is_file() else shutil.which("mergekit-yaml")
+
+
+@pytest.mark.skipif(_mergekit_yaml() is None, reason="mergekit is not installed (pip install '.[test]' installs it)")
+def test_mergekit_linear_merge_of_anchor_and_matched_source_equals_our_average(tmp_path):
+    from safetensors.torch import load_file
+
+    a = _save(tiny_model("llama", seed=0), tmp_path / "anchor")
+    s = _save(tiny_model("llama", seed=6), tmp_path / "source")
+    assert main(["match", str(a), str(s), str(tmp_path / "matched"), "--scaling", "--quiet", "--no-verify"]) == 0
+    recipe = tmp_path / "linear.yaml"
+    recipe.write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32",
+                                      "models": [{"model": str(a), "parameters": {"weight": 1.0}},
+                                                 {"model": str(tmp_path / "matched"), "parameters": {"weight": 1.0}}]}))
+    res = subprocess.run([_mergekit_yaml(), str(recipe), str(tmp_path / "mk")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert main(["merge", str(recipe), str(tmp_path / "ours"), "--quiet"]) == 0   # the same recipe file
+    theirs, ours = load_file(tmp_path / "mk" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    assert set(theirs) == set(ours)
+    for k in ours:
+        assert torch.allclose(theirs[k], ours[k], atol=1e-6, rtol=0), k
+    # and the matched average is closer to the anchor than the plain one
+    anchor, source = load_file(a / "model.safetensors"), load_file(s / "model.safetensors")
+    plain = {k: (anchor[k] + source[k]) / 2 for k in anchor}
+    assert sum((ours[k] - anchor[k]).pow(2).sum() for k in ours) < sum((plain[k] - anchor[k]).pow(2).sum()
+                                                                        for k in ours)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "llama"

@@ -1,0 +1,171 @@
+"""Streaming rotation on disk: sharded input, atomic output, bad input, reproducibility."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_symmetry import cli
+from hf_symmetry.checkpoint import CheckpointReader, ShardedWriter
+from hf_symmetry.conversion import rotate
+from hf_symmetry.conversion.rotate import RotateOptions, rotate_checkpoint, rotate_state_dict
+from hf_symmetry.testing import tiny_model
+
+OPTIONS = RotateOptions(residual="hadamard", heads="random", ffn=True, scaling=True, seed=3)
+
+
+@pytest.fixture
+def tiny_llama_dir(tmp_path) -> Path:
+    model = tiny_model("llama", dtype=torch.float32)
+    out = tmp_path / "tiny-llama"
+    model.save_pretrained(out, max_shard_size="40KB")  # several shards with an index
+    model.generation_config.save_pretrained(out)
+    (out / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    return out
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(folder)
+    return reader.get(reader.keys())
+
+
+def _digest(folder: Path) -> str:
+    """Weights and config (the card records wall time, so it differs run to run)."""
+    h = hashlib.sha256()
+    for f in sorted([*folder.glob("*.safetensors"), *folder.glob("*.json")]):
+        if f.name != "hf_symmetry_card.json":
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def test_sharded_checkpoint_rotates_like_the_in_memory_path(tiny_llama_dir, tmp_path):
+    assert (tiny_llama_dir / "model.safetensors.index.json").exists()
+    out = tmp_path / "out"
+    rotate_checkpoint(tiny_llama_dir, out, OPTIONS, max_shard_size="30KB", progress=False)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    streamed = _tensors(out)
+    in_memory, config = rotate_state_dict(_tensors(tiny_llama_dir), json.loads((tiny_llama_dir / "config.json").read_text()),
+                                          OPTIONS)
+    assert streamed.keys() == in_memory.keys()
+    for k in streamed:
+        assert torch.equal(streamed[k], in_memory[k]), k
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False and config["tie_word_embeddings"] is False
+    for side in ("generation_config.json", "tokenizer_config.json"):
+        assert (out / side).read_bytes() == (tiny_llama_dir / side).read_bytes()
+
+
+def test_rotated_folder_loads_as_stock_model_with_same_logits(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    out = tmp_path / "out"
+    rotate_checkpoint(tiny_llama_dir, out, OPTIONS, progress=False)
+    a = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    b = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(b) is LlamaForCausalLM
+    ids = torch.randint(2, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (a(ids).logits - b(ids).logits).abs().max().item() < 1e-4
+    assert torch.equal(b.model.norm.weight, torch.ones_like(b.model.norm.weight))
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tiny_llama_dir, tmp_path):
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        rotate_checkpoint(tiny_llama_dir, tmp_path / name, RotateOptions(seed=seed), progress=False)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert _digest(tmp_path / "a") != _digest(tmp_path / "c")
+
+
+def test_interrupted_run_leaves_no_output(tiny_llama_dir, tmp_path, monkeypatch):
+    real = rotate.transform_layer
+
+    def crash_on_second_layer(i, *args, **kwargs):
+        if i == 1:
+            raise RuntimeError("injected failure mid-write")
+        return real(i, *args, **kwargs)
+
+    monkeypatch.setattr(rotate, "transform_layer", crash_on_second_layer)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="injected"):
+        rotate_checkpoint(tiny_llama_dir, out, OPTIONS, max_shard_size="10KB", progress=False)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]  # no temporary leftovers
+
+
+def test_overwrite_replaces_only_on_success(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        rotate_checkpoint(tiny_llama_dir, out, OPTIONS, progress=False)
+    assert (out / "keep.txt").read_text() == "precious"
+    rotate_checkpoint(tiny_llama_dir, out, OPTIONS, overwrite=True, progress=False)
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+
+
+def test_writer_output_is_valid_safetensors(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(4).to(torch.bfloat16),
+               "d": torch.tensor(2.5, dtype=torch.float64), "e": torch.tensor([True, False])}
+    writer = ShardedWriter(tmp_path, max_shard_bytes=10**6, metadata={"k": "v"})
+    writer.add(tensors)
+    assert writer.close() == ["model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "k": "v"}
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v)
+
+
+# ----------------------------------------------------------------------------- CLI errors
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    capsys.readouterr()  # drop whatever the fixtures printed
+    code = cli.main(list(map(str, argv)))
+    err = capsys.readouterr().err.strip()
+    return code, err.splitlines()[-1] if err else ""
+
+
+def test_cli_missing_model_path(capsys, tmp_path):
+    code, err = _cli(capsys, "rotate", tmp_path / "nope", tmp_path / "out")
+    assert code == 2 and err.startswith("hf-symmetry rotate: error:") and "does not exist" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_unsupported_model_type(capsys, tmp_path):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    src = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                     vocab_size=20, max_position_embeddings=8)).save_pretrained(src)
+    code, err = _cli(capsys, "rotate", src, tmp_path / "out", "--no-verify")
+    assert code == 2 and "unsupported model_type 'gpt_neox'" in err and "llama" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_nonempty_out(capsys, tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("x")
+    code, err = _cli(capsys, "rotate", tiny_llama_dir, out, "--no-verify")
+    assert code == 2 and "--overwrite" in err
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_cli_corrupt_safetensors(capsys, tiny_llama_dir, tmp_path, damage):
+    shard = sorted(tiny_llama_dir.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" if damage == "header" else data[:-100])
+    code, err = _cli(capsys, "rotate", tiny_llama_dir, tmp_path / "out", "--no-verify")
+    assert code == 2 and "corrupt safetensors" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_refused_symmetry_is_one_line(capsys, tmp_path):
+    src = tmp_path / "bert"
+    tiny_model("bert", dtype=torch.float32).save_pretrained(src)
+    code, err = _cli(capsys, "rotate", src, tmp_path / "out", "--no-verify")
+    assert code == 2 and "post-LN" in err
+    code, _ = _cli(capsys, "rotate", src, tmp_path / "out", "--no-verify", "--residual", "none", "--quiet")
+    assert code == 0 and (tmp_path / "out" / "model.safetensors").exists()
