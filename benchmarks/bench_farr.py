@@ -65,7 +65,7 @@ def _points(model, paths: dict, budgets: tuple[float, ...]):
         yield f"budget {frac:g}", FarrOptions(params_fraction=frac, **paths)
 
 
-def _run_model(model, quality, paths: dict, budgets, moments) -> list[dict]:
+def _run_model(model, quality, paths: dict, budgets, moments, original: float) -> list[dict]:
     rows = []
     for label, options in _points(model, paths, budgets):
         row = {"point": label}
@@ -73,6 +73,11 @@ def _run_model(model, quality, paths: dict, budgets, moments) -> list[dict]:
         row.update(kept_fraction=rep.touchable_kept_fraction, removed=rep.params_before - rep.params_after,
                    removed_pct_model=100 * (rep.params_before - rep.params_after) / rep.params_before,
                    ranks=rep.ranks)
+        if all(r == rep.head_dim for ranks in rep.ranks.values() for r in ranks):
+            # nothing truncated: every method is the original up to float round-off
+            rows.append({**row, **{m: original for m in ("farr", "farr-cal", *list(METHODS)[1:])}, "full_rank": True})
+            print(json.dumps({"point": label, "full_rank": True}), flush=True)
+            continue
         row["farr"] = quality(reduced)
         for name, basis in list(METHODS.items())[1:]:
             same = FarrOptions(tau=options.tau, params_fraction=options.params_fraction, basis=basis, **paths)
@@ -98,7 +103,7 @@ def bench_smollm2() -> dict:
 
     base = quality(model)
     print(f"SmolLM2 perplexity {base:.4f}", flush=True)
-    rows = _run_model(model, quality, {"vo": True, "qk": False}, (0.95, 0.9, 0.8), moments)
+    rows = _run_model(model, quality, {"vo": True, "qk": False}, (0.95, 0.9, 0.8), moments, base)
     return {"model": str(src), "metric": f"perplexity, {ids.numel()} tokens of britannica-eval, windows of {WINDOW}",
             "original": base, "params": sum(p.numel() for p in model.parameters()), "vo": rows}
 
@@ -124,7 +129,7 @@ def bench_minilm() -> dict:
               "params": sum(p.numel() for p in model.parameters())}
     for key, paths in (("vo", {"vo": True, "qk": False}), ("qk+vo", {"vo": True, "qk": True})):
         print(f"MiniLM {key}", flush=True)
-        result[key] = _run_model(model, quality, paths, (0.9, 0.75, 0.5), moments)
+        result[key] = _run_model(model, quality, paths, (0.9, 0.75, 0.5), moments, 1.0)
     return result
 
 

@@ -51,8 +51,9 @@ def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=tor
         Qs = [haar_orthogonal(plan.hidden, rng(seed, k)) for k in range(n_seg)]
     else:
         Qs = [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg
+    counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))  # stage F's token weights
     state, cfg, _ = C.compress_tensors(src, config, options, dtype=dtype, progress=False, plan=plan,
-                                       hf_config=model.config, rotations=Qs)
+                                       hf_config=model.config, rotations=Qs, stats=counts)
     return C.build_model(state, cfg, dtype)[0], cfg
 
 
@@ -98,22 +99,22 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
 
 
 # ----------------------------------------------------------------------------- ratios and parameters
-@pytest.mark.parametrize("q_mode", ["segment", "global"])
+@pytest.mark.parametrize("q_mode", ["segment"])
 def test_equal_ratios_give_equal_model_sizes(q_mode):
     model = tiny_model("llama", dtype=torch.float32)
     calib = input_ids(batch=1, length=160, seed=5)[0]
     ids = input_ids(batch=1, length=10)
     totals = {}
     for structure in ("kron", "gs", "lowrank", "slice"):
-        options = C.CompressOptions(structure=structure, ratio=0.3, stage="w", q_mode=q_mode, f_iters=2,
-                                    calib_seq_len=40, tolerance=0.05, wopp_iters=20)
+        options = C.CompressOptions(structure=structure, ratio=0.3, stage="w", q_mode=q_mode, f_iters=1,
+                                    als_iters=2, calib_seq_len=40, tolerance=0.05, wopp_iters=10)
         compressed, report = C.compress_model(model, options, calib_ids=calib)
         acc = report.accounting
         # parameter counts from the module shapes agree with the plan
         assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
         assert abs(acc["ratio_over_compressed"] - 0.3) <= 0.05
         totals[structure] = acc["compressed_model_params"]
-        out = compressed.generate(ids, max_new_tokens=4, do_sample=False)
+        out = compressed.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         assert out.shape == (1, 14)
     p_c = acc["dense_params_of_compressed_matrices"]
     assert max(totals.values()) - min(totals.values()) <= 0.1 * p_c, totals
@@ -159,8 +160,15 @@ def test_unsupported_families_are_refused(family):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
+    """A tiny Llama folder with a word-level tokenizer over the words "0" … "96" (its vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     folder = tmp_path_factory.mktemp("tiny_llama")
     tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
     return folder
 
 
@@ -186,9 +194,9 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     from transformers import AutoModelForCausalLM
 
     calib = tmp_path / "calib.txt"
-    calib.write_text(" ".join(str(i) for i in range(400)))
+    calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     out = tmp_path / "kron"
-    assert main(["compress", str(tiny_dir), str(out), "--structure", "kron", "--ratio", "0.3", "--stage", "w",
+    assert main(["compress", str(tiny_dir), str(out), "--structure", "kron", "--ratio", "0.25", "--stage", "w",
                  "--f-iters", "2", "--calib", str(calib), "--calib-seq-len", "64", "--quiet",
                  "--json", str(tmp_path / "summary.json")]) == 0
     text = capsys.readouterr().out
@@ -204,7 +212,7 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     assert sum(p.numel() for p in model.parameters()) + 2 * 2 * cfg["hidden_size"] == \
         report["accounting"]["compressed_model_params"]    # + the skip signs (buffers)
     ids = input_ids(batch=1, length=8)
-    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 11)
+    assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 11)
     # refusing to overwrite
     assert main(["compress", str(tiny_dir), str(out), "--stage", "none", "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err

@@ -28,9 +28,9 @@ def register(sub) -> None:
                      help="energy threshold in (0, 1]: each KV group keeps the fewest singular directions holding "
                           "a fraction τ of its fused map's Σσ²; each layer takes the largest rank of its groups")
     how.add_argument("--params-fraction", type=float,
-                     help="fraction in (0, 1] of the parameters of the projections FaRR rewrites (v_proj+o_proj, "
-                          "plus q_proj+k_proj with --qk; weights and biases) that the result keeps; spent greedily "
-                          "across layers on the most energy per parameter")
+                     help="fraction in (0, 1] of the parameters of the projections FaRR rewrites (v_proj+o_proj "
+                          "for --vo, q_proj+k_proj for --qk, weights and biases, all layers) that the result keeps; "
+                          "spent greedily across layers on the most energy per parameter")
     p.add_argument("--vo", action="store_true", help="reduce the value/output path (the default when --qk is absent)")
     p.add_argument("--qk", action="store_true",
                    help="reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa)")

@@ -185,7 +185,7 @@ def _choose_kron_factor(d: int, kappa: float, user: int | None) -> int:
             raise ValueError(f"Kronecker factor {user} does not divide the hidden size {d}: factor shapes must "
                              f"divide the matrix (try one of {_divisors(d, range(2, 65))})")
         return user
-    options = _divisors(d, _KRON_Q_CANDIDATES)
+    options = _divisors(d, [q for q in _KRON_Q_CANDIDATES if q <= max(2, d // 4)])  # A stays the small factor
     if not options:
         raise ValueError(f"no Kronecker factor in {_KRON_Q_CANDIDATES} divides the hidden size {d}")
     scored = [(abs(max(1, round(kappa * q)) / q - kappa), q) for q in options]
@@ -753,7 +753,8 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     times["calibration"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied)
-    res = solve(plan, layers, globals_, stats, options, progress, rotations)
+    with st.limit_threads(1):
+        res = solve(plan, layers, globals_, stats, options, progress, rotations)
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     state = assemble(plan, layers, globals_, gamma, res, dtype, progress)
@@ -816,13 +817,14 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
         if calib_text is None:
             raise ValueError(f"--calib is required for {'SliceGPT' if options.structure == 'slice' else 'stage ' + options.stage}"
                              " (calibration text: a UTF-8 file or an embedded name)")
-        tokenizer = load_tokenizer(src)
-        calib_ids = tokenize_text(tokenizer, read_text(calib_text), max_tokens=options.calib_tokens)
+        text = read_text(calib_text)          # an empty file fails here, before anything is loaded
+        calib_ids = tokenize_text(load_tokenizer(src), text, max_tokens=options.calib_tokens)
         if calib_ids.numel() < 2:
             raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
     eval_ids = None
     if eval_text is not None:
-        eval_ids = tokenize_text(load_tokenizer(src), read_text(eval_text), max_tokens=eval_tokens)
+        text = read_text(eval_text)
+        eval_ids = tokenize_text(load_tokenizer(src), text, max_tokens=eval_tokens)
     hf_config = AutoConfig.from_pretrained(src)
     dtype = getattr(hf_config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

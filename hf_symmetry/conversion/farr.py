@@ -11,6 +11,12 @@ the most relative energy per parameter.
 
 The output is a FaRR model (:mod:`hf_symmetry.modeling.modeling_farr`): the stock Llama-family
 decoder or BERT/RoBERTa encoder with per-layer head dims, saved with its remote code.
+
+Beyond the seed: the data-free Frobenius metric ignores which input directions real activations
+use, and on SmolLM2 its smallest fused directions turn out to matter (see BENCHMARKS.md). With
+calibration (:func:`attention_input_moments`), each map is measured by its output energy on the
+model's own attention inputs (:class:`fused.InputWeights`) and truncated in that metric: same
+architecture and parameter count, far smaller loss.
 """
 
 from __future__ import annotations
@@ -46,9 +52,9 @@ REPORT_FILE = "farr_report.json"
 @dataclass(frozen=True)
 class FarrOptions:
     """Exactly one of ``tau`` (per-group energy threshold) and ``params_fraction`` (the fraction of the
-    parameters of the projections FaRR rewrites that the result keeps: ``v_proj`` + ``o_proj``, plus
-    ``q_proj`` + ``k_proj`` with ``qk``, weights and biases). ``basis`` other than ``"fused"`` selects
-    the single-factor baselines of the benchmark (see :func:`fused.factor_basis_split`)."""
+    parameters of the projections FaRR rewrites that the result keeps: ``v_proj`` + ``o_proj`` with
+    ``vo``, ``q_proj`` + ``k_proj`` with ``qk``; weights and biases, all layers). ``basis`` other than
+    ``"fused"`` selects the single-factor baselines of the benchmark (see :func:`fused.factor_basis_split`)."""
     tau: float | None = None
     params_fraction: float | None = None
     vo: bool = True
@@ -94,15 +100,6 @@ class FarrTarget:
             return vo_parameters(self.hidden, self.n_heads, self.n_kv, rank, self.o_bias)
         return qk_parameters(self.hidden, self.n_heads, self.n_kv, rank, self.q_bias, self.k_bias)
 
-    @property
-    def model_classes(self) -> dict[str, type]:
-        if self.kind == "decoder":
-            return {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
-                    "AutoModel": modeling_farr.FarrLlamaModel}
-        if self.source_config["model_type"] == "roberta":
-            return {"AutoModel": modeling_farr.FarrRobertaModel}
-        return {"AutoModel": modeling_farr.FarrBertModel}
-
     def make_config(self, vo_dims: list[int] | None, qk_dims: list[int] | None):
         cfg = {k: v for k, v in self.source_config.items()
                if k not in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")}
@@ -116,7 +113,7 @@ class FarrTarget:
             cls = (configuration_farr.FarrRobertaConfig if self.source_config["model_type"] == "roberta"
                    else configuration_farr.FarrBertConfig)
             config = cls(**cfg, qk_head_dims=qk_dims, v_head_dims=vo_dims)
-        config.architectures = [next(iter(self.model_classes.values())).__name__]
+        config.architectures = [next(iter(_classes_for(config).values())).__name__]
         return config
 
 

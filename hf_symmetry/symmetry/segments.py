@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .procrustes import orthogonal_procrustes
-from .structured import Dense, Factors, Gram, Structure, lapack_threads, weighted_error
+from .structured import Dense, Factors, Gram, Structure, limit_threads, weighted_error
 
 Tensor = torch.Tensor
 
@@ -114,7 +114,7 @@ class Term:
         of the reduced term, whose row factor lifts back by ``T`` (:meth:`lift`). The embedding
         (``[vocab, d]``) and FFN matrices then cost ``O(d³)`` per step instead of ``O(k d²)``."""
         P = self.M.T @ (self.M if self.row_gram is None else self.row_gram.apply(self.M))
-        with lapack_threads():
+        with limit_threads():
             lam, V = torch.linalg.eigh((P + P.T) / 2)
         lam = lam.clamp_min(0)
         root = lam.sqrt()
@@ -182,7 +182,7 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
     line search of Zhang & Hager (as in Wen & Yin's feasible method). The best iterate is returned,
     so the result is never worse than ``Q0``. Returns (Q, best objective so far after each step)."""
     if not pairs:
-        with lapack_threads():
+        with limit_threads():
             return orthogonal_procrustes(K), []
 
     def value_and_grad(Q):
@@ -194,7 +194,7 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
         return Q @ ((A - A.T) / 2)
 
     def retract(Y):
-        with lapack_threads():
+        with limit_threads():
             q, r = torch.linalg.qr(Y)
         sign = torch.sign(torch.diagonal(r))
         return q * torch.where(sign == 0, torch.ones_like(sign), sign)

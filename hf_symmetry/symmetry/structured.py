@@ -36,9 +36,10 @@ _RCOND = 1e-12  # relative eigenvalue cut-off of the pseudo-inverses in the exac
 
 
 @contextlib.contextmanager
-def lapack_threads(n: int = 1):
-    """Run LAPACK decompositions single-threaded: torch's multithreaded SVD/eigh of the small and
-    medium matrices met here is slower, and collapses (100x) when the cores are shared."""
+def limit_threads(n: int = 1):
+    """Run torch on ``n`` threads inside the block. The solver's matrices are small or medium
+    (at most ``d x d`` after the Gram reduction): there torch's thread pool is slower than one thread
+    for LAPACK decompositions, and on shared cores its spinning makes even small matmuls 10-100x slower."""
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -113,7 +114,7 @@ class Gram:
             s = self.diag.clamp_min(0).sqrt()
             inv = torch.where(s > _RCOND ** 0.5 * s.max().clamp_min(1e-300), 1.0 / s, torch.zeros_like(s))
             return torch.diag(s), torch.diag(inv)
-        with lapack_threads():
+        with limit_threads():
             lam, V = torch.linalg.eigh((self.matrix + self.matrix.T) / 2)
         lam = lam.clamp_min(0)
         s = lam.sqrt()
@@ -128,7 +129,7 @@ class Gram:
 def psd_solve(C: Tensor, D: Tensor) -> Tensor:
     """``C⁺ D`` for symmetric PSD ``C`` (eigenvalues below ``1e-12 λ_max`` treated as zero): the
     minimum-norm solution of normal equations, whose right-hand side is always in C's range."""
-    with lapack_threads():
+    with limit_threads():
         lam, V = torch.linalg.eigh((C + C.T) / 2)
     cut = _RCOND * lam.abs().max().clamp_min(1e-300)
     inv = torch.where(lam > cut, 1.0 / lam, torch.zeros_like(lam))
@@ -142,7 +143,7 @@ def weighted_error(D: Tensor, gram: Gram | None = None) -> float:
 
 def truncated_svd(R: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     """The top ``r`` singular triplets of ``R`` (or of every matrix in a batch)."""
-    with lapack_threads():
+    with limit_threads():
         U, S, Vh = torch.linalg.svd(R, full_matrices=False)
     return U[..., :r], S[..., :r], Vh[..., :r, :]
 
