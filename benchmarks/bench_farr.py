@@ -13,13 +13,16 @@ and parameter count:
 
 Also writes the `spectra` heatmaps of both models to docs/img/ and a summary plot.
 
-Run: .venv/bin/python benchmarks/bench_farr.py   (writes benchmarks/results/farr.json)
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_farr.py   (writes benchmarks/results/farr.json; torch uses
+OMP_NUM_THREADS threads, 2 when unset; finished points are cached in benchmarks/_cache/farr_points.json, delete it
+for a fresh run)
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -41,6 +44,7 @@ from hf_symmetry.evaluation.perplexity import perplexity, read_text, tokenize_te
 from hf_symmetry.evaluation.spectra_plots import plot_rank_heatmaps  # noqa: E402
 
 RESULTS = HERE / "results"
+POINTS_CACHE = HERE / "_cache" / "farr_points.json"   # finished points, so an interrupted run resumes
 IMG = ROOT / "docs" / "img"
 TAUS = (0.99, 0.999, 0.9999)
 EVAL_TOKENS, WINDOW = 2048, 512
@@ -65,9 +69,24 @@ def _points(model, paths: dict, budgets: tuple[float, ...]):
         yield f"budget {frac:g}", FarrOptions(params_fraction=frac, **paths)
 
 
-def _run_model(model, quality, paths: dict, budgets, moments, original: float) -> list[dict]:
+def _cached_points() -> dict:
+    return json.loads(POINTS_CACHE.read_text()) if POINTS_CACHE.is_file() else {}
+
+
+def _remember(key: str, row: dict) -> None:
+    cache = _cached_points()
+    cache[key] = row
+    POINTS_CACHE.parent.mkdir(parents=True, exist_ok=True)
+    POINTS_CACHE.write_text(json.dumps(cache, indent=1))
+
+
+def _run_model(model, quality, paths: dict, budgets, moments, original: float, tag: str) -> list[dict]:
     rows = []
     for label, options in _points(model, paths, budgets):
+        key = f"{tag}|{label}"
+        if key in _cached_points():
+            rows.append(_cached_points()[key])
+            continue
         row = {"point": label}
         reduced, rep = _convert(model, options)
         row.update(kept_fraction=rep.touchable_kept_fraction, removed=rep.params_before - rep.params_after,
@@ -76,6 +95,7 @@ def _run_model(model, quality, paths: dict, budgets, moments, original: float) -
         if all(r == rep.head_dim for ranks in rep.ranks.values() for r in ranks):
             # nothing truncated: every method is the original up to float round-off
             rows.append({**row, **{m: original for m in ("farr", "farr-cal", *list(METHODS)[1:])}, "full_rank": True})
+            _remember(key, rows[-1])
             print(json.dumps({"point": label, "full_rank": True}), flush=True)
             continue
         row["farr"] = quality(reduced)
@@ -87,6 +107,7 @@ def _run_model(model, quality, paths: dict, budgets, moments, original: float) -
         row["farr-cal"] = quality(cal)
         row["farr-cal_kept_fraction"] = cal_rep.touchable_kept_fraction
         rows.append(row)
+        _remember(key, row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "ranks"}),
               flush=True)
     return rows
@@ -103,7 +124,7 @@ def bench_smollm2() -> dict:
 
     base = quality(model)
     print(f"SmolLM2 perplexity {base:.4f}", flush=True)
-    rows = _run_model(model, quality, {"vo": True, "qk": False}, (0.95, 0.9, 0.8), moments, base)
+    rows = _run_model(model, quality, {"vo": True, "qk": False}, (0.95, 0.9, 0.8), moments, base, "smollm2|vo")
     return {"model": str(src), "metric": f"perplexity, {ids.numel()} tokens of britannica-eval, windows of {WINDOW}",
             "original": base, "params": sum(p.numel() for p in model.parameters()), "vo": rows}
 
@@ -129,7 +150,7 @@ def bench_minilm() -> dict:
               "params": sum(p.numel() for p in model.parameters())}
     for key, paths in (("vo", {"vo": True, "qk": False}), ("qk+vo", {"vo": True, "qk": True})):
         print(f"MiniLM {key}", flush=True)
-        result[key] = _run_model(model, quality, paths, (0.9, 0.75, 0.5), moments, 1.0)
+        result[key] = _run_model(model, quality, paths, (0.9, 0.75, 0.5), moments, 1.0, f"minilm|{key}")
     return result
 
 
@@ -177,12 +198,13 @@ def summary_plot(results: dict) -> str:
 
 
 def main() -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     start = time.perf_counter()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "")
-    results = {"machine": {"cpu": model_name, "cores": 2, "python": platform.python_version(),
-                           "torch": torch.__version__, "date": datetime.date(2026, 11, 21).isoformat()},
+    results = {"machine": {"cpu": model_name, "cores": 2, "threads": torch.get_num_threads(),
+                           "python": platform.python_version(), "torch": torch.__version__,
+                           "date": datetime.date.today().isoformat()},
                "heatmaps": heatmaps(), "smollm2": bench_smollm2(), "minilm": bench_minilm()}
     results["plot"] = summary_plot(results)
     results["seconds"] = time.perf_counter() - start

@@ -346,6 +346,7 @@ def main() -> None:
         start = time.perf_counter()
         results[part] = PARTS[part](args.quick)
         results[part]["wall_seconds"] = time.perf_counter() - start
+        results[part]["machine"] = machine()   # parts may be re-run on their own, on another day
         if not args.quick:
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(results, indent=2) + "\n")

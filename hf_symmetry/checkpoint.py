@@ -1,9 +1,10 @@
 """Streaming safetensors I/O shared by every weight-space conversion.
 
 Peak memory is bounded by what the caller holds (one layer, the embeddings): tensors are
-read on demand from (possibly sharded) safetensors files, and written tensor by tensor
-into shards assembled on disk. Output goes to a temporary
-sibling folder that is renamed into place only when everything succeeded.
+read on demand from (possibly sharded) safetensors files straight into owned buffers, and
+written tensor by tensor into shard files whose header is filled in when the shard closes.
+Output goes to a temporary sibling folder that is renamed into place only when everything
+succeeded.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class CheckpointReader:
             raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face model folder")
         self.config = json.loads(cfg.read_text())
         self.key_to_file: dict[str, str] = {}
+        self._locations: dict[str, tuple] = {}   # key -> (file, dtype, shape, byte offset, byte size)
         index = self.path / INDEX_FILE
         if index.is_file():
             self.key_to_file = dict(json.loads(index.read_text())["weight_map"])
@@ -67,30 +69,45 @@ class CheckpointReader:
                 raise ValueError(f"corrupt checkpoint {self.path}: {fname} lacks {sorted(absent)[:3]} named in the index")
 
     def _header_keys(self, fname: str) -> list[str]:
+        """Keys of one shard, validated by safetensors itself (offsets against the file size);
+        also records where each tensor's bytes lie, for :meth:`get`."""
         try:
             with safe_open(self.path / fname, framework="pt") as f:
-                return list(f.keys())
+                keys = list(f.keys())
+            with open(self.path / fname, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
         except (SafetensorError, OSError, ValueError) as exc:
             raise ValueError(f"corrupt safetensors file {self.path / fname}: {exc}") from None
+        for k in keys:
+            entry = header[k]
+            if entry["dtype"] not in _TORCH_DTYPES:
+                raise ValueError(f"{self.path / fname}: tensor {k} has dtype {entry['dtype']}, which hf_symmetry "
+                                 f"does not read (supported: {', '.join(_TORCH_DTYPES)})")
+            start, end = entry["data_offsets"]
+            self._locations[k] = (fname, _TORCH_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + start, end - start)
+        return keys
 
     def keys(self) -> list[str]:
         return list(self.key_to_file)
 
     def get(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Read the named tensors; each shard is opened once per call and closed again, so
-        no mapping outlives the call."""
+        """Read the named tensors into memory the caller owns. Bytes are read straight into each
+        tensor's buffer (no memory map: a mapped copy would count in RSS next to the owned one)."""
         by_file: dict[str, list[str]] = defaultdict(list)
         for n in names:
             by_file[self.key_to_file[n]].append(n)
         out = {}
         for fname, keys in by_file.items():
-            try:
-                with safe_open(self.path / fname, framework="pt") as f:
-                    for k in keys:
-                        out[k] = f.get_tensor(k).clone()  # own the memory: the mmap closes with the file
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise ValueError(f"corrupt safetensors file {self.path / fname}: {exc}") from None
-        return out
+            with open(self.path / fname, "rb") as f:
+                for k in sorted(keys, key=lambda k: self._locations[k][3]):   # in file order
+                    _, dtype, shape, offset, size = self._locations[k]
+                    t = torch.empty(shape, dtype=dtype)
+                    f.seek(offset)
+                    if size and f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != size:
+                        raise ValueError(f"corrupt safetensors file {self.path / fname}: {k} is truncated")
+                    out[k] = t
+        return {n: out[n] for n in names}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the safetensors headers (no tensor data is read)."""
@@ -115,13 +132,20 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
 class ShardedWriter:
     """Writes tensors into safetensors shards of at most ``max_shard_bytes`` as they come.
 
-    Tensor bytes are spooled straight to disk and the shard file (header + data) is
-    assembled when the shard closes, so memory holds one tensor at a time, whatever the
-    shard size. The format is the documented safetensors layout: an 8-byte little-endian
-    header length, a JSON header padded to 8 bytes, then the raw data."""
+    Memory holds one tensor at a time, whatever the shard size: tensor bytes go straight into
+    the shard file after a reserved header region, and the header is written into that region
+    when the shard closes, padded with spaces (the safetensors format allows trailing
+    whitespace in the header). A header too large for the reservation (thousands of tensors
+    in one shard) falls back to copying the data behind it. The layout is the documented one:
+    an 8-byte little-endian header length, a JSON header padded to 8 bytes, then the raw data."""
+
+    HEADER_RESERVE = 128 * 1024     # ~1000 tensor entries; a few hundred are typical per shard
 
     def __init__(self, folder: Path, max_shard_bytes: int = 2 * 10**9, metadata: dict | None = None):
         self.folder = Path(folder)
@@ -129,7 +153,7 @@ class ShardedWriter:
         self.metadata = {"format": "pt", **{k: str(v) for k, v in (metadata or {}).items()}}
         self.shards: list[tuple[str, list[str]]] = []
         self.total_bytes = 0
-        self._spool = None
+        self._file = None
         self._header: dict[str, dict] = {}
         self._offset = 0
 
@@ -140,30 +164,40 @@ class ShardedWriter:
             size = t.numel() * t.element_size()
             if self._header and self._offset + size > self.max_bytes:
                 self.flush()
-            if self._spool is None:
-                self._spool = open(self.folder / f".spool-{len(self.shards):05d}", "wb")
+            if self._file is None:
+                self._file = open(self.folder / f"shard-{len(self.shards):05d}.tmp", "wb")
+                self._file.seek(self.HEADER_RESERVE)
             data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._spool.write(memoryview(data))
+            self._file.write(memoryview(data))
             self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                                   "data_offsets": [self._offset, self._offset + size]}
             self._offset += size
             self.total_bytes += size
 
     def flush(self) -> None:
-        if self._spool is None:
+        if self._file is None:
             return
-        spool_path = Path(self._spool.name)
-        self._spool.close()
+        path = Path(self._file.name)
         header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)
-        fname = f"shard-{len(self.shards):05d}.tmp"
-        with open(self.folder / fname, "wb") as out, open(spool_path, "rb") as data:
-            out.write(len(header).to_bytes(8, "little"))
-            out.write(header)
-            shutil.copyfileobj(data, out, length=16 * 2**20)
-        spool_path.unlink()
-        self.shards.append((fname, list(self._header)))
-        self._spool, self._header, self._offset = None, {}, 0
+        if 8 + len(header) <= self.HEADER_RESERVE:
+            header += b" " * (self.HEADER_RESERVE - 8 - len(header))
+            self._file.seek(0)
+            self._file.write(len(header).to_bytes(8, "little"))
+            self._file.write(header)
+            self._file.close()
+        else:
+            self._file.close()
+            header += b" " * (-len(header) % 8)
+            spool = path.with_suffix(".spool")
+            os.replace(path, spool)
+            with open(path, "wb") as out, open(spool, "rb") as data:
+                out.write(len(header).to_bytes(8, "little"))
+                out.write(header)
+                data.seek(self.HEADER_RESERVE)
+                shutil.copyfileobj(data, out, length=16 * 2**20)
+            spool.unlink()
+        self.shards.append((path.name, list(self._header)))
+        self._file, self._header, self._offset = None, {}, 0
 
     def close(self) -> list[str]:
         """Flush, give shards their final HF names, write the index when sharded."""

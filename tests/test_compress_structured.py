@@ -194,6 +194,27 @@ def test_stage_w_is_monotone_keeps_q_orthogonal(struct):
 
 
 @pytest.mark.parametrize("stage", ["f", "w"])
+@pytest.mark.parametrize("struct", ["kron", "gs"])
+def test_float32_iterations_match_float64(stage, struct):
+    """``compress`` iterates in float32 (``CompressOptions.solver_dtype``): the objective is non-increasing
+    up to float32 round-off, the returned Q is float64 and orthogonal to float64 round-off, and the result
+    is the float64 solver's (to 0.5 %: the problem is not convex, round-off can move the path a little)."""
+    eye = torch.eye(24, dtype=torch.float64)
+    kwargs = dict(iters=4, als_iters=3, wopp_iters=60)
+    fast = solve_segment(_segment(stage, struct), eye, dtype=torch.float32, **kwargs)
+    exact = solve_segment(_segment(stage, struct), eye, **kwargs)
+    assert all(b <= a * (1 + 1e-5) for a, b in zip(fast.trace, fast.trace[1:])), fast.trace
+    assert fast.Q.dtype == torch.float64 and (fast.Q.T @ fast.Q - eye).abs().max() <= 1e-12
+    assert fast.trace[-1] < 0.99 * fast.trace[0]
+    assert fast.trace[-1] == pytest.approx(exact.trace[-1], rel=5e-3)
+    terms = _segment(stage, struct)
+    solve_segment(terms, eye, dtype=torch.float32, **kwargs)
+    assert all(f.dtype == torch.float64 for t in terms for f in t.factors)
+    Q0 = haar_orthogonal(24, rng(5))                  # no iterations: Q0 itself, not its float32 rounding
+    assert torch.equal(solve_segment(_segment(stage, struct), Q0, iters=0, dtype=torch.float32).Q, Q0)
+
+
+@pytest.mark.parametrize("stage", ["f", "w"])
 @pytest.mark.parametrize("struct", ["kron", "gs_rows_free"])
 def test_gram_reduction_of_tall_terms_is_exact(stage, struct):
     """Row-free structures on tall matrices are solved on ``(MᵀGM)^{1/2}``: the lifted factors have exactly

@@ -100,6 +100,55 @@ def test_relative_error_of_each_truncated_map_is_one_minus_kept_energy(family, p
         assert all(k == pytest.approx(1.0) for k in red.kept_energy)
 
 
+_KEYS = {"llama": ("model.layers.{}.self_attn.", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+         "bert": ("encoder.layer.{}.attention.", {"q": "self.query", "k": "self.key", "v": "self.value",
+                                                   "o": "output.dense"})}
+
+
+def _reduced_layer(model, family: str, i: int) -> dict:
+    """Canonical q/k/v/o tensors of layer ``i`` of a FaRR model, read straight from its state dict
+    (no adapter: an independent reading of the written layout)."""
+    prefix, names = _KEYS["bert" if family in ENCODERS else "llama"]
+    sd = model.state_dict()
+    out = {}
+    for short, name in names.items():
+        for kind in ("weight", "bias"):
+            key = prefix.format(i) + f"{name}.{kind}"
+            if key in sd:
+                out[f"{short}.{kind}"] = sd[key]
+    if family in DECODERS:   # data-free FaRR folds γ before truncating, so the FaRR model's norms are 1
+        gamma = sd[f"model.layers.{i}.input_layernorm.weight"]
+        assert torch.equal(gamma, torch.ones_like(gamma))
+    return out
+
+
+@pytest.mark.parametrize("family,options", [
+    ("llama", FarrOptions(tau=0.9)), ("qwen2", FarrOptions(params_fraction=0.7)),
+    ("bert", FarrOptions(tau=0.9, qk=True)), ("roberta", FarrOptions(params_fraction=0.6, qk=True))])
+def test_reported_kept_energy_is_one_minus_the_written_models_relative_error(family, options):
+    """End to end: the maps of the model FaRR wrote (read from its state dict) differ from the
+    source's fused maps by exactly 1 − the kept energy the report states, group by group."""
+    model = tiny_model(family)
+    reduced, report = farr_model(model, options)
+    L = Adapter.from_config(model.config.to_dict(), list(model.state_dict())).layout
+    assert any(r < L.head_dim for r in report.ranks["vo"])
+    for path, per_layer in report.kept_energy.items():
+        assert len(per_layer) == model.config.num_hidden_layers
+        for i, kept in enumerate(per_layer):
+            source, _ = _canonical_layer(model, i)
+            small = HeadLayout(L.n_heads, L.n_kv_heads, report.ranks[path][i])
+            written = _reduced_layer(reduced, family, i)
+            assert written[f"{path[0]}.weight"].shape[0] == small.n_kv_heads * small.head_dim
+            assert len(kept) == L.n_kv_heads
+            for g in range(L.n_kv_heads):
+                M = fused.group_pairs(source, L, path)[g].fused()
+                M_r = fused.group_pairs(written, small, path)[g].fused()
+                rel = float((M - M_r).pow(2).sum() / M.pow(2).sum())
+                assert rel == pytest.approx(1 - kept[g], abs=1e-10)
+                if options.tau is not None:
+                    assert kept[g] >= options.tau - 1e-12
+
+
 def test_value_bias_folds_into_output_bias_and_key_bias_needs_no_rope():
     layer, adapter = _canonical_layer(tiny_model("qwen2"))   # q/k/v biases, RoPE
     folded = fused.fold_value_bias(layer, adapter.layout)
@@ -298,6 +347,31 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
     assert result["llama"][1] < 1e-12 and result["bert"][1] < 1e-12
 
 
+@pytest.mark.parametrize("family,options,auto", [("llama", FarrOptions(tau=0.9), "AutoModelForCausalLM"),
+                                                  ("bert", FarrOptions(params_fraction=0.8, qk=True), "AutoModel")])
+def test_model_card_carries_the_rank_heatmap(tmp_path, family, options, auto):
+    from huggingface_hub import ModelCard
+
+    src = tmp_path / "src"
+    tiny_model(family).save_pretrained(src)
+    out = tmp_path / "farr"
+    report = farr_checkpoint(src, out, options, progress=False)
+    png = out / "effective_rank.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    card = ModelCard.load(out / "README.md")   # the YAML header parses
+    assert card.data.library_name == "transformers" and "hf_symmetry-farr" in card.data.tags
+    assert "![" in card.text and "](effective_rank.png)" in card.text
+    record = json.loads((out / "hf_symmetry_card.json").read_text())
+    [plot] = record["data"]["plots"]
+    assert plot["path"] == "effective_rank.png" and "Effective rank" in plot["caption"]
+    assert ("τ = 0.9" in plot["caption"]) == (options.tau is not None)
+    # the farr template: per-layer head dims, the right Auto class for the family, remote code
+    assert ", ".join(map(str, report.ranks["vo"])) in card.text
+    assert f"{auto}.from_pretrained(" in card.text and "trust_remote_code=True" in card.text
+    if family in ENCODERS:
+        assert "AutoModelForCausalLM" not in card.text and "query/key head dims" in card.text
+
+
 def _v_weight(family: str) -> str:
     return "model.layers.0.self_attn.v_proj.weight" if family == "llama" else "encoder.layer.0.attention.self.value.weight"
 
@@ -339,6 +413,9 @@ def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys):
     # the summary agrees with what farr did at the same τ
     farr_report = json.loads((out / "farr_report.json").read_text())
     assert report["summary"]["vo"]["0.9"]["layer_ranks"] == farr_report["ranks"]["vo"]
+    # the report travels with the folder when it is pushed: no local paths in it
+    assert str(tmp_path) not in (out / "farr_report.json").read_text()
+    assert farr_report["source"] == "src (local)" and farr_report["output"] == "farr"
 
 
 def test_spectra_of_a_rope_model_reports_why_qk_is_not_fused(tmp_path, capsys):

@@ -325,5 +325,11 @@ def test_match_cli_writes_a_stock_folder_with_a_card(tmp_path, capsys):
     assert str(tmp_path) not in (out / "README.md").read_text()
     assert "qk_rotation" in card.data.hf_symmetry["extra"]["symmetries"]
     assert "| total |" in card.text
+    # the card shows the per-layer distance plot, a real PNG in the folder; every layer got closer
+    assert "![Relative distance to the anchor per layer" in card.text and "(match_distances.png)" in card.text
+    assert (out / "match_distances.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    layers = report["layer_distances"]
+    assert [r["layer"] for r in layers] == list(range(got.config.num_hidden_layers))
+    assert all(r["relative_after"] < r["relative_before"] for r in layers)
     # refuses a non-empty OUT
     assert main(["match", str(a), str(b), str(out), "--quiet", "--no-verify"]) == 2

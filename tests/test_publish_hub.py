@@ -55,6 +55,15 @@ def tiny_farr_llama():
                                                 max_position_embeddings=128, v_head_dims=[5, 3], o_bias=True))
 
 
+def tiny_farr_bert():
+    from hf_symmetry.modeling.configuration_farr import FarrBertConfig
+    from hf_symmetry.modeling.modeling_farr import FarrBertModel
+
+    return FarrBertModel(FarrBertConfig(vocab_size=V, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                        intermediate_size=40, max_position_embeddings=64, qk_head_dims=[6, 8],
+                                        v_head_dims=[5, 3]), add_pooling_layer=False)
+
+
 def tiny_compressed_llama():
     from hf_symmetry.modeling.configuration_compressed_llama import LAYER_MODULES, CompressedLlamaConfig
     from hf_symmetry.modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
@@ -89,6 +98,7 @@ FAMILIES = {
     "rotated-llama": rotated_llama,
     "tpa": saved(tiny_tpa),
     "farr-llama": saved(tiny_farr_llama),
+    "farr-bert": saved(tiny_farr_bert),                  # an encoder: AutoModel, hidden states
     "compressed-llama": saved(tiny_compressed_llama),
 }
 
@@ -165,7 +175,8 @@ def test_rotate_with_push_to_hub_checks_then_publishes(rotated_push):
 
 def _logits(model, ids):
     with torch.no_grad():
-        return model(input_ids=ids).logits
+        out = model(input_ids=ids)
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
 @pytest.fixture(scope="module")

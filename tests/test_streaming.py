@@ -106,16 +106,70 @@ def test_overwrite_replaces_only_on_success(tiny_llama_dir, tmp_path):
     assert not (out / "keep.txt").exists() and (out / "config.json").exists()
 
 
-def test_writer_output_is_valid_safetensors(tmp_path):
+def test_low_precision_globals_are_rounded_once(tmp_path):
+    """The embeddings of a bfloat16 checkpoint are folded and rotated a block of rows at a time in
+    float64 and rounded once: the same bits as the whole float64 computation rounded at the end."""
+    from hf_symmetry.symmetry import groups
+
+    model = tiny_model("llama", dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)          # a final norm that really folds
+    model = model.to(torch.bfloat16)
+    src = tmp_path / "bf16"
+    model.save_pretrained(src)
+    options = RotateOptions(residual="hadamard", heads="none", ffn=False, seed=5)
+    rotate_checkpoint(src, tmp_path / "out", options, progress=False)
+    got = _tensors(tmp_path / "out")
+    sd = model.state_dict()
+    Q = rotate.residual_rotation(options, model.config.hidden_size)
+    gamma = sd["model.norm.weight"].double()
+    embed = sd["model.embed_tokens.weight"].double()
+    assert got["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(got["model.embed_tokens.weight"], (embed @ Q).to(torch.bfloat16))
+    assert torch.equal(got["lm_head.weight"], ((embed * gamma) @ Q).to(torch.bfloat16))
+    # negative control: rounding after the fold and again after the rotation gives other bits
+    twice = ((embed * gamma).to(torch.bfloat16).double() @ Q).to(torch.bfloat16)
+    assert not torch.equal(got["lm_head.weight"], twice)
+    assert isinstance(Q, groups.RandomHadamard)
+
+
+def test_actions_copy_plain_dicts_and_update_given_ones_in_place():
+    from hf_symmetry.symmetry import actions
+
+    layer = {"up.weight": torch.randn(6, 4), "gate.weight": torch.randn(6, 4), "down.weight": torch.randn(4, 6)}
+    before = {k: v.clone() for k, v in layer.items()}
+    perm = torch.tensor([2, 0, 1, 5, 4, 3])
+    out = actions.permute_ffn(layer, perm)
+    assert out is not layer and all(torch.equal(layer[k], before[k]) for k in layer)   # the caller's dict is intact
+    given = actions.OwnedTensors(layer)
+    same = actions.permute_ffn(given, perm)
+    assert same is given and torch.equal(given["up.weight"], before["up.weight"][perm])
+    assert all(torch.equal(out[k], given[k]) for k in out)
+
+
+@pytest.mark.parametrize("reserve", [ShardedWriter.HEADER_RESERVE, 64], ids=["header-in-place", "header-copied"])
+def test_writer_output_is_valid_safetensors(tmp_path, monkeypatch, reserve):
+    """Both ways of writing the header (into the reserved region; behind-the-data copy when it
+    does not fit) give files that safetensors reads back exactly, and sharding by size works."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(ShardedWriter, "HEADER_RESERVE", reserve)
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(4).to(torch.bfloat16),
                "d": torch.tensor(2.5, dtype=torch.float64), "e": torch.tensor([True, False])}
     writer = ShardedWriter(tmp_path, max_shard_bytes=10**6, metadata={"k": "v"})
     writer.add(tensors)
     assert writer.close() == ["model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]   # no spool files left
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt", "k": "v"}
         for k, v in tensors.items():
             assert torch.equal(f.get_tensor(k), v)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    writer = ShardedWriter(sharded, max_shard_bytes=64)
+    writer.add({k: v for k, v in tensors.items() if k in "ab"})
+    assert writer.close() == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert torch.equal(load_file(str(sharded / "model-00002-of-00002.safetensors"))["b"], tensors["b"])
 
 
 # ----------------------------------------------------------------------------- CLI errors

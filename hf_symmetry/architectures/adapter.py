@@ -232,13 +232,15 @@ class Adapter:
         wanted = {f"{n}.{k}" for n in self._global_names().values() for k in ("weight", "bias")}
         return [k for k in keys if k in wanted]
 
-    def read_globals(self, tensors: Tensors) -> Tensors:
+    def read_globals(self, tensors: Tensors, dtype: torch.dtype | None = torch.float64) -> Tensors:
+        """Canonical globals: owned copies in ``dtype`` (``None``: each tensor's own dtype, for
+        callers that compute on vocabulary-sized matrices a block of rows at a time)."""
         out: Tensors = {}
         for canon, name in self._global_names().items():
             for kind in ("weight", "bias"):
                 t = tensors.get(f"{name}.{kind}")
                 if t is not None:
-                    out[f"{canon}.{kind}"] = t.to(torch.float64, copy=True)
+                    out[f"{canon}.{kind}"] = t.to(dtype or t.dtype, copy=True)
         return out
 
     def write_globals(self, canon: Tensors, like: dict) -> Tensors:

@@ -73,3 +73,21 @@ def push_if_requested(args, out_dir, lines: list[str] | None = None) -> dict | N
     if lines is not None:
         lines.append(f"  pushed {len(result.files)} files ({result.bytes / 1e6:.1f} MB) to {result.commit_url}")
     return result.as_dict()
+
+
+def verify_and_record(args, original, out_dir, lines: list[str], names: tuple[str, str] = ("original", "converted"),
+                      against: str = ""):
+    """Compare ``out_dir`` with ``original`` on ``--text`` (max |Δ| and perplexities), append the
+    figures to ``lines`` and to the folder's model card. Returns the :class:`Verification`."""
+    from ..evaluation.bridge import verification_card_entries
+    from ..evaluation.compare import verify
+    from ..hub.cards import update_card
+
+    v = verify(original, out_dir, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
+    lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}|{against} over {v.tokens} tokens: "
+                 f"{v.max_abs_dlogit:.2e}")
+    if v.perplexity_original is not None:
+        lines.append(f"  perplexity: {names[0]} {v.perplexity_original:.4f}, {names[1]} {v.perplexity_converted:.4f} "
+                     f"(Δ {fmt(v.delta_perplexity, '.2e')})")
+    update_card(out_dir, exactness=v.as_dict(), eval_results=verification_card_entries(v))
+    return v

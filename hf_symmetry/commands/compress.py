@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.compress import STAGES, STRUCTURES, CompressOptions, compress_checkpoint
-from .common import add_output_args, emit
+from .common import add_output_args, add_push_args, emit, push_if_requested
 
 
 def _blocks(text: str) -> tuple[int, int]:
@@ -51,6 +51,7 @@ def register(sub) -> None:
                    help="held-out text for perplexity of the original and compressed model (e.g. britannica-eval)")
     p.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (default: 4096)")
     add_output_args(p)
+    add_push_args(p)
     p.set_defaults(func=run)
 
 
@@ -79,5 +80,7 @@ def run(args) -> int:
         pp = report.perplexity
         lines.append(f"  perplexity on {pp['tokens']} tokens: original {pp['original']:.3f}, "
                      f"compressed {pp['compressed']:.3f} (x{pp['compressed'] / pp['original']:.3f})")
-    emit(report.as_dict(), lines, args.json_out)
+    summary = report.as_dict()
+    summary["push"] = push_if_requested(args, args.out, lines)
+    emit(summary, lines, args.json_out)
     return 0

@@ -8,10 +8,7 @@ from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..conversion.match import MatchOptions, match_checkpoint, vocabulary_fingerprint
-from ..evaluation.bridge import verification_card_entries
-from ..evaluation.compare import verify
-from ..hub.cards import update_card
-from .common import add_output_args, add_push_args, add_text_args, emit, fmt, push_if_requested
+from .common import add_output_args, add_push_args, add_text_args, emit, push_if_requested, verify_and_record
 
 
 def add_match_args(p, residual_help: str = "") -> None:
@@ -65,14 +62,8 @@ def run(args) -> int:
     elif vocabulary_fingerprint(source) is None:
         lines.append("  verification skipped: SOURCE has no tokenizer")
     else:
-        v = verify(source, args.out, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
-        report.verification = v.as_dict()
-        lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}| against SOURCE over "
-                     f"{v.tokens} tokens: {v.max_abs_dlogit:.2e}")
-        if v.perplexity_original is not None:
-            lines.append(f"  perplexity: SOURCE {v.perplexity_original:.4f}, matched {v.perplexity_converted:.4f} "
-                         f"(Δ {fmt(v.delta_perplexity, '.2e')})")
-        update_card(args.out, exactness=v.as_dict(), eval_results=verification_card_entries(v))
+        report.verification = verify_and_record(args, source, args.out, lines, ("SOURCE", "matched"),
+                                                against=" against SOURCE").as_dict()
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
     emit(summary, lines, args.json_out)

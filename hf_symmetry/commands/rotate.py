@@ -6,10 +6,7 @@ from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..conversion.rotate import RotateOptions, rotate_checkpoint
-from ..evaluation.compare import verify
-from ..evaluation.bridge import verification_card_entries
-from ..hub.cards import update_card
-from .common import add_output_args, add_push_args, add_text_args, emit, fmt, push_if_requested
+from .common import add_output_args, add_push_args, add_text_args, emit, push_if_requested, verify_and_record
 
 
 def register(sub) -> None:
@@ -45,14 +42,7 @@ def run(args) -> int:
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
     if not args.no_verify:
-        v = verify(src, args.out, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
-        report.verification = v.as_dict()
-        lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}| over {v.tokens} tokens: "
-                     f"{v.max_abs_dlogit:.2e}")
-        if v.perplexity_original is not None:
-            lines.append(f"  perplexity: original {v.perplexity_original:.4f}, rotated {v.perplexity_converted:.4f} "
-                         f"(Δ {fmt(v.delta_perplexity, '.2e')})")
-        update_card(args.out, exactness=v.as_dict(), eval_results=verification_card_entries(v))
+        report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated")).as_dict()
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
     emit(summary, lines, args.json_out)

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from ..architectures import Adapter
 from ..checkpoint import CheckpointReader, atomic_output_dir, check_output_dir, copy_side_files
+from ..hub.cards import public_report
 from ..symmetry import actions
 from ..symmetry import structured as st
 from ..symmetry.segments import Term, balance, cayley_encode, solve_segment
@@ -76,7 +77,8 @@ class CompressOptions:
     f_iters: int = 20
     w_iters: int = 1
     als_iters: int = 5
-    wopp_iters: int = 100
+    wopp_iters: int = 50
+    solver_dtype: str = "float32"                # iterations in float32 (fast), final projections in float64
     damping: float = 0.01                        # covariance damping, relative to the mean eigenvalue
     tolerance: float = 0.02                      # largest |achieved ratio − ratio| accepted
     calib_tokens: int = 16384
@@ -98,6 +100,8 @@ class CompressOptions:
         unknown = set(self.dense_modules) - set(_LAYER_MODULES)
         if unknown:
             raise ValueError(f"unknown dense modules {sorted(unknown)}; choose from {sorted(_LAYER_MODULES)}")
+        if self.solver_dtype not in ("float32", "float64"):
+            raise ValueError(f"solver dtype must be float32 or float64, got {self.solver_dtype!r}")
         for name in ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len"):
             if getattr(self, name) < 0 or (name.startswith("calib") and getattr(self, name) < 2):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -489,16 +493,17 @@ class SolveResult:
 def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress):
     segments = _terms(plan, layers, globals_, stats, stage, options)
     traces = {}
+    dtype = getattr(torch, options.solver_dtype)
     if options.q_mode == "global":
         terms = [t for seg, _ in segments for t in seg]
-        res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters)
+        res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters, dtype=dtype)
         Qs = [res.Q] * len(segments)
         traces["global"] = res.trace
         all_terms = terms
     else:
         Qs, all_terms = [], []
         for k, (terms, _) in enumerate(tqdm(segments, desc=desc, unit="segment", disable=not progress)):
-            res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters)
+            res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype)
             Qs.append(res.Q)
             traces[f"segment{k}"] = res.trace
             all_terms += terms
@@ -838,14 +843,16 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
     report.source, report.output = str(src), str(out)
     if eval_ids is not None:
         original = load_model(src)
-        report.perplexity = {"text": str(eval_text), "tokens": int(eval_ids.numel()),
-                             "original": perplexity(original, eval_ids, progress=False).perplexity,
-                             "compressed": perplexity(model, eval_ids, progress=False).perplexity}
+        window, stride = 512, 256
+        report.perplexity = {"text": str(eval_text), "tokens": int(eval_ids.numel()), "window": window,
+                             "stride": stride,
+                             "original": perplexity(original, eval_ids, window, stride, progress=False).perplexity,
+                             "compressed": perplexity(model, eval_ids, window, stride, progress=False).perplexity}
         del original
     with atomic_output_dir(out, overwrite) as tmp:
         model.save_pretrained(tmp)
         copy_side_files(reader.path, tmp)
-        (tmp / REPORT_FILE).write_text(json.dumps(report.as_dict(), indent=2, default=str) + "\n")
+        (tmp / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
         _write_card(tmp, report)
     return report
 
@@ -853,17 +860,18 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
 def _write_card(folder: Path, report: CompressReport) -> None:
     """A README model card via :mod:`hf_symmetry.hub.cards` (the compression record stays in
     ``compression_report.json``)."""
-    from ..hub.cards import perplexity_result, write_card
+    from ..hub.cards import perplexity_result, public_model_label, public_text_label, write_card
 
     acc, opts = report.accounting, report.options
     method = "SliceGPT" if opts["structure"] == "slice" else f"ProcrustesGPT ({opts['structure']}, stage {opts['stage']})"
     results = []
     if report.perplexity:
-        results.append(perplexity_result(report.perplexity["compressed"], report.perplexity["text"],
-                                         report.perplexity["tokens"]))
+        pp = report.perplexity
+        results.append(perplexity_result(pp["compressed"], pp["text"], max_tokens=pp["tokens"], window=pp["window"],
+                                         stride=pp["stride"], tokens=pp["tokens"]))
     write_card(folder, "compress", {
         "title": f"{Path(report.source).name} compressed with {method}",
-        "summary": (f"Structured compression of `{report.source}` with {method}: "
+        "summary": (f"Structured compression of `{public_model_label(report.source)}` with {method}: "
                     f"{acc['ratio_over_compressed']:.1%} of the compressed matrices' parameters removed "
                     f"({acc['ratio_over_model']:.1%} of the whole model, {acc['compressed_model_params']:,} parameters "
                     f"left). Load with `trust_remote_code=True`."),
@@ -872,5 +880,22 @@ def _write_card(folder: Path, report: CompressReport) -> None:
         "size": {"parameters": acc["compressed_model_params"]},
         "eval_results": results,
         "extra": {"ratio_over_compressed": acc["ratio_over_compressed"], "ratio_over_model": acc["ratio_over_model"],
-                  "perplexity": report.perplexity},
+                  "parameters_before": acc["dense_model_params"], "parameters_after": acc["compressed_model_params"],
+                  "per_matrix": _per_matrix_rows(acc["per_matrix"]),
+                  "perplexity": report.perplexity and {**report.perplexity,
+                                                       "text": public_text_label(report.perplexity["text"])}},
     })
+
+
+def _per_matrix_rows(per_matrix: dict) -> list[dict]:
+    """The accounting's per-matrix entries grouped by module (``layers.3.q_proj`` → ``q_proj``) and
+    structure, for the card."""
+    rows: dict = {}
+    for name, m in per_matrix.items():
+        module = name.split(".")[-1]
+        spec = ", ".join(f"{k}={v}" for k, v in m["structure"].items())
+        row = rows.setdefault((module, spec, m["params"], m["dense_params"]),
+                              {"matrix": module, "count": 0, "structure": spec, "dense_params": m["dense_params"],
+                               "params": m["params"], "ratio": m["ratio"]})
+        row["count"] += 1
+    return list(rows.values())

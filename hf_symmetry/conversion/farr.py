@@ -35,7 +35,7 @@ from ..architectures import Adapter
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size)
 from ..evaluation.compare import write_json
-from ..hub.cards import write_card
+from ..hub.cards import public_report, write_card
 from ..modeling import configuration_farr, modeling_farr
 from ..modeling.configuration_farr import qk_parameters, vo_parameters
 from ..symmetry import fused
@@ -343,7 +343,7 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
         reason = fused.qk_fusion_blocker(adapter.layout)
         report.notes.append(f"query/key kept at full size: {reason}" if reason
                             else "query/key kept at full size (pass qk=True / --qk to reduce them too)")
-    return farr_config, report
+    return farr_config, report, analysis
 
 
 _BUFFERS = ("position_ids", "token_type_ids")   # index buffers some BERT checkpoints carry, not parameters
@@ -362,7 +362,7 @@ def farr_state_dict(state_dict: Tensors, config, options: FarrOptions, progress:
     :func:`attention_input_moments`) switches to the calibrated, activation-aware metric."""
     config = _normalised_config(config)
     sink = DictSink()
-    farr_config, report = _farr(DictSource(state_dict), config, options, sink, progress, moments)
+    farr_config, report, _ = _farr(DictSource(state_dict), config, options, sink, progress, moments)
     tied = bool(config.get("tie_word_embeddings"))
     report.params_before, report.params_after = _param_count(state_dict, tied), _param_count(sink, tied)
     return dict(sink), farr_config, report
@@ -459,7 +459,7 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
         counter = _CountingSink(writer)
-        farr_config, report = _farr(reader, reader.config, options, counter, progress, moments)
+        farr_config, report, analysis = _farr(reader, reader.config, options, counter, progress, moments)
         report.calibration = calibration
         writer.close()
         farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
@@ -469,12 +469,39 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
         report.params_before = _param_count_reader(reader)
         report.params_after = counter.params
         report.seconds = time.perf_counter() - start
-        write_json(tmp / REPORT_FILE, report.as_dict())
-        write_card(tmp, "farr", farr_card_data(src, out, report))
+        write_json(tmp / REPORT_FILE, public_report(report.as_dict()))
+        plots = [write_rank_heatmap(tmp, analysis, reader.config, reader.keys(), report, Path(src).name)]
+        write_card(tmp, "farr", farr_card_data(src, out, report, plots))
     return report
 
 
-def farr_card_data(src, out, report: FarrReport) -> dict:
+HEATMAP_FILE = "effective_rank.png"
+CARD_TAUS = (0.99, 0.999)
+
+
+def write_rank_heatmap(folder: Path, analysis: list[LayerAnalysis], config: dict, keys: list[str], report: FarrReport,
+                       name: str) -> dict:
+    """The `spectra` effective-rank heatmap of the maps FaRR truncated (from the spectra it already
+    computed, so no second pass), written to ``folder``; returns the card's plot entry."""
+    from ..evaluation.spectra_plots import plot_rank_heatmaps
+
+    adapter = Adapter.from_config(config, keys)
+    tau = report.options.get("tau")
+    taus = sorted({*CARD_TAUS, tau} if tau is not None else set(CARD_TAUS))
+    heat = _analysis_report(analysis, adapter, taus, name)
+    plot_rank_heatmaps(heat, folder / HEATMAP_FILE, title=f"Effective rank of the fused attention maps of {name} "
+                                                          "(rows: heads / KV groups, columns: layers)")
+    unit = "head" if adapter.layout.n_kv_heads == adapter.layout.n_heads else "KV group"
+    metric = "activation-aware metric" if report.calibration else "data-free Frobenius metric"
+    chosen = (f"this model was cut at τ = {tau:g}" if tau is not None
+              else "this model's ranks were set by the parameter budget instead of a τ")
+    caption = (f"Effective rank of the source model's fused maps per {unit} and layer at τ ∈ "
+               f"{{{', '.join(f'{t:g}' for t in taus)}}} ({metric}): the fewest singular directions keeping a "
+               f"fraction τ of the map's energy. Each layer's head dim is the largest rank in its column; {chosen}.")
+    return {"path": HEATMAP_FILE, "caption": caption}
+
+
+def farr_card_data(src, out, report: FarrReport, plots: list | None = None) -> dict:
     """What the model card says about a FaRR model (quality figures are added once verified)."""
     paths = " and ".join({"vo": "value/output", "qk": "query/key"}[p] for p in report.ranks)
     how = (f"energy threshold τ = {report.options['tau']}" if report.options["tau"] is not None
@@ -487,7 +514,7 @@ def farr_card_data(src, out, report: FarrReport) -> dict:
                f"The rewritten projections keep {report.touchable_kept_fraction:.1%} of their parameters "
                f"({report.params_before:,} → {report.params_after:,} in the whole model). Custom model class: load "
                "with `trust_remote_code=True` (or `import hf_symmetry`).")
-    return {"title": Path(out).name, "inputs": [str(src)], "summary": summary,
+    return {"title": Path(out).name, "inputs": [str(src)], "summary": summary, "plots": plots or [],
             "parameters": {**{k: v for k, v in report.options.items() if v is not None}, **{
                 f"{p}_head_dims": r for p, r in report.ranks.items()}},
             "notes": "\n".join(f"- {n}" for n in report.notes) or None,
@@ -562,20 +589,30 @@ def spectra_report(source: TensorSource, config: dict, taus: list[float], name: 
     paths = ("vo",) if qk_reason else ("vo", "qk")
     weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
     analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
-    gqa = L.n_kv_heads != L.n_heads
+    plotted = _analysis_report(analysis, adapter, taus, name)
     report = {
         "model_name": name, "model_type": config.get("model_type"), "family": adapter.family,
-        "layout": {"n_heads": L.n_heads, "n_kv_heads": L.n_kv_heads, "head_dim": L.head_dim,
-                   "rotary_dim": L.rotary_dim, "rope_layout": L.rope_layout, "qk_norm": L.qk_norm},
+        "layout": plotted["layout"],
         "paths": list(paths), "taus": taus, "norms_folded": adapter.spec.placement == "pre" and not moments,
         "metric": "activation-aware" if moments else "data-free (Frobenius)",
         "qk": {"available": qk_reason is None, "reason": qk_reason,
                "dims": "non-rotary dims only" if L.rotary_dim and not qk_reason else "all head dims"},
-        "layers": [{"layer": a.layer, **{p: [_group_entry(g, taus, gqa) for g in a.spectra[p]] for p in paths}}
-                   for a in analysis],
+        "layers": plotted["layers"],
         "summary": {p: {f"{t:g}": _tau_summary(analysis, p, t, adapter, config, keys) for t in taus} for p in paths},
     }
     return report
+
+
+def _analysis_report(analysis: list[LayerAnalysis], adapter: Adapter, taus: list[float], name: str) -> dict:
+    """The part of a spectra report the plots read: layout, paths, τs and per-layer group entries."""
+    L = adapter.layout
+    gqa = L.n_kv_heads != L.n_heads
+    paths = list(analysis[0].spectra)
+    return {"model_name": name, "paths": paths, "taus": list(taus),
+            "layout": {"n_heads": L.n_heads, "n_kv_heads": L.n_kv_heads, "head_dim": L.head_dim,
+                       "rotary_dim": L.rotary_dim, "rope_layout": L.rope_layout, "qk_norm": L.qk_norm},
+            "layers": [{"layer": a.layer, **{p: [_group_entry(g, taus, gqa) for g in a.spectra[p]] for p in paths}}
+                       for a in analysis]}
 
 
 def _tau_summary(analysis: list[LayerAnalysis], path: str, tau: float, adapter: Adapter, config: dict,

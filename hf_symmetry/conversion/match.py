@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ..architectures import Adapter, spec_for_model_type
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size, write_config)
+from ..evaluation.distance_plots import plot_layer_distances
 from ..hub.cards import hub_id_of, public_model_label, write_card
 from ..symmetry import actions
 from ..symmetry.layout import HeadLayout
@@ -44,6 +45,7 @@ from .stream import DictSink, DictSource, TensorSource, partition_keys, transfor
 
 Tensors = dict[str, torch.Tensor]
 
+DISTANCE_PLOT = "match_distances.png"  # written next to the weights, shown in the card
 COMPONENTS = ("qk", "vo", "ffn", "norms", "embeddings")
 _LAYER_COMPONENT = {"q": "qk", "k": "qk", "v": "vo", "o": "vo", "gate": "ffn", "up": "ffn", "down": "ffn"}
 _RESIDUAL_READERS = ("q", "k", "v", "gate", "up")
@@ -222,15 +224,22 @@ def _sq(t: torch.Tensor) -> float:
 def squared_distances(anchor: Tensors, source: Tensors, is_global: bool = False) -> dict[str, float]:
     """Squared Frobenius distance per component over the tensors both dicts hold."""
     out = dict.fromkeys(COMPONENTS, 0.0)
+    seen: dict[tuple[int, int], float] = {}    # a tied head aliases the embedding: one subtraction
     for key in anchor.keys() & source.keys():
-        out[component_of(key, is_global)] += _sq(anchor[key].to(torch.float64) - source[key].to(torch.float64))
+        a, s = anchor[key], source[key]
+        if (id(a), id(s)) not in seen:
+            seen[id(a), id(s)] = _sq(a.to(torch.float64) - s.to(torch.float64))
+        out[component_of(key, is_global)] += seen[id(a), id(s)]
     return out
 
 
 def squared_norms(tensors: Tensors, is_global: bool = False) -> dict[str, float]:
     out = dict.fromkeys(COMPONENTS, 0.0)
+    seen: dict[int, float] = {}
     for key, t in tensors.items():
-        out[component_of(key, is_global)] += _sq(t.to(torch.float64))
+        if id(t) not in seen:
+            seen[id(t)] = _sq(t.to(torch.float64))
+        out[component_of(key, is_global)] += seen[id(t)]
     return out
 
 
@@ -241,14 +250,24 @@ class MatchDistances:
     before: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     after: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     anchor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
+    layers: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # i -> (before, after, anchor)
 
-    def add(self, anchor: Tensors, before: Tensors, after: Tensors, is_global: bool = False) -> None:
-        for total, new in ((self.before, squared_distances(anchor, before, is_global)),
-                           (self.after, squared_distances(anchor, after, is_global)),
-                           (self.anchor, squared_norms({k: anchor[k] for k in anchor.keys() & after.keys()},
-                                                       is_global))):
+    def add(self, anchor: Tensors, before: Tensors, after: Tensors, is_global: bool = False,
+            layer: int | None = None) -> None:
+        d_before = squared_distances(anchor, before, is_global)
+        d_after = d_before if after is before else squared_distances(anchor, after, is_global)
+        rows = (d_before, d_after, squared_norms({k: anchor[k] for k in anchor.keys() & after.keys()}, is_global))
+        for total, new in zip((self.before, self.after, self.anchor), rows):
             for k, v in new.items():
                 total[k] += v
+        if layer is not None:
+            self.layers[layer] = tuple(sum(r.values()) for r in rows)
+
+    def per_layer(self) -> list[dict]:
+        """Relative distance ``‖source − anchor‖ / ‖anchor‖`` of each layer, before and after."""
+        return [{"layer": i, "relative_before": math.sqrt(b / n) if n > 0 else 0.0,
+                 "relative_after": math.sqrt(a / n) if n > 0 else 0.0}
+                for i, (b, a, n) in sorted(self.layers.items())]
 
     def summary(self) -> dict:
         """Per component and in total: squared distance before/after, reduction, relative distance
@@ -329,14 +348,23 @@ def _vo_scale(anchor: Tensors, source: Tensors, layout: HeadLayout, g: int) -> f
 
 def _ffn_similarity(anchor: Tensors, source: Tensors) -> torch.Tensor:
     """``C[j, i]`` = inner product of anchor neuron j and source neuron i over up (+gate) rows,
-    their biases and down columns."""
-    C = anchor["up.weight"] @ source["up.weight"].T + anchor["down.weight"].T @ source["down.weight"]
+    their biases and down columns.
+
+    In float32: C only ranks candidate pairings for the assignment (the permutation itself is applied
+    exactly); float32 halves the matching's largest cost and can only swap pairings whose scores tie
+    to ~1e-7 relative, which changes the distance by as little."""
+    def f32(name: str) -> torch.Tensor:
+        return anchor[name].float(), source[name].float()
+
+    (au, su), (ad, sd) = f32("up.weight"), f32("down.weight")
+    C = au @ su.T + ad.T @ sd
     if "gate.weight" in source:
-        C += anchor["gate.weight"] @ source["gate.weight"].T
+        ag, sg = f32("gate.weight")
+        C += ag @ sg.T
     for name in ("up.bias", "gate.bias"):
         if name in source:
-            C += torch.outer(anchor[name], source[name])
-    return C
+            C += torch.outer(*f32(name))
+    return C.double()
 
 
 def align_layer(anchor: Tensors, source: Tensors, layout: HeadLayout, plan: MatchPlan,
@@ -372,7 +400,8 @@ def with_lm_head(g: Tensors, adapter: Adapter) -> Tensors:
     checkpoints compare and merge alike."""
     if adapter.spec.lm_head is None or "lm_head.weight" in g:
         return g
-    return {**g, "lm_head.weight": g["embed.weight"].clone()}
+    # an alias, not a copy (a vocabulary-sized fp64 tensor): nothing downstream writes in place
+    return {**g, "lm_head.weight": g["embed.weight"]}
 
 
 def fold_globals(g: Tensors, adapter: Adapter) -> Tensors:
@@ -467,7 +496,8 @@ class PairMatcher:
             after = before if self.identity else actions.rotate_residual_globals(before, self.solution.residual)
         else:
             before = after = source
-        self.distances.add(with_lm_head(a, ad), with_lm_head(before, ad), with_lm_head(after, ad), is_global=True)
+        b = with_lm_head(before, ad)
+        self.distances.add(with_lm_head(a, ad), b, b if after is before else with_lm_head(after, ad), is_global=True)
         return after
 
     def match_layer(self, i: int, anchor: Tensors, source: Tensors) -> Tensors:
@@ -481,7 +511,7 @@ class PairMatcher:
         if not self.identity:
             found, s = align_layer(a, s, self.adapter.layout, self.plan, found)
         self.solution.layers[i] = found
-        self.distances.add(a, before, s)
+        self.distances.add(a, before, s, layer=i)
         return s
 
 
@@ -629,6 +659,7 @@ class MatchReport:
     distances: dict
     seconds: float
     untied_embeddings: bool = False
+    layer_distances: list[dict] = field(default_factory=list)
     verification: dict = field(default_factory=dict)
 
 
@@ -650,7 +681,10 @@ def match_checkpoint(anchor: str | Path, source: str | Path, out: str | Path, op
         report = MatchReport(anchor=str(anchor), source=str(source), output=str(out), family=adapter.family,
                              symmetries=plan.symmetries(), distances=matcher.distances.summary(),
                              seconds=time.perf_counter() - start,
-                             untied_embeddings=bool(plan.residual and adapter.spec.lm_head and adapter.tied_embeddings))
+                             untied_embeddings=bool(plan.residual and adapter.spec.lm_head and adapter.tied_embeddings),
+                             layer_distances=matcher.distances.per_layer())
+        plot_layer_distances(report.layer_distances, tmp / DISTANCE_PLOT,
+                             f"{Path(source).name} to {Path(anchor).name}: distance per layer")
         write_card(tmp, "match", match_card_data(report, options))
     return report
 
@@ -667,4 +701,6 @@ def match_card_data(report: MatchReport, options: MatchOptions) -> dict:
         "base_model": [hub_id_of(report.source) or source],
         "extra": {"anchor": anchor, "source": source, "symmetries": report.symmetries,
                   "distances": report.distances, "untied_embeddings": report.untied_embeddings},
+        "plots": [{"path": DISTANCE_PLOT, "caption": "Relative distance to the anchor per layer "
+                                                     "(‖source − anchor‖ / ‖anchor‖), before and after matching"}],
     }

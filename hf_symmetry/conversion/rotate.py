@@ -106,14 +106,15 @@ def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOpt
 
 
 def transform_globals(g: Tensors, adapter: Adapter, Q: torch.Tensor | None) -> Tensors:
-    """Fold the final norm and rotate. ``g`` is owned (fresh canonical copies from the stream),
-    so the vocabulary-sized matrices are updated in place."""
+    """Fold the final norm and rotate. ``g`` is owned (fresh copies from the stream, in the
+    checkpoint's dtype), so the vocabulary-sized matrices are updated in place, in float64 a
+    block of rows at a time."""
     if Q is None:
         return g
     g = dict(g)
     if "lm_head.weight" not in g:  # tied: the head is the embedding until the final norm folds in
         g["lm_head.weight"] = g["embed.weight"].clone()
-    return actions.rotate_residual_globals(actions.fold_final_norm(g, inplace=True), Q, inplace=True)
+    return actions.fold_and_rotate_globals_(g, Q)
 
 
 def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]) -> None:
@@ -135,7 +136,8 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
     Q = residual_rotation(options, adapter.hidden)
     transform_checkpoint(source, adapter, sink,
                          layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q),
-                         globals_fn=lambda g: transform_globals(g, adapter, Q), progress=progress, desc="rotate")
+                         globals_fn=lambda g: transform_globals(g, adapter, Q), progress=progress, desc="rotate",
+                         globals_dtype=None, give_layers=True)
     new_config = dict(config)
     untied = Q is not None and adapter.spec.lm_head is not None and adapter.tied_embeddings
     if untied:

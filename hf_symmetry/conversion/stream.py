@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..architectures import Adapter
+from ..symmetry.actions import OwnedTensors
 
 Tensors = dict[str, torch.Tensor]
 LayerFn = Callable[[int, Tensors], Tensors]
@@ -66,11 +67,14 @@ def partition_keys(adapter: Adapter, keys: list[str]) -> tuple[list[str], dict[i
     return global_keys, per_layer, rest
 
 
-def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals_fn: GlobalsFn) -> None:
+def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals_fn: GlobalsFn,
+                       dtype: torch.dtype | None = torch.float64) -> None:
     """Globals are vocabulary-sized: drop the raw tensors once they are canonical, and cast and
-    write the results one at a time, so no more than one extra copy is ever alive."""
+    write the results one at a time, so no more than one extra copy is ever alive. With
+    ``dtype=None`` they stay in the checkpoint's dtype (``globals_fn`` then computes in float64
+    a block of rows at a time)."""
     dtypes = {k: v.dtype for k, v in raw.items()}
-    canonical = adapter.read_globals(raw)
+    canonical = adapter.read_globals(raw, dtype)
     raw.clear()
     new = globals_fn(canonical)
     del canonical
@@ -79,12 +83,17 @@ def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals
 
 
 def transform_checkpoint(source: TensorSource, adapter: Adapter, sink: TensorSink, layer_fn: LayerFn,
-                         globals_fn: GlobalsFn, progress: bool = True, desc: str = "layers") -> None:
+                         globals_fn: GlobalsFn, progress: bool = True, desc: str = "layers",
+                         globals_dtype: torch.dtype | None = torch.float64, give_layers: bool = False) -> None:
+    """``give_layers``: ``layer_fn`` gets each canonical layer as :class:`OwnedTensors`, which the
+    symmetry actions update in place (for conversions that never look at a layer's old state)."""
     global_keys, per_layer, rest = partition_keys(adapter, source.keys())
-    write_globals_lean(source.get(global_keys), adapter, sink, globals_fn)
+    write_globals_lean(source.get(global_keys), adapter, sink, globals_fn, globals_dtype)
     for i in tqdm(range(adapter.n_layers), desc=desc, disable=not progress, unit="layer"):
         raw = source.get(per_layer[i])
         canonical = adapter.read_layer(i, raw)
+        if give_layers:
+            canonical = OwnedTensors(canonical)
         modeled = adapter.modeled_layer_keys(i)
         passthrough = {k: v for k, v in raw.items() if k not in modeled}  # e.g. rotary buffers
         dtypes = {k: v.dtype for k, v in raw.items()}

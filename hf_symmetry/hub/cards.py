@@ -23,7 +23,10 @@ import os
 import re
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from huggingface_hub import EvalResult
 
 CARD_RECORD = "hf_symmetry_card.json"
 README = "README.md"
@@ -240,6 +243,20 @@ def public_model_label(model: str | os.PathLike) -> str:
     """How an input model is named in a public card: its Hub id where known, else the folder
     name (local paths stay private)."""
     return hub_id_of(model) or f"{Path(str(model)).name} (local)"
+
+
+def public_report(report: dict) -> dict:
+    """A conversion report as it may be published with its folder: ``source`` by its public
+    label, ``output`` by folder name, and every ``text`` entry of a nested dict by its label."""
+    out = dict(report)
+    if out.get("source"):
+        out["source"] = public_model_label(out["source"])
+    if out.get("output"):
+        out["output"] = Path(str(out["output"])).name
+    for key, value in out.items():
+        if isinstance(value, dict) and value.get("text"):
+            out[key] = {**value, "text": public_text_label(value["text"])}
+    return out
 
 
 def public_text_label(text: str | os.PathLike) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -43,9 +43,20 @@ def _scale_row_blocks(W: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (W.reshape(n, -1) * scales[:, None]).reshape(W.shape)
 
 
+class OwnedTensors(dict):
+    """A layer dict whose holder gave it away (the streaming loop, for conversions that opt in):
+    actions then update it in place, so each replaced tensor is freed at once instead of the
+    whole layer being held twice. Plain dicts are never modified."""
+
+
+def _new_dict(layer: Tensors) -> Tensors:
+    return layer if isinstance(layer, OwnedTensors) else dict(layer)
+
+
 def _map(layer: Tensors, fn, *names: str) -> Tensors:
-    """A new dict sharing untouched tensors, with ``fn`` applied to the named ones present."""
-    out = dict(layer)
+    """A dict sharing untouched tensors, with ``fn`` applied to the named ones present (a new
+    dict, or the same one for :class:`OwnedTensors`)."""
+    out = _new_dict(layer)
     for name in names:
         if name in out:
             out[name] = fn(out[name])
@@ -125,7 +136,7 @@ _WRITERS = ("o", "down")
 def fold_norm(readers: Tensors, names: tuple[str, ...], weight: torch.Tensor, bias: torch.Tensor | None) -> Tensors:
     """Fold a norm's affine part into the linears reading its output:
     ``W <- W diag(γ)``, ``b <- b + W β``."""
-    out = dict(readers)
+    out = _new_dict(readers)
     for n in names:
         key = f"{n}.weight"
         if key not in out:
@@ -139,7 +150,7 @@ def fold_norm(readers: Tensors, names: tuple[str, ...], weight: torch.Tensor, bi
 
 def fold_layer_norms(layer: Tensors) -> Tensors:
     """Fold both pre-norms of a layer into their readers; norm weights become 1 (biases 0)."""
-    out = dict(layer)
+    out = _new_dict(layer)
     for norm, readers in (("attn_norm", _ATTN_READERS), ("ffn_norm", _FFN_READERS)):
         w, b = out[f"{norm}.weight"], out.get(f"{norm}.bias")
         out = fold_norm(out, readers, w, b)
@@ -181,7 +192,7 @@ def rotate_residual_layer(layer: Tensors, Q: torch.Tensor, Q_mid: torch.Tensor |
     _require_folded(layer, ("attn_norm", "ffn_norm"))
     Q_mid = Q if Q_mid is None else Q_mid
     Q_out = Q if Q_out is None else Q_out
-    out = dict(layer)
+    out = _new_dict(layer)
     for names, R in ((_ATTN_READERS, Q), (_FFN_READERS, Q_mid)):
         for n in names:
             if f"{n}.weight" in out:
@@ -193,12 +204,34 @@ def rotate_residual_layer(layer: Tensors, Q: torch.Tensor, Q_mid: torch.Tensor |
     return out
 
 
-def _right_multiply_rows_(W: torch.Tensor, Q: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """``W <- W Q`` in place, a block of rows at a time (W Q is row-separable), so a
-    vocabulary-sized matrix never needs a second full copy."""
+def _right_multiply_rows_(W: torch.Tensor, Q: torch.Tensor, chunk: int = 4096,
+                          col_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``W <- W diag(col_scale) Q`` in place, a block of rows at a time (row-separable), so a
+    vocabulary-sized matrix never needs a second full copy. Each block is computed in float64
+    and rounded once into W's own dtype."""
     for i in range(0, W.shape[0], chunk):
-        W[i:i + chunk] = W[i:i + chunk] @ Q
+        block = W[i:i + chunk].to(torch.float64)
+        if col_scale is not None:
+            block = block * col_scale[None, :]
+        W[i:i + chunk] = block @ Q
     return W
+
+
+def fold_and_rotate_globals_(globals_: Tensors, Q: torch.Tensor) -> Tensors:
+    """:func:`fold_final_norm` then :func:`rotate_residual_globals`, in place on tensors of any
+    dtype the caller owns: each block of rows is computed in float64 and rounded once, so a
+    float32/bfloat16 checkpoint's embeddings are never held in float64 whole."""
+    out = dict(globals_)
+    w = out["final_norm.weight"].to(torch.float64)
+    if out.get("final_norm.bias") is not None:
+        raise NotASymmetry("folding a final norm with a bias needs the float64 path (fold_final_norm)")
+    for key in list(out):
+        if key == "embed.weight" or (key.startswith("pos") and key.endswith(".weight")):
+            _right_multiply_rows_(out[key], Q)
+        elif key == "lm_head.weight":
+            _right_multiply_rows_(out[key], Q, col_scale=w)
+    out["final_norm.weight"] = torch.ones_like(out["final_norm.weight"])
+    return out
 
 
 def rotate_residual_globals(globals_: Tensors, Q: torch.Tensor, Q_head: torch.Tensor | None = None,

@@ -54,6 +54,7 @@ class Term:
         if self.row_gram is not None and self.col_gram is not None:
             raise ValueError(f"{self.name}: a term is weighted on its rows or on its columns, not both")
         self._summary: tuple | None = None
+        self._energy: float | None = None
 
     @property
     def is_dense(self) -> bool:
@@ -61,9 +62,22 @@ class Term:
 
     def energy(self) -> float:
         """The weighted squared norm of M (rotation invariant): the paper's ``‖X W‖²`` for λ."""
+        if self._energy is None:
+            if self.col_gram is not None:
+                self._energy = float((self.M * (self.M @ self.col_gram)).sum())
+            else:
+                self._energy = weighted_error(self.M, self.row_gram)
+        return self._energy
+
+    def cast(self, dtype: torch.dtype, grams: dict) -> "Term":
+        """A copy in ``dtype`` (``grams`` shares the cast column weights between the terms of a segment)."""
+        col = None
         if self.col_gram is not None:
-            return float((self.M * (self.M @ self.col_gram)).sum())
-        return weighted_error(self.M, self.row_gram)
+            col = grams.setdefault(id(self.col_gram), self.col_gram.to(dtype))
+        out = Term(self.name, self.M.to(dtype), self.structure, None if self.row_gram is None else self.row_gram.to(dtype),
+                   col, self.weight, None if self.factors is None else tuple(f.to(dtype) for f in self.factors))
+        out._energy = self._energy
+        return out
 
     def fit(self, Q: Tensor, als_iters: int) -> None:
         """Best structured factors for the rotated matrix ``M Q`` (see the module docstring)."""
@@ -160,8 +174,8 @@ def balance(terms: list[Term], readers: list[Term]) -> None:
 
 def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """``K`` and the pairs ``(Σ_p, H_p)`` of ``J(Q) = c − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``."""
-    d = terms[0].M.shape[1]
-    K = torch.zeros(d, d, dtype=torch.float64)
+    d, dtype = terms[0].M.shape[1], terms[0].M.dtype
+    K = torch.zeros(d, d, dtype=dtype)
     quad: dict[int, list] = {}
     for t in terms:
         if t.is_dense:
@@ -169,7 +183,7 @@ def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor,
         _, Kt, Ht = t._summary
         K += t.weight * Kt
         if Ht is not None:
-            entry = quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros(d, d, dtype=torch.float64)])
+            entry = quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros(d, d, dtype=dtype)])
             entry[1] += t.weight * Ht
     return K, [(S, H) for S, H in quad.values()]
 
@@ -183,7 +197,7 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
     so the result is never worse than ``Q0``. Returns (Q, best objective so far after each step)."""
     if not pairs:
         with limit_threads():
-            return orthogonal_procrustes(K), []
+            return orthogonal_procrustes(K).to(K.dtype), []
 
     def value_and_grad(Q):
         SQH = sum(S @ Q @ H for S, H in pairs)
@@ -242,10 +256,14 @@ class SegmentResult:
 
 
 def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5, wopp_iters: int = 100,
-                  reduce: bool = True) -> SegmentResult:
+                  reduce: bool = True, dtype: torch.dtype = torch.float64) -> SegmentResult:
     """Alternate projection and rotation ``iters`` times from ``Q0``, then project once more so that
-    the returned factors belong to the returned Q. The recorded objective never increases. With
-    ``reduce``, tall row-free terms are solved on their ``[d, d]`` Gram roots (same objective) and lifted."""
+    the returned factors belong to the returned Q. The recorded objective never increases (up to the
+    round-off of ``dtype``).
+
+    ``reduce``: tall row-free terms are solved on their ``[d, d]`` Gram roots (same objective) and
+    lifted. ``dtype``: the iterations may run in float32 (several times faster on CPUs); Q is then
+    re-orthonormalised and the final projection done in float64, so the result is float64-exact."""
     Q = Q0.to(torch.float64).clone()
     work, lifts = [], []
     for t in terms:
@@ -255,16 +273,29 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
             lifts.append((t, red, T))
         else:
             work.append(t)
+    fast = dtype != torch.float64
+    grams: dict = {}
+    loop = [t.cast(dtype, grams) for t in work] if fast else work
+    Qw = Q.to(dtype)
     trace: list[float] = []
     for _ in range(iters):
-        for t in work:
-            t.fit(Q, als_iters)
-        trace.append(objective(work, Q))
-        if all(t.is_dense for t in work):
+        for t in loop:
+            t.fit(Qw, als_iters)
+        trace.append(objective(loop, Qw))
+        if all(t.is_dense for t in loop):
             break
-        K, pairs = _linear_and_quadratic(work)
-        Q, _ = weighted_procrustes(K, pairs, Q, iters=wopp_iters)
-        trace.append(objective(work, Q))
+        K, pairs = _linear_and_quadratic(loop)
+        Qw, _ = weighted_procrustes(K, pairs, Qw, iters=wopp_iters)
+        trace.append(objective(loop, Qw))
+    if not fast:
+        Q = Qw
+    elif iters:
+        with limit_threads():
+            U, _, Vh = torch.linalg.svd(Qw.to(torch.float64))
+        Q = U @ Vh                                 # the nearest orthogonal matrix, in float64
+        for t, tw in zip(work, loop):
+            t.factors = None if tw.factors is None else tuple(f.to(torch.float64) for f in tw.factors)
+    # (no iterations: Q stays Q0 exactly, not its float32 rounding)
     for t in work:
         t.fit(Q, als_iters)
     trace.append(objective(work, Q))

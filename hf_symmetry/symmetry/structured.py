@@ -19,7 +19,8 @@ Classes: :class:`Kron` (sum of Kronecker products, Van Loan rearrangement), :cla
 :class:`Dense`. SliceGPT's zero-block class is handled at the model level (the residual width
 shrinks), see :mod:`hf_symmetry.conversion.compress`.
 
-All math is float64.
+Everything works in the dtype of its inputs (float64 for results; the segment solver may iterate in
+float32 and finish in float64, see :func:`..segments.solve_segment`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ import torch
 Tensor = torch.Tensor
 Factors = tuple[Tensor, ...]
 
-_RCOND = 1e-12  # relative eigenvalue cut-off of the pseudo-inverses in the exact LS steps
+_RCOND = 1e-12  # relative eigenvalue cut-off of the pseudo-inverses in the exact LS steps (float64)
+
+
+def _rcond(dtype: torch.dtype) -> float:
+    return _RCOND if dtype == torch.float64 else 1e-6
 
 
 @contextlib.contextmanager
@@ -58,14 +63,17 @@ class Gram:
     def __init__(self, matrix: Tensor | None = None, diag: Tensor | None = None):
         if (matrix is None) == (diag is None):
             raise ValueError("Gram needs exactly one of matrix= or diag=")
-        self.matrix = None if matrix is None else matrix.to(torch.float64)
-        self.diag = None if diag is None else diag.to(torch.float64)
+        self.matrix = matrix
+        self.diag = diag
         if self.matrix is not None and (self.matrix.dim() != 2 or self.matrix.shape[0] != self.matrix.shape[1]):
             raise ValueError(f"Gram matrix must be square, got {tuple(self.matrix.shape)}")
 
     @classmethod
-    def identity(cls, m: int) -> "Gram":
-        return cls(diag=torch.ones(m, dtype=torch.float64))
+    def identity(cls, m: int, dtype: torch.dtype = torch.float64) -> "Gram":
+        return cls(diag=torch.ones(m, dtype=dtype))
+
+    def to(self, dtype: torch.dtype) -> "Gram":
+        return Gram(matrix=self.matrix.to(dtype)) if self.diag is None else Gram(diag=self.diag.to(dtype))
 
     @property
     def size(self) -> int:
@@ -104,7 +112,7 @@ class Gram:
         """A minimum-norm solution of ``G Z = rhs`` (rhs in the range of G)."""
         if self.diag is not None:
             d = self.diag
-            inv = torch.where(d > _RCOND * d.abs().max().clamp_min(1e-300), 1.0 / d, torch.zeros_like(d))
+            inv = torch.where(d > _rcond(d.dtype) * d.abs().max().clamp_min(1e-30), 1.0 / d, torch.zeros_like(d))
             return inv[:, None] * rhs
         return psd_solve(self.matrix, rhs)
 
@@ -112,13 +120,13 @@ class Gram:
         """``(X, X⁺)`` with ``X = G^{1/2}`` symmetric (dense) — for the closed-form weighted low rank."""
         if self.diag is not None:
             s = self.diag.clamp_min(0).sqrt()
-            inv = torch.where(s > _RCOND ** 0.5 * s.max().clamp_min(1e-300), 1.0 / s, torch.zeros_like(s))
+            inv = torch.where(s > _rcond(s.dtype) ** 0.5 * s.max().clamp_min(1e-30), 1.0 / s, torch.zeros_like(s))
             return torch.diag(s), torch.diag(inv)
         with limit_threads():
             lam, V = torch.linalg.eigh((self.matrix + self.matrix.T) / 2)
         lam = lam.clamp_min(0)
         s = lam.sqrt()
-        inv = torch.where(s > _RCOND ** 0.5 * s.max().clamp_min(1e-300), 1.0 / s, torch.zeros_like(s))
+        inv = torch.where(s > _rcond(s.dtype) ** 0.5 * s.max().clamp_min(1e-30), 1.0 / s, torch.zeros_like(s))
         return (V * s) @ V.T, (V * inv) @ V.T
 
     def rotated(self, Q: Tensor) -> "Gram":
@@ -131,7 +139,7 @@ def psd_solve(C: Tensor, D: Tensor) -> Tensor:
     minimum-norm solution of normal equations, whose right-hand side is always in C's range."""
     with limit_threads():
         lam, V = torch.linalg.eigh((C + C.T) / 2)
-    cut = _RCOND * lam.abs().max().clamp_min(1e-300)
+    cut = _rcond(C.dtype) * lam.abs().max().clamp_min(1e-30)
     inv = torch.where(lam > cut, 1.0 / lam, torch.zeros_like(lam))
     return V @ (inv[:, None] * (V.T @ D))
 
@@ -282,7 +290,7 @@ class Kron:
         """Alternating exact least squares in A and B (seed 001, App. A / Alg. 4)."""
         A, B = init if init is not None else self.project(W)
         if gram is None:
-            gram = Gram.identity(self.shape[0])
+            gram = Gram.identity(self.shape[0], W.dtype)
         for _ in range(iters):
             A = self._solve_a(W, gram, B)
             B = self._solve_b(W, gram, A)
@@ -385,7 +393,7 @@ class GS:
         L, R = init if init is not None else self.project(W)
         L, R = L.clone(), R.clone()
         if gram is None:
-            gram = Gram.identity(self.shape[0])
+            gram = Gram.identity(self.shape[0], W.dtype)
         for _ in range(iters):
             R = self._solve_r(W, gram, L)
             L = self._solve_l(W, gram, L, R)
