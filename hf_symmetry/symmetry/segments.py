@@ -262,7 +262,7 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
     round-off of ``dtype``).
 
     ``reduce``: tall row-free terms are solved on their ``[d, d]`` Gram roots (same objective) and
-    lifted. ``dtype``: the iterations may run in float32 (several times faster on CPUs); Q is then
+    lifted. ``dtype``: the iterations may run in float32 (1.24x faster on SmolLM2 stage W); Q is then
     re-orthonormalised and the final projection done in float64, so the result is float64-exact."""
     Q = Q0.to(torch.float64).clone()
     work, lifts = [], []
