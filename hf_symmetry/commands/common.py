@@ -76,18 +76,24 @@ def push_if_requested(args, out_dir, lines: list[str] | None = None) -> dict | N
 
 
 def verify_and_record(args, original, out_dir, lines: list[str], names: tuple[str, str] = ("original", "converted"),
-                      against: str = ""):
+                      against: str = "", extra=None) -> dict:
     """Compare ``out_dir`` with ``original`` on ``--text`` (max |Δ| and perplexities), append the
-    figures to ``lines`` and to the folder's model card. Returns the :class:`Verification`."""
+    figures to ``lines`` and to the folder's model card. ``extra(verification)`` may return more
+    ``(figures, lines)`` for both. Returns the exactness figures (``Verification.as_dict()`` + extra)."""
     from ..evaluation.bridge import verification_card_entries
     from ..evaluation.compare import verify
     from ..hub.cards import update_card
 
     v = verify(original, out_dir, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
+    exactness = v.as_dict()
     lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}|{against} over {v.tokens} tokens: "
                  f"{v.max_abs_dlogit:.2e}")
     if v.perplexity_original is not None:
         lines.append(f"  perplexity: {names[0]} {v.perplexity_original:.4f}, {names[1]} {v.perplexity_converted:.4f} "
                      f"(Δ {fmt(v.delta_perplexity, '.2e')})")
-    update_card(out_dir, exactness=v.as_dict(), eval_results=verification_card_entries(v))
-    return v
+    if extra is not None:
+        figures, more = extra(v)
+        exactness.update(figures)
+        lines.extend(more)
+    update_card(out_dir, exactness=exactness, eval_results=verification_card_entries(v))
+    return exactness

@@ -11,11 +11,9 @@ import torch
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrOptions, farr_checkpoint
-from ..evaluation.bridge import verification_card_entries
-from ..evaluation.compare import load_model, load_tokenizer, verify
+from ..evaluation.compare import load_model, load_tokenizer
 from ..evaluation.perplexity import read_text, tokenize_text
-from ..hub.cards import update_card
-from .common import add_output_args, add_push_args, add_text_args, emit, fmt, push_if_requested
+from .common import add_output_args, add_push_args, add_text_args, emit, push_if_requested, verify_and_record
 
 
 def register(sub) -> None:
@@ -68,18 +66,13 @@ def run(args) -> int:
                      "(energies are output energies on those activations)")
     lines += [f"  note: {n}" for n in report.notes]
     if not args.no_verify:
-        verification = verify(src, args.out, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
-        report.verification = v = verification.as_dict()
-        if v["output_kind"] == "hidden_states":
-            v["hidden_cosine"] = hidden_cosine(src, args.out, args.text, args.tokens)
-        kind = "logit" if v["output_kind"] == "logits" else "hidden state"
-        lines.append(f"  max |Δ{kind}| over {v['tokens']} tokens: {v['max_abs_dlogit']:.3e}")
-        if v.get("perplexity_original") is not None:
-            lines.append(f"  perplexity: original {v['perplexity_original']:.4f}, FaRR {v['perplexity_converted']:.4f} "
-                         f"(Δ {fmt(v['delta_perplexity'], '.3e')})")
-        if v.get("hidden_cosine") is not None:
-            lines.append(f"  mean cosine of last hidden states to the original: {v['hidden_cosine']:.6f}")
-        update_card(args.out, exactness=v, eval_results=verification_card_entries(verification))
+        def cosine(v) -> tuple[dict, list[str]]:
+            if v.output_kind != "hidden_states":
+                return {}, []
+            c = hidden_cosine(src, args.out, args.text, args.tokens)
+            return {"hidden_cosine": c}, [f"  mean cosine of last hidden states to the original: {c:.6f}"]
+
+        report.verification = verify_and_record(args, src, args.out, lines, ("original", "FaRR"), extra=cosine)
     summary = report.as_dict()
     summary["push"] = push_if_requested(args, args.out, lines)
     emit(summary, lines, args.json_out)

@@ -63,7 +63,7 @@ def run(args) -> int:
         lines.append("  verification skipped: SOURCE has no tokenizer")
     else:
         report.verification = verify_and_record(args, source, args.out, lines, ("SOURCE", "matched"),
-                                                against=" against SOURCE").as_dict()
+                                                against=" against SOURCE")
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
     emit(summary, lines, args.json_out)

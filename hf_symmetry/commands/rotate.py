@@ -42,7 +42,7 @@ def run(args) -> int:
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
     if not args.no_verify:
-        report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated")).as_dict()
+        report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
     emit(summary, lines, args.json_out)
