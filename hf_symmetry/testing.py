@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "opt", "gptj", "bert", "roberta")
+TINY_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3", "gpt2", "opt", "gptj", "bert", "roberta")
 
 
 def tiny_config(family: str, **overrides):
@@ -14,14 +14,17 @@ def tiny_config(family: str, **overrides):
 
     common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
                   intermediate_size=80)
-    if family in ("llama", "mistral", "qwen2", "qwen3"):
-        cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config,
-               "qwen3": T.Qwen3Config}[family]
+    if family in ("llama", "mistral", "smollm3", "qwen2", "qwen3"):
+        cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "smollm3": T.SmolLM3Config,
+               "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}[family]
         kw = dict(common, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                   tie_word_embeddings=family in ("llama", "qwen3"),
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         if family == "mistral":
             kw["sliding_window"] = None
+        if family == "smollm3":   # layer 1 is NoPE (SmolLM3 itself: every 4th layer)
+            kw.update(no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=None, bos_token_id=0,
+                      eos_token_id=0)
         cfg = cls(**{**kw, **overrides})
     elif family == "gpt2":
         cfg = T.GPT2Config(vocab_size=97, n_embd=48, n_layer=2, n_head=6, n_positions=128, n_inner=80,

@@ -27,7 +27,7 @@ from hf_symmetry.symmetry.actions import NotASymmetry
 from hf_symmetry.symmetry.layout import HeadLayout
 from hf_symmetry.testing import input_ids, outputs, tiny_model
 
-DECODERS = ("llama", "mistral", "qwen2", "qwen3")
+DECODERS = ("llama", "mistral", "smollm3", "qwen2", "qwen3")
 ENCODERS = ("bert", "roberta")
 
 
@@ -124,21 +124,26 @@ def _reduced_layer(model, family: str, i: int) -> dict:
 
 @pytest.mark.parametrize("family,options", [
     ("llama", FarrOptions(tau=0.9)), ("qwen2", FarrOptions(params_fraction=0.7)),
-    ("bert", FarrOptions(tau=0.9, qk=True)), ("roberta", FarrOptions(params_fraction=0.6, qk=True))])
+    ("bert", FarrOptions(tau=0.9, qk=True)), ("roberta", FarrOptions(params_fraction=0.6, qk=True)),
+    ("smollm3", FarrOptions(tau=0.9, qk=True))])
 def test_reported_kept_energy_is_one_minus_the_written_models_relative_error(family, options):
     """End to end: the maps of the model FaRR wrote (read from its state dict) differ from the
     source's fused maps by exactly 1 − the kept energy the report states, group by group."""
     model = tiny_model(family)
     reduced, report = farr_model(model, options)
-    L = Adapter.from_config(model.config.to_dict(), list(model.state_dict())).layout
-    assert any(r < L.head_dim for r in report.ranks["vo"])
+    adapter = Adapter.from_config(model.config.to_dict(), list(model.state_dict()))
+    assert any(r < adapter.layout.head_dim for r in report.ranks["vo"])
     for path, per_layer in report.kept_energy.items():
         assert len(per_layer) == model.config.num_hidden_layers
         for i, kept in enumerate(per_layer):
+            L = adapter.layer_layout(i)
+            if path == "qk" and L.rotary_dim:   # RoPE layers keep the score path whole
+                assert kept is None and report.ranks["qk"][i] == L.head_dim
+                continue
             source, _ = _canonical_layer(model, i)
             small = HeadLayout(L.n_heads, L.n_kv_heads, report.ranks[path][i])
             written = _reduced_layer(reduced, family, i)
-            assert written[f"{path[0]}.weight"].shape[0] == small.n_kv_heads * small.head_dim
+            assert written[{"vo": "v", "qk": "k"}[path] + ".weight"].shape[0] == small.n_kv_heads * small.head_dim
             assert len(kept) == L.n_kv_heads
             for g in range(L.n_kv_heads):
                 M = fused.group_pairs(source, L, path)[g].fused()
@@ -174,7 +179,8 @@ def test_dropping_the_key_bias_is_exact_without_rope_but_not_with_it():
 
 
 # ---------------------------------------------------------------------- models
-@pytest.mark.parametrize("family,qk", [(f, False) for f in DECODERS + ENCODERS] + [(f, True) for f in ENCODERS])
+@pytest.mark.parametrize("family,qk", [(f, False) for f in DECODERS + ENCODERS]
+                         + [(f, True) for f in ENCODERS + ("smollm3",)])
 def test_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
     model, ids = tiny_model(family), input_ids()
     reduced, report = farr_model(model, FarrOptions(tau=1.0, qk=qk))
@@ -185,7 +191,8 @@ def test_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
     assert (outputs(model, ids) - outputs(cut, ids)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("qwen3", False), ("bert", True)])
+@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("qwen3", False), ("bert", True),
+                                       ("smollm3", True)])
 def test_parameter_count_matches_formula_and_numel(family, qk):
     model = tiny_model(family)
     reduced, report = farr_model(model, FarrOptions(tau=0.95, qk=qk))
@@ -207,8 +214,9 @@ def test_parameter_count_matches_formula_and_numel(family, qk):
     assert report.params_after == total
     assert report.params_before == sum(p.numel() for p in model.parameters())
     touched = sum(cfg.attention_parameters(i) for i in range(cfg.num_hidden_layers))
-    untouched_qk = 0 if qk else sum(qk_parameters(d, h, kv, 8, family in ("qwen2", "bert"),
-                                                  family in ("qwen2",), family == "qwen3") for _ in layers)
+    nope = [i for i in range(len(layers)) if family in ENCODERS or not getattr(cfg, "uses_rope")(i)]
+    untouched_qk = sum(qk_parameters(d, h, kv, 8, family in ("qwen2", "bert"), family in ("qwen2",),
+                                     family == "qwen3") for i in range(len(layers)) if not (qk and i in nope))
     assert report.touchable_params_after == touched - untouched_qk
 
 
@@ -268,13 +276,15 @@ class _ShiftedHeads(HeadLayout):
         return slice(h * self.head_dim, (h + 1) * self.head_dim)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "bert", "gpt2", "opt"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "smollm3", "bert", "gpt2", "opt"])
 def test_fused_maps_reproduce_each_heads_contribution(family):
     model = tiny_model(family)
     # Llama-family eager attention takes its softmax in float32, so α carries ~1e-8 relative error
     check = check_fused_layout(model, input_ids(batch=1)[0], tolerance=1e-6)
     assert check.passed, check.as_dict()
-    assert (check.qk_max_abs_error is not None) == (family in ("bert", "gpt2", "opt"))
+    assert (check.qk_max_abs_error is not None) == (family in ("bert", "gpt2", "opt", "smollm3"))
+    if family == "smollm3":   # the score path is checked on the NoPE layer only
+        assert ["qk_max_abs_error" in e for e in check.per_layer] == [False, True]
 
 
 @pytest.mark.parametrize("family,wrong", [("llama", _InterleavedGroups), ("bert", _ShiftedHeads)])
@@ -301,12 +311,12 @@ _REMOTE_SCRIPT = textwrap.dedent("""
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoModelForCausalLM
     result = {}
-    for name, auto in (("llama", AutoModelForCausalLM), ("bert", AutoModel)):
+    for name, auto in (("llama", AutoModelForCausalLM), ("smollm3", AutoModelForCausalLM), ("bert", AutoModel)):
         model = auto.from_pretrained(FOLDER + "/" + name, trust_remote_code=True).eval()
         ref = load_file(FOLDER + "/expected.safetensors")
         with torch.no_grad():
             out = model(input_ids=ref["ids"])
-        got = out.logits if name == "llama" else out.last_hidden_state
+        got = out.last_hidden_state if name == "bert" else out.logits
         result[name] = [type(model).__name__, (got - ref[name]).abs().max().item()]
     print(json.dumps(result))
 """)
@@ -317,7 +327,8 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
 
     ids = input_ids(batch=1)
     expected = {"ids": ids}
-    for family, auto, qk in (("llama", AutoModelForCausalLM, False), ("bert", AutoModel, True)):
+    for family, auto, qk in (("llama", AutoModelForCausalLM, False), ("smollm3", AutoModelForCausalLM, True),
+                             ("bert", AutoModel, True)):
         src = tmp_path / f"src-{family}"
         tiny_model(family).save_pretrained(src)
         out = tmp_path / "farr" / family
@@ -331,7 +342,7 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
         remote = auto.from_pretrained(out, trust_remote_code=True).eval()
         assert (outputs(native, ids) - outputs(remote, ids)).abs().max() == 0
         # the reduced weights really are smaller, and no value bias came back through the stream
-        assert native.state_dict()[_v_weight(family)].shape[0] < 8 * (2 if family == "llama" else 6) or qk
+        assert native.state_dict()[_v_weight(family)].shape[0] < 8 * (2 if family in DECODERS else 6) or qk
         expected[family] = outputs(native, ids).contiguous()
     save_file(expected, str(tmp_path / "farr" / "expected.safetensors"))
 
@@ -343,8 +354,9 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["llama"][0] == "FarrLlamaForCausalLM" and result["bert"][0] == "FarrBertModel"
-    assert result["llama"][1] < 1e-12 and result["bert"][1] < 1e-12
+    assert result["llama"][0] == result["smollm3"][0] == "FarrLlamaForCausalLM"
+    assert result["bert"][0] == "FarrBertModel"
+    assert max(r[1] for r in result.values()) < 1e-12
 
 
 @pytest.mark.parametrize("family,options,auto", [("llama", FarrOptions(tau=0.9), "AutoModelForCausalLM"),
@@ -373,7 +385,7 @@ def test_model_card_carries_the_rank_heatmap(tmp_path, family, options, auto):
 
 
 def _v_weight(family: str) -> str:
-    return "model.layers.0.self_attn.v_proj.weight" if family == "llama" else "encoder.layer.0.attention.self.value.weight"
+    return "model.layers.0.self_attn.v_proj.weight" if family in DECODERS else "encoder.layer.0.attention.self.value.weight"
 
 
 def test_cli_refuses_bad_input_before_writing_anything(tmp_path, capsys):
@@ -394,9 +406,10 @@ def test_cli_refuses_bad_input_before_writing_anything(tmp_path, capsys):
     assert not (tmp_path / "spec").exists()
 
 
-def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["bert", "smollm3"])
+def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys, family):
     src = tmp_path / "src"
-    tiny_model("bert").save_pretrained(src)
+    tiny_model(family).save_pretrained(src)
     out = tmp_path / "farr"
     assert cli.main(["farr", str(src), str(out), "--tau", "0.9", "--vo", "--qk", "--no-verify", "--quiet"]) == 0
     text = capsys.readouterr().out
@@ -413,6 +426,10 @@ def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys):
     # the summary agrees with what farr did at the same τ
     farr_report = json.loads((out / "farr_report.json").read_text())
     assert report["summary"]["vo"]["0.9"]["layer_ranks"] == farr_report["ranks"]["vo"]
+    if family == "smollm3":   # the RoPE layer 0 keeps its query/key heads; spectra says why it has none
+        assert report["qk"]["layers"] == [1] and "NoPE layers [1] only" in text
+        assert report["summary"]["qk"]["0.9"]["layer_ranks"][1] == farr_report["ranks"]["qk"][1]
+        assert farr_report["ranks"]["qk"][0] == 8 and farr_report["kept_energy"]["qk"][0] is None
     # the report travels with the folder when it is pushed: no local paths in it
     assert str(tmp_path) not in (out / "farr_report.json").read_text()
     assert farr_report["source"] == "src (local)" and farr_report["output"] == "farr"
@@ -492,7 +509,7 @@ def test_weighted_truncation_error_is_one_minus_kept_and_beats_data_free_on_the_
         assert data_error(cal) <= data_error(free) * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("bert", True)])
+@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("bert", True), ("smollm3", True)])
 def test_calibrated_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
     model, ids = tiny_model(family), input_ids()
     reduced, report = farr_model(model, FarrOptions(tau=1.0, qk=qk), calib_ids=input_ids(batch=1, length=60, seed=3)[0])
@@ -522,3 +539,43 @@ def test_reduced_decoder_generates_with_cache_and_attention_backends_agree():
     with torch.no_grad():
         assert torch.equal(same.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
                            model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+
+
+# ---------------------------------------------------------------------- NoPE layers (SmolLM3)
+def test_qk_reduction_touches_only_nope_layers_and_the_model_stays_consistent(exact_rmsnorm):
+    """SmolLM3-style model (layer 1 NoPE): --qk reduces the score path of layer 1 only; the RoPE
+    layer keeps its full query/key heads; the reduced model decodes with its cache like the full
+    forward, and the config refuses a reduced query/key head dim on a RoPE layer."""
+    from hf_symmetry.modeling.configuration_farr import FarrLlamaConfig
+
+    model = tiny_model("smollm3")
+    reduced, report = farr_model(model, FarrOptions(tau=0.8, qk=True))
+    cfg = reduced.config
+    assert cfg.no_rope_layers == [1, 0] and cfg.qk_head_dims[0] == 8 and cfg.qk_head_dims[1] < 8
+    assert report.ranks["qk"] == cfg.qk_head_dims
+    assert any("NoPE layers [1]" in n for n in report.notes)
+    attn = reduced.model.layers[1].self_attn
+    assert not attn.use_rope and attn.q_proj.out_features == 6 * cfg.qk_head_dims[1]
+    assert reduced.model.layers[0].self_attn.use_rope
+    ids = input_ids(batch=1, length=10)
+    with torch.no_grad():
+        gen = reduced.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        full = reduced(gen[:, :-1]).logits[0, ids.shape[1] - 1:].argmax(-1)
+    assert torch.equal(full, gen[0, ids.shape[1]:])
+    # negative control: the full-rank FaRR model is the original; RoPE on its NoPE layer is not
+    same, _ = farr_model(model, FarrOptions(tau=1.0, qk=True))
+    assert (outputs(same, ids) - outputs(model, ids)).abs().max() < 1e-10
+    same.model.layers[1].self_attn.use_rope = True
+    assert (outputs(same, ids) - outputs(model, ids)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="only NoPE"):
+        FarrLlamaConfig(**{**cfg.to_dict(), "qk_head_dims": [4, 8]})
+
+
+def test_spectra_of_a_nope_model_analyses_the_score_path_of_nope_layers_only():
+    from hf_symmetry.conversion.farr import spectra_report
+
+    model = tiny_model("smollm3")
+    report = spectra_report(DictSource(model.state_dict()), model.config.to_dict(), [0.9, 0.99], progress=False)
+    assert report["paths"] == ["vo", "qk"] and report["qk"]["available"] and report["qk"]["layers"] == [1]
+    assert "qk" not in report["layers"][0] and len(report["layers"][1]["qk"]) == 2
+    assert report["summary"]["qk"]["0.9"]["layer_ranks"][0] is None

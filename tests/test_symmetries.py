@@ -10,7 +10,7 @@ from hf_symmetry.conversion.stream import DictSink, DictSource, transform_checkp
 from hf_symmetry.symmetry import HeadLayout, NotASymmetry, actions, groups
 from hf_symmetry.testing import TINY_FAMILIES, input_ids, outputs, tiny_model
 
-RMS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+RMS_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3")
 
 
 def _reload(model, state_dict, config: dict):
@@ -100,6 +100,34 @@ def test_generic_orthogonal_on_rope_dims_breaks_the_model_and_is_refused(exact_r
     assert _delta(model, _apply(model, generic)) > 1e-3
     with pytest.raises(NotASymmetry, match="does not commute with RoPE"):
         _apply(model, lambda a, layer: generic(a, layer, check=True))
+
+
+def test_nope_layer_takes_any_orthogonal_qk_map_and_rope_layer_does_not(exact_rmsnorm):
+    """SmolLM3-style NoPE layers: the per-layer layout frees the full O(d_h) on layer 1 (no RoPE),
+    while the same map on layer 0 (RoPE) is refused and would change the logits."""
+    model = tiny_model("smollm3")
+    sd = model.state_dict()
+    adapter = Adapter.from_config(model.config.to_dict(), list(sd))
+    assert adapter.layer_layout(0) == adapter.layout and adapter.layer_layout(1).rope_layout == "none"
+
+    def generic_on(target: int, check: bool):
+        def layer_fn(i, layer):
+            if i != target:
+                return layer
+            L = adapter.layer_layout(i)
+            Rs = [groups.haar_orthogonal(L.head_dim, groups.rng(3, g)) for g in range(L.n_kv_heads)]
+            return actions.rotate_qk(layer, L, Rs, check=check)
+        sink = DictSink()
+        transform_checkpoint(DictSource(sd), adapter, sink, layer_fn, lambda g: g, progress=False)
+        return _reload(model, dict(sink), model.config.to_dict())
+
+    nope = generic_on(1, check=True)
+    assert _delta(model, nope) <= 1e-9
+    assert not torch.allclose(nope.state_dict()["model.layers.1.self_attn.q_proj.weight"],
+                              sd["model.layers.1.self_attn.q_proj.weight"])
+    with pytest.raises(NotASymmetry, match="does not commute with RoPE"):
+        generic_on(0, check=True)
+    assert _delta(model, generic_on(0, check=False)) > 1e-3
 
 
 @pytest.mark.parametrize("family,wrong_layout", [("llama", "interleaved"), ("gptj", "rotate_half")])

@@ -134,6 +134,11 @@ def test_bad_requests_are_refused():
                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8))
     with pytest.raises(ValueError, match="supports"):
         convert_model_to_tpa(qwen3, progress=False)
+    # NoPE layers: the TPA model applies RoPE everywhere, so converting SmolLM3 would be wrong
+    from hf_symmetry.testing import tiny_model
+
+    with pytest.raises(ValueError, match="supports"):
+        convert_model_to_tpa(tiny_model("smollm3", dtype=torch.float32), progress=False)
 
 
 def test_cli_writes_a_loadable_folder_and_refuses_non_empty_out(tmp_path, capsys):

@@ -16,6 +16,7 @@ Canonical tensors are always fresh copies: callers own them and may update them 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -92,6 +93,16 @@ class Adapter:
     @property
     def tied_embeddings(self) -> bool:
         return bool(_cfg_get(self.config, ("tie_word_embeddings",), True))
+
+    def layer_layout(self, i: int) -> HeadLayout:
+        """Layer ``i``'s head layout: the model's, except on NoPE layers (SmolLM3, Llama 4:
+        ``no_rope_layers[i] == 0``), whose query/key dims RoPE leaves alone. The model-wide
+        ``layout`` stays valid on NoPE layers for every symmetry (its RoPE commutant is a subgroup of
+        what they allow); per-layer consumers such as FaRR use this one."""
+        flags = _cfg_get(self.config, ("no_rope_layers",))
+        if flags is None or self.layout.rope_layout == "none" or flags[i]:
+            return self.layout
+        return dataclasses.replace(self.layout, rotary_dim=0, rope_layout="none")
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.prefix}{self.spec.layers}.{i}."

@@ -88,6 +88,8 @@ def _llama_like(family: str, model_types: tuple[str, ...], attention: AttentionS
 
 
 LLAMA = _llama_like("llama", ("llama", "mistral"))
+# SmolLM3: Llama weights; every 4th layer is NoPE (``no_rope_layers``, see Adapter.layer_layout)
+SMOLLM3 = _llama_like("smollm3", ("smollm3",))
 QWEN2 = _llama_like("qwen2", ("qwen2",))  # q/k/v biases are found in the checkpoint itself
 QWEN3 = _llama_like("qwen3", ("qwen3",), AttentionSpec(
     q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
@@ -137,7 +139,7 @@ BERT = ArchSpec(
     embed_norm="embeddings.LayerNorm", base_prefixes=("", "bert.", "roberta."),
     kv_heads_attr=(), eps_attr=("layer_norm_eps",))
 
-SPECS: tuple[ArchSpec, ...] = (LLAMA, QWEN2, QWEN3, GPT2, OPT, GPTJ, BERT)
+SPECS: tuple[ArchSpec, ...] = (LLAMA, QWEN2, QWEN3, SMOLLM3, GPT2, OPT, GPTJ, BERT)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for s in SPECS for t in s.model_types)
 
 

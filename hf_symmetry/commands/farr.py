@@ -1,7 +1,8 @@
 """``hf-symmetry farr MODEL OUT (--tau T | --params-fraction F) [--vo] [--qk]``: fuse and rank reduce.
 
 Truncates each KV group's fused value map ``W_O W_V`` (and, with ``--qk``, the score map
-``W_Qᵀ W_K``, only where it is exact: no RoPE, no QK-norm, e.g. BERT/RoBERTa) and splits it back
+``W_Qᵀ W_K``, only where it is exact: no RoPE, no QK-norm, e.g. BERT/RoBERTa and the NoPE layers of
+SmolLM3) and splits it back
 with ``√Σ`` on each side, giving per-layer value (and query/key) head dims. The output is a FaRR
 model folder (custom class, loads with ``trust_remote_code=True`` without hf_symmetry)."""
 
@@ -31,7 +32,8 @@ def register(sub) -> None:
                           "spent greedily across layers on the most energy per parameter")
     p.add_argument("--vo", action="store_true", help="reduce the value/output path (the default when --qk is absent)")
     p.add_argument("--qk", action="store_true",
-                   help="reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa)")
+                   help="reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa, "
+                        "and SmolLM3's NoPE layers, while its RoPE layers keep their query/key heads)")
     p.add_argument("--calibrate", metavar="TEXT",
                    help="activation-aware truncation (beyond the FaRR paper): measure each map by its output error "
                         "on the model's own attention inputs over TEXT (file or embedded name, e.g. britannica-calib) "
@@ -58,7 +60,7 @@ def run(args) -> int:
              f"parameters ({report.touchable_kept_fraction:.1%}); model {report.params_before:,} -> "
              f"{report.params_after:,}"]
     for path, ranks in report.ranks.items():
-        worst = min(min(groups) for groups in report.kept_energy[path])
+        worst = min(min(groups) for groups in report.kept_energy[path] if groups is not None)   # None: kept whole
         lines.append(f"  {path} head dims (of {report.head_dim}): {_runs(ranks)}; least energy kept by a group "
                      f"{worst:.4%}")
     if report.calibration:

@@ -97,6 +97,8 @@ def _lines(report: dict, out: str) -> list[str]:
              f"{L['n_heads']} heads / {L['n_kv_heads']} KV groups, head dim {L['head_dim']}), {report['metric']} metric"]
     if not report["qk"]["available"]:
         lines.append(f"  score path not fused: {report['qk']['reason']}")
+    elif len(report["qk"]["layers"]) < len(report["layers"]):
+        lines.append(f"  score path fused on the NoPE layers {report['qk']['layers']} only (RoPE rotates the others)")
     for path in report["paths"]:
         for tau, s in report["summary"][path].items():
             kept = s["farr_kept_params_fraction"]

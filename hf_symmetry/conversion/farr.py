@@ -43,7 +43,7 @@ from ..symmetry.actions import fold_layer_norms
 from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
 
 Tensors = dict[str, torch.Tensor]
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DECODER_TYPES = ("llama", "mistral", "smollm3", "qwen2", "qwen3")
 ENCODER_TYPES = ("bert", "roberta")
 REPORT_FILE = "farr_report.json"
 
@@ -107,7 +107,8 @@ class FarrTarget:
             fields = {f.name for f in dataclasses.fields(configuration_farr.FarrLlamaConfig)}
             cfg = {k: v for k, v in cfg.items() if k in fields or k.endswith("_token_id")}
             cfg.update(attention_bias=self.q_bias, o_bias=self.o_bias, qk_norm=self.qk_norm, mlp_bias=self.mlp_bias,
-                       head_dim=self.head_dim, num_key_value_heads=self.n_kv, v_head_dims=vo_dims)
+                       head_dim=self.head_dim, num_key_value_heads=self.n_kv, v_head_dims=vo_dims,
+                       qk_head_dims=[self.head_dim if r is None else r for r in qk_dims] if qk_dims else None)
             config = configuration_farr.FarrLlamaConfig(**cfg)
         else:
             cls = (configuration_farr.FarrRobertaConfig if self.source_config["model_type"] == "roberta"
@@ -146,10 +147,12 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
                          "(it runs full causal attention)")
     L = adapter.layout
     if options.qk:
-        reason = fused.qk_fusion_blocker(L)
-        if reason or L.rotary_dim:
-            raise ValueError(f"--qk is not possible for {model_type}: "
-                             f"{reason or 'partially rotary heads are not supported'}; reduce V/O only")
+        layers = qk_layers(adapter)
+        if not layers:
+            raise ValueError(f"--qk is not possible for {model_type}: {fused.qk_fusion_blocker(L)}; reduce V/O only")
+        if any(adapter.layer_layout(i).rotary_dim for i in layers):
+            raise ValueError(f"--qk is not possible for {model_type}: partially rotary heads are not supported "
+                             "(the FaRR decoder applies RoPE to whole heads); reduce V/O only")
     has = lambda module, kind="bias": f"{adapter.layer_prefix(0)}{module}.{kind}" in set(keys)  # noqa: E731
     a, f = adapter.spec.attention, adapter.spec.ffn
     return FarrTarget(
@@ -157,6 +160,16 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
         n_heads=L.n_heads, n_kv=L.n_kv_heads, head_dim=L.head_dim, q_bias=has(a.q),
         k_bias=has(a.k) and model_type not in ENCODER_TYPES, o_bias=has(a.o) or has(a.v), qk_norm=L.qk_norm,
         mlp_bias=has(f.up))
+
+
+def _qk_fusable(layout) -> bool:
+    return fused.qk_fusion_blocker(layout) is None
+
+
+def qk_layers(adapter: Adapter) -> list[int]:
+    """Layers with a fusable score map: no QK-norm and some query/key dims RoPE leaves alone
+    (encoders, NoPE layers such as SmolLM3's every 4th, the free dims of partially rotary heads)."""
+    return [i for i in range(adapter.n_layers) if _qk_fusable(adapter.layer_layout(i))]
 
 
 def _sliding(config: dict) -> bool:
@@ -177,8 +190,8 @@ def prepare_layer(layer: Tensors, adapter: Adapter) -> Tensors:
 @dataclass
 class LayerAnalysis:
     layer: int
-    spectra: dict[str, list[fused.GroupSpectrum]]
-    touchable: dict[str, int]    # parameters of the original projections of each path
+    spectra: dict[str, list[fused.GroupSpectrum]]   # only the paths FaRR can reduce in this layer
+    touchable: dict[str, int]    # parameters of the original projections of each of those paths
 
 
 _PATH_TENSORS = {"vo": ("v.weight", "v.bias", "o.weight", "o.bias"), "qk": ("q.weight", "q.bias", "k.weight", "k.bias")}
@@ -194,16 +207,18 @@ def analyze(source: TensorSource, adapter: Adapter, paths: tuple[str, ...], deta
         layer = adapter.read_layer(i, source.get(per_layer[i]))
         w = weights[i] if weights else None
         layer = prepare_layer(layer, adapter) if w is None else layer
+        layout = adapter.layer_layout(i)
+        here = [p for p in paths if p == "vo" or _qk_fusable(layout)]
         out.append(LayerAnalysis(
-            i, {p: fused.group_spectra(layer, adapter.layout, p, detail, w) for p in paths},
-            {p: sum(layer[k].numel() for k in _PATH_TENSORS[p] if k in layer) for p in paths}))
+            i, {p: fused.group_spectra(layer, layout, p, detail, w) for p in here},
+            {p: sum(layer[k].numel() for k in _PATH_TENSORS[p] if k in layer) for p in here}))
     return out
 
 
 # ---------------------------------------------------------------------- rank selection
 @dataclass
 class RankPlan:
-    ranks: dict[str, list[int]]          # path -> rank per layer
+    ranks: dict[str, list[int | None]]   # path -> rank per layer (None: the layer keeps that path whole)
     touchable_before: int                # parameters of the rewritten projections, original
     touchable_after: int                 # ... and in the FaRR model
 
@@ -212,19 +227,21 @@ class RankPlan:
         return self.touchable_after / self.touchable_before
 
 
-def ranks_for_tau(analysis: list[LayerAnalysis], path: str, tau: float) -> list[int]:
-    """Per layer: the largest per-group effective rank at τ (at least 1)."""
-    return [max([1] + [fused.effective_rank(g.S, tau) for g in a.spectra[path]]) for a in analysis]
+def ranks_for_tau(analysis: list[LayerAnalysis], path: str, tau: float) -> list[int | None]:
+    """Per layer: the largest per-group effective rank at τ (at least 1); None where the layer's
+    ``path`` cannot be reduced."""
+    return [max([1] + [fused.effective_rank(g.S, tau) for g in a.spectra[path]]) if path in a.spectra else None
+            for a in analysis]
 
 
 def plan_ranks(analysis: list[LayerAnalysis], options: FarrOptions, target: FarrTarget) -> RankPlan:
     paths = options.paths
-    before = sum(a.touchable[p] for a in analysis for p in paths)
+    before = sum(a.touchable.get(p, 0) for a in analysis for p in paths)
     if options.tau is not None:
         ranks = {p: ranks_for_tau(analysis, p, options.tau) for p in paths}
     else:
         ranks = _ranks_for_budget(analysis, paths, target, int(options.params_fraction * before), before)
-    after = sum(target.path_params(p, ranks[p][a.layer]) for a in analysis for p in paths)
+    after = sum(target.path_params(p, r) for p in paths for r in ranks[p] if r is not None)
     return RankPlan(ranks, before, after)
 
 
@@ -234,14 +251,14 @@ def _ranks_for_budget(analysis: list[LayerAnalysis], paths: tuple[str, ...], tar
     the mean over its groups of ``σ_{r+1}² / Σσ²`` (relative energy, so every layer counts alike) and
     costs a fixed number of parameters; gains fall with r, so taking increments in order of gain per
     parameter keeps each layer's choice a prefix."""
-    ranks = {p: [1] * len(analysis) for p in paths}
-    spent = sum(target.path_params(p, 1) for _ in analysis for p in paths)
+    ranks = {p: [1 if p in a.spectra else None for a in analysis] for p in paths}
+    spent = sum(target.path_params(p, 1) for p in paths for r in ranks[p] if r is not None)
     if spent > budget:
         raise ValueError(f"the parameter budget ({budget:,} of {before:,}) removes everything: the smallest FaRR model "
                          f"(rank 1 in every layer) keeps {spent:,} ({spent / before:.2%}); raise --params-fraction")
     units = []
     for a in analysis:
-        for p in paths:
+        for p in a.spectra:
             cost = target.path_params(p, 2) - target.path_params(p, 1)
             for r in range(1, target.head_dim):
                 gain = sum(_rel_energy(g.S, r) for g in a.spectra[p]) / len(a.spectra[p])
@@ -271,9 +288,9 @@ class FarrReport:
     output: str | None
     model_type: str
     options: dict
-    ranks: dict[str, list[int]]
+    ranks: dict[str, list[int | None]]     # None: that layer's path kept whole (RoPE layers' query/key)
     head_dim: int
-    kept_energy: dict[str, list[list[float]]] = field(default_factory=dict)  # path -> layer -> per group
+    kept_energy: dict[str, list[list[float] | None]] = field(default_factory=dict)  # path -> layer -> per group
     touchable_params_before: int = 0
     touchable_params_after: int = 0
     params_before: int = 0
@@ -294,12 +311,14 @@ class FarrReport:
 
 
 def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: FarrOptions,
-                 ranks: dict[str, int], weights: fused.InputWeights | None = None) -> tuple[Tensors, dict[str, list[float]]]:
-    """One layer of the FaRR model, canonical form. The bias rewrites apply whether or not their
-    path is reduced, because the FaRR architecture has no value (and, for encoders, key) bias.
-    Data-free, the maps are truncated with the pre-norm γ folded in (measured on the normalised
-    stream); calibrated, on the module's input (γ included), and γ is folded afterwards."""
-    L = adapter.layout
+                 ranks: dict[str, int | None], weights: fused.InputWeights | None = None,
+                 layout=None) -> tuple[Tensors, dict[str, list[float] | None]]:
+    """One layer of the FaRR model, canonical form (``layout``: this layer's, default the model's).
+    The bias rewrites apply whether or not their path is reduced, because the FaRR architecture has
+    no value (and, for encoders, key) bias. Data-free, the maps are truncated with the pre-norm γ
+    folded in (measured on the normalised stream); calibrated, on the module's input (γ included),
+    and γ is folded afterwards. A path whose rank is None is kept whole."""
+    L = layout or adapter.layout
     if weights is None:
         layer = prepare_layer(layer, adapter)
     layer = fused.fold_value_bias(layer, L)
@@ -310,8 +329,12 @@ def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: 
         layer, red = fused.reduce_vo(layer, L, ranks["vo"], options.basis, weights)
         kept["vo"] = red.kept_energy
     if options.qk:
-        layer, red = fused.reduce_qk(layer, L, ranks["qk"], options.basis, weights)
-        kept["qk"] = red.kept_energy
+        kept["qk"] = None
+        if ranks["qk"] is not None:
+            layer, red = fused.reduce_qk(layer, L, ranks["qk"], options.basis, weights)
+            kept["qk"] = red.kept_energy
+            if target.k_bias:   # the decoder's k_proj has a bias on every layer; b_K is exactly 0 here
+                layer["k.bias"] = torch.zeros(layer["k.weight"].shape[0], dtype=layer["k.weight"].dtype)
     return prepare_layer(layer, adapter) if weights is not None else layer, kept
 
 
@@ -327,7 +350,7 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
 
     def layer_fn(i: int, layer: Tensors) -> Tensors:
         new, k = reduce_layer(layer, adapter, target, options, {p: plan.ranks[p][i] for p in options.paths},
-                              weights[i] if weights else None)
+                              weights[i] if weights else None, adapter.layer_layout(i))
         for p, v in k.items():
             kept[p].append(v)
         return new
@@ -336,14 +359,26 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
     transform_checkpoint(source, adapter, sink, layer_fn, globals_fn=lambda g: g, progress=progress, desc="farr")
     farr_config = target.make_config(plan.ranks.get("vo"), plan.ranks.get("qk"))
     report = FarrReport(source="", output=None, model_type=farr_config.model_type,
-                        options=dataclasses.asdict(options), ranks=plan.ranks, head_dim=adapter.layout.head_dim,
+                        options=dataclasses.asdict(options), head_dim=adapter.layout.head_dim,
+                        ranks={p: [adapter.layout.head_dim if r is None else r for r in rs] for p, rs in plan.ranks.items()},
                         kept_energy=kept, touchable_params_before=plan.touchable_before,
                         touchable_params_after=plan.touchable_after)
-    if not options.qk:
-        reason = fused.qk_fusion_blocker(adapter.layout)
-        report.notes.append(f"query/key kept at full size: {reason}" if reason
-                            else "query/key kept at full size (pass qk=True / --qk to reduce them too)")
+    report.notes += _qk_notes(adapter, options)
     return farr_config, report, analysis
+
+
+def _qk_notes(adapter: Adapter, options: FarrOptions) -> list[str]:
+    layers = qk_layers(adapter)
+    if not layers:
+        return [f"query/key kept at full size: {fused.qk_fusion_blocker(adapter.layout)}"]
+    partly = len(layers) < adapter.n_layers
+    if not options.qk:
+        return ["query/key kept at full size (pass qk=True / --qk to reduce them too"
+                + (f", on the NoPE layers {layers})" if partly else ")")]
+    if partly:
+        return [f"query/key reduced on the NoPE layers {layers} only; the other layers rotate every query/key dim "
+                "with RoPE, so their score map cannot be fused and they keep the full head dim"]
+    return []
 
 
 _BUFFERS = ("position_ids", "token_type_ids")   # index buffers some BERT checkpoints carry, not parameters
@@ -585,8 +620,9 @@ def spectra_report(source: TensorSource, config: dict, taus: list[float], name: 
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
     L = adapter.layout
-    qk_reason = fused.qk_fusion_blocker(L)
-    paths = ("vo",) if qk_reason else ("vo", "qk")
+    fusable = qk_layers(adapter)
+    qk_reason = None if fusable else fused.qk_fusion_blocker(L)
+    paths = ("vo", "qk") if fusable else ("vo",)
     weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
     analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
     plotted = _analysis_report(analysis, adapter, taus, name)
@@ -595,8 +631,9 @@ def spectra_report(source: TensorSource, config: dict, taus: list[float], name: 
         "layout": plotted["layout"],
         "paths": list(paths), "taus": taus, "norms_folded": adapter.spec.placement == "pre" and not moments,
         "metric": "activation-aware" if moments else "data-free (Frobenius)",
-        "qk": {"available": qk_reason is None, "reason": qk_reason,
-               "dims": "non-rotary dims only" if L.rotary_dim and not qk_reason else "all head dims"},
+        "qk": {"available": qk_reason is None, "reason": qk_reason, "layers": fusable,
+               "dims": ("non-rotary dims only" if any(adapter.layer_layout(i).rotary_dim for i in fusable)
+                        else "all head dims")},
         "layers": plotted["layers"],
         "summary": {p: {f"{t:g}": _tau_summary(analysis, p, t, adapter, config, keys) for t in taus} for p in paths},
     }
@@ -607,19 +644,20 @@ def _analysis_report(analysis: list[LayerAnalysis], adapter: Adapter, taus: list
     """The part of a spectra report the plots read: layout, paths, τs and per-layer group entries."""
     L = adapter.layout
     gqa = L.n_kv_heads != L.n_heads
-    paths = list(analysis[0].spectra)
+    paths = [p for p in ("vo", "qk") if any(p in a.spectra for a in analysis)]
     return {"model_name": name, "paths": paths, "taus": list(taus),
             "layout": {"n_heads": L.n_heads, "n_kv_heads": L.n_kv_heads, "head_dim": L.head_dim,
                        "rotary_dim": L.rotary_dim, "rope_layout": L.rope_layout, "qk_norm": L.qk_norm},
-            "layers": [{"layer": a.layer, **{p: [_group_entry(g, taus, gqa) for g in a.spectra[p]] for p in paths}}
+            "layers": [{"layer": a.layer, **{p: [_group_entry(g, taus, gqa) for g in a.spectra[p]] for p in a.spectra}}
                        for a in analysis]}
 
 
 def _tau_summary(analysis: list[LayerAnalysis], path: str, tau: float, adapter: Adapter, config: dict,
                  keys: list[str]) -> dict:
     layer_ranks = ranks_for_tau(analysis, path, tau)
-    per_group = [fused.effective_rank(g.S, tau) for a in analysis for g in a.spectra[path]]
-    out = {"layer_ranks": layer_ranks, "mean_layer_rank": sum(layer_ranks) / len(layer_ranks),
+    reduced = [r for r in layer_ranks if r is not None]
+    per_group = [fused.effective_rank(g.S, tau) for a in analysis for g in a.spectra.get(path, [])]
+    out = {"layer_ranks": layer_ranks, "mean_layer_rank": sum(reduced) / len(reduced),
            "mean_group_rank": sum(per_group) / len(per_group), "farr_kept_params_fraction": None}
     try:
         options = FarrOptions(tau=tau, vo=path == "vo", qk=path == "qk")

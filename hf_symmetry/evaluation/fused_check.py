@@ -9,7 +9,7 @@ input ``Z`` of its output projection, and require for every query head h
   equal ``o_proj(Z with only head h's slice kept) − o_proj(0)`` (the module's own output
   projection on the module's own head output), and their sum over heads plus ``b_O`` to equal the
   module's output;
-* score path, where QK fusion is exact and no dim is rotary: ``softmax([X;1] M_h Xᵀ / √d_h + mask)``
+* score path, in layers where QK fusion is exact and no dim is rotary (encoders, NoPE layers): ``softmax([X;1] M_h Xᵀ / √d_h + mask)``
   with ``M_h = Q̃_hᵀ W_K^g`` to equal ``α_h``.
 
 The maps are taken unfolded here (the module sees the norm's output, γ included); the conversions
@@ -84,7 +84,6 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
     the adapter's (tests use it for negative controls)."""
     state = model.state_dict()
     adapter = Adapter.from_config(model.config, list(state))
-    L = layout or adapter.layout
     _, per_layer, _ = partition_keys(adapter, list(state))
     layers = list(range(adapter.n_layers)) if layers is None else layers
     captures = {i: _Capture(model, adapter, i) for i in layers}
@@ -100,6 +99,7 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
     causal = adapter.spec.placement == "pre"   # every pre-LN family here is a causal decoder
     for i in layers:
         layer = adapter.read_layer(i, {k: state[k] for k in per_layer[i]})
+        L = layout or adapter.layer_layout(i)
         entry = {"layer": i, **_check_vo(layer, L, captures[i])}
         if fused.qk_fusion_blocker(L) is None and not L.rotary_dim:
             entry["qk_max_abs_error"] = _check_qk(layer, L, captures[i].data, causal)

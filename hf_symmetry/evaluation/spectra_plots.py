@@ -19,14 +19,22 @@ def _pyplot():
     return plt
 
 
+def _path_layers(report: dict, path: str) -> list[dict]:
+    """The layers that have ``path`` (a RoPE layer of a model with NoPE layers has no score path)."""
+    return [layer for layer in report["layers"] if path in layer]
+
+
 def rank_grid(report: dict, path: str, tau: float) -> np.ndarray:
-    """Effective rank at ``tau`` as a [units, layers] array (units: heads, or KV groups under GQA)."""
+    """Effective rank at ``tau`` as a [units, layers] array (units: heads, or KV groups under GQA);
+    NaN in the columns of layers without ``path``."""
     key = f"{tau:g}"
-    return np.array([[g["effective_rank"][key] for g in layer[path]] for layer in report["layers"]]).T
+    units = len(_path_layers(report, path)[0][path])
+    return np.array([[g["effective_rank"][key] for g in layer[path]] if path in layer else [np.nan] * units
+                     for layer in report["layers"]], dtype=float).T
 
 
 def unit_labels(report: dict, path: str) -> list[str]:
-    groups = report["layers"][0][path]
+    groups = _path_layers(report, path)[0][path]
     if report["layout"]["n_kv_heads"] == report["layout"]["n_heads"]:
         return [f"h{g['heads'][0]}" for g in groups]
     return [f"g{g['group']} (h{g['heads'][0]}-{g['heads'][-1]})" for g in groups]
@@ -38,11 +46,11 @@ def plot_rank_heatmaps(report: dict, out: Path, title: str | None = None) -> Pat
     plt = _pyplot()
     paths, taus = report["paths"], report["taus"]
     head_dim = report["layout"]["head_dim"]
-    n_units = len(report["layers"][0][paths[0]])
+    n_units = len(_path_layers(report, paths[0])[0][paths[0]])
     n_layers = len(report["layers"])
     # one colour scale for every panel, from the lowest rank shown up to the head dim: near-full-rank
     # models would otherwise be a single flat colour
-    low = min(int(rank_grid(report, p, t).min()) for p in paths for t in taus)
+    low = min(int(np.nanmin(rank_grid(report, p, t))) for p in paths for t in taus)
     vmin = max(0, min(low - 1, head_dim - 4))
     cell = 0.32
     panels = [(path, tau) for path in paths for tau in taus]
@@ -56,13 +64,15 @@ def plot_rank_heatmaps(report: dict, out: Path, title: str | None = None) -> Pat
         im = ax.imshow(grid, cmap="viridis", vmin=vmin, vmax=head_dim, aspect="auto", interpolation="nearest")
         if grid.size <= 600:
             for (u, l), v in np.ndenumerate(grid):
-                ax.text(l, u, str(v), ha="center", va="center", fontsize=6,
+                if np.isnan(v):
+                    continue
+                ax.text(l, u, str(int(v)), ha="center", va="center", fontsize=6,
                         color="white" if v < vmin + 0.6 * (head_dim - vmin) else "black")
         ax.set_yticks(range(n_units), unit_labels(report, path), fontsize=7)
         step = max(1, n_layers // 15)
         ax.set_xticks(range(0, n_layers, step), [str(i) for i in range(0, n_layers, step)], fontsize=7)
         ax.set_xlabel("layer", fontsize=8)
-        layer_ranks = grid.max(axis=0)
+        layer_ranks = grid[:, ~np.isnan(grid).all(axis=0)].max(axis=0)
         ax.set_title(f"{PATH_TITLES[path]}, τ={tau:g}\nlayer rank mean {layer_ranks.mean():.1f} / {head_dim}",
                      fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02).ax.tick_params(labelsize=7)
@@ -77,7 +87,7 @@ def plot_layer_spectra(report: dict, path: str, out: Path) -> Path:
     """One small panel per layer: normalised singular values σ_i/σ_1 (log scale) of every head /
     KV group, with the layer's rank at each τ marked."""
     plt = _pyplot()
-    layers = report["layers"]
+    layers = _path_layers(report, path)
     head_dim = report["layout"]["head_dim"]
     cols = min(6, len(layers))
     rows = math.ceil(len(layers) / cols)

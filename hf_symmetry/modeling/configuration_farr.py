@@ -1,5 +1,5 @@
 """Configurations of FaRR (fuse and rank reduce) models: stock Llama/BERT/RoBERTa architectures whose
-attention head dims differ per layer.
+attention head dims differ per layer (and, for SmolLM3-style decoders, some layers have no RoPE).
 
 FaRR truncates the fused value map ``W_O^h W_V^h`` (and, where exact, the score map ``W_Q^hᵀ W_K^h``)
 and splits it back, so layer ``i`` has value/output head dim ``v_head_dims[i]`` (and query/key head
@@ -51,9 +51,12 @@ class FarrLlamaConfig(LlamaConfig):
     r"""A Llama-family decoder (Llama, Mistral without sliding windows, Qwen2, Qwen3) after FaRR.
 
     Args (besides :class:`~transformers.LlamaConfig`'s):
-        v_head_dims: value/output head dim of each layer (``None``: ``head_dim`` everywhere). Query/key
-            head dims stay ``head_dim``: RoPE rotates every query/key dim of these families, so their
-            score map cannot be fused.
+        v_head_dims: value/output head dim of each layer (``None``: ``head_dim`` everywhere).
+        qk_head_dims: query/key head dim of each layer (``None``: ``head_dim`` everywhere). Only NoPE
+            layers may differ from ``head_dim``: RoPE rotates every query/key dim of RoPE layers, so
+            their score map cannot be fused.
+        no_rope_layers: SmolLM3's convention, one flag per layer, 0 for a NoPE layer (no rotary
+            embedding on q/k); ``None``: RoPE everywhere.
         attention_bias: biases on ``q_proj`` and ``k_proj`` (Qwen2); unlike Llama it does not
             cover ``v_proj``/``o_proj``.
         o_bias: bias on ``o_proj`` (holds the folded value bias).
@@ -63,22 +66,40 @@ class FarrLlamaConfig(LlamaConfig):
     model_type = "hf_symmetry_farr_llama"
 
     v_head_dims: list[int] | None = None
+    qk_head_dims: list[int] | None = None
+    no_rope_layers: list[int] | None = None
     o_bias: bool = False
     qk_norm: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         _check_dims(self, "v_head_dims", self.v_head_dims)
+        _check_dims(self, "qk_head_dims", self.qk_head_dims)
+        if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"FarrLlamaConfig: no_rope_layers needs one flag per layer ({self.num_hidden_layers}), "
+                             f"got {len(self.no_rope_layers)}")
+        changed = [i for i in range(self.num_hidden_layers) if self.qk_head_dim(i) != self.head_dim]
+        roped = [i for i in changed if self.uses_rope(i) or self.qk_norm]
+        if roped:
+            raise ValueError(f"FarrLlamaConfig: layers {roped} change the query/key head dim, which only NoPE "
+                             "layers without QK-norm can (RoPE and QK-norm act on the full head dim)")
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.no_rope_layers or bool(self.no_rope_layers[layer])
 
     def v_head_dim(self, layer: int) -> int:
         return self.v_head_dims[layer] if self.v_head_dims else self.head_dim
+
+    def qk_head_dim(self, layer: int) -> int:
+        return self.qk_head_dims[layer] if self.qk_head_dims else self.head_dim
 
     def attention_parameters(self, layer: int | None = None) -> int:
         """Attention parameters of one layer (or of all layers when ``layer`` is None)."""
         if layer is None:
             return sum(self.attention_parameters(i) for i in range(self.num_hidden_layers))
         d, h, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
-        return (qk_parameters(d, h, kv, self.head_dim, self.attention_bias, self.attention_bias, self.qk_norm)
+        return (qk_parameters(d, h, kv, self.qk_head_dim(layer), self.attention_bias, self.attention_bias,
+                              self.qk_norm)
                 + vo_parameters(d, h, kv, self.v_head_dim(layer), self.o_bias))
 
 

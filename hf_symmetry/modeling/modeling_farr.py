@@ -2,9 +2,9 @@
 per layer.
 
 Only the attention modules change; embeddings, norms, MLPs, masks, caches, generation and every
-forward are the stock transformers ones (inherited). Layer i's query/key heads keep ``head_dim``
-(decoders; RoPE needs it) or ``qk_head_dims[i]`` (encoders), its value/output heads have
-``v_head_dims[i]``; the attention scale is always ``1/√(original head dim)``. Eager and SDPA
+forward are the stock transformers ones (inherited). Layer i's query/key heads have
+``qk_head_dims[i]`` (decoders: only NoPE layers may differ from ``head_dim``, RoPE needs all of it),
+its value/output heads ``v_head_dims[i]``; the attention scale is always ``1/√(original head dim)``. Eager and SDPA
 attention both accept a value head dim different from the query/key one.
 
 This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only
@@ -35,14 +35,16 @@ from .configuration_farr import FarrBertConfig, FarrLlamaConfig, FarrRobertaConf
 # Decoder (Llama family)
 # ----------------------------------------------------------------------------------------------
 class FarrLlamaAttention(nn.Module):
-    """Llama attention with a per-layer value/output head dim (and Qwen3's optional QK-norm)."""
+    """Llama attention with per-layer query/key and value/output head dims, Qwen3's optional QK-norm
+    and SmolLM3's NoPE layers (no rotary embedding)."""
 
     def __init__(self, config: FarrLlamaConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
+        self.head_dim = config.qk_head_dim(layer_idx)
         self.v_head_dim = config.v_head_dim(layer_idx)
+        self.use_rope = config.uses_rope(layer_idx)
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = config.head_dim ** -0.5   # the original head dim's scale, whatever v_head_dim is
         self.attention_dropout = config.attention_dropout
@@ -66,8 +68,9 @@ class FarrLlamaAttention(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
 
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if self.use_rope:
+            cos, sin = position_embeddings
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
