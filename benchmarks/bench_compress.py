@@ -4,7 +4,9 @@ At one parameter budget (``--ratio``, default 0.25: the fraction of the compress
 removed, skip/head matrices paid for, so every row has about the same total parameter count) it compares
 held-out perplexity of: the dense model, SliceGPT (per-segment PCA with skip matrices, and one global PCA),
 and for Kronecker, GS and low rank: plain projection without rotation, stage F and stage W, with one
-rotation per residual segment (the paper) and with one global rotation. Calibration text
+rotation per residual segment (the paper) and with one global rotation, and stage W per segment with
+sequential calibration (each segment weighted by the statistics of the model whose earlier segments are
+already compressed, ``CompressOptions.sequential``). Calibration text
 (``britannica-calib``) and evaluation text (``britannica-eval``) are disjoint halves of one article.
 
 Also, side by side in the same run: forward time of each structured layer against the dense layer it
@@ -155,6 +157,11 @@ def row_configs(f: int) -> list[dict]:
             for stage in ("f", "w"):
                 rows.append(dict(name=f"{structure}: stage {stage.upper()}, {q_mode} Q", structure=structure,
                                  stage=stage, q_mode=q_mode, f_iters=f))
+    for structure in ("gs", "kron"):   # stage W calibrated on the partly compressed model (FoldedLlama)
+        rows.append(dict(name=f"{structure}: stage W, segment Q, sequential", structure=structure, stage="w",
+                         q_mode="segment", f_iters=f, sequential=True))
+    rows.append(dict(name="lowrank: stage W, sequential", structure="lowrank", stage="w", q_mode="global", f_iters=f,
+                     sequential=True))
     return rows
 
 
@@ -219,13 +226,16 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         key = f"{options.structure}_{options.q_mode}_f{options.f_iters}_c{calib_ids.numel()}_{options.solver_dtype}"
+        key += "" if args.ratio == 0.25 else f"_r{args.ratio:g}"   # the rotations depend on the structures
         rotations, solve_options = None, options
         if options.stage == "w" and options.structure != "lowrank":
             rotations = load_rotations(key)     # start from the cached stage F solution
             if rotations is not None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
+        net = (C.FoldedLlama(layers, globals_, adapter, C.compressed_config(config, plan, options, model.config),
+                             calib_ids, 512) if options.sequential else None)
         with S.limit_threads(1):
-            res = C.solve(plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations)
+            res = C.solve(plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, net=net)
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0
@@ -240,7 +250,7 @@ def main() -> None:
                "mean_relative_error": (statistics.mean(res.relative_errors.values()) if res.relative_errors else None),
                "structures": {m.name: m.module_structure.spec() for m in plan.matrices if m.layer in (None, 0)}}
         if rotations is not None:
-            f_row = results["rows"].get(name.replace("stage W", "stage F"), {})
+            f_row = results["rows"].get(name.replace("stage W", "stage F").replace(", sequential", ""), {})
             row["stage_f_seconds"] = f_row.get("solve_seconds")
         row["perplexity_vs_dense"] = row["perplexity"] / dense_ppl
         row["forward_ms"], row["dense_forward_ms"] = paired_forward_ms(compressed, model, prefill, repeats)

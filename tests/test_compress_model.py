@@ -98,6 +98,131 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() > 1e-3
 
 
+# ----------------------------------------------------------------------------- sequential calibration
+def _walk_setup(model, options, calib, seq_len):
+    config, src = model.config.to_dict(), _source(model)
+    plan, adapter = C.plan_for(src, config, options)
+    layers, globals_, gamma = C.read_folded(src, adapter, src.keys(), plan.tied)
+    net = C.FoldedLlama(layers, globals_, adapter, C.compressed_config(config, plan, options, model.config), calib,
+                        seq_len)
+    return plan, adapter, layers, globals_, gamma, net
+
+
+def _rel(a, b):
+    return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sequential_walk_of_the_uncompressed_model_measures_the_one_pass_statistics(family):
+    """Nothing replaced: the folded float32 forward (RoPE, GQA, biases, ragged batches 40+40+30) gives the
+    statistics of one pass of the original model, segment after segment."""
+    model = tiny_model(family)
+    calib = input_ids(batch=1, length=110, seed=3)[0]
+    options = C.CompressOptions(structure="gs", stage="w", sequential=True, tolerance=1.0)
+    plan, adapter, *_, net = _walk_setup(model, options, calib, 40)
+    ref = C.collect_statistics(model, adapter, calib, 40, want_normed=True, want_stream=False, progress=False)
+    L = plan.n_layers
+    seq = C.CalibrationStats(ref.tokens, ref.token_counts, normed=[None] * (2 * L + 1), attn_out=[None] * L,
+                             mlp_hidden=[None] * L, normed_cross=[None] * (2 * L + 1), attn_out_cross=[None] * L,
+                             mlp_hidden_cross=[None] * L, attn_out_drift=[None] * L, mlp_hidden_drift=[None] * L)
+    assert list(net.walk(seq)) == list(range(2 * L + 1))
+    for name in ("normed", "attn_out", "mlp_hidden"):
+        for a, b, cross in zip(getattr(seq, name), getattr(ref, name), getattr(seq, name + "_cross")):
+            assert _rel(a, b) < 1e-5, name
+            assert _rel(cross, b) < 1e-5, name      # the original model alongside: the same activations
+    for drift in seq.attn_out_drift + seq.mlp_hidden_drift:
+        assert drift.abs().max() == 0                # ... and the same residual stream
+
+
+def test_sequential_statistics_are_those_of_the_compressed_model():
+    """After a sequential solve, the o_proj/down_proj inputs (basis-free) of the assembled compressed model
+    have exactly the second moments the solve used — and not those of the original model."""
+    model = tiny_model("llama")
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="gs", ratio=0.25, stage="w", sequential=True, f_iters=1, als_iters=2,
+                                wopp_iters=10, calib_seq_len=40, tolerance=1.0)
+    plan, adapter, layers, globals_, gamma, net = _walk_setup(model, options, calib, 40)
+    one_pass = C.collect_statistics(model, adapter, calib, 40, want_normed=True, want_stream=False, progress=False)
+    res = C.solve(plan, layers, globals_, one_pass, options, progress=False, net=net)
+    state = C.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
+    compressed = C.build_model(state, C.compressed_config(model.config.to_dict(), plan, options, model.config),
+                               torch.float64)[0]
+    acc = {}
+
+    def hook(key):
+        def fn(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            acc[key] = acc.get(key, 0) + x.T @ x
+        return fn
+
+    handles = [getattr(layer, part).get_submodule(proj).register_forward_pre_hook(hook((i, proj)))
+               for i, layer in enumerate(compressed.model.layers)
+               for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))]
+    with torch.no_grad():
+        for batch in C.calibration_batches(calib, 40):
+            compressed(input_ids=batch[None])
+    for h in handles:
+        h.remove()
+    for i in range(plan.n_layers):
+        for proj, name in (("o_proj", "attn_out"), ("down_proj", "mlp_hidden")):
+            measured = acc[(i, proj)] / calib.numel()
+            assert _rel(getattr(res.stats, name)[i], measured) < 1e-5, (i, proj)
+            assert _rel(getattr(one_pass, name)[i], measured) > 1e-3, (i, proj)
+
+
+@pytest.mark.parametrize("structure, match", [("gs", True), ("gs", False), ("lowrank", True)])
+def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exact_rmsnorm):
+    """Matching the original model, the targets are M itself only if the compressed model's inputs are the
+    original's and the regularisation pulls towards M (towards 0, the relative error here is 0.3)."""
+    model = tiny_model("llama")
+    config = model.config.to_dict()
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure=structure, ratio=0.25, stage="w", sequential=True, match_original=match,
+                                f_iters=1, als_iters=2, wopp_iters=10, calib_seq_len=40, tolerance=1.0)
+    src = _source(model)
+    plan = _full_rank(C.plan_for(src, config, options)[0])
+    Qs = [haar_orthogonal(plan.hidden, rng(0, k)) for k in range(2 * plan.n_layers + 1)]
+    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
+                                            progress=False, plan=plan, hf_config=model.config,
+                                            rotations=Qs if structure == "gs" else None)
+    assert report.options["sequential"] and any(k.startswith("W/segment") or k.startswith("segment")
+                                                for k in report.objective)
+    ids = input_ids()
+    ref = outputs(model, ids)
+    err = (outputs(C.build_model(state, cfg, torch.float64)[0], ids) - ref).abs().max() / ref.abs().max()
+    assert err <= 1e-9, err
+
+
+@pytest.mark.parametrize("canon", ["q", "o", "down"])
+def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(canon):
+    """Reader: X̂ M'ᵀ ≈ X Mᵀ; writers: X̂ M' ≈ X M + D (undo the stream's drift D); ridge towards M."""
+    g = torch.Generator().manual_seed(0)
+    n, k, d = 200, 5, 6
+    randn = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    reader = canon == "q"
+    M = randn(k, d)
+    X = randn(n, d if reader else k)
+    Xh = X + 0.3 * randn(*X.shape)
+    D = torch.zeros(n, d) if reader else 0.5 * randn(n, d)
+    G, key = Xh.T @ Xh / n, {"q": "normed", "o": "attn_out", "down": "mlp_hidden"}[canon]
+    stats = C.CalibrationStats(n, torch.ones(3), **{key: [G], key + "_cross": [Xh.T @ X / n]})
+    if not reader:
+        setattr(stats, key + "_drift", [Xh.T @ D / n])
+    m = C.MatrixPlan("m", canon, 0, "reader" if reader else "writer", 0, S.Dense((k, d)))
+    got = C._matched(m, M, stats, damping=0.05)
+    lam = (n * 0.05 * G.diagonal().mean()).sqrt()
+    A = torch.cat([Xh, lam * torch.eye(X.shape[1], dtype=torch.float64)])
+    target, prior = (X @ M.T, M.T) if reader else (X @ M + D, M)
+    want = torch.linalg.lstsq(A, torch.cat([target, lam * prior])).solution
+    assert torch.allclose(got, want.T if reader else want, atol=1e-10)
+
+
+@pytest.mark.parametrize("kwargs", [dict(stage="f"), dict(q_mode="global"), dict(structure="slice")])
+def test_sequential_calibration_is_refused_where_it_does_not_apply(kwargs):
+    with pytest.raises(ValueError, match="sequential calibration applies"):
+        C.CompressOptions(**{"structure": "gs", "stage": "w", "sequential": True, **kwargs}).validate()
+
+
 # ----------------------------------------------------------------------------- ratios and parameters
 @pytest.mark.parametrize("q_mode", ["segment"])
 def test_equal_ratios_give_equal_model_sizes(q_mode):
@@ -216,6 +341,27 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     # refusing to overwrite
     assert main(["compress", str(tiny_dir), str(out), "--stage", "none", "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_cli_sequential_calibration_needs_no_calibration_model(tiny_dir, tmp_path, capsys, monkeypatch):
+    from hf_symmetry.evaluation import compare
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
+    out = tmp_path / "seq"
+    common = [str(tiny_dir), str(out), "--structure", "kron", "--stage", "w", "--f-iters", "1", "--calib", str(calib),
+              "--calib-seq-len", "64", "--sequential", "--quiet"]
+    assert main(["compress", *common, "--q-mode", "global"]) == 2
+    assert "sequential calibration applies" in capsys.readouterr().err and not out.exists()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("sequential calibration runs the folded weights, not a loaded model")
+
+    monkeypatch.setattr(compare, "load_model", no_model)
+    assert main(["compress", *common]) == 0
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["options"]["sequential"] and report["options"]["match_original"]
+    assert any(k.startswith("W/segment") for k in report["objective"])
 
 
 def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, tmp_path, monkeypatch):

@@ -45,6 +45,13 @@ def register(sub) -> None:
     p.add_argument("--compress-v", action="store_true", help="also compress v_proj (the paper keeps it dense)")
     p.add_argument("--f-iters", type=int, default=20, help="stage F alternations (default: 20)")
     p.add_argument("--w-iters", type=int, default=1, help="stage W alternations (default: 1, as in the paper)")
+    p.add_argument("--sequential", action="store_true",
+                   help="stage w: weight each residual segment by statistics of the model whose earlier segments "
+                        "are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass of the original "
+                        "model; needs --q-mode segment")
+    p.add_argument("--no-match-original", dest="match_original", action="store_false",
+                   help="with --sequential: fit each matrix's own outputs on the compressed model's inputs instead "
+                        "of the original model's outputs and residual stream (GPTQ-style, the default)")
     p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
     p.add_argument("--eval-text", metavar="TEXT",
@@ -60,7 +67,8 @@ def run(args) -> int:
         structure=args.structure, ratio=args.ratio, stage=args.stage, q_mode=args.q_mode,
         kron_factor=args.kron_factor, gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
         compress_embeddings=not args.keep_embeddings, dense_modules=() if args.compress_v else ("v",),
-        f_iters=args.f_iters, w_iters=args.w_iters, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len)
+        f_iters=args.f_iters, w_iters=args.w_iters, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len,
+        sequential=args.sequential, match_original=args.match_original)
     options.validate()
     src = resolve_model(args.model)
     calib = resolve_text(args.calib) if args.calib else None

@@ -11,7 +11,11 @@ Pipeline (Llama-family checkpoints: llama, mistral without sliding window, qwen2
    covariance of the normalised stream (readers' inputs; rotating the model moves it to ``Qᵀ Σ Q``
    exactly, so the "rotated, uncompressed model" statistics of the paper come from this one pass),
    the inputs of ``o_proj`` and ``down_proj`` (writers), token counts (``√(D+1)`` weights of the
-   embedding/head) and, for SliceGPT, the raw stream covariance.
+   embedding/head) and, for SliceGPT, the raw stream covariance. With ``sequential`` (stage W, one Q
+   per segment) segment k's statistics come instead from the model whose segments before k are already
+   compressed (as SliceGPT and GPTQ calibrate): a float32 forward of the norm-folded model over the
+   calibration text, :class:`FoldedLlama`, in which each solved matrix is replaced by ``Ŵ Qᵀ``; with
+   ``match_original`` (default) the matrices then target the original model's outputs and stream.
 3. **Rotations and factors**: stage ``none`` (plain projection, Q = I), stage ``f`` (alternating
    Frobenius projection / Procrustes per segment), stage ``w`` (from stage F's Q: weighted projections
    and weighted Procrustes with the calibration covariances), see :mod:`..symmetry.segments`. Either one
@@ -83,6 +87,8 @@ class CompressOptions:
     tolerance: float = 0.02                      # largest |achieved ratio − ratio| accepted
     calib_tokens: int = 16384
     calib_seq_len: int = 512
+    sequential: bool = False                     # stage W statistics of the partly compressed model (FoldedLlama)
+    match_original: bool = True                  # sequential: target the original model's outputs and stream
 
     def validate(self) -> None:
         if self.structure not in STRUCTURES:
@@ -102,6 +108,11 @@ class CompressOptions:
             raise ValueError(f"unknown dense modules {sorted(unknown)}; choose from {sorted(_LAYER_MODULES)}")
         if self.solver_dtype not in ("float32", "float64"):
             raise ValueError(f"solver dtype must be float32 or float64, got {self.solver_dtype!r}")
+        if self.sequential and (self.stage != "w" or self.structure == "slice" or
+                                (self.q_mode != "segment" and self.structure != "lowrank")):
+            raise ValueError("sequential calibration applies to stage w with one rotation per segment "
+                             "(--q-mode segment; low rank has no rotation), not to "
+                             f"{self.structure} stage {self.stage} with q mode {self.q_mode}")
         for name in ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len"):
             if getattr(self, name) < 0 or (name.startswith("calib") and getattr(self, name) < 2):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -362,6 +373,14 @@ class CalibrationStats:
     stream: list[torch.Tensor] | None = None      # h itself (SliceGPT's PCA)
     attn_out: list[torch.Tensor] | None = None    # o_proj inputs
     mlp_hidden: list[torch.Tensor] | None = None  # down_proj inputs
+    # sequential calibration matching the original model: X̂ᵀX / n, the partly compressed model's inputs
+    # (those above) against the original model's at the same place
+    normed_cross: list[torch.Tensor] | None = None
+    attn_out_cross: list[torch.Tensor] | None = None
+    mlp_hidden_cross: list[torch.Tensor] | None = None
+    # ... and the writers' inputs X̂ against the residual stream's drift before them, X̂ᵀ(H − Ĥ) / n
+    attn_out_drift: list[torch.Tensor] | None = None
+    mlp_hidden_drift: list[torch.Tensor] | None = None
 
 
 def calibration_batches(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -433,6 +452,116 @@ def collect_statistics(model, adapter: Adapter, ids: torch.Tensor, seq_len: int,
     return stats
 
 
+def _moment(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token (cross) second moment ``xᵀy / n``, ``y = x`` by default (float32 product, float64 result,
+    as :func:`collect_statistics`)."""
+    return (x.T @ (x if y is None else y)).double() / x.shape[0]
+
+
+class FoldedLlama:
+    """The norm-folded model (RMSNorm without γ, γ in the readers) in float32 on all calibration batches
+    at once, for sequential calibration. With one rotation per residual segment the compressed model
+    *is* this model with every compressed matrix replaced by its approximation in the original basis,
+    ``Ŵ Qᵀ`` (:meth:`replace`): RMSNorm commutes with the rotations and the skips are exact. :meth:`walk`
+    visits the segments in order and measures each one on the model whose earlier segments are
+    replaced (and, to match the original model, also runs the original alongside). Memory: the
+    calibration activations (tokens × intermediate size), float32."""
+
+    def __init__(self, layers: list[Tensors], globals_: Tensors, adapter: Adapter, model_config: dict,
+                 ids: torch.Tensor, seq_len: int):
+        from transformers.activations import ACT2FN
+
+        self.weights = {f"{i}.{k}": v.float() for i, lw in enumerate(layers) for k, v in lw.items()
+                        if "norm" not in k}
+        self.weights["embed.weight"] = globals_["embed.weight"].float()
+        self.original = dict(self.weights)      # replace() rebinds entries of self.weights only
+        self.batches = [b.numel() for b in calibration_batches(ids, seq_len)]
+        self.ids = ids[: sum(self.batches)]
+        self.layout, self.eps, self.n_layers = adapter.layout, adapter.eps, len(layers)
+        self.act = ACT2FN[model_config["hidden_act"]]
+        self.cos, self.sin = _rope_tables(model_config, max(self.batches))
+
+    def replace(self, m: MatrixPlan, M: torch.Tensor) -> None:
+        """Use ``M`` (the solver's ``[k, d]`` orientation, original basis) for the matrix of ``m``."""
+        key = f"{m.canon}.weight" if m.layer is None else f"{m.layer}.{m.canon}.weight"
+        self.weights[key] = (M if m.role == "reader" or m.canon == "embed" else M.T).float()
+
+    def walk(self, stats: CalibrationStats):
+        """Yield the segments ``0, 1, …, 2L`` in order, each once its statistics (``normed``, its writer's
+        ``attn_out``/``mlp_hidden``, and with ``stats.normed_cross`` set the ``*_cross`` and ``*_drift``
+        moments against the original model) are in ``stats``; the matrices the caller replaces before resuming are used
+        from then on (a segment's own writers still count as dense in the stream its readers see)."""
+        original = self._segments(self.original) if stats.normed_cross is not None else None
+        for k, (z, x, h) in enumerate(self._segments(self.weights)):
+            writer, i = ("attn_out" if k % 2 else "mlp_hidden"), (k - 1) // 2
+            if z is not None:
+                getattr(stats, writer)[i] = _moment(z)
+            stats.normed[k] = _moment(x)
+            if original is not None:
+                z0, x0, h0 = next(original)
+                stats.normed_cross[k] = _moment(x, x0)
+                if z is not None:
+                    getattr(stats, writer + "_cross")[i] = _moment(z, z0)
+                    getattr(stats, writer + "_drift")[i] = _moment(z, h0 - h)
+                del z0, x0, h0
+            del z, x, h
+            yield k
+
+    def _segments(self, weights: Tensors):
+        """Per segment, in order: (its writer's input, the normalised stream its readers see, the stream
+        before the writer — none for the embedding), reading ``weights`` anew after each yield."""
+        embed = lambda: weights["embed.weight"][self.ids]  # noqa: E731
+        yield None, self._norm(embed()), None
+        h = embed()
+        for i in range(self.n_layers):
+            z = self._attention(self._norm(h), i, weights)
+            yield z, self._norm(h + self._linear(z, i, "o", weights)), h
+            h = h + self._linear(z, i, "o", weights)
+            x = self._norm(h)
+            u = self.act(self._linear(x, i, "gate", weights)) * self._linear(x, i, "up", weights)
+            yield u, self._norm(h + self._linear(u, i, "down", weights)), h
+            h = h + self._linear(u, i, "down", weights)
+
+    def _linear(self, x: torch.Tensor, i: int, canon: str, weights: Tensors) -> torch.Tensor:
+        y = x @ weights[f"{i}.{canon}.weight"].T
+        bias = weights.get(f"{i}.{canon}.bias")
+        return y if bias is None else y + bias
+
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _attention(self, x: torch.Tensor, i: int, weights: Tensors) -> torch.Tensor:
+        """Causal GQA attention per batch: the inputs of ``o_proj``."""
+        L = self.layout
+        q, k, v = (self._linear(x, i, c, weights) for c in ("q", "k", "v"))
+        out, start = [], 0
+        for n in self.batches:
+            def heads(t, count):
+                return t[start:start + n].view(1, n, count, L.head_dim).transpose(1, 2)
+            qh, kh, vh = heads(q, L.n_heads), heads(k, L.n_kv_heads), heads(v, L.n_kv_heads)
+            qh, kh = (t * self.cos[:n] + _rotate_half(t) * self.sin[:n] for t in (qh, kh))
+            groups = L.n_heads // L.n_kv_heads
+            kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+            out.append(o.transpose(1, 2).reshape(n, -1))
+            start += n
+        return torch.cat(out)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _rope_tables(model_config: dict, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin [length, head_dim]`` of the compressed model's rotary embedding."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=_config_object(model_config))
+    cos, sin = rotary(torch.zeros(1, 1, 1), torch.arange(length)[None])
+    return cos[0].float(), sin[0].float()
+
+
 def _damped(G: torch.Tensor, damping: float) -> torch.Tensor:
     """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening)."""
     return G + damping * G.diagonal().mean().clamp_min(1e-12) * torch.eye(G.shape[0], dtype=G.dtype)
@@ -450,23 +579,47 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
     return W if m.role == "reader" else W.T
 
 
+def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float) -> torch.Tensor:
+    """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
+    model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
+    side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
+    ridge-regularised towards M itself, so that X̂ = X gives M back exactly:
+    ``(X̂ᵀX̂ + δI)⁻¹ ((X̂ᵀX + δI) M + X̂ᵀD)`` — then approximated in the metric X̂ᵀX̂ like any stage W term."""
+    if m.role == "reader":
+        G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], 0
+    else:
+        key = "attn_out" if m.canon == "o" else "mlp_hidden"
+        G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
+        drift = getattr(stats, key + "_drift")[m.layer]
+    ridge = _damped(G, damping) - G
+    target = M.T if m.role == "reader" else M
+    out = torch.linalg.solve(G + ridge, (Cx + ridge) @ target + drift)
+    return out.T if m.role == "reader" else out
+
+
 def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
-           options: CompressOptions) -> list[tuple[list[Term], list[Term]]]:
-    """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage``."""
+           options: CompressOptions, only: int | None = None) -> list[tuple[list[Term], list[Term]]]:
+    """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
+    ``only`` filled when given: sequential calibration has the statistics of one segment at a time)."""
     n_seg = 2 * plan.n_layers + 1
     segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
     token_gram = None if stats is None else st.Gram(diag=stats.token_counts + 1.0)   # (√(D+1))²
-    reader_cov = ([_damped(G, options.damping) for G in stats.normed]
-                  if stage == "w" and stats is not None and stats.normed is not None else None)
+    weighted = stage == "w" and stats is not None and stats.normed is not None
+    reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
     for m in plan.matrices:
-        if not m.compressed:
+        if not m.compressed or (only is not None and m.segment != only):
             continue
-        term = Term(m.name, _matrix_of(m, layers, globals_), m.structure)
+        M = _matrix_of(m, layers, globals_)
+        if weighted and stats.normed_cross is not None and m.canon != "embed":
+            M = _matched(m, M, stats, options.damping)
+        term = Term(m.name, M, m.structure)
         if m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None:
             if m.canon == "embed" or stage == "f":
                 term.row_gram = token_gram
-        if stage == "w" and reader_cov is not None:
+        if weighted:
             if m.role == "reader" and term.row_gram is None:
+                if m.segment not in reader_cov:
+                    reader_cov[m.segment] = _damped(stats.normed[m.segment], options.damping)
                 term.col_gram = reader_cov[m.segment]
             elif m.canon == "o":
                 term.row_gram = st.Gram(matrix=_damped(stats.attn_out[m.layer], options.damping))
@@ -488,6 +641,7 @@ class SolveResult:
     factors: dict[str, st.Factors]               # per compressed matrix, M orientation
     traces: dict[str, list[float]]               # objective traces per solved problem
     relative_errors: dict[str, float]
+    stats: CalibrationStats | None = None        # sequential calibration: the statistics it measured
 
 
 def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress):
@@ -510,26 +664,63 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
     return Qs, all_terms, traces
 
 
+def _solve_sequential(plan, layers, globals_, stats, options, Q_init, net: FoldedLlama, progress):
+    """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
+    statistics of the model whose segments before k are already compressed, measured by ``net``, and
+    its matrices are replaced in ``net`` by their approximations once solved. ``match_original``: each
+    matrix then targets the original model's outputs and writers the original residual stream
+    (:func:`_matched`), instead of the matrix's own outputs on X̂."""
+    n_seg = 2 * plan.n_layers + 1
+    L = plan.n_layers
+    seq = CalibrationStats(stats.tokens, stats.token_counts, [None] * n_seg, None, [None] * L, [None] * L)
+    if options.match_original:
+        seq.normed_cross = [None] * n_seg
+        for name in ("attn_out_cross", "mlp_hidden_cross", "attn_out_drift", "mlp_hidden_drift"):
+            setattr(seq, name, [None] * L)
+    iters = 0 if options.structure == "lowrank" else options.w_iters
+    dtype = getattr(torch, options.solver_dtype)
+    ms = plan.by_name()
+    Qs, all_terms, traces = [], [], {}
+    for k in tqdm(net.walk(seq), total=n_seg, desc="stage W (sequential)", unit="segment", disable=not progress):
+        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k)[k]
+        res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype)
+        for t in terms:
+            net.replace(ms[t.name], t.structure.dense(t.factors) @ res.Q.T)
+        Qs.append(res.Q)
+        traces[f"segment{k}"] = res.trace
+        all_terms += terms
+    return Qs, all_terms, traces, seq
+
+
 def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
-          options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None) -> SolveResult:
+          options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
+          net: FoldedLlama | None = None) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
-    the factors are simply projected at these rotations."""
+    the factors are simply projected at these rotations. ``net``: the calibration forward of
+    ``options.sequential``."""
     n_seg = 2 * plan.n_layers + 1
+    if options.sequential and net is None:
+        raise ValueError("sequential calibration needs the calibration forward (a FoldedLlama)")
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     if options.structure == "slice":
         return SolveResult(_pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
-    if options.stage == "none" or options.structure == "lowrank":
+    seq = None
+    if options.stage == "none" or (options.structure == "lowrank" and not options.sequential):
         # low rank: no rotation can lower the error, the stage only picks the weighting
         Qs, terms, traces = _solve_stage(plan, layers, globals_, stats, options.stage, options, Q0, 0,
                                          "projection", progress)
+    elif options.structure == "lowrank":     # sequential: one segment after the other, Q = I
+        Qs, terms, traces, seq = _solve_sequential(plan, layers, globals_, stats, options, Q0, net, progress)
     else:
         Qs, terms, traces = _solve_stage(plan, layers, globals_, stats, "f", options, Q0, options.f_iters,
                                          "stage F", progress)
         if options.stage == "w":
-            Qs, terms, w_traces = _solve_stage(plan, layers, globals_, stats, "w", options, Qs, options.w_iters,
-                                               "stage W", progress)
+            Qs, terms, w_traces, seq = (
+                _solve_sequential(plan, layers, globals_, stats, options, Qs, net, progress) if options.sequential
+                else (*_solve_stage(plan, layers, globals_, stats, "w", options, Qs, options.w_iters, "stage W",
+                                    progress), None))
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
     factors, rel = {}, {}
     for t in terms:
@@ -537,7 +728,7 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
         Q = Qs[plan.by_name()[t.name].segment]
         rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
                             torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
-    return SolveResult(Qs, factors, traces, rel)
+    return SolveResult(Qs, factors, traces, rel, seq)
 
 
 def _pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:
@@ -753,18 +944,26 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         if calib_ids is None or calib_ids.numel() < 2:
             raise ValueError("this compression needs calibration text (--calib) with at least two tokens")
         stats = collect_statistics(calib_model, adapter, calib_ids[: options.calib_tokens], options.calib_seq_len,
-                                   want_normed=options.stage == "w" and options.structure != "slice",
+                                   want_normed=options.stage == "w" and options.structure != "slice"
+                                   and not options.sequential,
                                    want_stream=options.structure == "slice", progress=progress)
     times["calibration"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied)
+    new_config = compressed_config(config, plan, options, hf_config)
+    net = None
+    if options.sequential:
+        if calib_ids is None or calib_ids.numel() < 2:
+            raise ValueError("sequential calibration needs calibration text with at least two tokens")
+        net = FoldedLlama(layers, globals_, adapter, new_config, calib_ids[: options.calib_tokens],
+                          options.calib_seq_len)
     with st.limit_threads(1):
-        res = solve(plan, layers, globals_, stats, options, progress, rotations)
+        res = solve(plan, layers, globals_, stats, options, progress, rotations, net)
+    del net
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     state = assemble(plan, layers, globals_, gamma, res, dtype, progress)
     times["assemble"] = time.perf_counter() - t2
-    new_config = compressed_config(config, plan, options, hf_config)
     report = CompressReport(source="", output=None, family=plan.family, options=asdict(options),
                             accounting=plan.accounting, relative_errors=res.relative_errors,
                             objective=_summarise(res.traces), calibration_tokens=stats.tokens if stats else 0,
@@ -772,14 +971,20 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     return state, new_config, report
 
 
-def build_model(state: Tensors, config: dict, dtype: torch.dtype = torch.float32):
-    """A :class:`CompressedLlamaForCausalLM` holding ``state`` (strict: every parameter accounted for)."""
+def _config_object(config: dict):
+    """The :class:`CompressedLlamaConfig` of a :func:`compressed_config` dict."""
     from ..modeling.configuration_compressed_llama import CompressedLlamaConfig
-    from ..modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 
     cfg = CompressedLlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
     cfg.architectures = ["CompressedLlamaForCausalLM"]
-    model = CompressedLlamaForCausalLM(cfg).to(dtype)
+    return cfg
+
+
+def build_model(state: Tensors, config: dict, dtype: torch.dtype = torch.float32):
+    """A :class:`CompressedLlamaForCausalLM` holding ``state`` (strict: every parameter accounted for)."""
+    from ..modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
+
+    model = CompressedLlamaForCausalLM(_config_object(config)).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(f"compressed state does not match the model: missing {missing[:4]}, "
@@ -833,7 +1038,8 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
     hf_config = AutoConfig.from_pretrained(src)
     dtype = getattr(hf_config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    calib_model = load_model(src) if options.structure == "slice" or options.stage == "w" else None
+    calib_model = (load_model(src) if options.structure == "slice" or (options.stage == "w" and not options.sequential)
+                   else None)
     state, new_config, report = compress_tensors(reader, reader.config, options, calib_model=calib_model,
                                                  calib_ids=calib_ids, dtype=dtype, progress=progress, plan=plan,
                                                  hf_config=hf_config)
