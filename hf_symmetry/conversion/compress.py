@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ..architectures import Adapter
 from ..checkpoint import CheckpointReader, atomic_output_dir, check_output_dir, copy_side_files
@@ -419,8 +420,7 @@ def collect_statistics(model, adapter: Adapter, ids: torch.Tensor, seq_len: int,
             if stats.stream is not None:
                 accumulate(stats.stream[seg], h)
             if stats.normed is not None:
-                hf = h.float()
-                accumulate(stats.normed[seg], hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps))
+                accumulate(stats.normed[seg], _rms_normalised(h.float(), eps))
         return hook
 
     def input_hook(acc: torch.Tensor):
@@ -450,6 +450,11 @@ def collect_statistics(model, adapter: Adapter, ids: torch.Tensor, seq_len: int,
         for acc in group or []:
             acc /= max(stats.tokens, 1)
     return stats
+
+
+def _rms_normalised(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without γ (γ is folded into the readers)."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _moment(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
@@ -528,7 +533,7 @@ class FoldedLlama:
         return y if bias is None else y + bias
 
     def _norm(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return _rms_normalised(h, self.eps)
 
     def _attention(self, x: torch.Tensor, i: int, weights: Tensors) -> torch.Tensor:
         """Causal GQA attention per batch: the inputs of ``o_proj``."""
@@ -539,7 +544,7 @@ class FoldedLlama:
             def heads(t, count):
                 return t[start:start + n].view(1, n, count, L.head_dim).transpose(1, 2)
             qh, kh, vh = heads(q, L.n_heads), heads(k, L.n_kv_heads), heads(v, L.n_kv_heads)
-            qh, kh = (t * self.cos[:n] + _rotate_half(t) * self.sin[:n] for t in (qh, kh))
+            qh, kh = apply_rotary_pos_emb(qh, kh, self.cos[None, :n], self.sin[None, :n])
             groups = L.n_heads // L.n_kv_heads
             kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
             o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
@@ -548,15 +553,8 @@ class FoldedLlama:
         return torch.cat(out)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 def _rope_tables(model_config: dict, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``cos, sin [length, head_dim]`` of the compressed model's rotary embedding."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
     rotary = LlamaRotaryEmbedding(config=_config_object(model_config))
     cos, sin = rotary(torch.zeros(1, 1, 1), torch.arange(length)[None])
     return cos[0].float(), sin[0].float()
