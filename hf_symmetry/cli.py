@@ -18,7 +18,9 @@ COMMAND_MODULES = [
     "spectra",
     "farr",
     "compress",
+    "heal",
     "push",
+    "families",
 ]
 
 

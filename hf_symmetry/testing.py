@@ -7,6 +7,12 @@ from __future__ import annotations
 import torch
 
 TINY_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3", "gpt2", "opt", "gptj", "bert", "roberta")
+# Families added with structural capabilities: sandwich norms and (1+γ) RMSNorms (Gemma), fused
+# projections (Phi-3), output norms and QK-norm over all heads (OLMo 2), per-head fused qkv with
+# partial rotary and a parallel block (GPT-NeoX). Their RMSNorms/attention need float64-exact
+# patches in tests (see tests/test_families.py).
+NEW_TINY_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox")
+ALL_TINY_FAMILIES = TINY_FAMILIES + NEW_TINY_FAMILIES
 
 
 def tiny_config(family: str, **overrides):
@@ -36,11 +42,36 @@ def tiny_config(family: str, **overrides):
     elif family == "gptj":  # interleaved, partial rotary: 6 of 8 head dims
         cfg = T.GPTJConfig(vocab_size=97, n_embd=48, n_layer=2, n_head=6, rotary_dim=6, n_inner=80, n_positions=128,
                            bos_token_id=0, eos_token_id=0, **overrides)
+    elif family in ("gemma2", "gemma3"):   # layer 0 sliding (window 8 < sequence), layer 1 global
+        cls = T.Gemma2Config if family == "gemma2" else T.Gemma3TextConfig
+        kw = dict(common, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, sliding_window=8,
+                  query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"],
+                  hidden_activation="gelu_pytorch_tanh", pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        if family == "gemma2":
+            kw.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        else:
+            kw.update(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+        cfg = cls(**{**kw, **overrides})
+    elif family == "phi3":   # partial rotary as in Phi-4-mini: 6 of 8 head dims
+        cfg = T.Phi3Config(**{**common, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                              "original_max_position_embeddings": 128, "pad_token_id": 0, "bos_token_id": 0,
+                              "eos_token_id": 0, "tie_word_embeddings": True,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.75}, **overrides})
+    elif family == "olmo2":
+        cfg = T.Olmo2Config(**{**common, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                               "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **overrides})
+    elif family == "gpt_neox":   # rotary on 4 of 8 head dims, parallel block, untied head
+        cfg = T.GPTNeoXConfig(**{**common, "max_position_embeddings": 128, "bos_token_id": 0, "eos_token_id": 0,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5}, **overrides})
     elif family in ("bert", "roberta"):
         cls = T.BertConfig if family == "bert" else T.RobertaConfig
         cfg = cls(**{**common, "max_position_embeddings": 130, "pad_token_id": 1, **overrides})
     else:
-        raise ValueError(f"no tiny config for {family!r}; choose from {TINY_FAMILIES}")
+        raise ValueError(f"no tiny config for {family!r}; choose from {ALL_TINY_FAMILIES}")
     return cfg
 
 

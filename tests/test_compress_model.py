@@ -81,14 +81,14 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     model = tiny_model("llama")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, tolerance=1.0)
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
     assert plan.residual < plan.hidden and plan.skip == "dense"
     plan.residual = plan.hidden
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
-    state, cfg, _ = C.compress_tensors(src, config, options, calib_model=model, calib_ids=calib, dtype=torch.float64,
+    state, cfg, _ = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
                                        progress=False, plan=plan, hf_config=model.config)
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ids = input_ids()
@@ -120,7 +120,8 @@ def test_sequential_walk_of_the_uncompressed_model_measures_the_one_pass_statist
     calib = input_ids(batch=1, length=110, seed=3)[0]
     options = C.CompressOptions(structure="gs", stage="w", sequential=True, tolerance=1.0)
     plan, adapter, *_, net = _walk_setup(model, options, calib, 40)
-    ref = C.collect_statistics(model, adapter, calib, 40, want_normed=True, want_stream=False, progress=False)
+    ref = C.collect_statistics(_source(model), model.config.to_dict(), calib, 40, want_normed=True,
+                                   want_stream=False, progress=False)
     L = plan.n_layers
     seq = C.CalibrationStats(ref.tokens, ref.token_counts, normed=[None] * (2 * L + 1), attn_out=[None] * L,
                              mlp_hidden=[None] * L, normed_cross=[None] * (2 * L + 1), attn_out_cross=[None] * L,
@@ -142,7 +143,8 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
     options = C.CompressOptions(structure="gs", ratio=0.25, stage="w", sequential=True, f_iters=1, als_iters=2,
                                 wopp_iters=10, calib_seq_len=40, tolerance=1.0)
     plan, adapter, layers, globals_, gamma, net = _walk_setup(model, options, calib, 40)
-    one_pass = C.collect_statistics(model, adapter, calib, 40, want_normed=True, want_stream=False, progress=False)
+    one_pass = C.collect_statistics(_source(model), model.config.to_dict(), calib, 40, want_normed=True,
+                                   want_stream=False, progress=False)
     res = C.solve(plan, layers, globals_, one_pass, options, progress=False, net=net)
     state = C.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
     compressed = C.build_model(state, C.compressed_config(model.config.to_dict(), plan, options, model.config),
@@ -400,7 +402,7 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
 
     report = json.loads((out / "compression_report.json").read_text())
     assert str(tmp_path) not in (out / "compression_report.json").read_text()   # published: no local paths
-    assert report["source"].endswith("(local)")
+    assert report["source"].startswith(tiny_dir.name)       # a local input is named by its folder
     acc, pp = report["accounting"], report["perplexity"]
     card = ModelCard.load(out / "README.md")
     assert "hf_symmetry-compress" in card.data.tags

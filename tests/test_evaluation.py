@@ -27,7 +27,7 @@ def test_each_token_scored_once(n, window, stride):
     model = _Recorder(vocab=11)
     ids = torch.arange(n) % 11
     r = perplexity(model, ids, window=window, stride=stride, progress=False)
-    assert r.tokens == n - 1
+    assert r.tokens == n and r.predicted == n - 1   # n tokens read, the first is context only
     assert math.isclose(r.perplexity, 11.0, rel_tol=1e-6)
     assert model.windows[-1][-1] == ids[-1].item()
     assert all(len(w) <= window for w in model.windows)
@@ -67,5 +67,5 @@ def test_eval_cli_on_default_model(capsys, smollm2, smollm2_tokenizer):
     out = capsys.readouterr().out
     ids = tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-eval")), 400)
     expected = perplexity(smollm2, ids, progress=False).perplexity
-    assert f"perplexity {expected:.4f} over 399 tokens" in out
+    assert f"perplexity {expected:.6g} over the first 400 tokens, sliding window 512, stride 256" in out
     assert 5 < expected < 200  # a real model on real prose

@@ -432,7 +432,7 @@ def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys, family):
         assert farr_report["ranks"]["qk"][0] == 8 and farr_report["kept_energy"]["qk"][0] is None
     # the report travels with the folder when it is pushed: no local paths in it
     assert str(tmp_path) not in (out / "farr_report.json").read_text()
-    assert farr_report["source"] == "src (local)" and farr_report["output"] == "farr"
+    assert farr_report["source"] == "src" and farr_report["output"] == "farr"
 
 
 def test_spectra_of_a_rope_model_reports_why_qk_is_not_fused(tmp_path, capsys):

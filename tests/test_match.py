@@ -320,8 +320,8 @@ def test_match_cli_writes_a_stock_folder_with_a_card(tmp_path, capsys):
     ids = input_ids()
     assert (outputs(src, ids) - outputs(got, ids)).abs().max() < 1e-4   # float32 checkpoint
     card = ModelCard.load(out / "README.md")
-    assert card.data.base_model == "source (local)"          # local paths stay private
-    assert card.data.hf_symmetry["extra"]["anchor"] == "anchor (local)"
+    assert card.data.base_model is None          # no Hub ancestor; local paths stay private
+    assert card.data.hf_symmetry["extra"]["anchor"] == "anchor" and card.data.hf_symmetry["extra"]["source"] == "source"
     assert str(tmp_path) not in (out / "README.md").read_text()
     assert "qk_rotation" in card.data.hf_symmetry["extra"]["symmetries"]
     assert "| total |" in card.text

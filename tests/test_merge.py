@@ -264,16 +264,17 @@ def test_recipe_cli_streams_a_matched_merge_into_a_stock_folder_with_a_card(tmp_
     got = loaded.state_dict()
     assert _close({k: v for k, v in want.state_dict.items() if k in got}, got, 1e-5)
     card = ModelCard.load(out / "README.md")
-    assert card.data.base_model == ["m1 (local)", "m2 (local)", "m0 (local)"]   # every input, paths private
+    assert card.data.base_model is None     # no input has a Hub ancestor; paths stay private
+    assert card.data.hf_symmetry["inputs"] == ["m1", "m2", "m0"]
     assert card.data.hf_symmetry["method"] == "merge/ties"
     assert "hf_symmetry-merge" in card.data.tags
-    assert set(card.data.hf_symmetry["extra"]["distances"]) == {"m1 (local)", "m2 (local)"}
-    assert "Matching to `m0 (local)`, squared Frobenius distance" in card.text
+    assert set(card.data.hf_symmetry["extra"]["distances"]) == {"m1", "m2"}
+    assert "Matching to `m0`, squared Frobenius distance" in card.text
     assert str(tmp_path) not in (out / "README.md").read_text()
     # measured figures: the merge's perplexity as model-index metadata, every input's in the text
     (result,) = card.data.eval_results
     assert result.metric_type == "perplexity" and result.metric_value > 1
-    assert "| **this merge** |" in card.text and "| `m2 (local)` |" in card.text
+    assert "| **this merge** |" in card.text and "| `m2` |" in card.text
     assert (out / "tokenizer.json").is_file()
     capsys.readouterr()
     assert main(["merge", str(recipe), str(out), "--quiet"]) == 2           # non-empty OUT

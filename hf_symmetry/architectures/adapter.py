@@ -5,12 +5,14 @@ Canonical form: a dict of float64 tensors in ``nn.Linear`` orientation ``[out, i
 * attention ``q.weight k.weight v.weight o.weight`` (+ ``.bias`` where the checkpoint has one),
   and ``q_norm.weight``/``k_norm.weight`` for QK-norm families;
 * FFN ``up.weight down.weight`` and ``gate.weight`` for gated FFNs (+ biases);
-* norms ``attn_norm.weight ffn_norm.weight`` (+ ``.bias`` for LayerNorm).
+* norms ``attn_norm.weight ffn_norm.weight`` (+ ``.bias`` for LayerNorm), always as the plain
+  multiplier γ: Gemma's ``(1 + w)`` norms are read as ``γ = 1 + w`` and written back as ``γ - 1``.
 
 Globals use ``embed.weight``, ``pos{j}.weight`` (learned position/token-type embeddings),
 ``embed_norm.*``, ``final_norm.*`` and ``lm_head.weight``/``.bias``.
 
-Conv1D transposition and fused-QKV splitting happen only here, so the math never sees them.
+Conv1D transposition and the splitting of fused projections (``[q | k | v]`` blocks, GPT-NeoX's
+per-head ``[q_h k_h v_h]``, Phi-3's ``[gate | up]``) happen only here, so the math never sees them.
 Canonical tensors are always fresh copies: callers own them and may update them in place.
 """
 
@@ -113,37 +115,24 @@ class Adapter:
 
     # ---------------------------------------------------------------- refusals
     def check_supports(self, symmetry: str) -> None:
-        """Raise :class:`UnsupportedSymmetry` when ``symmetry`` is not one of this family's.
+        """Raise :class:`UnsupportedSymmetry` (with the structural reason) when ``symmetry`` is not
+        one of this checkpoint's; see :mod:`hf_symmetry.architectures.capabilities`.
 
         ``symmetry`` is one of ``qk_rotation``, ``qk_scaling``, ``vo_rotation``, ``vo_scaling``,
         ``ffn_permutation``, ``residual_rotation``."""
-        s = self.spec
-        if symmetry == "qk_rotation" and self.layout.qk_norm:
-            raise UnsupportedSymmetry(
-                f"{s.family}: QK rotation is not a symmetry of models with QK-norm (the per-head RMSNorm γ on q/k "
-                "does not commute with head rotations); use --heads vo or none")
-        if symmetry == "qk_scaling" and self.layout.qk_norm:
-            raise UnsupportedSymmetry(f"{s.family}: QK scaling is cancelled by QK-norm, so it is not a symmetry")
-        if symmetry == "residual_rotation":
-            if s.sandwich_norms:
-                raise UnsupportedSymmetry(f"{s.family}: residual rotation is not a symmetry with sandwich norms")
-            if s.placement == "post":
-                raise UnsupportedSymmetry(
-                    f"{s.family}: residual rotation is not a symmetry of post-LN models (LayerNorm γ acts on the "
-                    "residual stream itself); head rotations and FFN permutations are available")
-            if s.norm_kind != "rms":
-                raise UnsupportedSymmetry(
-                    f"{s.family}: residual rotation of LayerNorm models needs mean-centring and a custom "
-                    "RMSNorm model class, which is not supported yet; head rotations and FFN permutations are available")
-        if symmetry not in ("qk_rotation", "qk_scaling", "vo_rotation", "vo_scaling",
-                            "ffn_permutation", "residual_rotation"):
+        from .capabilities import SYMMETRIES, require
+
+        if symmetry not in SYMMETRIES:
             raise ValueError(f"unknown symmetry {symmetry!r}")
+        require(self, symmetry)
 
     # ---------------------------------------------------------------- layer I/O
     def _layer_names(self) -> dict[str, str]:
         """canonical module name -> checkpoint module name (relative to the layer prefix)."""
         a, f, s = self.spec.attention, self.spec.ffn, self.spec
-        names = {"o": a.o, "up": f.up, "down": f.down, "attn_norm": s.attn_norm.name, "ffn_norm": s.ffn_norm.name}
+        names = {"o": a.o, "down": f.down, "attn_norm": s.attn_norm.name, "ffn_norm": s.ffn_norm.name}
+        if f.up:
+            names["up"] = f.up
         if a.qkv is None:
             names.update(q=a.q, k=a.k, v=a.v)
         if f.gate:
@@ -158,7 +147,8 @@ class Adapter:
     def modeled_layer_keys(self, i: int) -> set[str]:
         """Checkpoint keys of layer ``i`` that the canonical form covers (others pass through)."""
         p = self.layer_prefix(i)
-        names = list(self._layer_names().values()) + ([self.spec.attention.qkv] if self.spec.attention.qkv else [])
+        fused = [n for n in (self.spec.attention.qkv, self.spec.ffn.gate_up) if n]
+        names = list(self._layer_names().values()) + fused
         return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
 
     def read_layer(self, i: int, tensors: Tensors) -> Tensors:
@@ -173,26 +163,57 @@ class Adapter:
                 t = t.to(torch.float64, copy=True)
                 if kind == "weight" and self.spec.conv1d and self._is_linear(canon):
                     t = t.T
+                if kind == "weight" and self._one_plus(canon):
+                    t = t + 1.0
                 out[f"{canon}.{kind}"] = t.contiguous()
         if self.spec.attention.qkv:
             self._split_qkv(tensors, p, out)
+        if self.spec.ffn.gate_up:
+            self._split_gate_up(tensors, p, out)
         missing = [k for k in ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight") if k not in out]
         if missing:
             raise ValueError(f"layer {i}: checkpoint lacks tensors for {missing} (prefix {p!r})")
         return out
 
-    def _split_qkv(self, tensors: Tensors, p: str, out: Tensors) -> None:
+    def _one_plus(self, canon: str) -> bool:
+        """Norm weights stored as ``γ - 1`` (Gemma): every RMSNorm of an ``rms_1p`` family."""
+        return self.spec.norm_kind == "rms_1p" and canon in ("attn_norm", "ffn_norm", "q_norm", "k_norm",
+                                                             "final_norm")
+
+    def _qkv_parts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Rows of a fused qkv weight (or bias) as [q, k, v]."""
         L = self.layout
+        if self.spec.attention.qkv_layout == "per_head":   # [q_h k_h v_h] for each head h
+            per_head = t.reshape(L.n_heads, 3, L.head_dim, *t.shape[1:])
+            return [per_head[:, j].reshape(L.n_heads * L.head_dim, *t.shape[1:]) for j in range(3)]
         sizes = [L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim, L.n_kv_heads * L.head_dim]
+        return list(torch.split(t, sizes, dim=0))
+
+    def _join_qkv(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        if self.spec.attention.qkv_layout == "per_head":
+            L = self.layout
+            stacked = torch.stack([q.reshape(L.n_heads, L.head_dim, *q.shape[1:]) for q in parts], dim=1)
+            return stacked.reshape(3 * L.n_heads * L.head_dim, *parts[0].shape[1:])
+        return torch.cat(parts, dim=0)
+
+    def _split_qkv(self, tensors: Tensors, p: str, out: Tensors) -> None:
         name = self.spec.attention.qkv
         w = tensors[f"{p}{name}.weight"].to(torch.float64, copy=True)
         w = w.T if self.spec.conv1d else w
-        for canon, part in zip("qkv", torch.split(w, sizes, dim=0)):
+        for canon, part in zip("qkv", self._qkv_parts(w)):
             out[f"{canon}.weight"] = part.contiguous()
         b = tensors.get(f"{p}{name}.bias")
         if b is not None:
-            for canon, part in zip("qkv", torch.split(b.to(torch.float64, copy=True), sizes)):
+            for canon, part in zip("qkv", self._qkv_parts(b.to(torch.float64, copy=True))):
                 out[f"{canon}.bias"] = part.contiguous()
+
+    def _split_gate_up(self, tensors: Tensors, p: str, out: Tensors) -> None:
+        name = self.spec.ffn.gate_up
+        for kind in ("weight", "bias"):
+            t = tensors.get(f"{p}{name}.{kind}")
+            if t is not None:
+                gate, up = t.to(torch.float64, copy=True).chunk(2, dim=0)
+                out[f"gate.{kind}"], out[f"up.{kind}"] = gate.contiguous(), up.contiguous()
 
     def write_layer(self, i: int, canon: Tensors, like: dict) -> Tensors:
         """Checkpoint tensors of layer ``i`` from canonical ones, each cast to the dtype of the
@@ -206,6 +227,8 @@ class Adapter:
                     continue
                 if kind == "weight" and self.spec.conv1d and self._is_linear(cname):
                     t = t.T
+                if kind == "weight" and self._one_plus(cname):
+                    t = t - 1.0
                 key = f"{p}{name}.{kind}"
                 t = t.to(_dtype_of(like[key]) if key in like else self._dtype(like)).contiguous()
                 if key in out and not torch.equal(out[key], t):  # one norm read under two names
@@ -214,16 +237,47 @@ class Adapter:
         qkv = self.spec.attention.qkv
         if qkv:
             key = f"{p}{qkv}.weight"
-            w = torch.cat([canon["q.weight"], canon["k.weight"], canon["v.weight"]], dim=0)
+            w = self._join_qkv([canon["q.weight"], canon["k.weight"], canon["v.weight"]])
             out[key] = (w.T if self.spec.conv1d else w).to(_dtype_of(like[key])).contiguous()
             if "q.bias" in canon:
                 key = f"{p}{qkv}.bias"
-                out[key] = torch.cat([canon["q.bias"], canon["k.bias"], canon["v.bias"]]).to(_dtype_of(like[key]))
+                out[key] = self._join_qkv([canon["q.bias"], canon["k.bias"], canon["v.bias"]]).to(
+                    _dtype_of(like[key])).contiguous()
+        gate_up = self.spec.ffn.gate_up
+        if gate_up:
+            for kind in ("weight", "bias"):
+                if f"gate.{kind}" in canon:
+                    key = f"{p}{gate_up}.{kind}"
+                    t = torch.cat([canon[f"gate.{kind}"], canon[f"up.{kind}"]], dim=0)
+                    out[key] = t.to(_dtype_of(like[key]) if key in like else self._dtype(like)).contiguous()
         return out
 
     @staticmethod
     def _dtype(like: dict) -> torch.dtype:
         return _dtype_of(next(iter(like.values()))) if like else torch.float32
+
+    # ---------------------------------------------------------------- calibration sites
+    def site_modules(self) -> dict[str, tuple[str, str]]:
+        """Calibration site -> ``(module path inside a decoder layer, "in" | "out")``: whose input
+        or output the site's activations are (see :mod:`hf_symmetry.calibration.statistics`)."""
+        a, f = self.spec.attention, self.spec.ffn
+        sites = {"attn_in": (a.qkv or a.q, "in"), "v_in": (a.v or a.qkv, "in"), "o_in": (a.o, "in"),
+                 "ffn_norm_in": (self.spec.ffn_norm.name, "in"), "ffn_in": (f.up or f.gate_up, "in"),
+                 "down_in": (f.down, "in")}
+        if a.qkv is None:
+            sites.update(q_out=(a.q, "out"), k_out=(a.k, "out"), v_out=(a.v, "out"))
+        return sites
+
+    def input_global_keys(self, keys: list[str]) -> list[str]:
+        """Checkpoint keys of what runs before the first layer (token/position embeddings and
+        their norm): all the calibration engine reads besides one layer at a time."""
+        names = {n for c, n in self._global_names().items() if c not in ("final_norm", "lm_head")}
+        return [k for k in keys if k.rsplit(".", 1)[0] in names]
+
+    def final_norm_keys(self, keys: list[str]) -> list[str]:
+        """Checkpoint keys of the final norm (empty for families without one)."""
+        name = self._global_names().get("final_norm")
+        return [k for k in keys if name and k.rsplit(".", 1)[0] == name]
 
     # ---------------------------------------------------------------- globals I/O
     def _global_names(self) -> dict[str, str]:
@@ -251,19 +305,22 @@ class Adapter:
             for kind in ("weight", "bias"):
                 t = tensors.get(f"{name}.{kind}")
                 if t is not None:
-                    out[f"{canon}.{kind}"] = t.to(dtype or t.dtype, copy=True)
+                    t = t.to(dtype or t.dtype, copy=True)
+                    out[f"{canon}.{kind}"] = t + 1.0 if kind == "weight" and self._one_plus(canon) else t
         return out
 
     def write_globals(self, canon: Tensors, like: dict) -> Tensors:
         """Checkpoint tensors from canonical globals (any subset), cast like ``like`` (the
         tensors as read, or their dtypes)."""
         out: Tensors = {}
-        default = _dtype_of(like.get(f"{self._global_names()['embed']}.weight", torch.float32))
+        embed_key = f"{self._global_names()['embed']}.weight"
+        default = _dtype_of(like[embed_key] if embed_key in like else next(iter(like.values()), torch.float32))
         for cname, name in self._global_names().items():
             for kind in ("weight", "bias"):
                 t = canon.get(f"{cname}.{kind}")
                 if t is not None:
                     key = f"{name}.{kind}"
+                    t = t - 1.0 if kind == "weight" and self._one_plus(cname) else t
                     out[key] = t.to(_dtype_of(like[key]) if key in like else default).contiguous()
         return out
 

@@ -1,17 +1,27 @@
-"""Declarative descriptions of where things live in each supported checkpoint family.
+"""Declarative descriptions of each supported checkpoint family: where its tensors live, and
+its structural facts, each stated once.
 
 A spec names tensors relative to a layer prefix; nothing here computes. The adapter
 (:mod:`hf_symmetry.architectures.adapter`) combines a spec with a model config to read a
-layer into the canonical form the symmetry engine works on, and to write it back.
+layer into the canonical form the symmetry engine works on, and to write it back;
+:mod:`hf_symmetry.architectures.capabilities` derives from the facts which symmetries and
+conversions a family allows, and why not where it does not.
+
+Facts that vary between checkpoints of one family (sliding windows, NoPE layers, soft-capping,
+tied embeddings, partial rotary) are read from the config by the capabilities module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-NormKind = Literal["rms", "layer"]
-Placement = Literal["pre", "post"]
+# rms: x/rms(x)·γ; rms_1p: x/rms(x)·(1+w) (Gemma stores w = γ-1); layer: LayerNorm (γ, β)
+NormKind = Literal["rms", "rms_1p", "layer"]
+# pre: a norm on each sublayer's input only; sandwich: also one on its output, before the
+# residual add (Gemma2/3); output: only on its output (OLMo2); post: on the residual stream
+# after the add (BERT's post-LN)
+Placement = Literal["pre", "sandwich", "output", "post"]
 RopeLayout = Literal["rotate_half", "interleaved", "none"]
 
 
@@ -27,16 +37,20 @@ class AttentionSpec:
     q: str | None = None       # separate projections (nn.Linear, [out, in])
     k: str | None = None
     v: str | None = None
-    qkv: str | None = None     # fused projection: rows (or Conv1D columns) are [q | k | v]
+    qkv: str | None = None     # fused projection (rows, or Conv1D columns), see qkv_layout
     o: str = ""
-    qk_norm: tuple[str, str] | None = None  # per-head RMSNorms on q and k (Qwen3, OLMo2)
+    qk_norm: tuple[str, str] | None = None  # RMSNorms on q and k (Qwen3, Gemma3, OLMo2)
+    qk_norm_scope: Literal["head", "all"] = "head"  # one γ per head dim, or over all heads (OLMo2)
+    # blocks: [q | k | v]; per_head: [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (GPT-NeoX)
+    qkv_layout: Literal["blocks", "per_head"] = "blocks"
 
 
 @dataclass(frozen=True)
 class FFNSpec:
-    up: str
+    up: str | None
     down: str
     gate: str | None = None    # gated (SwiGLU) FFNs: gate and up permute together
+    gate_up: str | None = None  # fused gated projection, rows [gate | up] (Phi-3)
 
 
 @dataclass(frozen=True)
@@ -49,7 +63,7 @@ class ArchSpec:
     embed: str                               # token embedding module
     attention: AttentionSpec
     ffn: FFNSpec
-    attn_norm: NormSpec                      # pre-LN: norm before attention; post-LN: after it
+    attn_norm: NormSpec                      # pre-LN/sandwich: on the attention input; post/output: after it
     ffn_norm: NormSpec
     norm_kind: NormKind
     placement: Placement
@@ -59,7 +73,11 @@ class ArchSpec:
     embed_norm: str | None = None            # BERT's embedding LayerNorm
     conv1d: bool = False                     # GPT-2 stores Linear weights as [in, out]
     base_prefixes: tuple[str, ...] = ("",)   # prefixes a task head wrapper adds (e.g. "bert.")
-    sandwich_norms: bool = False             # norms on sublayer outputs (Gemma2/3)
+    output_norms: tuple[str, str] | None = None  # sandwich: the norms on attention/FFN outputs
+    embed_scale: Literal["none", "sqrt_hidden"] = "none"  # Gemma multiplies embeddings by √hidden
+    parallel_block: bool = False             # attention and FFN both read the layer input (GPT-J)
+    parallel_attr: str | None = None         # config flag that switches the parallel block (GPT-NeoX)
+    positions_from_mask: bool = False        # learned positions counted over the attention mask (OPT)
     # config attribute names (first one present wins)
     n_layers_attr: tuple[str, ...] = ("num_hidden_layers",)
     hidden_attr: tuple[str, ...] = ("hidden_size",)
@@ -67,11 +85,19 @@ class ArchSpec:
     kv_heads_attr: tuple[str, ...] = ("num_key_value_heads",)
     eps_attr: tuple[str, ...] = ("rms_norm_eps",)
     rope: RopeLayout = "none"
-    extra_refusals: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_gated(self) -> bool:
-        return self.ffn.gate is not None
+        return self.ffn.gate is not None or self.ffn.gate_up is not None
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.lm_head is not None
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """A norm sits on each sublayer's output, before the residual add."""
+        return self.placement in ("sandwich", "output")
 
 
 _LLAMA_ATTN = AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj")
@@ -113,7 +139,7 @@ OPT = ArchSpec(
     ffn_norm=NormSpec("final_layer_norm", ("fc1",)),
     norm_kind="layer", placement="pre", final_norm="model.decoder.final_layer_norm", lm_head="lm_head",
     pos_embed=("model.decoder.embed_positions",), n_layers_attr=("num_hidden_layers",),
-    kv_heads_attr=(), eps_attr=())
+    kv_heads_attr=(), eps_attr=(), positions_from_mask=True)
 
 # GPT-J: parallel attention + FFN fed by one LayerNorm, and interleaved partial RoPE (the
 # first ``rotary_dim`` dims of each head, pairs (2i, 2i+1)). Both canonical norms name ln_1;
@@ -125,8 +151,56 @@ GPTJ = ArchSpec(
     attn_norm=NormSpec("ln_1", ("attn.q_proj", "attn.k_proj", "attn.v_proj")),
     ffn_norm=NormSpec("ln_1", ("mlp.fc_in",)),
     norm_kind="layer", placement="pre", final_norm="transformer.ln_f", lm_head="lm_head", rope="interleaved",
-    n_layers_attr=("n_layer",), hidden_attr=("n_embd",), heads_attr=("n_head",), kv_heads_attr=(),
-    eps_attr=("layer_norm_epsilon",))
+    parallel_block=True, n_layers_attr=("n_layer",), hidden_attr=("n_embd",), heads_attr=("n_head",),
+    kv_heads_attr=(), eps_attr=("layer_norm_epsilon",))
+
+# Gemma 2: RMSNorm with (1+w), sandwich norms, embeddings × √hidden, attention and final
+# logit soft-capping, alternating sliding-window/global layers (``layer_types``).
+_GEMMA_NORMS = dict(
+    attn_norm=NormSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ffn_norm=NormSpec("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    norm_kind="rms_1p", placement="sandwich", embed_scale="sqrt_hidden")
+GEMMA2 = ArchSpec(
+    family="gemma2", model_types=("gemma2",), layers="model.layers", embed="model.embed_tokens",
+    attention=_LLAMA_ATTN, ffn=_LLAMA_FFN, final_norm="model.norm", lm_head="lm_head", rope="rotate_half",
+    **_GEMMA_NORMS)
+# Gemma 3 (text): Gemma 2 plus per-head QK-norm (also (1+w)).
+GEMMA3 = ArchSpec(
+    family="gemma3", model_types=("gemma3_text",), layers="model.layers", embed="model.embed_tokens",
+    attention=AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
+                            qk_norm=("self_attn.q_norm", "self_attn.k_norm")),
+    ffn=_LLAMA_FFN, final_norm="model.norm", lm_head="lm_head", rope="rotate_half", **_GEMMA_NORMS)
+
+# Phi-3 and Phi-4 (model_type phi3): Llama with fused qkv_proj [q | k | v] and gate_up_proj [gate | up].
+PHI3 = ArchSpec(
+    family="phi3", model_types=("phi3",), layers="model.layers", embed="model.embed_tokens",
+    attention=AttentionSpec(qkv="self_attn.qkv_proj", o="self_attn.o_proj"),
+    ffn=FFNSpec(up=None, gate_up="mlp.gate_up_proj", down="mlp.down_proj"),
+    attn_norm=NormSpec("input_layernorm", ("self_attn.qkv_proj",)),
+    ffn_norm=NormSpec("post_attention_layernorm", ("mlp.gate_up_proj",)),
+    norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", rope="rotate_half")
+
+# OLMo 2: no input norms; each sublayer's output is normalised before the residual add, and
+# QK-norm spans all heads at once (one γ over num_heads·head_dim).
+OLMO2 = ArchSpec(
+    family="olmo2", model_types=("olmo2",), layers="model.layers", embed="model.embed_tokens",
+    attention=AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
+                            qk_norm=("self_attn.q_norm", "self_attn.k_norm"), qk_norm_scope="all"),
+    ffn=_LLAMA_FFN,
+    attn_norm=NormSpec("post_attention_layernorm", ()), ffn_norm=NormSpec("post_feedforward_layernorm", ()),
+    norm_kind="rms", placement="output", final_norm="model.norm", lm_head="lm_head", rope="rotate_half")
+
+# GPT-NeoX / Pythia: LayerNorm, fused query_key_value laid out per head, partial rotary
+# (rotate_half on the first rotary dims of each head), parallel block by default.
+GPT_NEOX = ArchSpec(
+    family="gpt_neox", model_types=("gpt_neox",), layers="gpt_neox.layers", embed="gpt_neox.embed_in",
+    attention=AttentionSpec(qkv="attention.query_key_value", o="attention.dense", qkv_layout="per_head"),
+    ffn=FFNSpec(up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h"),
+    attn_norm=NormSpec("input_layernorm", ("attention.query_key_value",)),
+    ffn_norm=NormSpec("post_attention_layernorm", ("mlp.dense_h_to_4h",)),
+    norm_kind="layer", placement="pre", final_norm="gpt_neox.final_layer_norm", lm_head="lm_head",
+    rope="rotate_half", parallel_attr="use_parallel_residual", kv_heads_attr=(), eps_attr=("layer_norm_eps",))
 
 BERT = ArchSpec(
     family="bert", model_types=("bert", "roberta"), layers="encoder.layer", embed="embeddings.word_embeddings",
@@ -139,7 +213,18 @@ BERT = ArchSpec(
     embed_norm="embeddings.LayerNorm", base_prefixes=("", "bert.", "roberta."),
     kv_heads_attr=(), eps_attr=("layer_norm_eps",))
 
-SPECS: tuple[ArchSpec, ...] = (LLAMA, QWEN2, QWEN3, SMOLLM3, GPT2, OPT, GPTJ, BERT)
+# A LayerNorm decoder (OPT, GPT-2) after mean-centring and residual rotation
+# (hf_symmetry.modeling.modeling_rms_decoder): its RMSNorms have no weight, so no norm tensors.
+RMS_DECODER = ArchSpec(
+    family="rms_decoder", model_types=("hf_symmetry_rms_decoder",), layers="model.layers", embed="model.embed_tokens",
+    attention=_LLAMA_ATTN, ffn=FFNSpec(up="mlp.up_proj", down="mlp.down_proj"),
+    attn_norm=NormSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ffn_norm=NormSpec("post_attention_layernorm", ("mlp.up_proj",)),
+    norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", pos_embed=("model.embed_positions",),
+    kv_heads_attr=(), positions_from_mask=True)
+
+SPECS: tuple[ArchSpec, ...] = (LLAMA, QWEN2, QWEN3, SMOLLM3, GEMMA2, GEMMA3, PHI3, OLMO2, GPT2, OPT, GPTJ, GPT_NEOX,
+                               BERT, RMS_DECODER)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for s in SPECS for t in s.model_types)
 
 

@@ -13,12 +13,60 @@ def add_output_args(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def add_device_args(p, calib_dtype: bool = True) -> None:
+    """``--device`` (and ``--calib-dtype`` for commands that calibrate), checked by
+    :func:`hf_symmetry.devices.placement_from_args` before any work."""
+    from ..devices import CALIB_DTYPES, DEVICE_CHOICES
+
+    if "--device" not in p._option_string_actions:
+        p.add_argument("--device", default="auto",
+                       help=f"where calibration, linear algebra and verification run: {DEVICE_CHOICES} "
+                            "(default auto: CUDA when present, accelerate's device map for verification)")
+    if calib_dtype and "--calib-dtype" not in p._option_string_actions:
+        p.add_argument("--calib-dtype", choices=list(CALIB_DTYPES), default="float32",
+                       help="dtype of calibration activations and layer weights on the device (default float32)")
+
+
+def add_verify_args(p, what: str = "the original", default_text: str = "britannica-eval",
+                    no_verify: bool = True) -> None:
+    """The one set of verification flags every conversion takes: ``--no-verify``, ``--text``,
+    ``--tokens``, ``--ppl-tokens`` (and ``--device``). The perplexity definition is the shared one
+    (:data:`hf_symmetry.evaluation.perplexity.PPL`: window 512, stride 256)."""
+    from ..evaluation.perplexity import LOGIT_TOKENS, PPL
+
+    g = p.add_argument_group("verification (after the folder is written)")
+    if no_verify:
+        g.add_argument("--no-verify", action="store_true", help=f"skip comparing OUT with {what}")
+    g.add_argument("--text", default=default_text,
+                   help=f"verification text: a UTF-8 file or an embedded name (default: {default_text})")
+    g.add_argument("--tokens", type=int, default=LOGIT_TOKENS,
+                   help=f"tokens compared for max |Δlogit| (default: {LOGIT_TOKENS})")
+    g.add_argument("--ppl-tokens", type=int, default=PPL.tokens,
+                   help=f"tokens scored for perplexity, sliding window {PPL.window}, stride {PPL.stride} "
+                        f"(default: {PPL.tokens}; 0 skips)")
+    if "--device" not in p._option_string_actions:
+        g.add_argument("--device", default="auto",
+                       help="where verification runs: auto (accelerate's device map: GPUs, then CPU, then disk), "
+                            "cpu, cuda, cuda:N or mps")
+
+
 def add_text_args(p, default: str = "britannica-eval") -> None:
-    p.add_argument("--text", default=default,
-                   help=f"evaluation text: a UTF-8 file or an embedded name (default: {default})")
-    p.add_argument("--tokens", type=int, default=512, help="tokens compared for max |Δlogit| (default: 512)")
-    p.add_argument("--ppl-tokens", type=int, default=2048,
-                   help="tokens of the text scored for perplexity by both models (default: 2048; 0 skips)")
+    """Kept for older callers: :func:`add_verify_args` without ``--no-verify``."""
+    add_verify_args(p, default_text=default, no_verify=False)
+
+
+def check_verify_args(args) -> None:
+    """Refuse bad verification flags before any work."""
+    from ..assets import resolve_text
+    from ..evaluation.verification import resolve_device
+
+    if getattr(args, "no_verify", False):
+        return
+    if args.tokens < 2 or args.ppl_tokens < 0 or args.ppl_tokens == 1:
+        raise ValueError(f"--tokens must be at least 2 and --ppl-tokens 0 or at least 2; got {args.tokens} and "
+                         f"{args.ppl_tokens}")
+    resolve_text(args.text)
+    resolve_device(getattr(args, "device", "auto"))
 
 
 def emit(summary: dict, lines: list[str], json_path: str | None = None) -> None:
@@ -76,24 +124,39 @@ def push_if_requested(args, out_dir, lines: list[str] | None = None) -> dict | N
 
 
 def verify_and_record(args, original, out_dir, lines: list[str], names: tuple[str, str] = ("original", "converted"),
-                      against: str = "", extra=None) -> dict:
-    """Compare ``out_dir`` with ``original`` on ``--text`` (max |Δ| and perplexities), append the
-    figures to ``lines`` and to the folder's model card. ``extra(verification)`` may return more
-    ``(figures, lines)`` for both. Returns the exactness figures (``Verification.as_dict()`` + extra)."""
+                      against: str = "", extra=None) -> dict | None:
+    """The one verification step of every conversion: compare ``out_dir`` with ``original`` on
+    ``--text`` (:func:`hf_symmetry.evaluation.verification.verify`), append the figures to
+    ``lines`` and record them in the folder's model card, formatted as the card formats them.
+    ``extra(verification)`` may return more ``(figures, lines)`` for both. Returns the
+    exactness figures, or None with ``--no-verify``."""
     from ..evaluation.bridge import verification_card_entries
-    from ..evaluation.compare import verify
-    from ..hub.cards import update_card
+    from ..evaluation.verification import verify
+    from ..hub.cards import fmt_number, update_card
 
-    v = verify(original, out_dir, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens)
+    if getattr(args, "no_verify", False):
+        return None
+    v = verify(original, out_dir, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens,
+               device=getattr(args, "device", "auto"), progress=not getattr(args, "quiet", False))
     exactness = v.as_dict()
-    lines.append(f"  max |Δ{'logit' if v.output_kind == 'logits' else 'hidden'}|{against} over {v.tokens} tokens: "
-                 f"{v.max_abs_dlogit:.2e}")
+    kind = "logit" if v.output_kind == "logits" else "hidden state"
+    lines.append(f"  max |Δ{kind}|{against} over {v.tokens} tokens of {v.text}: {fmt_number(v.max_abs_dlogit)}")
+    if v.hidden_cosine is not None:
+        lines.append(f"  mean cosine of last hidden states to {names[0]}: {fmt_number(v.hidden_cosine)}")
     if v.perplexity_original is not None:
-        lines.append(f"  perplexity: {names[0]} {v.perplexity_original:.4f}, {names[1]} {v.perplexity_converted:.4f} "
-                     f"(Δ {fmt(v.delta_perplexity, '.2e')})")
+        lines.append(f"  perplexity ({v.describe_perplexity()}): {names[0]} {fmt_number(v.perplexity_original)}, "
+                     f"{names[1]} {fmt_number(v.perplexity_converted)} (Δ {fmt_number(v.delta_perplexity)})")
     if extra is not None:
         figures, more = extra(v)
         exactness.update(figures)
         lines.extend(more)
     update_card(out_dir, exactness=exactness, eval_results=verification_card_entries(v))
+    lines.append(f"  verified in {v.seconds:.1f} s")
     return exactness
+
+
+def total_time_line(start: float) -> str:
+    """The last line of a conversion: wall time of the whole command, verification included."""
+    import time
+
+    return f"done in {time.perf_counter() - start:.1f} s (whole command, verification included)"

@@ -4,8 +4,8 @@ or SliceGPT, saved as a Hugging Face model that loads with ``trust_remote_code=T
 from __future__ import annotations
 
 from ..assets import resolve_model, resolve_text
-from ..conversion.compress import STAGES, STRUCTURES, CompressOptions, compress_checkpoint
-from .common import add_output_args, add_push_args, emit, push_if_requested
+from ..conversion.compress import ALLOCATIONS, PRESETS, STAGES, STRUCTURES, CompressOptions, compress_checkpoint
+from .common import add_device_args, add_output_args, add_push_args, emit, push_if_requested
 
 
 def _blocks(text: str) -> tuple[int, int]:
@@ -23,10 +23,14 @@ def register(sub) -> None:
                    help="HF folder of a Llama-family model (llama, mistral, qwen2) or an embedded alias "
                         "(default: SmolLM2-135M-Instruct)")
     p.add_argument("out", help="output folder")
-    p.add_argument("--structure", choices=STRUCTURES, default="kron",
+    p.add_argument("--structure", choices=STRUCTURES, default=None,
                    help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
                         "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron)")
-    p.add_argument("--ratio", type=float, default=0.25,
+    p.add_argument("--preset", choices=PRESETS,
+                   help="procrustesgpt-llama: the reference ProcrustesGPT Llama configuration: embedding and head "
+                        "dense, q/k/o/gate/up/down each structured at 75%% of its parameters, V dense (--ratio does "
+                        "not apply; the report gives the parameters removed from the whole model)")
+    p.add_argument("--ratio", type=float, default=None,
                    help="fraction of the compressed matrices' parameters removed, skip/head matrices paid for "
                         "(equal ratios give equal model sizes across methods; default: 0.25)")
     p.add_argument("--calib", metavar="TEXT",
@@ -35,9 +39,10 @@ def register(sub) -> None:
     p.add_argument("--stage", choices=STAGES, default="w",
                    help="none: project without rotation; f: Frobenius-optimal rotations (Procrustes); "
                         "w: then calibration-weighted projections and rotations (default: w)")
-    p.add_argument("--q-mode", choices=["segment", "global"], default="segment",
+    p.add_argument("--q-mode", choices=["segment", "global"], default=None,
                    help="one rotation per residual segment (skip connections carry Q_prevᵀQ_next) or one "
-                        "global rotation (no skip matrices) (default: segment)")
+                        "global rotation (no skip matrices) (default: segment; global for slice, whose per-segment "
+                        "variant pays for dense skip matrices and measured worse)")
     p.add_argument("--kron-factor", type=int, metavar="Q",
                    help="Kronecker split of the hidden dimension: A_s is 1xQ / Qx1 (default: chosen from the ratio)")
     p.add_argument("--gs-blocks", metavar="KL,KR", help="GS tile grid of layer matrices (default: 4,4)")
@@ -46,38 +51,63 @@ def register(sub) -> None:
     p.add_argument("--f-iters", type=int, default=20, help="stage F alternations (default: 20)")
     p.add_argument("--w-iters", type=int, default=1, help="stage W alternations (default: 1, as in the paper)")
     p.add_argument("--sequential", action="store_true",
-                   help="stage w: weight each residual segment by statistics of the model whose earlier segments "
-                        "are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass of the original "
-                        "model; needs --q-mode segment")
+                   help="stage w (and slice): take each residual segment's statistics from the model whose "
+                        "earlier segments are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass "
+                        "of the original model; needs --q-mode segment (except low rank)")
     p.add_argument("--no-match-original", dest="match_original", action="store_false",
                    help="with --sequential: fit each matrix's own outputs on the compressed model's inputs instead "
                         "of the original model's outputs and residual stream (GPTQ-style, the default)")
+    p.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
+                   help="uniform: every compressed matrix of a kind at the same size; sensitivity: per-layer sizes "
+                        "at the same total, from each layer's measured output error at several sizes on the "
+                        "calibration text (a knapsack over layers; a layer may stay dense) (default: uniform)")
+    p.add_argument("--tol", type=float, default=0.0,
+                   help="stage f/w: stop alternating once one alternation lowers the objective by less than this "
+                        "fraction (default 0: exactly --f-iters / --w-iters alternations)")
     p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
     p.add_argument("--eval-text", metavar="TEXT",
                    help="held-out text for perplexity of the original and compressed model (e.g. britannica-eval)")
     p.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (default: 4096)")
+    add_device_args(p)
     add_output_args(p)
     add_push_args(p)
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    options = CompressOptions(
-        structure=args.structure, ratio=args.ratio, stage=args.stage, q_mode=args.q_mode,
+def options_from_args(args) -> CompressOptions:
+    chosen = dict(
+        structure=args.structure, stage=args.stage, q_mode=args.q_mode,
         kron_factor=args.kron_factor, gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
-        compress_embeddings=not args.keep_embeddings, dense_modules=() if args.compress_v else ("v",),
         f_iters=args.f_iters, w_iters=args.w_iters, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len,
-        sequential=args.sequential, match_original=args.match_original)
+        sequential=args.sequential, match_original=args.match_original, allocation=args.allocation, tol=args.tol)
+    if args.keep_embeddings:
+        chosen["compress_embeddings"] = False
+    if args.compress_v:
+        chosen["dense_modules"] = ()
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    if args.preset:
+        if args.ratio is not None:
+            raise ValueError(f"--ratio does not apply to --preset {args.preset} (it fixes each matrix's size)")
+        options = CompressOptions.preset(args.preset, **chosen)
+    else:
+        options = CompressOptions(**chosen, ratio=0.25 if args.ratio is None else args.ratio)
     options.validate()
+    return options
+
+
+def run(args) -> int:
+    from ..devices import placement_from_args
+
+    options = options_from_args(args)
+    placement = placement_from_args(args)
     src = resolve_model(args.model)
     calib = resolve_text(args.calib) if args.calib else None
     eval_text = resolve_text(args.eval_text) if args.eval_text else None
     report = compress_checkpoint(src, args.out, options, calib, overwrite=args.overwrite, progress=not args.quiet,
-                                 eval_text=eval_text, eval_tokens=args.eval_tokens)
+                                 eval_text=eval_text, eval_tokens=args.eval_tokens, placement=placement)
     acc = report.accounting
-    method = "SliceGPT" if args.structure == "slice" else f"ProcrustesGPT {args.structure}, stage {args.stage}"
-    lines = [f"compressed {report.family} model {src} -> {args.out} ({method}, q-mode {args.q_mode}) "
+    lines = [f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
              f"in {sum(report.seconds.values()):.1f} s",
              f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
              f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..evaluation.bridge import (lm_eval_card_entries, parse_tasks, perplexity_card_entry, run_lm_eval,
                                  text_perplexity)
+from ..evaluation.perplexity import PPL
+from ..hub.cards import fmt_number
 from .common import emit
 
 
@@ -18,9 +20,13 @@ def register(sub) -> None:
     p.add_argument("--text", default=None,
                    help="UTF-8 file or embedded text name for perplexity (default: britannica-eval, "
                         "unless only --tasks are given)")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
+    p.add_argument("--max-tokens", type=int, default=PPL.tokens,
+                   help=f"score the first N tokens of the text (default: {PPL.tokens}, the count every conversion "
+                        "and card uses; 0: the whole text, about 60000 tokens for britannica-eval: many minutes on a CPU)")
+    p.add_argument("--window", type=int, default=PPL.window,
+                   help=f"sliding window (default: {PPL.window}, the shared definition)")
+    p.add_argument("--stride", type=int, default=PPL.stride,
+                   help=f"tokens scored per window (default: {PPL.stride}, the shared definition)")
     p.add_argument("--tasks", default=None, metavar="T1,T2",
                    help="lm-eval tasks (pip install 'hf_symmetry[eval]'), e.g. hf_symmetry_smoke_cloze, or "
                         "arc_easy with its data available offline")
@@ -54,13 +60,12 @@ def run(args) -> int:
     text = args.text or (None if tasks else "britannica-eval")
     summary, lines, entries = {"model": str(args.model)}, [], []
     if text:
-        r = text_perplexity(args.model, text, max_tokens=args.max_tokens, window=args.window, stride=args.stride,
+        r = text_perplexity(args.model, text, max_tokens=args.max_tokens or None, window=args.window, stride=args.stride,
                             trust_remote_code=args.trust_remote_code, progress=not args.quiet)
-        entry = perplexity_card_entry(r, text, args.max_tokens)
+        entry = perplexity_card_entry(r, text, args.max_tokens or None)
         entries.append(entry)
-        summary.update(text=entry.get("_text_path", str(text)), **r.as_dict())
-        lines.append(f"perplexity {r.perplexity:.4f} over {r.tokens} tokens of {text} "
-                     f"(window {r.window}, stride {r.stride})")
+        summary.update(text=str(text), **r.as_dict())
+        lines.append(f"perplexity {fmt_number(r.perplexity)} over the {r.describe()} of {text}")
     if tasks:
         results = run_lm_eval(args.model, tasks, task_dir=args.task_dir, limit=args.limit,
                               num_fewshot=args.num_fewshot, trust_remote_code=args.trust_remote_code)

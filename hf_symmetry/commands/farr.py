@@ -8,13 +8,19 @@ model folder (custom class, loads with ``trust_remote_code=True`` without hf_sym
 
 from __future__ import annotations
 
-import torch
+import time
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrOptions, farr_checkpoint
-from ..evaluation.compare import load_model, load_tokenizer
-from ..evaluation.perplexity import read_text, tokenize_text
-from .common import add_output_args, add_push_args, add_text_args, emit, push_if_requested, verify_and_record
+from ..hub.cards import fmt_number
+from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
+                     total_time_line, verify_and_record)
+
+#: a reduction that removes less than this fraction of the model's parameters ...
+LITTLE_REMOVED = 0.02
+#: ... should not cost more than this perplexity ratio (causal LMs) or lose this much hidden-state cosine (encoders)
+MUCH_PPL_RATIO = 1.10
+MUCH_COSINE_LOSS = 0.01
 
 
 def register(sub) -> None:
@@ -40,22 +46,28 @@ def register(sub) -> None:
                         "instead of the data-free Frobenius norm; τ and the budget then count that energy")
     p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
-    p.add_argument("--no-verify", action="store_true", help="skip comparing the result with the original")
-    add_text_args(p)
+    add_device_args(p)
+    add_verify_args(p, "the original")
     add_output_args(p)
     add_push_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from ..devices import placement_from_args
+
+    start = time.perf_counter()
+    placement = placement_from_args(args)   # an unusable device fails before any work
     options = FarrOptions(tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk)
     options.validate()
+    check_verify_args(args)
     src = resolve_model(args.model)
     if args.calibrate is not None:
         resolve_text(args.calibrate)   # a missing text fails before any work
     report = farr_checkpoint(src, args.out, options, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                             progress=not args.quiet, calib_text=args.calibrate, calib_tokens=args.calib_tokens)
-    lines = [f"farr {src} -> {args.out} ({report.model_type}) in {report.seconds:.1f} s",
+                             progress=not args.quiet, calib_text=args.calibrate, calib_tokens=args.calib_tokens,
+                             placement=placement)
+    lines = [f"farr {src} -> {args.out} ({report.model_type}; conversion {report.seconds:.1f} s)",
              f"  rewritten projections keep {report.touchable_params_after:,} of {report.touchable_params_before:,} "
              f"parameters ({report.touchable_kept_fraction:.1%}); model {report.params_before:,} -> "
              f"{report.params_after:,}"]
@@ -67,29 +79,36 @@ def run(args) -> int:
         lines.append(f"  calibrated on {report.calibration['tokens']} tokens of {report.calibration['text']} "
                      "(energies are output energies on those activations)")
     lines += [f"  note: {n}" for n in report.notes]
-    if not args.no_verify:
-        def cosine(v) -> tuple[dict, list[str]]:
-            if v.output_kind != "hidden_states":
-                return {}, []
-            c = hidden_cosine(src, args.out, args.text, args.tokens)
-            return {"hidden_cosine": c}, [f"  mean cosine of last hidden states to the original: {c:.6f}"]
-
-        report.verification = verify_and_record(args, src, args.out, lines, ("original", "FaRR"), extra=cosine)
+    report.verification = verify_and_record(args, src, args.out, lines, ("original", "FaRR"))
+    warning = costly_reduction_warning(report, options)
+    if warning:
+        lines.append(f"  warning: {warning}")
     summary = report.as_dict()
     summary["push"] = push_if_requested(args, args.out, lines)
+    lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0
 
 
-@torch.no_grad()
-def hidden_cosine(original, converted, text: str, tokens: int) -> float:
-    """Mean over tokens of the cosine between the two models' last hidden states."""
-    a, b = load_model(original), load_model(converted)
-    limit = getattr(a.config, "max_position_embeddings", None) or tokens
-    n = min(tokens, limit)
-    ids = tokenize_text(load_tokenizer(original), read_text(resolve_text(text))[:n * 16], max_tokens=n)
-    ha, hb = (m(input_ids=ids[None]).last_hidden_state[0] for m in (a, b))
-    return torch.nn.functional.cosine_similarity(ha, hb, dim=-1).mean().item()
+def costly_reduction_warning(report, options: FarrOptions) -> str | None:
+    """A warning when the reduction removes little of the model (< 2 % of its parameters) yet
+    costs much in the verification (perplexity × > 1.10, or hidden-state cosine < 0.99)."""
+    v = report.verification or {}
+    if not report.params_before:
+        return None
+    removed = 1 - report.params_after / report.params_before
+    if removed >= LITTLE_REMOVED:
+        return None
+    choice = f"τ = {options.tau:g}" if options.tau is not None else f"--params-fraction {options.params_fraction:g}"
+    before, after = v.get("perplexity_original"), v.get("perplexity_converted")
+    if before and after and after / before > MUCH_PPL_RATIO:
+        cost = f"perplexity {fmt_number(before)} -> {fmt_number(after)} (x{after / before:.2f})"
+    elif v.get("hidden_cosine") is not None and v["hidden_cosine"] < 1 - MUCH_COSINE_LOSS:
+        cost = f"mean hidden-state cosine {fmt_number(v['hidden_cosine'])}"
+    else:
+        return None
+    return (f"{choice} removes only {removed:.1%} of the model's parameters but costs {cost}; "
+            "a τ closer to 1 keeps more, or --calibrate measures energy on real activations")
 
 
 def _runs(ranks: list[int]) -> str:

@@ -4,11 +4,14 @@ ANCHOR (same function as SOURCE), ready for averaging-style merges."""
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import asdict
 
 from ..assets import resolve_model
+from ..hub.cards import fmt_number
 from ..conversion.match import MatchOptions, match_checkpoint, vocabulary_fingerprint
-from .common import add_output_args, add_push_args, add_text_args, emit, push_if_requested, verify_and_record
+from .common import (add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
+                     total_time_line, verify_and_record)
 
 
 def add_match_args(p, residual_help: str = "") -> None:
@@ -39,24 +42,26 @@ def register(sub) -> None:
     p.add_argument("out", help="output folder")
     add_match_args(p)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
-    p.add_argument("--no-verify", action="store_true", help="skip the max |Δlogit| check of OUT against SOURCE")
-    add_text_args(p)
+    add_verify_args(p, "SOURCE")
     add_output_args(p)
     add_push_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    start = time.perf_counter()
+    check_verify_args(args)
     anchor, source = resolve_model(args.anchor), resolve_model(args.source)
     report = match_checkpoint(anchor, source, args.out, match_options(args), overwrite=args.overwrite,
                               max_shard_size=args.max_shard_size, progress=not args.quiet)
-    lines = [f"matched {report.family} model {source} to {anchor} -> {args.out} in {report.seconds:.1f} s",
+    lines = [f"matched {report.family} model {source} to {anchor} -> {args.out} (conversion {report.seconds:.1f} s)",
              f"  matched: {', '.join(report.symmetries) or 'nothing'}"]
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
     lines.append(f"  squared distance to the anchor{' (norm-folded)' if args.residual else ''}:")
     for name, d in report.distances.items():
-        lines.append(f"    {name:<10} {d['before']:.4e} -> {d['after']:.4e}  ({100 * d['reduction']:.1f} % less)")
+        lines.append(f"    {name:<10} {fmt_number(d['before'])} -> {fmt_number(d['after'])}  "
+                     f"({100 * d['reduction']:.1f} % less)")
     if args.no_verify:
         pass
     elif vocabulary_fingerprint(source) is None:
@@ -66,5 +71,6 @@ def run(args) -> int:
                                                 against=" against SOURCE")
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
+    lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0

@@ -4,16 +4,20 @@ matching every input to an anchor first."""
 
 from __future__ import annotations
 
+import argparse
+import time
 from dataclasses import asdict
 
-from ..conversion.merge import merge_checkpoints
+from ..conversion.merge import evaluate_merge, merge_checkpoints
 from ..conversion.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
-from .common import add_output_args, add_push_args, emit, push_if_requested
+from ..hub.cards import fmt_number
+from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
+                     total_time_line)
 from .match import add_match_args
 
 # Flags that describe a merge; with a recipe file they would be ambiguous.
 _RECIPE_FLAGS = ("base", "weights", "density", "lam", "alpha", "normalize", "anchor", "calib_text", "calib_tokens",
-                 "eval_text", "eval_tokens", "no_eval", "dtype", "match")
+                 "dtype", "match")
 
 
 def register(sub) -> None:
@@ -35,9 +39,13 @@ def register(sub) -> None:
     p.add_argument("--normalize", action="store_true", default=None, help="divide by the sum of weights")
     p.add_argument("--calib-text", help="calibration text for fisher/regmean (default: britannica-calib)")
     p.add_argument("--calib-tokens", type=int, help="calibration tokens (default: 4096)")
-    p.add_argument("--eval-text", help="text for the card's perplexities (default: britannica-eval)")
-    p.add_argument("--eval-tokens", type=int, help="evaluation tokens (default: 2048)")
-    p.add_argument("--no-eval", action="store_true", help="skip the perplexity evaluation")
+    add_device_args(p)
+    add_verify_args(p, "the inputs (perplexity of the merge and of every input)")
+    # the verification flags override the recipe's `evaluation:`; the older names still work
+    p.set_defaults(text=None, ppl_tokens=None)
+    p.add_argument("--eval-text", dest="text", help=argparse.SUPPRESS)
+    p.add_argument("--eval-tokens", dest="ppl_tokens", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--no-eval", dest="no_verify", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], help="output dtype")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_output_args(p)
@@ -80,32 +88,50 @@ def recipe_from_args(args):
     calib = {k: v for k, v in (("text", args.calib_text), ("tokens", args.calib_tokens)) if v is not None}
     if calib:
         raw["calibration"] = calib
-    if args.no_eval:
+    if args.no_verify:
         raw["evaluation"] = False
-    else:
-        ev = {k: v for k, v in (("text", args.eval_text), ("tokens", args.eval_tokens)) if v is not None}
-        if ev:
-            raw["evaluation"] = ev
     if args.dtype:
         raw["dtype"] = args.dtype
     return recipe_from_dict(raw), out
 
 
+def evaluation_of(args, recipe) -> tuple[str, int] | None:
+    """(text, tokens) the merge is evaluated on: the flags, else the recipe's ``evaluation:``;
+    None with ``--no-verify`` or ``evaluation: false``."""
+    if args.no_verify or recipe.evaluation is None:
+        return None
+    text = args.text or recipe.evaluation.text
+    tokens = recipe.evaluation.tokens if args.ppl_tokens is None else args.ppl_tokens
+    return (text, tokens) if tokens else None
+
+
 def run(args) -> int:
+    from ..devices import placement_from_args
+
+    start = time.perf_counter()
+    placement = placement_from_args(args)   # an unusable device fails before any work
     recipe, out = recipe_from_args(args)
+    evaluation = evaluation_of(args, recipe)
+    if evaluation:
+        args.text, args.ppl_tokens = evaluation
+        check_verify_args(args)
     report = merge_checkpoints(recipe, out, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                               progress=not args.quiet)
-    lines = [f"{recipe.method} merge of {len(recipe.models)} models -> {out} in {report.seconds:.1f} s",
+                               progress=not args.quiet, placement=placement)
+    lines = [f"{recipe.method} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
              f"  anchor: {report.anchor}" + ("" if recipe.match else " (no matching)")]
     for name, d in report.distances.items():
         t = d["total"]
-        lines.append(f"  matched {name}: squared distance {t['before']:.4e} -> {t['after']:.4e} "
+        lines.append(f"  matched {name}: squared distance {fmt_number(t['before'])} -> {fmt_number(t['after'])} "
                      f"({100 * t['reduction']:.1f} % less)")
-    ev = report.evaluation
-    if ev:
-        lines.append(f"  perplexity on {ev['tokens']} tokens of {ev['text']}: merge {ev['merged']:.4f}; "
-                     + ", ".join(f"{n} {v:.4f}" for n, v in ev["inputs"].items()))
+    if evaluation:
+        report.evaluation = ev = evaluate_merge(out, recipe, *evaluation, device=args.device,
+                                                progress=not args.quiet)
+        if ev:
+            lines.append(f"  perplexity (first {ev['tokens']} tokens of {ev['text']}, sliding window {ev['window']}, "
+                         f"stride {ev['stride']}): merge {fmt_number(ev['merged'])}; "
+                         + ", ".join(f"{n} {fmt_number(v)}" for n, v in ev["inputs"].items()))
     summary = asdict(report)
     summary["push"] = push_if_requested(args, out, lines)
+    lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import time
+
 from ..assets import resolve_model
 from ..conversion.rotate import RotateOptions, rotate_checkpoint
-from .common import add_output_args, add_push_args, add_text_args, emit, push_if_requested, verify_and_record
+from .common import (add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
+                     total_time_line, verify_and_record)
 
 
 def register(sub) -> None:
@@ -24,26 +27,27 @@ def register(sub) -> None:
     p.add_argument("--scaling", action="store_true", help="also apply random per-group QK and VO scalings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
-    p.add_argument("--no-verify", action="store_true", help="skip the max |Δlogit| check against the original")
-    add_text_args(p)
+    add_verify_args(p, "the original")
     add_output_args(p)
     add_push_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    start = time.perf_counter()
+    check_verify_args(args)
     src = resolve_model(args.model)
     options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
                             seed=args.seed)
     report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
                                max_shard_size=args.max_shard_size, progress=not args.quiet)
-    lines = [f"rotated {report.family} model {src} -> {args.out} in {report.seconds:.1f} s",
+    lines = [f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",
              f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})"]
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
-    if not args.no_verify:
-        report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))
+    report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
+    lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0

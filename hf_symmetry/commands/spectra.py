@@ -16,7 +16,7 @@ from ..evaluation.fused_check import check_fused_layout
 from ..evaluation.perplexity import read_text, tokenize_text
 from ..evaluation.spectra_plots import plot_layer_spectra, plot_rank_heatmaps
 from ..symmetry.fused import check_tau
-from .common import emit
+from .common import add_device_args, emit
 
 REPORT = "report.json"
 HEATMAP = "effective_rank.png"
@@ -42,11 +42,15 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     p.add_argument("--json", dest="json_out", metavar="FILE", help="also write the summary as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from ..devices import placement_from_args
+
     taus = [check_tau(t) for t in args.tau]   # bad input fails before any work
+    placement = placement_from_args(args)
     src = resolve_model(args.model)
     check_output_dir(args.out, args.overwrite)
     calib_text = resolve_text(args.calibrate) if args.calibrate is not None else None
@@ -54,7 +58,8 @@ def run(args) -> int:
     name = str(args.model) if str(args.model) in MODEL_ALIASES else src.name
     moments = calibration = None
     if calib_text is not None:
-        moments, calibration = calibration_moments(src, calib_text, args.calib_tokens)
+        moments, calibration = calibration_moments(src, calib_text, args.calib_tokens, placement,
+                                                   progress=not args.quiet)
     report = spectra_report(reader, reader.config, taus, name=name, progress=not args.quiet, moments=moments)
     report["model"], report["calibration"] = str(src), calibration
     if not args.no_layout_check:

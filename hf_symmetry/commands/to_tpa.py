@@ -5,8 +5,11 @@ optionally fitted to the attention inputs of a calibration text (``--calib``).""
 
 from __future__ import annotations
 
+import time
+
 from ..conversion.to_tpa import convert_checkpoint_to_tpa
-from .common import add_output_args, add_push_args, add_text_args, emit, fmt, push_if_requested
+from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, fmt, push_if_requested,
+                     total_time_line, verify_and_record)
 
 
 def register(sub) -> None:
@@ -20,28 +23,32 @@ def register(sub) -> None:
     p.add_argument("--calib", default=None, metavar="FILE",
                    help="calibration text (file or embedded name, e.g. britannica-calib) for reduced ranks")
     p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
-    p.add_argument("--no-verify", action="store_true", help="skip the logit/perplexity comparison with the source")
-    add_text_args(p)
+    add_device_args(p)
+    add_verify_args(p, "the source")
     add_output_args(p)
     add_push_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from ..devices import placement_from_args
+
+    start = time.perf_counter()
+    placement = placement_from_args(args)   # an unusable device fails before any work
     for name in ("k_rank", "v_rank"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.calib_tokens <= 0 or args.tokens <= 1 or getattr(args, "ppl_tokens", 0) < 0:
-        raise ValueError("--calib-tokens must be positive, --tokens at least 2 and --ppl-tokens not negative")
+    if args.calib_tokens <= 0:
+        raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
+    check_verify_args(args)
     report = convert_checkpoint_to_tpa(
         args.model, args.out, k_rank=args.k_rank, v_rank=args.v_rank, calib=args.calib,
-        calib_tokens=args.calib_tokens, verify_text=None if args.no_verify else args.text,
-        verify_tokens=args.tokens, ppl_tokens=getattr(args, "ppl_tokens", 2048), overwrite=args.overwrite,
-        progress=not args.quiet)
+        calib_tokens=args.calib_tokens, overwrite=args.overwrite,
+        progress=not args.quiet, placement=placement)
     src_el, tpa_el = report.cache_elements_per_token_source, report.cache_elements_per_token_tpa
     lines = [
-        f"converted {report.family} model {report.source} -> {args.out} in {report.seconds:.1f} s",
+        f"converted {report.family} model {report.source} -> {args.out} (conversion {report.seconds:.1f} s)",
         f"  heads {report.num_attention_heads}, KV heads {report.num_key_value_heads}, head_dim {report.head_dim}; "
         f"R_K={report.k_rank}, R_V={report.v_rank} ({'exact' if report.exact else 'approximate'}"
         f"{', calibrated on ' + str(report.calib_tokens) + ' tokens' if report.calibrated else ''})",
@@ -54,14 +61,10 @@ def run(args) -> int:
             act = (f"; act K {fmt(e.k_activation_rel_err)} V {fmt(e.v_activation_rel_err)}"
                    if e.k_activation_rel_err is not None else "")
             lines.append(f"    layer {e.layer:3d}: K {e.k_weight_rel_err:.3g} V {e.v_weight_rel_err:.3g}{act}")
-    v = report.verification
-    if v:
-        lines.append(f"  max |Δlogit| over {v['tokens']} tokens of {v['text']}: {v['max_abs_dlogit']:.2e}")
-        if "perplexity_tpa" in v:
-            lines.append(f"  perplexity ({v['ppl_tokens']} tokens): source {v['perplexity_source']:.4f}, "
-                         f"TPA {v['perplexity_tpa']:.4f}")
     lines.extend(f"  note: {n}" for n in report.notes)
+    report.verification = verify_and_record(args, report.source, args.out, lines, ("source", "TPA"))
     summary = report.as_dict()
     summary["push"] = push_if_requested(args, args.out, lines)
+    lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0

@@ -1,5 +1,6 @@
 """Calibration statistics for data-dependent merges: Gram matrices of every linear layer's inputs
-(RegMean) and the diagonal Fisher (Fisher merging), over batches of calibration token ids.
+(RegMean, collected layer by layer by :mod:`hf_symmetry.calibration`) and the diagonal Fisher
+(Fisher merging, a full backward pass), over batches of calibration token ids.
 
 Grams are keyed in the canonical vocabulary of :mod:`hf_symmetry.architectures.adapter`:
 ``layers.{i}.attn_in`` (what q/k/v read), ``layers.{i}.o_in``, ``layers.{i}.ffn_in`` (gate/up),
@@ -13,62 +14,53 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from ..architectures import Adapter
-
 Tensors = dict[str, torch.Tensor]
 
 
-def calibration_batches(ids: torch.Tensor, seq_len: int = 256, batch_size: int = 4) -> list[torch.Tensor]:
-    """Split a 1-D token stream into full ``[batch, seq_len]`` batches (the last batch may be
-    smaller; a trailing partial sequence is dropped, so no padding ever enters a statistic)."""
-    if seq_len < 2 or batch_size < 1:
-        raise ValueError(f"calibration needs seq_len >= 2 and batch_size >= 1; got {seq_len}, {batch_size}")
-    n = ids.numel() // seq_len
-    if n == 0:
-        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than one sequence of {seq_len}")
-    seqs = ids[: n * seq_len].reshape(n, seq_len)
-    return list(torch.split(seqs, batch_size))
+_SITES = {"attn_in": "attn_in", "o_in": "o_in", "ffn_in": "ffn_in", "down_in": "down_in"}
 
 
-def _gram_modules(adapter: Adapter) -> dict[str, str]:
-    """canonical Gram key -> module name (the module whose *input* the Gram is of)."""
-    s, a = adapter.spec, adapter.spec.attention
-    names = {}
-    for i in range(adapter.n_layers):
-        p = f"{adapter.prefix}{s.layers}.{i}."
-        names[f"layers.{i}.attn_in"] = p + (a.qkv or a.q)
-        names[f"layers.{i}.o_in"] = p + a.o
-        names[f"layers.{i}.ffn_in"] = p + s.ffn.up
-        names[f"layers.{i}.down_in"] = p + s.ffn.down
-    if s.lm_head:
-        names["head_in"] = s.lm_head
-    return names
+def statistics_dtype(source) -> torch.dtype:
+    """Statistics in float32 at least, float64 when the weights are float64 (exactness tests)."""
+    locations = getattr(source, "_locations", None)
+    if locations:
+        dtype = next(iter(locations.values()))[1]
+    else:
+        key = next(k for k in source.keys() if not k.endswith(("position_ids", "token_type_ids")))
+        dtype = source.get([key])[key].dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.no_grad()
-def gram_matrices(model, adapter: Adapter, batches: list[torch.Tensor], progress: bool = True,
-                  desc: str = "grams") -> Tensors:
-    """``G = Σ_tokens x xᵀ`` (float64) of the input of every linear layer, over all batches."""
-    modules = dict(model.named_modules())
-    wanted = {key: name for key, name in _gram_modules(adapter).items() if name in modules}
-    missing = sorted(set(_gram_modules(adapter)) - set(wanted) - {"head_in"})
-    if missing:
-        raise ValueError(f"model has no module for {missing[:3]} ({type(model).__name__})")
+def gram_matrices(source, config: dict | None, batches: list[torch.Tensor], progress: bool = True,
+                  desc: str = "grams", placement=None) -> Tensors:
+    """``G = Σ_tokens x xᵀ`` (float64) of the input of every linear layer, over all batches, keyed
+    ``layers.{i}.attn_in`` / ``o_in`` / ``ffn_in`` / ``down_in`` and ``head_in`` (when the model has
+    an LM head).
+
+    ``source``: a checkpoint folder, a tensor source with its ``config``, or an in-memory model;
+    the layer-wise calibration engine runs it one layer at a time on ``placement`` (default: CPU,
+    float64 for float64 weights, else float32)."""
+    from ..calibration import CalibrationEngine, StatsRequest
+    from ..devices import resolve
+    from .stream import DictSource
+
+    if isinstance(source, torch.nn.Module):
+        source, config = DictSource(source.state_dict()), source.config.to_dict()
+    if placement is None:
+        from ..checkpoint import CheckpointReader
+
+        probe = CheckpointReader(source) if not hasattr(source, "keys") else source
+        placement = resolve("cpu", statistics_dtype(probe))
+    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
+    has_head = engine.adapter.spec.lm_head is not None and engine.skeleton().get_output_embeddings() is not None
+    result = engine.collect(batches, StatsRequest(grams=tuple(_SITES)),
+                            final=StatsRequest(grams=("head_in",)) if has_head else None)
     grams: Tensors = {}
-
-    def hook_for(key):
-        def hook(_module, inputs):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
-            grams[key] = grams.get(key, 0) + x.T @ x
-        return hook
-
-    handles = [modules[name].register_forward_pre_hook(hook_for(key)) for key, name in wanted.items()]
-    try:
-        for batch in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
-            model(input_ids=batch)
-    finally:
-        for h in handles:
-            h.remove()
+    for i, stats in enumerate(result.layers):
+        for key, site in _SITES.items():
+            grams[f"layers.{i}.{key}"] = stats.grams[site]
+    if result.final is not None:
+        grams["head_in"] = result.final.grams["head_in"]
     return grams
 
 

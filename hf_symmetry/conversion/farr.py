@@ -35,7 +35,7 @@ from ..architectures import Adapter
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size)
 from ..evaluation.compare import write_json
-from ..hub.cards import public_report, write_card
+from ..hub.cards import count_parameters, public_report, write_card
 from ..modeling import configuration_farr, modeling_farr
 from ..modeling.configuration_farr import qk_parameters, vo_parameters
 from ..symmetry import fused
@@ -429,33 +429,26 @@ def farr_model(model, options: FarrOptions, progress: bool = False, calib_ids: t
     return build_farr_model(sd, cfg, next(model.parameters()).dtype), report
 
 
-@torch.no_grad()
-def attention_input_moments(model, ids: torch.Tensor, window: int = 512) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def attention_input_moments(model, ids: torch.Tensor, window: int = 512, placement=None, progress: bool = False,
+                            config: dict | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, ``(E[x xᵀ], E[x])`` of the attention input x (what q/k/v read: the pre-norm's
-    output, γ included, or the residual stream of post-LN encoders) over ``ids``, in float64."""
-    state_keys = list(model.state_dict())
-    adapter = Adapter.from_config(model.config, state_keys)
-    reader = adapter.spec.attention.v or adapter.spec.attention.qkv
-    modules = dict(model.named_modules())
-    acc: dict[int, list] = {}
+    output, γ included, or the residual stream of post-LN encoders) over ``ids`` in windows of
+    ``window`` tokens, in float64.
 
-    def hook(i):
-        def keep(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).to(torch.float64)
-            a = acc.setdefault(i, [0.0, 0.0, 0])
-            a[0], a[1], a[2] = a[0] + x.T @ x, a[1] + x.sum(0), a[2] + x.shape[0]
-        return keep
+    ``model``: an HF model folder (the calibration engine reads one layer at a time; the model is
+    never loaded whole), a tensor source with its ``config``, or an in-memory model.
+    ``placement``: device and calibration dtype (:func:`hf_symmetry.devices.resolve`)."""
+    from ..calibration import CalibrationEngine, StatsRequest, calibration_batches
+    from .stream import DictSource
 
-    handles = [modules[adapter.layer_prefix(i) + reader].register_forward_pre_hook(hook(i))
-               for i in range(adapter.n_layers)]
-    window = min(window, getattr(model.config, "max_position_embeddings", None) or window)
-    try:
-        for start in range(0, ids.numel(), window):
-            model(input_ids=ids[start:start + window].reshape(1, -1).to(next(model.parameters()).device))
-    finally:
-        for h in handles:
-            h.remove()
-    return {i: (g / n, s / n) for i, (g, s, n) in acc.items()}
+    if isinstance(model, (str, Path)) or config is not None:
+        engine = CalibrationEngine(model, config, placement=placement, progress=progress)
+    else:
+        engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
+                                   progress=progress)
+    window = min(window, engine.config.get("max_position_embeddings") or window)
+    result = engine.collect(calibration_batches(ids, window), StatsRequest(grams=("v_in",), sums=("v_in",)))
+    return {i: (s.second_moment("v_in"), s.mean("v_in")) for i, s in enumerate(result.layers)}
 
 
 def _classes_for(farr_config) -> dict[str, type]:
@@ -480,17 +473,18 @@ def save_farr_config(farr_config, folder: Path) -> None:
 
 def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, overwrite: bool = False,
                     max_shard_size: str | int = "2GB", progress: bool = True, calib_text: str | Path | None = None,
-                    calib_tokens: int = 2048) -> FarrReport:
+                    calib_tokens: int = 2048, placement=None) -> FarrReport:
     """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
-    ``calib_text`` the source model is loaded once to measure its attention inputs on the first
-    ``calib_tokens`` tokens (activation-aware metric); the conversion itself still streams."""
+    ``calib_text`` the layer-wise calibration engine measures the attention inputs on the first
+    ``calib_tokens`` tokens (activation-aware metric) on ``placement``
+    (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too."""
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
     farr_target(Adapter.from_config(reader.config, reader.keys()), reader.config, reader.keys(), options)
     moments, calibration = None, None
     if calib_text is not None:
-        moments, calibration = calibration_moments(src, calib_text, calib_tokens)
+        moments, calibration = calibration_moments(src, calib_text, calib_tokens, placement, progress)
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
         counter = _CountingSink(writer)
@@ -501,8 +495,8 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
         save_farr_config(farr_config, tmp)
         copy_side_files(reader.path, tmp)
         report.source, report.output = str(src), str(out)
-        report.params_before = _param_count_reader(reader)
-        report.params_after = counter.params
+        report.params_before = count_parameters(reader.path)   # the count every card and report uses
+        report.params_after = count_parameters(tmp)
         report.seconds = time.perf_counter() - start
         write_json(tmp / REPORT_FILE, public_report(report.as_dict()))
         plots = [write_rank_heatmap(tmp, analysis, reader.config, reader.keys(), report, Path(src).name)]
@@ -558,22 +552,19 @@ def farr_card_data(src, out, report: FarrReport, plots: list | None = None) -> d
                       "calibration": report.calibration, "original_head_dim": report.head_dim}}
 
 
-def calibration_moments(src, text, tokens: int) -> tuple[dict, dict]:
-    """Attention-input moments of the model folder ``src`` on the first ``tokens`` tokens of ``text``,
-    and a record of what was used."""
-    from ..assets import resolve_text
-    from ..evaluation.compare import load_model, load_tokenizer
-    from ..evaluation.perplexity import read_text, tokenize_text
+def calibration_moments(src, text, tokens: int, placement=None, progress: bool = False) -> tuple[dict, dict]:
+    """Attention-input moments of the model folder ``src`` on the first ``tokens`` tokens of ``text``
+    (layer by layer, on ``placement``), and a record of what was used."""
+    from ..assets import resolve_model, resolve_text
+    from ..calibration import calibration_ids
+    from ..evaluation.compare import load_tokenizer
 
     if tokens <= 0:
         raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
     path = resolve_text(text)
-    ids = tokenize_text(load_tokenizer(src), read_text(path)[:tokens * 16], max_tokens=tokens)
-    model = load_model(src)
-    try:
-        return attention_input_moments(model, ids), {"text": str(path), "tokens": int(ids.numel())}
-    finally:
-        del model
+    ids = calibration_ids(load_tokenizer(src), path, tokens)
+    return (attention_input_moments(resolve_model(src), ids, placement=placement, progress=progress),
+            {"text": str(path), "tokens": int(ids.numel())})
 
 
 class _CountingSink:

@@ -33,10 +33,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..architectures import Adapter, spec_for_model_type
+from ..architectures.capabilities import allows, structural_config
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size, write_config)
 from ..evaluation.distance_plots import plot_layer_distances
-from ..hub.cards import hub_id_of, public_model_label, write_card
+from ..hub.cards import hub_id_of, public_model_labels, write_card
 from ..symmetry import actions
 from ..symmetry.layout import HeadLayout
 from ..symmetry.procrustes import commutant_procrustes, match_permutation, orthogonal_procrustes, quartic_scale
@@ -50,11 +51,6 @@ COMPONENTS = ("qk", "vo", "ffn", "norms", "embeddings")
 _LAYER_COMPONENT = {"q": "qk", "k": "qk", "v": "vo", "o": "vo", "gate": "ffn", "up": "ffn", "down": "ffn"}
 _RESIDUAL_READERS = ("q", "k", "v", "gate", "up")
 _RESIDUAL_WRITERS = ("o", "down")
-# Config entries that must agree for two checkpoints to be the same architecture.
-_STRUCTURAL_KEYS = ("model_type", "hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_attention_heads",
-                    "n_head", "num_key_value_heads", "head_dim", "intermediate_size", "n_inner", "ffn_dim",
-                    "vocab_size", "hidden_act", "activation_function", "rope_parameters", "rope_theta",
-                    "partial_rotary_factor", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
 
 
 # --------------------------------------------------------------------------- options
@@ -77,7 +73,7 @@ class MatchOptions:
             raise ValueError("residual_iters must be >= 0")
         if self.residual_iters and not self.residual:
             raise ValueError("residual_iters refines the residual-stream rotation: it needs residual matching")
-        qk = self.heads in ("both", "qk") or (self.heads == "auto" and not adapter.layout.qk_norm)
+        qk = self.heads in ("both", "qk") or (self.heads == "auto" and allows(adapter, "qk_rotation"))
         vo = self.heads in ("auto", "both", "vo")
         plan = MatchPlan(qk=qk, vo=vo, qk_scale=self.scaling and qk, vo_scale=self.scaling and vo, ffn=self.ffn,
                          residual=self.residual, residual_iters=self.residual_iters)
@@ -541,10 +537,6 @@ def run_pair(anchor: TensorSource, source: TensorSource, adapter: Adapter, plan:
 # --------------------------------------------------------------------------- checks before work
 
 
-def _structural(config: dict) -> dict:
-    return {k: config.get(k) for k in _STRUCTURAL_KEYS if config.get(k) is not None}
-
-
 def check_same_architecture(models: list[tuple[str, dict, dict[str, tuple]]]) -> None:
     """``models``: (name, config, tensor shapes). Refuse different families, configs or shapes.
     A tied LM head may be absent on one side."""
@@ -555,7 +547,7 @@ def check_same_architecture(models: list[tuple[str, dict, dict[str, tuple]]]) ->
         if spec.family != spec0.family:
             raise ValueError(f"{name} is a {spec.family} model but {name0} is a {spec0.family} model: "
                              "matching and merging need one architecture")
-        s0, s = _structural(cfg0), _structural(cfg)
+        s0, s = structural_config(cfg0), structural_config(cfg)
         diff = sorted(k for k in s0.keys() | s.keys() if s0.get(k) != s.get(k))
         if diff:
             k = diff[0]
@@ -691,14 +683,14 @@ def match_checkpoint(anchor: str | Path, source: str | Path, out: str | Path, op
 
 def match_card_data(report: MatchReport, options: MatchOptions) -> dict:
     """What the model card says about a match (local paths appear only as folder names)."""
-    source, anchor = public_model_label(report.source), public_model_label(report.anchor)
+    source, anchor = public_model_labels([report.source, report.anchor])
     return {
-        "title": f"{Path(report.source).name} matched to {Path(report.anchor).name}",
+        "title": f"{source} matched to {anchor}",
         "method": "match",
         "parameters": asdict(options),
         "inputs": [report.source, report.anchor],
         # the function is SOURCE's: the anchor is only the reference frame, not an ancestor
-        "base_model": [hub_id_of(report.source) or source],
+        "base_model": [hub_id_of(report.source)] if hub_id_of(report.source) else [],
         "extra": {"anchor": anchor, "source": source, "symmetries": report.symmetries,
                   "distances": report.distances, "untied_embeddings": report.untied_embeddings},
         "plots": [{"path": DISTANCE_PLOT, "caption": "Relative distance to the anchor per layer "

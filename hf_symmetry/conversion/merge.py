@@ -18,6 +18,8 @@ through the match (``RᵀGR``, ``PᵀGP``; :meth:`MatchSolution.transform_grams`
 
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,12 +31,13 @@ from ..architectures import Adapter
 from ..assets import resolve_model, resolve_text
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size, write_config)
-from ..hub.cards import hub_id_of, public_model_label, public_text_label, write_card
-from .calibration import calibration_batches, fisher_diagonal, gram_matrices
+from ..hub.cards import hub_id_of, public_model_labels, public_text_label, update_card, write_card
+from ..calibration import calibration_batches
+from .calibration import fisher_diagonal, gram_matrices
 from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
                     vocabulary_fingerprint, with_lm_head)
 from .merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
-from .recipe import DATA_METHODS, MergeRecipe, ModelEntry, recipe_from_dict
+from .recipe import DATA_METHODS, EvaluationSpec, MergeRecipe, ModelEntry, recipe_from_dict
 from .rotate import RotateOptions, plan_checks
 from .stream import DictSink, DictSource, TensorSource, combine_checkpoints, partition_keys
 
@@ -217,7 +220,7 @@ def _matched_in_memory(sources: list[TensorSource], adapter: Adapter, plan: Matc
 
 def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors], matchers: list, configs: list[dict],
                 matched_config: dict, adapter: Adapter, batches: list[torch.Tensor], n_models: int,
-                progress: bool) -> tuple[list | None, list | None]:
+                progress: bool, placement=None) -> tuple[list | None, list | None]:
     """(fishers, grams) of the merged models, in the anchor's frame."""
     from ..evaluation.compare import model_from_state_dict
 
@@ -234,11 +237,9 @@ def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors]
     if method == "regmean":
         grams = []
         for j in range(n_models):  # on the inputs as given, carried exactly through the match
-            raw = sources[j].get(sources[j].keys())
-            model = model_from_state_dict(configs[j], raw, dtype_of(raw))
-            G = gram_matrices(model, Adapter.from_config(configs[j], list(raw)), batches, progress,
-                              desc=f"grams {j + 1}/{n_models}")
-            del model, raw
+            # layer by layer from the checkpoint (calibration engine): no model is loaded whole
+            G = gram_matrices(sources[j], configs[j], batches, progress, desc=f"grams {j + 1}/{n_models}",
+                              placement=placement)
             if matchers[j] is not None:
                 G = matchers[j].solution.transform_grams(G, adapter.layout)
             grams.append(G)
@@ -247,7 +248,7 @@ def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors]
 
 def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str], recipe: MergeRecipe, sink,
               calibration_ids: torch.Tensor | None = None, folders: list | None = None,
-              progress: bool = True) -> MergeOutcome:
+              progress: bool = True, placement=None) -> MergeOutcome:
     """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first."""
     folders = folders or [None] * len(sources)
     has_base = recipe.base_model is not None
@@ -264,7 +265,8 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
         raise ValueError(f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
                          "base models have none (use average or regmean)")
     if recipe.method in DATA_METHODS:
-        batches = calibration_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size)
+        batches = calibration_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size,
+                                      keep_partial=False)
 
     timings = {}
     start = time.perf_counter()
@@ -278,14 +280,18 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
 
     start = time.perf_counter()
     if recipe.method in DATA_METHODS:
-        matched, matchers = _matched_in_memory(sources, adapter, plan, anchor, progress)
+        if plan is None and recipe.method == "regmean":   # nothing to match: stream the inputs as they are
+            matched, matchers = None, [None] * len(sources)
+        else:
+            matched, matchers = _matched_in_memory(sources, adapter, plan, anchor, progress)
         timings["match"] = time.perf_counter() - start
         start = time.perf_counter()
         rule.fishers, rule.grams = _statistics(recipe.method, sources, matched, matchers, configs, config, adapter,
-                                               batches, n_models, progress)
+                                               batches, n_models, progress, placement)
         timings["statistics"] = time.perf_counter() - start
         start = time.perf_counter()
-        merge_sources([DictSource(m) for m in matched], adapter, rule, sink, anchor, None, tied, progress)
+        merge_sources(sources if matched is None else [DictSource(m) for m in matched], adapter, rule, sink, anchor,
+                      None, tied, progress)
         timings["merge"] = time.perf_counter() - start
     else:
         matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress)
@@ -351,10 +357,11 @@ def _tokenizer_folder(folders: list[Path]) -> Path | None:
 
 
 def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = False, max_shard_size: str | int = "2GB",
-                      progress: bool = True) -> MergeReport:
+                      progress: bool = True, placement=None) -> MergeReport:
     """Merge the recipe's HF folders into ``out``: a stock folder with the anchor's config, the
     inputs' tokenizer and a model card (with the perplexities of the merge and of every input
-    on the recipe's evaluation text, for causal LMs)."""
+    on the recipe's evaluation text, for causal LMs). ``placement`` (:func:`hf_symmetry.devices.resolve`):
+    where RegMean's layer-wise calibration runs."""
     from ..evaluation import read_text, tokenize_text
     from ..evaluation.compare import load_tokenizer
 
@@ -369,12 +376,13 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
         if tok_folder is None:
             raise ValueError(f"{recipe.method} tokenises its calibration text, but no input folder has a tokenizer")
         calibration_ids = tokenize_text(load_tokenizer(tok_folder), read_text(text), recipe.calibration.tokens)
-    eval_text = resolve_text(recipe.evaluation.text) if recipe.evaluation else None
+    if recipe.evaluation:
+        resolve_text(recipe.evaluation.text)   # a missing evaluation text fails before any work
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method}"})
         sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
         outcome = run_merge(readers, [r.config for r in readers], recipe.inputs, recipe, sink, calibration_ids,
-                            folders, progress)
+                            folders, progress, placement)
         writer.close()
         config = dict(outcome.config)
         if recipe.dtype:
@@ -385,10 +393,7 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
                              anchor=recipe.inputs[outcome.anchor], matched=recipe.match is not None,
                              distances=outcome.distances, seconds=time.perf_counter() - start,
                              timings=outcome.seconds)
-        entries = []
-        if eval_text is not None and tok_folder is not None and _is_causal_lm(config):
-            entries, report.evaluation = evaluate_merge(tmp, folders, recipe, tok_folder, progress)
-        write_card(tmp, "merge", merge_card_data(recipe, report, outcome, entries))
+        write_card(tmp, "merge", merge_card_data(recipe, report, outcome))
     return report
 
 
@@ -397,42 +402,52 @@ def _is_causal_lm(config: dict) -> bool:
     return "CausalLM" in arch or "LMHead" in arch
 
 
-def evaluate_merge(merged: Path, folders: list[Path], recipe: MergeRecipe, tok_folder: Path,
-                   progress: bool) -> tuple[list[dict], dict]:
-    """(card entries for the merged model, perplexities of the merge and of every input) on the
-    recipe's evaluation text."""
-    from ..evaluation.bridge import perplexity_card_entry, text_perplexity
-    from ..evaluation.compare import load_tokenizer
+def evaluate_merge(out: str | Path, recipe: MergeRecipe, text: str | Path | None = None, tokens: int | None = None,
+                   device: str | None = "auto", progress: bool = True) -> dict:
+    """Perplexity of the merge written to ``out`` and of every input on one text (the shared
+    definition, :func:`hf_symmetry.evaluation.verification.perplexities`), recorded in the card:
+    the merge's as model-index metadata, every input's in the card's table. Returns the figures
+    (empty when the inputs are not causal LMs or have no tokenizer)."""
+    from ..evaluation.bridge import perplexity_card_entry
+    from ..evaluation.verification import perplexities
 
-    text, limit = recipe.evaluation.text, recipe.evaluation.tokens
-    tokenizer = load_tokenizer(tok_folder)
-    result = text_perplexity(merged, text, limit, tokenizer=tokenizer, progress=progress)
-    figures = {"text": public_text_label(text), "tokens": result.tokens, "merged": result.perplexity,
-               "inputs": {}}
-    for name, folder in zip(recipe.inputs, folders):
-        r = text_perplexity(folder, text, limit, tokenizer=tokenizer, progress=progress)
-        figures["inputs"][public_model_label(name)] = r.perplexity
-    return [perplexity_card_entry(result, text, limit)], figures
+    spec = recipe.evaluation or EvaluationSpec()
+    text, tokens = text or spec.text, tokens or spec.tokens
+    folders = [resolve_model(m) for m in recipe.inputs]
+    tok_folder = _tokenizer_folder(folders)
+    if tok_folder is None or not _is_causal_lm(json.loads((Path(out) / "config.json").read_text())):
+        return {}
+    labels = public_model_labels(recipe.inputs)
+    models = {MERGED: Path(out), **dict(zip(labels, folders))}
+    results, path = perplexities(models, text, tokens, tokenizer_from=tok_folder, device=device, progress=progress)
+    merged = results.pop(MERGED)
+    figures = {"text": public_text_label(text), "tokens": merged.tokens, "window": merged.window,
+               "stride": merged.stride, "merged": merged.perplexity,
+               "inputs": {name: r.perplexity for name, r in results.items()}}
+    update_card(out, eval_results=[perplexity_card_entry(merged, path, tokens)], evaluation=figures)
+    return figures
 
 
-def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutcome, entries: list[dict]) -> dict:
-    """What the model card says about a merge (local paths appear only as folder names)."""
-    label = {m: public_model_label(m) for m in recipe.inputs}
+MERGED = "this merge"
+
+
+def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutcome) -> dict:
+    """What the model card says about a merge (inputs by distinct public names, no local path)."""
+    label = dict(zip(recipe.inputs, public_model_labels(recipe.inputs)))
     models = [{"model": label[m.model], "weight": m.weight, **({"density": m.density} if recipe.method == "ties"
                                                                 else {})} for m in recipe.models]
     params = {**recipe.parameters, "match": asdict(recipe.match) if recipe.match else False}
     if recipe.method in DATA_METHODS:
         params["calibration"] = {**asdict(recipe.calibration), "text": public_text_label(recipe.calibration.text)}
     return {
-        "title": f"{recipe.method} merge of {', '.join(Path(m.model).name for m in recipe.models)}",
+        "title": f"{recipe.method} merge of {', '.join(label[m.model] for m in recipe.models)}",
         "method": f"merge/{recipe.method}",
         "parameters": params,
         "inputs": recipe.inputs,
-        "base_model": [hub_id_of(m) or label[m] for m in recipe.inputs],   # lineage: every input
-        "eval_results": entries,
+        "base_model": [hub_id_of(m) for m in recipe.inputs],   # lineage: every input's Hub ancestor, once
         "extra": {"models": models, "base": label.get(recipe.base_model), "anchor": label[report.anchor],
                   "matched": recipe.match is not None,
                   "distances": {label[k]: v for k, v in report.distances.items()},
-                  "evaluation": report.evaluation, "timings_s": report.timings,
+                  "timings_s": report.timings,
                   "tied_embeddings": outcome.tied_output},
     }

@@ -1,13 +1,17 @@
 """``rotate``: a functionally equivalent checkpoint with different weights.
 
-Applies, from one seed: a residual-stream rotation (after norm fusion; RMSNorm families),
-per-KV-group QK rotations inside the RoPE commutant, per-KV-group VO rotations, optional
-QK/VO scalings, and an FFN neuron permutation. For Llama/Mistral/Qwen2 the result is the
-stock architecture with all norm weights equal to 1.
+Applies, from one seed: a residual-stream rotation (after norm fusion), per-KV-group QK
+rotations inside the RoPE commutant, per-KV-group VO rotations, optional QK/VO scalings, and an
+FFN neuron permutation — each only where the family's structure allows it
+(:mod:`hf_symmetry.architectures.capabilities`). For RMSNorm families the result is the stock
+architecture with all norm weights equal to 1. LayerNorm decoders (OPT, GPT-2) are first
+mean-centred, which turns each LayerNorm into an RMSNorm without weight: the result is the
+RMS-decoder family (:mod:`hf_symmetry.modeling.modeling_rms_decoder`), saved with its remote code.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -105,6 +109,82 @@ def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOpt
     return layer
 
 
+# ---------------------------------------------------------------- LayerNorm decoders
+
+
+def centres_layer_norms(adapter: Adapter, options: RotateOptions) -> bool:
+    """True when this rotation mean-centres a LayerNorm decoder into the RMS-decoder family."""
+    return options.residual != "none" and adapter.spec.norm_kind == "layer"
+
+
+def _centre_layer(layer: Tensors) -> Tensors:
+    """Centre the writers, fold each LayerNorm's γ and β into its readers, and drop the norms
+    (they become weightless RMSNorms); every linear gets a bias (the RMS-decoder family has them)."""
+    layer = actions.fold_layer_norms(actions.centre_writers(layer))
+    for key in [k for k in layer if k.split(".")[0] in ("attn_norm", "ffn_norm")]:
+        del layer[key]
+    for name in ("q", "k", "v", "o", "up", "down"):
+        W = layer[f"{name}.weight"]
+        if f"{name}.bias" not in layer:
+            layer[f"{name}.bias"] = torch.zeros(W.shape[0], dtype=W.dtype)
+    return layer
+
+
+def _centre_globals(g: Tensors) -> Tensors:
+    """Untie the head (it reads the final norm, not the centred embedding), centre every embedding
+    row, fold the final LayerNorm (γ and β) into the head, which gains a bias."""
+    g = dict(g)
+    if "lm_head.weight" not in g:
+        g["lm_head.weight"] = g["embed.weight"].clone()
+    for key in [k for k in g if k == "embed.weight" or (k.startswith("pos") and k.endswith(".weight"))]:
+        g[key] = actions.centre_rows(g[key].to(torch.float64))
+    g = actions.fold_final_norm(g)
+    g.pop("final_norm.weight", None)
+    g.pop("final_norm.bias", None)
+    if "lm_head.bias" not in g:
+        g["lm_head.bias"] = torch.zeros(g["lm_head.weight"].shape[0], dtype=torch.float64)
+    return g
+
+
+def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, position_rows: int) -> dict:
+    """The RMS-decoder config of a centred LayerNorm decoder (OPT, GPT-2)."""
+    from ..modeling.configuration_rms_decoder import RMSDecoderConfig
+
+    def get(*names, default=None):
+        return next((config[n] for n in names if config.get(n) is not None), default)
+
+    max_pos = int(get("max_position_embeddings", "n_positions", default=position_rows))
+    cfg = RMSDecoderConfig(
+        vocab_size=int(config["vocab_size"]), hidden_size=adapter.hidden, intermediate_size=intermediate_size,
+        num_hidden_layers=adapter.n_layers, num_attention_heads=adapter.layout.n_heads,
+        hidden_act=get("hidden_act", "activation_function", default="gelu_new"), max_position_embeddings=max_pos,
+        position_offset=position_rows - max_pos, positions_from_mask=adapter.spec.positions_from_mask,
+        rms_norm_eps=adapter.eps, pad_token_id=get("pad_token_id"), bos_token_id=get("bos_token_id"),
+        eos_token_id=get("eos_token_id"), tie_word_embeddings=False,
+        architectures=["RMSDecoderForCausalLM"],
+        auto_map={"AutoConfig": "configuration_rms_decoder.RMSDecoderConfig",
+                  "AutoModel": "modeling_rms_decoder.RMSDecoderModel",
+                  "AutoModelForCausalLM": "modeling_rms_decoder.RMSDecoderForCausalLM"})
+    out = cfg.to_dict()
+    if config.get("dtype") or config.get("torch_dtype"):
+        out["dtype"] = config.get("dtype") or config.get("torch_dtype")
+    return out
+
+
+def _check_layer_norm_decoder(config: dict) -> None:
+    if config.get("scale_attn_by_inverse_layer_idx") or config.get("scale_attn_weights") is False:
+        raise ValueError("residual rotation of this GPT-2 checkpoint: its attention is not scaled by 1/√head_dim "
+                         "(scale_attn_weights / scale_attn_by_inverse_layer_idx), which the RMS-decoder family assumes")
+
+
+def copy_remote_code(dst: Path) -> None:
+    """The RMS-decoder family's flat files next to the weights (``trust_remote_code`` loading)."""
+    from ..modeling import configuration_rms_decoder, modeling_rms_decoder
+
+    for module in (configuration_rms_decoder, modeling_rms_decoder):
+        shutil.copyfile(module.__file__, Path(dst) / Path(module.__file__).name)
+
+
 def transform_globals(g: Tensors, adapter: Adapter, Q: torch.Tensor | None) -> Tensors:
     """Fold the final norm and rotate. ``g`` is owned (fresh copies from the stream, in the
     checkpoint's dtype), so the vocabulary-sized matrices are updated in place, in float64 a
@@ -134,6 +214,8 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
     adapter = Adapter.from_config(config, keys)
     plan_checks(adapter, options, keys)
     Q = residual_rotation(options, adapter.hidden)
+    if centres_layer_norms(adapter, options):
+        return _rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
     transform_checkpoint(source, adapter, sink,
                          layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q),
                          globals_fn=lambda g: transform_globals(g, adapter, Q), progress=progress, desc="rotate",
@@ -143,6 +225,23 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
     if untied:
         new_config["tie_word_embeddings"] = False
     return new_config, untied
+
+
+def _rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: dict, options: RotateOptions,
+                               Q: torch.Tensor, sink, progress: bool) -> dict:
+    """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family."""
+    _check_layer_norm_decoder(config)
+    # the output config needs two shapes: the FFN width (layer 0) and the position table's rows
+    layer0 = adapter.read_layer(0, source.get([k for k in source.keys() if adapter.layer_of(k) == 0]))
+    pos_key = f"{adapter.prefix}{adapter.spec.pos_embed[0]}.weight"
+    new_config = rms_decoder_config(adapter, config, layer0["up.weight"].shape[0], source.get([pos_key])[pos_key].shape[0])
+    del layer0
+    transform_checkpoint(source, adapter, sink,
+                         layer_fn=lambda i, layer: transform_layer(i, _centre_layer(layer), adapter, options, Q),
+                         globals_fn=lambda g: actions.rotate_residual_globals(_centre_globals(g), Q),
+                         progress=progress, desc="rotate", globals_dtype=torch.float64,
+                         writer=Adapter.from_config(new_config))
+    return new_config
 
 
 def rotate_state_dict(state_dict: Tensors, config, options: RotateOptions = RotateOptions(),
@@ -173,6 +272,8 @@ def rotate_checkpoint(src: str | Path, out: str | Path, options: RotateOptions =
         new_config, untied = _rotate(reader, reader.config, options, writer, progress)
         writer.close()
         write_config(tmp, new_config)
+        if centres_layer_norms(adapter, options):
+            copy_remote_code(tmp)
         copy_side_files(reader.path, tmp)
         write_card(tmp, "rotate", rotate_card_data(src, out, options, adapter.family, untied))
     return RotateReport(source=str(src), output=str(out), family=adapter.family, options=asdict(options),

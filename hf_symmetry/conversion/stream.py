@@ -68,7 +68,7 @@ def partition_keys(adapter: Adapter, keys: list[str]) -> tuple[list[str], dict[i
 
 
 def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals_fn: GlobalsFn,
-                       dtype: torch.dtype | None = torch.float64) -> None:
+                       dtype: torch.dtype | None = torch.float64, writer: Adapter | None = None) -> None:
     """Globals are vocabulary-sized: drop the raw tensors once they are canonical, and cast and
     write the results one at a time, so no more than one extra copy is ever alive. With
     ``dtype=None`` they stay in the checkpoint's dtype (``globals_fn`` then computes in float64
@@ -79,27 +79,30 @@ def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals
     new = globals_fn(canonical)
     del canonical
     for key in list(new):
-        sink.add(adapter.write_globals({key: new.pop(key)}, dtypes))
+        sink.add((writer or adapter).write_globals({key: new.pop(key)}, dtypes))
 
 
 def transform_checkpoint(source: TensorSource, adapter: Adapter, sink: TensorSink, layer_fn: LayerFn,
                          globals_fn: GlobalsFn, progress: bool = True, desc: str = "layers",
-                         globals_dtype: torch.dtype | None = torch.float64, give_layers: bool = False) -> None:
+                         globals_dtype: torch.dtype | None = torch.float64, give_layers: bool = False,
+                         writer: Adapter | None = None) -> None:
     """``give_layers``: ``layer_fn`` gets each canonical layer as :class:`OwnedTensors`, which the
-    symmetry actions update in place (for conversions that never look at a layer's old state)."""
+    symmetry actions update in place (for conversions that never look at a layer's old state).
+    ``writer``: the adapter of a different output family (LayerNorm decoders written as the
+    RMS-decoder family); tensors outside the canonical form are then not carried over."""
     global_keys, per_layer, rest = partition_keys(adapter, source.keys())
-    write_globals_lean(source.get(global_keys), adapter, sink, globals_fn, globals_dtype)
+    write_globals_lean(source.get(global_keys), adapter, sink, globals_fn, globals_dtype, writer)
     for i in tqdm(range(adapter.n_layers), desc=desc, disable=not progress, unit="layer"):
         raw = source.get(per_layer[i])
         canonical = adapter.read_layer(i, raw)
         if give_layers:
             canonical = OwnedTensors(canonical)
         modeled = adapter.modeled_layer_keys(i)
-        passthrough = {k: v for k, v in raw.items() if k not in modeled}  # e.g. rotary buffers
+        passthrough = {k: v for k, v in raw.items() if k not in modeled} if writer is None else {}  # rotary buffers
         dtypes = {k: v.dtype for k, v in raw.items()}
         del raw  # keep one copy of the layer alive, not two
-        sink.add({**passthrough, **adapter.write_layer(i, layer_fn(i, canonical), dtypes)})
-    if rest:
+        sink.add({**passthrough, **(writer or adapter).write_layer(i, layer_fn(i, canonical), dtypes)})
+    if rest and writer is None:
         sink.add(source.get(rest))
 
 

@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checkpoint import atomic_output_dir, check_output_dir, copy_side_files
-from ..hub.cards import perplexity_result, write_card
+from ..hub.cards import public_report, write_card
 from ..modeling.configuration_tpa import TPAConfig
 from ..modeling.modeling_tpa import TPAForCausalLM
 
@@ -128,37 +128,24 @@ def group_masks(num_heads: int, num_kv_heads: int, group_of=None) -> torch.Tenso
 # ----------------------------------------------------------------------------------------------
 # Calibration
 # ----------------------------------------------------------------------------------------------
-@torch.no_grad()
-def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress: bool = True) -> list[torch.Tensor]:
+def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress: bool = True,
+                          placement=None) -> list[torch.Tensor]:
     """Per layer ``C = X̃ᵀ X̃`` (float64, ``(d+1)×(d+1)``) of the attention inputs (after the pre-norm),
-    ``X̃ = [X, 1]``, over ``ids`` cut into windows."""
-    layers = model.model.layers
-    d = model.config.hidden_size
-    grams = [torch.zeros(d + 1, d + 1, dtype=torch.float64) for _ in layers]
-    handles = []
+    ``X̃ = [X, 1]``, over ``ids`` cut into windows of ``window`` tokens.
 
-    def make_hook(idx):
-        def hook(module, args, kwargs):
-            x = kwargs.get("hidden_states", args[0] if args else None)
-            x = x.reshape(-1, d).float().cpu()
-            x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=1)
-            grams[idx].add_((x.T @ x).double())  # float32 per window, float64 across windows
-        return hook
+    ``model``: an HF model folder (read one layer at a time by the calibration engine, never
+    loaded whole) or an in-memory model (its state dict is the engine's source). ``placement``:
+    device and calibration dtype (:func:`hf_symmetry.devices.resolve`; default CPU float32)."""
+    from ..calibration import CalibrationEngine, StatsRequest, calibration_batches
+    from ..conversion.stream import DictSource
 
-    for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True))
-    try:
-        device = next(model.parameters()).device
-        starts = list(range(0, ids.numel(), window))
-        for s in tqdm(starts, desc="calibration", disable=not progress, leave=False):
-            chunk = ids[s:s + window]
-            if chunk.numel() < 2:
-                continue
-            model(input_ids=chunk.unsqueeze(0).to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return grams
+    if isinstance(model, (str, Path)):
+        engine = CalibrationEngine(model, placement=placement, progress=progress)
+    else:
+        engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
+                                   progress=progress)
+    result = engine.collect(calibration_batches(ids, window), StatsRequest(grams=("attn_in",), sums=("attn_in",)))
+    return [s.augmented_gram("attn_in") for s in result.layers]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +163,7 @@ def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_head
     W = weight.detach().to(torch.float64).reshape(num_kv, dh, d)
     b = None if bias is None else bias.detach().to(torch.float64).reshape(num_kv, dh, 1)
     Wt = W if b is None else torch.cat([W, b], dim=2)  # [n_kv, dh, F], F = d (+1 with a bias)
-    masks = group_masks(num_heads, num_kv, group_of)     # [n_kv, h]
+    masks = group_masks(num_heads, num_kv, group_of).to(W.device)     # [n_kv, h]
 
     if rank == num_kv:
         # exact GQA form: a_j = R·mask_j, B_j = K/V head j
@@ -196,7 +183,7 @@ def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_head
         U = evecs[:, torch.argsort(evals, descending=True)[:rank]]  # [h, R], top head-mode components
         A = rank * math.sqrt(g) * U.T
         Wb = ((U.T @ masks.T) @ Wt.reshape(num_kv, -1)).reshape(rank, dh, -1) / math.sqrt(g)
-        resid = torch.eye(num_heads, dtype=torch.float64) - U @ U.T   # heads' maps: M -> U Uᵀ M
+        resid = torch.eye(num_heads, dtype=torch.float64, device=W.device) - U @ U.T   # heads' maps: M -> U Uᵀ M
 
         def rel_err(G):
             return (torch.trace(resid @ G @ resid).clamp_min(0) / torch.trace(G).clamp_min(1e-300)).sqrt().item()
@@ -300,6 +287,20 @@ def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = 
     return tpa, report
 
 
+def _save_tpa_config(tcfg: TPAConfig, dtype: torch.dtype, folder: Path) -> None:
+    """config.json with ``auto_map`` plus the flat remote-code files, as ``save_pretrained`` writes
+    them (the weights are streamed separately)."""
+    from accelerate import init_empty_weights
+    from transformers.dynamic_module_utils import custom_object_save
+
+    with init_empty_weights():
+        skeleton = TPAForCausalLM(tcfg)
+    skeleton.config.dtype = str(dtype).split(".")[1]
+    skeleton.config.architectures = [type(skeleton).__name__]
+    custom_object_save(skeleton, folder, config=skeleton.config)
+    skeleton.config.save_pretrained(folder)
+
+
 def _empty_model(config: TPAConfig) -> TPAForCausalLM:
     """A TPA model whose weights are about to be overwritten: skip the (slow) random initialisation."""
     try:
@@ -313,56 +314,36 @@ def _empty_model(config: TPAConfig) -> TPAForCausalLM:
 # ----------------------------------------------------------------------------------------------
 # Checkpoint to checkpoint
 # ----------------------------------------------------------------------------------------------
-def compare_models(source, tpa, ids: torch.Tensor, logit_tokens: int = 512, ppl_tokens: int = 2048,
-                   window: int = 512) -> dict:
-    """max |Δlogit| over the first ``logit_tokens`` of ``ids`` (one forward) and both models'
-    sliding-window perplexities over the first ``ppl_tokens`` (0 skips them)."""
-    from ..evaluation.perplexity import perplexity
-
-    head = ids[:logit_tokens].unsqueeze(0)
-    result = {"tokens": int(head.numel()),
-              "max_abs_dlogit": (source(input_ids=head).logits.float() - tpa(input_ids=head).logits.float())
-              .abs().max().item()}
-    if ppl_tokens and ids.numel() > 1:
-        body = ids[:ppl_tokens]
-        w = min(window, body.numel())
-        result.update(ppl_tokens=int(body.numel()),
-                      perplexity_source=perplexity(source, body, window=w, stride=w, progress=False).perplexity,
-                      perplexity_tpa=perplexity(tpa, body, window=w, stride=w, progress=False).perplexity)
-    return result
-
-
-def tpa_card_data(src, out, report, verify_text) -> dict:
-    """The model card of a conversion: ranks, exactness and the perplexity it measured."""
-    data = {"title": Path(out).name, "inputs": [str(src)], "method": "to-tpa",
-            "parameters": {"k_rank": report.k_rank, "v_rank": report.v_rank, "exact": report.exact,
-                           "calibrated": report.calibrated, "calib_tokens": report.calib_tokens},
-            "extra": {"layers": [asdict(e) for e in report.layers], "notes": report.notes}}
-    v = report.verification
-    if v:
-        data["exactness"] = {"max_abs_dlogit": v["max_abs_dlogit"], "tokens": v["tokens"], "text": str(verify_text),
-                             "perplexity_original": v.get("perplexity_source"),
-                             "perplexity_converted": v.get("perplexity_tpa"), "ppl_tokens": v.get("ppl_tokens")}
-        if "perplexity_tpa" in v:
-            w = min(512, v["ppl_tokens"])
-            data["eval_results"] = [perplexity_result(v["perplexity_tpa"], verify_text, max_tokens=v["ppl_tokens"],
-                                                      window=w, stride=w, tokens=v["ppl_tokens"] - 1)]
-    return data
+def tpa_card_data(src, out, report) -> dict:
+    """The model card of a conversion: ranks and cache size (per-layer errors stay in
+    ``tpa_conversion.json``; exactness and perplexity are added by the verification)."""
+    params = {"k_rank": report.k_rank, "v_rank": report.v_rank, "exact": report.exact}
+    if report.calibrated:
+        params.update(calibrated=True, calib_tokens=report.calib_tokens)
+    return {"title": Path(out).name, "inputs": [str(src)], "method": "to-tpa", "parameters": params,
+            "notes": "\n".join(f"- {n}" for n in report.notes) or None,
+            "extra": {"cache_elements_per_token": {"source": report.cache_elements_per_token_source,
+                                                   "tpa": report.cache_elements_per_token_tpa},
+                      "report": "tpa_conversion.json"}}
 
 
 def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int | None = None,
                               v_rank: int | None = None, calib: str | Path | None = None, calib_tokens: int = 2048,
                               verify_text: str | Path | None = None, verify_tokens: int = 512,
-                              ppl_tokens: int = 2048, overwrite: bool = False, progress: bool = True) -> ToTPAReport:
-    """Read ``source`` with ``AutoModelForCausalLM``, convert, and write an HF folder (config with
-    ``auto_map``, ``configuration_tpa.py``/``modeling_tpa.py``, weights, tokenizer, generation config,
-    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+                              ppl_tokens: int = 2048, overwrite: bool = False, progress: bool = True,
+                              placement=None, max_shard_size: str | int = "2GB") -> ToTPAReport:
+    """Convert the checkpoint ``source`` layer by layer (never loading the whole model) and write an
+    HF folder (config with ``auto_map``, ``configuration_tpa.py``/``modeling_tpa.py``, weights,
+    tokenizer, generation config, ``tpa_conversion.json``) to ``out`` via a temporary folder renamed
+    into place. With ``calib`` the attention inputs are measured by the layer-wise calibration
+    engine on ``placement`` (:func:`hf_symmetry.devices.resolve`), and the head-mode reductions run
+    on that device too."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from ..assets import resolve_model, resolve_text
-    from ..evaluation.perplexity import read_text, tokenize_text
-
-    from transformers import AutoConfig
+    from ..calibration import calibration_ids
+    from ..checkpoint import CheckpointReader, ShardedWriter, parse_size
+    from ..devices import linalg_device
 
     t0 = time.time()
     src = resolve_model(source)
@@ -372,34 +353,87 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"to-tpa supports {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, "
                          f"got model_type={config.model_type!r}")
-    n_kv = _heads(config)[1]
+    h, n_kv, dh = _heads(config)
     for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
         if r is not None and not 1 <= r <= n_kv:
             raise ValueError(
                 f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
+    k_rank = n_kv if k_rank is None else int(k_rank)
+    v_rank = n_kv if v_rank is None else int(v_rank)
+    reader = CheckpointReader(src)
+    keys = set(reader.keys())
+    pre0 = "model.layers.0."
+    if pre0 + "self_attn.q_norm.weight" in keys or pre0 + "self_attn.k_norm.weight" in keys:
+        raise ValueError("QK-norm models are not supported by to-tpa")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is active in this checkpoint; TPA models attend globally")
     if calib is not None:
         calib = resolve_text(calib)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval()
-    check_supported(model)
-    tokenizer = None
-    calib_ids = None
-    if calib is not None:
-        tokenizer = AutoTokenizer.from_pretrained(src)
-        calib_ids = tokenize_text(tokenizer, read_text(resolve_text(calib)), max_tokens=calib_tokens)
-    tpa, report = convert_model_to_tpa(model, k_rank=k_rank, v_rank=v_rank, calib_ids=calib_ids, progress=progress)
-    report.source = str(src)
     if verify_text is not None:
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(src)
-        ids = tokenize_text(tokenizer, read_text(resolve_text(verify_text)),
-                            max_tokens=max(verify_tokens, ppl_tokens))
-        report.verification = compare_models(model, tpa, ids, logit_tokens=verify_tokens, ppl_tokens=ppl_tokens)
-        report.verification["text"] = str(verify_text)
+        resolve_text(verify_text)   # a missing text fails before any work
+    reduced = k_rank < n_kv or v_rank < n_kv
+    grams, calib_n = None, 0
+    if calib is not None:
+        ids = calibration_ids(AutoTokenizer.from_pretrained(src), calib, calib_tokens)
+        calib_n = int(ids.numel())
+        if reduced:
+            grams = attention_input_grams(src, ids, progress=progress, placement=placement)
+
+    qkv_bias = pre0 + "self_attn.q_proj.bias" in keys or pre0 + "self_attn.k_proj.bias" in keys
+    o_bias = pre0 + "self_attn.o_proj.bias" in keys
+    mlp_bias = pre0 + "mlp.gate_proj.bias" in keys
+    tcfg = tpa_config_from(config, k_rank, v_rank, qkv_bias, o_bias, mlp_bias)
+    report = ToTPAReport(
+        source=str(src), family=config.model_type, num_attention_heads=h, num_key_value_heads=n_kv, head_dim=dh,
+        k_rank=k_rank, v_rank=v_rank, exact=not reduced, calibrated=grams is not None, calib_tokens=calib_n,
+        cache_elements_per_token_source=2 * n_kv * dh * config.num_hidden_layers,
+        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
+    if getattr(config, "sliding_window", None) and config.model_type == "mistral":
+        report.notes.append(f"source uses sliding-window attention ({config.sliding_window} tokens); the TPA model "
+                            "attends globally, so outputs agree only on sequences up to that length")
+        warnings.warn(report.notes[-1])
+    device = linalg_device(placement)
+    dtype = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"].dtype
+    layer_keys = {i: [k for k in reader.keys() if k.startswith(f"model.layers.{i}.")]
+                  for i in range(config.num_hidden_layers)}
+    rest = [k for k in reader.keys() if not k.startswith("model.layers.")
+            and not (tcfg.tie_word_embeddings and k == "lm_head.weight")]
 
     with atomic_output_dir(out, overwrite) as tmp:
-        tpa.save_pretrained(tmp)
+        writer = ShardedWriter(tmp, parse_size(max_shard_size))
+        for i in tqdm(range(config.num_hidden_layers), desc="to-tpa", disable=not progress, unit="layer"):
+            layer = reader.get(layer_keys[i])
+            pre = f"model.layers.{i}.self_attn."
+            gram = None if grams is None else grams[i].to(device)
+            new = {}
+            for kind, rank in (("k", k_rank), ("v", v_rank)):
+                w = layer.pop(pre + f"{kind}_proj.weight").to(device)
+                b = layer.pop(pre + f"{kind}_proj.bias", None)
+                a, wb, bb, err, aerr = _head_mode_factors(w, None if b is None else b.to(device), h, n_kv, rank,
+                                                          gram, gram)
+                new[pre + f"{kind}_a"], new[pre + f"{kind}_b_proj.weight"] = a, wb
+                if qkv_bias:
+                    new[pre + f"{kind}_b_proj.bias"] = bb if bb is not None else torch.zeros(rank * dh)
+                if kind == "k":
+                    kerr, kaerr = err, aerr
+                else:
+                    verr, vaerr = err, aerr
+            report.layers.append(LayerError(i, kerr, verr, kaerr, vaerr))
+            layer.update({k: v.cpu().to(torch.float32).to(dtype) for k, v in new.items()})
+            writer.add(dict(sorted(layer.items())))
+            del layer, new
+        for k in rest:
+            writer.add(reader.get([k]))
+        writer.close()
+        _save_tpa_config(tcfg, dtype, tmp)
         if not copy_side_files(Path(src), tmp):
             report.notes.append("the source folder has no tokenizer to copy")
         report.seconds = time.time() - t0
-        (tmp / "tpa_conversion.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-        write_card(tmp, "to_tpa", tpa_card_data(src, out, report, verify_text))
+        (tmp / "tpa_conversion.json").write_text(json.dumps(public_report(report.as_dict()), indent=2) + "\n")
+        write_card(tmp, "to_tpa", tpa_card_data(src, out, report))
+    if verify_text is not None:   # the shared verification of every conversion, on the written folder
+        from ..evaluation.verification import verify_and_record_folder
+
+        report.verification = verify_and_record_folder(src, out, verify_text, verify_tokens, ppl_tokens,
+                                                       progress=progress).as_dict()
     return report

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..assets import resolve_text
 from .compare import is_causal_lm, load_model, load_tokenizer
-from .perplexity import PerplexityResult, perplexity, read_text, tokenize_text
+from .perplexity import PPL, PerplexityResult, perplexity, read_text, tokenize_text
 
 LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
 SMOKE_TASK = "hf_symmetry_smoke_cloze"
@@ -31,8 +31,8 @@ _LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
 # --------------------------------------------------------------------------- perplexity
 
 
-def text_perplexity(model_or_path, text: str | os.PathLike, max_tokens: int | None = None, window: int = 512,
-                    stride: int = 256, trust_remote_code: bool = False, tokenizer=None,
+def text_perplexity(model_or_path, text: str | os.PathLike, max_tokens: int | None = PPL.tokens,
+                    window: int = PPL.window, stride: int = PPL.stride, trust_remote_code: bool = False, tokenizer=None,
                     progress: bool = True) -> PerplexityResult:
     """Sliding-window perplexity of a causal LM (folder, alias or loaded model) on a text."""
     text_path = resolve_text(text)
@@ -49,23 +49,23 @@ def perplexity_card_entry(result: PerplexityResult, text: str | os.PathLike, max
     """The card entry for a perplexity; ``dataset_args`` hold what is needed to recompute it."""
     from ..hub.cards import perplexity_result
 
-    return perplexity_result(result.perplexity, text, text_path=resolve_text(text), max_tokens=max_tokens,
+    return perplexity_result(result.perplexity, text, text_path=resolve_text(text), max_tokens=max_tokens or None,
                              window=result.window, stride=result.stride, tokens=result.tokens)
 
 
 def verification_card_entries(v) -> list[dict]:
-    """Card entries from a :class:`~hf_symmetry.evaluation.compare.Verification`: the converted
-    model's perplexity on the verification text (none for encoders)."""
+    """Card entries from a :class:`~hf_symmetry.evaluation.verification.Verification`: the
+    converted model's perplexity on the verification text (none for encoders)."""
     from ..hub.cards import perplexity_result
 
     if v.perplexity_converted is None:
         return []
-    return [perplexity_result(v.perplexity_converted, v.text, max_tokens=v.ppl_tokens, window=v.ppl_window,
-                              stride=v.ppl_stride)]
+    return [perplexity_result(v.perplexity_converted, v.text, text_path=v.text_path, max_tokens=v.ppl_tokens,
+                              window=v.ppl_window, stride=v.ppl_stride, tokens=v.ppl_tokens)]
 
 
-def text_perplexity_result(folder, text: str | os.PathLike, max_tokens: int | None = None, window: int = 512,
-                           stride: int = 256, progress: bool = True) -> dict:
+def text_perplexity_result(folder, text: str | os.PathLike, max_tokens: int | None = PPL.tokens,
+                           window: int = PPL.window, stride: int = PPL.stride, progress: bool = True) -> dict:
     trust = bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
     r = text_perplexity(folder, text, max_tokens, window, stride, trust_remote_code=trust, progress=progress)
     return perplexity_card_entry(r, text, max_tokens)

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..assets import resolve_model, resolve_text
-from .perplexity import perplexity, read_text, tokenize_text
-
-DEFAULT_TEXT = "britannica-eval"
+from ..assets import resolve_model
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
@@ -85,53 +81,6 @@ def is_causal_lm(model) -> bool:
 
 def max_abs_diff(model_a, model_b, ids: torch.Tensor) -> float:
     return (model_output(model_a, ids) - model_output(model_b, ids)).abs().max().item()
-
-
-@dataclass
-class Verification:
-    max_abs_dlogit: float
-    output_kind: str             # "logits" or "hidden_states"
-    tokens: int
-    text: str
-    perplexity_original: float | None = None
-    perplexity_converted: float | None = None
-    # how the perplexities were measured (token limit, window, stride), so cards can record them
-    ppl_tokens: int | None = None
-    ppl_window: int | None = None
-    ppl_stride: int | None = None
-
-    @property
-    def delta_perplexity(self) -> float | None:
-        if self.perplexity_original is None:
-            return None
-        return self.perplexity_converted - self.perplexity_original
-
-    def as_dict(self) -> dict:
-        d = dict(self.__dict__)
-        d["delta_perplexity"] = self.delta_perplexity
-        return d
-
-
-def verify(original: str | Path, converted: str | Path, text: str | Path = DEFAULT_TEXT, tokens: int = 512,
-           ppl_tokens: int = 2048, trust_remote_code: bool = False) -> Verification:
-    """max |Δlogit| over ``tokens`` tokens of ``text`` (hidden states for encoders) and, for
-    LMs, the perplexity of both models on the first ``ppl_tokens`` tokens."""
-    text_path = resolve_text(text)
-    tok = load_tokenizer(original)
-    a = load_model(original, trust_remote_code=trust_remote_code)
-    b = load_model(converted, trust_remote_code=trust_remote_code)
-    limit = getattr(a.config, "max_position_embeddings", None) or tokens
-    ids = tokenize_text(tok, read_text(text_path), max_tokens=min(tokens, limit))
-    has_logits = getattr(a(input_ids=ids[:2].unsqueeze(0)), "logits", None) is not None
-    result = Verification(max_abs_diff(a, b, ids), "logits" if has_logits else "hidden_states", ids.numel(),
-                          str(text_path))
-    if ppl_tokens and is_causal_lm(a):
-        ppl_ids = tokenize_text(tok, read_text(text_path), max_tokens=ppl_tokens)
-        result.perplexity_original = perplexity(a, ppl_ids, progress=False).perplexity
-        converted = perplexity(b, ppl_ids, progress=False)
-        result.perplexity_converted = converted.perplexity
-        result.ppl_tokens, result.ppl_window, result.ppl_stride = ppl_tokens, converted.window, converted.stride
-    return result
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -96,7 +96,7 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
         for c in captures.values():
             c.remove()
     report = LayoutCheck(tokens=ids.numel(), tolerance=tolerance)
-    causal = adapter.spec.placement == "pre"   # every pre-LN family here is a causal decoder
+    causal = adapter.spec.is_decoder   # decoders (with an LM head) are causal, encoders are not
     for i in layers:
         layer = adapter.read_layer(i, {k: state[k] for k in per_layer[i]})
         L = layout or adapter.layer_layout(i)

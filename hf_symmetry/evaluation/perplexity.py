@@ -1,4 +1,10 @@
-"""Perplexity by sliding window, and the token batches every comparison runs on."""
+"""The one perplexity definition of hf_symmetry, and the token batches every comparison runs on.
+
+Every command and card measures perplexity the same way (:data:`PPL`): the first ``tokens``
+tokens of a text (no special tokens), scored by a sliding window of ``window`` tokens that
+advances by ``stride``; each token after the first is predicted exactly once, with up to
+``window - 1`` tokens of context. Cards name the definition next to the number
+(:meth:`PerplexitySpec.describe`)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,25 @@ import torch
 from tqdm.auto import tqdm
 
 
+@dataclass(frozen=True)
+class PerplexitySpec:
+    """Window, stride and token count of a perplexity measurement."""
+
+    tokens: int = 2048
+    window: int = 512
+    stride: int = 256
+
+    def describe(self, tokens: int | None = None) -> str:
+        n = self.tokens if tokens is None else tokens
+        return f"first {n} tokens, sliding window {self.window}, stride {self.stride}"
+
+
+#: the definition every command and card uses unless told otherwise (``--ppl-tokens`` changes the count)
+PPL = PerplexitySpec()
+#: tokens compared for max |Δlogit| by every verification
+LOGIT_TOKENS = 512
+
+
 def read_text(path: str | Path) -> str:
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     if not text.strip():
@@ -18,45 +43,99 @@ def read_text(path: str | Path) -> str:
 
 
 def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
-    """1-D LongTensor of token ids for ``text`` (no special tokens), at most ``max_tokens``."""
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    """1-D LongTensor of token ids for ``text`` (no special tokens), at most ``max_tokens``.
+
+    Only about ``16 * max_tokens`` characters are tokenised, so a long text costs nothing extra
+    and the tokenizer's "longer than the specified maximum sequence length" warning, which
+    does not apply here (the ids are windowed afterwards), is silenced."""
+    import transformers
+
+    if max_tokens:
+        text = _prefix_with_tokens(tokenizer, text, max_tokens)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()   # the max-length warning is about model inputs, not these ids
+    try:
+        ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    finally:
+        transformers.logging.set_verbosity(verbosity)
     if not ids:
         raise ValueError("text tokenises to zero tokens")
-    ids = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
-    return ids
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+
+
+def _prefix_with_tokens(tokenizer, text: str, max_tokens: int) -> str:
+    """A prefix of ``text`` long enough for ``max_tokens`` tokens (doubling from 8 characters per token)."""
+    chars = 8 * max_tokens
+    while chars < len(text):
+        cut = text.rfind(" ", 0, chars)
+        prefix = text[:cut if cut > chars // 2 else chars]
+        if len(tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"]) > max_tokens:
+            return prefix
+        chars *= 2
+    return text
 
 
 @dataclass
 class PerplexityResult:
     perplexity: float
     nll: float          # mean negative log-likelihood per predicted token (nats)
-    tokens: int         # number of predicted tokens
+    tokens: int         # tokens of the text scored (the first one is context only: tokens - 1 predictions)
     window: int
     stride: int
+
+    @property
+    def predicted(self) -> int:
+        return self.tokens - 1
+
+    def describe(self) -> str:
+        return PerplexitySpec(self.tokens, self.window, self.stride).describe()
 
     def as_dict(self) -> dict:
         return dict(perplexity=self.perplexity, nll=self.nll, tokens=self.tokens, window=self.window, stride=self.stride)
 
 
+def input_device(model) -> torch.device:
+    """Where a model's inputs go: its embedding's device (CPU when accelerate offloaded it)."""
+    try:
+        device = model.get_input_embeddings().weight.device
+    except (AttributeError, NotImplementedError):
+        device = next(model.parameters()).device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def windows(n: int, window: int = PPL.window, stride: int = PPL.stride) -> int:
+    """How many forward passes :func:`perplexity` makes over ``n`` tokens."""
+    return len(range(1, n, min(stride, window - 1)))
+
+
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, window: int = 512, stride: int = 256, progress: bool = True) -> PerplexityResult:
+def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int = PPL.stride, progress: bool = True,
+               bar=None) -> PerplexityResult:
     """Sliding-window perplexity: each window scores the next ``stride`` tokens (at most
-    ``window - 1``) once, seeing up to ``window`` tokens of context including them."""
+    ``window - 1``) once, seeing up to ``window`` tokens of context including them.
+    ``bar``: an open tqdm bar to advance once per window instead of a bar of its own."""
     if stride <= 0 or stride > window or window < 2:
         raise ValueError(f"need 0 < stride <= window and window >= 2; got stride={stride}, window={window}")
     n = ids.numel()
     if n < 2:
         raise ValueError("need at least two tokens to measure perplexity")
-    device = next(model.parameters()).device
+    device = input_device(model)
     block = min(stride, window - 1)
     total_nll = 0.0
     starts = range(1, n, block)
-    for s in tqdm(starts, desc="perplexity", disable=not progress, leave=False):
-        e = min(s + block, n)
-        b = max(0, e - window)
-        logits = model(input_ids=ids[b:e].unsqueeze(0).to(device)).logits[0].float()
-        # logits at position t - 1 predict token t
-        total_nll += torch.nn.functional.cross_entropy(logits[s - 1 - b:e - 1 - b], ids[s:e].to(device),
-                                                       reduction="sum").item()
+    own = bar is None
+    bar = tqdm(total=len(starts), desc="perplexity", disable=not progress, leave=False) if own else bar
+    try:
+        for s in starts:
+            e = min(s + block, n)
+            b = max(0, e - window)
+            logits = model(input_ids=ids[b:e].unsqueeze(0).to(device)).logits[0].float()
+            # logits at position t - 1 predict token t
+            total_nll += torch.nn.functional.cross_entropy(logits[s - 1 - b:e - 1 - b], ids[s:e].to(logits.device),
+                                                           reduction="sum").item()
+            bar.update(1)
+    finally:
+        if own:
+            bar.close()
     mean = total_nll / (n - 1)
-    return PerplexityResult(math.exp(mean), mean, n - 1, window, stride)
+    return PerplexityResult(math.exp(mean), mean, n, window, stride)

@@ -46,6 +46,28 @@ _EVAL_FIELDS = ("task_type", "dataset_type", "dataset_name", "metric_type", "met
                 "metric_config", "metric_args", "source_name", "source_url")
 
 
+_ROTATION = {"authors": "Binchi Zhang, Zaiyi Zheng, Zhengzhang Chen, Jundong Li",
+             "title": "Beyond the Permutation Symmetry of Transformers: The Role of Rotation for Model Fusion",
+             "venue": "ICML 2025", "url": "https://github.com/zhengzaiyi/RotationSymmetry"}
+_PROCRUSTES = {"authors": "Ekaterina Grishina, Mikhail Gorbunov, Maxim Rakhuba",
+               "title": "ProcrustesGPT: Compressing LLMs with Structured Matrices and Orthogonal Transformations",
+               "url": "https://github.com/GrishKate/ProcrustesGPT"}
+_SLICEGPT = {"authors": "Saleh Ashkboos, Maximilian L. Croci, Marcelo Gennari do Nascimento, Torsten Hoefler, "
+                        "James Hensman", "title": "SliceGPT: Compress Large Language Models by Deleting Rows and Columns",
+             "venue": "ICLR 2024", "url": "https://arxiv.org/abs/2401.15024"}
+#: the papers each kind of card cites, by title and link
+REFERENCES = {
+    "rotate": [_ROTATION],
+    "match": [_ROTATION],
+    "merge": [_ROTATION],
+    "compress": [_PROCRUSTES, _SLICEGPT],
+    "farr": [{"authors": "Chris McCormick", "title": "Fuse and Rank Reduce (FaRR)",
+              "url": "https://github.com/chrisjmccormick/shared-subspaces"}],
+    "to_tpa": [{"authors": "Yifan Zhang, Yifeng Liu, Huizhuo Yuan, Zhen Qin, Yang Yuan, Quanquan Gu, Andrew Chi-Chih Yao",
+                "title": "Tensor Product Attention Is All You Need", "url": "https://github.com/tensorgi/T6"}],
+}
+
+
 def template_dir() -> Path:
     """Where the card templates live: inside the package (``hf_symmetry/model_cards``), so
     editable installs and wheels find the same files; the repo-root ``model_cards`` is a link
@@ -107,22 +129,60 @@ def perplexity_result(perplexity: float, text: str | os.PathLike, text_path: str
                       tokens: int | None = None) -> dict:
     """The card entry for a sliding-window perplexity on a text (an embedded name or a file).
 
-    ``dataset_args`` record what is needed to recompute it (text label and sha256, token limit,
-    window, stride); the full local path is kept only under ``_text_path``, which the local
-    conversion record holds and the public card metadata does not."""
+    ``dataset_args`` record what is needed to recompute it (text label and sha256, token count,
+    window, stride) and the metric name states the definition. The local path is never part of
+    the entry: it is remembered in the user's cache (:func:`remember_text`), keyed by sha256, so
+    that ``push`` can find the text again on this machine."""
     label = public_text_label(text)
     path = Path(text_path or text)
     args = {"text": label, "max_tokens": max_tokens, "window": window, "stride": stride, "tokens": tokens}
     if path.is_file():
-        args["text_sha256"] = file_sha256(path)
-    entry = {"task_type": "text-generation", "task_name": "Causal language modelling",
-             "dataset_type": f"text/{Path(label).stem}", "dataset_name": f"{label} (local text)",
-             "dataset_split": "full", "dataset_args": {k: v for k, v in args.items() if v is not None},
-             "metric_type": "perplexity", "metric_name": "Perplexity (sliding window)",
-             "metric_value": float(perplexity)}
-    if path.is_file():
-        entry["_text_path"] = str(path.resolve())
-    return entry
+        args["text_sha256"] = remember_text(path)
+    how = ", ".join(f"{k} {v}" for k, v in (("window", window), ("stride", stride)) if v is not None)
+    count = tokens or max_tokens
+    name = "Perplexity (sliding window" + (f"; {how}" if how else "") + (f"; first {count} tokens" if count else "") + ")"
+    return {"task_type": "text-generation", "task_name": "Causal language modelling",
+            "dataset_type": f"text/{Path(label).stem}", "dataset_name": f"{label} (local text)",
+            "dataset_split": "full", "dataset_args": {k: v for k, v in args.items() if v is not None},
+            "metric_type": "perplexity", "metric_name": name, "metric_value": float(perplexity)}
+
+
+TEXT_INDEX = "text_index.json"
+
+
+def remember_text(path: str | os.PathLike) -> str:
+    """sha256 of a local text file, recorded with its path in the user's hf_symmetry cache (never
+    in an output folder), so a card can name the text by label and hash only."""
+    from ..assets import cache_dir
+
+    sha = file_sha256(path)
+    index = cache_dir() / TEXT_INDEX
+    try:
+        known = json.loads(index.read_text()) if index.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    resolved = str(Path(path).resolve())
+    if resolved not in known.get(sha, []):
+        known.setdefault(sha, []).append(resolved)
+        try:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            tmp = index.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1) + "\n")
+            os.replace(tmp, index)
+        except OSError:
+            pass   # a read-only cache only means push cannot find the text by itself
+    return sha
+
+
+def remembered_texts(sha: str) -> list[str]:
+    """Local paths of texts with this sha256 that an earlier card entry measured."""
+    from ..assets import cache_dir
+
+    index = cache_dir() / TEXT_INDEX
+    try:
+        return list(json.loads(index.read_text()).get(sha, [])) if index.is_file() else []
+    except (OSError, ValueError):
+        return []
 
 
 def card_eval_results(path: str | os.PathLike) -> list:
@@ -145,9 +205,18 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+_INDEX_DTYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")   # index buffers (BERT's position_ids), not parameters
+
+
+def count_parameters(folder: str | os.PathLike) -> int:
+    """The parameter count every report and card uses: floating-point tensors stored in the
+    folder's safetensors, each counted once (a tied LM head is not stored)."""
+    return _parameter_count(Path(folder))[0]
+
+
 def _parameter_count(folder: Path) -> tuple[int, str | None]:
-    """Parameters stored in the folder's safetensors (each stored tensor counted once) and the
-    dtype most of them have."""
+    """Parameters stored in the folder's safetensors (floating-point tensors, each stored tensor
+    counted once) and the dtype most of them have."""
     from safetensors import safe_open
 
     total, by_dtype = 0, {}
@@ -155,6 +224,8 @@ def _parameter_count(folder: Path) -> tuple[int, str | None]:
         with safe_open(f, framework="pt") as st:
             for k in st.keys():
                 sl = st.get_slice(k)
+                if sl.get_dtype() in _INDEX_DTYPES:
+                    continue
                 n = math.prod(sl.get_shape())
                 total += n
                 by_dtype[sl.get_dtype()] = by_dtype.get(sl.get_dtype(), 0) + n
@@ -240,23 +311,80 @@ def hub_id_of(model: str | os.PathLike | None) -> str | None:
 
 
 def public_model_label(model: str | os.PathLike) -> str:
-    """How an input model is named in a public card: its Hub id where known, else the folder
-    name (local paths stay private)."""
-    return hub_id_of(model) or f"{Path(str(model)).name} (local)"
+    """How an input model is named in a public card: its Hub id where it *is* a Hub model (an
+    embedded asset, a Hub id, a folder of the Hub cache), else its folder name. Local paths stay
+    private. A folder's card ``base_model`` is its ancestor, not its name, so it is not used here."""
+    s = str(model)
+    if s in KNOWN_HUB_IDS:
+        return KNOWN_HUB_IDS[s]
+    path = Path(s)
+    if path.exists():
+        resolved = path.resolve()
+        if resolved.name in KNOWN_HUB_IDS and (resolved / "config.json").is_file():
+            return KNOWN_HUB_IDS[resolved.name]
+        hub = [p for p in resolved.parts if p.startswith("models--")]
+        if hub:  # huggingface_hub's cache: models--org--name/snapshots/<hash>
+            return hub[-1][len("models--"):].replace("--", "/", 1)
+        return resolved.name
+    return s if _REPO_ID.match(s) else path.name
+
+
+def public_model_labels(models: list) -> list[str]:
+    """:func:`public_model_label` of each input, made distinct: two different inputs that would
+    get the same name (two folders both called ``model``) are named with their parent folder,
+    then numbered."""
+    labels = [public_model_label(m) for m in models]
+    keys = [str(Path(str(m)).resolve()) if Path(str(m)).exists() else str(m) for m in models]
+    for i, label in enumerate(labels):
+        clash = [j for j, other in enumerate(labels) if other == label and keys[j] != keys[i]]
+        if not clash:
+            continue
+        for j in [i, *clash]:
+            p = Path(keys[j])
+            if p.exists() and p.parent.name:
+                labels[j] = f"{p.parent.name}/{p.name}"
+    for i, label in enumerate(labels):
+        same = [j for j, other in enumerate(labels) if other == label and keys[j] != keys[i]]
+        if same:
+            for n, j in enumerate([i, *same], 1):
+                labels[j] = f"{label} ({'input ' + str(n)})"
+    return labels
 
 
 def public_report(report: dict) -> dict:
     """A conversion report as it may be published with its folder: ``source`` by its public
-    label, ``output`` by folder name, and every ``text`` entry of a nested dict by its label."""
+    label, ``output`` by folder name, and no local path anywhere (:func:`scrub_paths`)."""
     out = dict(report)
     if out.get("source"):
         out["source"] = public_model_label(out["source"])
     if out.get("output"):
         out["output"] = Path(str(out["output"])).name
-    for key, value in out.items():
-        if isinstance(value, dict) and value.get("text"):
-            out[key] = {**value, "text": public_text_label(value["text"])}
-    return out
+    return scrub_paths(out)
+
+
+_PATH_IN_TEXT = re.compile(r"(?<![\w.:/~-])(?:~|\.{1,2})?/(?:[^\s/`'\"()\[\]{},;]+/)+[^\s/`'\"()\[\]{},;]*")
+
+
+def _public_path(s: str) -> str:
+    from ..assets import TEXT_NAMES
+
+    name = Path(s.rstrip("/")).name
+    return public_text_label(s) if Path(s).stem in TEXT_NAMES else (name or s)
+
+
+def scrub_paths(obj: Any) -> Any:
+    """``obj`` (builtins, after :func:`plain`) with every local path replaced by its public name:
+    a string that is a path becomes its text label or base name, and a path inside a sentence is
+    cut to its base name. URLs are left alone."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub_paths(v) for v in obj]
+    if not isinstance(obj, str) or "/" not in obj and "\\" not in obj:
+        return obj
+    if "://" not in obj and (os.path.isabs(obj) or obj.startswith(("./", "../", "~/"))) and "\n" not in obj:
+        return _public_path(obj)
+    return _PATH_IN_TEXT.sub(lambda m: _public_path(m.group(0)), obj)
 
 
 def public_text_label(text: str | os.PathLike) -> str:
@@ -280,11 +408,14 @@ def _public_exactness(exactness: dict) -> dict:
 
 
 def _base_models(data: dict) -> list[str]:
+    """Hub ids of the inputs' nearest published ancestors, each once (only Hub ids: ``base_model``
+    must name Hub repos)."""
     given = data.get("base_model")
-    if given:
-        return [given] if isinstance(given, str) else list(given)
-    found = [hub_id_of(m) for m in data.get("inputs") or []]
-    return list(dict.fromkeys(m for m in found if m))
+    if given is not None:
+        found = [given] if isinstance(given, str) else list(given)
+    else:
+        found = [hub_id_of(m) for m in data.get("inputs") or []]
+    return list(dict.fromkeys(m for m in found if m and _REPO_ID.match(str(m))))
 
 
 # --------------------------------------------------------------------------- rendering
@@ -306,7 +437,7 @@ def _card_metadata(kind: str, data: dict, size: dict, results: list, folder_name
         "version": __version__,
         "parameters": plain(data.get("parameters") or {}),
         "seed": plain(data.get("seed")),
-        "inputs": [public_model_label(m) for m in data.get("inputs") or []],
+        "inputs": list(data.get("inputs") or []),   # already public labels (publishable)
         "exactness": _public_exactness(data.get("exactness")),
         "size": plain(size),
     }
@@ -337,7 +468,8 @@ def _environment():
                               autoescape=False, trim_blocks=True, lstrip_blocks=True)
 
 
-def _fmt_number(x) -> str:
+def fmt_number(x) -> str:
+    """How cards write a number; commands print figures with it too, so both read the same."""
     if isinstance(x, bool) or x is None:
         return str(x)
     if isinstance(x, int):
@@ -365,7 +497,8 @@ def display_name(folder: Path) -> str:
 
 
 def render_card(out_dir: str | os.PathLike, kind: str, data: dict):
-    """The ``ModelCard`` (not yet saved) for the conversion written to ``out_dir``."""
+    """The ``ModelCard`` (not yet saved) for the conversion written to ``out_dir``; ``data`` as
+    :func:`publishable` returns it."""
     from huggingface_hub import ModelCard
 
     folder = Path(out_dir)
@@ -391,7 +524,8 @@ def render_card(out_dir: str | os.PathLike, kind: str, data: dict):
         "architecture": " ".join(config.get("architectures") or []) or config.get("model_type", "unknown"),
         # a local path would leak into the published card: the repo id once known, else a placeholder
         "model_ref": data.get("repo_id") or f"path/to/{display_name(folder.resolve())}",
-        "fmt": _fmt_number,
+        "fmt": fmt_number,
+        "references": data.get("references") or REFERENCES.get(kind, []),
     }
     text = _environment().get_template(template.name).render(**context)
     return ModelCard(text)  # parses the YAML header: a malformed card fails here, not on the Hub
@@ -411,11 +545,26 @@ def write_card(out_dir: str | os.PathLike, kind: str, data: dict) -> Path:
     ``extra`` (dict kept under ``hf_symmetry.extra``), ``metadata`` (extra top-level keys).
     Returns the README path. Also writes ``hf_symmetry_card.json`` with ``kind`` and ``data``.
     """
+    data = publishable(data)
     card = render_card(out_dir, kind, data)
     folder = Path(out_dir)
-    (folder / CARD_RECORD).write_text(json.dumps({"kind": kind, "data": plain(data)}, indent=2) + "\n")
+    (folder / CARD_RECORD).write_text(json.dumps({"kind": kind, "data": data}, indent=2) + "\n")
     card.save(folder / README)
     return folder / README
+
+
+def publishable(data: dict) -> dict:
+    """Card data with nothing local left: ``base_model`` resolved while the input folders are
+    still at hand, inputs by their public labels, every other path by its public name."""
+    data = plain(data)
+    if not data.get("inputs_public"):   # a record re-rendered by update_card is public already
+        data["base_model"] = _base_models(data)
+        data["inputs"] = public_model_labels(data.get("inputs") or [])
+        data["inputs_public"] = True
+    for entry in data.get("eval_results") or []:
+        if isinstance(entry, dict):
+            entry.pop("_text_path", None)
+    return scrub_paths(data)
 
 
 def update_card(out_dir: str | os.PathLike, eval_results: list | None = None, **changes) -> Path:

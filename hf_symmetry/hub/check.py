@@ -143,7 +143,10 @@ def _find_text(entry: dict, extra: list[str]) -> Path | None:
 
     args = entry.get("dataset_args") or {}
     label = str(args.get("text") or "")
-    candidates = [entry.get("_text_path"), *extra] + ([resolve_text(label)] if label in TEXT_NAMES else [])
+    from .cards import remembered_texts
+
+    known = remembered_texts(args["text_sha256"]) if "text_sha256" in args else []
+    candidates = [entry.get("_text_path"), *extra, *known] + ([resolve_text(label)] if label in TEXT_NAMES else [])
     for c in candidates:
         if not c or not Path(c).is_file():
             continue

@@ -31,5 +31,12 @@ def register_auto_classes() -> None:
     AutoModel.register(CompressedLlamaConfig, CompressedLlamaModel, exist_ok=True)
     AutoModelForCausalLM.register(CompressedLlamaConfig, CompressedLlamaForCausalLM, exist_ok=True)
 
+    from .configuration_rms_decoder import RMSDecoderConfig
+    from .modeling_rms_decoder import RMSDecoderForCausalLM, RMSDecoderModel
+
+    AutoConfig.register(RMSDecoderConfig.model_type, RMSDecoderConfig, exist_ok=True)
+    AutoModel.register(RMSDecoderConfig, RMSDecoderModel, exist_ok=True)
+    AutoModelForCausalLM.register(RMSDecoderConfig, RMSDecoderForCausalLM, exist_ok=True)
+
 
 register_auto_classes()

@@ -34,9 +34,11 @@ class TPAConfig(PreTrainedConfig):
         intermediate_size: SwiGLU width, default ``8/3 hidden_size`` rounded up to a multiple of 64.
         attention_bias: biases on the B projections (and on ``q_proj`` in KV-only mode), e.g. Qwen2.
         attention_out_bias: bias on ``o_proj``.
-        tpa_decode_path: ``"auto"`` (factor-space attention when it is cheaper, i.e. decoding),
-            ``"factor"`` (always compute attention from the factors, never materialising K/V) or
-            ``"materialize"`` (always form K/V and call eager/SDPA attention).
+        tpa_decode_path: ``"auto"`` (each part of the attention, scores and values, from the factors
+            where that is estimated cheaper: decoding and short chunks against a long cache; whole-sequence
+            prefill and training then form Q/K/V and use eager/SDPA), ``"factor"`` (always compute attention
+            from the factors, never materialising K/V, also in training) or ``"materialize"`` (always form
+            K/V and call eager/SDPA attention).
         rope_parameters: as in Llama (``{"rope_type": "default", "rope_theta": 10000.0}``); any type of
             transformers' ``ROPE_INIT_FUNCTIONS``. ``partial_rotary_factor`` rotates the first dims only.
     """

@@ -9,9 +9,11 @@ convention) rotates the B factors, so K's B is cached already rotated. The cache
 holds ``A_K, B_K, A_V, B_V``: ``(R_K + R_V)(h + d_h)`` elements per token and layer, or
 ``(R_K + R_V) d_h`` with non-contextual A (A is then stored once, not per token).
 
-Decoding can run entirely in factor space (the paper's FlashTPA idea, here in plain PyTorch):
-``P = B_Q B_K^T`` is shared by all heads, scores are ``Σ_{r,s} A_Q[r,i] A_K[s,i] P[r,s]`` and outputs
-are ``Σ_s α_s A_V^T B_V``; K and V are never materialised.
+Attention can run in factor space (the paper's FlashTPA idea, here in plain PyTorch), for decoding,
+prefill and training alike (every route is differentiable): ``P = B_Q B_K^T`` is shared by all heads,
+scores are ``Σ_{r,s} A_Q[r,i] A_K[s,i] P[r,s]`` and outputs are ``Σ_s α_s A_V^T B_V``; K and V are never
+materialised. ``TPAAttention.attention_plan`` picks, per call, the cheapest score route and value route
+(``tpa_decode_path="auto"``); ``"factor"`` forces factor space, ``"materialize"`` forces eager/SDPA.
 
 This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only
 torch, transformers and its sibling ``configuration_tpa``.
@@ -368,14 +370,47 @@ class TPAAttention(nn.Module):
         via_p = math.inf if rq is None else T * rq * rk * S * dh + T * h * rq * rk * S + T * h * rk * S
         return via_q, via_p
 
-    def use_factor_path(self, T: int, S: int) -> bool:
+    # Contractions with a small inner dimension (R or 1: composing Q/K/V from factors, weighting by A)
+    # run far below matrix-multiply throughput; measured on one CPU core, 30-100x per multiply-add.
+    # Route costs count them with this weight, so "auto" follows wall time rather than raw FLOPs.
+    non_gemm_weight: float = 32.0
+
+    def route_costs(self, T: int, S: int) -> dict[str, float]:
+        """Cost estimates of every route for ``T`` new tokens against ``S`` keys: matrix-multiply
+        multiply-adds plus ``non_gemm_weight`` times the small-inner-dimension ones.
+
+        Scores: ``"p"`` (``P = B_Q B_K^T``, shared by all heads, then ``A_Q``, ``A_K``), ``"q"`` (composed
+        query against ``B_K``, then ``A_K``), ``"k"`` (compose K, then ``q K^T``). Values: ``"factor"``
+        (``Σ_s α A_V^T B_V`` without forming V) or ``"v"`` (compose V, then ``α V``)."""
+        h, dh, rk, rv, rq = self.num_heads, self.head_dim, self.k_rank, self.v_rank, self.q_rank
+        w = self.non_gemm_weight
+        compose_q = w * T * h * rq * dh if rq else 0.0
+        p = math.inf if rq is None else T * rq * rk * S * dh + w * T * S * h * rk * (rq + 1)
+        return {"p": p,
+                "q": compose_q + T * h * S * rk * dh + w * T * h * S * rk,
+                "k": compose_q + w * S * h * rk * dh + T * S * h * dh,
+                "factor": T * h * S * rv * dh + w * T * h * S * rv,
+                "v": w * S * h * rv * dh + T * S * h * dh}
+
+    def attention_plan(self, T: int, S: int) -> tuple[str, str]:
+        """``(score route, value route)`` for ``T`` new tokens against ``S`` keys (see :meth:`route_costs`).
+
+        ``tpa_decode_path="materialize"``: ``("k", "v")``, i.e. form Q/K/V and call eager/SDPA attention.
+        ``"factor"``: never form K or V (``"p"``/``"q"`` and ``"factor"``). ``"auto"``: the cheapest route
+        for each part; decoding (small T) then runs in factor space, and prefill/training computes its
+        scores from ``P = B_Q B_K^T`` when the heads outnumber ``R_Q R_K`` enough to pay for it (the
+        paper's T6 shapes), otherwise it materialises."""
         mode = self.config.tpa_decode_path
-        if mode != "auto":
-            return mode == "factor"
-        h, dh, rk, rv = self.num_heads, self.head_dim, self.k_rank, self.v_rank
-        materialize = S * h * dh * (rk + rv) + 2 * T * S * h * dh
-        factor = min(self._score_routes(T, S)) + T * h * S * rv * (dh + 1)
-        return factor < materialize
+        if mode == "materialize":
+            return "k", "v"
+        cost = self.route_costs(T, S)
+        scores = ("p", "q") if mode == "factor" else ("p", "q", "k")
+        values = ("factor",) if mode == "factor" else ("factor", "v")
+        return min(scores, key=cost.__getitem__), min(values, key=cost.__getitem__)
+
+    def use_factor_path(self, T: int, S: int) -> bool:
+        """Whether any part of the attention of ``T`` tokens against ``S`` keys runs from the factors."""
+        return self.attention_plan(T, S) != ("k", "v")
 
     # -- attention ---------------------------------------------------------------------------------
     def materialized_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False):
@@ -392,17 +427,23 @@ class TPAAttention(nn.Module):
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling)
 
     def factor_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False,
-                         route: str | None = None):
-        """Attention from the factors without forming K or V. Shapes: ``b_k [B,S,R_K,d]``,
-        ``a_k [B,S,R_K,h]`` or ``[R_K,h]`` (same for V). ``route`` ``"p"`` (via ``P = B_Q B_K^T``) or
-        ``"q"`` (via the composed query) forces a score route; default: the cheaper one.
+                         route: str | None = None, value_route: str = "factor"):
+        """Attention from the factors. Shapes: ``b_k [B,S,R_K,d]``, ``a_k [B,S,R_K,h]`` or ``[R_K,h]``
+        (same for V). ``route`` picks the score route: ``"p"`` (via ``P = B_Q B_K^T``, never forming Q or K),
+        ``"q"`` (composed query against ``B_K``, never forming K) or ``"k"`` (composed K); default: the
+        cheaper of ``"p"``/``"q"``. ``value_route`` ``"factor"`` never forms V; ``"v"`` composes V first
+        (cheaper for prefill and training). Every route is differentiable (training uses them).
         Returns ``([B,T,h,d], probs or None)``."""
         h, dh, rk, rv = self.num_heads, self.head_dim, self.k_rank, self.v_rank
         B, S = b_k.shape[0], b_k.shape[1]
         if route is None:
             via_q, via_p = self._score_routes(f.get("b_q", f.get("q")).shape[1], S)
             route = "p" if via_p <= via_q else "q"
-        if self.q_rank is not None and route == "p":
+        if route == "k":
+            q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
+            T = q.shape[2]
+            scores = torch.matmul(q, _compose(a_k, b_k, rk).transpose(2, 3)) * self.scaling
+        elif self.q_rank is not None and route == "p":
             b_q, a_q = f["b_q"], f["a_q"]
             T, rq = b_q.shape[1], self.q_rank
             # P[b,t,r,(s,u)] = B_Q[b,t,r] · B_K[b,s,u]: shared by every head
@@ -440,6 +481,9 @@ class TPAAttention(nn.Module):
         probs = F.softmax(scores, dim=-1).to(b_v.dtype)
         probs = F.dropout(probs, p=self.attention_dropout if self.training else 0.0, training=self.training)
 
+        if value_route == "v":
+            out = torch.matmul(probs, _compose(a_v, b_v, rv)).transpose(1, 2).contiguous()
+            return out, (probs if output_attentions else None)
         if a_v.dim() == 2:
             # out_i = Σ_u A_V[u,i] (α_i · B_V[:,u])
             Y = torch.matmul(probs.reshape(B, h * T, S), b_v.reshape(B, S, rv * dh)).view(B, h, T, rv, dh)
@@ -458,8 +502,10 @@ class TPAAttention(nn.Module):
         a_k, b_k, a_v, b_v = f["a_k"], f["b_k"], f["a_v"], f["b_v"]
         if past_key_values is not None:
             a_k, b_k, a_v, b_v = past_key_values.update_factors(self.layer_idx, a_k, b_k, a_v, b_v)
-        if self.use_factor_path(T, b_k.shape[1]):
-            out, weights = self.factor_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions)
+        score_route, value_route = self.attention_plan(T, b_k.shape[1])
+        if (score_route, value_route) != ("k", "v"):
+            out, weights = self.factor_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions,
+                                                 route=score_route, value_route=value_route)
         else:
             out, weights = self.materialized_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions)
         out = self.o_proj(out.reshape(B, T, -1).contiguous())

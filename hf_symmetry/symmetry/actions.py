@@ -128,6 +128,27 @@ def permute_ffn(layer: Tensors, perm: torch.Tensor) -> Tensors:
 
 # ---------------------------------------------------------------------- residual stream
 
+
+def centre_rows(W: torch.Tensor) -> torch.Tensor:
+    """Each row minus its mean (embedding rows: every token then writes a zero-mean vector)."""
+    return W - W.mean(dim=1, keepdim=True)
+
+
+def centre_writers(layer: Tensors) -> Tensors:
+    """Make every write of the layer to the residual stream zero-mean (DESIGN step 2 of residual
+    rotation for LayerNorm models): the output rows of ``o`` and ``down`` and their biases minus
+    their mean over the output dim. LayerNorm subtracts the mean anyway, so with the embeddings
+    centred too the function is unchanged and every LayerNorm sees a zero-mean stream, on which it
+    equals an RMSNorm followed by its γ and β."""
+    out = _new_dict(layer)
+    for n in _WRITERS:
+        W = out[f"{n}.weight"]
+        out[f"{n}.weight"] = W - W.mean(dim=0, keepdim=True)
+        if f"{n}.bias" in out:
+            b = out[f"{n}.bias"]
+            out[f"{n}.bias"] = b - b.mean()
+    return out
+
 _ATTN_READERS = ("q", "k", "v")
 _FFN_READERS = ("gate", "up")
 _WRITERS = ("o", "down")
@@ -149,9 +170,12 @@ def fold_norm(readers: Tensors, names: tuple[str, ...], weight: torch.Tensor, bi
 
 
 def fold_layer_norms(layer: Tensors) -> Tensors:
-    """Fold both pre-norms of a layer into their readers; norm weights become 1 (biases 0)."""
+    """Fold both pre-norms of a layer into their readers; norm weights become 1 (biases 0).
+    Norms without weight (already folded, or never affine) are left as they are."""
     out = _new_dict(layer)
     for norm, readers in (("attn_norm", _ATTN_READERS), ("ffn_norm", _FFN_READERS)):
+        if f"{norm}.weight" not in out:
+            continue
         w, b = out[f"{norm}.weight"], out.get(f"{norm}.bias")
         out = fold_norm(out, readers, w, b)
         out[f"{norm}.weight"] = torch.ones_like(w)
@@ -162,8 +186,10 @@ def fold_layer_norms(layer: Tensors) -> Tensors:
 
 def fold_final_norm(globals_: Tensors, inplace: bool = False) -> Tensors:
     """Fold the final norm into ``lm_head``. ``inplace`` overwrites the head tensor instead of
-    allocating a new vocabulary-sized one (for callers that own it)."""
+    allocating a new vocabulary-sized one (for callers that own it). No-op without a final norm weight."""
     out = dict(globals_)
+    if "final_norm.weight" not in out:
+        return out
     w, b = out["final_norm.weight"], out.get("final_norm.bias")
     if inplace and b is None:
         out["lm_head.weight"].mul_(w[None, :])
@@ -222,6 +248,11 @@ def fold_and_rotate_globals_(globals_: Tensors, Q: torch.Tensor) -> Tensors:
     dtype the caller owns: each block of rows is computed in float64 and rounded once, so a
     float32/bfloat16 checkpoint's embeddings are never held in float64 whole."""
     out = dict(globals_)
+    if "final_norm.weight" not in out:   # a weightless final norm: nothing to fold
+        out["final_norm.weight"] = torch.ones(Q.shape[0], dtype=torch.float64)
+        out = fold_and_rotate_globals_(out, Q)
+        del out["final_norm.weight"]
+        return out
     w = out["final_norm.weight"].to(torch.float64)
     if out.get("final_norm.bias") is not None:
         raise NotASymmetry("folding a final norm with a bias needs the float64 path (fold_final_norm)")

@@ -28,6 +28,7 @@ Also here: :func:`cayley_encode`, the storage of an orthogonal skip matrix as ``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,8 +175,9 @@ def balance(terms: list[Term], readers: list[Term]) -> None:
 
 def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """``K`` and the pairs ``(Σ_p, H_p)`` of ``J(Q) = c − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``."""
-    d, dtype = terms[0].M.shape[1], terms[0].M.dtype
-    K = torch.zeros(d, d, dtype=dtype)
+    M = terms[0].M
+    d = M.shape[1]
+    K = torch.zeros(d, d, dtype=M.dtype, device=M.device)
     quad: dict[int, list] = {}
     for t in terms:
         if t.is_dense:
@@ -183,29 +185,25 @@ def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor,
         _, Kt, Ht = t._summary
         K += t.weight * Kt
         if Ht is not None:
-            entry = quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros(d, d, dtype=dtype)])
+            entry = quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros_like(K)])
             entry[1] += t.weight * Ht
     return K, [(S, H) for S, H in quad.values()]
 
 
-def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tensor, iters: int = 100,
-                        tol: float = 1e-9) -> tuple[Tensor, list[float]]:
-    """``argmin_{QᵀQ = I} −2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)`` from ``Q0`` (a weighted orthogonal
-    Procrustes problem; no closed form). Riemannian gradient descent on O(d) with a QR retraction
-    (the iterate is orthogonal to round-off), alternating Barzilai–Borwein steps and the non-monotone
-    line search of Zhang & Hager (as in Wen & Yin's feasible method). The best iterate is returned,
-    so the result is never worse than ``Q0``. Returns (Q, best objective so far after each step)."""
-    if not pairs:
-        with limit_threads():
-            return orthogonal_procrustes(K).to(K.dtype), []
+def _eigh(A: Tensor) -> tuple[Tensor, Tensor]:
+    with limit_threads():
+        return torch.linalg.eigh((A + A.T) / 2)
 
-    def value_and_grad(Q):
-        SQH = sum(S @ Q @ H for S, H in pairs)
-        return float(-2 * (Q * K).sum() + (SQH * Q).sum()), 2 * (SQH - K)
 
-    def riemannian(Q, G):
-        A = Q.T @ G
-        return Q @ ((A - A.T) / 2)
+def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: float) -> tuple[Tensor, list[float]]:
+    """Riemannian gradient descent on O(d) from ``X0`` for ``value_and_grad(X) -> (f, Euclidean ∇f)``: a QR
+    retraction (the iterate is orthogonal to round-off), alternating Barzilai–Borwein steps and the
+    non-monotone line search of Zhang & Hager (as in Wen & Yin's feasible method). Stops after ``iters``
+    steps or when the Riemannian gradient falls below ``tol`` times its first norm. Returns the best
+    iterate and the best objective after each step."""
+    def riemannian(X, G):
+        A = X.T @ G
+        return X @ ((A - A.T) / 2)
 
     def retract(Y):
         with limit_threads():
@@ -213,14 +211,13 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
         sign = torch.sign(torch.diagonal(r))
         return q * torch.where(sign == 0, torch.ones_like(sign), sign)
 
-    Q = Q0.clone()
-    f, G = value_and_grad(Q)
-    xi = riemannian(Q, G)
-    lipschitz = 2 * sum(torch.linalg.matrix_norm(S, 2) * torch.linalg.matrix_norm(H, 2) for S, H in pairs)
+    X = X0.clone()
+    f, G = value_and_grad(X)
+    xi = riemannian(X, G)
     tau = 1.0 / max(float(lipschitz), 1e-300)
     g0 = float((xi * xi).sum())
     ref, weight = f, 1.0          # Zhang–Hager reference value (a weighted mean of past objectives)
-    best_f, best_Q = f, Q
+    best_f, best_X = f, X
     values = [f]
     for it in range(iters):
         g2 = float((xi * xi).sum())
@@ -228,43 +225,99 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
             break
         t = tau
         for _ in range(50):
-            Qn = retract(Q - t * xi)
-            fn, Gn = value_and_grad(Qn)
+            Xn = retract(X - t * xi)
+            fn, Gn = value_and_grad(Xn)
             if fn <= ref - 1e-4 * t * g2:
                 break
             t *= 0.5
         else:
             break  # no decrease left at this precision: stationary
-        xin = riemannian(Qn, Gn)
-        s, y = Qn - Q, xin - xi
+        xin = riemannian(Xn, Gn)
+        s, y = Xn - X, xin - xi
         sy = float((s * y).sum())
         tau = (float((s * s).sum()) / sy if it % 2 == 0 else sy / max(float((y * y).sum()), 1e-300)) if sy > 0 else 2 * t
         weight_next = 0.85 * weight + 1.0
         ref = (0.85 * weight * ref + fn) / weight_next
         weight = weight_next
-        Q, f, xi = Qn, fn, xin
+        X, f, xi = Xn, fn, xin
         if f < best_f:
-            best_f, best_Q = f, Q
+            best_f, best_X = f, X
         values.append(best_f)
-    return best_Q, values
+    return best_X, values
+
+
+def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tensor, iters: int = 100,
+                        tol: float = 1e-9, eig_cache: dict | None = None) -> tuple[Tensor, list[float]]:
+    """``argmin_{QᵀQ = I} −2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)`` from ``Q0`` (a weighted orthogonal
+    Procrustes problem; no closed form) by :func:`_descent`. The best iterate is returned, so the result
+    is never worse than ``Q0``. Returns (Q, best objective so far after each step).
+
+    One pair (the readers of one residual segment share its covariance Σ) is solved in the eigenbases
+    of ``Σ = U diag(s) Uᵀ`` and ``H = V diag(h) Vᵀ``: with ``Q = U P Vᵀ`` the quadratic term is
+    ``Σ_ij s_i h_j P_ij²``, so a gradient costs ``O(d²)`` instead of two ``d³`` products. ``eig_cache``
+    keeps Σ's decomposition between calls (Σ does not change while the factors do)."""
+    if not pairs:
+        with limit_threads():
+            return orthogonal_procrustes(K).to(K.dtype), []
+    if len(pairs) > 1:
+        def value_and_grad(Q):
+            SQH = sum(S @ Q @ H for S, H in pairs)
+            return float(-2 * (Q * K).sum() + (SQH * Q).sum()), 2 * (SQH - K)
+
+        lipschitz = 2 * sum(float(torch.linalg.matrix_norm(S, 2) * torch.linalg.matrix_norm(H, 2)) for S, H in pairs)
+        return _descent(value_and_grad, Q0, lipschitz, iters, tol)
+    (S, H), = pairs
+    cache = {} if eig_cache is None else eig_cache
+    key = (id(S), S.dtype)
+    if key not in cache:
+        cache[key] = (S, *_eigh(S))           # S itself is kept so that its id cannot be reused
+    _, s, U = cache[key]
+    h, V = _eigh(H)
+    W = s.clamp_min(0)[:, None] * h.clamp_min(0)[None, :]
+    Kt = U.T @ K @ V
+
+    def value_and_grad_p(P):
+        WP = W * P
+        return float((P * (WP - 2 * Kt)).sum()), 2 * (WP - Kt)
+
+    P, values = _descent(value_and_grad_p, U.T @ Q0 @ V, 2 * float(W.max()), iters, tol)
+    return U @ P @ V.T, values
 
 
 @dataclass
 class SegmentResult:
     Q: Tensor
     trace: list[float] = field(default_factory=list)   # J after every projection and every rotation step
+    alternations: int = 0                              # projection/rotation alternations run
+    converged: bool = False                            # stopped by the tolerance (not by the cap)
 
 
 def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5, wopp_iters: int = 100,
-                  reduce: bool = True, dtype: torch.dtype = torch.float64) -> SegmentResult:
-    """Alternate projection and rotation ``iters`` times from ``Q0``, then project once more so that
-    the returned factors belong to the returned Q. The recorded objective never increases (up to the
-    round-off of ``dtype``).
+                  reduce: bool = True, dtype: torch.dtype = torch.float64, *, tol: float = 0.0,
+                  wopp_tol: float = 1e-9) -> SegmentResult:
+    """Alternate projection and rotation from ``Q0``, then project once more so that the returned factors
+    belong to the returned Q. The recorded objective never increases (up to the round-off of ``dtype``).
+
+    Stopping rule: at most ``iters`` alternations; with ``tol > 0`` it stops as soon as one alternation
+    lowers the objective by less than ``tol`` relative to its value before (``tol = 0``: exactly
+    ``iters`` alternations, the fixed count). Each rotation step runs at most ``wopp_iters`` descent
+    steps and stops earlier when the Riemannian gradient falls below ``wopp_tol`` times its first norm.
 
     ``reduce``: tall row-free terms are solved on their ``[d, d]`` Gram roots (same objective) and
-    lifted. ``dtype``: the iterations may run in float32 (1.24x faster on SmolLM2 stage W); Q is then
-    re-orthonormalised and the final projection done in float64, so the result is float64-exact."""
-    Q = Q0.to(torch.float64).clone()
+    lifted. ``dtype``: the iterations may run in float32 (faster); Q is then re-orthonormalised and the
+    final projection done in float64, so the result is float64-exact. Everything runs on the device of
+    the terms' matrices."""
+    if iters < 0 or tol < 0 or wopp_iters < 0:
+        raise ValueError(f"iters, tol and wopp_iters must be >= 0, got {iters}, {tol}, {wopp_iters}")
+    device = terms[0].M.device if terms else Q0.device
+    # one CPU thread: the matrices are at most d x d after the Gram reduction, where torch's thread pool
+    # is slower than one thread, and on shared cores even small products are 10-100x slower with it
+    with limit_threads(1) if device.type == "cpu" else contextlib.nullcontext():
+        return _solve(terms, Q0.to(device=device, dtype=torch.float64).clone(), iters, als_iters, wopp_iters,
+                      reduce, dtype, tol, wopp_tol)
+
+
+def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol) -> SegmentResult:
     work, lifts = [], []
     for t in terms:
         if reduce and not t.is_dense and t.reducible():
@@ -278,15 +331,25 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
     loop = [t.cast(dtype, grams) for t in work] if fast else work
     Qw = Q.to(dtype)
     trace: list[float] = []
+    eig_cache: dict = {}
+    before = None
+    alternations, converged = 0, False
     for _ in range(iters):
         for t in loop:
             t.fit(Qw, als_iters)
         trace.append(objective(loop, Qw))
+        if before is None:
+            before = trace[-1]
         if all(t.is_dense for t in loop):
             break
         K, pairs = _linear_and_quadratic(loop)
-        Qw, _ = weighted_procrustes(K, pairs, Qw, iters=wopp_iters)
+        Qw, _ = weighted_procrustes(K, pairs, Qw, iters=wopp_iters, tol=wopp_tol, eig_cache=eig_cache)
         trace.append(objective(loop, Qw))
+        alternations += 1
+        if tol > 0 and before - trace[-1] <= tol * abs(before):
+            converged = True
+            break
+        before = trace[-1]
     if not fast:
         Q = Qw
     elif iters:
@@ -301,7 +364,7 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
     trace.append(objective(work, Q))
     for t, red, T in lifts:
         t.lift(red, T)
-    return SegmentResult(Q, trace)
+    return SegmentResult(Q, trace, alternations, converged)
 
 
 # ---------------------------------------------------------------------------------------------

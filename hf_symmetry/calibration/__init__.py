@@ -1,0 +1,15 @@
+"""Layer-wise, device-aware calibration: the one engine every calibrated conversion uses.
+
+* :mod:`.data`: calibration text -> token ids -> batches;
+* :mod:`.statistics`: what a conversion asks for (:class:`StatsRequest`: sites and kinds) and the
+  one accumulation rule (:class:`LayerStats`);
+* :mod:`.engine`: :class:`CalibrationEngine`, one decoder layer at a time from the checkpoint on
+  the chosen device, with a sequential mode (:class:`LayerStep`).
+"""
+
+from .data import calibration_batches, calibration_ids
+from .engine import CalibrationEngine, CalibrationResult, CalibrationRun, LayerStep
+from .statistics import FINAL_SITES, LAYER_SITES, LayerStats, StatsRequest
+
+__all__ = ["CalibrationEngine", "CalibrationResult", "CalibrationRun", "LayerStep", "LayerStats", "StatsRequest",
+           "LAYER_SITES", "FINAL_SITES", "calibration_batches", "calibration_ids"]

@@ -1,0 +1,41 @@
+"""Calibration text as token ids, and the ids cut into the batches every calibrated conversion
+runs through the model (the one place that decides how calibration text is batched)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def calibration_ids(tokenizer, text: str | Path, tokens: int) -> torch.Tensor:
+    """The first ``tokens`` token ids (1-D, no special tokens) of ``text``: a file or an embedded
+    text name (e.g. ``britannica-calib``)."""
+    from ..assets import resolve_text
+    from ..evaluation.perplexity import read_text, tokenize_text
+
+    if tokens <= 0:
+        raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
+    return tokenize_text(tokenizer, read_text(resolve_text(text)), max_tokens=tokens)
+
+
+def calibration_batches(ids: torch.Tensor, seq_len: int = 512, batch_size: int = 1,
+                        keep_partial: bool = True) -> list[torch.Tensor]:
+    """Cut a 1-D token stream into consecutive sequences of ``seq_len`` tokens, grouped into
+    ``[batch, seq_len]`` batches of at most ``batch_size`` sequences.
+
+    ``keep_partial``: a trailing sequence shorter than ``seq_len`` (at least 2 tokens) is kept as a
+    batch of its own, so every token counts; otherwise it is dropped, so all batches are full.
+    No padding ever enters a statistic."""
+    ids = torch.as_tensor(ids).reshape(-1)
+    if seq_len < 2 or batch_size < 1:
+        raise ValueError(f"calibration needs seq_len >= 2 and batch_size >= 1; got {seq_len}, {batch_size}")
+    n = ids.numel() // seq_len
+    batches = list(torch.split(ids[: n * seq_len].reshape(n, seq_len), batch_size)) if n else []
+    rest = ids[n * seq_len:]
+    if keep_partial and rest.numel() >= 2:
+        batches.append(rest.reshape(1, -1))
+    if not batches:
+        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than one sequence of "
+                         f"{seq_len if not keep_partial else 2}")
+    return batches

@@ -1,0 +1,447 @@
+"""The layer-wise calibration engine: statistics of a checkpoint's activations with one decoder
+layer in memory at a time, on any device.
+
+How it runs (the scheme of GPTQ, SliceGPT and ProcrustesGPT):
+
+1. The model is instantiated *empty* (accelerate's ``init_empty_weights``: parameters on the meta
+   device, buffers such as rotary frequencies real), so the family's own transformers classes are
+   used and nothing is hand-written. Only the input embeddings (token, position, token-type
+   embeddings and their norm) are read from the checkpoint.
+2. Every decoder layer is swapped for a catcher, and the calibration batches are run through the
+   model's own forward: it embeds the tokens and builds the rotary tables and attention masks
+   exactly as in an ordinary forward; the catchers record, per batch and layer, the arguments the
+   model passes to each layer, and the first layer's input (the embeddings).
+3. Layer by layer: the layer's weights are read from the checkpoint (``CheckpointReader`` or any
+   tensor source), the layer is built as the family's decoder-layer module on the device, every
+   batch runs through it with its recorded arguments while forward hooks feed the statistics
+   collector (:mod:`hf_symmetry.calibration.statistics`), and the outputs are handed on as the
+   next layer's inputs. The layer is then dropped.
+
+Memory: one layer's weights, the calibration activations (``tokens × hidden`` in the calibration
+dtype, twice while a layer runs; on the device when they fit, else in host memory and moved per
+batch), the embeddings while step 2 runs, and the statistics the caller keeps.
+
+**Sequential mode.** :meth:`CalibrationRun.layers` yields a :class:`LayerStep` per layer once its
+statistics are collected; :meth:`LayerStep.replace` gives the converted layer (any module that
+takes the same arguments), whose outputs are then handed on instead of the original layer's, so
+layer ``k+1``'s statistics come from the model whose layers ``≤ k`` are converted.
+:meth:`LayerStep.collect` re-collects statistics with a partly converted module on the same inputs
+(for schemes finer than a layer). With ``carry_original=True`` the original model's stream is
+carried alongside, for cross moments against the original (``StatsRequest.cross``) and targets.
+
+Typical use::
+
+    engine = CalibrationEngine("path/to/model", placement=devices.resolve("auto", "float32"))
+    result = engine.collect(calibration_batches(ids, 512), StatsRequest(grams=("attn_in",)))
+    result.layers[3].grams["attn_in"]          # Σ xᵀx of layer 3's attention input, float64
+
+    run = engine.start(batches, carry_original=True)
+    for step in run.layers(StatsRequest(grams=("normed:layer_in",), cross=(("o_in", "o_in"),))):
+        step.replace(convert(step.index, step.module, step.stats))
+    final = run.final(StatsRequest(grams=("head_in",)))
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from ..architectures import Adapter
+from ..devices import Placement, resolve
+from .statistics import FINAL_SITES, Accumulator, LayerStats, StatsRequest, base_site, capture_sites
+
+Tensors = dict[str, torch.Tensor]
+
+
+class _Stop(Exception):
+    """Raised by the last catcher: the rest of the model (final norm, head) is not run."""
+
+
+class _Catcher(torch.nn.Module):
+    """Stands in for decoder layer ``index`` during the embedding pass: records the arguments the
+    model passes to the layer and hands its input on unchanged. Attribute lookups the model's
+    forward makes on its layers (e.g. ``attention_type``) fall through to the real layer."""
+
+    def __init__(self, index: int, layer: torch.nn.Module, record: dict, last: bool):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)
+        self.index, self.record, self.last = index, record, last
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.index == 0:
+            self.record["input"] = hidden_states
+        self.record[self.index] = (args, kwargs)
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@dataclass
+class Activations:
+    """The hidden states of every calibration batch at one place of the model: per batch a
+    ``[batch, seq, hidden]`` tensor on ``home`` (the device, or the CPU when they do not fit)."""
+    batches: list[torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.batches)
+
+
+@dataclass
+class CalibrationResult:
+    """Statistics of every layer (``layers[i]``, ``None`` where not collected) and after the last
+    layer (``final``, when asked for)."""
+    layers: list[LayerStats | None]
+    final: LayerStats | None = None
+    tokens: int = 0
+
+
+class CalibrationEngine:
+    """Layer-wise calibration over a checkpoint (see the module docstring).
+
+    ``source``: an HF model folder (read with :class:`hf_symmetry.checkpoint.CheckpointReader`)
+    or any tensor source with ``keys()``/``get(names)`` (e.g. an in-memory state dict wrapped in
+    :class:`hf_symmetry.conversion.stream.DictSource`) together with its ``config`` (dict).
+    ``placement``: the checked device and calibration dtype (:func:`hf_symmetry.devices.resolve`;
+    default CPU float32). ``stats_device``: where statistics accumulate (default: the CPU, so the
+    caller's statistics never take device memory; pass the device for GPU-side solvers).
+    ``device_activation_fraction``: share of the free device memory calibration activations may
+    take before they are kept in host memory instead (CUDA only)."""
+
+    def __init__(self, source, config: dict | None = None, placement: Placement | None = None,
+                 progress: bool = True, stats_device: torch.device | str | None = "cpu",
+                 device_activation_fraction: float = 0.5, attn_implementation: str | None = None):
+        from ..checkpoint import CheckpointReader
+
+        if isinstance(source, (str, Path)):
+            source = CheckpointReader(source)
+        self.source = source
+        config = dict(config if config is not None else source.config)
+        self.config = config
+        self.keys = list(source.keys())
+        self.adapter = Adapter.from_config(config, self.keys)
+        self.placement = placement or resolve("cpu", "float32")
+        self.progress = progress
+        self.stats_device = None if stats_device is None else torch.device(stats_device)
+        if self.stats_device is not None and self.stats_device.type == "mps":
+            self.stats_device = torch.device("cpu")   # MPS has no float64
+        self.device_activation_fraction = device_activation_fraction
+        self.attn_implementation = attn_implementation
+        self._skeleton = None
+
+    # ------------------------------------------------------------------ the empty model
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.placement.dtype
+
+    def hf_config(self):
+        """The checkpoint's config as its transformers config class."""
+        import hf_symmetry  # noqa: F401  (registers hf_symmetry's own families)
+        from transformers import AutoConfig
+
+        cfg = {k: v for k, v in self.config.items() if k not in ("transformers_version",)}
+        model_type = cfg.pop("model_type")
+        hf = AutoConfig.for_model(model_type, **cfg)
+        if self.attn_implementation:
+            hf._attn_implementation = self.attn_implementation
+        return hf
+
+    def skeleton(self) -> torch.nn.Module:
+        """The model with every parameter on the meta device (buffers real, on the CPU, computed as
+        ``from_pretrained`` computes them)."""
+        if self._skeleton is None:
+            import transformers
+            from accelerate import init_empty_weights
+
+            hf = self.hf_config()
+            arch = (getattr(hf, "architectures", None) or [None])[0]
+            cls = getattr(transformers, arch, None) if arch else None
+            if cls is None:
+                cls = (transformers.AutoModelForCausalLM if self.adapter.spec.lm_head and any(
+                    k.startswith(self.adapter.spec.lm_head + ".") for k in self.keys) else transformers.AutoModel)
+                make = lambda: cls.from_config(hf, dtype=self.dtype)  # noqa: E731
+            else:
+                make = lambda: cls._from_config(hf, dtype=self.dtype)  # noqa: E731
+            with init_empty_weights(include_buffers=False):
+                model = make()
+            # as from_pretrained does: non-persistent buffers (rotary tables, embedding scales) are
+            # (re)computed by the model's own _init_weights after construction
+            with torch.no_grad():
+                for module in model.modules():
+                    if next(module.named_buffers(recurse=False), None) is not None:
+                        model._init_weights(module)
+            self._skeleton = model.eval()
+        return self._skeleton
+
+    def _layers_list(self, model) -> torch.nn.ModuleList:
+        return model.get_submodule((self.adapter.prefix + self.adapter.spec.layers))
+
+    def _materialise(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+        """Load ``module``'s parameters (checkpoint keys ``prefix + name``) onto the device in the
+        calibration dtype; buffers move to the device too (floating ones keep their dtype)."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        names = [n for n, _ in module.named_parameters()]
+        keys = {prefix + n for n in names}
+        missing = sorted(k for k in keys if k not in set(self.keys))
+        if missing:
+            raise ValueError(f"checkpoint lacks {missing[:3]} needed to run {type(module).__name__}")
+        tensors = self.source.get(sorted(keys))
+        for n in names:
+            set_module_tensor_to_device(module, n, self.device, value=tensors.pop(prefix + n), dtype=self.dtype)
+        for n, b in list(module.named_buffers()):
+            if b.device.type == "meta":
+                continue
+            set_module_tensor_to_device(module, n, self.device, value=b)
+        return module
+
+    def layer_module(self, i: int) -> torch.nn.Module:
+        """Decoder layer ``i`` as the family's transformers module, weights from the checkpoint, on
+        the device in the calibration dtype, eval mode. The caller owns it (drop it when done)."""
+        layer = copy.deepcopy(self._layers_list(self.skeleton())[i])
+        return self._materialise(layer, self.adapter.layer_prefix(i)).eval()
+
+    def final_norm_module(self) -> torch.nn.Module | None:
+        """The final norm (``None`` for families without one), materialised like a layer."""
+        name = self.adapter.spec.final_norm
+        if not name:
+            return None
+        path = self.adapter.prefix + name
+        return self._materialise(copy.deepcopy(self.skeleton().get_submodule(path)), path + ".").eval()
+
+    def layer_tensors(self, i: int) -> Tensors:
+        """Layer ``i``'s checkpoint tensors (original dtypes), e.g. for
+        :meth:`~hf_symmetry.architectures.adapter.Adapter.read_layer`."""
+        prefix = self.adapter.layer_prefix(i)
+        return self.source.get([k for k in self.keys if k.startswith(prefix)])
+
+    # ------------------------------------------------------------------ running
+    def start(self, batches: list[torch.Tensor], carry_original: bool = False) -> "CalibrationRun":
+        """Embed ``batches`` (``[batch, seq]`` token ids, :func:`~hf_symmetry.calibration.data.calibration_batches`)
+        with the model's own forward, recording each layer's arguments; returns the run, positioned
+        before layer 0."""
+        if not batches:
+            raise ValueError("no calibration batches")
+        model = self.skeleton()
+        layers = self._layers_list(model)
+        originals = list(layers)
+        record_per_batch: list[dict] = []
+        embed_keys = self.adapter.input_global_keys(self.keys)
+        embedded = []
+        # materialise the input-side globals of the skeleton in place, and drop them afterwards
+        from accelerate.utils import set_module_tensor_to_device
+
+        tensors = self.source.get(embed_keys)
+        params = dict(model.named_parameters())
+        loaded = []
+        for k, t in tensors.items():
+            if k in params:
+                set_module_tensor_to_device(model, k, self.device, value=t, dtype=self.dtype)
+                loaded.append(k)
+        del tensors
+        moved = []
+        for n, b in list(model.named_buffers()):
+            if b.device.type != "meta" and not n.startswith(self.adapter.prefix + self.adapter.spec.layers + "."):
+                moved.append((n, b))
+                set_module_tensor_to_device(model, n, self.device, value=b)
+        try:
+            for batch in tqdm(batches, desc="calibration: embed", disable=not self.progress, unit="batch",
+                              leave=False):
+                record: dict = {}
+                for i in range(len(originals)):
+                    layers[i] = _Catcher(i, originals[i], record, last=(i == len(originals) - 1))
+                try:
+                    with torch.no_grad():
+                        model(input_ids=batch.to(self.device), use_cache=False)
+                except _Stop:
+                    pass
+                finally:
+                    for i in range(len(originals)):
+                        layers[i] = originals[i]
+                if "input" not in record:
+                    raise RuntimeError(f"{type(model).__name__}: the forward never reached its first layer")
+                embedded.append(record.pop("input").detach())
+                record_per_batch.append(record)
+        finally:
+            for k in loaded:   # back to meta: the embeddings are not kept
+                set_module_tensor_to_device(model, k, "meta")
+            for n, b in moved:
+                set_module_tensor_to_device(model, n, "cpu", value=b.cpu())
+        gc.collect()
+        return CalibrationRun(self, batches, record_per_batch, self._place(embedded), carry_original)
+
+    def _place(self, acts: list[torch.Tensor]) -> Activations:
+        """Keep activations on the device when they fit in its budget, else in host memory."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            size = sum(t.numel() * t.element_size() for t in acts)
+            if 3 * size > self.device_activation_fraction * free:   # inputs, outputs and one spare
+                return Activations([t.to("cpu") for t in acts])
+        return Activations(acts)
+
+    def collect(self, batches: list[torch.Tensor], request: StatsRequest, final: StatsRequest | None = None,
+                on_layer: Callable[["LayerStep"], torch.nn.Module | None] | None = None,
+                carry_original: bool = False, layers: list[int] | None = None) -> CalibrationResult:
+        """Statistics of every layer (or of ``layers``; the loop still runs up to the last of them)
+        and, with ``final``, after the last layer. ``on_layer(step)`` may return the converted layer
+        (sequential mode, see :meth:`LayerStep.replace`)."""
+        run = self.start(batches, carry_original=carry_original)
+        out: list[LayerStats | None] = [None] * self.adapter.n_layers
+        stop = self.adapter.n_layers if layers is None or final is not None else max(layers) + 1
+        for step in run.layers(request, stop=stop, only=None if layers is None else set(layers)):
+            out[step.index] = step.stats
+            if on_layer is not None:
+                new = on_layer(step)
+                if new is not None:
+                    step.replace(new)
+        result = CalibrationResult(out, tokens=run.tokens)
+        if final is not None:
+            result.final = run.final(final)
+        return result
+
+
+@dataclass
+class LayerStep:
+    """One layer of a run, yielded once its statistics are collected (see
+    :meth:`CalibrationRun.layers`)."""
+    index: int
+    module: torch.nn.Module          # the original layer, on the device
+    stats: LayerStats | None
+    run: "CalibrationRun" = field(repr=False)
+    replacement: torch.nn.Module | None = None
+
+    def replace(self, module: torch.nn.Module) -> None:
+        """Hand on the outputs of ``module`` (the converted layer, called like the original with
+        the same arguments) instead of the original layer's."""
+        self.replacement = module
+
+    def collect(self, request: StatsRequest, module: torch.nn.Module | None = None) -> LayerStats:
+        """Statistics of ``module`` (default: the original layer) on this layer's inputs (the
+        converted stream; the original stream's sites for ``cross`` come from the original layer)."""
+        return self.run._collect(self.index, module or self.module, request, keep_outputs=False,
+                                 original_module=self.module)[0]
+
+    def tensors(self) -> Tensors:
+        """This layer's checkpoint tensors (original dtypes)."""
+        return self.run.engine.layer_tensors(self.index)
+
+
+class CalibrationRun:
+    """The state of one pass: the activations entering the next layer (and, with
+    ``carry_original``, the original model's), and each layer's recorded arguments."""
+
+    def __init__(self, engine: CalibrationEngine, batches, records: list[dict], acts: Activations,
+                 carry_original: bool):
+        self.engine, self.records = engine, records
+        self.tokens = int(sum(b.numel() for b in batches))
+        self.stream = acts
+        self.original = Activations(list(acts.batches)) if carry_original else None
+        self.next_layer = 0
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.engine.device, non_blocking=True)
+
+    def _home(self, like: Activations, t: torch.Tensor) -> torch.Tensor:
+        return t if like.batches and like.batches[0].device == t.device else t.to(like.batches[0].device)
+
+    def _new_stats(self, index, request) -> tuple[LayerStats, Accumulator]:
+        stats = LayerStats(index)
+        return stats, Accumulator(request, stats, self.engine.adapter.eps, self.engine.stats_device)
+
+    @torch.no_grad()
+    def _collect(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None):
+        """Run batch by batch: statistics of ``request`` and (``keep_outputs``) the outputs of
+        ``module`` on the converted stream and of ``original_module`` on the original stream."""
+        adapter = self.engine.adapter
+        stats, acc = self._new_stats(i, request)
+        sites = {base_site(s) for s in request.sites()}
+        osites = {base_site(s) for s in request.original_sites()}
+        original_module = original_module or module
+        need_original = self.original is not None and (bool(osites) or keep_outputs)
+        outs, oouts = [], []
+        site_modules = adapter.site_modules()
+        for b, x in enumerate(self.stream.batches):
+            args, kwargs = self.records[b][i]
+            x_dev = self._to_device(x)
+            oacts = None
+            if need_original:
+                xo = self._to_device(self.original.batches[b])
+                with capture_sites(original_module, site_modules, osites) as got:
+                    yo = _first(original_module(xo, *args, **kwargs))
+                oacts = dict(got, layer_in=xo, layer_out=yo)
+                if keep_outputs:
+                    oouts.append(self._home(self.original, yo))
+            with capture_sites(module, site_modules, sites) as got:
+                y = _first(module(x_dev, *args, **kwargs))
+            acc.add(dict(got, layer_in=x_dev, layer_out=y), oacts)
+            if keep_outputs:
+                outs.append(self._home(self.stream, y))
+            del got, oacts
+        return stats, outs, oouts
+
+    def layers(self, request: StatsRequest, stop: int | None = None, only: set[int] | None = None
+               ) -> Iterator[LayerStep]:
+        """Walk layers ``next_layer .. stop-1``: build each, collect ``request`` (on layers in
+        ``only``, default all), yield the step, then hand the outputs on (the replacement's, if
+        the caller set one)."""
+        engine = self.engine
+        stop = engine.adapter.n_layers if stop is None else stop
+        bar = tqdm(range(self.next_layer, stop), desc="calibration", unit="layer", disable=not engine.progress)
+        for i in bar:
+            module = engine.layer_module(i)
+            want = request if (only is None or i in only) else StatsRequest()
+            stats, outs, oouts = self._collect(i, module, want, keep_outputs=True, original_module=module)
+            step = LayerStep(i, module, stats if (only is None or i in only) else None, self)
+            yield step
+            if step.replacement is not None:
+                outs = [self._home(self.stream, _first(step.replacement(self._to_device(x), *self.records[b][i][0],
+                                                                        **self.records[b][i][1])))
+                        for b, x in enumerate(self.stream.batches)]
+            self.stream = Activations(outs)
+            if self.original is not None:
+                self.original = Activations(oouts)
+            self.next_layer = i + 1
+            del step, module, outs, oouts
+            gc.collect()
+
+    @torch.no_grad()
+    def final(self, request: StatsRequest) -> LayerStats:
+        """Statistics after the last layer: sites ``final_in`` (the stream) and ``head_in`` (the final
+        norm's output; the stream itself for families without a final norm)."""
+        engine = self.engine
+        if self.next_layer != engine.adapter.n_layers:
+            raise RuntimeError(f"final statistics need all {engine.adapter.n_layers} layers run "
+                               f"(next layer: {self.next_layer})")
+        bad = {base_site(s) for s in request.sites() | request.original_sites()} - set(FINAL_SITES)
+        if bad:
+            raise ValueError(f"after the last layer only {FINAL_SITES} exist, not {sorted(bad)}")
+        norm = engine.final_norm_module()
+        stats, acc = self._new_stats(None, request)
+        for b, x in enumerate(self.stream.batches):
+            x = self._to_device(x)
+            acts = {"final_in": x, "head_in": norm(x) if norm is not None else x}
+            oacts = None
+            if self.original is not None and request.cross:
+                xo = self._to_device(self.original.batches[b])
+                oacts = {"final_in": xo, "head_in": norm(xo) if norm is not None else xo}
+            acc.add(acts, oacts)
+        return stats

@@ -1,0 +1,96 @@
+"""``hf-symmetry heal CONVERTED OUT --teacher ORIGINAL --text TEXT``: recovery fine-tuning by distillation.
+
+Trains the converted model to match the original's next-token distribution (KL at a temperature,
+optionally mixed with the LM loss) on local text, with LoRA adapters on every projection (on the
+factor matrices of structured layers) merged into the weights at the end, or with --full fine-tuning.
+OUT is the same model family as CONVERTED (custom families load with trust_remote_code=True, without
+hf_symmetry) and its card shows perplexity before and after, the teacher, the tokens and the settings.
+
+Runs on one CPU or GPU, or data parallel with several processes, unchanged:
+  accelerate launch -m hf_symmetry heal ...      torchrun --nproc_per_node N -m hf_symmetry heal ...
+Checkpoints go to OUT.heal-run/ every --save-steps; --resume continues an interrupted run from there."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import add_output_args, emit
+
+
+def register(sub) -> None:
+    p = sub.add_parser("heal", help="recovery fine-tuning of a converted model by distillation (LoRA or full)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="CONVERTED", help="converted model folder (the student)")
+    p.add_argument("out", metavar="OUT", help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--teacher", required=True, metavar="ORIGINAL",
+                   help="the original model folder or embedded alias (smollm2); must share the student's tokenizer")
+    p.add_argument("--text", action="append", required=True, metavar="TEXT",
+                   help="training text: a UTF-8 file, a JSONL file with a \"text\" field, or an embedded name "
+                        "(e.g. britannica-calib); repeat for several. Split by document into train/held-out")
+    p.add_argument("--tokens", type=int, default=262_144,
+                   help="training tokens the optimizer sees, over all epochs (default: 262144)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (default: 512)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per optimizer step, over all processes (default: 8)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default: 16)")
+    how.add_argument("--full", action="store_true", help="fine-tune every weight instead of LoRA adapters")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-4 LoRA, 2e-5 --full)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 5%% of the steps)")
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
+    p.add_argument("--lm-weight", type=float, default=0.0,
+                   help="weight λ of the plain LM loss: loss = (1-λ) KD + λ LM (default: 0, pure distillation)")
+    p.add_argument("--teacher-cache", action="store_true",
+                   help="run the teacher once and keep its top-k logits on disk (safetensors), reused every epoch "
+                        "and on --resume, instead of running it alongside the student")
+    p.add_argument("--cache-k", type=int, default=64, help="logits kept per position by --teacher-cache (default: 64)")
+    p.add_argument("--teacher-samples", type=int, default=0, metavar="N",
+                   help="add N sequences sampled from the teacher itself (data-free distillation; stated on the card)")
+    p.add_argument("--eval-steps", type=int, default=None, help="held-out KD loss every N steps (default: at the end)")
+    p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: every 10%% of the steps, at most every 25)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run kept in OUT.heal-run/")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N (default: auto); "
+                                                    "under accelerate/torchrun each process uses its own device")
+    p.add_argument("--teacher-device", default=None, help="run the teacher on another device (default: the student's)")
+    p.add_argument("--save-adapter", action="store_true", help="also write the PEFT adapter alone to OUT/adapter/")
+    p.add_argument("--eval-text", action="append", default=None, metavar="TEXT",
+                   help="held-out text for perplexity before/after (default: britannica-eval); repeatable")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each --eval-text scored (default: 2048)")
+    p.add_argument("--no-verify", action="store_true", help="skip the before/after perplexity")
+    p.add_argument("--seed", type=int, default=0, help="seed of data order and adapter initialisation (default: 0)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..conversion.heal import HealOptions, heal_checkpoint
+    from ..training import is_main_process
+
+    options = HealOptions(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
+                          grad_accum=args.grad_accum, lora_rank=args.lora_rank, full=args.full, lr=args.lr,
+                          warmup_steps=args.warmup_steps, temperature=args.temperature, lm_weight=args.lm_weight,
+                          teacher_cache=args.teacher_cache, cache_k=args.cache_k,
+                          teacher_samples=args.teacher_samples, eval_steps=args.eval_steps,
+                          save_steps=args.save_steps, seed=args.seed)
+    eval_texts = [] if args.no_verify else (args.eval_text or ["britannica-eval"])
+    r = heal_checkpoint(args.model, args.out, args.teacher, args.text, options, overwrite=args.overwrite,
+                        resume=args.resume, progress=not args.quiet, device=args.device,
+                        teacher_device=args.teacher_device, save_adapter=args.save_adapter,
+                        eval_texts=eval_texts, eval_tokens=args.eval_tokens)
+    if not is_main_process():
+        return 0
+    lines = [f"heal {r.source} -> {r.output} ({r.model_type}, {r.mode}) in {r.seconds:.1f} s",
+             f"  {r.steps} steps, {r.train_tokens:,} training tokens, {r.tokens_per_second:.0f} tokens/s "
+             f"({r.processes} process(es) on {r.device}); {r.trainable_params:,} trainable parameters"]
+    if r.resumed_from:
+        lines.append(f"  resumed from {r.resumed_from}")
+    if r.heldout_kl_before is not None:
+        lines.append(f"  held-out KL to the teacher: {r.heldout_kl_before:.4f} -> {r.heldout_kl_after:.4f}")
+    for text, p in r.perplexity.items():
+        lines.append(f"  perplexity on {text} ({p['tokens']} tokens): teacher {p['teacher']:.3f}, "
+                     f"before {p['before']:.3f}, after {p['after']:.3f}")
+    if r.adapter_dir:
+        lines.append(f"  adapter alone: {r.adapter_dir}")
+    emit(r.as_dict(), lines, args.json_out)
+    return 0

@@ -1,0 +1,37 @@
+"""``compress``: ProcrustesGPT structured compression with orthogonal transforms, and SliceGPT as a
+built-in baseline, saved as loadable Hugging Face models (Llama-family checkpoints: llama, mistral
+without sliding window, qwen2). See ``docs/compress.md``.
+
+The steps, one module each:
+
+- :mod:`.options` — :class:`CompressOptions`, and what its flag combinations mean (one place);
+- :mod:`.plan` — which matrices are compressed, into which structure and size, and the parameter
+  accounting (equal ratios mean equal total parameter counts);
+- :mod:`.calibration` — the second moments the solvers weight by: one pass of the original model, or
+  sequential (the partly compressed model, :class:`FoldedLlama`);
+- :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity;
+- :mod:`.solve` — rotations (stage F / W, SliceGPT's PCA) and structured factors;
+- :mod:`.assemble` — the compressed model's state dict and config;
+- :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder);
+- :mod:`.card` — the model card.
+"""
+
+from __future__ import annotations
+
+from ..stream import DictSource, TensorSource
+from .assemble import (assemble, build_model, compressed_config, config_object, module_tensors,
+                       read_folded)
+from .calibration import CalibrationStats, FoldedLlama, calibration_batches, collect_statistics
+from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
+from .pipeline import REPORT_FILE, CompressReport, compress_checkpoint, compress_model, compress_tensors
+from .plan import (SUPPORTED_FAMILIES, MatrixPlan, Plan, check_family, plan_compression, plan_for,
+                   source_numels)
+from .solve import SolveResult, _matched, solve
+
+__all__ = [
+    "ALLOCATIONS", "DictSource", "TensorSource", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",
+    "read_folded", "CalibrationStats", "FoldedLlama", "calibration_batches", "collect_statistics", "LAYER_MODULES",
+    "PRESETS", "Q_MODES", "STAGES", "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport",
+    "compress_checkpoint", "compress_model", "compress_tensors", "SUPPORTED_FAMILIES", "MatrixPlan", "Plan",
+    "check_family", "plan_compression", "plan_for", "source_numels", "SolveResult", "solve", "_matched",
+]

@@ -1,0 +1,224 @@
+"""What the user asked for, and everything that follows from it, decided in one place.
+
+:class:`CompressOptions` holds the flags; its properties answer every question the later steps ask
+(does this method rotate, one rotation per segment or one global one, which statistics does the
+calibration need, which solver path runs, how is the method named, which settings apply to it), so
+that no step re-derives them from the flag combination."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+STRUCTURES = ("kron", "gs", "lowrank", "slice")
+STAGES = ("none", "f", "w")
+Q_MODES = ("segment", "global")
+PRESETS = ("procrustesgpt-llama",)
+ALLOCATIONS = ("uniform", "sensitivity")
+
+#: canonical name -> (module path inside a decoder layer, role)
+LAYER_MODULES = {
+    "q": ("self_attn.q_proj", "reader"), "k": ("self_attn.k_proj", "reader"), "v": ("self_attn.v_proj", "reader"),
+    "o": ("self_attn.o_proj", "writer"), "gate": ("mlp.gate_proj", "reader"), "up": ("mlp.up_proj", "reader"),
+    "down": ("mlp.down_proj", "writer"),
+}
+#: residual segment of a layer's matrix, relative to ``2 * layer`` (readers read it, writers write the next)
+SEGMENT_OFFSET = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 1, "up": 1, "down": 2}
+
+_ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len")
+
+
+@dataclass(frozen=True)
+class CompressOptions:
+    """``ratio``: fraction of the compressed matrices' parameters removed, overheads (skip matrices,
+    the tied head's change of basis) included — equal ratios mean equal total parameter counts.
+
+    ``q_mode`` ``None`` means the better default of the structure: one global rotation for SliceGPT
+    (its per-segment variant pays for dense skip matrices and measured clearly worse), one rotation per
+    residual segment for the ProcrustesGPT classes (the paper)."""
+    structure: str = "kron"
+    ratio: float = 0.25
+    stage: str = "w"
+    q_mode: str | None = None
+    kron_factor: int | None = None               # q: A_s is 1 x q (readers) / q x 1 (writers); must divide d
+    gs_blocks: tuple[int, int] | None = None     # (kl, kr) tiles of layer matrices; embeddings use (1, kr)
+    compress_embeddings: bool = True
+    dense_modules: tuple[str, ...] = ("v",)      # the paper leaves V dense
+    f_iters: int = 20
+    w_iters: int = 1
+    als_iters: int = 5
+    wopp_iters: int = 50
+    tol: float = 0.0                             # stage F/W stop: relative decrease per alternation (0: fixed count)
+    wopp_tol: float = 1e-9                       # weighted Procrustes stop: gradient norm relative to its first
+    solver_dtype: str = "float32"                # iterations in float32 (fast), final projections in float64
+    damping: float = 0.01                        # covariance damping, relative to the mean eigenvalue
+    tolerance: float = 0.02                      # largest |achieved ratio − ratio| accepted
+    calib_tokens: int = 16384
+    calib_seq_len: int = 512
+    sequential: bool = False                     # statistics of the partly compressed model
+    match_original: bool = True                  # sequential: target the original model's outputs and stream
+    matrix_keep: float | None = None             # fixed fraction kept per compressed matrix (presets), not ratio
+    allocation: str = "uniform"                  # uniform | sensitivity (per-layer sizes, see .allocate)
+
+    def __post_init__(self):
+        if self.q_mode is None:
+            object.__setattr__(self, "q_mode", "global" if self.structure == "slice" else "segment")
+        if isinstance(self.dense_modules, list):
+            object.__setattr__(self, "dense_modules", tuple(self.dense_modules))
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        if self.structure not in STRUCTURES:
+            raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURES)}")
+        if not 0.0 < float(self.ratio) < 1.0:
+            raise ValueError(f"ratio must be in (0, 1) (the fraction of parameters removed), got {self.ratio}")
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown stage {self.stage!r}; choose one of {', '.join(STAGES)}")
+        if self.q_mode not in Q_MODES:
+            raise ValueError(f"unknown q mode {self.q_mode!r}; choose one of {', '.join(Q_MODES)}")
+        if self.kron_factor is not None and (not isinstance(self.kron_factor, int) or self.kron_factor < 2):
+            raise ValueError(f"kron factor must be an integer >= 2, got {self.kron_factor!r}")
+        if self.gs_blocks is not None and (len(self.gs_blocks) != 2 or min(self.gs_blocks) < 1):
+            raise ValueError(f"gs blocks must be two positive integers (kl, kr), got {self.gs_blocks!r}")
+        unknown = set(self.dense_modules) - set(LAYER_MODULES)
+        if unknown:
+            raise ValueError(f"unknown dense modules {sorted(unknown)}; choose from {sorted(LAYER_MODULES)}")
+        if self.solver_dtype not in ("float32", "float64"):
+            raise ValueError(f"solver dtype must be float32 or float64, got {self.solver_dtype!r}")
+        if self.sequential and not self.sequential_applies:
+            raise ValueError("sequential calibration applies to SliceGPT with one rotation per segment and to stage "
+                             "w with one rotation per segment (--q-mode segment; low rank has no rotation), not to "
+                             f"{self.structure} stage {self.stage} with q mode {self.q_mode}")
+        if self.matrix_keep is not None and not 0.0 < float(self.matrix_keep) < 1.0:
+            raise ValueError(f"matrix keep fraction must be in (0, 1), got {self.matrix_keep}")
+        if self.matrix_keep is not None and self.slicing:
+            raise ValueError("a fixed size per matrix applies to the structured classes, not to SliceGPT")
+        if self.tol < 0 or self.wopp_tol < 0:
+            raise ValueError(f"tolerances must be >= 0, got tol={self.tol}, wopp_tol={self.wopp_tol}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"unknown allocation {self.allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
+        if self.allocation != "uniform" and self.slicing:
+            raise ValueError("non-uniform allocation applies to the structured classes (kron, gs, lowrank); the "
+                             "compressed model family has one residual width for SliceGPT")
+        if self.allocation != "uniform" and not self.needs_calibration:
+            raise ValueError("non-uniform allocation measures sensitivity on calibration text: use stage f or w")
+        for name in _ITER_NAMES:
+            if getattr(self, name) < 0 or (name.startswith("calib") and getattr(self, name) < 2):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+
+    @property
+    def sequential_applies(self) -> bool:
+        if self.slicing:
+            return self.q_mode == "segment"
+        return self.stage == "w" and (self.q_mode == "segment" or self.structure == "lowrank")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "CompressOptions":
+        """A named configuration; ``overrides`` (e.g. ``structure``) change it.
+
+        ``procrustesgpt-llama``: the reference ProcrustesGPT code's Llama configuration — embedding and
+        head dense, q, k, o, gate, up and down each structured at 75 % of its parameters, V dense; the
+        skip matrices come on top, and the report gives the parameters removed as a fraction of the
+        whole model, as the paper does."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        base = dict(compress_embeddings=False, dense_modules=("v",), matrix_keep=0.75, stage="w")
+        return cls(**{**base, **overrides})
+
+    # ------------------------------------------------------------------ what the flags mean
+    @property
+    def slicing(self) -> bool:
+        """SliceGPT: PCA rotations, then the residual stream sliced."""
+        return self.structure == "slice"
+
+    @property
+    def rotates(self) -> bool:
+        """Whether any rotation is sought: never for low rank (the rank of M Q is that of M, also in the
+        weighted norms), never at stage ``none``; always for SliceGPT (its PCA)."""
+        return self.slicing or (self.structure != "lowrank" and self.stage != "none")
+
+    @property
+    def segment_rotations(self) -> bool:
+        """One rotation per residual segment (skip connections carry ``Q_prevᵀ Q_next``)."""
+        return self.q_mode == "segment" and self.rotates
+
+    @property
+    def weighted(self) -> bool:
+        """Calibration-weighted ProcrustesGPT (stage W)."""
+        return not self.slicing and self.stage == "w"
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.slicing or self.stage in ("f", "w")
+
+    @property
+    def want_normed(self) -> bool:
+        """One-pass statistics of the normalised stream and the writers' inputs (stage W, not sequential)."""
+        return self.weighted and not self.sequential
+
+    @property
+    def want_stream(self) -> bool:
+        """One-pass statistics of the residual stream itself (SliceGPT's PCA, not sequential)."""
+        return self.slicing and not self.sequential
+
+    @property
+    def solver(self) -> str:
+        """The solve path: ``pca`` (SliceGPT, one pass), ``pca-sequential``, ``projection`` (no rotation
+        search), ``sequential`` (stage W segment after segment on the partly compressed model) or
+        ``stages`` (stage F, then stage W on one pass)."""
+        if self.slicing:
+            return "pca-sequential" if self.sequential else "pca"
+        if self.sequential:
+            return "sequential"
+        if not self.rotates:
+            return "projection"
+        return "stages"
+
+    @property
+    def method(self) -> str:
+        return "slicegpt" if self.slicing else "procrustesgpt"
+
+    @property
+    def label(self) -> str:
+        """How the method is named in output, reports and cards."""
+        if self.slicing:
+            kind = "global PCA" if self.q_mode == "global" else "PCA per segment"
+            return f"SliceGPT ({kind}{', sequential' if self.sequential else ''})"
+        extra = ", sequential" if self.sequential else ""
+        if self.structure == "lowrank":
+            return f"ProcrustesGPT (lowrank, stage {self.stage}{extra})"
+        return f"ProcrustesGPT ({self.structure}, stage {self.stage}, {self.q_mode} Q{extra})"
+
+    def applicable(self) -> dict:
+        """The settings that apply to this method (what a card lists), scalars only."""
+        keys = ["structure", "ratio" if self.matrix_keep is None else "matrix_keep", "q_mode", "compress_embeddings", "calib_tokens", "calib_seq_len"]
+        if self.slicing:
+            keys += ["sequential"]
+        else:
+            keys += ["stage", "dense_modules"]
+            if self.structure == "kron":
+                keys.append("kron_factor")
+            if self.structure == "gs":
+                keys.append("gs_blocks")
+            if self.rotates and self.stage in ("f", "w"):
+                keys += ["f_iters", "tol"]
+            if self.weighted:
+                keys += ["w_iters", "als_iters", "damping", "sequential"]
+                if self.rotates:
+                    keys += ["wopp_iters", "wopp_tol"]
+                if self.sequential:
+                    keys.append("match_original")
+        if not self.slicing:
+            keys.append("allocation")
+        if not self.needs_calibration:
+            keys = [k for k in keys if not k.startswith("calib")]
+        out = {}
+        for k in keys:
+            v = getattr(self, k)
+            out[k] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
+        return out
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def with_(self, **changes) -> "CompressOptions":
+        return replace(self, **changes)

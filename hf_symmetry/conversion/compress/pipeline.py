@@ -1,0 +1,195 @@
+"""Entry points: the whole pipeline on tensors, on a loaded model, and on a checkpoint folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ...checkpoint import CheckpointReader, atomic_output_dir, check_output_dir, copy_side_files
+from ...hub.cards import public_report
+from ...symmetry import structured as st
+from ..stream import DictSource, TensorSource
+from .assemble import assemble, build_model, compressed_config, read_folded
+from .calibration import CalibrationStats, FoldedLlama, collect_statistics
+from .options import CompressOptions
+from .plan import Plan, check_family, plan_for
+from .solve import solve
+
+Tensors = dict[str, torch.Tensor]
+REPORT_FILE = "compression_report.json"
+
+
+@dataclass
+class CompressReport:
+    source: str
+    output: str | None
+    family: str
+    options: dict
+    accounting: dict
+    relative_errors: dict
+    objective: dict                  # per solved problem: first and last objective value, steps
+    calibration_tokens: int = 0
+    seconds: dict = field(default_factory=dict)
+    perplexity: dict = field(default_factory=dict)
+    method: str = ""
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _summarise(traces: dict) -> dict:
+    return {k: {"first": v[0], "last": v[-1], "steps": len(v)} for k, v in traces.items() if v}
+
+
+def _require_calibration(options: CompressOptions, calib_ids: torch.Tensor | None) -> None:
+    if calib_ids is None or calib_ids.numel() < 2:
+        what = "sequential calibration" if options.sequential else "this compression"
+        raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
+
+
+def one_pass_statistics(source: TensorSource, config: dict, options: CompressOptions,
+                        calib_ids: torch.Tensor | None, placement=None, progress: bool = True) -> CalibrationStats | None:
+    """The statistics of one pass of the original model that ``options`` needs (token counts only
+    where it needs no activations; ``None`` where it needs no calibration), layer by layer from
+    ``source``."""
+    if not options.needs_calibration:
+        return None
+    _require_calibration(options, calib_ids)
+    return collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
+                              want_normed=options.want_normed, want_stream=options.want_stream,
+                              placement=placement, progress=progress)
+
+
+def compress_tensors(source: TensorSource, config: dict, options: CompressOptions,
+                     calib_ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                     progress: bool = True, plan: Plan | None = None, stats: CalibrationStats | None = None,
+                     hf_config=None, rotations: list[torch.Tensor] | None = None,
+                     placement=None) -> tuple[Tensors, dict, CompressReport]:
+    """The whole pipeline on tensors: (compressed state dict, config dict, report). Calibration runs
+    the layer-wise engine over ``source`` on ``placement`` (:func:`hf_symmetry.devices.resolve`;
+    default CPU float32); ``stats`` may be passed in instead (e.g. cached by a benchmark); ``plan``
+    and ``rotations`` override the planned structures and the starting rotations (see :func:`solve`)."""
+    times = {}
+    t0 = time.perf_counter()
+    if plan is None:
+        plan, adapter = plan_for(source, config, options)
+    else:
+        adapter = check_family(config, source.keys())
+    if stats is None:
+        stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
+    times["calibration"] = time.perf_counter() - t0
+    if options.allocation == "sensitivity" and plan.accounting.get("allocation") != "sensitivity":
+        from .allocate import allocate_for
+
+        _require_calibration(options, calib_ids)
+        t = time.perf_counter()
+        keep, allocation = allocate_for(source, config, options, plan, calib_ids[: options.calib_tokens],
+                                        stats.token_counts if stats is not None else None, placement, progress)
+        plan, _ = plan_for(source, config, options, keep=keep)
+        plan.accounting["allocation_report"] = allocation
+        times["allocation"] = time.perf_counter() - t
+    t1 = time.perf_counter()
+    layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied)
+    new_config = compressed_config(config, plan, options, hf_config)
+    net = None
+    if options.sequential:
+        _require_calibration(options, calib_ids)
+        net = FoldedLlama(layers, globals_, adapter, new_config, calib_ids[: options.calib_tokens],
+                          options.calib_seq_len)
+    with st.limit_threads(1):
+        res = solve(plan, layers, globals_, stats, options, progress, rotations, net)
+    del net
+    times["solve"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    state = assemble(plan, layers, globals_, gamma, res, dtype, progress)
+    times["assemble"] = time.perf_counter() - t2
+    report = CompressReport(source="", output=None, family=plan.family, options=options.as_dict(),
+                            accounting=plan.accounting, relative_errors=res.relative_errors,
+                            objective=_summarise(res.traces), calibration_tokens=stats.tokens if stats else 0,
+                            seconds=times, method=options.label)
+    return state, new_config, report
+
+
+def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None, progress: bool = False,
+                   stats: CalibrationStats | None = None, placement=None):
+    """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report)."""
+    options.validate()
+    dtype = next(model.parameters()).dtype
+    config = model.config.to_dict()
+    source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
+    state, new_config, report = compress_tensors(source, config, options, calib_ids=calib_ids, dtype=dtype,
+                                                 progress=progress, stats=stats, hf_config=model.config,
+                                                 placement=placement)
+    compressed, counted = build_model(state, new_config, dtype)
+    report.accounting["compressed_model_params_counted"] = counted
+    return compressed, report
+
+
+def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptions, calib_text: str | Path | None,
+                        overwrite: bool = False, progress: bool = True, eval_text: str | Path | None = None,
+                        eval_tokens: int = 4096, placement=None) -> CompressReport:
+    """Compress the HF folder ``src`` into ``out`` (loadable with ``trust_remote_code=True``). Every
+    input is checked before any work; ``out`` appears only when everything succeeded. The tokenizer is
+    loaded once; calibration reads the checkpoint one layer at a time on ``placement``'s device, and
+    the whole source model is loaded only for the original's perplexity (``eval_text``), then
+    released before the solve."""
+    from transformers import AutoConfig
+
+    from ...evaluation.compare import load_model, load_tokenizer
+    from ...evaluation.perplexity import PPL, perplexity, read_text, tokenize_text
+    from .card import write_card
+
+    options.validate()
+    check_output_dir(out, overwrite)
+    reader = CheckpointReader(src)
+    plan, adapter = plan_for(reader, reader.config, options)
+    calib = read_text(calib_text) if calib_text is not None else None  # an empty file fails here, before any load
+    if options.needs_calibration and calib is None:
+        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
+                         "embedded name)")
+    evaluation = read_text(eval_text) if eval_text is not None else None
+    tokenizer = load_tokenizer(src) if (options.needs_calibration or evaluation is not None) else None
+    calib_ids = eval_ids = None
+    if options.needs_calibration:
+        calib_ids = tokenize_text(tokenizer, calib, max_tokens=options.calib_tokens)
+        if calib_ids.numel() < 2:
+            raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+    if evaluation is not None:
+        eval_ids = tokenize_text(tokenizer, evaluation, max_tokens=eval_tokens)
+    hf_config = AutoConfig.from_pretrained(src)
+    dtype = getattr(hf_config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+    original_ppl = None
+    if eval_ids is not None:
+        original = load_model(src)
+        original_ppl = perplexity(original, eval_ids, PPL.window, PPL.stride, progress=False).perplexity
+        del original
+    state, new_config, report = compress_tensors(reader, reader.config, options, calib_ids=calib_ids, dtype=dtype,
+                                                 progress=progress, plan=plan, hf_config=hf_config,
+                                                 placement=placement)
+    model, counted = build_model(state, new_config, dtype)
+    del state
+    report.accounting["compressed_model_params_counted"] = counted
+    report.source, report.output = str(src), str(out)
+    if eval_ids is not None:
+        report.perplexity = {"text": str(eval_text), "tokens": int(eval_ids.numel()), "window": PPL.window,
+                             "stride": PPL.stride, "original": original_ppl,
+                             "compressed": perplexity(model, eval_ids, PPL.window, PPL.stride,
+                                                      progress=False).perplexity}
+    with atomic_output_dir(out, overwrite) as tmp:
+        model.save_pretrained(tmp)
+        copy_side_files(reader.path, tmp)
+        (tmp / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
+        write_card(tmp, report, options)
+        for f in tmp.iterdir():          # like save_pretrained elsewhere: ordinary readable files
+            if f.is_file():
+                os.chmod(f, 0o644)
+    return report

@@ -1,0 +1,336 @@
+"""Step 1, the plan (no work yet): which matrices are compressed, into which structure and size.
+
+The matrices are q, k, o, gate, up, down, the embedding and an untied head (V stays dense as in the
+paper). Sizes meet ``ratio`` — the fraction of those matrices' parameters removed, *after* paying for
+skip-connection matrices and the head's change of basis, so that every method compared at one ratio has
+the same total parameter count. A :class:`Plan` can also carry non-uniform sizes (``keep``: the fraction
+of each matrix's parameters kept, see :mod:`.allocate`) or the paper's fixed per-matrix size (the
+``procrustesgpt-llama`` preset)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ...architectures import Adapter
+from ...symmetry import structured as st
+from ..stream import DictSource, TensorSource
+from .options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
+
+SUPPORTED_FAMILIES = ("llama", "qwen2")          # adapter families (llama covers mistral)
+_KRON_Q_CANDIDATES = (2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 18, 20, 24, 32, 48, 64)
+
+
+@dataclass
+class MatrixPlan:
+    """One matrix as the solver sees it: ``M [k, d]`` with the residual dimension on its columns
+    (readers ``W``, writers ``Wᵀ``, embedding ``E``, head ``W_head``)."""
+    name: str                  # "layers.3.q_proj", "embed", "lm_head"
+    canon: str                 # canonical key ("q", ..., "embed", "lm_head")
+    layer: int | None
+    role: str                  # reader | writer
+    segment: int
+    structure: st.Structure    # on M [k, d]
+    bias: bool = False
+
+    @property
+    def module_structure(self) -> st.Structure:
+        """The structure in the module's ``[out, in]`` orientation."""
+        return self.structure if self.role == "reader" or self.canon == "embed" else self.structure.transpose()
+
+    @property
+    def compressed(self) -> bool:
+        return not isinstance(self.structure, st.Dense)
+
+
+@dataclass
+class Plan:
+    family: str
+    hidden: int
+    residual: int              # width of the compressed residual stream (< hidden for SliceGPT)
+    n_layers: int
+    tied: bool
+    skip: str                  # none | orthogonal | dense
+    lm_head: str               # tied | tied_mixed | separate
+    matrices: list[MatrixPlan]
+    accounting: dict = field(default_factory=dict)
+
+    @property
+    def n_segments(self) -> int:
+        return 2 * self.n_layers + 1
+
+    def layer_matrices(self, i: int) -> dict[str, MatrixPlan]:
+        return {m.canon: m for m in self.matrices if m.layer == i}
+
+    def by_name(self) -> dict[str, MatrixPlan]:
+        return {m.name: m for m in self.matrices}
+
+
+def check_family(config: dict, keys: list[str]) -> Adapter:
+    """The adapter of a Llama-family checkpoint, or a clear error for anything else."""
+    adapter = Adapter.from_config(config, keys)
+    if adapter.family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"compress supports Llama-family models (llama, mistral, qwen2); "
+                         f"{config.get('model_type')!r} is not supported")
+    if adapter.layout.qk_norm:
+        raise ValueError(f"compress does not support QK-norm models ({config.get('model_type')!r})")
+    adapter.check_supports("residual_rotation")
+    sliding = config.get("sliding_window")
+    if sliding and (config.get("model_type") == "mistral" or config.get("use_sliding_window")):
+        raise ValueError("compress does not support sliding-window attention (the compressed family uses full "
+                         "causal attention)")
+    if adapter.layout.rope_layout not in ("rotate_half", "none"):
+        raise ValueError(f"compress supports rotate_half RoPE only, got {adapter.layout.rope_layout}")
+    return adapter
+
+
+# ---------------------------------------------------------------------------------------------
+# structure sizes
+# ---------------------------------------------------------------------------------------------
+def _divisors(n: int, candidates) -> list[int]:
+    return [q for q in candidates if q <= n and n % q == 0]
+
+
+def _kron_for(k: int, d: int, kappa: float, q: int) -> st.Kron:
+    r = min(q, max(1, round(kappa * k * d / (q + k * d / q))))
+    return st.Kron((k, d), r, (1, q))
+
+
+def choose_kron_factor(d: int, kappa: float, user: int | None) -> int:
+    if user is not None:
+        if d % user:
+            raise ValueError(f"Kronecker factor {user} does not divide the hidden size {d}: factor shapes must "
+                             f"divide the matrix (try one of {_divisors(d, range(2, 65))})")
+        return user
+    options = _divisors(d, [q for q in _KRON_Q_CANDIDATES if q <= max(2, d // 4)])  # A stays the small factor
+    if not options:
+        raise ValueError(f"no Kronecker factor in {_KRON_Q_CANDIDATES} divides the hidden size {d}")
+    scored = [(abs(max(1, round(kappa * q)) / q - kappa), q) for q in options]
+    good = [q for err, q in scored if err <= 0.01]
+    return good[0] if good else min(scored)[1]
+
+
+def _gs_for(k: int, d: int, kappa: float, blocks: tuple[int, int], name: str) -> st.GS:
+    kl, kr = blocks
+    if k % kl or d % kr:
+        raise ValueError(f"GS blocks ({kl}, {kr}) do not divide {name} ({k}x{d} with the residual dimension on the "
+                         "columns): factor shapes must divide the matrix")
+    b = round(kappa * k * d / (kr * k + kl * d))
+    return st.GS((k, d), kl, kr, min(max(1, b), k // kl, d // kr))
+
+
+def _default_gs_blocks(k: int, d: int) -> tuple[int, int]:
+    kl = next(x for x in (4, 2, 1) if k % x == 0)
+    kr = next(x for x in (4, 2, 1) if d % x == 0)
+    return kl, kr
+
+
+def structure_for(kind: str, name: str, k: int, d: int, kappa: float, options: CompressOptions,
+                  kron_q: int | None, embedding: bool) -> st.Structure:
+    """The structure of ``kind`` on ``M [k, d]`` keeping about ``kappa`` of its parameters (``kappa >= 1``:
+    dense)."""
+    if kappa >= 1.0:
+        return st.Dense((k, d))
+    if kind == "kron":
+        return _kron_for(k, d, kappa, kron_q)
+    if kind == "lowrank":
+        return st.LowRank((k, d), min(max(1, round(kappa * k * d / (k + d))), min(k, d)))
+    if kind == "gs":
+        if options.gs_blocks is not None:
+            blocks = (1, options.gs_blocks[1]) if embedding else tuple(options.gs_blocks)
+        else:
+            blocks = (1, _default_gs_blocks(k, d)[1]) if embedding else _default_gs_blocks(k, d)
+        return _gs_for(k, d, kappa, blocks, name)
+    raise AssertionError(kind)
+
+
+def _matrix_shapes(adapter: Adapter, config: dict) -> dict[str, tuple[int, int]]:
+    """``M [k, d]`` shapes of the canonical layer matrices."""
+    L, d = adapter.layout, adapter.hidden
+    inter = int(config.get("intermediate_size"))
+    q_out, kv_out = L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim
+    return {"q": (q_out, d), "k": (kv_out, d), "v": (kv_out, d), "o": (q_out, d), "gate": (inter, d),
+            "up": (inter, d), "down": (inter, d)}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A matrix before its structure is chosen."""
+    name: str
+    canon: str
+    layer: int | None
+    role: str
+    segment: int
+    shape: tuple[int, int]
+    bias: bool
+
+
+def matrix_entries(config: dict, keys: list[str], adapter: Adapter) -> list[Entry]:
+    keyset = set(keys)
+    shapes = _matrix_shapes(adapter, config)
+    vocab = int(config["vocab_size"])
+    d = adapter.hidden
+
+    def bias(canon):
+        return f"{adapter.layer_prefix(0)}{LAYER_MODULES[canon][0]}.bias" in keyset
+
+    entries = [Entry(f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}", c, i, LAYER_MODULES[c][1],
+                     2 * i + SEGMENT_OFFSET[c], shapes[c], bias(c))
+               for i in range(adapter.n_layers) for c in LAYER_MODULES]
+    entries.append(Entry("embed", "embed", None, "writer", 0, (vocab, d), False))
+    if not adapter.tied_embeddings:
+        entries.append(Entry("lm_head", "lm_head", None, "reader", 2 * adapter.n_layers, (vocab, d), False))
+    return entries
+
+
+def in_policy(canon: str, options: CompressOptions) -> bool:
+    """Compressed under the ProcrustesGPT policy (also the budget SliceGPT's ratio is measured on)."""
+    if canon in ("embed", "lm_head"):
+        return options.compress_embeddings
+    return canon not in options.dense_modules
+
+
+def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamma: torch.Tensor | None,
+                     options: CompressOptions, keep: dict[str, float] | None = None) -> Plan:
+    """Decide every structure before any work; raises ValueError for what cannot be done.
+
+    ``keep`` (name → fraction of that matrix's parameters kept; 1 = dense) replaces the uniform size of
+    the ratio: non-uniform allocations (:mod:`.allocate`), checked against the ratio like uniform ones."""
+    options.validate()
+    adapter = check_family(config, keys)
+    d, n_layers = adapter.hidden, adapter.n_layers
+    tied = adapter.tied_embeddings
+    entries = matrix_entries(config, keys, adapter)
+    segment = options.segment_rotations
+    p_compressed = sum(e.shape[0] * e.shape[1] for e in entries if in_policy(e.canon, options))
+    target_total = dense_total - options.ratio * p_compressed
+    gamma_is_one = final_gamma is None or bool(torch.all(final_gamma == 1))
+
+    if options.slicing:
+        residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total)
+        skip = "dense" if segment else "none"
+        lm_head = "tied_mixed" if tied else "separate"
+    else:
+        residual = d
+        skip = "orthogonal" if segment else "none"
+        lm_head = ("tied" if gamma_is_one and not segment else "tied_mixed") if tied else "separate"
+        overhead = rotation_overhead(d, n_layers, segment, lm_head)
+        if options.matrix_keep is not None:            # the paper's fixed size per matrix, overheads on top
+            kappa = options.matrix_keep
+        else:
+            kappa = ((1 - options.ratio) * p_compressed - overhead) / p_compressed
+            if kappa <= 0:
+                raise ValueError(f"ratio {options.ratio} cannot be met: the skip/head matrices alone need "
+                                 f"{overhead:,} parameters of the {(1 - options.ratio) * p_compressed:,.0f} left; "
+                                 "use a smaller ratio or --q-mode global")
+        kron_q = choose_kron_factor(d, kappa, options.kron_factor) if options.structure == "kron" else None
+        structures = {}
+        for e in entries:
+            k_e = kappa if keep is None else keep.get(e.name, kappa)
+            structures[e.name] = (structure_for(options.structure, e.name, *e.shape, k_e, options, kron_q,
+                                                e.canon in ("embed", "lm_head"))
+                                  if in_policy(e.canon, options) else st.Dense(e.shape))
+    matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
+    plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices)
+    plan.accounting = accounting(plan, dense_total, p_compressed, options)
+    plan.accounting["target_params"] = round(target_total)
+    if not options.slicing:
+        plan.accounting["uniform_keep"] = kappa
+        plan.accounting["kron_factor"] = kron_q
+    if keep is not None:
+        plan.accounting["allocation"] = "sensitivity"
+    achieved = plan.accounting["ratio_over_compressed"]
+    if options.matrix_keep is None and abs(achieved - options.ratio) > options.tolerance:
+        raise ValueError(f"no {options.structure} configuration meets ratio {options.ratio:g} within "
+                         f"{options.tolerance:g} (nearest: {achieved:.4f})" +
+                         ("; try another --kron-factor" if options.structure == "kron" else ""))
+    return plan
+
+
+def rotation_overhead(d: int, n_layers: int, segment: bool, lm_head: str) -> int:
+    """Parameters of the orthogonal skip matrices (Cayley: d(d+1)/2 each) and the tied head's mix."""
+    return (2 * n_layers * d * (d + 1) // 2 if segment else 0) + (d * d if lm_head == "tied_mixed" else 0)
+
+
+def slice_total(dp: int, entries: list[Entry], n_layers: int, tied: bool, segment: bool) -> int:
+    """Parameters of the sliced matrices, skips and head mix at uniform width ``dp``."""
+    total = 0
+    for e in entries:
+        k = e.shape[0]
+        total += k * dp + (k if e.bias and e.role == "reader" else dp if e.bias else 0)
+    total += (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
+    return total
+
+
+def plan_slice(entries, d, n_layers, tied, segment, target_total) -> tuple[int, dict]:
+    """SliceGPT: the residual width d' whose total parameter count is closest to the target."""
+    best = min(range(1, d + 1), key=lambda dp: abs(slice_total(dp, entries, n_layers, tied, segment) - target_total))
+    return best, {e.name: st.Dense((e.shape[0], best)) for e in entries}
+
+
+def _module_params(m: MatrixPlan, residual: int) -> int:
+    bias = 0
+    if m.bias:
+        bias = m.structure.shape[0] if m.role == "reader" else residual
+    return m.structure.params() + bias
+
+
+def accounting(plan: Plan, dense_total: int, p_compressed: int, options: CompressOptions) -> dict:
+    d, dr = plan.hidden, plan.residual
+    skip_each = {"orthogonal": d * (d + 1) // 2, "dense": dr * dr, "none": 0}[plan.skip]
+    skips = 2 * plan.n_layers * skip_each
+    mix = dr * dr if plan.lm_head == "tied_mixed" else 0
+    compressed_set = [m for m in plan.matrices if in_policy(m.canon, options)]
+    structured = sum(m.structure.params() for m in compressed_set)
+    total = sum(_module_params(m, dr) for m in plan.matrices) + skips + mix
+    per_matrix = {m.name: {"structure": m.module_structure.spec(), "dense_params": m.structure.shape[0] * d,
+                           "params": m.structure.params(),
+                           "ratio": 1 - m.structure.params() / (m.structure.shape[0] * d)}
+                  for m in plan.matrices}
+    return {
+        "target_ratio": options.ratio if options.matrix_keep is None else None,
+        "dense_params_of_compressed_matrices": p_compressed,
+        "structured_params_of_compressed_matrices": structured,
+        "skip_params": skips,
+        "head_mix_params": mix,
+        # removed parameters (norm weights, which fold away, included) per dense parameter of the
+        # compressed matrices: equal for equal totals, whatever the method
+        "ratio_over_compressed": (dense_total - total) / p_compressed,
+        "ratio_per_matrix_mean": 1 - structured / p_compressed,
+        "dense_model_params": dense_total,
+        "compressed_model_params": total,
+        "ratio_over_model": 1 - total / dense_total,
+        "per_matrix": per_matrix,
+    }
+
+
+def source_numels(source: TensorSource, keys: list[str], tied: bool) -> int:
+    """Parameters of the source model (tied weights once)."""
+    keys = [k for k in keys if not (tied and k == "lm_head.weight")]
+    if isinstance(source, DictSource):
+        return sum(source.state_dict[k].numel() for k in keys)
+    from safetensors import safe_open
+
+    total = 0
+    by_file: dict[str, list[str]] = {}
+    for k in keys:
+        by_file.setdefault(source.key_to_file[k], []).append(k)
+    for fname, ks in by_file.items():
+        with safe_open(source.path / fname, framework="pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in ks)
+    return total
+
+
+def final_gamma(source: TensorSource, adapter: Adapter) -> torch.Tensor:
+    name = f"{adapter.prefix}{adapter.spec.final_norm}.weight"
+    return source.get([name])[name].to(torch.float64)
+
+
+def plan_for(source: TensorSource, config: dict, options: CompressOptions,
+             keep: dict[str, float] | None = None) -> tuple[Plan, Adapter]:
+    keys = source.keys()
+    adapter = check_family(config, keys)
+    dense_total = source_numels(source, keys, adapter.tied_embeddings)
+    return plan_compression(config, keys, dense_total, final_gamma(source, adapter), options, keep), adapter

@@ -1,0 +1,230 @@
+"""Step 3, rotations and factors.
+
+Stage ``none`` (plain projection, Q = I), stage ``f`` (alternating Frobenius projection / Procrustes per
+segment), stage ``w`` (from stage F's Q: weighted projections and weighted Procrustes with the
+calibration covariances), see :mod:`...symmetry.segments`; either one Q per residual segment (skip
+connections carry ``Q_prevᵀ Q_next``) or one global Q. SliceGPT: PCA of the stream per segment (one pass
+or sequential) or globally, then slicing. Which path runs is :attr:`CompressOptions.solver`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ...symmetry import structured as st
+from ...symmetry.segments import Term, balance, solve_segment
+from .calibration import CalibrationStats, FoldedLlama
+from .options import CompressOptions
+from .plan import MatrixPlan, Plan
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _damped(G: torch.Tensor, damping: float) -> torch.Tensor:
+    """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening)."""
+    return G + damping * G.diagonal().mean().clamp_min(1e-12) * torch.eye(G.shape[0], dtype=G.dtype)
+
+
+def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch.Tensor:
+    if m.canon == "embed":
+        return globals_["embed.weight"]
+    if m.canon == "lm_head":
+        return globals_["lm_head.weight"]
+    W = layers[m.layer][f"{m.canon}.weight"]
+    return W if m.role == "reader" else W.T
+
+
+def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float) -> torch.Tensor:
+    """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
+    model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
+    side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
+    ridge-regularised towards M itself, so that X̂ = X gives M back exactly:
+    ``(X̂ᵀX̂ + δI)⁻¹ ((X̂ᵀX + δI) M + X̂ᵀD)`` — then approximated in the metric X̂ᵀX̂ like any stage W term."""
+    if m.role == "reader":
+        G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], 0
+    else:
+        key = "attn_out" if m.canon == "o" else "mlp_hidden"
+        G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
+        drift = getattr(stats, key + "_drift")[m.layer]
+    ridge = _damped(G, damping) - G
+    target = M.T if m.role == "reader" else M
+    out = torch.linalg.solve(G + ridge, (Cx + ridge) @ target + drift)
+    return out.T if m.role == "reader" else out
+
+
+def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
+           options: CompressOptions, only: int | None = None) -> list[tuple[list[Term], list[Term]]]:
+    """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
+    ``only`` filled when given: sequential calibration has the statistics of one segment at a time)."""
+    n_seg = 2 * plan.n_layers + 1
+    segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
+    token_gram = None if stats is None else st.Gram(diag=stats.token_counts + 1.0)   # (√(D+1))²
+    weighted = stage == "w" and stats is not None and stats.normed is not None
+    reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
+    for m in plan.matrices:
+        if not m.compressed or (only is not None and m.segment != only):
+            continue
+        M = _matrix_of(m, layers, globals_)
+        if weighted and stats.normed_cross is not None and m.canon != "embed":
+            M = _matched(m, M, stats, options.damping)
+        term = Term(m.name, M, m.structure)
+        if m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None:
+            if m.canon == "embed" or stage == "f":
+                term.row_gram = token_gram
+        if weighted:
+            if m.role == "reader" and term.row_gram is None:
+                if m.segment not in reader_cov:
+                    reader_cov[m.segment] = _damped(stats.normed[m.segment], options.damping)
+                term.col_gram = reader_cov[m.segment]
+            elif m.canon == "o":
+                term.row_gram = st.Gram(matrix=_damped(stats.attn_out[m.layer], options.damping))
+            elif m.canon == "down":
+                term.row_gram = st.Gram(matrix=_damped(stats.mlp_hidden[m.layer], options.damping))
+        terms, readers = segments[m.segment]
+        terms.append(term)
+        if m.role == "reader":
+            readers.append(term)
+    for terms, readers in segments:
+        if stage != "none":
+            balance(terms, readers)
+    return segments
+
+
+@dataclass
+class SolveResult:
+    Qs: list[torch.Tensor]                       # one per segment (the same tensor in global mode)
+    factors: dict[str, st.Factors]               # per compressed matrix, M orientation
+    traces: dict[str, list[float]]               # objective traces per solved problem
+    relative_errors: dict[str, float]
+    stats: CalibrationStats | None = None        # sequential calibration: the statistics it measured
+
+
+def _stopping(options: CompressOptions) -> dict:
+    """Stage F/W's stopping rule (:func:`...symmetry.segments.solve_segment`)."""
+    return {"tol": options.tol, "wopp_tol": options.wopp_tol}
+
+
+def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress):
+    segments = _terms(plan, layers, globals_, stats, stage, options)
+    traces = {}
+    dtype = getattr(torch, options.solver_dtype)
+    if options.q_mode == "global":
+        terms = [t for seg, _ in segments for t in seg]
+        res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters, dtype=dtype,
+                            **_stopping(options))
+        Qs = [res.Q] * len(segments)
+        traces["global"] = res.trace
+        all_terms = terms
+    else:
+        Qs, all_terms = [], []
+        for k, (terms, _) in enumerate(tqdm(segments, desc=desc, unit="segment", disable=not progress)):
+            res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
+                                **_stopping(options))
+            Qs.append(res.Q)
+            traces[f"segment{k}"] = res.trace
+            all_terms += terms
+    return Qs, all_terms, traces
+
+
+def _solve_sequential(plan, layers, globals_, stats, options, Q_init, net: FoldedLlama, progress):
+    """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
+    statistics of the model whose segments before k are already compressed, measured by ``net``, and
+    its matrices are replaced in ``net`` by their approximations once solved. ``match_original``: each
+    matrix then targets the original model's outputs and writers the original residual stream
+    (:func:`_matched`), instead of the matrix's own outputs on X̂."""
+    n_seg = plan.n_segments
+    L = plan.n_layers
+    seq = CalibrationStats(stats.tokens, stats.token_counts, [None] * n_seg, None, [None] * L, [None] * L)
+    if options.match_original:
+        seq.normed_cross = [None] * n_seg
+        for name in ("attn_out_cross", "mlp_hidden_cross", "attn_out_drift", "mlp_hidden_drift"):
+            setattr(seq, name, [None] * L)
+    iters = options.w_iters if options.rotates else 0
+    dtype = getattr(torch, options.solver_dtype)
+    ms = plan.by_name()
+    Qs, all_terms, traces = [], [], {}
+    for k in tqdm(net.walk(seq), total=n_seg, desc="stage W (sequential)", unit="segment", disable=not progress):
+        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k)[k]
+        res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
+                            **_stopping(options))
+        for t in terms:
+            net.replace(ms[t.name], t.structure.dense(t.factors) @ res.Q.T)
+        Qs.append(res.Q)
+        traces[f"segment{k}"] = res.trace
+        all_terms += terms
+    return Qs, all_terms, traces, seq
+
+
+def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
+          options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
+          net: FoldedLlama | None = None) -> SolveResult:
+    """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
+    ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
+    the factors are simply projected at these rotations. ``net``: the calibration forward of
+    ``options.sequential``."""
+    n_seg = plan.n_segments
+    if options.sequential and net is None:
+        raise ValueError("sequential calibration needs the calibration forward (a FoldedLlama)")
+    path = options.solver
+    if path == "pca":
+        return SolveResult(_pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
+    if path == "pca-sequential":
+        return _pca_sequential(plan, stats, net, progress)
+    eye = torch.eye(plan.hidden, dtype=torch.float64)
+    Q0 = list(rotations) if rotations is not None else [eye] * n_seg
+    seq = None
+    if path == "projection":
+        # low rank: no rotation can lower the error, the stage only picks the weighting
+        Qs, terms, traces = _solve_stage(plan, layers, globals_, stats, options.stage, options, Q0, 0,
+                                         "projection", progress)
+    elif not options.rotates:     # low rank, sequential: one segment after the other, Q = I
+        Qs, terms, traces, seq = _solve_sequential(plan, layers, globals_, stats, options, Q0, net, progress)
+    else:
+        Qs, terms, traces = _solve_stage(plan, layers, globals_, stats, "f", options, Q0, options.f_iters,
+                                         "stage F", progress)
+        if options.stage == "w":
+            Qs, terms, w_traces, seq = (
+                _solve_sequential(plan, layers, globals_, stats, options, Qs, net, progress) if path == "sequential"
+                else (*_solve_stage(plan, layers, globals_, stats, "w", options, Qs, options.w_iters, "stage W",
+                                    progress), None))
+            traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
+    factors, rel = {}, {}
+    ms = plan.by_name()
+    for t in terms:
+        factors[t.name] = t.factors
+        Q = Qs[ms[t.name].segment]
+        rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
+                            torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
+    return SolveResult(Qs, factors, traces, rel, seq)
+
+
+def _pca(C: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors of a second moment, largest eigenvalue first."""
+    lam, V = torch.linalg.eigh((C + C.T) / 2)
+    return V[:, torch.argsort(lam, descending=True)]
+
+
+def _pca_sequential(plan: Plan, stats: CalibrationStats, net: FoldedLlama, progress: bool) -> SolveResult:
+    """SliceGPT as its reference code calibrates: segment k's PCA on the stream of the model whose
+    segments before k are already sliced (``net`` projects each solved segment's stream onto its kept
+    directions before going on)."""
+    n_seg = plan.n_segments
+    seq = CalibrationStats(stats.tokens if stats else 0, stats.token_counts if stats else None, stream=[None] * n_seg)
+    Qs = []
+    for k in tqdm(net.walk(seq), total=n_seg, desc="SliceGPT (sequential)", unit="segment", disable=not progress):
+        Q = _pca(seq.stream[k])
+        net.project(k, Q[:, :plan.residual])
+        Qs.append(Q)
+    return SolveResult(Qs, {}, {}, {}, seq)
+
+
+def _pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:
+    """SliceGPT: eigenvectors of the residual stream's second moment, largest first."""
+    if q_mode == "global":
+        Q = _pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
+        return [Q] * n_seg
+    return [_pca(C) for C in stats.stream]
+
+

@@ -1,0 +1,220 @@
+"""The one verification path of every conversion.
+
+A conversion writes its folder; the command then calls :func:`verify` (one converted model
+against its original) or :func:`perplexities` (several models on one text, e.g. a merge and
+its inputs). Both load each model through accelerate's big-model loading
+(``device_map="auto"`` or one named device, with CPU/disk offload when it does not fit), one
+model at a time, and measure with the same definitions: max |Δ| over the first
+:data:`~.perplexity.LOGIT_TOKENS` tokens (logits, or hidden states for encoders) and the
+perplexity of :data:`~.perplexity.PPL`. One progress bar covers the whole step.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..assets import resolve_model, resolve_text
+from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, read_text, tokenize_text, windows
+
+DEFAULT_TEXT = "britannica-eval"
+
+
+def resolve_device(device: str | None) -> str:
+    """``auto`` (or None) stays ``auto`` (accelerate's device map); anything else must name a
+    device this machine has (:func:`hf_symmetry.devices.resolve_device`)."""
+    from ..devices import resolve_device as checked
+
+    if device is None or str(device).strip().lower() == "auto":
+        return "auto"
+    return str(checked(device))
+
+
+def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: torch.dtype = torch.float32,
+                  trust_remote_code: bool | None = None, offload_folder: str | os.PathLike | None = None):
+    """A saved model (LM class when it has one, else its base model) in eval mode, placed by
+    accelerate: ``device_map="auto"`` spreads it over the visible GPUs and offloads what does not
+    fit to CPU memory and then to ``offload_folder``; a named device puts it all there."""
+    import hf_symmetry  # noqa: F401  (registers hf_symmetry's families with the Auto classes)
+    from transformers import AutoConfig
+
+    from .compare import auto_class
+
+    path = resolve_model(path)
+    trust = bool(trust_remote_code)   # hf_symmetry's own families are registered and need no remote code
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    device = resolve_device(device)
+    cls = auto_class(config)
+    kwargs = dict(dtype=dtype, trust_remote_code=trust)
+    if device == "auto":
+        kwargs.update(device_map="auto", offload_folder=str(offload_folder or tempfile.gettempdir()))
+    else:
+        kwargs.update(device_map={"": device})
+    try:
+        model = cls.from_pretrained(path, **kwargs)
+    except ValueError as exc:
+        if "no_split" not in str(exc).lower():
+            raise
+        # a custom class without _no_split_modules: accelerate cannot split it, so one device it is
+        kwargs.update(device_map={"": "cuda" if torch.cuda.is_available() else "cpu"})
+        kwargs.pop("offload_folder", None)
+        model = cls.from_pretrained(path, **kwargs)
+    return model.eval()
+
+
+def _output(model, ids: torch.Tensor) -> tuple[torch.Tensor, str]:
+    from .perplexity import input_device
+
+    with torch.no_grad():
+        out = model(input_ids=ids.reshape(1, -1).to(input_device(model)))
+    if getattr(out, "logits", None) is not None:
+        return out.logits[0].float().cpu(), "logits"
+    return out.last_hidden_state[0].float().cpu(), "hidden_states"
+
+
+def _is_causal_lm(model) -> bool:
+    return any(s in type(model).__name__ for s in ("CausalLM", "LMHeadModel"))
+
+
+@dataclass
+class Verification:
+    """What :func:`verify` measured; ``as_dict()`` is what cards and JSON reports record."""
+
+    max_abs_dlogit: float
+    output_kind: str             # "logits" or "hidden_states"
+    tokens: int                  # tokens compared for max |Δ|
+    text: str                    # public label of the text (embedded name or file name)
+    perplexity_original: float | None = None
+    perplexity_converted: float | None = None
+    ppl_tokens: int | None = None
+    ppl_window: int | None = None
+    ppl_stride: int | None = None
+    hidden_cosine: float | None = None    # encoders: mean cosine of last hidden states
+    seconds: float = 0.0
+    text_path: str | None = field(default=None, repr=False)   # local only, never recorded
+
+    @property
+    def delta_perplexity(self) -> float | None:
+        if self.perplexity_original is None or self.perplexity_converted is None:
+            return None
+        return self.perplexity_converted - self.perplexity_original
+
+    def describe_perplexity(self) -> str:
+        return PerplexitySpec(self.ppl_tokens, self.ppl_window, self.ppl_stride).describe()
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "text_path" and v is not None}
+        d["delta_perplexity"] = self.delta_perplexity
+        return d
+
+
+def _text_ids(tokenizer, text, count: int) -> tuple[torch.Tensor, Path]:
+    path = resolve_text(text)
+    return tokenize_text(tokenizer, read_text(path), max_tokens=count), path
+
+
+def _public_text(text) -> str:
+    from ..hub.cards import public_text_label
+
+    return public_text_label(text)
+
+
+def _steps(n_logit: int, n_ppl: int, causal: bool) -> int:
+    return 2 + (windows(n_ppl, PPL.window, PPL.stride) if causal and n_ppl > 1 else 0)
+
+
+def verify(original: str | os.PathLike, converted: str | os.PathLike, text: str | os.PathLike = DEFAULT_TEXT,
+           tokens: int = LOGIT_TOKENS, ppl_tokens: int = PPL.tokens, device: str | None = "auto",
+           trust_remote_code: bool | None = None, progress: bool = True, tokenizer=None) -> Verification:
+    """Compare ``converted`` with ``original`` on the first tokens of ``text``: max |Δlogit| over
+    ``tokens`` tokens (hidden states and their mean cosine for encoders) and, for causal LMs,
+    both perplexities over ``ppl_tokens`` tokens (:data:`PPL`'s window and stride; 0 skips).
+    The two models are loaded one after the other, so memory holds one model at a time."""
+    from .compare import load_tokenizer
+
+    if tokens < 2 or ppl_tokens < 0:
+        raise ValueError(f"need --tokens >= 2 and --ppl-tokens >= 0; got {tokens} and {ppl_tokens}")
+    start = time.perf_counter()
+    tokenizer = tokenizer or load_tokenizer(original)
+    ids, path = _text_ids(tokenizer, text, max(tokens, ppl_tokens))
+    results, kind, causal = [], "logits", True
+    bar = tqdm(desc="verifying", total=4, disable=not progress, leave=False, unit="step")
+    try:
+        for which in (original, converted):
+            bar.set_postfix_str(f"loading {Path(str(which)).name}")
+            model = load_for_eval(which, device=device, trust_remote_code=trust_remote_code)
+            bar.update(1)
+            limit = getattr(model.config, "max_position_embeddings", None) or tokens
+            head = ids[:min(tokens, limit)]
+            causal = _is_causal_lm(model)
+            if bar.total == 4:
+                bar.total = 2 * _steps(head.numel(), min(ppl_tokens, ids.numel()), causal)
+                bar.refresh()
+            bar.set_postfix_str(f"scoring {Path(str(which)).name}")
+            out, kind = _output(model, head)
+            bar.update(1)
+            ppl = None
+            if causal and ppl_tokens > 1:
+                ppl = perplexity(model, ids[:ppl_tokens], PPL.window, PPL.stride, bar=bar)
+            results.append((out, ppl))
+            del model
+            gc.collect()
+    finally:
+        bar.close()
+    (a, pa), (b, pb) = results
+    v = Verification((a - b).abs().max().item(), kind, a.shape[0], _public_text(text), text_path=str(path))
+    if kind == "hidden_states":
+        v.hidden_cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
+    if pa is not None and pb is not None:
+        v.perplexity_original, v.perplexity_converted = pa.perplexity, pb.perplexity
+        v.ppl_tokens, v.ppl_window, v.ppl_stride = pb.tokens, pb.window, pb.stride
+    v.seconds = time.perf_counter() - start
+    return v
+
+
+def perplexities(models: dict[str, str | os.PathLike], text: str | os.PathLike = DEFAULT_TEXT,
+                 ppl_tokens: int = PPL.tokens, tokenizer_from: str | os.PathLike | None = None,
+                 device: str | None = "auto", trust_remote_code: bool | None = None, progress: bool = True):
+    """``{name: PerplexityResult}`` for several causal LMs on the same tokens of ``text``
+    (:data:`PPL`), loading one model at a time. Returns (results, text path)."""
+    from .compare import load_tokenizer
+
+    if ppl_tokens < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens; got {ppl_tokens}")
+    tokenizer = load_tokenizer(tokenizer_from or next(iter(models.values())))
+    ids, path = _text_ids(tokenizer, text, ppl_tokens)
+    out = {}
+    per_model = 1 + windows(ids.numel(), PPL.window, PPL.stride)
+    with tqdm(desc="perplexity", total=per_model * len(models), disable=not progress, leave=False,
+              unit="step") as bar:
+        for name, folder in models.items():
+            bar.set_postfix_str(f"loading {name}")
+            model = load_for_eval(folder, device=device, trust_remote_code=trust_remote_code)
+            bar.update(1)
+            if not _is_causal_lm(model):
+                raise ValueError(f"{name} is not a causal LM ({type(model).__name__}); perplexity needs one")
+            bar.set_postfix_str(f"scoring {name}")
+            out[name] = perplexity(model, ids, PPL.window, PPL.stride, bar=bar)
+            del model
+            gc.collect()
+    return out, path
+
+
+def verify_and_record_folder(original: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike = DEFAULT_TEXT,
+                             tokens: int = LOGIT_TOKENS, ppl_tokens: int = PPL.tokens, device: str | None = "auto",
+                             progress: bool = True, extra: dict | None = None) -> Verification:
+    """:func:`verify` a written folder against its original and record the figures in its model
+    card (exactness and the perplexity entry); what every conversion command runs after writing."""
+    from ..hub.cards import update_card
+    from .bridge import verification_card_entries
+
+    v = verify(original, out, text=text, tokens=tokens, ppl_tokens=ppl_tokens, device=device, progress=progress)
+    update_card(out, exactness={**v.as_dict(), **(extra or {})}, eval_results=verification_card_entries(v))
+    return v

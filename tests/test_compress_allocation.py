@@ -1,0 +1,251 @@
+"""``compress``: non-uniform allocation from measured sensitivity, and the ``procrustesgpt-llama`` preset.
+
+The allocator is checked on SmolLM2's shapes (budget met to 0.1 % of the model, uniform for equally
+sensitive layers, parameters moved to a layer made sensitive); the measured sensitivity on a tiny
+model; every allocation and the preset load as remote code without hf_symmetry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+import torch
+
+import hf_symmetry  # noqa: F401  (registers the family)
+from hf_symmetry.cli import main
+from hf_symmetry.conversion import compress as C
+from hf_symmetry.conversion.compress import allocate as A
+from hf_symmetry.conversion.compress.plan import check_family, matrix_entries
+from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+
+def _source(model):
+    return C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
+
+
+@pytest.fixture(scope="module")
+def smollm2_shapes():
+    """SmolLM2-135M's config and tensor names (a meta-device model: no weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                      rope_theta=100000.0, rms_norm_eps=1e-5)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    config = cfg.to_dict()
+    keys = list(model.state_dict())
+    dense_total = sum(p.numel() for p in model.parameters())
+    return config, keys, dense_total
+
+
+def _uniform(smollm2_shapes, structure, ratio=0.25, embeddings=True):
+    config, keys, dense_total = smollm2_shapes
+    options = C.CompressOptions(structure=structure, ratio=ratio, stage="w", allocation="sensitivity",
+                                compress_embeddings=embeddings)
+    plan = C.plan_compression(config, keys, dense_total, None, options)
+    entries = matrix_entries(config, keys, check_family(config, keys))
+    return options, plan, entries
+
+
+def _curves(entries, options, scale=None):
+    """The same convex error curve for every group (optionally scaled per group)."""
+    curves = {}
+    for name in A.group_entries(entries, options):
+        s = (scale or {}).get(name, 1.0)
+        curves[name] = [(x, s * (1 - x) ** 2) for x in (0.1, 0.3, 0.5, 0.7, 0.9)]
+    return curves
+
+
+def _allocated(options, plan, entries, curves):
+    groups = A.build_groups(entries, options, plan.accounting.get("kron_factor"), curves)
+    chosen = A.allocate(groups, A.budget_of(plan))
+    return groups, chosen
+
+
+@pytest.mark.parametrize("structure, embeddings", [("lowrank", False), ("gs", False), ("kron", False),
+                                                   ("lowrank", True)])
+def test_allocation_meets_the_budget_and_is_uniform_for_equal_sensitivity(smollm2_shapes, structure, embeddings):
+    """Equal curves for all groups: the decoder layers get equal sizes (to one step of the grid); with
+    the embedding compressed too, the budget is still met to 0.1 % of the model."""
+    options, plan, entries = _uniform(smollm2_shapes, structure, embeddings=embeddings)
+    groups, chosen = _allocated(options, plan, entries, _curves(entries, options))
+    keep = A.keep_map(groups, chosen)
+    config, keys, dense_total = smollm2_shapes
+    allocated = C.plan_compression(config, keys, dense_total, None, options, keep=keep)
+    target = plan.accounting["target_params"]
+    assert abs(allocated.accounting["compressed_model_params"] - target) <= 1e-3 * target
+    layer_params = [chosen[f"layers.{i}"].params for i in range(30)]
+    g = next(g for g in groups if g.name == "layers.0")
+    i = next(j for j, c in enumerate(g.choices) if c.params == chosen["layers.0"].params)
+    step = max(b.params - a.params for a, b in zip(g.choices[max(i - 2, 0):i + 3], g.choices[max(i - 1, 1):i + 3]))
+    assert max(layer_params) - min(layer_params) <= step, (layer_params, step)
+
+
+@pytest.mark.parametrize("structure", ["lowrank", "gs"])
+def test_allocation_moves_parameters_to_a_sensitive_layer(smollm2_shapes, structure):
+    options, plan, entries = _uniform(smollm2_shapes, structure)
+    _, even = _allocated(options, plan, entries, _curves(entries, options))
+    _, skewed = _allocated(options, plan, entries, _curves(entries, options, {"layers.7": 50.0}))
+    others = [skewed[f"layers.{i}"].params for i in range(30) if i != 7]
+    assert skewed["layers.7"].params > even["layers.7"].params
+    assert skewed["layers.7"].params > max(others)
+    assert sum(c.params for c in skewed.values()) <= A.budget_of(plan)
+
+
+def test_allocator_may_keep_a_layer_dense_and_refuses_an_impossible_budget():
+    cheap = A.Group("a", ["a"], [A.Choice(0.1, 10, 1.0), A.Choice(0.5, 50, 0.6), A.Choice(1.0, 100, 0.0)])
+    flat = A.Group("b", ["b"], [A.Choice(0.1, 10, 0.2), A.Choice(0.5, 50, 0.19), A.Choice(1.0, 100, 0.0)])
+    chosen = A.allocate([cheap, flat], 110)
+    assert chosen["a"].keep == 1.0 and chosen["b"].keep == 0.1      # dense where it pays, by the same rule
+    with pytest.raises(ValueError, match="below the smallest allocation"):
+        A.allocate([cheap, flat], 15)
+
+
+def test_measured_sensitivity_grows_as_the_layer_shrinks():
+    """On a real forward (the engine, tiny Llama): smaller sizes give larger layer output errors, and a
+    layer whose weights are scaled up is measured as more sensitive."""
+    model = tiny_model("llama", dtype=torch.float32)
+    config = model.config.to_dict()
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="lowrank", ratio=0.3, stage="w", allocation="sensitivity", calib_seq_len=40)
+    src = _source(model)
+    adapter = check_family(config, src.keys())
+    entries = matrix_entries(config, src.keys(), adapter)
+    curves = A.measure_sensitivity(src, config, adapter, entries, options, calib, progress=False)
+    assert set(curves) >= {"layers.0", "layers.1", "embed"}
+    for name, curve in curves.items():
+        errors = [e for _, e in sorted(curve)]
+        assert errors[0] > errors[-1] >= 0, (name, curve)
+
+
+@pytest.mark.parametrize("structure", ["lowrank", "gs"])
+def test_sensitivity_allocation_end_to_end_meets_the_ratio(structure):
+    model = tiny_model("llama", dtype=torch.float32)
+    calib = input_ids(batch=1, length=160, seed=3)[0]
+    options = C.CompressOptions(structure=structure, stage="w", allocation="sensitivity", ratio=0.3, calib_seq_len=40,
+                                tolerance=0.05, f_iters=1, als_iters=2, wopp_iters=5)
+    compressed, report = C.compress_model(model, options, calib_ids=calib)
+    acc = report.accounting
+    assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
+    assert acc["compressed_model_params"] <= acc["target_params"] + 64
+    assert acc["allocation"] == "sensitivity" and set(acc["allocation_report"]["groups"]) >= {"layers.0", "layers.1"}
+    ids = input_ids(batch=1, length=10)
+    assert compressed.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 13)
+
+
+def test_uniform_allocation_and_presets_need_no_sensitivity_and_bad_combinations_are_refused():
+    with pytest.raises(ValueError, match="unknown allocation"):
+        C.CompressOptions(allocation="greedy").validate()
+    with pytest.raises(ValueError, match="structured classes"):
+        C.CompressOptions(structure="slice", allocation="sensitivity").validate()
+    with pytest.raises(ValueError, match="calibration"):
+        C.CompressOptions(stage="none", allocation="sensitivity").validate()
+    with pytest.raises(ValueError, match="unknown preset"):
+        C.CompressOptions.preset("slicegpt")
+
+
+# ----------------------------------------------------------------------------- preset
+def test_procrustesgpt_llama_preset_is_the_papers_configuration():
+    """Embedding and head dense, V dense, q/k/o/gate/up/down at 75 % each; parameters removed are
+    reported over the whole model."""
+    model = tiny_model("qwen2", dtype=torch.float32)      # untied head: it stays dense too
+    options = C.CompressOptions.preset("procrustesgpt-llama", structure="lowrank", stage="none")
+    assert not options.compress_embeddings and options.dense_modules == ("v",) and options.matrix_keep == 0.75
+    plan, _ = C.plan_for(_source(model), model.config.to_dict(), options)
+    per = plan.accounting["per_matrix"]
+    assert per["embed"]["ratio"] == 0 and per["lm_head"]["ratio"] == 0 and per["layers.0.v_proj"]["ratio"] == 0
+    for m in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert abs(per[f"layers.1.{m}"]["ratio"] - 0.25) < 0.07, (m, per[f"layers.1.{m}"])
+    dense = sum(p.numel() for p in model.parameters())
+    acc = plan.accounting
+    assert acc["ratio_over_model"] == pytest.approx(1 - acc["compressed_model_params"] / dense)
+    assert acc["target_ratio"] is None
+    assert "matrix_keep" in options.applicable() and "ratio" not in options.applicable()
+
+
+# ----------------------------------------------------------------------------- remote code
+ISOLATED_LOADER = textwrap.dedent("""
+    import json, sys
+    sys.path.append(SITE_PACKAGES)  # -S: no .pth files, so the editable hf_symmetry is not importable
+    try:
+        import hf_symmetry
+    except ImportError:
+        importable = False
+    else:
+        importable = True
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    out = {"importable": importable}
+    for name in NAMES:
+        model = AutoModelForCausalLM.from_pretrained(FOLDER + "/" + name, trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits = model(load_file(IDS)["ids"][None]).logits[0]
+        save_file({"logits": logits.contiguous()}, OUTPUT + "." + name)
+        out[name] = type(model).__module__
+    json.dump(out, open(OUTPUT + ".json", "w"))
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
+    return folder
+
+
+def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
+    root = tmp_path / "out"
+    common = ["--calib", str(calib), "--calib-seq-len", "64", "--f-iters", "1", "--quiet"]
+    runs = {"preset": ["--preset", "procrustesgpt-llama", "--structure", "gs"],
+            "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"],
+            "gs-sensitivity": ["--structure", "gs", "--allocation", "sensitivity", "--ratio", "0.3"]}
+    for name, flags in runs.items():
+        assert main(["compress", str(tiny_dir), str(root / name), *flags, *common]) == 0, name
+    assert "--ratio does not apply" not in capsys.readouterr().err
+    assert main(["compress", str(tiny_dir), str(root / "bad"), "--preset", "procrustesgpt-llama", "--ratio", "0.3",
+                 *common]) == 2
+    assert "--ratio does not apply" in capsys.readouterr().err and not (root / "bad").exists()
+    report = json.loads((root / "lowrank-sensitivity" / "compression_report.json").read_text())
+    ranks = {report["accounting"]["per_matrix"][f"layers.{i}.up_proj"]["params"] for i in range(2)}
+    assert report["accounting"]["allocation"] == "sensitivity"
+    for name in runs:
+        weights = root / name / "model.safetensors"
+        assert oct(weights.stat().st_mode & 0o777) == "0o644"
+    ids = input_ids(batch=1, length=12)[0]
+    save_file({"ids": ids.contiguous()}, str(tmp_path / "ids.safetensors"))
+    out = str(tmp_path / "logits")
+    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(root)!r}\nNAMES = {list(runs)!r}\n"
+            f"IDS = {str(tmp_path / 'ids.safetensors')!r}\nOUTPUT = {out!r}\n" + ISOLATED_LOADER)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    meta = json.loads(open(out + ".json").read())
+    assert meta["importable"] is False
+    for name in runs:
+        assert meta[name].startswith("transformers_modules."), name
+        local = AutoModelForCausalLM.from_pretrained(root / name).eval()
+        with torch.no_grad():
+            ref = local(ids[None]).logits[0]
+        assert (load_file(out + "." + name)["logits"] - ref).abs().max().item() <= 1e-5, name
+    assert len(ranks) >= 1

@@ -1,0 +1,234 @@
+"""hf-symmetry heal: recovery fine-tuning by distillation with PEFT on the shared Trainer setup.
+
+Tiny models of every family (stock Llama, TPA, compressed with every structure kind, FaRR) on a
+real byte-level tokenizer; the teacher is a tiny Llama with peaked next-token distributions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from heal_models import FAMILIES, byte_tokenizer, save_tiny, share_embeddings, tiny  # noqa: E402
+
+from hf_symmetry.assets import resolve_text  # noqa: E402
+from hf_symmetry.cli import main as cli  # noqa: E402
+from hf_symmetry.conversion.heal import HealOptions, heal_checkpoint, run_dir_for  # noqa: E402
+from hf_symmetry.training.peft_targets import apply_lora, lora_plan  # noqa: E402
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tok):
+    """Teacher (tiny Llama, peaked) and one student folder per family, plus a training text."""
+    root = tmp_path_factory.mktemp("heal")
+    teacher = tiny("llama", len(tok), seed=0, tokenizer=tok, init_std=0.1)
+    teacher.save_pretrained(root / "teacher")
+    tok.save_pretrained(root / "teacher")
+    for i, fam in enumerate(FAMILIES):
+        save_tiny(fam, root / fam, tok, seed=10 + i, teacher=teacher)
+    text = resolve_text("britannica-calib").read_text(encoding="utf-8")[:24_000]
+    (root / "train.txt").write_text(text, encoding="utf-8")
+    return root
+
+
+def _opts(**kw) -> HealOptions:
+    base = dict(tokens=8 * SEQ * 8, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100)
+    return HealOptions(**{**base, **kw})
+
+
+def _heal(folders, family, out, **kw):
+    extra = {k: kw.pop(k) for k in ("resume", "callbacks", "save_adapter") if k in kw}
+    return heal_checkpoint(folders / family, out, folders / "teacher", [folders / "train.txt"], _opts(**kw),
+                           progress=False, device="cpu", eval_texts=None, heldout_kl_sequences=8, **extra)
+
+
+def _weights(folder) -> dict:
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------- merge == unmerged
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path):
+    import hf_symmetry  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    model = tiny(family, 97, seed=1).double()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(input_ids=ids).logits.clone()
+    plan = lora_plan(model, 4)
+    if family == "compressed":   # every structured factor kind is adapted, none is skipped
+        kinds = {n.rsplit(".", 1)[-1] for n in plan.target_parameters}
+        assert {"kron_a", "kron_b", "lr_u", "lr_v", "gs_left", "gs_right", "weight"} <= kinds
+        assert not plan.target_modules
+    else:
+        assert len(plan.target_modules) >= 2 * 6
+    peft_model = apply_lora(model, plan)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(n) % 2**31))
+        unmerged = peft_model(input_ids=ids).logits.clone()
+    assert (unmerged - base).abs().max() > 1e-3          # the adapters do change the model
+    merged = peft_model.merge_and_unload()
+    assert type(merged).__name__ == type(tiny(family, 97)).__name__
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, unmerged, atol=1e-10, rtol=0)
+    merged.save_pretrained(tmp_path / "m")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=ids).logits, unmerged, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------------------- healing works
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_few_steps_lower_the_heldout_kl_to_the_teacher(folders, family, tmp_path):
+    r = _heal(folders, family, tmp_path / "out")
+    assert r.steps == 8 and r.train_tokens == 8 * 8 * SEQ
+    assert r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == json.loads((folders / family / "config.json").read_text())["model_type"]
+    assert not run_dir_for(tmp_path / "out").exists()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "teacher" in card and "teacher samples (data-free distillation): no" in card
+
+
+def test_learning_rate_zero_changes_nothing(folders, tmp_path):
+    r = _heal(folders, "compressed", tmp_path / "out", lr=0.0)
+    before, after = _weights(folders / "compressed"), _weights(tmp_path / "out")
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert r.heldout_kl_after == pytest.approx(r.heldout_kl_before, rel=1e-6)
+
+
+def test_teacher_cache_and_teacher_samples(folders, tmp_path):
+    r = _heal(folders, "tpa", tmp_path / "out", teacher_cache=True, cache_k=257, teacher_samples=4,
+              save_adapter=True)
+    assert r.heldout_kl_after < 0.7 * r.heldout_kl_before
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "**yes**, 4 sequences sampled from the teacher" in card
+
+
+def test_full_finetuning_trains_every_weight(folders, tmp_path):
+    r = _heal(folders, "farr", tmp_path / "out", full=True, lr=3e-3)
+    assert r.mode == "full" and r.heldout_kl_after < 0.7 * r.heldout_kl_before
+    before, after = _weights(folders / "farr"), _weights(tmp_path / "out")
+    assert all(not torch.equal(before[k], after[k]) for k in before if "proj" in k)
+
+
+# ----------------------------------------------------------------------------- resume, processes
+def test_interrupted_run_resumed_equals_uninterrupted(folders, tmp_path):
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                raise KeyboardInterrupt
+
+    full = _heal(folders, "compressed", tmp_path / "a", save_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        _heal(folders, "compressed", tmp_path / "b", save_steps=2, callbacks=[Interrupt()])
+    assert not (tmp_path / "b").exists() and run_dir_for(tmp_path / "b").is_dir()
+    resumed = _heal(folders, "compressed", tmp_path / "b", save_steps=2, resume=True)
+    assert resumed.resumed_from.endswith("checkpoint-4") and resumed.steps == full.steps
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
+    assert any(not torch.equal(a[k], w) for k, w in _weights(folders / "compressed").items())
+
+
+def test_two_processes_give_the_weights_of_one_process(folders, tmp_path):
+    args = ["heal", str(folders / "tpa"), None, "--teacher", str(folders / "teacher"), "--text",
+            str(folders / "train.txt"), "--tokens", str(4 * SEQ * 4), "--seq-len", str(SEQ), "--batch-size", "4",
+            "--lora-rank", "4", "--lr", "3e-2", "--no-verify", "--quiet", "--device", "cpu"]
+    one = [a if a is not None else str(tmp_path / "one") for a in args]
+    assert cli(one) == 0
+    two = [a if a is not None else str(tmp_path / "two") for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", "29517", "-m", "hf_symmetry", *two], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((tmp_path / "two" / "heal_report.json").read_text())
+    assert report["processes"] == 2
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    changed = 0
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=2e-6, rtol=1e-5), (k, (a[k] - b[k]).abs().max())
+        changed += not torch.equal(a[k], _weights(folders / "tpa")[k])
+    assert changed
+
+
+# ----------------------------------------------------------------------------- bad input
+def _bad(folders, tmp_path, capsys, *extra, student="llama", teacher="teacher", text=None):
+    out = tmp_path / "out"
+    argv = ["heal", str(folders / student), str(out), "--teacher", str(folders / teacher if teacher in
+            ("teacher", "other-vocab") else teacher), "--text", str(text or folders / "train.txt"),
+            "--seq-len", str(SEQ), "--no-verify", "--quiet", "--device", "cpu", *extra]
+    before = set(tmp_path.iterdir())
+    capsys.readouterr()
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-symmetry heal: error:")
+    assert not run_dir_for(out).exists()
+    return err[0], set(tmp_path.iterdir()) - before
+
+
+def test_teacher_with_another_vocabulary_is_refused(folders, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    other = folders / "other-vocab"
+    if not other.exists():
+        t = AutoTokenizer.from_pretrained(folders / "teacher")
+        t.add_tokens(["<extra>"])
+        m = tiny("llama", len(t), tokenizer=t)
+        m.save_pretrained(other)
+        t.save_pretrained(other)
+    err, new = _bad(folders, tmp_path, capsys, teacher="other-vocab")
+    assert "tokenizers differ" in err and not new
+
+
+def test_unsupported_student_is_refused(folders, tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    bert = tmp_path / "bert"
+    BertModel(BertConfig(vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(bert)
+    byte_tokenizer().save_pretrained(bert)
+    err, new = _bad(folders, tmp_path, capsys, student=str(bert))
+    assert "unsupported student" in err and new == set()
+
+
+def test_empty_text_is_refused(folders, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n", encoding="utf-8")
+    err, new = _bad(folders, tmp_path, capsys, text=empty)
+    assert "empty" in err and not new
+
+
+def test_lora_rank_larger_than_a_layer_is_refused(folders, tmp_path, capsys):
+    err, new = _bad(folders, tmp_path, capsys, "--lora-rank", "40", student="compressed")
+    assert "LoRA rank 40 is larger than layer" in err and not new
+
+
+def test_existing_output_folder_is_refused(folders, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    err, _ = _bad(folders, tmp_path, capsys)
+    assert "exists" in err and os.listdir(tmp_path / "out") == ["keep.txt"]
