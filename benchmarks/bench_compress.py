@@ -48,7 +48,7 @@ RESULTS = HERE / "results" / "compress.json"
 
 
 # ----------------------------------------------------------------------------- caches
-def cached_stats(model, adapter, calib_ids, seq_len) -> C.CalibrationStats:
+def cached_stats(source, config, calib_ids, seq_len) -> C.CalibrationStats:
     path = CACHE / f"stats_{calib_ids.numel()}_{seq_len}.safetensors"
     if path.is_file():
         t = load_file(str(path))
@@ -57,7 +57,7 @@ def cached_stats(model, adapter, calib_ids, seq_len) -> C.CalibrationStats:
         return C.CalibrationStats(int(t["tokens"].item()), t["token_counts"],
                                   [t[f"normed.{k}"] for k in range(n)], [t[f"stream.{k}"] for k in range(n)],
                                   [t[f"attn_out.{i}"] for i in range(L)], [t[f"mlp_hidden.{i}"] for i in range(L)])
-    stats = C.collect_statistics(model, adapter, calib_ids, seq_len, want_normed=True, want_stream=True)
+    stats = C.collect_statistics(source, config, calib_ids, seq_len, want_normed=True, want_stream=True)
     tensors = {"tokens": torch.tensor([stats.tokens]), "token_counts": stats.token_counts}
     for name in ("normed", "stream", "attn_out", "mlp_hidden"):
         tensors.update({f"{name}.{k}": v.contiguous() for k, v in enumerate(getattr(stats, name))})
@@ -203,7 +203,7 @@ def main() -> None:
     print(f"dense: perplexity {dense_ppl:.3f}, prefill {dense_ms:.0f} ms", flush=True)
 
     adapter = C.check_family(config, source.keys())
-    stats = cached_stats(model, adapter, calib_ids, 512)
+    stats = cached_stats(source, config, calib_ids, 512)
     layers, globals_, gamma = C.read_folded(source, adapter, source.keys(), C.plan_for(
         source, config, C.CompressOptions(stage="none"))[0].tied)
     if not args.only and ("layer_timings" not in results or args.force):   # first: a cut run still has them

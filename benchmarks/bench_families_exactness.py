@@ -40,9 +40,10 @@ def _exact_modules() -> None:
     """float64-exact norms and Gemma attention (transformers computes these in float32)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_families as tf
-    from conftest import _exact_rmsnorm_forward
+    from conftest import _exact_gptj_attn, _exact_rmsnorm_forward
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.gptj import modeling_gptj
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.olmo2 import modeling_olmo2
@@ -55,6 +56,7 @@ def _exact_modules() -> None:
                 modeling_qwen3.Qwen3RMSNorm, modeling_smollm3.SmolLM3RMSNorm, modeling_phi3.Phi3RMSNorm,
                 modeling_olmo2.Olmo2RMSNorm):
         cls.forward = _exact_rmsnorm_forward
+    modeling_gptj.GPTJAttention._attn = _exact_gptj_attn
     modeling_gemma2.Gemma2RMSNorm.forward = tf._rms_1p
     modeling_gemma3.Gemma3RMSNorm.forward = tf._rms_1p
     modeling_gemma2.eager_attention_forward = tf._eager
@@ -120,6 +122,7 @@ def gemma3_row(tokens: int = 256) -> dict | None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    gc.collect()
     result = {"machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), shared 2-core VM",
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "tiny": tiny_rows(), "real": []}
     row = gemma3_row()

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("t6", "mha", "gqa", "mla")
 PLAYS = ("hamlet_gut.txt", "lear_gut.txt", "macbeth_gut.txt", "othello_gut.txt", "tempest_gut.txt",
          "julius_caesar_gut.txt")
-DEFAULTS = dict(params="3M", seq_len=128, batch=8, steps=120, lr=2e-3, eval_every=20, val_tokens=8192)
+DEFAULTS = dict(params="3M", seq_len=64, batch=8, steps=60, lr=2e-3, eval_every=10, val_tokens=2048)
 
 
 def corpus_files(work: Path) -> list[Path]:
@@ -118,7 +118,7 @@ def worker(arch: str, seed: int, opts: dict, work: Path) -> dict:
                 kv_cache_bytes_per_token_fp32=4 * kv, train_tokens=out.train_tokens,
                 tokens_per_second_concurrent=out.tokens_per_second, seconds=out.seconds,
                 final_eval_loss=out.eval_loss, final_eval_perplexity=math.exp(out.eval_loss),
-                eval_curve=[(h["step"], h["eval_loss"]) for h in out.log_history if "eval_loss" in h],
+                eval_curve=sorted({h["step"]: h["eval_loss"] for h in out.log_history if "eval_loss" in h}.items()),
                 train_curve=[(h["step"], h["loss"]) for h in out.log_history if "loss" in h], data=data_info)
 
 
@@ -161,6 +161,40 @@ def throughput(opts: dict, work: Path, rounds: int = 6) -> dict:
     return dict(batch_tokens=tokens, rounds=rounds, models=res)
 
 
+def attention_layer_timing(reps: int = 3) -> dict:
+    """One TPA attention layer, forward + backward, at the paper's small-model shape (d_model 768, 34 heads,
+    d_h 64, R = 6/2/2; batch 4 x 256 tokens): every training route of ``attention_plan`` side by side,
+    best of ``reps`` (one thread). Shows where factor-space training attention stands against SDPA."""
+    import torch
+
+    from hf_symmetry import TPAConfig, TPAForCausalLM
+
+    torch.set_num_threads(1)
+    d, h, B, T = 768, 34, 4, 256
+    cfg = TPAConfig(vocab_size=128, hidden_size=d, num_attention_heads=h, head_dim=64, num_hidden_layers=1,
+                    q_rank=6, k_rank=2, v_rank=2)
+    model = TPAForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(B, T, d, requires_grad=True)
+    cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
+    plans = {"materialized (SDPA)": ("k", "v"), "scores from P = B_Q B_K^T, V composed": ("p", "v"),
+             "scores via composed q, no K": ("q", "v"), "all factor space (no K, no V)": ("p", "factor")}
+    cost = attn.route_costs(T, T)
+    out = {}
+    for name, plan in plans.items():
+        attn.attention_plan = lambda T_, S_, plan=plan: plan
+        best = math.inf
+        for _ in range(reps):
+            t = time.perf_counter()
+            y, _ = attn(x, (cos, sin), attention_mask=None)
+            y.sum().backward()
+            best = min(best, time.perf_counter() - t)
+        out[name] = dict(plan=plan, seconds=best, multiply_adds_fwd_estimate=cost[plan[0]] + cost[plan[1]])
+    del attn.attention_plan
+    out["auto_plan"] = attn.attention_plan(T, T)
+    return dict(shape=dict(hidden_size=d, heads=h, head_dim=64, ranks=[6, 2, 2], batch=B, tokens=T), routes=out)
+
+
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -194,6 +228,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--parallel", type=int, default=4, help="trainings run at once (default 4)")
+    p.add_argument("--throughput-only", action="store_true", help="only the side-by-side tokens/s (internal)")
+    p.add_argument("--collect", action="store_true",
+                   help="no training: gather the finished runs (and throughput) in the work folder into JSON + PNG")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the tokens/s measurement")
+    p.add_argument("--attention-only", action="store_true", help="only the attention-layer route timing (internal)")
     p.add_argument("--work", default="/tmp/bench_t6_training", help="scratch folder")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "t6_training.json"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "img" / "t6_training_loss.png"))
@@ -207,9 +246,16 @@ def main(argv=None) -> int:
         (work / f"result-{a.worker}-{a.seed}.json").write_text(json.dumps(res))
         return 0
 
+    if a.throughput_only:
+        (work / "throughput.json").write_text(json.dumps(throughput(opts, work, a.rounds)))
+        return 0
+    if a.attention_only:
+        (work / "attention_layer.json").write_text(json.dumps(attention_layer_timing()))
+        return 0
+
     corpus_files(work)
     t0 = time.time()
-    jobs = [(arch, seed) for seed in a.seeds for arch in ARCHS]
+    jobs = [] if a.collect else [(arch, seed) for seed in a.seeds for arch in ARCHS]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     running: list[tuple[subprocess.Popen, str, int]] = []
     while jobs or running:
@@ -227,7 +273,10 @@ def main(argv=None) -> int:
                 print(f"[{time.time() - t0:6.0f}s] {job[1]} seed {job[2]} finished, rc {job[0].returncode}", flush=True)
     runs = [json.loads((work / f"result-{arch}-{seed}.json").read_text())
             for seed in a.seeds for arch in ARCHS if (work / f"result-{arch}-{seed}.json").exists()]
-    speed = throughput(opts, work)
+    cached = work / "throughput.json"
+    speed = json.loads(cached.read_text()) if a.collect and cached.exists() else throughput(opts, work, a.rounds)
+    cached = work / "attention_layer.json"
+    layer = json.loads(cached.read_text()) if a.collect and cached.exists() else attention_layer_timing()
     import platform
 
     import torch
@@ -248,7 +297,7 @@ def main(argv=None) -> int:
                                torch=torch.__version__, transformers=transformers.__version__,
                                note="2-core CPU VM shared with other jobs; runs under nice, 1 thread each"),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), options=opts, seeds=a.seeds,
-                  wall_seconds=time.time() - t0, summary=summary, throughput=speed, runs=runs)
+                  wall_seconds=time.time() - t0, summary=summary, throughput=speed, attention_layer=layer, runs=runs)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     if runs:

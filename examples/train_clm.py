@@ -126,6 +126,10 @@ def main(argv=None, callbacks=()) -> int:
                               max_validation_tokens=args.max_validation_tokens, seed=args.seed)
     except ValueError as e:
         return fail(str(e).splitlines()[0])
+    if data.validation is not None and len(data.validation) < args.per_device * world_size():
+        return fail(f"the validation split has {len(data.validation)} sequence(s) of {args.seq_len} tokens, fewer than "
+                    f"one evaluation batch ({args.per_device} per process); raise --validation-fraction, add text "
+                    f"or pass --validation-fraction 0")
     config = plan.configs[args.arch]
     if is_main_process():
         print(plan.table())
@@ -149,7 +153,8 @@ def main(argv=None, callbacks=()) -> int:
         model = outcome.model
         model.save_pretrained(out)
         tok.save_pretrained(out)
-        curve = [{"step": h["step"], "eval_loss": h["eval_loss"]} for h in outcome.log_history if "eval_loss" in h]
+        by_step = {h["step"]: h["eval_loss"] for h in outcome.log_history if "eval_loss" in h}  # the final
+        curve = [{"step": k, "eval_loss": v} for k, v in sorted(by_step.items())]  # evaluation may repeat a step
         train_curve = [{"step": h["step"], "loss": h["loss"]} for h in outcome.log_history if "loss" in h]
         dtype_bytes = torch.finfo(next(model.parameters()).dtype).bits // 8
         kv = kv_cache_elements(config)

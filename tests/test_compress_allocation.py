@@ -108,8 +108,7 @@ def test_allocator_may_keep_a_layer_dense_and_refuses_an_impossible_budget():
 
 
 def test_measured_sensitivity_grows_as_the_layer_shrinks():
-    """On a real forward (the engine, tiny Llama): smaller sizes give larger layer output errors, and a
-    layer whose weights are scaled up is measured as more sensitive."""
+    """On a real forward (the engine, tiny Llama): smaller sizes give larger layer output errors."""
     model = tiny_model("llama", dtype=torch.float32)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
@@ -122,21 +121,6 @@ def test_measured_sensitivity_grows_as_the_layer_shrinks():
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
         assert errors[0] > errors[-1] >= 0, (name, curve)
-
-
-@pytest.mark.parametrize("structure", ["lowrank", "gs"])
-def test_sensitivity_allocation_end_to_end_meets_the_ratio(structure):
-    model = tiny_model("llama", dtype=torch.float32)
-    calib = input_ids(batch=1, length=160, seed=3)[0]
-    options = C.CompressOptions(structure=structure, stage="w", allocation="sensitivity", ratio=0.3, calib_seq_len=40,
-                                tolerance=0.05, f_iters=1, als_iters=2, wopp_iters=5)
-    compressed, report = C.compress_model(model, options, calib_ids=calib)
-    acc = report.accounting
-    assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
-    assert acc["compressed_model_params"] <= acc["target_params"] + 64
-    assert acc["allocation"] == "sensitivity" and set(acc["allocation_report"]["groups"]) >= {"layers.0", "layers.1"}
-    ids = input_ids(batch=1, length=10)
-    assert compressed.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 13)
 
 
 def test_uniform_allocation_and_presets_need_no_sensitivity_and_bad_combinations_are_refused():
@@ -214,18 +198,20 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     root = tmp_path / "out"
     common = ["--calib", str(calib), "--calib-seq-len", "64", "--f-iters", "1", "--quiet"]
-    runs = {"preset": ["--preset", "procrustesgpt-llama", "--structure", "gs"],
-            "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"],
-            "gs-sensitivity": ["--structure", "gs", "--allocation", "sensitivity", "--ratio", "0.3"]}
+    runs = {"preset": ["--preset", "procrustesgpt-llama", "--structure", "gs", "--stage", "f"],
+            "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"]}
     for name, flags in runs.items():
         assert main(["compress", str(tiny_dir), str(root / name), *flags, *common]) == 0, name
     assert "--ratio does not apply" not in capsys.readouterr().err
     assert main(["compress", str(tiny_dir), str(root / "bad"), "--preset", "procrustesgpt-llama", "--ratio", "0.3",
                  *common]) == 2
     assert "--ratio does not apply" in capsys.readouterr().err and not (root / "bad").exists()
-    report = json.loads((root / "lowrank-sensitivity" / "compression_report.json").read_text())
-    ranks = {report["accounting"]["per_matrix"][f"layers.{i}.up_proj"]["params"] for i in range(2)}
-    assert report["accounting"]["allocation"] == "sensitivity"
+    acc = json.loads((root / "lowrank-sensitivity" / "compression_report.json").read_text())["accounting"]
+    assert acc["allocation"] == "sensitivity" and set(acc["allocation_report"]["groups"]) >= {"layers.0", "layers.1"}
+    assert acc["compressed_model_params"] == acc["compressed_model_params_counted"]
+    assert acc["allocation_report"]["allocated"] <= acc["allocation_report"]["budget"]
+    preset = json.loads((root / "preset" / "compression_report.json").read_text())["accounting"]
+    assert preset["per_matrix"]["embed"]["ratio"] == 0 and preset["per_matrix"]["layers.0.v_proj"]["ratio"] == 0
     for name in runs:
         weights = root / name / "model.safetensors"
         assert oct(weights.stat().st_mode & 0o777) == "0o644"
@@ -248,4 +234,3 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
         with torch.no_grad():
             ref = local(ids[None]).logits[0]
         assert (load_file(out + "." + name)["logits"] - ref).abs().max().item() <= 1e-5, name
-    assert len(ranks) >= 1

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from heal_models import FAMILIES, byte_tokenizer, save_tiny, share_embeddings, tiny  # noqa: E402
+from heal_models import FAMILIES, byte_tokenizer, save_tiny, tiny  # noqa: E402
 
 from hf_symmetry.assets import resolve_text  # noqa: E402
 from hf_symmetry.cli import main as cli  # noqa: E402
@@ -95,16 +95,38 @@ def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path):
 
 
 # ----------------------------------------------------------------------------- healing works
+# One healing run per family, each also exercising one option (shared by the tests below):
+# stock Llama by full fine-tuning; TPA from a top-k teacher cache plus teacher samples, saving the
+# adapter; compressed with checkpoints every 2 steps (the reference for resuming); FaRR plain LoRA.
+RUN_OPTIONS = {"llama": dict(full=True, lr=3e-3),
+               "tpa": dict(teacher_cache=True, cache_k=64, teacher_samples=4, save_adapter=True),
+               "compressed": dict(save_steps=2), "farr": {}}
+
+
+@pytest.fixture(scope="module")
+def healed(folders, tmp_path_factory):
+    runs = {}
+
+    def get(family):
+        if family not in runs:
+            out = tmp_path_factory.mktemp(f"healed-{family}") / "out"
+            runs[family] = (_heal(folders, family, out, **RUN_OPTIONS[family]), out)
+        return runs[family]
+    return get
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_few_steps_lower_the_heldout_kl_to_the_teacher(folders, family, tmp_path):
-    r = _heal(folders, family, tmp_path / "out")
+def test_a_few_steps_lower_the_heldout_kl_to_the_teacher(folders, healed, family):
+    r, out = healed(family)
     assert r.steps == 8 and r.train_tokens == 8 * 8 * SEQ
     assert r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)
-    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == json.loads((folders / family / "config.json").read_text())["model_type"]
-    assert not run_dir_for(tmp_path / "out").exists()
-    card = (tmp_path / "out" / "README.md").read_text()
-    assert "teacher" in card and "teacher samples (data-free distillation): no" in card
+    if family != "llama":   # custom family: remote code travels with the folder
+        code = cfg["auto_map"]["AutoModelForCausalLM"].split(".")[0] + ".py"
+        assert (out / code).read_text() == (folders / family / code).read_text()
+    assert not run_dir_for(out).exists()
+    assert "teacher" in (out / "README.md").read_text()
 
 
 def test_learning_rate_zero_changes_nothing(folders, tmp_path):
@@ -114,26 +136,25 @@ def test_learning_rate_zero_changes_nothing(folders, tmp_path):
     for k in before:
         assert torch.equal(before[k], after[k]), k
     assert r.heldout_kl_after == pytest.approx(r.heldout_kl_before, rel=1e-6)
+    assert "teacher samples (data-free distillation): no" in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_teacher_cache_and_teacher_samples(folders, tmp_path):
-    r = _heal(folders, "tpa", tmp_path / "out", teacher_cache=True, cache_k=257, teacher_samples=4,
-              save_adapter=True)
-    assert r.heldout_kl_after < 0.7 * r.heldout_kl_before
-    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
-    card = (tmp_path / "out" / "README.md").read_text()
-    assert "**yes**, 4 sequences sampled from the teacher" in card
+def test_teacher_cache_teacher_samples_and_adapter(healed):
+    r, out = healed("tpa")
+    assert r.teacher_samples == 4 and r.data["train_sequences"] + 4 >= 8
+    assert (out / "adapter" / "adapter_config.json").is_file()
+    assert "**yes**, 4 sequences sampled from the teacher" in (out / "README.md").read_text()
 
 
-def test_full_finetuning_trains_every_weight(folders, tmp_path):
-    r = _heal(folders, "farr", tmp_path / "out", full=True, lr=3e-3)
-    assert r.mode == "full" and r.heldout_kl_after < 0.7 * r.heldout_kl_before
-    before, after = _weights(folders / "farr"), _weights(tmp_path / "out")
+def test_full_finetuning_trains_every_weight(folders, healed):
+    r, out = healed("llama")
+    assert r.mode == "full" and r.lora is None
+    before, after = _weights(folders / "llama"), _weights(out)
     assert all(not torch.equal(before[k], after[k]) for k in before if "proj" in k)
 
 
 # ----------------------------------------------------------------------------- resume, processes
-def test_interrupted_run_resumed_equals_uninterrupted(folders, tmp_path):
+def test_interrupted_run_resumed_equals_uninterrupted(folders, healed, tmp_path):
     from transformers import TrainerCallback
 
     class Interrupt(TrainerCallback):
@@ -141,13 +162,13 @@ def test_interrupted_run_resumed_equals_uninterrupted(folders, tmp_path):
             if state.global_step == 5:
                 raise KeyboardInterrupt
 
-    full = _heal(folders, "compressed", tmp_path / "a", save_steps=2)
+    full, full_out = healed("compressed")
     with pytest.raises(KeyboardInterrupt):
         _heal(folders, "compressed", tmp_path / "b", save_steps=2, callbacks=[Interrupt()])
     assert not (tmp_path / "b").exists() and run_dir_for(tmp_path / "b").is_dir()
     resumed = _heal(folders, "compressed", tmp_path / "b", save_steps=2, resume=True)
     assert resumed.resumed_from.endswith("checkpoint-4") and resumed.steps == full.steps
-    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    a, b = _weights(full_out), _weights(tmp_path / "b")
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6, rtol=0), k
     assert any(not torch.equal(a[k], w) for k, w in _weights(folders / "compressed").items())
@@ -161,8 +182,13 @@ def test_two_processes_give_the_weights_of_one_process(folders, tmp_path):
     assert cli(one) == 0
     two = [a if a is not None else str(tmp_path / "two") for a in args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    import socket
+
+    with socket.socket() as s:      # a free port: other runs may use torchrun's default
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29517", "-m", "hf_symmetry", *two], env=env, capture_output=True,
+                          "--master_port", str(port), "-m", "hf_symmetry", *two], env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((tmp_path / "two" / "heal_report.json").read_text())

@@ -139,9 +139,10 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
     merge_state_dicts([anchor, source], s_model.config, _recipe("regmean", match=options), calibration_ids=CALIB)
     # Grams recomputed on the matched models, in the order the pipeline visits linear layers
     from hf_symmetry.architectures import Adapter
-    from hf_symmetry.conversion.calibration import calibration_batches, gram_matrices
+    from hf_symmetry.calibration import calibration_batches
+    from hf_symmetry.conversion.calibration import gram_matrices
 
-    batches = calibration_batches(CALIB)
+    batches = calibration_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
     recomputed = []
     for sd, cfg in ((folded.state_dict, folded.config), (matched.state_dict, matched.config)):
         m = model_from_state_dict(cfg, sd, torch.float64)

@@ -57,6 +57,7 @@ def test_eval_perplexity_goes_into_the_card_unchanged(lm_folder, tmp_path):
     (result,) = card_eval_results(folder)
     assert result.metric_type == "perplexity" and result.metric_value == summary["perplexity"]
     assert result.dataset_args == {"text": "prose.txt", "window": 64, "stride": 32, "tokens": summary["tokens"],
+                                   "max_tokens": 2048,   # the bounded default
                                    "text_sha256": result.dataset_args["text_sha256"]}
 
 

@@ -188,13 +188,12 @@ def test_cli_missing_model_path(capsys, tmp_path):
 
 
 def test_cli_unsupported_model_type(capsys, tmp_path):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM
 
-    src = tmp_path / "neox"
-    GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                                     vocab_size=20, max_position_embeddings=8)).save_pretrained(src)
+    src = tmp_path / "bloom"
+    BloomForCausalLM(BloomConfig(hidden_size=16, n_layer=1, n_head=2, vocab_size=20)).save_pretrained(src)
     code, err = _cli(capsys, "rotate", src, tmp_path / "out", "--no-verify")
-    assert code == 2 and "unsupported model_type 'gpt_neox'" in err and "llama" in err
+    assert code == 2 and "unsupported model_type 'bloom'" in err and "llama" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -217,7 +217,7 @@ def _readme_command_lines() -> list[str]:
         if lang not in ("", "bash", "sh", "console"):
             continue
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
+            line = line.split("  #")[0].strip().removeprefix("$ ")
             for part in re.split(r"&&|;", line):
                 part = part.strip()
                 m = re.match(r"^(?:\S*/)?hf-symmetry\s+(.*)$", part)

@@ -39,3 +39,10 @@ def calibration_batches(ids: torch.Tensor, seq_len: int = 512, batch_size: int =
         raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than one sequence of "
                          f"{seq_len if not keep_partial else 2}")
     return batches
+
+
+def token_counts(batches: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in ``batches`` (float64 ``[vocab_size]``): the weights of
+    embedding rows in calibrated objectives."""
+    ids = torch.cat([b.reshape(-1) for b in batches])
+    return torch.bincount(ids, minlength=vocab_size)[:vocab_size].to(torch.float64)

@@ -44,7 +44,6 @@ Typical use::
 from __future__ import annotations
 
 import copy
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -286,7 +285,6 @@ class CalibrationEngine:
                 set_module_tensor_to_device(model, k, "meta")
             for n, b in moved:
                 set_module_tensor_to_device(model, n, "cpu", value=b.cpu())
-        gc.collect()
         return CalibrationRun(self, batches, record_per_batch, self._place(embedded), carry_original)
 
     def _place(self, acts: list[torch.Tensor]) -> Activations:
@@ -421,7 +419,6 @@ class CalibrationRun:
                 self.original = Activations(oouts)
             self.next_layer = i + 1
             del step, module, outs, oouts
-            gc.collect()
 
     @torch.no_grad()
     def final(self, request: StatsRequest) -> LayerStats:

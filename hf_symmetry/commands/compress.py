@@ -4,6 +4,7 @@ or SliceGPT, saved as a Hugging Face model that loads with ``trust_remote_code=T
 from __future__ import annotations
 
 from ..assets import resolve_model, resolve_text
+from ..evaluation.perplexity import PPL
 from ..conversion.compress import ALLOCATIONS, PRESETS, STAGES, STRUCTURES, CompressOptions, compress_checkpoint
 from .common import add_device_args, add_output_args, add_push_args, emit, push_if_requested
 
@@ -68,7 +69,8 @@ def register(sub) -> None:
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
     p.add_argument("--eval-text", metavar="TEXT",
                    help="held-out text for perplexity of the original and compressed model (e.g. britannica-eval)")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="evaluation tokens (default: 4096)")
+    p.add_argument("--eval-tokens", type=int, default=PPL.tokens,
+                   help=f"evaluation tokens (default: {PPL.tokens}; sliding window {PPL.window}, stride {PPL.stride})")
     add_device_args(p)
     add_output_args(p)
     add_push_args(p)

@@ -12,7 +12,7 @@ import time
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrOptions, farr_checkpoint
-from ..hub.cards import fmt_number
+from ..hub.cards import fmt_number, public_text_label
 from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
                      total_time_line, verify_and_record)
 
@@ -76,7 +76,7 @@ def run(args) -> int:
         lines.append(f"  {path} head dims (of {report.head_dim}): {_runs(ranks)}; least energy kept by a group "
                      f"{worst:.4%}")
     if report.calibration:
-        lines.append(f"  calibrated on {report.calibration['tokens']} tokens of {report.calibration['text']} "
+        lines.append(f"  calibrated on {report.calibration['tokens']} tokens of {public_text_label(report.calibration['text'])} "
                      "(energies are output energies on those activations)")
     lines += [f"  note: {n}" for n in report.notes]
     report.verification = verify_and_record(args, src, args.out, lines, ("original", "FaRR"))

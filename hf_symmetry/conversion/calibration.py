@@ -31,15 +31,16 @@ def statistics_dtype(source) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gram_matrices(source, config: dict | None, batches: list[torch.Tensor], progress: bool = True,
+def gram_matrices(source, config, batches: list[torch.Tensor], progress: bool = True,
                   desc: str = "grams", placement=None) -> Tensors:
     """``G = Σ_tokens x xᵀ`` (float64) of the input of every linear layer, over all batches, keyed
     ``layers.{i}.attn_in`` / ``o_in`` / ``ffn_in`` / ``down_in`` and ``head_in`` (when the model has
     an LM head).
 
-    ``source``: a checkpoint folder, a tensor source with its ``config``, or an in-memory model;
-    the layer-wise calibration engine runs it one layer at a time on ``placement`` (default: CPU,
-    float64 for float64 weights, else float32)."""
+    ``source``: a checkpoint folder (``config`` None), a tensor source with its ``config`` (dict),
+    or an in-memory model (``config`` ignored: the model's own); the layer-wise calibration engine
+    runs it one layer at a time on ``placement`` (default: CPU, float64 for float64 weights, else
+    float32)."""
     from ..calibration import CalibrationEngine, StatsRequest
     from ..devices import resolve
     from .stream import DictSource
@@ -62,6 +63,68 @@ def gram_matrices(source, config: dict | None, batches: list[torch.Tensor], prog
     if result.final is not None:
         grams["head_in"] = result.final.grams["head_in"]
     return grams
+
+
+def _available_memory() -> dict:
+    """accelerate ``max_memory``: free memory of every visible GPU and the host's available memory."""
+    budget = {}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            budget[i] = int(torch.cuda.mem_get_info(i)[0] * 0.9)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        budget["cpu"] = int(info.get("MemAvailable", info.get("MemFree", 0)) * 0.8)
+    except OSError:   # not Linux: let accelerate ask psutil
+        from accelerate.utils import get_max_memory
+
+        budget = get_max_memory()
+    return budget
+
+
+def fisher_model(config: dict, state_dict: Tensors, dtype: torch.dtype = torch.float32, placement=None):
+    """The model a Fisher pass runs on, placed by accelerate's big-model machinery: built empty,
+    given a device map over the visible GPUs and the host (``infer_auto_device_map``; no disk: a
+    backward pass needs every weight and its gradient in memory) and dispatched. A model whose
+    weights, gradients and Fisher accumulators do not fit in the memory there is is refused with
+    one clear error before anything is loaded, instead of failing out of memory half-way."""
+    import hf_symmetry  # noqa: F401
+    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    cfg = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "transformers_version"})
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    params = sum(p.numel() for p in model.parameters())
+    needed = params * (2 * element + 4)       # weights, gradients, float32 Fisher
+    budget = _available_memory()
+    if placement is not None and placement.device.type == "cpu":
+        budget = {"cpu": budget.get("cpu", 0)}
+    if needed > sum(budget.values()):
+        raise MemoryError(f"Fisher merging needs about {needed / 1e9:.1f} GB (weights, gradients and the Fisher of "
+                          f"{params / 1e6:.0f} M parameters) but only {sum(budget.values()) / 1e9:.1f} GB is free "
+                          "on the GPUs and the host; use regmean (calibrated layer by layer) or a larger machine")
+    # a third of each budget for the weights: gradients and the Fisher take the rest
+    device_map = infer_auto_device_map(model, max_memory={k: v // 3 for k, v in budget.items()},
+                                       no_split_module_classes=getattr(model, "_no_split_modules", None), dtype=dtype)
+    if "disk" in device_map.values():
+        raise MemoryError("Fisher merging cannot offload weights to disk (the backward pass needs them all); "
+                          "use regmean or a machine with more memory")
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
+    names = dict(model.named_parameters())
+    for name in names:
+        if name in state_dict:
+            set_module_tensor_to_device(model, name, "cpu", value=state_dict[name], dtype=dtype)
+        elif name not in tied:
+            raise ValueError(f"state dict lacks {name}")
+    if tied:
+        model.tie_weights()
+    if set(device_map.values()) - {"cpu"}:
+        model = dispatch_model(model, device_map)
+    return model.eval()
 
 
 def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, desc: str = "fisher") -> Tensors:
@@ -89,4 +152,4 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    return {n: f / count for n, f in fisher.items()}
+    return {n: (f / count).cpu() for n, f in fisher.items()}

@@ -33,7 +33,7 @@ from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, ch
                           parse_size, write_config)
 from ..hub.cards import hub_id_of, public_model_labels, public_text_label, update_card, write_card
 from ..calibration import calibration_batches
-from .calibration import fisher_diagonal, gram_matrices
+from .calibration import fisher_diagonal, fisher_model, gram_matrices
 from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
                     vocabulary_fingerprint, with_lm_head)
 from .merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
@@ -222,8 +222,6 @@ def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors]
                 matched_config: dict, adapter: Adapter, batches: list[torch.Tensor], n_models: int,
                 progress: bool, placement=None) -> tuple[list | None, list | None]:
     """(fishers, grams) of the merged models, in the anchor's frame."""
-    from ..evaluation.compare import model_from_state_dict
-
     def dtype_of(sd: Tensors) -> torch.dtype:  # statistics in float32 at least, float64 when given float64
         return torch.float64 if next(iter(sd.values())).dtype == torch.float64 else torch.float32
 
@@ -231,7 +229,7 @@ def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors]
     if method == "fisher":
         fishers = []
         for j in range(n_models):  # on the matched models: the diagonal Fisher does not transform
-            model = model_from_state_dict(matched_config, matched[j], dtype_of(matched[j]))
+            model = fisher_model(matched_config, matched[j], dtype_of(matched[j]), placement)   # accelerate
             fishers.append(fisher_diagonal(model, batches, progress, desc=f"fisher {j + 1}/{n_models}"))
             del model
     if method == "regmean":

@@ -37,6 +37,20 @@ def resolve_device(device: str | None) -> str:
     return str(checked(device))
 
 
+_OFFLOAD: list[str] = []
+
+
+def _offload_dir() -> str:
+    """A private folder for accelerate's disk offload, removed when the process exits."""
+    if not _OFFLOAD:
+        import atexit
+        import shutil
+
+        _OFFLOAD.append(tempfile.mkdtemp(prefix="hf_symmetry-offload-"))
+        atexit.register(shutil.rmtree, _OFFLOAD[0], True)
+    return _OFFLOAD[0]
+
+
 def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: torch.dtype = torch.float32,
                   trust_remote_code: bool | None = None, offload_folder: str | os.PathLike | None = None):
     """A saved model (LM class when it has one, else its base model) in eval mode, placed by
@@ -54,7 +68,7 @@ def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: t
     cls = auto_class(config)
     kwargs = dict(dtype=dtype, trust_remote_code=trust)
     if device == "auto":
-        kwargs.update(device_map="auto", offload_folder=str(offload_folder or tempfile.gettempdir()))
+        kwargs.update(device_map="auto", offload_folder=str(offload_folder or _offload_dir()))
     else:
         kwargs.update(device_map={"": device})
     try:

@@ -65,6 +65,10 @@ REFERENCES = {
               "url": "https://github.com/chrisjmccormick/shared-subspaces"}],
     "to_tpa": [{"authors": "Yifan Zhang, Yifeng Liu, Huizhuo Yuan, Zhen Qin, Yang Yuan, Quanquan Gu, Andrew Chi-Chih Yao",
                 "title": "Tensor Product Attention Is All You Need", "url": "https://github.com/tensorgi/T6"}],
+    "heal": [{"authors": "Geoffrey Hinton, Oriol Vinyals, Jeff Dean", "title": "Distilling the Knowledge in a Neural "
+              "Network", "url": "https://arxiv.org/abs/1503.02531"},
+             {"authors": "Edward J. Hu et al.", "title": "LoRA: Low-Rank Adaptation of Large Language Models",
+              "venue": "ICLR 2022", "url": "https://arxiv.org/abs/2106.09685"}],
 }
 
 

@@ -122,6 +122,12 @@ class CompressedLlamaConfig(PreTrainedConfig):
         if self.lm_head == "separate":
             _check_spec("lm_head_structure", self.lm_head_structure)
 
+    def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
+        """Cached elements per token (one layer if ``per_layer`` else all): stock K/V, ``2 n_kv d_h``."""
+        per = 2 * (self.num_key_value_heads or self.num_attention_heads) * (
+            self.head_dim or self.hidden_size // self.num_attention_heads)
+        return per if per_layer else per * self.num_hidden_layers
+
     def validate_architecture(self):
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(f"CompressedLlamaConfig: num_attention_heads ({self.num_attention_heads}) must be a "

@@ -48,7 +48,7 @@ def _check_dims(config, name: str, dims) -> None:
 
 @strict
 class FarrLlamaConfig(LlamaConfig):
-    r"""A Llama-family decoder (Llama, Mistral without sliding windows, Qwen2, Qwen3) after FaRR.
+    r"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM3) after FaRR.
 
     Args (besides :class:`~transformers.LlamaConfig`'s):
         v_head_dims: value/output head dim of each layer (``None``: ``head_dim`` everywhere).
@@ -61,6 +61,9 @@ class FarrLlamaConfig(LlamaConfig):
             cover ``v_proj``/``o_proj``.
         o_bias: bias on ``o_proj`` (holds the folded value bias).
         qk_norm: per-head RMSNorms on q and k before RoPE (Qwen3).
+        sliding_window / layer_types: per-layer sliding-window attention, as Qwen2/3 and Gemma
+            declare it (``"sliding_attention"`` or ``"full_attention"`` per layer); a
+            ``sliding_window`` without ``layer_types`` (Mistral) makes every layer sliding.
     """
 
     model_type = "hf_symmetry_farr_llama"
@@ -70,9 +73,20 @@ class FarrLlamaConfig(LlamaConfig):
     no_rope_layers: list[int] | None = None
     o_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers or \
+                set(self.layer_types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"FarrLlamaConfig: layer_types needs one of 'sliding_attention'/'full_attention' per "
+                             f"layer ({self.num_hidden_layers}), got {self.layer_types}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("FarrLlamaConfig: sliding_attention layers need a sliding_window")
         _check_dims(self, "v_head_dims", self.v_head_dims)
         _check_dims(self, "qk_head_dims", self.qk_head_dims)
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
@@ -92,6 +106,12 @@ class FarrLlamaConfig(LlamaConfig):
 
     def qk_head_dim(self, layer: int) -> int:
         return self.qk_head_dims[layer] if self.qk_head_dims else self.head_dim
+
+    def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
+        """Cached elements per token: ``n_kv (d_qk + d_v)`` of layer 0 if ``per_layer``, else summed
+        over all layers (each layer's own head dims)."""
+        layers = [0] if per_layer else range(self.num_hidden_layers)
+        return sum(self.num_key_value_heads * (self.qk_head_dim(i) + self.v_head_dim(i)) for i in layers)
 
     def attention_parameters(self, layer: int | None = None) -> int:
         """Attention parameters of one layer (or of all layers when ``layer`` is None)."""

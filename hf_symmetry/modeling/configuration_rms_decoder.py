@@ -60,6 +60,10 @@ class RMSDecoderConfig(PreTrainedConfig):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
+        """Cached elements per token (one layer if ``per_layer`` else all): K and V, ``2 · hidden``."""
+        return 2 * self.hidden_size * (1 if per_layer else self.num_hidden_layers)
+
 
 RMSDecoderConfig.register_for_auto_class()
 

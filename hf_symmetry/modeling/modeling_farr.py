@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaFo
                                                       LlamaPreTrainedModel, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention_forward
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 from transformers.models.roberta.modeling_roberta import (RobertaEmbeddings, RobertaEncoder, RobertaLayer,
                                                           RobertaModel, RobertaPooler, RobertaPreTrainedModel)
 
@@ -47,6 +48,7 @@ class FarrLlamaAttention(nn.Module):
         self.use_rope = config.uses_rope(layer_idx)
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = config.head_dim ** -0.5   # the original head dim's scale, whatever v_head_dim is
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         d, h, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
@@ -78,7 +80,8 @@ class FarrLlamaAttention(nn.Module):
             self.config._attn_implementation, llama_eager_attention_forward)
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
@@ -113,7 +116,12 @@ class FarrLlamaModel(FarrLlamaPreTrainedModel, LlamaModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        self.has_sliding_layers = "sliding_attention" in config.layer_types
         self.post_init()
+
+    # Copied from transformers.models.qwen2.modeling_qwen2.Qwen2Model.forward: one causal mask per
+    # layer type (full or sliding-window attention), Llama's otherwise
+    forward = Qwen2Model.forward
 
 
 class FarrLlamaForCausalLM(FarrLlamaPreTrainedModel, LlamaForCausalLM):

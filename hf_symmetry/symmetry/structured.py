@@ -103,7 +103,7 @@ class Gram:
     def apply_cols(self, rows: slice, D: Tensor) -> Tensor:
         """``G[:, rows] @ D`` (the change of ``G R`` when rows ``rows`` of ``R`` change by ``D``)."""
         if self.diag is not None:
-            out = torch.zeros(self.size, D.shape[1], dtype=D.dtype)
+            out = torch.zeros(self.size, D.shape[1], dtype=D.dtype, device=D.device)
             out[rows] = self.diag[rows, None] * D
             return out
         return self.matrix[:, rows] @ D
@@ -290,7 +290,7 @@ class Kron:
         """Alternating exact least squares in A and B (seed 001, App. A / Alg. 4)."""
         A, B = init if init is not None else self.project(W)
         if gram is None:
-            gram = Gram.identity(self.shape[0], W.dtype)
+            gram = Gram(diag=torch.ones(self.shape[0], dtype=W.dtype, device=W.device))
         for _ in range(iters):
             A = self._solve_a(W, gram, B)
             B = self._solve_b(W, gram, A)
@@ -393,7 +393,7 @@ class GS:
         L, R = init if init is not None else self.project(W)
         L, R = L.clone(), R.clone()
         if gram is None:
-            gram = Gram.identity(self.shape[0], W.dtype)
+            gram = Gram(diag=torch.ones(self.shape[0], dtype=W.dtype, device=W.device))
         for _ in range(iters):
             R = self._solve_r(W, gram, L)
             L = self._solve_l(W, gram, L, R)

@@ -21,7 +21,8 @@ from __future__ import annotations
 from ..stream import DictSource, TensorSource
 from .assemble import (assemble, build_model, compressed_config, config_object, module_tensors,
                        read_folded)
-from .calibration import CalibrationStats, FoldedLlama, calibration_batches, collect_statistics
+from .calibration import (CalibrationStats, FoldedLlama, SlicedLayer, calibration_batches, collect_statistics,
+                          sequential_stream_pca)
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
 from .pipeline import REPORT_FILE, CompressReport, compress_checkpoint, compress_model, compress_tensors
 from .plan import (SUPPORTED_FAMILIES, MatrixPlan, Plan, check_family, plan_compression, plan_for,
@@ -30,7 +31,7 @@ from .solve import SolveResult, _matched, solve
 
 __all__ = [
     "ALLOCATIONS", "DictSource", "TensorSource", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",
-    "read_folded", "CalibrationStats", "FoldedLlama", "calibration_batches", "collect_statistics", "LAYER_MODULES",
+    "read_folded", "CalibrationStats", "FoldedLlama", "SlicedLayer", "sequential_stream_pca", "calibration_batches", "collect_statistics", "LAYER_MODULES",
     "PRESETS", "Q_MODES", "STAGES", "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport",
     "compress_checkpoint", "compress_model", "compress_tensors", "SUPPORTED_FAMILIES", "MatrixPlan", "Plan",
     "check_family", "plan_compression", "plan_for", "source_numels", "SolveResult", "solve", "_matched",

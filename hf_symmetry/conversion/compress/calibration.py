@@ -6,9 +6,11 @@ uncompressed model" statistics of the paper come from this one pass), the inputs
 ``down_proj`` (writers), token counts (``√(D+1)`` weights of the embedding/head) and, for SliceGPT, the
 raw stream covariance.
 
-Sequential calibration (:class:`FoldedLlama`): segment k's statistics come instead from the model whose
-segments before k are already compressed (as SliceGPT and GPTQ calibrate) — matrices replaced by their
-approximations, and for SliceGPT the stream projected onto the kept directions."""
+Sequential calibration: segment k's statistics come instead from the model whose segments before k are
+already compressed (as SliceGPT and GPTQ calibrate). Stage W: :class:`FoldedLlama`, the norm-folded
+model with matrices replaced by their approximations; SliceGPT: :func:`sequential_stream_pca` on the
+calibration engine, each decoder layer run as :class:`SlicedLayer` (the stream projected onto the kept
+directions)."""
 
 from __future__ import annotations
 
@@ -111,17 +113,18 @@ class FoldedLlama:
     ``Ŵ Qᵀ`` (:meth:`replace`): RMSNorm commutes with the rotations and the skips are exact. :meth:`walk`
     visits the segments in order and measures each one on the model whose earlier segments are
     replaced (and, to match the original model, also runs the original alongside). Memory: the
-    calibration activations (tokens × intermediate size), float32."""
+    calibration activations (tokens × intermediate size), float32, and the approximations of the layer
+    being walked; the weights are the caller's tensors, cast per use. One walk per instance."""
 
     def __init__(self, layers: list[Tensors], globals_: Tensors, adapter: Adapter, model_config: dict,
                  ids: torch.Tensor, seq_len: int):
         from transformers.activations import ACT2FN
 
-        self.weights = {f"{i}.{k}": v.float() for i, lw in enumerate(layers) for k, v in lw.items()
-                        if "norm" not in k}
-        self.weights["embed.weight"] = globals_["embed.weight"].float()
+        # references to the caller's (float64) tensors, cast per use: no second copy of the model; a
+        # layer's entries are dropped once the walk has passed it
+        self.weights = {f"{i}.{k}": v for i, lw in enumerate(layers) for k, v in lw.items() if "norm" not in k}
+        self.weights["embed.weight"] = globals_["embed.weight"]
         self.original = dict(self.weights)      # replace() rebinds entries of self.weights only
-        self.projections: dict[int, torch.Tensor] = {}
         self.batches = [b.numel() for b in calibration_batches(ids, seq_len)]
         self.ids = ids[: sum(self.batches)]
         self.layout, self.eps, self.n_layers = adapter.layout, adapter.eps, len(layers)
@@ -133,19 +136,14 @@ class FoldedLlama:
         key = f"{m.canon}.weight" if m.layer is None else f"{m.layer}.{m.canon}.weight"
         self.weights[key] = (M if m.role == "reader" or m.canon == "embed" else M.T).float()
 
-    def project(self, segment: int, basis: torch.Tensor) -> None:
-        """SliceGPT: from now on the stream of ``segment`` is projected onto the columns of ``basis``
-        (``[d, d']``, orthonormal), as slicing it in the rotated basis does."""
-        self.projections[segment] = basis.float()
-
     def walk(self, stats: CalibrationStats):
         """Yield the segments ``0, 1, …, 2L`` in order, each once its statistics (``normed``, its writer's
         ``attn_out``/``mlp_hidden``, ``stream`` when asked for, and with ``stats.normed_cross`` set the
         ``*_cross`` and ``*_drift`` moments against the original model) are in ``stats``; the matrices
-        replaced and the projections set before resuming are used from then on (a segment's own writers
-        still count as dense, and its stream unprojected, in what its statistics measure)."""
-        original = self._segments(self.original, {}) if stats.normed_cross is not None else None
-        for k, (z, s, h) in enumerate(self._segments(self.weights, self.projections)):
+        replaced before resuming are used from then on (a segment's own writers still count as dense in
+        what its statistics measure)."""
+        original = self._segments(self.original) if stats.normed_cross is not None else None
+        for k, (z, s, h) in enumerate(self._segments(self.weights)):
             writer, i = ("attn_out" if k % 2 else "mlp_hidden"), (k - 1) // 2
             if z is not None and getattr(stats, writer) is not None:
                 getattr(stats, writer)[i] = _moment(z)
@@ -164,30 +162,28 @@ class FoldedLlama:
             del z, s, h, x
             yield k
 
-    def _segments(self, weights: Tensors, projections: dict[int, torch.Tensor]):
-        """Per segment, in order: (its writer's input, the stream its readers see before its own
-        projection, the stream before the writer — none for the embedding), reading ``weights`` and
-        ``projections`` anew after each yield."""
-        def project(k, h):
-            P = projections.get(k)
-            return h if P is None else (h @ P) @ P.T
-
-        embed = lambda: weights["embed.weight"][self.ids]  # noqa: E731
+    def _segments(self, weights: Tensors):
+        """Per segment, in order: (its writer's input, the stream its readers see, the stream before the
+        writer — none for the embedding), reading ``weights`` anew after each yield."""
+        embed = lambda: weights["embed.weight"][self.ids].float()  # noqa: E731
         yield None, embed(), None
-        h = project(0, embed())
+        h = embed()
+        weights.pop("embed.weight")
         for i in range(self.n_layers):
             z = self._attention(self._norm(h), i, weights)
             yield z, h + self._linear(z, i, "o", weights), h
-            h = project(2 * i + 1, h + self._linear(z, i, "o", weights))
+            h = h + self._linear(z, i, "o", weights)
             x = self._norm(h)
             u = self.act(self._linear(x, i, "gate", weights)) * self._linear(x, i, "up", weights)
             yield u, h + self._linear(u, i, "down", weights), h
-            h = project(2 * i + 2, h + self._linear(u, i, "down", weights))
+            h = h + self._linear(u, i, "down", weights)
+            for key in [k for k in weights if k.startswith(f"{i}.")]:
+                del weights[key]
 
     def _linear(self, x: torch.Tensor, i: int, canon: str, weights: Tensors) -> torch.Tensor:
-        y = x @ weights[f"{i}.{canon}.weight"].T
+        y = x @ weights[f"{i}.{canon}.weight"].to(x.dtype).T
         bias = weights.get(f"{i}.{canon}.bias")
-        return y if bias is None else y + bias
+        return y if bias is None else y + bias.to(x.dtype)
 
     def _norm(self, h: torch.Tensor) -> torch.Tensor:
         return _rms_normalised(h, self.eps)
@@ -217,3 +213,99 @@ def _rope_tables(model_config: dict, length: int) -> tuple[torch.Tensor, torch.T
     rotary = LlamaRotaryEmbedding(config=config_object(model_config))
     cos, sin = rotary(torch.zeros(1, 1, 1), torch.arange(length)[None])
     return cos[0].float(), sin[0].float()
+
+
+# ---------------------------------------------------------------------------------------------
+# sequential SliceGPT on the calibration engine
+# ---------------------------------------------------------------------------------------------
+def _project(h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    if basis is None:
+        return h
+    B = basis.to(device=h.device, dtype=h.dtype)
+    return (h @ B) @ B.T
+
+
+class SlicedLayer(torch.nn.Module):
+    """A family's own decoder layer run as SliceGPT's sliced model runs it, in the original basis: the
+    incoming stream is projected onto the kept directions of its segment (``basis_in``, ``[d, d']``
+    orthonormal), and the stream after attention onto those of the next segment (``basis_mid``; ``None``:
+    not yet chosen, left unprojected). The output is the stream after the FFN *before* its own segment's
+    projection — what the next segment's PCA is taken of. The mid-layer projection is applied by a
+    forward hook on the attention module, which replaces the attention output ``a`` by
+    ``P(x̂ + a) − x̂`` so that the layer's own residual addition yields ``P(x̂ + a)``."""
+
+    def __init__(self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor | None,
+                 basis_mid: torch.Tensor | None):
+        super().__init__()
+        self.layer, self.basis_in, self.basis_mid = layer, basis_in, basis_mid
+        self._x = None
+        self._handle = layer.get_submodule(attention_path).register_forward_hook(self._mid)
+
+    def _mid(self, _module, _args, output):
+        if self.basis_mid is None:
+            return None
+        a = output[0] if isinstance(output, tuple) else output
+        a = _project(self._x + a, self.basis_mid) - self._x
+        return (a, *output[1:]) if isinstance(output, tuple) else a
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self._x = _project(hidden_states, self.basis_in)
+        try:
+            return self.layer(self._x, *args, **kwargs)
+        finally:
+            self._x = None
+
+    def get_submodule(self, target: str) -> torch.nn.Module:
+        """The wrapped layer's modules by their own paths (the engine hooks its sites on them)."""
+        return self.layer.get_submodule(target) if target else self
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def pca(C: torch.Tensor) -> torch.Tensor:
+    """Eigenvectors of a second moment, largest eigenvalue first."""
+    lam, V = torch.linalg.eigh((C + C.T) / 2)
+    return V[:, torch.argsort(lam, descending=True)]
+
+
+def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int, width: int, placement=None,
+                          progress: bool = True) -> tuple[list[torch.Tensor], CalibrationStats]:
+    """SliceGPT as its reference code calibrates, layer by layer on the calibration engine: segment k's
+    PCA is taken of the stream of the model whose segments before k are already sliced to ``width``
+    (each decoder layer runs as :class:`SlicedLayer`). Returns the rotations (one per residual segment)
+    and the stream second moments they were taken of (``stats.stream``, before each segment's own
+    projection). With ``width`` equal to the hidden size nothing is sliced: the statistics are those of
+    one pass of the original model."""
+    from ...architectures import Adapter
+    from ...calibration import CalibrationEngine, StatsRequest
+    from ...calibration import calibration_batches as batches
+
+    adapter = Adapter.from_config(config, source.keys())
+    attention = adapter.spec.attention.o.rsplit(".", 1)[0]
+    vocab = int(config["vocab_size"])
+    n_seg = 2 * adapter.n_layers + 1
+    stats = CalibrationStats(0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
+                             stream=[None] * n_seg)
+    Qs: list[torch.Tensor | None] = [None] * n_seg
+    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
+
+    def on_layer(step):
+        i, n = step.index, step.stats.tokens
+        stats.stream[2 * i] = step.stats.grams["layer_in"] / n
+        Qs[2 * i] = pca(stats.stream[2 * i])
+        probe = SlicedLayer(step.module, attention, Qs[2 * i][:, :width], None)
+        try:
+            mid = step.collect(StatsRequest(grams=("ffn_norm_in",)), module=probe)
+        finally:
+            probe.close()
+        stats.stream[2 * i + 1] = mid.grams["ffn_norm_in"] / mid.tokens
+        Qs[2 * i + 1] = pca(stats.stream[2 * i + 1])
+        return SlicedLayer(step.module, attention, Qs[2 * i][:, :width], Qs[2 * i + 1][:, :width])
+
+    result = engine.collect(batches(ids, seq_len), StatsRequest(grams=("layer_in",)),
+                            final=StatsRequest(grams=("final_in",)), on_layer=on_layer)
+    stats.tokens = result.tokens
+    stats.stream[-1] = result.final.grams["final_in"] / result.final.tokens
+    Qs[-1] = pca(stats.stream[-1])
+    return Qs, stats

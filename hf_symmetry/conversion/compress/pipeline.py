@@ -15,7 +15,7 @@ from ...hub.cards import public_report
 from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
 from .assemble import assemble, build_model, compressed_config, read_folded
-from .calibration import CalibrationStats, FoldedLlama, collect_statistics
+from .calibration import CalibrationStats, FoldedLlama, collect_statistics, sequential_stream_pca
 from .options import CompressOptions
 from .plan import Plan, check_family, plan_for
 from .solve import solve
@@ -99,7 +99,11 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied)
     new_config = compressed_config(config, plan, options, hf_config)
     net = None
-    if options.sequential:
+    if options.solver == "pca-sequential":
+        _require_calibration(options, calib_ids)
+        rotations, stats = sequential_stream_pca(source, config, calib_ids[: options.calib_tokens],
+                                                 options.calib_seq_len, plan.residual, placement, progress)
+    elif options.sequential:
         _require_calibration(options, calib_ids)
         net = FoldedLlama(layers, globals_, adapter, new_config, calib_ids[: options.calib_tokens],
                           options.calib_seq_len)
@@ -134,7 +138,7 @@ def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | No
 
 def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptions, calib_text: str | Path | None,
                         overwrite: bool = False, progress: bool = True, eval_text: str | Path | None = None,
-                        eval_tokens: int = 4096, placement=None) -> CompressReport:
+                        eval_tokens: int | None = None, placement=None) -> CompressReport:
     """Compress the HF folder ``src`` into ``out`` (loadable with ``trust_remote_code=True``). Every
     input is checked before any work; ``out`` appears only when everything succeeded. The tokenizer is
     loaded once; calibration reads the checkpoint one layer at a time on ``placement``'s device, and
@@ -162,7 +166,7 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
         if calib_ids.numel() < 2:
             raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
     if evaluation is not None:
-        eval_ids = tokenize_text(tokenizer, evaluation, max_tokens=eval_tokens)
+        eval_ids = tokenize_text(tokenizer, evaluation, max_tokens=eval_tokens or PPL.tokens)
     hf_config = AutoConfig.from_pretrained(src)
     dtype = getattr(hf_config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ...symmetry import structured as st
 from ...symmetry.segments import Term, balance, solve_segment
-from .calibration import CalibrationStats, FoldedLlama
+from .calibration import CalibrationStats, FoldedLlama, pca as _pca
 from .options import CompressOptions
 from .plan import MatrixPlan, Plan
 
@@ -165,13 +165,15 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     the factors are simply projected at these rotations. ``net``: the calibration forward of
     ``options.sequential``."""
     n_seg = plan.n_segments
-    if options.sequential and net is None:
+    if options.sequential and not options.slicing and net is None:
         raise ValueError("sequential calibration needs the calibration forward (a FoldedLlama)")
     path = options.solver
     if path == "pca":
         return SolveResult(_pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
-    if path == "pca-sequential":
-        return _pca_sequential(plan, stats, net, progress)
+    if path == "pca-sequential":          # rotations measured by calibration.sequential_stream_pca
+        if rotations is None:
+            raise ValueError("sequential SliceGPT takes its rotations from sequential_stream_pca")
+        return SolveResult(list(rotations), {}, {}, {}, stats)
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
@@ -198,26 +200,6 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
         rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
                             torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
     return SolveResult(Qs, factors, traces, rel, seq)
-
-
-def _pca(C: torch.Tensor) -> torch.Tensor:
-    """Eigenvectors of a second moment, largest eigenvalue first."""
-    lam, V = torch.linalg.eigh((C + C.T) / 2)
-    return V[:, torch.argsort(lam, descending=True)]
-
-
-def _pca_sequential(plan: Plan, stats: CalibrationStats, net: FoldedLlama, progress: bool) -> SolveResult:
-    """SliceGPT as its reference code calibrates: segment k's PCA on the stream of the model whose
-    segments before k are already sliced (``net`` projects each solved segment's stream onto its kept
-    directions before going on)."""
-    n_seg = plan.n_segments
-    seq = CalibrationStats(stats.tokens if stats else 0, stats.token_counts if stats else None, stream=[None] * n_seg)
-    Qs = []
-    for k in tqdm(net.walk(seq), total=n_seg, desc="SliceGPT (sequential)", unit="segment", disable=not progress):
-        Q = _pca(seq.stream[k])
-        net.project(k, Q[:, :plan.residual])
-        Qs.append(Q)
-    return SolveResult(Qs, {}, {}, {}, seq)
 
 
 def _pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:

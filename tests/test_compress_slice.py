@@ -1,0 +1,158 @@
+"""``compress --structure slice``: SliceGPT's defaults and card, and sequential SliceGPT (each
+segment's PCA on the stream of the model whose earlier segments are already sliced, as the reference
+SliceGPT code calibrates)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_symmetry  # noqa: F401  (registers the family)
+from hf_symmetry.conversion import compress as C
+from hf_symmetry.symmetry import structured as S
+from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+
+def _source(model):
+    return C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
+
+
+def _rel(a, b):
+    return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
+
+
+def _float64():
+    from hf_symmetry.devices import resolve
+
+    return resolve("cpu", "float64")
+
+
+def test_slice_defaults_to_one_global_pca_and_its_card_lists_only_its_settings():
+    options = C.CompressOptions(structure="slice")
+    assert options.q_mode == "global" and options.label == "SliceGPT (global PCA)"
+    assert C.CompressOptions(structure="kron").q_mode == "segment"
+    settings = options.applicable()
+    for absent in ("stage", "f_iters", "w_iters", "als_iters", "wopp_iters", "kron_factor", "gs_blocks",
+                   "match_original"):
+        assert absent not in settings, absent
+    assert {"structure", "ratio", "q_mode", "calib_tokens"} <= set(settings)
+    gs = C.CompressOptions(structure="gs", stage="w").applicable()
+    assert {"stage", "f_iters", "w_iters", "gs_blocks"} <= set(gs) and "kron_factor" not in gs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sequential_slicing_with_nothing_sliced_measures_the_one_pass_statistics(family):
+    """At full width the sliced layers project onto everything: the engine's sequential walk (the
+    family's own decoder layers, RoPE, GQA, biases, ragged batches 40+40+30) measures one pass."""
+    model = tiny_model(family)
+    config, src = model.config.to_dict(), _source(model)
+    calib = input_ids(batch=1, length=110, seed=3)[0]
+    ref = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
+                               placement=_float64())
+    Qs, seq = C.sequential_stream_pca(src, config, calib, 40, config["hidden_size"], _float64(), progress=False)
+    assert len(Qs) == len(seq.stream) == 2 * config["num_hidden_layers"] + 1 and seq.tokens == ref.tokens
+    for a, b in zip(seq.stream, ref.stream):
+        assert _rel(a, b) < 1e-10
+
+
+def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(exact_rmsnorm):
+    """Each segment's statistics are those of the assembled sliced model's own stream (hooked), and
+    after the first segment no longer those of the original model."""
+    model = tiny_model("llama")
+    config, src = model.config.to_dict(), _source(model)
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40,
+                                tolerance=1.0)
+    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
+                                            progress=False, hf_config=model.config, placement=_float64())
+    sliced = C.build_model(state, cfg, torch.float64)[0]
+    dr = cfg["residual_size"]
+    Qs, seq = C.sequential_stream_pca(src, config, calib, 40, dr, _float64(), progress=False)
+    acc = {}
+
+    def hook(k):
+        def fn(_module, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            acc[k] = acc.get(k, 0) + x.T @ x
+        return fn
+
+    handles = []
+    for i, layer in enumerate(sliced.model.layers):
+        handles.append(layer.input_layernorm.register_forward_pre_hook(hook(2 * i)))
+        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(hook(2 * i + 1)))
+    handles.append(sliced.model.norm.register_forward_pre_hook(hook(2 * len(sliced.model.layers))))
+    with torch.no_grad():
+        for batch in C.calibration_batches(calib, 40):
+            sliced(input_ids=batch[None])
+    for h in handles:
+        h.remove()
+    one_pass = C.collect_statistics(src, config, calib, 40, False, True, placement=_float64())
+    for k in range(len(Qs)):
+        Qk = Qs[k][:, :dr]
+        measured = acc[k] / calib.numel()
+        # the compressed model's stream (basis Q_k, sliced) is the projection of what the PCA was taken of
+        assert _rel(Qk.T @ seq.stream[k] @ Qk, measured) < 1e-9, k
+        if k > 0:
+            assert _rel(seq.stream[k], one_pass.stream[k]) > 1e-3, k       # not the original's
+
+
+def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
+    model = tiny_model("llama")
+    config = model.config.to_dict()
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, calib_seq_len=40, tolerance=1.0)
+    src = _source(model)
+    plan = C.plan_for(src, config, options)[0]
+    plan.residual = plan.hidden
+    for m in plan.matrices:
+        m.structure = S.Dense((m.structure.shape[0], plan.hidden))
+    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
+                                            progress=False, plan=plan, hf_config=model.config, placement=_float64())
+    assert report.method == "SliceGPT (PCA per segment, sequential)"
+    compressed = C.build_model(state, cfg, torch.float64)[0]
+    ids = input_ids()
+    assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() <= 1e-9
+
+
+def test_sequential_slicing_needs_one_pca_per_segment():
+    with pytest.raises(ValueError, match="sequential calibration applies"):
+        C.CompressOptions(structure="slice", q_mode="global", sequential=True).validate()
+    C.CompressOptions(structure="slice", q_mode="segment", sequential=True).validate()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
+    return folder
+
+
+def test_cli_sequential_slicegpt_card_and_device_refusal(tiny_dir, tmp_path, capsys):
+    import json
+
+    from huggingface_hub import ModelCard
+
+    from hf_symmetry.cli import main
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
+    out = tmp_path / "slice"
+    args = ["compress", str(tiny_dir), str(out), "--structure", "slice", "--q-mode", "segment", "--sequential",
+            "--calib", str(calib), "--calib-seq-len", "64", "--quiet"]
+    if not torch.cuda.is_available():
+        assert main([*args, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "CUDA" in err[0] and not out.exists()
+    assert main([*args, "--device", "cpu"]) == 0
+    assert "SliceGPT (PCA per segment, sequential)" in capsys.readouterr().out
+    report = json.loads((out / "compression_report.json").read_text())
+    assert report["method"] == "SliceGPT (PCA per segment, sequential)" and report["options"]["sequential"]
+    params = ModelCard.load(out / "README.md").data.hf_symmetry["parameters"]
+    assert params["sequential"] is True and not {"stage", "f_iters", "kron_factor", "w_iters"} & set(params)
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == "0o644"
