@@ -6,18 +6,20 @@ readers, norm-folded), the same calibration covariances (this project's one-pass
 configuration: Kronecker rank 3 with a 1x4 / 4x1 factor on the residual side, i.e. 75 % of each
 compressed matrix; V dense) and the same starting rotation (this project's stage F from Q = I).
 
-* ours: :func:`hf_symmetry.symmetry.segments.solve_segment` in float64, run to convergence by its
-  stopping rule (and, for reference, the old fixed single alternation);
+* ours: :func:`hf_symmetry.symmetry.segments.solve_segment` (float32 iterations, float64 result), run to
+  convergence by its stopping rule (``ours_converged``: relative decrease per alternation below 1e-3,
+  over-relaxation on) and, for comparison, the previous fixed single alternation (``ours_one_alternation``);
 * the reference: ``procrustes.wopp.weighted_procrustes_als`` of github.com/GrishKate/ProcrustesGPT
   (MIT) with its ``configs/compression_weighted.yaml`` settings (1 ALS iteration, 500 Cayley + CG
-  steps, 1 approximation iteration), in a **subprocess** whose ``PYTHONPATH`` is the checkout given
-  by ``--reference`` — this project never imports it. The segment is handed over already rotated by
-  the stage F rotation (as the reference rotates the network before its weighted stage).
+  steps, 1 approximation iteration; ``cut_values`` for attention segments, as its pipeline does), in a
+  **subprocess** whose ``PYTHONPATH`` is the checkout given by ``--reference`` — this project never
+  imports it. The segment is handed over already rotated by the stage F rotation (as the reference
+  rotates the network before its weighted stage).
 
 Both results are scored by one function here, on the paper's objective (seed 001, eq. 3: squared
 weighted errors, readers scaled by ``λ = Σ‖X_out W_out‖² / Σ‖X_in W_in‖²``) and on the loss the
 reference's code actually minimises (unsquared norms, its own balancing ``α``). Both run on one CPU
-thread.
+thread; ``cpu_seconds`` (process time) is the figure to compare on a shared machine.
 
 Run: .venv/bin/python benchmarks/bench_stage_w_reference.py [--reference /path/to/ProcrustesGPT]
      [--reference-pythonpath DIR]   (a folder with ``einops``, which the reference imports)
@@ -147,9 +149,9 @@ def score(p: dict, Q: torch.Tensor, approx: dict) -> dict:
             w_norm = float(torch.linalg.matrix_norm(Xout @ M))
             w_err_norm = float(torch.linalg.matrix_norm(E))
         elif role == "reader":
-            r_energy_norms.append(float(torch.linalg.matrix_norm(Xin @ M.T)))
-            if name not in approx:
+            if name not in approx:      # dense (V): exact at every Q, and left out of the reference's loss
                 continue
+            r_energy_norms.append(float(torch.linalg.matrix_norm(Xin @ M.T)))
             E = Xin @ (M.T - Q @ approx[name].T)           # ‖X_in (W_in − Q Ŵ_in)‖, W_in = Mᵀ [d, out]
             r_err += float((E * E).sum())
             r_energy += float(((Xin @ M.T) ** 2).sum())
@@ -212,7 +214,7 @@ Xin = [f(t["Xin"]) for _ in range(spec["n_in"])]
 t0, c0 = time.perf_counter(), time.process_time()
 Qt, Wout_appr, Win_appr, _ = weighted_procrustes_als(Wout, (Xout, Xout_inv), Win, (Xin, [None] * len(Xin)),
                                                      spec["params_out"], spec["params_in"], cfg, layer_cfg,
-                                                     "cpu", cut_values=False)
+                                                     "cpu", cut_values=spec["cut_values"])
 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
 out = {"Q": Qt.T.contiguous(), "Wout": kron_merge(Wout_appr)[0].contiguous()}
 out.update({f"Win.{i}": w.contiguous() for i, w in enumerate(kron_merge(Win_appr))})
@@ -234,7 +236,10 @@ def run_reference(p: dict, Q_F: torch.Tensor, reference: Path, extra_path: str |
     for i, (name, M) in enumerate(readers):
         tensors[f"Win.{i}"] = Q_F.T @ M.T
         params_in.append({"r": 1, "m1": 1, "n1": 1} if name == "v" else {"r": RANK, "m1": FACTOR, "n1": 1})
+    # the reference's pipeline drops V (the last reader, kept dense) from the attention segments' rotation
+    # loss (compression_pipeline.py passes cut_values=True to the attention blocks, False to the FFN ones)
     spec = {"als_iters": 1, "gd_iters": gd_iters, "approx_iters": 1, "n_in": len(readers),
+            "cut_values": readers[-1][0] == "v",
             "params_out": [{"r": RANK, "m1": 1, "n1": FACTOR}], "params_in": params_in}
     with tempfile.TemporaryDirectory(prefix="stage_w_ref_") as tmp:
         inp, outp, drv = Path(tmp) / "in.safetensors", Path(tmp) / "out.safetensors", Path(tmp) / "driver.py"

@@ -123,8 +123,9 @@ def worker(arch: str, seed: int, opts: dict, work: Path) -> dict:
 
 
 def throughput(opts: dict, work: Path, rounds: int = 6) -> dict:
-    """Training tokens/s side by side: one process, the models' steps interleaved round by round (so load
-    from other jobs hits all alike); median seconds per step. T6 both with its automatic attention plan and
+    """Training tokens/s side by side: one process, one thread, the models' steps interleaved round by round;
+    median *CPU* seconds per step (process time: on a machine shared with other jobs, wall time measures the
+    scheduler, not the model). T6 both with its automatic attention plan and
     with factor-space attention forced in training."""
     import statistics
 
@@ -147,24 +148,25 @@ def throughput(opts: dict, work: Path, rounds: int = 6) -> dict:
     times = {k: [] for k in models}
     for r in range(rounds + 1):
         for k, m in models.items():
-            t = time.perf_counter()
+            t = time.process_time()
             m(batch, labels=batch).loss.backward()
             opts_[k].step()
             opts_[k].zero_grad()
             if r:  # the first round warms up
-                times[k].append(time.perf_counter() - t)
+                times[k].append(time.process_time() - t)
     tokens = batch.numel()
     res = {k: dict(median_step_seconds=statistics.median(v), tokens_per_second=tokens / statistics.median(v))
            for k, v in times.items()}
     for k in res:
         res[k]["relative_to_mha"] = res[k]["tokens_per_second"] / res["mha"]["tokens_per_second"]
-    return dict(batch_tokens=tokens, rounds=rounds, models=res)
+    return dict(batch_tokens=tokens, rounds=rounds, clock="process CPU time, 1 thread", models=res)
 
 
 def attention_layer_timing(reps: int = 3) -> dict:
     """One TPA attention layer, forward + backward, at the paper's small-model shape (d_model 768, 34 heads,
     d_h 64, R = 6/2/2; batch 4 x 256 tokens): every training route of ``attention_plan`` side by side,
-    best of ``reps`` (one thread). Shows where factor-space training attention stands against SDPA."""
+    best of ``reps`` in CPU seconds (process time, one thread). Shows where factor-space training attention
+    stands against SDPA."""
     import torch
 
     from hf_symmetry import TPAConfig, TPAForCausalLM
@@ -179,20 +181,44 @@ def attention_layer_timing(reps: int = 3) -> dict:
     cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
     plans = {"materialized (SDPA)": ("k", "v"), "scores from P = B_Q B_K^T, V composed": ("p", "v"),
              "scores via composed q, no K": ("q", "v"), "all factor space (no K, no V)": ("p", "factor")}
-    cost = attn.route_costs(T, T)
     out = {}
     for name, plan in plans.items():
         attn.attention_plan = lambda T_, S_, plan=plan: plan
         best = math.inf
         for _ in range(reps):
-            t = time.perf_counter()
+            t = time.process_time()
             y, _ = attn(x, (cos, sin), attention_mask=None)
             y.sum().backward()
-            best = min(best, time.perf_counter() - t)
-        out[name] = dict(plan=plan, seconds=best, multiply_adds_fwd_estimate=cost[plan[0]] + cost[plan[1]])
+            best = min(best, time.process_time() - t)
+        out[name] = dict(plan=plan, seconds=best)
     del attn.attention_plan
     out["auto_plan"] = attn.attention_plan(T, T)
-    return dict(shape=dict(hidden_size=d, heads=h, head_dim=64, ranks=[6, 2, 2], batch=B, tokens=T), routes=out)
+    return route_costs_into(dict(shape=dict(hidden_size=d, heads=h, head_dim=64, ranks=[6, 2, 2], batch=B, tokens=T),
+                clock="process CPU time, 1 thread", routes=out))
+
+
+def route_costs_into(layer: dict) -> dict:
+    """Add the forward cost estimates of each timed plan: raw multiply-adds and the weighted cost that
+    ``tpa_decode_path="auto"`` minimises (small-inner-dimension contractions x ``non_gemm_weight``)."""
+    from hf_symmetry import TPAConfig
+    from hf_symmetry.modeling.modeling_tpa import TPAAttention
+
+    sh = layer["shape"]
+    cfg = TPAConfig(vocab_size=128, hidden_size=sh["hidden_size"], num_attention_heads=sh["heads"],
+                    head_dim=sh["head_dim"], num_hidden_layers=1, q_rank=sh["ranks"][0], k_rank=sh["ranks"][1],
+                    v_rank=sh["ranks"][2])
+    attn = TPAAttention(cfg, 0)
+    T = sh["tokens"]
+    weighted = attn.route_costs(T, T)
+    attn.non_gemm_weight = 1.0
+    raw = attn.route_costs(T, T)
+    for r in layer["routes"].values():
+        if isinstance(r, dict):
+            r.pop("multiply_adds_fwd_estimate", None)
+            a, b = r["plan"]
+            r["multiply_adds_fwd_per_sequence"] = raw[a] + raw[b]
+            r["weighted_cost_fwd_per_sequence"] = weighted[a] + weighted[b]
+    return layer
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -216,7 +242,8 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, fontsize=8)
     lo = min(min(l for _, l in r["eval_curve"]) for r in runs)
-    ax.set_ylim(lo - 0.1, lo + 2.5)
+    hi = max(max(l for _, l in r["eval_curve"]) for r in runs)
+    ax.set_ylim(lo - 0.05, hi + 0.05)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -273,10 +300,13 @@ def main(argv=None) -> int:
                 print(f"[{time.time() - t0:6.0f}s] {job[1]} seed {job[2]} finished, rc {job[0].returncode}", flush=True)
     runs = [json.loads((work / f"result-{arch}-{seed}.json").read_text())
             for seed in a.seeds for arch in ARCHS if (work / f"result-{arch}-{seed}.json").exists()]
+    for r in runs:  # the final evaluation repeats the last step's
+        r["eval_curve"] = sorted(dict(map(tuple, r["eval_curve"])).items())
     cached = work / "throughput.json"
     speed = json.loads(cached.read_text()) if a.collect and cached.exists() else throughput(opts, work, a.rounds)
     cached = work / "attention_layer.json"
-    layer = json.loads(cached.read_text()) if a.collect and cached.exists() else attention_layer_timing()
+    layer = (route_costs_into(json.loads(cached.read_text())) if a.collect and cached.exists()
+             else attention_layer_timing())
     import platform
 
     import torch

@@ -11,7 +11,7 @@ every ``--eval-steps``, checkpoints every ``--save-steps`` and ``--resume``.
 
     python examples/train_clm.py --arch t6 --params 20M --text a.txt --text b.jsonl --max-steps 2000 --out t6-20m
     python examples/train_clm.py --arch gqa --params 20M --text a.txt --max-steps 2000 --out gqa-20m --resume
-    torchrun --nproc_per_node 4 examples/train_clm.py --arch mla ...      # or: accelerate launch examples/train_clm.py ...
+    torchrun --nproc_per_node 4 examples/train_clm.py --arch mla ...   # or: accelerate launch examples/train_clm.py
 
 ``--batch-size`` is the global batch (sequences per optimizer step), whatever the number of processes.
 ``OUT`` receives the model, tokenizer and ``train_results.json`` (loss curve, perplexity, KV-cache size,
@@ -137,14 +137,14 @@ def main(argv=None, callbacks=()) -> int:
               f"data {data.as_dict()}; {world_size()} process(es)")
 
     torch.manual_seed(args.seed)
-    config._attn_implementation = args.attn_implementation
-    model = build_model(config)
+    model = build_model(config, attn_implementation=args.attn_implementation)
     out = Path(args.out)
     settings = TrainSettings(
         output_dir=str(out / "checkpoints"), max_steps=args.max_steps, per_device_batch_size=args.per_device,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup_steps,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm, eval_steps=args.eval_steps,
-        save_steps=args.save_steps, save_total_limit=args.save_total_limit, logging_steps=max(1, min(10, args.max_steps // 10)),
+        save_steps=args.save_steps, save_total_limit=args.save_total_limit,
+        logging_steps=max(1, min(10, args.max_steps // 10)),
         seed=args.seed, use_cpu=args.cpu, resume=args.resume, progress=not args.quiet,
         gradient_checkpointing=args.gradient_checkpointing)
     outcome = train(model, data.train, data.validation, settings, callbacks=callbacks)
@@ -171,9 +171,11 @@ def main(argv=None, callbacks=()) -> int:
             eval_perplexity=None if outcome.eval_loss is None else math.exp(outcome.eval_loss),
             eval_curve=curve, train_curve=train_curve, resumed_from=outcome.resumed_from)
         (out / "train_results.json").write_text(json.dumps(results, indent=1))
-        ppl = "n/a" if outcome.eval_loss is None else f"{outcome.eval_loss:.4f} (perplexity {math.exp(outcome.eval_loss):.1f})"
+        ppl = ("n/a" if outcome.eval_loss is None
+               else f"{outcome.eval_loss:.4f} (perplexity {math.exp(outcome.eval_loss):.1f})")
         print(f"{args.arch}: {outcome.global_step} steps, {outcome.train_tokens} tokens, "
-              f"{outcome.tokens_per_second:.0f} tokens/s; held-out loss {ppl}; KV cache {kv} elements/token; saved {out}")
+              f"{outcome.tokens_per_second:.0f} tokens/s; held-out loss {ppl}; KV cache {kv} elements/token; "
+              f"saved {out}")
     return 0
 
 

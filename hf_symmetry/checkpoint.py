@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -110,6 +111,20 @@ class CheckpointReader:
                         raise ValueError(f"corrupt safetensors file {self.path / fname}: {k} is truncated")
                     out[k] = t
         return {n: out[n] for n in names}
+
+    def get_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (sorted unique indices) of the 2-D tensor ``name``, reading only their bytes
+        (e.g. the embedding rows of the calibration tokens)."""
+        fname, dtype, shape, offset, _ = self._locations[name]
+        width = math.prod(shape[1:])
+        out = torch.empty((len(rows), *shape[1:]), dtype=dtype)
+        row_bytes = width * out.element_size()
+        with open(self.path / fname, "rb") as f:
+            for j, r in enumerate(rows.tolist()):
+                f.seek(offset + r * row_bytes)
+                if f.readinto(memoryview(out[j].reshape(-1).view(torch.uint8).numpy())) != row_bytes:
+                    raise ValueError(f"corrupt safetensors file {self.path / fname}: {name} is truncated")
+        return out
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the safetensors headers (no tensor data is read)."""

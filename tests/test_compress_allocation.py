@@ -150,6 +150,7 @@ def test_procrustesgpt_llama_preset_is_the_papers_configuration():
     acc = plan.accounting
     assert acc["ratio_over_model"] == pytest.approx(1 - acc["compressed_model_params"] / dense)
     assert acc["target_ratio"] is None
+    assert acc["target_params"] == acc["compressed_model_params"]     # what an allocation of the preset must meet
     assert "matrix_keep" in options.applicable() and "ratio" not in options.applicable()
 
 

@@ -281,7 +281,7 @@ def test_impossible_requests_are_refused_by_the_plan(kwargs, match):
 @pytest.mark.parametrize("family", ["gpt2", "qwen3", "bert", "smollm3"])   # smollm3: NoPE layers
 def test_unsupported_families_are_refused(family):
     model = tiny_model(family, dtype=torch.float32)
-    with pytest.raises(ValueError, match="Llama-family|QK-norm|not a symmetry|residual rotation"):
+    with pytest.raises(ValueError, match="compress: "):   # the capability's structural reason
         C.plan_for(_source(model), model.config.to_dict(), C.CompressOptions(stage="none"))
 
 

@@ -144,12 +144,30 @@ def test_capability_messages_name_the_structure():
     # QK-norm does not touch the residual stream: qwen3's residual rotation is allowed
     assert allows(tiny_config("qwen3"), "residual_rotation")
     assert not allows(tiny_config("qwen3"), "qk_rotation") and allows(tiny_config("qwen3"), "vo_rotation")
-    # one reading of sliding windows for compress, FaRR and to-tpa
+    # one reading of sliding windows: the families without per-layer windows refuse, FaRR's has them
     mistral = tiny_config("mistral", sliding_window=16)
-    for conversion in ("compress", "slicegpt", "farr_vo", "to_tpa"):
+    for conversion in ("compress", "slicegpt", "to_tpa"):
         assert "sliding-window attention on 2 of 2 layers (window 16)" in reason(mistral, conversion)
+    assert allows(mistral, "farr_vo")
     with pytest.raises(ValueError, match="unknown symmetry or conversion"):
         reason(cfg, "rotate_everything")
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", dict(sliding_window=8)),                                              # every layer
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 only
+])
+def test_farr_keeps_per_layer_sliding_windows_exactly(family, overrides, exact):
+    """FaRR's decoder family has per-layer sliding windows: a sliding-window source converts
+    exactly (lossless ranks), and the windows really act (the full-attention twin differs)."""
+    from hf_symmetry.conversion.farr import FarrOptions, build_farr_model, farr_state_dict
+
+    model = tiny_model(family, **overrides)
+    sd, farr_config, _ = farr_state_dict(model.state_dict(), model.config, FarrOptions(tau=1.0))
+    assert "sliding_attention" in farr_config.layer_types and farr_config.sliding_window == 8
+    farr_model = build_farr_model(sd, farr_config, torch.float64)
+    assert _delta(model, farr_model) <= 1e-9
+    assert _delta(model, tiny_model(family)) > 1e-3
 
 
 def test_sliding_window_is_read_once_and_the_same_from_objects_and_dicts():
@@ -360,3 +378,14 @@ def test_families_command_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "qwen3" in out and "gemma2" not in out
     assert main(["families", "--model-type", "nope"]) == 2
+
+
+def test_compress_runs_exactly_on_phi3_whose_capability_allows_it(exact):
+    """Phi-3 (fused qkv and gate_up, read through the adapter) compresses: full-rank structures at
+    random per-segment rotations reproduce the logits."""
+    from test_compress_model import _exact_compression
+
+    model = tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert allows(model.config, "compress") and not allows(tiny_config("phi3"), "compress")   # partial rotary: no
+    compressed, _ = _exact_compression(model, "kron")
+    assert _delta(model, compressed) <= 1e-9

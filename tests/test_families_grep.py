@@ -14,8 +14,6 @@ CONVERSION = Path(__file__).resolve().parents[1] / "hf_symmetry" / "conversion"
 NOT_YET = {
     "to_tpa.py": "reads the source model's modules by attribute (model.model.layers[i].self_attn ...)",
     "compress/assemble.py": "writes the compressed family's module paths (model.layers.{i}...) by hand",
-    "compress/plan.py": "keeps its own family list (being replaced by capabilities.require)",
-    "farr.py": "keeps its own family lists (being replaced by capabilities.require)",
 }
 
 

@@ -55,12 +55,12 @@ def _relative_decreases(res) -> list[float]:
     return [(a - b) / a for a, b in zip(values, values[1:])]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_objective_is_non_increasing_and_stops_by_its_rule(dtype):
+@pytest.mark.parametrize("dtype,extrapolate", [(torch.float64, False), (torch.float32, False), (torch.float64, True)])
+def test_objective_is_non_increasing_and_stops_by_its_rule(dtype, extrapolate):
     eye = torch.eye(D, dtype=torch.float64)
     tol, cap = 1e-3, 200
     res = solve_segment(_segment(_random_mats(), _structures()), eye, iters=cap, als_iters=2, wopp_iters=30,
-                        dtype=dtype, tol=tol)
+                        dtype=dtype, tol=tol, extrapolate=extrapolate)
     slack = 1e-10 if dtype == torch.float64 else 1e-5
     assert all(b <= a * (1 + slack) for a, b in zip(res.trace, res.trace[1:])), res.trace
     assert res.converged and 2 <= res.alternations < cap

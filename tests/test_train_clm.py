@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # SmolLM2's tokenizer (a real-model asset); the two-process test runs torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_clm.py"
 SMALL = ["--hidden-size", "192", "--layers", "1", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3",

@@ -220,7 +220,7 @@ def _readme_command_lines() -> list[str]:
             line = line.split("  #")[0].strip().removeprefix("$ ")
             for part in re.split(r"&&|;", line):
                 part = part.strip()
-                m = re.match(r"^(?:\S*/)?hf-symmetry\s+(.*)$", part)
+                m = re.match(r"^(?:\S*/)?hf-symmetry\s+(?!\S+:)(.*)$", part)   # not an error message
                 if m and not re.search(r"[\[\]|…]|\.\.\.|\(|\bMODEL\b|\bOUT\b|OUT_DIR|REPO|\bA B\b", part):
                     lines.append(m.group(1))
     return lines

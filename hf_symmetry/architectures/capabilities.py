@@ -243,7 +243,7 @@ def _ln_decoder():
 
 
 COMPRESSED = Target("the compressed family", _compressed)
-FARR = Target("the FaRR decoder family", _farr)
+FARR = Target("the FaRR decoder family", _farr, fused=False)
 TPA = Target("the TPA family", _tpa, fused=False)
 RMS_DECODER = Target("the RMS-decoder family", _ln_decoder, norm="rms_noweight", gated_ffn=False,
                      learned_positions=True, rope_layouts=("none",))
@@ -301,8 +301,9 @@ def _target_reason(f: Facts, t: Target, *, needs_rotation: bool) -> str | None:
     if f.sliding_layers and not t.sliding:
         return (f"{f.model_type} uses sliding-window attention on {len(f.sliding_layers)} of {len(f.sliding)} layers "
                 f"(window {f.sliding[f.sliding_layers[0]]}) and {t.name} attends globally")
-    if f.fused_qkv and not t.fused:
-        return f"{f.model_type} fuses q/k/v into one projection, which this conversion does not split"
+    if (f.fused_qkv or f.fused_gate_up) and not t.fused:
+        fused = " and ".join(n for n, on in (("q/k/v", f.fused_qkv), ("gate/up", f.fused_gate_up)) if on)
+        return f"{f.model_type} fuses {fused} into one projection, which {t.name}'s conversion does not split yet"
     return None
 
 

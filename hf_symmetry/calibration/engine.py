@@ -249,9 +249,21 @@ class CalibrationEngine:
         # materialise the input-side globals of the skeleton in place, and drop them afterwards
         from accelerate.utils import set_module_tensor_to_device
 
-        tensors = self.source.get(embed_keys)
         params = dict(model.named_parameters())
+        token_key = f"{self.adapter.prefix}{self.adapter.spec.embed}.weight"
         loaded = []
+        if token_key in embed_keys and hasattr(self.source, "get_rows") and self.device.type == "cpu":
+            # only the rows of the calibration tokens are read (and ever looked up); the others stay
+            # untouched pages of an uninitialised tensor, so host memory holds a few thousand rows,
+            # not the vocabulary
+            used = torch.unique(torch.cat([b.reshape(-1) for b in batches]))
+            shape = params[token_key].shape
+            table = torch.empty(shape, dtype=self.dtype)
+            table[used] = self.source.get_rows(token_key, used).to(self.dtype)
+            set_module_tensor_to_device(model, token_key, self.device, value=table)
+            loaded.append(token_key)
+            embed_keys = [k for k in embed_keys if k != token_key]
+        tensors = self.source.get(embed_keys)
         for k, t in tensors.items():
             if k in params:
                 set_module_tensor_to_device(model, k, self.device, value=t, dtype=self.dtype)

@@ -63,7 +63,7 @@ def run(args) -> int:
     report = spectra_report(reader, reader.config, taus, name=name, progress=not args.quiet, moments=moments)
     report["model"], report["calibration"] = str(src), calibration
     if not args.no_layout_check:
-        report["layout_check"] = _layout_check(src, args.text, args.check_tokens)
+        report["layout_check"] = _layout_check(src, args.text, args.check_tokens, progress=not args.quiet)
     with atomic_output_dir(args.out, args.overwrite) as tmp:
         write_json(tmp / REPORT, report)
         plot_rank_heatmaps(report, tmp / HEATMAP)
@@ -78,7 +78,7 @@ def run(args) -> int:
     return 0
 
 
-def _layout_check(src: Path, text: str, tokens: int) -> dict:
+def _layout_check(src: Path, text: str, tokens: int, progress: bool = False) -> dict:
     model = load_model(src)
     vocab = model.config.vocab_size
     try:
@@ -88,7 +88,7 @@ def _layout_check(src: Path, text: str, tokens: int) -> dict:
         ids = None
     if ids is None or int(ids.max()) >= vocab:   # no usable tokenizer: any token ids exercise the layout
         ids = torch.arange(tokens) * 7919 % vocab
-    return check_fused_layout(model, ids).as_dict()
+    return check_fused_layout(model, ids, progress=progress).as_dict()
 
 
 def _summary(report: dict) -> dict:

@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..architectures import Adapter
+from ..architectures.capabilities import require
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size)
 from ..evaluation.compare import write_json
@@ -43,8 +44,6 @@ from ..symmetry.actions import fold_layer_norms
 from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
 
 Tensors = dict[str, torch.Tensor]
-DECODER_TYPES = ("llama", "mistral", "smollm3", "qwen2", "qwen3")
-ENCODER_TYPES = ("bert", "roberta")
 REPORT_FILE = "farr_report.json"
 
 
@@ -111,8 +110,11 @@ class FarrTarget:
                        qk_head_dims=[self.head_dim if r is None else r for r in qk_dims] if qk_dims else None)
             config = configuration_farr.FarrLlamaConfig(**cfg)
         else:
-            cls = (configuration_farr.FarrRobertaConfig if self.source_config["model_type"] == "roberta"
-                   else configuration_farr.FarrBertConfig)
+            from transformers import CONFIG_MAPPING
+
+            source_class = CONFIG_MAPPING[self.source_config["model_type"]]   # the FaRR encoder of that class
+            cls = next(c for c in (configuration_farr.FarrRobertaConfig, configuration_farr.FarrBertConfig)
+                       if issubclass(c, source_class))
             config = cls(**cfg, qk_head_dims=qk_dims, v_head_dims=vo_dims)
         config.architectures = [next(iter(_classes_for(config).values())).__name__]
         return config
@@ -132,19 +134,15 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
     """The FaRR family for this checkpoint; refuses, before any work, what FaRR cannot do exactly."""
     options.validate()
     model_type = config.get("model_type")
-    if model_type not in DECODER_TYPES + ENCODER_TYPES:
-        raise ValueError(f"farr writes Llama-family decoders ({', '.join(DECODER_TYPES)}) and BERT/RoBERTa encoders; "
-                         f"got model_type {model_type!r} (`hf-symmetry spectra` still analyses it)")
+    require(adapter, "farr_vo")   # the FaRR families can express this checkpoint (else: the structural reason)
     src = _normalised_config(config)
-    if model_type in ENCODER_TYPES:
+    encoder = not adapter.spec.is_decoder
+    if encoder:
         if adapter.prefix:
             raise ValueError(f"this {model_type} checkpoint wraps the encoder under {adapter.prefix!r} with a task head; "
                              "FaRR encoders are base models: convert the base model")
         if src.get("is_decoder") or src.get("add_cross_attention"):
             raise ValueError("FaRR encoders do not support is_decoder / add_cross_attention BERT models")
-    elif _sliding(src):
-        raise ValueError(f"{model_type}: sliding-window attention is not supported by the FaRR decoder "
-                         "(it runs full causal attention)")
     L = adapter.layout
     if options.qk:
         layers = qk_layers(adapter)
@@ -156,9 +154,9 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
     has = lambda module, kind="bias": f"{adapter.layer_prefix(0)}{module}.{kind}" in set(keys)  # noqa: E731
     a, f = adapter.spec.attention, adapter.spec.ffn
     return FarrTarget(
-        kind="encoder" if model_type in ENCODER_TYPES else "decoder", source_config=src, hidden=adapter.hidden,
+        kind="encoder" if encoder else "decoder", source_config=src, hidden=adapter.hidden,
         n_heads=L.n_heads, n_kv=L.n_kv_heads, head_dim=L.head_dim, q_bias=has(a.q),
-        k_bias=has(a.k) and model_type not in ENCODER_TYPES, o_bias=has(a.o) or has(a.v), qk_norm=L.qk_norm,
+        k_bias=has(a.k) and not encoder, o_bias=has(a.o) or has(a.v), qk_norm=L.qk_norm,
         mlp_bias=has(f.up))
 
 
@@ -170,14 +168,6 @@ def qk_layers(adapter: Adapter) -> list[int]:
     """Layers with a fusable score map: no QK-norm and some query/key dims RoPE leaves alone
     (encoders, NoPE layers such as SmolLM3's every 4th, the free dims of partially rotary heads)."""
     return [i for i in range(adapter.n_layers) if _qk_fusable(adapter.layer_layout(i))]
-
-
-def _sliding(config: dict) -> bool:
-    if config.get("model_type") == "mistral":
-        return config.get("sliding_window") is not None
-    if config.get("use_sliding_window"):
-        return True
-    return any(t != "full_attention" for t in (config.get("layer_types") or []))
 
 
 # ---------------------------------------------------------------------- analysis pass

@@ -22,19 +22,17 @@ import copy
 import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..architectures.capabilities import require
 from ..checkpoint import atomic_output_dir, check_output_dir, copy_side_files
 from ..hub.cards import public_report, write_card
 from ..modeling.configuration_tpa import TPAConfig
 from ..modeling.modeling_tpa import TPAForCausalLM
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass
@@ -73,20 +71,14 @@ class ToTPAReport:
 # Reading the source
 # ----------------------------------------------------------------------------------------------
 def check_supported(model) -> None:
-    """Refuse (ValueError) anything that is not a plain Llama-like decoder."""
+    """Refuse (ValueError, with the structural reason) anything the TPA family cannot express."""
     cfg = model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"to-tpa supports {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, got model_type={cfg.model_type!r}")
+    require(cfg, "to_tpa")
     layer = model.model.layers[0]
     attn = layer.self_attn
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if not hasattr(attn, name):
             raise ValueError(f"unexpected attention layout: no self_attn.{name}")
-    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-        raise ValueError("QK-norm models are not supported by to-tpa")
-    if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is active in this checkpoint; TPA models attend globally")
 
 
 def _heads(cfg) -> tuple[int, int, int]:
@@ -235,10 +227,6 @@ def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = 
         calib_tokens=0 if calib_ids is None else int(calib_ids.numel()),
         cache_elements_per_token_source=2 * n_kv * dh * cfg.num_hidden_layers,
         cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
-    if getattr(cfg, "sliding_window", None) and cfg.model_type == "mistral":
-        report.notes.append(f"source uses sliding-window attention ({cfg.sliding_window} tokens); the TPA model "
-                            "attends globally, so outputs agree only on sequences up to that length")
-        warnings.warn(report.notes[-1])
 
     grams = calib_grams
     if grams is None and calib_ids is not None and (k_rank < n_kv or v_rank < n_kv):
@@ -350,9 +338,7 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     out = Path(out)
     check_output_dir(out, overwrite)
     config = AutoConfig.from_pretrained(src)  # fail fast, before reading any weights
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"to-tpa supports {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints, "
-                         f"got model_type={config.model_type!r}")
+    require(config, "to_tpa")
     h, n_kv, dh = _heads(config)
     for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
         if r is not None and not 1 <= r <= n_kv:
@@ -363,10 +349,6 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     reader = CheckpointReader(src)
     keys = set(reader.keys())
     pre0 = "model.layers.0."
-    if pre0 + "self_attn.q_norm.weight" in keys or pre0 + "self_attn.k_norm.weight" in keys:
-        raise ValueError("QK-norm models are not supported by to-tpa")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is active in this checkpoint; TPA models attend globally")
     if calib is not None:
         calib = resolve_text(calib)
     if verify_text is not None:
@@ -388,12 +370,8 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
         k_rank=k_rank, v_rank=v_rank, exact=not reduced, calibrated=grams is not None, calib_tokens=calib_n,
         cache_elements_per_token_source=2 * n_kv * dh * config.num_hidden_layers,
         cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
-    if getattr(config, "sliding_window", None) and config.model_type == "mistral":
-        report.notes.append(f"source uses sliding-window attention ({config.sliding_window} tokens); the TPA model "
-                            "attends globally, so outputs agree only on sequences up to that length")
-        warnings.warn(report.notes[-1])
     device = linalg_device(placement)
-    dtype = reader.get(["model.embed_tokens.weight"])["model.embed_tokens.weight"].dtype
+    dtype = reader._locations["model.embed_tokens.weight"][1]   # from the header: no tensor read
     layer_keys = {i: [k for k in reader.keys() if k.startswith(f"model.layers.{i}.")]
                   for i in range(config.num_hidden_layers)}
     rest = [k for k in reader.keys() if not k.startswith("model.layers.")

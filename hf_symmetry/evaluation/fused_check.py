@@ -79,7 +79,7 @@ class _Capture:
 
 @torch.no_grad()
 def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None, tolerance: float = 1e-3,
-                       layout: HeadLayout | None = None) -> LayoutCheck:
+                       layout: HeadLayout | None = None, progress: bool = False) -> LayoutCheck:
     """Compare fused maps with the module's forward on ``ids`` (1-D token ids). ``layout`` overrides
     the adapter's (tests use it for negative controls)."""
     state = model.state_dict()
@@ -97,7 +97,9 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
             c.remove()
     report = LayoutCheck(tokens=ids.numel(), tolerance=tolerance)
     causal = adapter.spec.is_decoder   # decoders (with an LM head) are causal, encoders are not
-    for i in layers:
+    from tqdm.auto import tqdm
+
+    for i in tqdm(layers, desc="layout check", unit="layer", disable=not progress, leave=False):
         layer = adapter.read_layer(i, {k: state[k] for k in per_layer[i]})
         L = layout or adapter.layer_layout(i)
         entry = {"layer": i, **_check_vo(layer, L, captures[i])}

@@ -239,8 +239,8 @@ def _parameter_count(folder: Path) -> tuple[int, str | None]:
 
 def kv_cache_elements_per_token(config: dict) -> int | None:
     """Elements the KV cache holds per token, all layers, for decoders whose cache layout is
-    known: stock K/V (``2 n_kv d_h`` per layer), FaRR Llama (per-layer value head dims), TPA
-    (``(R_K + R_V)(h + d_h)`` per layer, ``(R_K + R_V) d_h`` with non-contextual A)."""
+    known: stock K/V (``2 n_kv d_h`` per layer); hf_symmetry's own families state theirs in their
+    config class (``kv_cache_elements_per_token``: FaRR's per-layer head dims, TPA's factor cache)."""
     arch = " ".join(config.get("architectures") or [])
     model_type = str(config.get("model_type", ""))
     if not ("CausalLM" in arch or "LMHead" in arch):
@@ -252,14 +252,13 @@ def kv_cache_elements_per_token(config: dict) -> int | None:
         return None
     head_dim = config.get("head_dim") or hidden // heads
     kv_heads = config.get("num_key_value_heads") or heads
-    if model_type == "hf_symmetry_tpa":
-        rank = config["k_rank"] + config["v_rank"]
-        return layers * rank * ((heads + head_dim) if config.get("contextual_a", True) else head_dim)
-    if model_type == "hf_symmetry_farr_llama":
-        v_dims = config.get("v_head_dims") or [head_dim] * layers
-        return sum(kv_heads * (head_dim + v) for v in v_dims)
-    if model_type.startswith("hf_symmetry_") and model_type != "hf_symmetry_compressed_llama":
-        return None  # a family whose cache this function does not know: its conversion reports it
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
+    if cls is not None and hasattr(cls, "kv_cache_elements_per_token"):   # hf_symmetry's own families say it
+        return cls.from_dict(dict(config)).kv_cache_elements_per_token(per_layer=False)
+    if cls is None or cls.__module__.startswith("hf_symmetry."):
+        return None  # a family whose cache is not stated (or not known here): its conversion reports it
     return 2 * layers * kv_heads * head_dim
 
 

@@ -409,8 +409,9 @@ def cayley_encode(S: Tensor) -> tuple[Tensor, Tensor]:
     det −1, for a start); the sign factor fixes that (seed 001 §5.4 uses Householder reflections).
     Signs are chosen during Gaussian elimination of ``S + D`` so that every pivot has modulus ≥ 1,
     which keeps ``I + D S = D (S + D)`` safely invertible. The inverse is
-    ``modeling_compressed_llama.cayley_decode``."""
-    M = S.to(torch.float64).numpy().copy()
+    ``modeling_compressed_llama.cayley_decode``. Runs on the CPU (one LU-like sweep, for storage); returns CPU
+    tensors."""
+    M = S.detach().to(device="cpu", dtype=torch.float64).numpy().copy()
     d = M.shape[0]
     signs = np.ones(d)
     for i in range(d):
@@ -418,7 +419,7 @@ def cayley_encode(S: Tensor) -> tuple[Tensor, Tensor]:
         M[i, i] += signs[i]
         if i + 1 < d:
             M[i + 1:, i:] -= np.outer(M[i + 1:, i] / M[i, i], M[i, i:])
-    C = signs[:, None] * S.to(torch.float64).numpy()
+    C = signs[:, None] * S.detach().to(device="cpu", dtype=torch.float64).numpy()
     eye = np.eye(d)
     K = np.linalg.solve((C + eye).T, (C - eye).T).T   # (C − I)(C + I)⁻¹
     K = (K - K.T) / 2

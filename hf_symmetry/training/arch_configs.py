@@ -177,14 +177,15 @@ def make_config(arch: str, hidden_size: int, num_hidden_layers: int, vocab_size:
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
-def build_model(config):
+def build_model(config, attn_implementation: str | None = None):
     """A freshly initialised causal LM for any of the four configurations (T6 through hf_symmetry)."""
     from transformers import AutoModelForCausalLM
 
+    kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if config.model_type == "hf_symmetry_tpa":
         from ..modeling.modeling_tpa import TPAForCausalLM
-        return TPAForCausalLM(config)
-    return AutoModelForCausalLM.from_config(config)
+        return TPAForCausalLM._from_config(config, **kw)
+    return AutoModelForCausalLM.from_config(config, **kw)
 
 
 def count_parameters(config) -> int:

@@ -1,6 +1,7 @@
 """``compress``: ProcrustesGPT structured compression with orthogonal transforms, and SliceGPT as a
-built-in baseline, saved as loadable Hugging Face models (Llama-family checkpoints: llama, mistral
-without sliding window, qwen2). See ``docs/compress.md``.
+built-in baseline, saved as loadable Hugging Face models (pre-norm RMSNorm decoders the compressed family
+can express: Llama, Mistral without sliding window, Qwen2, Phi-3 with full rotary; ``hf-symmetry families``
+gives the reason for any other). See ``docs/compress.md``.
 
 The steps, one module each:
 
@@ -25,7 +26,7 @@ from .calibration import (CalibrationStats, FoldedLlama, SlicedLayer, calibratio
                           sequential_stream_pca)
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
 from .pipeline import REPORT_FILE, CompressReport, compress_checkpoint, compress_model, compress_tensors
-from .plan import (SUPPORTED_FAMILIES, MatrixPlan, Plan, check_family, plan_compression, plan_for,
+from .plan import (MatrixPlan, Plan, check_family, plan_compression, plan_for,
                    source_numels)
 from .solve import SolveResult, _matched, solve
 
@@ -33,6 +34,6 @@ __all__ = [
     "ALLOCATIONS", "DictSource", "TensorSource", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",
     "read_folded", "CalibrationStats", "FoldedLlama", "SlicedLayer", "sequential_stream_pca", "calibration_batches", "collect_statistics", "LAYER_MODULES",
     "PRESETS", "Q_MODES", "STAGES", "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport",
-    "compress_checkpoint", "compress_model", "compress_tensors", "SUPPORTED_FAMILIES", "MatrixPlan", "Plan",
+    "compress_checkpoint", "compress_model", "compress_tensors", "MatrixPlan", "Plan",
     "check_family", "plan_compression", "plan_for", "source_numels", "SolveResult", "solve", "_matched",
 ]

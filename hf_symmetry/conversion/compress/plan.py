@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ...architectures import Adapter
+from ...architectures.capabilities import require
 from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
 from .options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 
-SUPPORTED_FAMILIES = ("llama", "qwen2")          # adapter families (llama covers mistral)
 _KRON_Q_CANDIDATES = (2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 18, 20, 24, 32, 48, 64)
 
 
@@ -69,20 +69,10 @@ class Plan:
 
 
 def check_family(config: dict, keys: list[str]) -> Adapter:
-    """The adapter of a Llama-family checkpoint, or a clear error for anything else."""
+    """The adapter of a checkpoint the compressed family can express, or the structural reason it
+    cannot (:func:`hf_symmetry.architectures.capabilities.require`), before any work."""
     adapter = Adapter.from_config(config, keys)
-    if adapter.family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"compress supports Llama-family models (llama, mistral, qwen2); "
-                         f"{config.get('model_type')!r} is not supported")
-    if adapter.layout.qk_norm:
-        raise ValueError(f"compress does not support QK-norm models ({config.get('model_type')!r})")
-    adapter.check_supports("residual_rotation")
-    sliding = config.get("sliding_window")
-    if sliding and (config.get("model_type") == "mistral" or config.get("use_sliding_window")):
-        raise ValueError("compress does not support sliding-window attention (the compressed family uses full "
-                         "causal attention)")
-    if adapter.layout.rope_layout not in ("rotate_half", "none"):
-        raise ValueError(f"compress supports rotate_half RoPE only, got {adapter.layout.rope_layout}")
+    require(adapter, "compress")
     return adapter
 
 
@@ -235,7 +225,9 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
     plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices)
     plan.accounting = accounting(plan, dense_total, p_compressed, options)
-    plan.accounting["target_params"] = round(target_total)
+    # the total every allocation at these options must meet: the ratio's, or the preset's uniform size
+    plan.accounting["target_params"] = (round(target_total) if options.matrix_keep is None
+                                        else plan.accounting["compressed_model_params"])
     if not options.slicing:
         plan.accounting["uniform_keep"] = kappa
         plan.accounting["kron_factor"] = kron_q
