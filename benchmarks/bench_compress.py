@@ -1,4 +1,4 @@
-"""Structured compression benchmark (ProcrustesGPT, seed 001) on SmolLM2-135M-Instruct.
+"""Structured compression benchmark (ProcrustesGPT) on SmolLM2-135M-Instruct.
 
 At one parameter budget (``--ratio``, default 0.25: the fraction of the compressed matrices' parameters
 removed, skip/head matrices paid for, so every row has about the same total parameter count) it compares

@@ -16,7 +16,7 @@ compressed matrix; V dense) and the same starting rotation (this project's stage
   imports it. The segment is handed over already rotated by the stage F rotation (as the reference
   rotates the network before its weighted stage).
 
-Both results are scored by one function here, on the paper's objective (seed 001, eq. 3: squared
+Both results are scored by one function here, on the paper's objective (ProcrustesGPT, eq. 3: squared
 weighted errors, readers scaled by ``λ = Σ‖X_out W_out‖² / Σ‖X_in W_in‖²``) and on the loss the
 reference's code actually minimises (unsquared norms, its own balancing ``α``). Both run on one CPU
 thread; ``cpu_seconds`` (process time) is the figure to compare on a shared machine.

@@ -1,4 +1,4 @@
-"""ProcrustesGPT's building blocks (DESIGN.md §3): Frobenius-optimal projections of the structured classes,
+"""ProcrustesGPT's building blocks (docs/math.md §3): Frobenius-optimal projections of the structured classes,
 exact weighted ALS, factorised forward passes, the segment solver (stages F and W), the weighted
 Procrustes step and the Cayley storage of skip rotations."""
 

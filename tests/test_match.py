@@ -1,4 +1,4 @@
-"""Rotation-symmetry matching (seed 000): closed-form solvers, planted recovery on every family,
+"""Rotation-symmetry matching (Zhang et al. 2025): closed-form solvers, planted recovery on every family,
 optimality, identities on self-matches, exact Gram transport, and refusals (tiny float64 models)."""
 
 import json

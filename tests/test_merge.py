@@ -1,4 +1,4 @@
-"""Merging (seed 000 §5): merge rules against hand-computed cases, the pipeline on tiny models
+"""Merging (Zhang et al. 2025, §5): merge rules against hand-computed cases, the pipeline on tiny models
 (matched statistics, planted pairs, anchors), recipes and refusals, the CLI, and mergekit."""
 
 import json

@@ -238,4 +238,23 @@ def test_readme_command_lines_parse_with_the_cli_parser(monkeypatch):
     for line in lines:
         args = parser.parse_args(shlex.split(line))   # SystemExit on anything the CLI does not accept
         seen.add(args.command)
-    assert {"rotate", "eval", "farr", "spectra", "compress", "to-tpa", "verify"} <= seen
+    assert {"rotate", "eval", "farr", "spectra", "compress", "to-tpa", "match", "merge", "heal"} <= seen
+
+
+def test_farr_warns_when_a_choice_removes_little_yet_costs_much():
+    from types import SimpleNamespace
+
+    from hf_symmetry.commands.farr import costly_reduction_warning
+    from hf_symmetry.conversion.farr import FarrOptions
+
+    tau = FarrOptions(tau=0.99, params_fraction=None, vo=True, qk=False)
+    report = SimpleNamespace(params_before=1000, params_after=998,
+                             verification={"perplexity_original": 36.2, "perplexity_converted": 111.4})
+    warning = costly_reduction_warning(report, tau)
+    assert "τ = 0.99" in warning and "0.2%" in warning and "36.2 -> 111.4" in warning
+    report.verification = {"perplexity_original": 36.2, "perplexity_converted": 36.5}       # cheap: no warning
+    assert costly_reduction_warning(report, tau) is None
+    report.params_after, report.verification["perplexity_converted"] = 700, 111.4           # removes much: fair
+    assert costly_reduction_warning(report, tau) is None
+    report.params_after, report.verification = 998, {"hidden_cosine": 0.9}                  # encoders
+    assert "cosine 0.9" in costly_reduction_warning(report, tau)

@@ -423,9 +423,11 @@ class CalibrationRun:
             step = LayerStep(i, module, stats if (only is None or i in only) else None, self)
             yield step
             if step.replacement is not None:
-                outs = [self._home(self.stream, _first(step.replacement(self._to_device(x), *self.records[b][i][0],
-                                                                        **self.records[b][i][1])))
-                        for b, x in enumerate(self.stream.batches)]
+                with torch.no_grad():   # a generator body is outside any decorator's no_grad
+                    outs = [self._home(self.stream, _first(step.replacement(self._to_device(x),
+                                                                            *self.records[b][i][0],
+                                                                            **self.records[b][i][1])))
+                            for b, x in enumerate(self.stream.batches)]
             self.stream = Activations(outs)
             if self.original is not None:
                 self.original = Activations(oouts)

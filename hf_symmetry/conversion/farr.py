@@ -1,4 +1,4 @@
-"""FaRR (fuse and rank reduce, DESIGN.md §5): analyse the fused attention maps of a checkpoint and
+"""FaRR (fuse and rank reduce, docs/math.md §5): analyse the fused attention maps of a checkpoint and
 write a model with smaller per-layer head dims.
 
 Two streaming passes over the checkpoint: the first reads each layer, folds its pre-norm γ
@@ -36,7 +36,7 @@ from ..architectures.capabilities import require
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size)
 from ..evaluation.compare import write_json
-from ..hub.cards import count_parameters, public_report, write_card
+from ..hub.cards import count_parameters, public_model_label, public_report, write_card
 from ..modeling import configuration_farr, modeling_farr
 from ..modeling.configuration_farr import qk_parameters, vo_parameters
 from ..symmetry import fused
@@ -527,7 +527,7 @@ def farr_card_data(src, out, report: FarrReport, plots: list | None = None) -> d
            else f"a budget of {report.options['params_fraction']:.0%} of the rewritten projections' parameters")
     metric = (f"the activation-aware metric ({report.calibration['tokens']} calibration tokens)" if report.calibration
               else "the data-free Frobenius metric")
-    summary = (f"FaRR (fuse and rank reduce) of `{Path(src).name}`: each layer's fused {paths} maps were truncated "
+    summary = (f"FaRR (fuse and rank reduce) of `{public_model_label(src)}`: each layer's fused {paths} maps were truncated "
                f"with {how} in {metric} and split back with a balanced √Σ split, giving per-layer head dims "
                f"(`v_head_dims`{', `qk_head_dims`' if 'qk' in report.ranks else ''} in config.json). "
                f"The rewritten projections keep {report.touchable_kept_fraction:.1%} of their parameters "

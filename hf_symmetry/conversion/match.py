@@ -1,4 +1,4 @@
-"""``match``: align SOURCE to ANCHOR inside SOURCE's symmetry orbit (seed 000; DESIGN.md §2).
+"""``match``: align SOURCE to ANCHOR inside SOURCE's symmetry orbit (Zhang et al. 2025, rotation symmetry; docs/math.md §2).
 
 The result computes exactly SOURCE's function but sits as close to ANCHOR, weight by weight, as
 the chosen symmetries allow, so that averaging-style merges combine corresponding units:
@@ -7,7 +7,7 @@ the chosen symmetries allow, so that averaging-style merges combine correspondin
   per-pair SO(2) optimum in the checkpoint's pairing layout with RoPE; free non-rotary dims for
   partial rotary), summed over the group's query heads;
 * per KV group, VO rotation by Procrustes over V rows and every O column block of the group;
-* optionally per-group QK and VO scalings (the quartic of seed 000, eq. 12);
+* optionally per-group QK and VO scalings (the quartic of Zhang et al. 2025, eq. 12);
 * FFN neurons by linear assignment;
 * optionally (beyond the paper; RMSNorm families) one residual-stream rotation after norm
   fusion, by Procrustes on the embeddings and LM head, refined by block-coordinate passes over

@@ -1,6 +1,6 @@
 """``merge``: combine models of one architecture, optionally matched to an anchor first.
 
-Pipeline (DESIGN.md §2):
+Pipeline (docs/math.md §2):
 
 1. checks, before any work: one family and shapes, one vocabulary, a base where the method
    needs one, a supported matching plan, calibration text for data-dependent methods;

@@ -1,4 +1,4 @@
-"""Merge rules on tensors (DESIGN.md §2). Pure float64 math, no I/O: the pipeline in
+"""Merge rules on tensors (docs/math.md §2). Pure float64 math, no I/O: the pipeline in
 :mod:`hf_symmetry.conversion.merge` feeds them one tensor (or one linear layer) at a time.
 
 Weight-only rules follow mergekit's definitions and defaults, so that recipes mean the same

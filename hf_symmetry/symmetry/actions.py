@@ -1,4 +1,4 @@
-"""Group actions on canonical (float64, ``[out, in]``) layer tensors. DESIGN.md §1.
+"""Group actions on canonical (float64, ``[out, in]``) layer tensors. docs/math.md §1.
 
 Each function takes the canonical dict of one layer (see
 :mod:`hf_symmetry.architectures.adapter`) and returns a new dict; nothing is modified in
@@ -135,7 +135,7 @@ def centre_rows(W: torch.Tensor) -> torch.Tensor:
 
 
 def centre_writers(layer: Tensors) -> Tensors:
-    """Make every write of the layer to the residual stream zero-mean (DESIGN step 2 of residual
+    """Make every write of the layer to the residual stream zero-mean (docs/math.md §1.4 step 2 of residual
     rotation for LayerNorm models): the output rows of ``o`` and ``down`` and their biases minus
     their mean over the output dim. LayerNorm subtracts the mean anyway, so with the embeddings
     centred too the function is unchanged and every LayerNorm sees a zero-mean stream, on which it

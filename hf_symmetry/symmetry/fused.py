@@ -1,4 +1,4 @@
-"""Fused attention maps and their rank reduction (FaRR, DESIGN.md §5).
+"""Fused attention maps and their rank reduction (FaRR, docs/math.md §5).
 
 Per KV group ``g`` the two linear paths of attention fuse into one map ``M = A @ B`` whose
 inner dimension is the head dim:

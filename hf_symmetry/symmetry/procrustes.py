@@ -1,4 +1,4 @@
-"""Closed-form solvers for matching one model to another inside its symmetry orbit. DESIGN.md §2.
+"""Closed-form solvers for matching one model to another inside its symmetry orbit. docs/math.md §2.
 
 Every solver maximises an inner product ``<g·source, anchor>`` (equivalently minimises the squared
 distance, since the group acts by isometries or the objective is written out in full), takes
@@ -50,7 +50,7 @@ def commutant_procrustes(M: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
 
 def quartic_scale(xx: float, xy: float, yy: float, yz: float) -> float:
     """``argmin_{a ≠ 0} ||a X - X'||² + ||Y / a - Y'||²`` from ``xx = ||X||²``, ``xy = <X, X'>``,
-    ``yy = ||Y||²``, ``yz = <Y, Y'>`` (seed 000, eq. 12).
+    ``yy = ||Y||²``, ``yz = <Y, Y'>`` (Zhang et al. 2025, eq. 12).
 
     The objective tends to +∞ at 0 and ±∞, so its minimum is a real root of the stationarity
     condition ``xx a⁴ - xy a³ + yz a - yy = 0``; roots are polished by Newton steps and the one

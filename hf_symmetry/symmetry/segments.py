@@ -1,4 +1,4 @@
-"""ProcrustesGPT's per-segment problem (DESIGN.md §3, seed 001 §3.2, §5): find an orthogonal Q of a
+"""ProcrustesGPT's per-segment problem (docs/math.md §3, ProcrustesGPT §3.2, §5): find an orthogonal Q of a
 residual segment and structured approximations of the matrices that touch it, minimising
 
     Σ_writers λ_w ‖X_w (M_w Q − Ŵ_w)‖²  +  Σ_readers λ_r ‖(M_r Q − Ŵ_r) Qᵀ Σ_r^{1/2}‖²
@@ -406,7 +406,7 @@ def cayley_encode(S: Tensor) -> tuple[Tensor, Tensor]:
     (upper triangle, row-major) and ``d`` signs with ``S = diag(signs) (I + K)(I − K)⁻¹``.
 
     The Cayley transform cannot reach orthogonal matrices with eigenvalue −1 (every one with
-    det −1, for a start); the sign factor fixes that (seed 001 §5.4 uses Householder reflections).
+    det −1, for a start); the sign factor fixes that (ProcrustesGPT §5.4 uses Householder reflections).
     Signs are chosen during Gaussian elimination of ``S + D`` so that every pivot has modulus ≥ 1,
     which keeps ``I + D S = D (S + D)`` safely invertible. The inverse is
     ``modeling_compressed_llama.cayley_decode``. Runs on the CPU (one LU-like sweep, for storage); returns CPU

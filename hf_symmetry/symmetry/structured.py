@@ -1,4 +1,4 @@
-"""Structured matrix classes for ProcrustesGPT compression (DESIGN.md §3, seed 001 §4, App. A/B/D).
+"""Structured matrix classes for ProcrustesGPT compression (docs/math.md §3, ProcrustesGPT §4, App. A/B/D).
 
 Every class describes a set of ``[m, n]`` matrices (``nn.Linear`` orientation ``[out, in]``) by factors,
 and provides
@@ -287,7 +287,7 @@ class Kron:
         return torch.einsum("sac,sbd->abcd", A, B).reshape(m1 * m2, n1 * n2)
 
     def weighted(self, W: Tensor, gram: Gram | None, init: Factors | None = None, iters: int = 10) -> Factors:
-        """Alternating exact least squares in A and B (seed 001, App. A / Alg. 4)."""
+        """Alternating exact least squares in A and B (ProcrustesGPT, App. A / Alg. 4)."""
         A, B = init if init is not None else self.project(W)
         if gram is None:
             gram = Gram(diag=torch.ones(self.shape[0], dtype=W.dtype, device=W.device))
@@ -387,7 +387,7 @@ class GS:
                             R.reshape(kr, kl, b, br)).reshape(kl * bl, kr * br)
 
     def weighted(self, W: Tensor, gram: Gram | None, init: Factors | None = None, iters: int = 10) -> Factors:
-        """Alternating exact least squares (seed 001 App. B): all R blocks at once (they decouple
+        """Alternating exact least squares (ProcrustesGPT App. B): all R blocks at once (they decouple
         for a row weight), then the L blocks one at a time (a row weight couples them; each block's
         subproblem ``G_ii Δ H_ii = rhs`` is solved exactly, so every update is a descent step)."""
         L, R = init if init is not None else self.project(W)

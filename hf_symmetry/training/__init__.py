@@ -4,7 +4,8 @@
 * :mod:`.run`   — :func:`train` (transformers' Trainer: accumulation, cosine schedule, clipping, bf16,
   progress bar, eval, checkpoints and resume, multi-process under accelerate/torchrun);
 * :mod:`.distill` — the distillation loss used by ``heal``;
-* :mod:`.peft_targets` — which parameters LoRA adapts, for stock and hf_symmetry families.
+* :mod:`.peft_targets` — which parameters LoRA adapts, for stock and hf_symmetry families;
+* :mod:`.arch_configs` — equal-parameter T6 / MHA / GQA / MLA configurations (``examples/train_clm.py``).
 """
 
 from .data import PackedDataset, TextData, build_datasets, pack_documents, read_documents, split_documents

@@ -248,6 +248,7 @@ class SlicedLayer(torch.nn.Module):
         a = _project(self._x + a, self.basis_mid) - self._x
         return (a, *output[1:]) if isinstance(output, tuple) else a
 
+    @torch.no_grad()   # calibration only; without it the outputs would keep every layer's autograd graph
     def forward(self, hidden_states, *args, **kwargs):
         self._x = _project(hidden_states, self.basis_in)
         try:
@@ -261,6 +262,7 @@ class SlicedLayer(torch.nn.Module):
 
     def close(self) -> None:
         self._handle.remove()
+        self.layer = None
 
 
 def pca(C: torch.Tensor) -> torch.Tensor:
@@ -290,7 +292,11 @@ def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int,
     Qs: list[torch.Tensor | None] = [None] * n_seg
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
 
+    used: list[SlicedLayer] = []     # replacements already run by the engine: unhook them (no cycles kept)
+
     def on_layer(step):
+        while used:
+            used.pop().close()
         i, n = step.index, step.stats.tokens
         stats.stream[2 * i] = step.stats.grams["layer_in"] / n
         Qs[2 * i] = pca(stats.stream[2 * i])
@@ -301,10 +307,13 @@ def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int,
             probe.close()
         stats.stream[2 * i + 1] = mid.grams["ffn_norm_in"] / mid.tokens
         Qs[2 * i + 1] = pca(stats.stream[2 * i + 1])
-        return SlicedLayer(step.module, attention, Qs[2 * i][:, :width], Qs[2 * i + 1][:, :width])
+        used.append(SlicedLayer(step.module, attention, Qs[2 * i][:, :width], Qs[2 * i + 1][:, :width]))
+        return used[-1]
 
     result = engine.collect(batches(ids, seq_len), StatsRequest(grams=("layer_in",)),
                             final=StatsRequest(grams=("final_in",)), on_layer=on_layer)
+    while used:
+        used.pop().close()
     stats.tokens = result.tokens
     stats.stream[-1] = result.final.grams["final_in"] / result.final.tokens
     Qs[-1] = pca(stats.stream[-1])

@@ -1,0 +1,72 @@
+"""The flat remote-code families copy a few blocks from transformers (marked ``# Copied from
+transformers.<path>``). These tests fail when a copy drifts from its source: every marker must name an
+object the installed transformers still has, and each copied function computes what its source computes."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+
+from hf_symmetry.modeling import modeling_rms_decoder, modeling_tpa
+
+MODELING = Path(modeling_tpa.__file__).parent
+MARKER = re.compile(r"#\s*Copied from (transformers\.[\w.]+)")
+
+
+def _markers() -> list[tuple[str, str]]:
+    found = []
+    for path in sorted(MODELING.glob("modeling_*.py")):
+        for target in MARKER.findall(path.read_text()):
+            found.append((path.name, target.rstrip(".")))
+    return found
+
+
+def test_there_are_marked_copies():
+    names = {f for f, _ in _markers()}
+    assert {"modeling_tpa.py", "modeling_rms_decoder.py", "modeling_farr.py"} <= names
+
+
+@pytest.mark.parametrize("file,target", _markers())
+def test_every_copied_from_marker_names_an_existing_transformers_object(file, target):
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):   # longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            assert hasattr(obj, attr), f"{file}: {target} no longer exists in transformers"
+            obj = getattr(obj, attr)
+        return
+    pytest.fail(f"{file}: cannot import any module of {target}")
+
+
+def test_copied_rms_norm_and_rotate_half_compute_what_their_source_computes():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    ours, theirs = modeling_tpa.TPARMSNorm(16, eps=1e-5), modeling_llama.LlamaRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        w = torch.randn(16)
+        ours.weight.copy_(w), theirs.weight.copy_(w)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    torch.testing.assert_close(modeling_tpa.rotate_half(x), modeling_llama.rotate_half(x), rtol=0, atol=0)
+
+
+def test_copied_eager_attention_computes_what_llamas_computes_with_one_kv_head_per_query_head():
+    # float32: Llama's softmax always runs in float32, the copies keep float64 exact (their one change)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+    mask = torch.triu(torch.full((7, 7), float("-inf")), 1)[None, None]
+    module = torch.nn.Module()
+    module.num_key_value_groups = 1
+    module.eval()
+    want, want_w = modeling_llama.eager_attention_forward(module, q, k, v, mask, scaling=0.3)
+    for copy in (modeling_rms_decoder.eager_attention_forward, modeling_tpa.eager_attention_forward):
+        got, got_w = copy(module, q, k, v, mask, scaling=0.3)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-6)
