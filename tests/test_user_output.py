@@ -126,16 +126,30 @@ def converted(inputs, tmp_path_factory):
         assert main(["merge", "--method", "average", "--match", str(inputs["a"]), str(inputs["b"]), str(folder),
                      "--text", str(inputs["text"]), "--ppl-tokens", "80", "--quiet"]) == 0
     done["merge"] = (buf.getvalue(), folder)
+    # compress and heal take their own evaluation flags (--eval-text); the card must be as clean
+    text = str(inputs["text"])
+    for name, argv in {
+        "compress": ["compress", str(inputs["a"]), str(outs / "compress"), "--structure", "slice", "--calib", text,
+                     "--calib-tokens", "160", "--calib-seq-len", "16", "--eval-text", text, "--eval-tokens", "80",
+                     "--quiet"],
+        "heal": ["heal", str(outs / "compress"), str(outs / "heal"), "--teacher", str(inputs["a"]), "--text", text,
+                 "--tokens", "256", "--seq-len", "16", "--batch-size", "4", "--lora-rank", "2",
+                 "--eval-text", text, "--eval-tokens", "80", "--quiet"],
+    }.items():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(argv) == 0, name
+        done[name] = (buf.getvalue(), outs / name)
     return done
 
 
-@pytest.mark.parametrize("name", [*CONVERSIONS, "merge"])
+@pytest.mark.parametrize("name", [*CONVERSIONS, "merge", "compress", "heal"])
 def test_conversion_folder_publishes_no_local_path_and_has_ordinary_modes(name, converted, inputs):
     out, folder = converted[name]
     _assert_nothing_local(folder, inputs["root"])
     _assert_modes(folder)
     card = ModelCard.load(folder / "README.md")
-    assert card.data.hf_symmetry["exactness"] or name == "merge"
+    assert card.data.hf_symmetry["exactness"] or name in ("merge", "compress", "heal")   # lossy: no exactness
     assert "(Δ )" not in card.text and "seed 000" not in card.text
     assert "## References" in card.text
     # per-layer detail stays out of the front matter

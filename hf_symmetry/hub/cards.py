@@ -398,8 +398,8 @@ def scrub_paths(obj: Any) -> Any:
     """``obj`` (builtins, after :func:`plain`) with every local path replaced by its public name:
     a string that is a path becomes its text label or base name, and a path inside a sentence is
     cut to its base name. URLs are left alone."""
-    if isinstance(obj, dict):
-        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, dict):   # keys too: reports key figures by text or model (heal: text -> perplexities)
+        return {scrub_paths(k): scrub_paths(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [scrub_paths(v) for v in obj]
     if not isinstance(obj, str) or "/" not in obj and "\\" not in obj:
