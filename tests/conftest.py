@@ -82,3 +82,19 @@ def eval_ids(smollm2_tokenizer):
     from hf_symmetry.evaluation import read_text, tokenize_text
 
     return tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-eval")), max_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama folder with a word-level tokenizer over the words "0" … "96" (its vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_symmetry.testing import tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
+    return folder

@@ -178,19 +178,6 @@ ISOLATED_LOADER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
-    return folder
-
-
 def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM

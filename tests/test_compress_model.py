@@ -285,20 +285,6 @@ def test_unsupported_families_are_refused(family):
         C.plan_for(_source(model), model.config.to_dict(), C.CompressOptions(stage="none"))
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny Llama folder with a word-level tokenizer over the words "0" … "96" (its vocabulary)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
-    return folder
-
-
 def test_empty_calibration_text_fails_before_any_work(tiny_dir, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")

@@ -120,19 +120,6 @@ def test_sequential_slicing_needs_one_pca_per_segment():
     C.CompressOptions(structure="slice", q_mode="segment", sequential=True).validate()
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({str(i): i for i in range(97)}, unk_token="0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="0").save_pretrained(folder)
-    return folder
-
-
 def test_cli_sequential_slicegpt_card_and_device_refusal(tiny_dir, tmp_path, capsys):
     import json
 
