@@ -272,3 +272,17 @@ def test_farr_warns_when_a_choice_removes_little_yet_costs_much():
     assert costly_reduction_warning(report, tau) is None
     report.params_after, report.verification = 998, {"hidden_cosine": 0.9}                  # encoders
     assert "cosine 0.9" in costly_reduction_warning(report, tau)
+
+
+@pytest.mark.parametrize("command", ["rotate", "to-tpa", "farr"])
+def test_a_source_without_tokenizer_is_refused_before_anything_is_written(command, tmp_path, capsys):
+    folder = tmp_path / "no_tokenizer"
+    tiny_model("llama", dtype=torch.float32).save_pretrained(folder)
+    out = tmp_path / "out"
+    extra = {"rotate": [], "to-tpa": ["--k-rank", "2", "--v-rank", "2"], "farr": ["--params-fraction", "0.8"]}[command]
+    assert main([command, str(folder), str(out), *extra, "--text", "hamlet"]) != 0
+    assert "no tokenizer files" in capsys.readouterr().err
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    # the control: --no-verify needs no tokenizer, and the conversion runs
+    assert main([command, str(folder), str(out), *extra, "--no-verify", "--quiet"]) == 0
+    assert (out / "config.json").is_file()

@@ -55,9 +55,15 @@ def add_text_args(p, default: str = "britannica-eval") -> None:
     add_verify_args(p, default_text=default, no_verify=False)
 
 
-def check_verify_args(args) -> None:
-    """Refuse bad verification flags before any work."""
-    from ..assets import resolve_text
+#: files of which one makes a folder's tokenizer loadable by AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_verify_args(args, tokenizer_from=None) -> None:
+    """Refuse bad verification flags before any work. ``tokenizer_from``: the model folder (or
+    alias) whose tokenizer the verification will use; a folder without one is refused here, rather
+    than after the conversion has written its output."""
+    from ..assets import resolve_model, resolve_text
     from ..evaluation.verification import resolve_device
 
     if getattr(args, "no_verify", False):
@@ -67,6 +73,11 @@ def check_verify_args(args) -> None:
                          f"{args.ppl_tokens}")
     resolve_text(args.text)
     resolve_device(getattr(args, "device", "auto"))
+    if tokenizer_from is not None:
+        folder = resolve_model(tokenizer_from)
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"{tokenizer_from} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which "
+                             "verification needs: add them to the folder or pass --no-verify")
 
 
 def emit(summary: dict, lines: list[str], json_path: str | None = None) -> None:

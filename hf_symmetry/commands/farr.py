@@ -60,7 +60,7 @@ def run(args) -> int:
     placement = placement_from_args(args)   # an unusable device fails before any work
     options = FarrOptions(tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk)
     options.validate()
-    check_verify_args(args)
+    check_verify_args(args, args.model)
     src = resolve_model(args.model)
     if args.calibrate is not None:
         resolve_text(args.calibrate)   # a missing text fails before any work

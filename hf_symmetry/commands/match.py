@@ -50,7 +50,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     start = time.perf_counter()
-    check_verify_args(args)
+    check_verify_args(args, args.anchor)
     anchor, source = resolve_model(args.anchor), resolve_model(args.source)
     report = match_checkpoint(anchor, source, args.out, match_options(args), overwrite=args.overwrite,
                               max_shard_size=args.max_shard_size, progress=not args.quiet)

@@ -35,7 +35,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     start = time.perf_counter()
-    check_verify_args(args)
+    check_verify_args(args, args.model)
     src = resolve_model(args.model)
     options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
                             seed=args.seed)

@@ -41,7 +41,7 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.calib_tokens <= 0:
         raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
-    check_verify_args(args)
+    check_verify_args(args, args.model)
     report = convert_checkpoint_to_tpa(
         args.model, args.out, k_rank=args.k_rank, v_rank=args.v_rank, calib=args.calib,
         calib_tokens=args.calib_tokens, overwrite=args.overwrite,

@@ -22,7 +22,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    check_verify_args(args)
+    check_verify_args(args, args.original)
     v = verify(args.original, args.converted, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens,
                device=args.device, trust_remote_code=args.trust_remote_code, progress=not args.quiet)
     kind = "logit" if v.output_kind == "logits" else "hidden state"
