@@ -157,7 +157,7 @@ def row_configs(f: int) -> list[dict]:
             for stage in ("f", "w"):
                 rows.append(dict(name=f"{structure}: stage {stage.upper()}, {q_mode} Q", structure=structure,
                                  stage=stage, q_mode=q_mode, f_iters=f))
-    for structure in ("gs", "kron"):   # stage W calibrated on the partly compressed model (FoldedLlama)
+    for structure in ("gs", "kron"):   # stage W calibrated on the partly compressed model (sequential)
         rows.append(dict(name=f"{structure}: stage W, segment Q, sequential", structure=structure, stage="w",
                          q_mode="segment", f_iters=f, sequential=True))
     rows.append(dict(name="lowrank: stage W, sequential", structure="lowrank", stage="w", q_mode="global", f_iters=f,
@@ -232,10 +232,9 @@ def main() -> None:
             rotations = load_rotations(key)     # start from the cached stage F solution
             if rotations is not None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
-        net = (C.FoldedLlama(layers, globals_, adapter, C.compressed_config(config, plan, options, model.config),
-                             calib_ids, 512) if options.sequential else None)
+        calib_in = C.CalibrationInput(source, config, calib_ids, 512) if options.sequential else None
         with S.limit_threads(1):
-            res = C.solve(plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, net=net)
+            res = C.solve(plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, calib=calib_in)
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0

@@ -14,7 +14,7 @@ Perplexity: the project's definition (window 512, stride 256) on the first ``--e
 two held-out texts, ``britannica-eval`` and ``hamlet``. Results: ``benchmarks/results/compress_frontier.json``
 (rerun to resume; ``--force`` redoes rows).
 
-Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compress_frontier.py [--only NAME,...]
+Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_compress_frontier.py [--only 'NAME;...']
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "compress_frontier.json"
 TEXTS = ("britannica-eval", "hamlet")
+
+
+#: stage W to convergence (benchmarks/bench_stage_w_reference.py's "ours_converged" settings)
+CONVERGED = dict(stage="w", w_iters=50, tol=1e-3, extrapolate=True, als_iters=3, wopp_iters=30, f_iters=10)
 
 
 def rows(ratio: float) -> list[dict]:
@@ -53,6 +57,21 @@ def rows(ratio: float) -> list[dict]:
         dict(name="gs stage F, uniform", options=dict(structure="gs", stage="f", ratio=ratio)),
         dict(name="gs stage F, sensitivity allocation", options=dict(structure="gs", stage="f", ratio=ratio,
                                                                    allocation="sensitivity")),
+        dict(name="SliceGPT global PCA, sensitivity widths",
+             options=dict(structure="slice", q_mode="global", ratio=ratio, allocation="sensitivity")),
+        dict(name="SliceGPT global PCA, sensitivity widths, at the preset's size",
+             options=dict(structure="slice", q_mode="global", allocation="sensitivity"),
+             match="preset procrustesgpt-llama (low rank)"),
+        dict(name="gs stage W converged, uniform", options=dict(structure="gs", ratio=ratio, **CONVERGED)),
+        dict(name="kron stage W converged, uniform", options=dict(structure="kron", ratio=ratio, **CONVERGED)),
+        dict(name="gs stage W converged, sensitivity allocation",
+             options=dict(structure="gs", ratio=ratio, allocation="sensitivity", **CONVERGED)),
+        dict(name="kron stage W converged, sensitivity allocation",
+             options=dict(structure="kron", ratio=ratio, allocation="sensitivity", **CONVERGED)),
+        dict(name="preset procrustesgpt-llama (gs, stage W converged)", preset="procrustesgpt-llama",
+             options=dict(structure="gs", **CONVERGED)),
+        dict(name="SliceGPT global PCA at the preset's gs size", options=dict(structure="slice", q_mode="global"),
+             match="preset procrustesgpt-llama (gs, stage W converged)"),
     ]
     return out
 
@@ -81,8 +100,8 @@ def run_row(row: dict, args, results: dict) -> dict:
         return {"perplexity": ppl(model), "params": sum(p.numel() for p in model.parameters()),
                 "seconds": time.perf_counter() - t0}
     reader = CheckpointReader(src)
-    opts = dict(row.get("options", {}), calib_tokens=args.calib_tokens, calib_seq_len=512, f_iters=args.f_iters,
-                tolerance=0.05)
+    opts = {"calib_tokens": args.calib_tokens, "calib_seq_len": 512, "f_iters": args.f_iters, "tolerance": 0.05,
+            **row.get("options", {})}
     if "match" in row:            # SliceGPT at another row's total: the ratio that gives that total
         target = results["rows"][row["match"]]["params"]
         probe = C.CompressOptions(**opts, ratio=0.25)
@@ -93,6 +112,7 @@ def run_row(row: dict, args, results: dict) -> dict:
     calib_ids = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens)
     state, cfg, report = C.compress_tensors(reader, reader.config, options, calib_ids=calib_ids, progress=False)
     model, counted = C.build_model(state, cfg)
+    state_norms = {k: float(v.double().pow(2).sum()) for k, v in state.items() if k.endswith(".weight")}
     del state
     acc = report.accounting
     out = {"options": {k: v for k, v in options.applicable().items()}, "label": options.label,
@@ -101,8 +121,140 @@ def run_row(row: dict, args, results: dict) -> dict:
            "stage_seconds": report.seconds}
     if "allocation_report" in acc:
         out["allocation"] = {k: v["keep"] for k, v in acc["allocation_report"]["groups"].items()}
+        if "widths" in acc["allocation_report"]:
+            out["widths"] = acc["allocation_report"]["widths"]
+            out["uniform_width"] = acc["allocation_report"]["uniform_width"]
+    # what each solve reached: objective per solved problem (first/last/steps) and relative errors
+    out["objective"] = report.objective
+    rel = report.relative_errors or slice_relative_errors(reader, state_norms, cfg)
+    out["relative_errors"] = rel
+    by_kind: dict[str, list[float]] = {}
+    for name, e in rel.items():
+        by_kind.setdefault(name.rsplit(".", 1)[-1], []).append(e)
+    out["mean_relative_error"] = {k: sum(v) / len(v) for k, v in by_kind.items()}
     if "target_params" in acc:
         out["target_params"] = acc["target_params"]
+    return out
+
+
+def slice_relative_errors(reader, state_norms: dict, cfg: dict) -> dict:
+    """SliceGPT's counterpart of the structured rows' relative errors: ``‖M − M P‖ / ‖M‖`` for every
+    sliced matrix (norms folded; the rotation keeps norms, so it is ``√(1 − ‖M Q_w‖² / ‖M‖²)``)."""
+    from hf_symmetry.conversion import compress as C
+    from hf_symmetry.conversion.compress.assemble import read_folded
+    from hf_symmetry.conversion.compress.options import LAYER_MODULES
+
+    adapter = C.check_family(reader.config, reader.keys())
+    layers, globals_, _ = read_folded(reader, adapter, reader.keys(), adapter.tied_embeddings)
+    out = {}
+    for i, layer in enumerate(layers):
+        for canon, (path, _) in LAYER_MODULES.items():
+            full = float(layer[f"{canon}.weight"].pow(2).sum())
+            kept = state_norms.get(f"model.layers.{i}.{path}.weight")
+            if kept is not None:
+                out[f"layers.{i}.{path.split('.')[1]}"] = max(0.0, 1 - kept / full) ** 0.5
+    kept = state_norms.get("model.embed_tokens.matrix.weight")
+    if kept is not None:
+        out["embed"] = max(0.0, 1 - kept / float(globals_["embed.weight"].pow(2).sum())) ** 0.5
+    return out
+
+
+def segment_objectives(args) -> dict:
+    """Why the structured rows lose, measured on two residual segments of SmolLM2 (ffn5: writer o of
+    layer 5, readers gate/up; attn5: writer down of layer 4, readers q/k/v of layer 5), with the
+    covariances and the scoring of ``bench_stage_w_reference.py`` (paper objective: squared
+    calibration-weighted errors, readers scaled by λ; V counted only where it is compressed):
+
+    - SliceGPT at the 24.4 % row's width, with its one global PCA (4096 calibration tokens);
+    - Kronecker and GS at the sizes ``compress`` plans for the same total (per-segment Q: the
+      structures must remove ~33 % to pay for the skip rotations), stage F (10 alternations) then
+      stage W to convergence (:data:`CONVERGED`);
+    - low rank (no rotation) with its weighted projection."""
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE))
+    from bench_stage_w_reference import damped, score, segment_problems  # noqa: F401
+
+    from hf_symmetry.assets import smollm2_dir, text_path
+    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.conversion import compress as C
+    from hf_symmetry.conversion.compress.calibration import pca
+    from hf_symmetry.evaluation.compare import load_tokenizer
+    from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+    from hf_symmetry.symmetry import structured as S
+    from hf_symmetry.symmetry.segments import Term, balance, solve_segment
+
+    problems = segment_problems([("ffn", 5), ("attn", 5)], 16384)
+    reader = CheckpointReader(smollm2_dir())
+    ids = tokenize_text(load_tokenizer(smollm2_dir()), read_text(text_path("britannica-calib")),
+                        max_tokens=args.calib_tokens)
+    stats = C.collect_statistics(reader, reader.config, ids, 512, want_normed=False, want_stream=True, progress=False)
+    Qg = pca(sum(Cm / Cm.trace() for Cm in stats.stream))
+    width = C.plan_for(reader, reader.config, C.CompressOptions(structure="slice", ratio=args.ratio))[0].residual
+    names = {("ffn", "writer", "o"): "layers.5.o_proj", ("ffn", "reader", "gate"): "layers.5.gate_proj",
+             ("ffn", "reader", "up"): "layers.5.up_proj", ("attn", "writer", "down"): "layers.4.down_proj",
+             ("attn", "reader", "q"): "layers.5.q_proj", ("attn", "reader", "k"): "layers.5.k_proj",
+             ("attn", "reader", "v"): "layers.5.v_proj"}
+    out = {"slicegpt_width": width, "segments": {}}
+    for (kind, layer), p in problems.items():
+        seg = f"{kind}{layer}"
+        res = {}
+        d = p["reader_cov"].shape[0]
+        # SliceGPT: M Q with the columns past the width dropped (V sliced too, scored separately)
+        approx = {}
+        rel = {}
+        for key, M in p.items():
+            role, _, name = key.partition(".")
+            if role not in ("writer", "reader"):
+                continue
+            MQ = M @ Qg
+            A = MQ.clone()
+            A[:, width:] = 0
+            rel[name] = float(torch.linalg.matrix_norm(MQ - A) / torch.linalg.matrix_norm(M))
+            if name != "v":
+                approx[name] = A
+        res["SliceGPT global PCA"] = {**score(p, Qg, approx), "relative_errors": rel}
+        for structure in ("kron", "gs", "lowrank"):
+            options = C.CompressOptions(structure=structure, ratio=args.ratio, **{
+                k: v for k, v in CONVERGED.items() if k != "f_iters"})
+            plan = C.plan_for(reader, reader.config, options)[0].by_name()
+
+            def terms_for(stage):
+                terms, readers = [], []
+                for key, M in p.items():
+                    role, _, name = key.partition(".")
+                    if role not in ("writer", "reader"):
+                        continue
+                    t = Term(name, M.clone(), plan[names[(kind, role, name)]].structure)
+                    if stage == "w":
+                        if role == "writer":
+                            t.row_gram = S.Gram(matrix=p["writer_gram"])
+                        else:
+                            t.col_gram = p["reader_cov"]
+                    terms.append(t)
+                    if role == "reader":
+                        readers.append(t)
+                balance(terms, readers)
+                return terms
+
+            c0 = time.process_time()
+            eye = torch.eye(d, dtype=torch.float64)
+            terms = terms_for("w")
+            if structure == "lowrank":       # no rotation lowers a rank: the weighted projection alone
+                r = solve_segment(terms, eye, 0, 3, 30, dtype=torch.float32)
+            else:
+                QF = solve_segment(terms_for("f"), eye, 10, tol=1e-3).Q
+                r = solve_segment(terms, QF, 50, 3, 30, dtype=torch.float32, tol=1e-3, extrapolate=True)
+            approx = {t.name: t.structure.dense(t.factors) for t in terms if not t.is_dense}
+            rel = {t.name: float(torch.linalg.matrix_norm(t.M @ r.Q - approx[t.name]) / torch.linalg.matrix_norm(t.M))
+                   for t in terms if not t.is_dense}
+            res[structure] = {**score(p, r.Q, approx), "relative_errors": rel,
+                              "structures": {t.name: t.structure.spec() for t in terms},
+                              "cpu_seconds": time.process_time() - c0, "alternations": r.alternations,
+                              "converged": r.converged}
+            print(seg, structure, {k: v for k, v in res[structure].items() if k not in ("structures",)}, flush=True)
+        out["segments"][seg] = res
     return out
 
 
@@ -112,11 +264,22 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--f-iters", type=int, default=4)
-    ap.add_argument("--only", help="comma-separated substrings of row names")
+    ap.add_argument("--only", help="semicolon-separated substrings of row names")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--row", help=argparse.SUPPRESS)           # internal: run one row in this process
+    ap.add_argument("--segments", action="store_true",
+                    help="instead of the rows: the objective values on two segments (segment_objectives)")
     args = ap.parse_args()
+    if args.segments:
+        out = segment_objectives(args)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        out.update(cpu_seconds=usage.ru_utime + usage.ru_stime, peak_rss_gb=usage.ru_maxrss / 2**20,
+                   calib_tokens=args.calib_tokens, ratio=args.ratio, date=time.strftime("%Y-%m-%d", time.gmtime()))
+        path = args.results.with_name(args.results.stem + "_segments.json")
+        path.write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in out.items() if k != "segments"}))
+        return
     results = json.loads(args.results.read_text()) if args.results.is_file() else {}
     results.setdefault("rows", {})
     table = rows(args.ratio)
@@ -130,7 +293,7 @@ def main() -> None:
         return
     for row in table:
         name = row["name"]
-        if args.only and not any(s in name for s in args.only.split(",")):
+        if args.only and not any(s in name for s in args.only.split(";")):
             continue
         if name in results["rows"] and not args.force:
             continue

@@ -120,14 +120,23 @@ def gemma3_row(tokens: int = 256) -> dict | None:
             "logit_scale": logits[0].abs().max().item(), "argmax_agreement": agree}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tiny-only", action="store_true",
+                   help="only the tiny fixtures; keep the real-checkpoint rows of the existing results file")
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     gc.collect()
     result = {"machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), shared 2-core VM",
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "tiny": tiny_rows(), "real": []}
-    row = gemma3_row()
-    if row:
-        result["real"].append(row)
+    if a.tiny_only and RESULTS.is_file():
+        result["real"] = json.loads(RESULTS.read_text()).get("real", [])
+    else:
+        row = gemma3_row()
+        if row:
+            result["real"].append(row)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

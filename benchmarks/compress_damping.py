@@ -20,10 +20,10 @@ options = C.CompressOptions(structure=structure, stage="w", q_mode=q_mode, f_ite
 plan, _ = C.plan_for(source, config, options)
 layers, globals_, gamma = C.read_folded(source, adapter, source.keys(), plan.tied)
 rot = None if structure == "lowrank" else load_rotations(f"{structure}_segment_f4_c16384_float32")
-net = C.FoldedLlama(layers, globals_, adapter, C.compressed_config(config, plan, options, model.config), calib_ids, 512) if seq else None
+calib_in = C.CalibrationInput(source, config, calib_ids, 512) if seq else None
 t = time.perf_counter()
 with S.limit_threads(1):
-    res = C.solve(plan, layers, globals_, stats, options, progress=False, rotations=rot, net=net)
+    res = C.solve(plan, layers, globals_, stats, options, progress=False, rotations=rot, calib=calib_in)
 state = C.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
 m, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
 p = perplexity(m, eval_ids, window=512, stride=512, progress=False).perplexity

@@ -216,6 +216,39 @@ def test_migrated_collectors_equal_hooks(tmp_path):
     assert grams["head_in"].shape == (48, 48)
 
 
+@pytest.mark.parametrize("family,qk", [("llama", False), ("smollm3", True)])
+def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family, qk):
+    """Calibrated FaRR's first pass runs inside the engine (metric and spectra per layer, the metrics
+    kept in files for the second pass): the same tensors and ranks as FaRR on the whole set of
+    input moments, and the files are gone afterwards."""
+    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.conversion.farr import (FarrOptions, LayerWeights, _farr, attention_input_moments,
+                                             calibrated_analysis, farr_state_dict)
+    from hf_symmetry.conversion.stream import DictSink
+
+    model = _saved(family, tmp_path / "m")
+    ids = input_ids(length=60, batch=1).reshape(-1)
+    options = FarrOptions(params_fraction=0.6, qk=qk)
+    moments = attention_input_moments(tmp_path / "m", ids, window=20, placement=F64)
+    want, _, want_report = farr_state_dict(model.state_dict(), model.config, options, moments=moments)
+
+    store = LayerWeights(tmp_path / "spill")
+    analysis = calibrated_analysis(tmp_path / "m", ids, options.paths, F64, store=store, window=20)
+    assert len(list((tmp_path / "spill").glob("*.safetensors"))) == model.config.num_hidden_layers == len(store)
+    assert (store[0].root_aug is not None) == qk   # the query side's metric only where the score map is cut
+    reader = CheckpointReader(tmp_path / "m")
+    sink = DictSink()
+    _, report, _ = _farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis)
+    store.close()
+    assert not (tmp_path / "spill").exists()
+    assert report.ranks == want_report.ranks and report.kept_energy == want_report.kept_energy
+    assert min(report.ranks["vo"]) < model.config.head_dim   # something was cut
+    got = dict(sink)
+    assert set(got) == set(want) - {"lm_head.weight"} or set(got) == set(want)
+    for k in got:
+        assert _close(got[k], want[k], 1e-12), k
+
+
 def test_bfloat16_calibration_is_close_to_float32(tmp_path):
     tiny_model("llama", dtype=torch.float32).save_pretrained(tmp_path)
     batches = calibration_batches(input_ids(length=48, batch=1).reshape(-1), 48)
@@ -238,6 +271,38 @@ def test_cuda_statistics_equal_cpu(tmp_path):
         for site in req.grams:
             assert _close(a.grams[site], b.grams[site], 1e-9)
         assert _close(a.sums["o_in"], b.sums["o_in"], 1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_cuda_farr_and_regmean_equal_cpu(tmp_path):
+    """FaRR's eigendecompositions and SVDs and RegMean's Grams and solves on the GPU (float64) give the
+    CPU's tensors, back on the CPU."""
+    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, _farr, calibrated_analysis
+    from hf_symmetry.conversion.merge import run_merge
+    from hf_symmetry.conversion.recipe import recipe_from_dict
+    from hf_symmetry.conversion.stream import DictSink
+
+    _saved("llama", tmp_path / "m")
+    ids = input_ids(length=60, batch=1).reshape(-1)
+    options = FarrOptions(params_fraction=0.6)
+    reader = CheckpointReader(tmp_path / "m")
+    out = {}
+    for name, placement in (("cpu", F64), ("cuda", resolve("cuda", torch.float64))):
+        store = LayerWeights()
+        analysis = calibrated_analysis(tmp_path / "m", ids, options.paths, placement, store=store, window=20)
+        sink = DictSink()
+        _farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis,
+              device=placement.device)
+        merged = DictSink()
+        recipe = recipe_from_dict({"merge_method": "regmean", "models": ["a", "b"]})
+        run_merge([DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
+                  [tiny_model("llama").config.to_dict()] * 2, ["a", "b"], recipe, merged,
+                  calibration_ids=ids, progress=False, placement=placement)
+        out[name] = (dict(sink), dict(merged))
+    for cpu, gpu in zip(out["cpu"], out["cuda"]):
+        for k in cpu:
+            assert gpu[k].device.type == "cpu" and _close(gpu[k], cpu[k], 1e-9), k
 
 
 def test_unknown_site_is_refused():

@@ -126,12 +126,85 @@ def test_measured_sensitivity_grows_as_the_layer_shrinks():
 def test_uniform_allocation_and_presets_need_no_sensitivity_and_bad_combinations_are_refused():
     with pytest.raises(ValueError, match="unknown allocation"):
         C.CompressOptions(allocation="greedy").validate()
-    with pytest.raises(ValueError, match="structured classes"):
-        C.CompressOptions(structure="slice", allocation="sensitivity").validate()
+    with pytest.raises(ValueError, match="one global PCA"):
+        C.CompressOptions(structure="slice", q_mode="segment", allocation="sensitivity").validate()
+    C.CompressOptions(structure="slice", allocation="sensitivity").validate()
     with pytest.raises(ValueError, match="calibration"):
         C.CompressOptions(stage="none", allocation="sensitivity").validate()
     with pytest.raises(ValueError, match="unknown preset"):
         C.CompressOptions.preset("slicegpt")
+
+
+# ----------------------------------------------------------------------------- SliceGPT widths
+def _slice_widths(smollm2_shapes, scale=None):
+    """Per-segment widths at ratio 0.25 for the same convex error curve in every group (optionally
+    scaled per group), and the uniform plan."""
+    config, keys, dense_total = smollm2_shapes
+    options = C.CompressOptions(structure="slice", ratio=0.25, allocation="sensitivity")
+    uniform = C.plan_compression(config, keys, dense_total, None, options)
+    entries = matrix_entries(config, keys, check_family(config, keys))
+    curves = {name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in A.MEASURED_WIDTHS]
+              for name in A.slice_groups(30)}
+    widths, _, _ = A.allocate_slice(entries, 30, 576, True, uniform.accounting["target_params"], curves,
+                                    uniform.residual)
+    keep = {f"segment{k}": w / 576 for k, w in enumerate(widths)}
+    return uniform, C.plan_compression(config, keys, dense_total, None, options, keep=keep), widths
+
+
+def test_slice_widths_meet_the_budget_and_are_uniform_for_equal_sensitivity(smollm2_shapes):
+    uniform, allocated, widths = _slice_widths(smollm2_shapes)
+    target, dense_total = uniform.accounting["target_params"], smollm2_shapes[2]
+    got = allocated.accounting["compressed_model_params"]
+    assert got <= target and target - got <= 1e-3 * dense_total, (got, target)
+    # decoder layers 0 .. L-2 cost the same per unit of width (the last one pays for the head's mix
+    # instead of the next layer's q/k/v; the embedding for its 49152 rows): equal widths, to one grid step
+    layer_widths = widths[1:-2]
+    assert max(layer_widths) - min(layer_widths) <= 8, widths
+    assert widths[0] < min(layer_widths)                      # the embedding's width is 85x as expensive
+    assert allocated.residual_sizes == widths
+
+
+def test_slice_widths_move_to_a_sensitive_layer(smollm2_shapes):
+    uniform, even, widths = _slice_widths(smollm2_shapes)
+    _, skewed, skewed_widths = _slice_widths(smollm2_shapes, {"layers.7": 50.0})
+    # layer 7 writes segments 15 and 16
+    assert skewed_widths[15] == skewed_widths[16] >= max(skewed_widths)
+    assert skewed_widths[15] > widths[15]
+    target, dense_total = uniform.accounting["target_params"], smollm2_shapes[2]
+    got = skewed.accounting["compressed_model_params"]
+    assert got <= target and target - got <= 1e-3 * dense_total
+    assert skewed.residual_sizes == skewed_widths
+
+
+def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
+    """On a real forward (the engine, tiny Llama): narrower widths give larger layer output errors;
+    the sliced layer at full width is the layer itself (error 0)."""
+    from hf_symmetry.conversion.compress.calibration import pca
+
+    model = tiny_model("llama", dtype=torch.float32)
+    config = model.config.to_dict()
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="slice", ratio=0.3, allocation="sensitivity", calib_seq_len=40)
+    src = _source(model)
+    adapter = check_family(config, src.keys())
+    stats = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False)
+    Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
+    curves = A.measure_slice_sensitivity(src, config, adapter, Q, stats.stream[0], options, calib, progress=False)
+    assert set(curves) == {"layers.0", "layers.1", "embed"}
+    for name, curve in curves.items():
+        errors = [e for _, e in sorted(curve)]
+        assert errors[0] > errors[-1] > 0, (name, curve)
+    layer = model.model.layers[0]
+    x = torch.randn(1, 5, config["hidden_size"])
+    pos = model.model.rotary_emb(x, torch.arange(5)[None])
+    full = A._sliced_layer(layer, adapter, torch.eye(config["hidden_size"]))
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        assert torch.allclose(first(full(x, position_embeddings=pos)), first(layer(x, position_embeddings=pos)),
+                              atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- preset
@@ -187,7 +260,8 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
     root = tmp_path / "out"
     common = ["--calib", str(calib), "--calib-seq-len", "64", "--f-iters", "1", "--quiet"]
     runs = {"preset": ["--preset", "procrustesgpt-llama", "--structure", "gs", "--stage", "f"],
-            "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"]}
+            "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"],
+            "slice-sensitivity": ["--structure", "slice", "--allocation", "sensitivity", "--ratio", "0.3"]}
     for name, flags in runs.items():
         assert main(["compress", str(tiny_dir), str(root / name), *flags, *common]) == 0, name
     assert "--ratio does not apply" not in capsys.readouterr().err
@@ -198,6 +272,11 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
     assert acc["allocation"] == "sensitivity" and set(acc["allocation_report"]["groups"]) >= {"layers.0", "layers.1"}
     assert acc["compressed_model_params"] == acc["compressed_model_params_counted"]
     assert acc["allocation_report"]["allocated"] <= acc["allocation_report"]["budget"]
+    widths = json.loads((root / "slice-sensitivity" / "config.json").read_text())["residual_sizes"]
+    assert len(set(widths)) > 1, widths                 # the remote-code load below sees varying widths
+    sliced = json.loads((root / "slice-sensitivity" / "compression_report.json").read_text())["accounting"]
+    assert sliced["compressed_model_params"] == sliced["compressed_model_params_counted"]
+    assert sliced["allocation_report"]["widths"] == widths
     preset = json.loads((root / "preset" / "compression_report.json").read_text())["accounting"]
     assert preset["per_matrix"]["embed"]["ratio"] == 0 and preset["per_matrix"]["layers.0.v_proj"]["ratio"] == 0
     for name in runs:

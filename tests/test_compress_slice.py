@@ -143,3 +143,125 @@ def test_cli_sequential_slicegpt_card_and_device_refusal(tiny_dir, tmp_path, cap
     params = ModelCard.load(out / "README.md").data.hf_symmetry["parameters"]
     assert params["sequential"] is True and not {"stage", "f_iters", "kron_factor", "w_iters"} & set(params)
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == "0o644"
+
+
+# ----------------------------------------------------------------------------- per-segment widths
+def _widths_model(model, widths, placement=None):
+    """SliceGPT (one global PCA) with the given per-segment widths, float64."""
+    config, src = model.config.to_dict(), _source(model)
+    d = config["hidden_size"]
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="slice", calib_seq_len=40, tolerance=1.0)
+    plan = C.plan_for(src, config, options, keep={f"segment{k}": w / d for k, w in enumerate(widths)})[0]
+    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
+                                            progress=False, plan=plan, hf_config=model.config, placement=_float64())
+    compressed, counted = C.build_model(state, cfg, torch.float64)
+    stats = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
+                                 placement=_float64())
+    from hf_symmetry.conversion.compress.solve import _pca_rotations
+
+    Q = _pca_rotations(stats, len(widths), "global")[0]
+    return compressed, cfg, report, counted, Q
+
+
+def _projected_original(model, Q, widths):
+    """The original model with the residual stream of segment k projected onto the first ``widths[k]``
+    principal directions (original basis), and the tied head's embedding matrix onto those of segment 0:
+    what SliceGPT with per-segment widths must compute."""
+    P = [Q[:, :w] @ Q[:, :w].T for w in widths]
+    saved, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        def pre(_m, args, kwargs, i=i):
+            x = args[0] if args else kwargs["hidden_states"]
+            x = x @ P[2 * i]
+            saved["x"] = x
+            return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+        def attn(_m, _args, out, i=i):
+            a, *rest = out
+            x = saved["x"]
+            return ((x + a) @ P[2 * i + 1] - x, *rest)
+
+        def mid(_m, args):
+            saved["h"] = args[0]
+
+        def mlp(_m, _args, m, i=i):
+            h = saved["h"]
+            return (h + m) @ P[2 * i + 2] - h
+
+        handles += [layer.register_forward_pre_hook(pre, with_kwargs=True),
+                    layer.self_attn.register_forward_hook(attn),
+                    layer.post_attention_layernorm.register_forward_pre_hook(mid),
+                    layer.mlp.register_forward_hook(mlp)]
+    # the tied head reads the embedding matrix as sliced to the first segment's width
+    handles.append(model.lm_head.register_forward_pre_hook(lambda _m, args: (args[0] @ P[0],)))
+    return handles
+
+
+def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
+    """The per-segment-widths path (config ``residual_sizes``) with every width the hidden size."""
+    model = tiny_model("llama")
+    d, L = model.config.hidden_size, model.config.num_hidden_layers
+    config, src = model.config.to_dict(), _source(model)
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    options = C.CompressOptions(structure="slice", calib_seq_len=40, tolerance=1.0)
+    plan = C.plan_for(src, config, options, keep={f"segment{k}": 1.0 for k in range(2 * L + 1)})[0]
+    plan.residual_sizes = [d] * (2 * L + 1)                  # force the per-segment path
+    state, cfg, _ = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64, progress=False,
+                                       plan=plan, hf_config=model.config, placement=_float64())
+    assert cfg["residual_sizes"] == [d] * (2 * L + 1)
+    compressed = C.build_model(state, cfg, torch.float64)[0]
+    ids = input_ids()
+    assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() <= 1e-9
+
+
+def test_per_segment_widths_slice_and_pad_the_stream_as_one_basis_demands(exact_rmsnorm):
+    """Widths that shrink and grow again ([40, 30, 44, 20, 36] on a 48-wide, 2-layer model): the
+    compressed model equals the original with each segment's stream projected onto its first w_k
+    principal directions (1e-9, float64); negative control: the same projections with one width
+    changed differ. Parameters are those the plan counted."""
+    model = tiny_model("llama")
+    d, L = model.config.hidden_size, model.config.num_hidden_layers
+    widths = [40, 30, 44, 20, 36][: 2 * L + 1]
+    assert len(widths) == 2 * L + 1 and d == 48
+    compressed, cfg, report, counted, Q = _widths_model(model, widths)
+    assert cfg["residual_sizes"] == widths and cfg["residual_size"] == max(widths)
+    assert counted == report.accounting["compressed_model_params"]
+    assert report.accounting["residual_sizes"] == widths
+    ids = input_ids()
+    got = outputs(compressed, ids)
+    handles = _projected_original(model, Q, widths)
+    try:
+        ref = outputs(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert (got - ref).abs().max().item() <= 1e-9
+    wrong = list(widths)
+    wrong[2] = widths[2] - 4                                     # one segment narrower: no longer the model
+    handles = _projected_original(model, Q, wrong)
+    try:
+        other = outputs(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert (got - other).abs().max().item() > 1e-3
+    assert (got - outputs(model, ids)).abs().max().item() > 1e-3     # and slicing did something
+
+
+def test_uniform_configs_keep_loading_and_bad_widths_are_refused():
+    from hf_symmetry.modeling.configuration_compressed_llama import CompressedLlamaConfig
+
+    base = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    uniform = CompressedLlamaConfig(**base, residual_size=12)
+    assert uniform.residual_sizes is None and [uniform.segment_width(k) for k in range(5)] == [12] * 5
+    assert "residual_sizes" not in uniform.to_diff_dict() or uniform.to_diff_dict()["residual_sizes"] is None
+    varied = CompressedLlamaConfig(**base, residual_sizes=[8, 12, 16, 4, 8], lm_head="tied_mixed")
+    assert varied.residual_size == 16 and varied.segment_width(3) == 4
+    for bad, match in (({"residual_sizes": [8, 12, 16, 4]}, "must be 5 widths"),
+                       ({"residual_sizes": [8, 12, 17, 4, 8]}, "hidden_size=16"),
+                       ({"residual_sizes": [8, 12, 16, 4, 8], "residual_size": 12}, "largest"),
+                       ({"residual_sizes": [8, 12, 16, 4, 8], "skip_connections": "dense"}, "skip_connections"),
+                       ({"residual_sizes": [8, 12, 16, 4, 12], "lm_head": "tied"}, "tied head")):
+        with pytest.raises(ValueError, match=match):
+            CompressedLlamaConfig(**base, **{"lm_head": "tied_mixed", **bad})

@@ -117,6 +117,14 @@ def test_all_allowed_symmetries_together_on_new_families(family, exact):
                             heads="random" if allows(cfg, "qk_rotation") else "vo",
                             scaling=allows(cfg, "scaling"), ffn=True, seed=3)
     sd, new_cfg = rotate_state_dict(model.state_dict(), cfg, options)
+    if new_cfg["model_type"] != cfg.model_type:   # a LayerNorm decoder (GPT-NeoX), centred into the RMS-decoder family
+        from hf_symmetry.modeling.configuration_rms_decoder import RMSDecoderConfig
+        from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
+
+        new = RMSDecoderForCausalLM(RMSDecoderConfig.from_dict(new_cfg)).to(torch.float64).eval()
+        new.load_state_dict(sd, strict=True)
+        assert _delta(model, new) <= 1e-9
+        return
     assert _delta(model, _reload(model, sd, new_cfg)) <= 1e-9
 
 
@@ -257,8 +265,9 @@ def test_residual_rotation_of_layernorm_without_centring_changes_the_function(ex
 
     assert _delta(model, forced(torch.eye(hidden, dtype=torch.float64))) <= 1e-9
     assert _delta(model, forced(groups.haar_orthogonal(hidden, groups.rng(2)))) > 1e-3
-    with pytest.raises(UnsupportedSymmetry, match="residual rotation: .*mean-centring.*gpt_neox runs attention"):
-        rotate_state_dict(model.state_dict(), model.config, RotateOptions(residual="random"))
+    # centred first (into the RMS-decoder family) it is exact: tests/test_families_rms_decoder.py
+    sd, cfg = rotate_state_dict(model.state_dict(), model.config, RotateOptions(residual="random"))
+    assert cfg["model_type"] == "hf_symmetry_rms_decoder"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "olmo2"])

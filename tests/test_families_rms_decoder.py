@@ -31,10 +31,16 @@ def _as_rms_decoder(state_dict, config: dict):
     return model
 
 
-@pytest.mark.parametrize("family", ["opt", "gpt2"])
+LAYER_NORM_DECODERS = {"opt": {}, "gpt2": {}, "gpt_neox": {}, "gpt_neox-sequential": {"use_parallel_residual": False},
+                       "gptj": {}}
+
+
+@pytest.mark.parametrize("family", list(LAYER_NORM_DECODERS))
 @pytest.mark.parametrize("residual", ["random", "hadamard"])
-def test_centred_and_rotated_layer_norm_decoder_reproduces_the_logits(family, residual):
-    model = tiny_model(family)
+def test_centred_and_rotated_layer_norm_decoder_reproduces_the_logits(family, residual, exact_rmsnorm):
+    """OPT and GPT-2 (learned positions), GPT-NeoX (partial rotate-half RoPE, parallel or sequential block,
+    fused per-head qkv) and GPT-J (partial interleaved RoPE, parallel block on one LayerNorm, head bias)."""
+    model = tiny_model(family.split("-")[0], **LAYER_NORM_DECODERS[family])
     assert allows(model.config, "residual_rotation")
     options = RotateOptions(residual=residual, heads="random", ffn=True, scaling=True, seed=2)
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, options)
@@ -82,12 +88,33 @@ def test_centring_without_rotation_is_exact_and_skipping_it_is_not():
     assert (outputs(model, ids) - outputs(_as_rms_decoder(sd, cfg), ids)).abs().max().item() <= 1e-9
 
 
+def test_rotary_and_parallel_blocks_are_what_make_gpt_neox_and_gptj_exact(exact_rmsnorm):
+    """Negative controls: the same rotated weights in a sequential block, without rotary embeddings, or
+    (GPT-J) without re-pairing its interleaved RoPE dims as rotate-half, give other functions."""
+    from hf_symmetry.conversion import rotate as rot
+
+    ids = input_ids()
+    for family in ("gpt_neox", "gptj"):
+        model = tiny_model(family)
+        sd, cfg = rotate_state_dict(model.state_dict(), model.config, ALL)
+        assert cfg["rotary"] and cfg["parallel_block"]
+        assert (outputs(model, ids) - outputs(_as_rms_decoder(sd, cfg), ids)).abs().max().item() <= 1e-9
+        for change in ({"parallel_block": False}, {"rotary": False, "position_offset": 0}):
+            wrong = RMSDecoderForCausalLM(RMSDecoderConfig.from_dict({**cfg, **change})).to(torch.float64).eval()
+            wrong.load_state_dict(sd, strict=False)
+            assert (outputs(model, ids) - outputs(wrong, ids)).abs().max().item() > 1e-3, (family, change)
+    original = actions.interleaved_to_half
+    try:
+        rot.actions.interleaved_to_half = lambda layer, layout: layer
+        bad_sd, bad_cfg = rotate_state_dict(model.state_dict(), model.config, ALL)
+    finally:
+        rot.actions.interleaved_to_half = original
+    assert (outputs(model, ids) - outputs(_as_rms_decoder(bad_sd, bad_cfg), ids)).abs().max().item() > 1e-3
+
+
 def test_layer_norm_decoders_that_the_family_cannot_express_are_refused():
-    for family, words in (("gptj", "runs attention and FFN in parallel"), ("gpt_neox", "runs attention and FFN")):
-        why = reason(tiny_config(family), "residual_rotation")
-        assert "mean-centring" in why and words in why
-        with pytest.raises(UnsupportedSymmetry, match="residual rotation: .*mean-centring"):
-            rotate_state_dict(tiny_model(family).state_dict(), tiny_config(family), ALL)
+    for family in ("gptj", "gpt_neox", "opt", "gpt2"):
+        assert reason(tiny_config(family), "residual_rotation") is None
     with pytest.raises(UnsupportedSymmetry, match="post-LN"):
         rotate_state_dict(tiny_model("opt", do_layer_norm_before=False).state_dict(),
                           tiny_config("opt", do_layer_norm_before=False), ALL)
@@ -122,7 +149,7 @@ _REMOTE_SCRIPT = textwrap.dedent("""
     from transformers import AutoModelForCausalLM
     ref = load_file(FOLDER + "/expected.safetensors")
     result = {}
-    for name in ("opt", "gpt2"):
+    for name in ("opt", "gpt2", "gpt_neox"):
         model = AutoModelForCausalLM.from_pretrained(FOLDER + "/" + name, trust_remote_code=True, dtype=torch.float64)
         model.eval()
         with torch.no_grad():
@@ -135,7 +162,7 @@ _REMOTE_SCRIPT = textwrap.dedent("""
 
 
 def test_rotated_checkpoint_loads_with_remote_code_and_generates(tmp_path):
-    """``rotate --residual`` on OPT/GPT-2 folders writes the RMS-decoder family with its code; it
+    """``rotate --residual`` on OPT/GPT-2/GPT-NeoX folders writes the RMS-decoder family with its code; it
     loads with trust_remote_code where hf_symmetry is not importable, reproduces the original's
     logits, and greedy generation gives the original's tokens."""
     from transformers import AutoModelForCausalLM
@@ -143,7 +170,7 @@ def test_rotated_checkpoint_loads_with_remote_code_and_generates(tmp_path):
     ids = input_ids(batch=1, length=16)
     expected = {"ids": ids}
     tokens = {}
-    for family in ("opt", "gpt2"):
+    for family in ("opt", "gpt2", "gpt_neox"):
         src = tmp_path / f"src-{family}"
         model = tiny_model(family)
         model.save_pretrained(src)
@@ -170,7 +197,7 @@ def test_rotated_checkpoint_loads_with_remote_code_and_generates(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    for family in ("opt", "gpt2"):
+    for family in ("opt", "gpt2", "gpt_neox"):
         name, delta, generated = result[family]
         assert name == "RMSDecoderForCausalLM" and delta <= 1e-9
         assert generated == tokens[family]

@@ -258,3 +258,27 @@ def test_existing_output_folder_is_refused(folders, tmp_path, capsys):
     (tmp_path / "out" / "keep.txt").write_text("mine")
     err, _ = _bad(folders, tmp_path, capsys)
     assert "exists" in err and os.listdir(tmp_path / "out") == ["keep.txt"]
+
+
+def test_too_few_perplexity_tokens_are_refused_before_training(folders, tmp_path, capsys):
+    text = str(folders / "train.txt")
+    out = tmp_path / "out"
+    argv = ["heal", str(folders / "llama"), str(out), "--teacher", str(folders / "teacher"), "--text", text,
+            "--seq-len", str(SEQ), "--quiet", "--device", "cpu", "--eval-text", text, "--ppl-tokens", "1"]
+    capsys.readouterr()
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ppl-tokens must be 0 (skip) or at least 2" in err[0]
+    assert not out.exists() and not run_dir_for(out).exists()
+
+
+def test_heal_shares_the_perplexity_flags_of_the_other_commands():
+    """--ppl-tokens (and the older --eval-tokens) set the held-out token count; --text stays the training text."""
+    from hf_symmetry.cli import build_parser
+
+    parser = build_parser()
+    base = ["heal", "in", "out", "--teacher", "t", "--text", "train.txt"]
+    assert parser.parse_args(base + ["--ppl-tokens", "512"]).eval_tokens == 512
+    assert parser.parse_args(base + ["--eval-tokens", "256"]).eval_tokens == 256
+    args = parser.parse_args(base)
+    assert args.eval_tokens == 2048 and args.text == ["train.txt"] and not args.no_verify

@@ -154,6 +154,65 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
             assert (G[j] - want).abs().max() <= 1e-8 * want.abs().max()
 
 
+def _whole_model_grams(model, batches) -> dict:
+    """Σ xᵀx of the input of every linear layer over ``batches``: forward pre-hooks on the whole model."""
+    grams, handles = {}, []
+
+    def hook(name):
+        def pre(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            grams[name] = grams.get(name, 0) + x.T @ x
+        return pre
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            handles.append(module.register_forward_pre_hook(hook(name)))
+    with torch.no_grad():
+        for b in batches:
+            model(input_ids=b)
+    for h in handles:
+        h.remove()
+    return grams
+
+
+def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_reference(monkeypatch):
+    """RegMean measures each layer's Grams inside the merge pass (one layer at a time); the merged
+    tensors equal RegMean with Grams from hooks on the whole models."""
+    from hf_symmetry.calibration import calibration_batches
+
+    models = [tiny_model("llama", seed=0, tie_word_embeddings=False), tiny_model("llama", seed=7, tie_word_embeddings=False)]
+    sds = [_sd(m) for m in models]
+    seen = []
+    real_layer = merge_module.LayerGrams.layer
+
+    def spy(self, i, *args):
+        out = real_layer(self, i, *args)
+        seen.append((i, [sorted(g) for g in out]))
+        return out
+
+    monkeypatch.setattr(merge_module.LayerGrams, "layer", spy)
+    merged = merge_state_dicts(sds, models[0].config, _recipe("regmean"), calibration_ids=CALIB).state_dict
+    n_layers = models[0].config.num_hidden_layers
+    assert [i for i, _ in seen] == list(range(n_layers))       # one layer's statistics per merge step
+    assert all(k.startswith(f"layers.{i}.") for i, keys in seen for ks in keys for k in ks)
+
+    batches = calibration_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
+    grams = [_whole_model_grams(m, batches) for m in models]
+    linear = {n for n, mod in models[0].named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert "lm_head" in linear
+    worst = 0.0
+    for key, got in merged.items():
+        module = key.rsplit(".", 1)[0]
+        if key.endswith(".weight") and module in linear:
+            want = regmean([sd[key] for sd in sds], [g[module] for g in grams], [1.0, 1.0], alpha=0.9)
+        else:
+            want = (sds[0][key] + sds[1][key]) / 2
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    assert worst < 1e-10
+    average = merge_state_dicts(sds, models[0].config, _recipe("average")).state_dict   # negative control
+    assert (average["model.layers.0.mlp.down_proj.weight"] - merged["model.layers.0.mlp.down_proj.weight"]).abs().max() > 1e-2
+
+
 def test_three_models_anchor_nearest_the_mean_and_the_others_matched():
     a, b = _sd(tiny_model("llama", seed=0)), _sd(tiny_model("llama", seed=1))
     middle = {k: (a[k] + b[k]) / 2 + 0.01 * torch.randn_like(a[k]) for k in a}
@@ -315,3 +374,54 @@ def test_mergekit_linear_merge_of_anchor_and_matched_source_equals_our_average(t
     assert sum((ours[k] - anchor[k]).pow(2).sum() for k in ours) < sum((plain[k] - anchor[k]).pow(2).sum()
                                                                         for k in ours)
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_fisher_merge_spills_matched_inputs_and_fishers_to_disk_and_equals_the_in_memory_merge(tmp_path, monkeypatch):
+    """The folder merge keeps each matched input and each Fisher in files (one model in host memory
+    at a time, for its backward pass) and writes what the in-memory merge computes; none of those
+    files is left in OUT."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_symmetry.conversion.merge import merge_checkpoints
+
+    models = [tiny_model("llama", seed=s, dtype=torch.float32) for s in (0, 4)]
+    paths = [_save(m, tmp_path / f"m{j}") for j, m in enumerate(models)]
+    _word_tokenizer(paths[0])
+    spilled = []
+    real_write = merge_module._Spill.write
+    monkeypatch.setattr(merge_module._Spill, "write",
+                        lambda self, name, fill: spilled.append((self.folder is not None, name)) or
+                        real_write(self, name, fill))
+    raw = {"merge_method": "fisher", "models": [str(p) for p in paths], "match": {"residual": True},
+           "calibration": {"tokens": 256}, "evaluation": False}
+    merge_checkpoints(recipe_from_dict(raw), tmp_path / "out", progress=False)
+    assert spilled == [(True, "matched-0"), (True, "matched-1"), (True, "fisher-0"), (True, "fisher-1")]
+    assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
+
+    from hf_symmetry.calibration import calibration_ids
+    from hf_symmetry.evaluation.compare import load_tokenizer
+
+    ids = calibration_ids(load_tokenizer(paths[0]), "britannica-calib", 256)
+    want = merge_state_dicts([_sd(m) for m in models], models[0].config, recipe_from_dict(raw),
+                             calibration_ids=ids).state_dict
+    assert _close({k: v for k, v in want.items() if k in got}, got, 1e-5)
+
+
+def test_fisher_merge_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Fisher's backward pass needs the whole model: when weights, gradients and Fisher exceed the free
+    memory of the GPUs and the host, the merge is refused in one line before matching or loading anything."""
+    from hf_symmetry.conversion import calibration as stats
+
+    model = tiny_model("llama", dtype=torch.float32)
+    monkeypatch.setattr(stats, "_available_memory", lambda: {"cpu": 10_000})
+    monkeypatch.setattr(merge_module, "run_pair", lambda *a, **k: pytest.fail("matching started"))
+    with pytest.raises(stats.FisherMemoryError, match="Fisher merging needs about .* GB .* only 0.0 GB is free") as exc:
+        merge_state_dicts([_sd(model)] * 2, model.config, _recipe("fisher", match={"residual": True}),
+                          calibration_ids=CALIB)
+    assert "\n" not in str(exc.value) and isinstance(exc.value, ValueError)   # the CLI prints it as one line
+    path = _save(model, tmp_path / "m")
+    _word_tokenizer(path)
+    assert main(["merge", "--method", "fisher", str(path), str(path), str(tmp_path / "out"), "--quiet",
+                 "--no-verify"]) == 2
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

@@ -132,8 +132,9 @@ def test_bad_requests_are_refused():
 
     qwen3 = T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    with pytest.raises(ValueError, match="to-tpa: qwen3 applies QK-norm"):   # the capability's reason
-        convert_model_to_tpa(qwen3, progress=False)
+    # QK-norm: full rank is exact (tests/test_families_qwen3.py); mixing key heads is refused with the reason
+    with pytest.raises(ValueError, match="to-tpa below full key rank: qwen3 applies QK-norm per head"):
+        convert_model_to_tpa(qwen3, k_rank=1, progress=False)
     # NoPE layers: the TPA model applies RoPE everywhere, so converting SmolLM3 would be wrong
     from hf_symmetry.testing import tiny_model
 
@@ -234,3 +235,22 @@ def test_smollm2_reduced_rank_is_approximate_and_calibration_helps(smol):
     act_plain = sum(e.k_activation_rel_err + e.v_activation_rel_err for e in rp.layers)
     act_fit = sum(e.k_activation_rel_err + e.v_activation_rel_err for e in rf.layers)
     assert act_fit < act_plain
+
+
+def test_fused_phi3_converts_exactly_through_the_adapter():
+    """Phi-3 / Phi-4 (fused qkv_proj and gate_up_proj, partial rotary 0.75): the adapter splits the fused
+    projections, so to-tpa needs no Phi-specific path; full rank is exact on every attention route, and a
+    reduced key rank is not (negative control)."""
+    from hf_symmetry.architectures.capabilities import allows
+    from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+    model = tiny_model("phi3")
+    assert allows(model.config, "to_tpa")
+    tpa, report = convert_model_to_tpa(model, progress=False)
+    assert report.exact and tpa.config.rotary_dim == 6
+    ids = input_ids()
+    for path in ("materialize", "factor"):
+        tpa.config.tpa_decode_path = path
+        assert (outputs(tpa, ids) - outputs(model, ids)).abs().max().item() <= 1e-9, path
+    reduced, _ = convert_model_to_tpa(model, k_rank=1, progress=False)
+    assert (outputs(reduced, ids) - outputs(model, ids)).abs().max().item() > 1e-3

@@ -126,12 +126,12 @@ def converted(inputs, tmp_path_factory):
         assert main(["merge", "--method", "average", "--match", str(inputs["a"]), str(inputs["b"]), str(folder),
                      "--text", str(inputs["text"]), "--ppl-tokens", "80", "--quiet"]) == 0
     done["merge"] = (buf.getvalue(), folder)
-    # compress and heal take their own evaluation flags (--eval-text); the card must be as clean
+    # compress verifies like the conversions above; heal takes its own evaluation flags (--eval-text); the
+    # card must be as clean
     text = str(inputs["text"])
     for name, argv in {
         "compress": ["compress", str(inputs["a"]), str(outs / "compress"), "--structure", "slice", "--calib", text,
-                     "--calib-tokens", "160", "--calib-seq-len", "16", "--eval-text", text, "--eval-tokens", "80",
-                     "--quiet"],
+                     "--calib-tokens", "160", "--calib-seq-len", "16", "--text", text, *VERIFY],
         "heal": ["heal", str(outs / "compress"), str(outs / "heal"), "--teacher", str(inputs["a"]), "--text", text,
                  "--tokens", "256", "--seq-len", "16", "--batch-size", "4", "--lora-rank", "2",
                  "--eval-text", text, "--eval-tokens", "80", "--quiet"],

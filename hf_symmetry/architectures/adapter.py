@@ -58,6 +58,7 @@ class Adapter:
     layout: HeadLayout
     n_layers: int
     hidden: int
+    head: str | None = None  # the head's module name in this checkpoint (spec.lm_head or one of its aliases)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -68,12 +69,16 @@ class Adapter:
         n_heads = _cfg_get(config, spec.heads_attr)
         n_kv = _cfg_get(config, spec.kv_heads_attr, n_heads) if spec.kv_heads_attr else n_heads
         head_dim = _cfg_get(config, ("head_dim",)) or hidden // n_heads
-        rotary_dim = _rotary_dim(config, head_dim) if spec.rope != "none" else 0
+        rope = spec.rope_in(config)
+        rotary_dim = _rotary_dim(config, head_dim) if rope != "none" else 0
         layout = HeadLayout(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rotary_dim=rotary_dim,
-                            rope_layout=spec.rope if rotary_dim else "none",
+                            rope_layout=rope if rotary_dim else "none",
                             qk_norm=spec.attention.qk_norm is not None)
         prefix = cls._detect_prefix(spec, keys) if keys is not None else spec.base_prefixes[0]
-        return cls(spec, config, prefix, layout, _cfg_get(config, spec.n_layers_attr), hidden)
+        head = spec.lm_head
+        if keys is not None and spec.lm_head_aliases and f"{head}.weight" not in set(keys):
+            head = next((a for a in spec.lm_head_aliases if f"{a}.weight" in set(keys)), head)
+        return cls(spec, config, prefix, layout, _cfg_get(config, spec.n_layers_attr), hidden, head)
 
     @staticmethod
     def _detect_prefix(spec: ArchSpec, keys: list[str]) -> str:
@@ -290,7 +295,7 @@ class Adapter:
         if s.final_norm:
             names["final_norm"] = p + s.final_norm
         if s.lm_head:
-            names["lm_head"] = s.lm_head  # heads live outside the base-model prefix
+            names["lm_head"] = self.head or s.lm_head  # heads live outside the base-model prefix
         return names
 
     def global_keys(self, keys: list[str]) -> list[str]:

@@ -35,7 +35,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 LABELS = {"qk_rotation": "QK rotation", "qk_scaling": "QK scaling", "vo_rotation": "VO rotation",
           "vo_scaling": "VO scaling", "ffn_permutation": "FFN permutation", "residual_rotation": "residual rotation",
           "scaling": "QK/VO scaling", "match": "match", "merge": "merge", "compress": "compress",
-          "slicegpt": "SliceGPT", "farr_vo": "FaRR V/O", "farr_qk": "FaRR Q/K", "to_tpa": "to-tpa"}
+          "slicegpt": "SliceGPT", "farr_vo": "FaRR V/O", "farr_qk": "FaRR Q/K", "to_tpa": "to-tpa",
+          "to_tpa_key_rank": "to-tpa below full key rank"}
 
 
 # --------------------------------------------------------------------------- facts
@@ -110,7 +111,7 @@ def sliding_window_layers(config) -> tuple[int | None, ...]:
 
 
 def _partial_rotary(cfg, spec: ArchSpec) -> bool:
-    if spec.rope == "none":
+    if spec.rope_in(cfg) == "none":
         return False
     rope = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
     factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
@@ -142,20 +143,22 @@ def facts(obj) -> Facts:
     if _get(cfg, "do_layer_norm_before") is False:   # OPT-350m: post-LN
         placement = "post"
     hidden = next(_get(cfg, n) for n in spec.hidden_attr if _get(cfg, n) is not None)
+    rope = spec.rope_in(cfg)
     proj = _get(cfg, "word_embed_proj_dim")
     no_rope = _get(cfg, "no_rope_layers")
     return Facts(
         family=spec.family, model_type=_get(cfg, "model_type", spec.model_types[0]), decoder=spec.is_decoder,
         norm_kind=spec.norm_kind, placement=placement,
         qk_norm=a.qk_norm_scope if a.qk_norm else None, fused_qkv=a.qkv_layout if a.qkv else None,
-        fused_gate_up=spec.ffn.gate_up is not None, gated=spec.is_gated, rope=spec.rope,
+        fused_gate_up=spec.ffn.gate_up is not None, gated=spec.is_gated, rope=rope,
         partial_rotary=_partial_rotary(cfg, spec),
-        nope_layers=tuple(i for i, f in enumerate(no_rope or []) if not f) if spec.rope != "none" else (),
+        nope_layers=tuple(i for i, f in enumerate(no_rope or []) if not f) if rope != "none" else (),
         sliding=sliding_window_layers(cfg) if spec.is_decoder else (),
         embed_scale=spec.embed_scale, attn_softcap=_get(cfg, "attn_logit_softcapping"),
         final_softcap=_get(cfg, "final_logit_softcapping"),
         parallel_block=spec.parallel_block or bool(spec.parallel_attr and _get(cfg, spec.parallel_attr)),
-        tied=bool(_get(cfg, "tie_word_embeddings", True)), learned_positions=bool(spec.pos_embed),
+        tied=bool(_get(cfg, "tie_word_embeddings", True)),
+        learned_positions=bool(spec.pos_embed) and (spec.rope_attr is None or rope == "none"),
         embed_projection=proj is not None and int(proj) != int(hidden))
 
 
@@ -193,6 +196,8 @@ class Target:
     learned_positions: bool = False
     rope_layouts: tuple[str, ...] = ("rotate_half", "none")
     fused: bool = True               # reads source layers through the adapter (fused projections split)
+    rope_partial: bool = False       # RoPE on part of each head, through ``rope_parameters`` (GPT-NeoX's rotary)
+    # (the RMS-decoder conversion re-pairs interleaved RoPE dims as rotate-half: actions.interleaved_to_half)
 
     @functools.cached_property
     def fields(self) -> frozenset[str]:
@@ -219,7 +224,11 @@ class Target:
 
     @property
     def partial_rotary(self) -> bool:
-        return "partial_rotary_factor" in self.fields
+        return self.rope_partial or "partial_rotary_factor" in self.fields
+
+    @property
+    def parallel(self) -> bool:
+        return "parallel_block" in self.fields
 
 
 def _compressed():
@@ -244,9 +253,9 @@ def _ln_decoder():
 
 COMPRESSED = Target("the compressed family", _compressed)
 FARR = Target("the FaRR decoder family", _farr, fused=False)
-TPA = Target("the TPA family", _tpa, fused=False)
+TPA = Target("the TPA family", _tpa, rope_partial=True)   # to-tpa reads its source through the adapter
 RMS_DECODER = Target("the RMS-decoder family", _ln_decoder, norm="rms_noweight", gated_ffn=False,
-                     learned_positions=True, rope_layouts=("none",))
+                     learned_positions=True, rope_layouts=("none", "rotate_half", "interleaved"), rope_partial=True)
 
 
 # --------------------------------------------------------------------------- derivations
@@ -282,7 +291,7 @@ def _target_reason(f: Facts, t: Target, *, needs_rotation: bool) -> str | None:
         return f"{f.model_type} scales its embeddings by √hidden, which {t.name} does not"
     if f.attn_softcap or f.final_softcap:
         return f"{f.model_type} soft-caps logits, which {t.name} does not"
-    if f.parallel_block:
+    if f.parallel_block and not t.parallel:
         return f"{f.model_type} runs attention and FFN in parallel, {t.name} sequentially"
     if f.gated and not t.gated_ffn:
         return f"{f.model_type} has a gated FFN and {t.name} an ungated one"
@@ -348,6 +357,25 @@ def _farr(f: Facts, path: str) -> str | None:
     return None
 
 
+def _slicegpt(f: Facts) -> str | None:
+    """SliceGPT writes the compressed family; LayerNorm decoders instead go through the RMS-decoder family
+    (centred, then one global PCA rotation and a narrower ``residual_size``)."""
+    if f.norm_kind != "layer" or not f.decoder:
+        return _compress(f)
+    r = _residual(f)
+    if r is None and "residual_size" not in RMS_DECODER.fields:
+        r = f"{RMS_DECODER.name} has no sliced residual stream"
+    return r
+
+
+def _tpa_key_rank(f: Facts) -> str | None:
+    """to-tpa below full key rank mixes the KV heads' key maps (a head-mode reduction)."""
+    if f.qk_norm:
+        return (f"{f.model_type} applies QK-norm {_qk_norm_text(f)}, which does not commute with mixing key heads "
+                "(reduce v_rank only, or keep k_rank = num_key_value_heads)")
+    return None
+
+
 def _compress(f: Facts) -> str | None:
     return _target_reason(f, COMPRESSED, needs_rotation=True)
 
@@ -363,10 +391,11 @@ _RULES: dict[str, Callable[[Facts], str | None]] = {
     "match": lambda f: None,              # at least VO rotations and FFN permutations everywhere
     "merge": lambda f: None,
     "compress": _compress,
-    "slicegpt": _compress,
+    "slicegpt": _slicegpt,
     "farr_vo": lambda f: _farr(f, "vo"),
     "farr_qk": lambda f: _farr(f, "qk"),
     "to_tpa": lambda f: _target_reason(f, TPA, needs_rotation=False),
+    "to_tpa_key_rank": _tpa_key_rank,
 }
 
 

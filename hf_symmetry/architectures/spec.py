@@ -69,6 +69,7 @@ class ArchSpec:
     placement: Placement
     final_norm: str | None                   # pre-LN families only
     lm_head: str | None                      # None: encoder without a head in the base model
+    lm_head_aliases: tuple[str, ...] = ()    # the head's name in checkpoints, where it differs (GPT-NeoX: embed_out)
     pos_embed: tuple[str, ...] = ()          # learned absolute position / token-type embeddings
     embed_norm: str | None = None            # BERT's embedding LayerNorm
     conv1d: bool = False                     # GPT-2 stores Linear weights as [in, out]
@@ -77,6 +78,7 @@ class ArchSpec:
     embed_scale: Literal["none", "sqrt_hidden"] = "none"  # Gemma multiplies embeddings by √hidden
     parallel_block: bool = False             # attention and FFN both read the layer input (GPT-J)
     parallel_attr: str | None = None         # config flag that switches the parallel block (GPT-NeoX)
+    rope_attr: str | None = None             # config flag that switches ``rope`` on (else no RoPE, e.g. learned positions)
     positions_from_mask: bool = False        # learned positions counted over the attention mask (OPT)
     # config attribute names (first one present wins)
     n_layers_attr: tuple[str, ...] = ("num_hidden_layers",)
@@ -93,6 +95,14 @@ class ArchSpec:
     @property
     def is_decoder(self) -> bool:
         return self.lm_head is not None
+
+    def rope_in(self, config) -> str:
+        """The RoPE layout of a checkpoint with ``config`` (dict or object): ``rope``, unless the
+        family switches it with ``rope_attr`` and this config does not."""
+        if self.rope == "none" or self.rope_attr is None:
+            return self.rope
+        on = config.get(self.rope_attr) if isinstance(config, dict) else getattr(config, self.rope_attr, None)
+        return self.rope if on else "none"
 
     @property
     def sandwich_norms(self) -> bool:
@@ -200,7 +210,8 @@ GPT_NEOX = ArchSpec(
     attn_norm=NormSpec("input_layernorm", ("attention.query_key_value",)),
     ffn_norm=NormSpec("post_attention_layernorm", ("mlp.dense_h_to_4h",)),
     norm_kind="layer", placement="pre", final_norm="gpt_neox.final_layer_norm", lm_head="lm_head",
-    rope="rotate_half", parallel_attr="use_parallel_residual", kv_heads_attr=(), eps_attr=("layer_norm_eps",))
+    rope="rotate_half", parallel_attr="use_parallel_residual", kv_heads_attr=(), eps_attr=("layer_norm_eps",),
+    lm_head_aliases=("embed_out",))
 
 BERT = ArchSpec(
     family="bert", model_types=("bert", "roberta"), layers="encoder.layer", embed="embeddings.word_embeddings",
@@ -213,15 +224,18 @@ BERT = ArchSpec(
     embed_norm="embeddings.LayerNorm", base_prefixes=("", "bert.", "roberta."),
     kv_heads_attr=(), eps_attr=("layer_norm_eps",))
 
-# A LayerNorm decoder (OPT, GPT-2) after mean-centring and residual rotation
-# (hf_symmetry.modeling.modeling_rms_decoder): its RMSNorms have no weight, so no norm tensors.
+# A LayerNorm decoder (OPT, GPT-2, GPT-NeoX) after mean-centring and residual rotation
+# (hf_symmetry.modeling.modeling_rms_decoder): its RMSNorms have no weight, so no norm tensors. Its
+# residual stream is ``residual_size`` wide (narrower than hidden_size after SliceGPT); ``rotary``
+# switches GPT-NeoX's rotary embeddings on (instead of learned positions), ``parallel_block`` its block.
 RMS_DECODER = ArchSpec(
     family="rms_decoder", model_types=("hf_symmetry_rms_decoder",), layers="model.layers", embed="model.embed_tokens",
     attention=_LLAMA_ATTN, ffn=FFNSpec(up="mlp.up_proj", down="mlp.down_proj"),
     attn_norm=NormSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ffn_norm=NormSpec("post_attention_layernorm", ("mlp.up_proj",)),
     norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", pos_embed=("model.embed_positions",),
-    kv_heads_attr=(), positions_from_mask=True)
+    kv_heads_attr=(), positions_from_mask=True, hidden_attr=("residual_size", "hidden_size"), rope="rotate_half",
+    rope_attr="rotary", parallel_attr="parallel_block")
 
 SPECS: tuple[ArchSpec, ...] = (LLAMA, QWEN2, QWEN3, SMOLLM3, GEMMA2, GEMMA3, PHI3, OLMO2, GPT2, OPT, GPTJ, GPT_NEOX,
                                BERT, RMS_DECODER)

@@ -432,6 +432,9 @@ class CalibrationRun:
             if self.original is not None:
                 self.original = Activations(oouts)
             self.next_layer = i + 1
+            # the caller's loop variable still holds this step while the next layer is built: let
+            # go of its layers, so one layer is in memory at a time
+            step.module = step.replacement = None
             del step, module, outs, oouts
 
     @torch.no_grad()

@@ -3,10 +3,13 @@ or SliceGPT, saved as a Hugging Face model that loads with ``trust_remote_code=T
 
 from __future__ import annotations
 
+import time
+
 from ..assets import resolve_model, resolve_text
-from ..evaluation.perplexity import PPL
-from ..conversion.compress import ALLOCATIONS, PRESETS, STAGES, STRUCTURES, CompressOptions, compress_checkpoint
-from .common import add_device_args, add_output_args, add_push_args, emit, push_if_requested
+from ..conversion.compress import (ALLOCATIONS, PRESETS, STAGES, STRUCTURES, CompressOptions, compress_checkpoint,
+                                   record_verification)
+from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit,
+                     push_if_requested, total_time_line, verify_and_record)
 
 
 def _blocks(text: str) -> tuple[int, int]:
@@ -21,8 +24,8 @@ def register(sub) -> None:
     p = sub.add_parser("compress", help="structured compression (Kronecker / GS / low rank) with orthogonal "
                                         "transforms, or SliceGPT", description=__doc__)
     p.add_argument("model", nargs="?", default="default",
-                   help="HF folder of a Llama-family model (llama, mistral, qwen2) or an embedded alias "
-                        "(default: SmolLM2-135M-Instruct)")
+                   help="HF folder of a Llama-family model (llama, mistral, qwen2, qwen3, phi3; with --structure "
+                        "slice also opt, gpt2, gpt_neox, gptj) or an embedded alias (default: SmolLM2-135M-Instruct)")
     p.add_argument("out", help="output folder")
     p.add_argument("--structure", choices=STRUCTURES, default=None,
                    help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
@@ -49,8 +52,11 @@ def register(sub) -> None:
     p.add_argument("--gs-blocks", metavar="KL,KR", help="GS tile grid of layer matrices (default: 4,4)")
     p.add_argument("--keep-embeddings", action="store_true", help="leave the embedding (and head) dense")
     p.add_argument("--compress-v", action="store_true", help="also compress v_proj (the paper keeps it dense)")
-    p.add_argument("--f-iters", type=int, default=20, help="stage F alternations (default: 20)")
-    p.add_argument("--w-iters", type=int, default=1, help="stage W alternations (default: 1, as in the paper)")
+    p.add_argument("--f-iters", type=int, default=20,
+                   help="stage F alternations at most (default: 20; --tol stops earlier)")
+    p.add_argument("--w-iters", type=int, default=50,
+                   help="stage W alternations at most (default: 50, a cap: --tol stops it, usually after 10-25; "
+                        "--w-iters 1 --tol 0 --no-extrapolate is the paper's single alternation)")
     p.add_argument("--sequential", action="store_true",
                    help="stage w (and slice): take each residual segment's statistics from the model whose "
                         "earlier segments are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass "
@@ -61,17 +67,19 @@ def register(sub) -> None:
     p.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
                    help="uniform: every compressed matrix of a kind at the same size; sensitivity: per-layer sizes "
                         "at the same total, from each layer's measured output error at several sizes on the "
-                        "calibration text (a knapsack over layers; a layer may stay dense) (default: uniform)")
-    p.add_argument("--tol", type=float, default=0.0,
-                   help="stage f/w: stop alternating once one alternation lowers the objective by less than this "
-                        "fraction (default 0: exactly --f-iters / --w-iters alternations)")
+                        "calibration text (a knapsack over layers; a layer may stay dense); for slice with one "
+                        "global PCA, per-segment residual widths (default: uniform)")
+    p.add_argument("--tol", type=float, default=1e-3,
+                   help="stage f/w stopping rule: stop alternating once one alternation lowers the objective by less "
+                        "than this fraction (default: 1e-3; 0: exactly --f-iters / --w-iters alternations)")
+    p.add_argument("--no-extrapolate", dest="extrapolate", action="store_false",
+                   help="stage w: no over-relaxation of the rotation between alternations (by default each "
+                        "alternation also tries a longer step along the last rotation change and keeps it only if "
+                        "the objective is lower; it reaches a lower objective in fewer alternations)")
     p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
-    p.add_argument("--eval-text", metavar="TEXT",
-                   help="held-out text for perplexity of the original and compressed model (e.g. britannica-eval)")
-    p.add_argument("--eval-tokens", type=int, default=PPL.tokens,
-                   help=f"evaluation tokens (default: {PPL.tokens}; sliding window {PPL.window}, stride {PPL.stride})")
     add_device_args(p)
+    add_verify_args(p, "the original (perplexity before and after)")
     add_output_args(p)
     add_push_args(p)
     p.set_defaults(func=run)
@@ -82,7 +90,8 @@ def options_from_args(args) -> CompressOptions:
         structure=args.structure, stage=args.stage, q_mode=args.q_mode,
         kron_factor=args.kron_factor, gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
         f_iters=args.f_iters, w_iters=args.w_iters, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len,
-        sequential=args.sequential, match_original=args.match_original, allocation=args.allocation, tol=args.tol)
+        sequential=args.sequential, match_original=args.match_original, allocation=args.allocation, tol=args.tol,
+        extrapolate=args.extrapolate)
     if args.keep_embeddings:
         chosen["compress_embeddings"] = False
     if args.compress_v:
@@ -101,13 +110,14 @@ def options_from_args(args) -> CompressOptions:
 def run(args) -> int:
     from ..devices import placement_from_args
 
+    start = time.perf_counter()
     options = options_from_args(args)
-    placement = placement_from_args(args)
+    placement = placement_from_args(args)   # an unusable device fails before any work
+    check_verify_args(args, args.model)
     src = resolve_model(args.model)
     calib = resolve_text(args.calib) if args.calib else None
-    eval_text = resolve_text(args.eval_text) if args.eval_text else None
     report = compress_checkpoint(src, args.out, options, calib, overwrite=args.overwrite, progress=not args.quiet,
-                                 eval_text=eval_text, eval_tokens=args.eval_tokens, placement=placement)
+                                 placement=placement)
     acc = report.accounting
     lines = [f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
              f"in {sum(report.seconds.values()):.1f} s",
@@ -116,11 +126,16 @@ def run(args) -> int:
              f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
              f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
              f"  report: {args.out}/compression_report.json"]
-    if report.perplexity:
-        pp = report.perplexity
-        lines.append(f"  perplexity on {pp['tokens']} tokens: original {pp['original']:.3f}, "
-                     f"compressed {pp['compressed']:.3f} (x{pp['compressed'] / pp['original']:.3f})")
+
+    def perplexities(v):
+        record_verification(args.out, report, options, v)
+        return {}, []
+
+    report_verification = verify_and_record(args, src, args.out, lines, ("original", "compressed"),
+                                            extra=perplexities)
     summary = report.as_dict()
+    summary["verification"] = report_verification
     summary["push"] = push_if_requested(args, args.out, lines)
+    lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0

@@ -18,6 +18,8 @@ from .common import add_output_args, emit
 
 
 def register(sub) -> None:
+    from ..evaluation.perplexity import PPL
+
     p = sub.add_parser("heal", help="recovery fine-tuning of a converted model by distillation (LoRA or full)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="CONVERTED", help="converted model folder (the student)")
@@ -54,10 +56,16 @@ def register(sub) -> None:
                                                     "under accelerate/torchrun each process uses its own device")
     p.add_argument("--teacher-device", default=None, help="run the teacher on another device (default: the student's)")
     p.add_argument("--save-adapter", action="store_true", help="also write the PEFT adapter alone to OUT/adapter/")
-    p.add_argument("--eval-text", action="append", default=None, metavar="TEXT",
+    # --text/--tokens are the training text and budget here, so the held-out text of the shared
+    # verification flags (commands/common.add_verify_args) is --eval-text; --ppl-tokens and --no-verify
+    # mean what they mean in every other command.
+    g = p.add_argument_group("held-out perplexity (teacher, before and after; --text is the training text here)")
+    g.add_argument("--eval-text", action="append", default=None, metavar="TEXT",
                    help="held-out text for perplexity before/after (default: britannica-eval); repeatable")
-    p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each --eval-text scored (default: 2048)")
-    p.add_argument("--no-verify", action="store_true", help="skip the before/after perplexity")
+    g.add_argument("--ppl-tokens", "--eval-tokens", dest="eval_tokens", type=int, default=PPL.tokens, metavar="N",
+                   help=f"tokens of each --eval-text scored, sliding window {PPL.window}, stride {PPL.stride} "
+                        f"(default: {PPL.tokens}; 0 skips)")
+    g.add_argument("--no-verify", action="store_true", help="skip the before/after perplexity")
     p.add_argument("--seed", type=int, default=0, help="seed of data order and adapter initialisation (default: 0)")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -73,7 +81,7 @@ def run(args) -> int:
                           teacher_cache=args.teacher_cache, cache_k=args.cache_k,
                           teacher_samples=args.teacher_samples, eval_steps=args.eval_steps,
                           save_steps=args.save_steps, seed=args.seed)
-    eval_texts = [] if args.no_verify else (args.eval_text or ["britannica-eval"])
+    eval_texts = [] if (args.no_verify or args.eval_tokens == 0) else (args.eval_text or ["britannica-eval"])
     r = heal_checkpoint(args.model, args.out, args.teacher, args.text, options, overwrite=args.overwrite,
                         resume=args.resume, progress=not args.quiet, device=args.device,
                         teacher_device=args.teacher_device, save_adapter=args.save_adapter,
@@ -82,7 +90,8 @@ def run(args) -> int:
         return 0
     lines = [f"heal {r.source} -> {r.output} ({r.model_type}, {r.mode}) in {r.seconds:.1f} s",
              f"  {r.steps} steps, {r.train_tokens:,} training tokens, {r.tokens_per_second:.0f} tokens/s "
-             f"({r.processes} process(es) on {r.device}); {r.trainable_params:,} trainable parameters"]
+             f"({r.processes} process(es) on {r.device}; training took {r.train_cpu_seconds:.0f} CPU-s on the "
+             f"main process); {r.trainable_params:,} trainable parameters"]
     if r.resumed_from:
         lines.append(f"  resumed from {r.resumed_from}")
     if r.heldout_kl_before is not None:

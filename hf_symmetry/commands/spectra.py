@@ -10,7 +10,7 @@ import torch
 
 from ..assets import MODEL_ALIASES, resolve_model, resolve_text
 from ..checkpoint import CheckpointReader, atomic_output_dir, check_output_dir
-from ..conversion.farr import calibration_moments, spectra_report
+from ..conversion.farr import calibration_tokens, spectra_report
 from ..evaluation.compare import load_model, load_tokenizer, write_json
 from ..evaluation.fused_check import check_fused_layout
 from ..evaluation.perplexity import read_text, tokenize_text
@@ -56,11 +56,11 @@ def run(args) -> int:
     calib_text = resolve_text(args.calibrate) if args.calibrate is not None else None
     reader = CheckpointReader(src)
     name = str(args.model) if str(args.model) in MODEL_ALIASES else src.name
-    moments = calibration = None
+    ids = calibration = None
     if calib_text is not None:
-        moments, calibration = calibration_moments(src, calib_text, args.calib_tokens, placement,
-                                                   progress=not args.quiet)
-    report = spectra_report(reader, reader.config, taus, name=name, progress=not args.quiet, moments=moments)
+        ids, calibration = calibration_tokens(src, calib_text, args.calib_tokens)
+    report = spectra_report(reader, reader.config, taus, name=name, progress=not args.quiet, calib_ids=ids,
+                            placement=placement)
     report["model"], report["calibration"] = str(src), calibration
     if not args.no_layout_check:
         report["layout_check"] = _layout_check(src, args.text, args.check_tokens, progress=not args.quiet)

@@ -1,4 +1,5 @@
-"""``hf-symmetry to-tpa [MODEL] OUT``: convert a Llama/Mistral/Qwen2 checkpoint into a Tensor Product
+"""``hf-symmetry to-tpa [MODEL] OUT``: convert a Llama-family checkpoint (Llama, Mistral without sliding
+windows, Qwen2, Qwen3, Phi-3/Phi-4; ``hf-symmetry families`` says why any other is refused) into a Tensor Product
 Attention (T6-style, TPA-KV-only, non-contextual A) model. Exact at full rank (the default,
 ``--k-rank = --v-rank = number of KV heads``); below it the KV-head mode is reduced by a head-mode SVD,
 optionally fitted to the attention inputs of a calibration text (``--calib``)."""
@@ -13,7 +14,7 @@ from .common import (add_device_args, add_output_args, add_push_args, add_verify
 
 
 def register(sub) -> None:
-    p = sub.add_parser("to-tpa", help="convert a Llama/Mistral/Qwen2 checkpoint to Tensor Product Attention",
+    p = sub.add_parser("to-tpa", help="convert a Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint to Tensor Product Attention",
                        description=__doc__)
     p.add_argument("model", nargs="?", default="default",
                    help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)")

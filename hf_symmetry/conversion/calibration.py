@@ -82,12 +82,42 @@ def _available_memory() -> dict:
     return budget
 
 
-def fisher_model(config: dict, state_dict: Tensors, dtype: torch.dtype = torch.float32, placement=None):
+class FisherMemoryError(MemoryError, ValueError):
+    """Fisher merging's backward pass does not fit in the memory there is (refused before any work)."""
+
+
+def _fisher_budget(placement=None) -> dict:
+    budget = _available_memory()
+    if placement is not None and placement.device.type == "cpu":
+        budget = {"cpu": budget.get("cpu", 0)}
+    return budget
+
+
+def check_fisher_memory(shapes: dict[str, tuple], dtype: torch.dtype = torch.float32, placement=None) -> None:
+    """Refuse, with one line, a Fisher merge whose backward pass cannot fit: the model's weights,
+    their gradients and the float32 Fisher (``shapes``: the checkpoint's tensor shapes) against
+    the free memory of the visible GPUs and the host (the CPU only with ``--device cpu``)."""
+    import math
+
+    params = sum(math.prod(s) for k, s in shapes.items() if not k.endswith(("position_ids", "token_type_ids")))
+    element = torch.empty((), dtype=dtype).element_size()
+    needed = params * (2 * element + 4)       # weights, gradients, float32 Fisher
+    budget = _fisher_budget(placement)
+    if needed > sum(budget.values()):
+        raise FisherMemoryError(
+            f"Fisher merging needs about {needed / 1e9:.1f} GB (weights, gradients and the Fisher of "
+            f"{params / 1e6:.0f} M parameters: its backward pass needs the whole model) but only "
+            f"{sum(budget.values()) / 1e9:.1f} GB is free on the GPUs and the host; use regmean "
+            "(calibrated layer by layer) or a larger machine")
+
+
+def fisher_model(config: dict, state_dict, dtype: torch.dtype = torch.float32, placement=None):
     """The model a Fisher pass runs on, placed by accelerate's big-model machinery: built empty,
     given a device map over the visible GPUs and the host (``infer_auto_device_map``; no disk: a
     backward pass needs every weight and its gradient in memory) and dispatched. A model whose
     weights, gradients and Fisher accumulators do not fit in the memory there is is refused with
-    one clear error before anything is loaded, instead of failing out of memory half-way."""
+    one clear error (:class:`FisherMemoryError`) before anything is loaded, instead of failing out
+    of memory half-way. ``state_dict``: any mapping (``in`` and ``[]``), read one tensor at a time."""
     import hf_symmetry  # noqa: F401
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
@@ -97,22 +127,14 @@ def fisher_model(config: dict, state_dict: Tensors, dtype: torch.dtype = torch.f
     cfg = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "transformers_version"})
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    element = torch.empty((), dtype=dtype).element_size()
-    params = sum(p.numel() for p in model.parameters())
-    needed = params * (2 * element + 4)       # weights, gradients, float32 Fisher
-    budget = _available_memory()
-    if placement is not None and placement.device.type == "cpu":
-        budget = {"cpu": budget.get("cpu", 0)}
-    if needed > sum(budget.values()):
-        raise MemoryError(f"Fisher merging needs about {needed / 1e9:.1f} GB (weights, gradients and the Fisher of "
-                          f"{params / 1e6:.0f} M parameters) but only {sum(budget.values()) / 1e9:.1f} GB is free "
-                          "on the GPUs and the host; use regmean (calibrated layer by layer) or a larger machine")
+    check_fisher_memory({n: tuple(p.shape) for n, p in model.named_parameters()}, dtype, placement)
+    budget = _fisher_budget(placement)
     # a third of each budget for the weights: gradients and the Fisher take the rest
     device_map = infer_auto_device_map(model, max_memory={k: v // 3 for k, v in budget.items()},
                                        no_split_module_classes=getattr(model, "_no_split_modules", None), dtype=dtype)
     if "disk" in device_map.values():
-        raise MemoryError("Fisher merging cannot offload weights to disk (the backward pass needs them all); "
-                          "use regmean or a machine with more memory")
+        raise FisherMemoryError("Fisher merging cannot offload weights to disk (the backward pass needs them all); "
+                                "use regmean or a machine with more memory")
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
     names = dict(model.named_parameters())
     for name in names:

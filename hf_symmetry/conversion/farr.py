@@ -16,7 +16,11 @@ Beyond the seed: the data-free Frobenius metric ignores which input directions r
 use, and on SmolLM2 its smallest fused directions turn out to matter (see BENCHMARKS.md). With
 calibration (:func:`attention_input_moments`), each map is measured by its output energy on the
 model's own attention inputs (:class:`fused.InputWeights`) and truncated in that metric: same
-architecture and parameter count, far smaller loss.
+architecture and parameter count, far smaller loss. Calibrated, the first pass is the layer-wise
+calibration engine's (:func:`calibrated_analysis`): each layer's input moments become its metric
+(eigendecomposition on ``--device``) and its spectra as the engine reaches it; the metrics wait
+for the second pass in files next to the output (:class:`LayerWeights`), so host memory is one
+layer's worth whatever the depth.
 """
 
 from __future__ import annotations
@@ -188,21 +192,134 @@ _PATH_TENSORS = {"vo": ("v.weight", "v.bias", "o.weight", "o.bias"), "qk": ("q.w
 
 
 def analyze(source: TensorSource, adapter: Adapter, paths: tuple[str, ...], detail: bool = False,
-            progress: bool = True, weights: dict[int, fused.InputWeights] | None = None) -> list[LayerAnalysis]:
-    """Spectra of every layer's fused maps, one layer in memory at a time. With ``weights``
-    (calibration), the maps are measured on the module's actual input, so γ is not folded."""
+            progress: bool = True, weights=None, device: torch.device | str = "cpu") -> list[LayerAnalysis]:
+    """Spectra of every layer's fused maps, one layer in memory at a time (SVDs on ``device``). With
+    ``weights`` (calibration; ``weights[i]`` is layer i's :class:`fused.InputWeights`), the maps are
+    measured on the module's actual input, so γ is not folded."""
     _, per_layer, _ = partition_keys(adapter, source.keys())
+    return [analyze_layer(i, adapter.read_layer(i, source.get(per_layer[i])), adapter, paths, detail,
+                          _weights_to(weights[i], device) if weights else None, device)
+            for i in tqdm(range(adapter.n_layers), desc="fused spectra", disable=not progress, unit="layer")]
+
+
+def analyze_layer(i: int, layer: Tensors, adapter: Adapter, paths: tuple[str, ...], detail: bool = False,
+                  w: fused.InputWeights | None = None, device: torch.device | str = "cpu") -> LayerAnalysis:
+    """Spectra of layer ``i``'s fused maps (canonical tensors), computed on ``device`` (with ``w`` there
+    too), returned on the CPU."""
+    layer = prepare_layer(layer, adapter) if w is None else layer
+    touchable = {p: sum(layer[k].numel() for k in _PATH_TENSORS[p] if k in layer) for p in paths}
+    layer = {k: v.to(device) for k, v in layer.items()}
+    layout = adapter.layer_layout(i)
+    here = [p for p in paths if p == "vo" or _qk_fusable(layout)]
+    spectra = {p: [_spectrum_to_cpu(g) for g in fused.group_spectra(layer, layout, p, detail, w)] for p in here}
+    return LayerAnalysis(i, spectra, {p: touchable[p] for p in here})
+
+
+def _spectrum_to_cpu(g: fused.GroupSpectrum) -> fused.GroupSpectrum:
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return dataclasses.replace(g, S=cpu(g.S), factor_S=None if g.factor_S is None else tuple(map(cpu, g.factor_S)),
+                               head_S=None if g.head_S is None else [cpu(t) for t in g.head_S])
+
+
+# ---------------------------------------------------------------------- calibrated analysis
+class LayerWeights:
+    """Each layer's activation-aware metric (:class:`fused.InputWeights`), from the calibration pass
+    to the reduction pass: in safetensors files in ``folder`` (one layer in memory at a time), or
+    in memory when ``folder`` is None (the in-memory API). ``weights[i]`` reads layer i's."""
+    _FIELDS = ("root", "inv_root", "root_aug", "inv_root_aug")
+
+    def __init__(self, folder: str | Path | None = None):
+        self.folder = None if folder is None else Path(folder)
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        self._memory: dict[int, fused.InputWeights] = {}
+        self._layers: set[int] = set()
+
+    def _file(self, i: int) -> Path:
+        return self.folder / f"layer-{i:05d}.safetensors"
+
+    def put(self, i: int, w: fused.InputWeights) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f: getattr(w, f).cpu().contiguous() for f in self._FIELDS if getattr(w, f) is not None}
+        if self.folder is None:
+            self._memory[i] = fused.InputWeights(**{f: tensors.get(f) for f in self._FIELDS})
+        else:
+            save_file(tensors, self._file(i))
+        self._layers.add(i)
+
+    def __getitem__(self, i: int) -> fused.InputWeights:
+        if self.folder is None:
+            return self._memory[i]
+        from safetensors.torch import load_file
+
+        tensors = load_file(self._file(i))
+        return fused.InputWeights(**{f: tensors.get(f) for f in self._FIELDS})
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def close(self) -> None:
+        """Delete the files (the folder)."""
+        self._memory.clear()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _weights_to(w: fused.InputWeights, device) -> fused.InputWeights:
+    return fused.InputWeights(*(None if t is None else t.to(device) for t in (w.root, w.inv_root, w.root_aug,
+                                                                              w.inv_root_aug)))
+
+
+def calibrated_analysis(model, ids: torch.Tensor, paths: tuple[str, ...], placement=None, progress: bool = False,
+                        config: dict | None = None, detail: bool = False, store: LayerWeights | None = None,
+                        window: int = 512) -> list[LayerAnalysis]:
+    """The calibrated first pass, in one run of the layer-wise calibration engine: per layer, the
+    attention input's moments ``E[x xᵀ]``, ``E[x]`` over ``ids`` (windows of ``window`` tokens)
+    become its :class:`fused.InputWeights` (eigendecompositions in float64 on ``placement``'s
+    device), then that layer's fused spectra; with ``store`` the weights are kept there for the
+    reduction pass. Nothing but the spectra outlives a layer.
+
+    ``model``: an HF model folder, a tensor source with its ``config``, or an in-memory model."""
+    from ..calibration import StatsRequest, calibration_batches
+    from ..devices import linalg_device
+
+    engine = _engine(model, config, placement, progress)
+    device = linalg_device(engine.placement)
+    engine.stats_device = device
+    adapter = engine.adapter
+    _, per_layer, _ = partition_keys(adapter, engine.keys)
+    window = min(window, engine.config.get("max_position_embeddings") or window)
+    run = engine.start(calibration_batches(ids, window))
+    a = adapter.spec.attention
+    modules = tuple(f"{m}." for m in (a.q, a.k, a.v, a.o, a.qkv) if m)
+    shapes = engine.source.shapes()
     out = []
-    for i in tqdm(range(adapter.n_layers), desc="fused spectra", disable=not progress, unit="layer"):
-        layer = adapter.read_layer(i, source.get(per_layer[i]))
-        w = weights[i] if weights else None
-        layer = prepare_layer(layer, adapter) if w is None else layer
-        layout = adapter.layer_layout(i)
-        here = [p for p in paths if p == "vo" or _qk_fusable(layout)]
-        out.append(LayerAnalysis(
-            i, {p: fused.group_spectra(layer, layout, p, detail, w) for p in here},
-            {p: sum(layer[k].numel() for k in _PATH_TENSORS[p] if k in layer) for p in here}))
+    for step in run.layers(StatsRequest(grams=("v_in",), sums=("v_in",))):
+        w = fused.InputWeights.from_moments(step.stats.second_moment("v_in"), step.stats.mean("v_in"),
+                                            augmented="qk" in paths)
+        # only the attention's tensors are read (the rest of the layer stands in on the meta device)
+        prefix = adapter.layer_prefix(step.index)
+        keys = [k for k in per_layer[step.index] if k.removeprefix(prefix).startswith(modules)]
+        raw = {**{k: torch.empty(shapes[k], device="meta") for k in per_layer[step.index] if k not in keys},
+               **engine.source.get(keys)}
+        layer = {k: t for k, t in adapter.read_layer(step.index, raw).items()
+                 if k.split(".")[0] in ("q", "k", "v", "o")}
+        del raw
+        out.append(analyze_layer(step.index, layer, adapter, paths, detail, w, device))
+        if store is not None:
+            store.put(step.index, w)
+        del w, layer, step
     return out
+
+
+def _engine(model, config, placement, progress):
+    from ..calibration import CalibrationEngine
+
+    if isinstance(model, (str, Path)) or config is not None:
+        return CalibrationEngine(model, config, placement=placement, progress=progress)
+    return CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
+                             progress=progress)
 
 
 # ---------------------------------------------------------------------- rank selection
@@ -329,24 +446,37 @@ def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: 
 
 
 def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progress: bool,
-          moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+          moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, weights: LayerWeights | None = None,
+          analysis: list[LayerAnalysis] | None = None, device: torch.device | str = "cpu"):
+    """The two passes. Calibrated: either ``moments`` (per layer ``(E[xxᵀ], E[x])``; the metrics are
+    computed here and kept in memory) or ``weights`` with the ``analysis`` of
+    :func:`calibrated_analysis`. The truncations run on ``device``."""
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
     target = farr_target(adapter, config, keys, options)
-    weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
-    analysis = analyze(source, adapter, options.paths, progress=progress, weights=weights)
+    if moments:
+        weights = LayerWeights()
+        for i, m in moments.items():
+            weights.put(i, fused.InputWeights.from_moments(*(t.to(device) for t in m), augmented=options.qk))
+    if analysis is None:
+        analysis = analyze(source, adapter, options.paths, progress=progress, weights=weights, device=device)
     plan = plan_ranks(analysis, options, target)
     kept: dict[str, list[list[float]]] = {p: [] for p in options.paths}
 
     def layer_fn(i: int, layer: Tensors) -> Tensors:
-        new, k = reduce_layer(layer, adapter, target, options, {p: plan.ranks[p][i] for p in options.paths},
-                              weights[i] if weights else None, adapter.layer_layout(i))
+        w = _weights_to(weights[i], device) if weights else None
+        new, k = reduce_layer({n: t.to(device) for n, t in layer.items()}, adapter, target, options,
+                              {p: plan.ranks[p][i] for p in options.paths}, w, adapter.layer_layout(i))
         for p, v in k.items():
             kept[p].append(v)
-        return new
+        return {n: t.cpu() for n, t in new.items()}
 
+    # the globals pass through unchanged, one tensor at a time (vocabulary-sized: no copy of them is made)
+    for key in adapter.global_keys(keys):
+        sink.add(source.get([key]))
     # the stream drops the biases reduce_layer folded away: modelled keys absent from the result
-    transform_checkpoint(source, adapter, sink, layer_fn, globals_fn=lambda g: g, progress=progress, desc="farr")
+    transform_checkpoint(_WithoutGlobals(source, adapter), adapter, sink, layer_fn, globals_fn=lambda g: g,
+                         progress=progress, desc="farr")
     farr_config = target.make_config(plan.ranks.get("vo"), plan.ranks.get("qk"))
     report = FarrReport(source="", output=None, model_type=farr_config.model_type,
                         options=dataclasses.asdict(options), head_dim=adapter.layout.head_dim,
@@ -355,6 +485,21 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
                         touchable_params_after=plan.touchable_after)
     report.notes += _qk_notes(adapter, options)
     return farr_config, report, analysis
+
+
+class _WithoutGlobals:
+    """A tensor source without its global (embedding, final norm, head) tensors."""
+
+    def __init__(self, source: TensorSource, adapter: Adapter):
+        self.source = source
+        hidden = set(adapter.global_keys(source.keys()))
+        self._keys = [k for k in source.keys() if k not in hidden]
+
+    def keys(self) -> list[str]:
+        return self._keys
+
+    def get(self, names: list[str]) -> Tensors:
+        return self.source.get(names)
 
 
 def _qk_notes(adapter: Adapter, options: FarrOptions) -> list[str]:
@@ -428,14 +573,9 @@ def attention_input_moments(model, ids: torch.Tensor, window: int = 512, placeme
     ``model``: an HF model folder (the calibration engine reads one layer at a time; the model is
     never loaded whole), a tensor source with its ``config``, or an in-memory model.
     ``placement``: device and calibration dtype (:func:`hf_symmetry.devices.resolve`)."""
-    from ..calibration import CalibrationEngine, StatsRequest, calibration_batches
-    from .stream import DictSource
+    from ..calibration import StatsRequest, calibration_batches
 
-    if isinstance(model, (str, Path)) or config is not None:
-        engine = CalibrationEngine(model, config, placement=placement, progress=progress)
-    else:
-        engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
-                                   progress=progress)
+    engine = _engine(model, config, placement, progress)
     window = min(window, engine.config.get("max_position_embeddings") or window)
     result = engine.collect(calibration_batches(ids, window), StatsRequest(grams=("v_in",), sums=("v_in",)))
     return {i: (s.second_moment("v_in"), s.mean("v_in")) for i, s in enumerate(result.layers)}
@@ -467,18 +607,28 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
     """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
     ``calib_text`` the layer-wise calibration engine measures the attention inputs on the first
     ``calib_tokens`` tokens (activation-aware metric) on ``placement``
-    (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too."""
+    (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too,
+    and its SVDs and eigendecompositions run on that device."""
+    from ..devices import linalg_device
+
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
     farr_target(Adapter.from_config(reader.config, reader.keys()), reader.config, reader.keys(), options)
-    moments, calibration = None, None
+    ids, calibration = None, None
     if calib_text is not None:
-        moments, calibration = calibration_moments(src, calib_text, calib_tokens, placement, progress)
+        ids, calibration = calibration_tokens(src, calib_text, calib_tokens)
     with atomic_output_dir(out, overwrite) as tmp:
+        weights = analysis = None
+        if ids is not None:   # the metrics wait for the reduction pass in the (hidden) output folder
+            weights = LayerWeights(tmp / ".farr-input-weights")
+            analysis = calibrated_analysis(src, ids, options.paths, placement, progress, store=weights)
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
         counter = _CountingSink(writer)
-        farr_config, report, analysis = _farr(reader, reader.config, options, counter, progress, moments)
+        farr_config, report, analysis = _farr(reader, reader.config, options, counter, progress, weights=weights,
+                                              analysis=analysis, device=linalg_device(placement))
+        if weights is not None:
+            weights.close()
         report.calibration = calibration
         writer.close()
         farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
@@ -542,10 +692,10 @@ def farr_card_data(src, out, report: FarrReport, plots: list | None = None) -> d
                       "calibration": report.calibration, "original_head_dim": report.head_dim}}
 
 
-def calibration_moments(src, text, tokens: int, placement=None, progress: bool = False) -> tuple[dict, dict]:
-    """Attention-input moments of the model folder ``src`` on the first ``tokens`` tokens of ``text``
-    (layer by layer, on ``placement``), and a record of what was used."""
-    from ..assets import resolve_model, resolve_text
+def calibration_tokens(src, text, tokens: int) -> tuple[torch.Tensor, dict]:
+    """The first ``tokens`` token ids of ``text`` in the tokenizer of the model folder ``src``, and a
+    record of what was used."""
+    from ..assets import resolve_text
     from ..calibration import calibration_ids
     from ..evaluation.compare import load_tokenizer
 
@@ -553,8 +703,7 @@ def calibration_moments(src, text, tokens: int, placement=None, progress: bool =
         raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
     path = resolve_text(text)
     ids = calibration_ids(load_tokenizer(src), path, tokens)
-    return (attention_input_moments(resolve_model(src), ids, placement=placement, progress=progress),
-            {"text": str(path), "tokens": int(ids.numel())})
+    return ids, {"text": str(path), "tokens": int(ids.numel())}
 
 
 class _CountingSink:
@@ -592,11 +741,13 @@ def _group_entry(g: fused.GroupSpectrum, taus: list[float], gqa: bool) -> dict:
 
 
 def spectra_report(source: TensorSource, config: dict, taus: list[float], name: str = "", progress: bool = True,
-                   moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
+                   moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                   calib_ids: torch.Tensor | None = None, placement=None) -> dict:
     """Per layer and KV group (head, without GQA): singular values of the fused value map and, where
     exact, of the fused score map; effective rank at each τ, stable rank, alignment, and the
     factors' own effective ranks. With a summary of what ``farr --tau`` would keep. ``moments``
-    (from :func:`attention_input_moments`) measures the maps in the activation-aware metric."""
+    (from :func:`attention_input_moments`) or ``calib_ids`` (measured layer by layer by
+    :func:`calibrated_analysis` on ``placement``) measure the maps in the activation-aware metric."""
     taus = [fused.check_tau(t) for t in taus]
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
@@ -604,14 +755,18 @@ def spectra_report(source: TensorSource, config: dict, taus: list[float], name: 
     fusable = qk_layers(adapter)
     qk_reason = None if fusable else fused.qk_fusion_blocker(L)
     paths = ("vo", "qk") if fusable else ("vo",)
-    weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
-    analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
+    if calib_ids is not None:
+        analysis = calibrated_analysis(source, calib_ids, paths, placement, progress, config=config, detail=True)
+    else:
+        weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
+        analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
+    calibrated = moments is not None or calib_ids is not None
     plotted = _analysis_report(analysis, adapter, taus, name)
     report = {
         "model_name": name, "model_type": config.get("model_type"), "family": adapter.family,
         "layout": plotted["layout"],
-        "paths": list(paths), "taus": taus, "norms_folded": adapter.spec.placement == "pre" and not moments,
-        "metric": "activation-aware" if moments else "data-free (Frobenius)",
+        "paths": list(paths), "taus": taus, "norms_folded": adapter.spec.placement == "pre" and not calibrated,
+        "metric": "activation-aware" if calibrated else "data-free (Frobenius)",
         "qk": {"available": qk_reason is None, "reason": qk_reason, "layers": fusable,
                "dims": ("non-rotary dims only" if any(adapter.layer_layout(i).rotary_dim for i in fusable)
                         else "all head dims")},

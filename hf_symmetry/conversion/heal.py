@@ -121,6 +121,7 @@ class HealReport:
     teacher_samples: int = 0
     device: str = "cpu"
     processes: int = 1
+    train_cpu_seconds: float = 0.0              # CPU seconds of the training steps on the main process
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -232,6 +233,8 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     eval_texts = list(eval_texts or [])
     for t in eval_texts:
         resolve_text(t)
+    if eval_texts and eval_tokens < 2:
+        raise ValueError(f"--ppl-tokens must be 0 (skip) or at least 2, got {eval_tokens}")
     dev = resolve_device(device)
     tdev = resolve_device(teacher_device) if teacher_device else None
     tok = load_tokenizer(src)
@@ -320,7 +323,7 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
                         steps=result.global_step, train_tokens=result.train_tokens,
                         tokens_per_second=result.tokens_per_second, seconds=0.0, resumed_from=result.resumed_from,
                         final_train_loss=_last_loss(result.log_history), teacher_samples=options.teacher_samples,
-                        device=str(dev), processes=world_size())
+                        device=str(dev), processes=world_size(), train_cpu_seconds=result.cpu_seconds)
     if not main:
         return report
     _write_output(trained, tok, src, tea, out, overwrite, report, save_adapter, options, plan)

@@ -9,17 +9,21 @@ Pipeline (docs/math.md §2):
    (:mod:`hf_symmetry.conversion.match`);
 3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge_methods`).
 
-Weight-only methods (average, task arithmetic, TIES) stream layer by layer: each layer of every
-input is read, matched and merged before the next one is read. Data-dependent methods hold the
-inputs in memory: Fisher is computed on the *matched* models (a diagonal Fisher does not
-transform under rotations), RegMean's Gram matrices on the inputs as given and carried exactly
-through the match (``RᵀGR``, ``PᵀGP``; :meth:`MatchSolution.transform_grams`).
+Weight-only methods (average, task arithmetic, TIES) and RegMean stream layer by layer: each
+layer of every input is read, matched and merged before the next one is read. RegMean's Gram
+matrices are collected inside that pass (:class:`LayerGrams`: one calibration run per input,
+advanced one decoder layer at a time, so host memory holds one layer's Grams whatever the depth),
+on the inputs as given, and carried exactly through the match (``RᵀGR``, ``PᵀGP``;
+:meth:`MatchSolution.transform_grams`); the globals (LM head: the Gram of the final norm's output)
+are merged after the last layer. Fisher needs a full backward pass, so it holds each *matched*
+model (a diagonal Fisher does not transform under rotations) placed by accelerate
+(:func:`hf_symmetry.conversion.calibration.fisher_model`).
 """
 
 from __future__ import annotations
 
 import json
-
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +37,8 @@ from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, ch
                           parse_size, write_config)
 from ..hub.cards import hub_id_of, public_model_labels, public_text_label, update_card, write_card
 from ..calibration import calibration_batches
-from .calibration import fisher_diagonal, fisher_model, gram_matrices
+from ..devices import linalg_device
+from .calibration import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
 from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
                     vocabulary_fingerprint, with_lm_head)
 from .merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
@@ -46,6 +51,7 @@ Tensors = dict[str, torch.Tensor]
 # Canonical linear weight -> the Gram of its input (RegMean).
 _GRAM_OF = {"q.weight": "attn_in", "k.weight": "attn_in", "v.weight": "attn_in", "o.weight": "o_in",
             "gate.weight": "ffn_in", "up.weight": "ffn_in", "down.weight": "down_in"}
+_GRAM_SITES = ("attn_in", "o_in", "ffn_in", "down_in")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -55,15 +61,17 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 @dataclass
 class MergeRule:
     """One merge method applied to canonical tensors. Participants are the merged models, then
-    the base (``has_base``). ``fishers`` (per model, keyed like the state dict) and ``grams`` (per
-    model, canonical keys) must already be in the anchor's frame."""
+    the base (``has_base``). ``fishers`` (per model, tensor sources keyed like the state dict) and
+    ``grams`` (per model, canonical keys) must already be in the anchor's frame."""
     method: str
     params: dict
     entries: list[ModelEntry]
     has_base: bool
     adapter: Adapter
-    fishers: list[Tensors] | None = None
+    fishers: list[TensorSource] | None = None
     grams: list[Tensors] | None = None
+    device: torch.device = torch.device("cpu")    # where RegMean's solves run (results come back to the CPU)
+    _parts: list | None = field(default=None, repr=False)   # the Fisher sources' keys per layer
 
     @property
     def weights(self) -> list[float]:
@@ -90,25 +98,33 @@ class MergeRule:
             tensors = [p[key] for p in parts]
             gkey = gram_key(key)
             if self.method == "regmean" and gkey is not None:
-                grams = [g[gkey] for g in self.grams]
+                grams = [g[gkey].to(self.device) for g in self.grams]
                 n = len(self.entries)
                 try:
-                    out[key] = regmean(tensors[:n], grams, self.weights, self.params["alpha"])
+                    out[key] = regmean([t.to(self.device) for t in tensors[:n]], grams, self.weights,
+                                       self.params["alpha"]).cpu()
                 except ValueError as exc:
                     raise ValueError(f"{gkey}: {exc}") from None
             else:
                 out[key] = self.combine(tensors, [f[key] for f in fishers] if fishers else None)
         return out
 
+    def _fisher_parts(self) -> list:
+        if self._parts is None:
+            self._parts = [partition_keys(self.adapter, f.keys()) for f in self.fishers]
+        return self._parts
+
     def layer(self, i: int, layers: list[Tensors]) -> Tensors:
-        fishers = [self.adapter.read_layer(i, f) for f in self.fishers] if self.method == "fisher" else None
+        fishers = None
+        if self.method == "fisher":
+            fishers = [self.adapter.read_layer(i, f.get(part[1][i])) for f, part in zip(self.fishers, self._fisher_parts())]
         return self._merge_dict(layers, fishers,
                                 lambda key: f"layers.{i}.{_GRAM_OF[key]}" if key in _GRAM_OF else None)
 
     def globals(self, gs: list[Tensors]) -> Tensors:
         fishers = None
         if self.method == "fisher":
-            fishers = [self.adapter.read_globals(f) for f in self.fishers]
+            fishers = [self.adapter.read_globals(f.get(part[0])) for f, part in zip(self.fishers, self._fisher_parts())]
             if "lm_head.weight" in gs[0]:
                 fishers = [with_lm_head(f, self.adapter) for f in fishers]
         return self._merge_dict(gs, fishers, lambda key: "head_in" if key == "lm_head.weight" else None)
@@ -122,7 +138,7 @@ class MergeRule:
             return tensors[0]
         fishers = None
         if self.method == "fisher":
-            found = [f.get(key) for f in self.fishers]
+            found = [f.get([key])[key] if key in set(f.keys()) else None for f in self.fishers]
             fishers = found if all(f is not None for f in found) else [torch.ones_like(t) for t in tensors[:len(found)]]
         return self.combine(tensors, fishers).to(tensors[0].dtype)
 
@@ -178,9 +194,12 @@ def choose_anchor(sources: list[TensorSource], names: list[str], adapter: Adapte
 
 
 def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule, sink, anchor: int,
-                  plan: MatchPlan | None, tied_output: bool, progress: bool = True) -> list[PairMatcher] | None:
+                  plan: MatchPlan | None, tied_output: bool, progress: bool = True,
+                  layer_grams: "LayerGrams | None" = None) -> list[PairMatcher] | None:
     """Stream every participant layer by layer, matched to ``sources[anchor]`` when ``plan`` is
-    given, merged by ``rule`` into ``sink``. Returns the matchers (solutions and distances)."""
+    given, merged by ``rule`` into ``sink``. ``layer_grams`` (RegMean): the Gram matrices of each
+    layer are collected as the layer comes (and the globals merged last). Returns the matchers
+    (solutions and distances)."""
     matchers = None
     if plan is not None:
         matchers = [PairMatcher(adapter, plan, identity=(j == anchor)) for j in range(len(sources))]
@@ -192,62 +211,157 @@ def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule
             gs = [m.match_globals(gs[anchor], g) for m, g in zip(matchers, gs)]
         gs = [{k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
               for g in gs]
+        if layer_grams is not None:   # after the last layer (match_globals has recorded the final norm)
+            rule.grams = layer_grams.final(matchers, head=not tied_output)
         return rule.globals(gs)
 
     def layer_fn(i: int, layers: list[Tensors]) -> Tensors:
         if matchers:
             layers = [m.match_layer(i, layers[anchor], layer) for m, layer in zip(matchers, layers)]
+        if layer_grams is not None:   # this layer's Grams, in the anchor's frame (match_layer has solved it)
+            rule.grams = layer_grams.layer(i, matchers)
         return rule.layer(i, layers)
 
     combine_checkpoints(sources, adapter, sink, layer_fn, globals_fn, rule.rest, like=anchor, progress=progress,
-                        desc=f"{'match + ' if plan else ''}{rule.method}")
+                        desc=f"{'match + ' if plan else ''}{rule.method}", globals_last=layer_grams is not None)
+    if layer_grams is not None:
+        rule.grams = None
     return matchers
 
 
-def _matched_in_memory(sources: list[TensorSource], adapter: Adapter, plan: MatchPlan | None, anchor: int,
-                       progress: bool) -> tuple[list[Tensors], list]:
-    """Every participant moved into the anchor's frame, in memory, with its match solution."""
+class LayerGrams:
+    """RegMean's statistics inside the merge pass: one layer-wise calibration run
+    (:mod:`hf_symmetry.calibration`) per merged input, on the input as given, advanced one decoder
+    layer at a time as the merge reaches it. :meth:`layer` returns layer ``i``'s Gram matrices
+    ``Σ xᵀx`` of every linear input (keys ``layers.{i}.{attn_in,o_in,ffn_in,down_in}``) for each
+    input, carried into the anchor's frame by its match solution; :meth:`final` the LM head's
+    (``head_in``) after the last layer. Memory: each input's calibration activations and one
+    layer (module and Grams) per input, whatever the depth.
+
+    ``placement``: device and calibration dtype of the runs (default: CPU, float64 for float64
+    weights, else float32); the Grams accumulate in float64 on its linear-algebra device."""
+
+    def __init__(self, sources: list[TensorSource], configs: list[dict], batches: list[torch.Tensor],
+                 placement=None, progress: bool = True):
+        from ..calibration import CalibrationEngine, StatsRequest
+        from ..devices import resolve
+
+        self.device = linalg_device(placement)
+        self.runs, self.steps, self.heads = [], [], []
+        for j, (source, config) in enumerate(zip(sources, configs)):
+            engine = CalibrationEngine(source, config, placement=placement or resolve("cpu", statistics_dtype(source)),
+                                       progress=False, stats_device=self.device)
+            self.heads.append(engine.adapter.spec.lm_head is not None
+                              and engine.skeleton().get_output_embeddings() is not None)
+            run = engine.start(batches)
+            self.runs.append(run)
+            self.steps.append(run.layers(StatsRequest(grams=_GRAM_SITES)))
+
+    @staticmethod
+    def _carried(grams: Tensors, matcher, adapter: Adapter) -> Tensors:
+        if matcher is None:
+            return grams
+        # the match solution lives on the CPU; the rule moves the carried Grams to its device
+        return matcher.solution.transform_grams({k: g.cpu() for k, g in grams.items()}, adapter.layout)
+
+    def layer(self, i: int, matchers: list | None = None) -> list[Tensors]:
+        out = []
+        for j, steps in enumerate(self.steps):
+            step = next(steps)
+            if step.index != i:
+                raise RuntimeError(f"RegMean statistics out of step: layer {step.index} measured for layer {i}")
+            grams = {f"layers.{i}.{site}": step.stats.grams[site] for site in _GRAM_SITES}
+            out.append(self._carried(grams, matchers[j] if matchers else None, self.runs[j].engine.adapter))
+            del step
+        return out
+
+    def final(self, matchers: list | None = None, head: bool = True) -> list[Tensors]:
+        from ..calibration import StatsRequest
+
+        out = []
+        for j, (run, steps) in enumerate(zip(self.runs, self.steps)):
+            for _ in steps:   # hand the last layer's outputs on (no layer is left to measure)
+                raise RuntimeError("RegMean statistics: layers left after the last merged layer")
+            if head and self.heads[j]:
+                grams = {"head_in": run.final(StatsRequest(grams=("head_in",))).grams["head_in"]}
+                out.append(self._carried(grams, matchers[j] if matchers else None, run.engine.adapter))
+            else:
+                out.append({})
+        self.runs = self.steps = []   # drop the calibration activations
+        return out
+
+
+class _Spill:
+    """Where Fisher merging keeps the matched inputs and the Fishers between its passes: safetensors
+    folders under ``folder`` (host memory then holds one model at a time: the Fisher pass's), or
+    memory when ``folder`` is None (the in-memory API)."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def write(self, name: str, fill) -> TensorSource:
+        """``fill(sink)`` writes the tensors; returns them as a tensor source."""
+        if self.folder is None:
+            sink = DictSink()
+            fill(sink)
+            return DictSource(dict(sink))
+        path = Path(self.folder) / name
+        path.mkdir(parents=True)
+        writer = ShardedWriter(path, parse_size("2GB"))
+        fill(writer)
+        writer.close()
+        (path / "config.json").write_text("{}\n")   # a folder CheckpointReader reads
+        return CheckpointReader(path)
+
+
+class _SourceMapping:
+    """A tensor source read one tensor at a time as a mapping (what :func:`fisher_model` loads)."""
+
+    def __init__(self, source: TensorSource):
+        self.source, self._keys = source, set(source.keys())
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.source.get([key])[key]
+
+
+def _matched_inputs(sources: list[TensorSource], adapter: Adapter, plan: MatchPlan | None, anchor: int,
+                    progress: bool, spill: _Spill) -> tuple[list[TensorSource], list]:
+    """Every participant moved into the anchor's frame (streamed into ``spill``), with its match
+    solution; without a plan, the inputs themselves."""
     if plan is None:
-        return [s.get(s.keys()) for s in sources], [None] * len(sources)
+        return list(sources), [None] * len(sources)
     matched, solutions = [], []
     for j, s in enumerate(sources):
-        sink = DictSink()
-        m = run_pair(sources[anchor], s, adapter, plan, sink, identity=(j == anchor), progress=progress)
-        matched.append(dict(sink))
-        solutions.append(m)
+        found = []
+        matched.append(spill.write(f"matched-{j}", lambda sink: found.append(
+            run_pair(sources[anchor], s, adapter, plan, sink, identity=(j == anchor), progress=progress))))
+        solutions.append(found[0])
     return matched, solutions
 
 
-def _statistics(method: str, sources: list[TensorSource], matched: list[Tensors], matchers: list, configs: list[dict],
-                matched_config: dict, adapter: Adapter, batches: list[torch.Tensor], n_models: int,
-                progress: bool, placement=None) -> tuple[list | None, list | None]:
-    """(fishers, grams) of the merged models, in the anchor's frame."""
-    def dtype_of(sd: Tensors) -> torch.dtype:  # statistics in float32 at least, float64 when given float64
-        return torch.float64 if next(iter(sd.values())).dtype == torch.float64 else torch.float32
-
-    fishers = grams = None
-    if method == "fisher":
-        fishers = []
-        for j in range(n_models):  # on the matched models: the diagonal Fisher does not transform
-            model = fisher_model(matched_config, matched[j], dtype_of(matched[j]), placement)   # accelerate
-            fishers.append(fisher_diagonal(model, batches, progress, desc=f"fisher {j + 1}/{n_models}"))
-            del model
-    if method == "regmean":
-        grams = []
-        for j in range(n_models):  # on the inputs as given, carried exactly through the match
-            # layer by layer from the checkpoint (calibration engine): no model is loaded whole
-            G = gram_matrices(sources[j], configs[j], batches, progress, desc=f"grams {j + 1}/{n_models}",
-                              placement=placement)
-            if matchers[j] is not None:
-                G = matchers[j].solution.transform_grams(G, adapter.layout)
-            grams.append(G)
-    return fishers, grams
+def _fishers(matched: list[TensorSource], matched_config: dict, batches: list[torch.Tensor], n_models: int,
+             progress: bool, placement, spill: _Spill) -> list[TensorSource]:
+    """Diagonal Fisher of each merged model, on the matched models (the diagonal Fisher does not
+    transform under the match): each model in turn placed by accelerate (:func:`fisher_model`) and
+    its Fisher written to ``spill``."""
+    fishers = []
+    for j in range(n_models):
+        model = fisher_model(matched_config, _SourceMapping(matched[j]), statistics_dtype(matched[j]), placement)
+        fisher = fisher_diagonal(model, batches, progress, desc=f"fisher {j + 1}/{n_models}")
+        del model
+        fishers.append(spill.write(f"fisher-{j}", lambda sink: sink.add(fisher)))
+        del fisher
+    return fishers
 
 
 def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str], recipe: MergeRecipe, sink,
               calibration_ids: torch.Tensor | None = None, folders: list | None = None,
-              progress: bool = True, placement=None) -> MergeOutcome:
-    """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first."""
+              progress: bool = True, placement=None, workdir: Path | None = None) -> MergeOutcome:
+    """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first.
+    ``workdir``: a folder for Fisher merging's matched inputs and Fishers (default: memory)."""
     folders = folders or [None] * len(sources)
     has_base = recipe.base_model is not None
     n_models = len(recipe.models)
@@ -265,6 +379,8 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
     if recipe.method in DATA_METHODS:
         batches = calibration_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size,
                                       keep_partial=False)
+    if recipe.method == "fisher":   # a backward pass needs the whole model: refuse what cannot fit, before any work
+        check_fisher_memory(sources[0].shapes(), statistics_dtype(sources[0]), placement)
 
     timings = {}
     start = time.perf_counter()
@@ -274,25 +390,27 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
     config = dict(configs[anchor])
     if adapter.spec.lm_head is not None:
         config["tie_word_embeddings"] = tied
-    rule = MergeRule(recipe.method, recipe.parameters, recipe.models, has_base, adapter)
+    rule = MergeRule(recipe.method, recipe.parameters, recipe.models, has_base, adapter,
+                     device=linalg_device(placement))
 
     start = time.perf_counter()
-    if recipe.method in DATA_METHODS:
-        if plan is None and recipe.method == "regmean":   # nothing to match: stream the inputs as they are
-            matched, matchers = None, [None] * len(sources)
-        else:
-            matched, matchers = _matched_in_memory(sources, adapter, plan, anchor, progress)
+    if recipe.method == "fisher":
+        spill = _Spill(None if workdir is None else Path(workdir))
+        matched, matchers = _matched_inputs(sources, adapter, plan, anchor, progress, spill)
         timings["match"] = time.perf_counter() - start
         start = time.perf_counter()
-        rule.fishers, rule.grams = _statistics(recipe.method, sources, matched, matchers, configs, config, adapter,
-                                               batches, n_models, progress, placement)
+        rule.fishers = _fishers(matched, config, batches, n_models, progress, placement, spill)
         timings["statistics"] = time.perf_counter() - start
         start = time.perf_counter()
-        merge_sources(sources if matched is None else [DictSource(m) for m in matched], adapter, rule, sink, anchor,
-                      None, tied, progress)
+        merge_sources(matched, adapter, rule, sink, anchor, None, tied, progress)
         timings["merge"] = time.perf_counter() - start
     else:
-        matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress)
+        layer_grams = None
+        if recipe.method == "regmean":   # embeds the calibration tokens; each layer is measured in the merge pass
+            layer_grams = LayerGrams(sources[:n_models], configs[:n_models], batches, placement, progress)
+            timings["calibration_embed"] = time.perf_counter() - start
+            start = time.perf_counter()
+        matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress, layer_grams)
         timings["match_and_merge" if plan else "merge"] = time.perf_counter() - start
     distances = {names[j]: m.distances.summary() for j, m in enumerate(matchers or []) if m and j != anchor}
     return MergeOutcome(config=config, anchor=anchor, tied_output=tied, distances=distances,
@@ -379,8 +497,10 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method}"})
         sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
+        spill = tmp / ".fisher-work"   # Fisher's matched inputs and Fishers, removed before OUT appears
         outcome = run_merge(readers, [r.config for r in readers], recipe.inputs, recipe, sink, calibration_ids,
-                            folders, progress, placement)
+                            folders, progress, placement, workdir=spill if recipe.method == "fisher" else None)
+        shutil.rmtree(spill, ignore_errors=True)
         writer.close()
         config = dict(outcome.config)
         if recipe.dtype:

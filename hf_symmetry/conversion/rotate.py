@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from ..architectures import Adapter
+from ..architectures.capabilities import facts
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size, write_config)
 from ..hub.cards import write_card
@@ -146,19 +147,33 @@ def _centre_globals(g: Tensors) -> Tensors:
     return g
 
 
-def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, position_rows: int) -> dict:
-    """The RMS-decoder config of a centred LayerNorm decoder (OPT, GPT-2)."""
+def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, position_rows: int,
+                       residual_size: int | None = None) -> dict:
+    """The RMS-decoder config of a centred LayerNorm decoder (OPT, GPT-2); ``residual_size`` below the
+    hidden size for a sliced one (SliceGPT)."""
     from ..modeling.configuration_rms_decoder import RMSDecoderConfig
 
     def get(*names, default=None):
         return next((config[n] for n in names if config.get(n) is not None), default)
 
+    f = facts(config)
+    rotary = {}
+    if f.rope != "none":   # the family's own config object standardises old rotary fields (rotary_pct, ...)
+        from transformers import CONFIG_MAPPING
+
+        rope = getattr(CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)), "rope_parameters", None) or {}
+        L = adapter.layout   # GPT-J names its rotary width (rotary_dim) and has no rope_parameters
+        rope = {"rope_type": "default", "rope_theta": 10000.0, **rope,
+                "partial_rotary_factor": L.rotary_dim / L.head_dim}
+        rotary = {"rotary": True, "rope_parameters": rope}
     max_pos = int(get("max_position_embeddings", "n_positions", default=position_rows))
-    cfg = RMSDecoderConfig(
-        vocab_size=int(config["vocab_size"]), hidden_size=adapter.hidden, intermediate_size=intermediate_size,
+    cfg = RMSDecoderConfig(**rotary, parallel_block=f.parallel_block,
+        vocab_size=int(config["vocab_size"]), hidden_size=adapter.hidden, residual_size=residual_size,
+        head_dim=adapter.layout.head_dim, intermediate_size=intermediate_size,
         num_hidden_layers=adapter.n_layers, num_attention_heads=adapter.layout.n_heads,
         hidden_act=get("hidden_act", "activation_function", default="gelu_new"), max_position_embeddings=max_pos,
-        position_offset=position_rows - max_pos, positions_from_mask=adapter.spec.positions_from_mask,
+        position_offset=position_rows - max_pos if position_rows else 0,
+        positions_from_mask=adapter.spec.positions_from_mask,
         rms_norm_eps=adapter.eps, pad_token_id=get("pad_token_id"), bos_token_id=get("bos_token_id"),
         eos_token_id=get("eos_token_id"), tie_word_embeddings=False,
         architectures=["RMSDecoderForCausalLM"],
@@ -228,18 +243,26 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
 
 
 def _rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: dict, options: RotateOptions,
-                               Q: torch.Tensor, sink, progress: bool) -> dict:
-    """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family."""
+                               Q: torch.Tensor, sink, progress: bool, desc: str = "rotate") -> dict:
+    """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family. ``Q`` is
+    ``[d, w]`` with orthonormal columns: ``w = d`` rotates exactly; ``w < d`` also slices the stream to
+    its first ``w`` rotated coordinates (SliceGPT, :mod:`.compress.layernorm`)."""
     _check_layer_norm_decoder(config)
     # the output config needs two shapes: the FFN width (layer 0) and the position table's rows
     layer0 = adapter.read_layer(0, source.get([k for k in source.keys() if adapter.layer_of(k) == 0]))
-    pos_key = f"{adapter.prefix}{adapter.spec.pos_embed[0]}.weight"
-    new_config = rms_decoder_config(adapter, config, layer0["up.weight"].shape[0], source.get([pos_key])[pos_key].shape[0])
+    pos_keys = [f"{adapter.prefix}{name}.weight" for name in adapter.spec.pos_embed[:1]]   # none with rotary
+    rows = source.get(pos_keys)[pos_keys[0]].shape[0] if pos_keys else 0
+    new_config = rms_decoder_config(adapter, config, layer0["up.weight"].shape[0], rows, residual_size=Q.shape[1])
     del layer0
-    transform_checkpoint(source, adapter, sink,
-                         layer_fn=lambda i, layer: transform_layer(i, _centre_layer(layer), adapter, options, Q),
+    def layer_fn(i, layer):
+        layer = transform_layer(i, _centre_layer(layer), adapter, options, Q)
+        if adapter.layout.rope_layout == "interleaved":   # GPT-J: the family's RoPE pairs rotate-half
+            layer = actions.interleaved_to_half(layer, adapter.layout)
+        return layer
+
+    transform_checkpoint(source, adapter, sink, layer_fn=layer_fn,
                          globals_fn=lambda g: actions.rotate_residual_globals(_centre_globals(g), Q),
-                         progress=progress, desc="rotate", globals_dtype=torch.float64,
+                         progress=progress, desc=desc, globals_dtype=torch.float64,
                          writer=Adapter.from_config(new_config))
     return new_config
 

@@ -108,20 +108,27 @@ def transform_checkpoint(source: TensorSource, adapter: Adapter, sink: TensorSin
 
 def combine_checkpoints(sources: list[TensorSource], adapter: Adapter, sink: TensorSink, layer_fn: CombineLayersFn,
                         globals_fn: CombineGlobalsFn, rest_fn: CombineRestFn, like: int = 0, progress: bool = True,
-                        desc: str = "layers") -> None:
+                        desc: str = "layers", globals_last: bool = False) -> None:
     """The many-to-one twin of :func:`transform_checkpoint` (merging): layer i of every source is
     read, made canonical and combined by ``layer_fn`` into one layer, written in the dtypes of
     ``sources[like]``. Tensors the adapter does not model (in a layer or outside) are combined
     one by one by ``rest_fn(key, tensors)``. Every source must hold the same keys, apart from a
-    tied ``lm_head``."""
+    tied ``lm_head``. ``globals_last``: combine the globals after the last layer (for rules that
+    need statistics of the whole stack, e.g. RegMean's LM-head Gram)."""
     parts = [partition_keys(adapter, s.keys()) for s in sources]
-    raws = [s.get(p[0]) for s, p in zip(sources, parts)]
-    sink.add(adapter.write_globals(globals_fn([adapter.read_globals(r) for r in raws]), raws[like]))
-    del raws
+
+    def write_globals() -> None:
+        raws = [s.get(p[0]) for s, p in zip(sources, parts)]
+        sink.add(adapter.write_globals(globals_fn([adapter.read_globals(r) for r in raws]), raws[like]))
+
+    if not globals_last:
+        write_globals()
     for i in tqdm(range(adapter.n_layers), desc=desc, disable=not progress, unit="layer"):
         raws = [s.get(p[1][i]) for s, p in zip(sources, parts)]
         new = adapter.write_layer(i, layer_fn(i, [adapter.read_layer(i, r) for r in raws]), raws[like])
         sink.add({**{k: rest_fn(k, [r[k] for r in raws]) for k in raws[like] if k not in new}, **new})
         del raws, new
+    if globals_last:
+        write_globals()
     for k in parts[like][2]:
         sink.add({k: rest_fn(k, [s.get([k])[k] for s in sources])})

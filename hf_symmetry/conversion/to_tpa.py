@@ -1,4 +1,11 @@
-"""Convert a stock Llama / Mistral / Qwen2 checkpoint (MHA or GQA) into a Tensor Product Attention model.
+"""Convert a stock Llama-family checkpoint (MHA or GQA; Llama, Mistral without sliding windows, Qwen2, Qwen3,
+Phi-3 — whatever :mod:`hf_symmetry.architectures.capabilities` allows for ``to_tpa``) into a Tensor Product
+Attention model. The source is read one layer at a time through the family's adapter (fused projections split,
+no module path spelled here); the TPA family's tensor names come from ``modeling_tpa``.
+
+Qwen3's per-head QK-norm goes along (the TPA family normalises each query head and each key factor):
+exact at full key rank, where every key head is one factor. A reduced key rank mixes key heads, which does
+not commute with the norm, and is refused (``to_tpa_key_rank``); the value rank may be reduced.
 
 Full rank (``k_rank = v_rank = num_key_value_heads``, the default) is exact: GQA is non-contextual TPA
 with ``R = G`` and ``a_j = G·mask_j`` (docs/math.md §4). Queries keep an ordinary projection (the
@@ -28,11 +35,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..architectures import Adapter
 from ..architectures.capabilities import require
 from ..checkpoint import atomic_output_dir, check_output_dir, copy_side_files
 from ..hub.cards import public_report, write_card
 from ..modeling.configuration_tpa import TPAConfig
+from ..modeling.modeling_tpa import FACTORS as TPA_FACTORS
+from ..modeling.modeling_tpa import GLOBAL_MODULES as TPA_GLOBAL_MODULES
+from ..modeling.modeling_tpa import LAYER_MODULES as TPA_LAYER_MODULES
+from ..modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
 from ..modeling.modeling_tpa import TPAForCausalLM
+from .stream import DictSource, partition_keys
+
+Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -72,27 +87,34 @@ class ToTPAReport:
 # ----------------------------------------------------------------------------------------------
 def check_supported(model) -> None:
     """Refuse (ValueError, with the structural reason) anything the TPA family cannot express."""
-    cfg = model.config
-    require(cfg, "to_tpa")
-    layer = model.model.layers[0]
-    attn = layer.self_attn
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not hasattr(attn, name):
-            raise ValueError(f"unexpected attention layout: no self_attn.{name}")
+    require(model.config, "to_tpa")
 
 
-def _heads(cfg) -> tuple[int, int, int]:
-    h = cfg.num_attention_heads
-    n_kv = getattr(cfg, "num_key_value_heads", None) or h
-    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
-    if h % n_kv:
-        raise ValueError(f"num_attention_heads ({h}) is not a multiple of num_key_value_heads ({n_kv})")
-    return h, n_kv, dh
+def _check_ranks(adapter: Adapter, k_rank: int | None, v_rank: int | None) -> tuple[int, int]:
+    """The ranks to use (default: full, exact), after refusing impossible or inexpressible ones."""
+    n_kv = adapter.layout.n_kv_heads
+    for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
+        if r is not None and not 1 <= r <= n_kv:
+            raise ValueError(
+                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
+    k_rank = n_kv if k_rank is None else int(k_rank)
+    v_rank = n_kv if v_rank is None else int(v_rank)
+    if k_rank < n_kv:
+        require(adapter, "to_tpa_key_rank")
+    return k_rank, v_rank
+
+
+def _heads(adapter: Adapter) -> tuple[int, int, int]:
+    L = adapter.layout
+    if L.n_heads % L.n_kv_heads:
+        raise ValueError(f"num_attention_heads ({L.n_heads}) is not a multiple of num_key_value_heads "
+                         f"({L.n_kv_heads})")
+    return L.n_heads, L.n_kv_heads, L.head_dim
 
 
 def tpa_config_from(source_config, k_rank: int, v_rank: int, attention_bias: bool, attention_out_bias: bool,
-                    mlp_bias: bool) -> TPAConfig:
-    h, _, dh = _heads(source_config)
+                    mlp_bias: bool, qk_norm: bool = False) -> TPAConfig:
+    h, _, dh = _heads(Adapter.from_config(source_config))
     c = source_config
     return TPAConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -103,7 +125,7 @@ def tpa_config_from(source_config, k_rank: int, v_rank: int, attention_bias: boo
         pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         rope_parameters=copy.deepcopy(dict(c.rope_parameters)),
-        attention_bias=attention_bias, attention_out_bias=attention_out_bias, mlp_bias=mlp_bias,
+        attention_bias=attention_bias, attention_out_bias=attention_out_bias, mlp_bias=mlp_bias, qk_norm=qk_norm,
     )
 
 
@@ -115,6 +137,13 @@ def group_masks(num_heads: int, num_kv_heads: int, group_of=None) -> torch.Tenso
     for i in range(num_heads):
         mask[group_of(i) if group_of else i // g, i] = 1.0
     return mask
+
+
+def _source_biases(canon0: dict) -> dict:
+    """The TPA config flags that follow from the source's first layer (canonical tensors)."""
+    return {"attention_bias": "q.bias" in canon0 or "k.bias" in canon0 or "v.bias" in canon0,
+            "attention_out_bias": "o.bias" in canon0, "mlp_bias": "gate.bias" in canon0 or "up.bias" in canon0,
+            "qk_norm": "q_norm.weight" in canon0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,15 +158,16 @@ def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress:
     loaded whole) or an in-memory model (its state dict is the engine's source). ``placement``:
     device and calibration dtype (:func:`hf_symmetry.devices.resolve`; default CPU float32)."""
     from ..calibration import CalibrationEngine, StatsRequest, calibration_batches
-    from ..conversion.stream import DictSource
 
     if isinstance(model, (str, Path)):
         engine = CalibrationEngine(model, placement=placement, progress=progress)
     else:
         engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
                                    progress=progress)
-    result = engine.collect(calibration_batches(ids, window), StatsRequest(grams=("attn_in",), sums=("attn_in",)))
-    return [s.augmented_gram("attn_in") for s in result.layers]
+    run = engine.start(calibration_batches(ids, window))
+    # each layer's statistics are dropped once augmented (collect() would keep every layer's twice)
+    return [step.stats.augmented_gram("attn_in")
+            for step in run.layers(StatsRequest(grams=("attn_in",), sums=("attn_in",)))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,13 +219,76 @@ def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_head
     return A, Wb.contiguous(), None, w_err, a_err
 
 
+def _tpa_layer(canon: Tensors, layout, k_rank: int, v_rank: int, flags: dict, gram=None, calibrate: bool = True,
+               group_of=None, device=None) -> tuple[Tensors, tuple]:
+    """One layer: TPA tensors (names relative to the layer prefix, float64) from the source layer's
+    canonical tensors (:mod:`hf_symmetry.architectures.adapter`), which it consumes, and the layer's
+    errors ``(k_err, v_err, k_act_err, v_act_err)``."""
+    h, n_kv, dh = layout.n_heads, layout.n_kv_heads, layout.head_dim
+    out: Tensors = {}
+    for cname, module in TPA_LAYER_MODULES.items():
+        for kind in ("weight", "bias"):
+            t = canon.pop(f"{cname}.{kind}", None)
+            if t is not None:
+                out[f"{module}.{kind}"] = t
+    q_bias = f"{TPA_LAYER_MODULES['q']}.bias"
+    if flags["attention_bias"] and q_bias not in out:
+        out[q_bias] = torch.zeros(h * dh, dtype=torch.float64)
+    fit = gram if calibrate else None
+    errs = {}
+    for kind, rank in (("k", k_rank), ("v", v_rank)):
+        a_name, b_name = TPA_FACTORS[kind]
+        w, b = canon.pop(f"{kind}.weight"), canon.pop(f"{kind}.bias", None)
+        dev = device or w.device
+        a, wb, bb, err, aerr = _head_mode_factors(w.to(dev), None if b is None else b.to(dev), h, n_kv, rank,
+                                                  fit, gram, group_of)
+        out[a_name], out[f"{b_name}.weight"] = a.cpu(), wb.cpu()
+        if flags["attention_bias"]:
+            out[f"{b_name}.bias"] = (bb.cpu() if bb is not None else torch.zeros(rank * dh, dtype=torch.float64))
+        errs[kind] = (err, aerr)
+    left = sorted(k for k, v in canon.items() if not (k.endswith("norm.bias") and not v.any()))
+    if left:
+        raise ValueError(f"to-tpa: the source layer has tensors the TPA family has no place for: {left}")
+    return out, (errs["k"][0], errs["v"][0], errs["k"][1], errs["v"][1])
+
+
+def _tpa_globals(adapter: Adapter, raw: Tensors, tied: bool) -> Tensors:
+    """TPA global tensors (the source's dtype) from the source's raw global tensors."""
+    g = adapter.read_globals(raw, dtype=None)
+    out = {f"{module}.{kind}": g[f"{cname}.{kind}"] for cname, module in TPA_GLOBAL_MODULES.items()
+           for kind in ("weight", "bias") if f"{cname}.{kind}" in g and not (tied and cname == "lm_head")}
+    left = sorted(set(g) - {f"{c}.{k}" for c in TPA_GLOBAL_MODULES for k in ("weight", "bias")})
+    if left:
+        raise ValueError(f"to-tpa: the source has global tensors the TPA family has no place for: {left}")
+    return out
+
+
+def _layout_keys(adapter: Adapter, keys: list[str]) -> tuple[list[str], dict[int, list[str]]]:
+    global_keys, per_layer, rest = partition_keys(adapter, keys)
+    rest = [k for k in rest if not k.endswith("rotary_emb.inv_freq")]
+    if rest:
+        raise ValueError(f"to-tpa: the source has tensors the TPA family has no place for: {rest[:4]}")
+    return global_keys, per_layer
+
+
+def _report(src: str, adapter: Adapter, tcfg: TPAConfig, k_rank: int, v_rank: int, exact: bool,
+            calibrated: bool, calib_tokens: int) -> "ToTPAReport":
+    h, n_kv, dh = _heads(adapter)
+    return ToTPAReport(
+        source=src, family=str(getattr(adapter.config, "model_type", "")), num_attention_heads=h, num_key_value_heads=n_kv, head_dim=dh,
+        k_rank=k_rank, v_rank=v_rank, exact=exact, calibrated=calibrated, calib_tokens=calib_tokens,
+        cache_elements_per_token_source=2 * n_kv * dh * adapter.n_layers,
+        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
+
+
 @torch.no_grad()
 def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = None,
                          calib_ids: torch.Tensor | None = None, calibrate: bool = True, calib_window: int = 512,
                          calib_grams: list[torch.Tensor] | None = None, group_of=None,
                          progress: bool = True) -> tuple[TPAForCausalLM, ToTPAReport]:
-    """In-memory conversion of a loaded Llama/Mistral/Qwen2 ``...ForCausalLM`` into a
-    :class:`TPAForCausalLM` (same dtype).
+    """In-memory conversion of a loaded ``...ForCausalLM`` of a family the TPA family can express
+    (Llama, Mistral without sliding windows, Qwen2, Qwen3) into a :class:`TPAForCausalLM` (same dtype).
+    The source is read through the family's adapter, like a checkpoint.
 
     With ``calib_ids`` (and a reduced rank) the attention inputs on that text are collected: the
     head-mode reduction is fitted to them when ``calibrate`` (else it is the plain weight SVD) and
@@ -205,70 +298,43 @@ def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = 
     t0 = time.time()
     check_supported(model)
     cfg = model.config
-    h, n_kv, dh = _heads(cfg)
-    k_rank = n_kv if k_rank is None else int(k_rank)
-    v_rank = n_kv if v_rank is None else int(v_rank)
-    for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
-        if not 1 <= r <= n_kv:
-            raise ValueError(
-                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
-    attn0 = model.model.layers[0].self_attn
-    mlp0 = model.model.layers[0].mlp
-    qkv_bias = attn0.q_proj.bias is not None or attn0.k_proj.bias is not None
-    o_bias = attn0.o_proj.bias is not None
-    mlp_bias = getattr(mlp0.gate_proj, "bias", None) is not None
-    tcfg = tpa_config_from(cfg, k_rank, v_rank, qkv_bias, o_bias, mlp_bias)
-    report = ToTPAReport(
-        source=str(getattr(cfg, "_name_or_path", "")), family=cfg.model_type, num_attention_heads=h,
-        num_key_value_heads=n_kv, head_dim=dh, k_rank=k_rank, v_rank=v_rank,
-        exact=(k_rank == n_kv and v_rank == n_kv and group_of is None),
-        calibrated=((calib_ids is not None or calib_grams is not None) and calibrate
-                    and (k_rank < n_kv or v_rank < n_kv)),
-        calib_tokens=0 if calib_ids is None else int(calib_ids.numel()),
-        cache_elements_per_token_source=2 * n_kv * dh * cfg.num_hidden_layers,
-        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
-
+    source = DictSource(model.state_dict())
+    adapter = Adapter.from_config(cfg, source.keys())
+    _heads(adapter)
+    k_rank, v_rank = _check_ranks(adapter, k_rank, v_rank)
+    n_kv = adapter.layout.n_kv_heads
+    reduced = k_rank < n_kv or v_rank < n_kv
+    global_keys, per_layer = _layout_keys(adapter, source.keys())
+    flags = _source_biases(adapter.read_layer(0, source.get(per_layer[0])))
+    tcfg = tpa_config_from(cfg, k_rank, v_rank, **flags)
+    report = _report(str(getattr(cfg, "_name_or_path", "")), adapter, tcfg, k_rank, v_rank,
+                     exact=not reduced and group_of is None,
+                     calibrated=(calib_ids is not None or calib_grams is not None) and calibrate and reduced,
+                     calib_tokens=0 if calib_ids is None else int(calib_ids.numel()))
     grams = calib_grams
-    if grams is None and calib_ids is not None and (k_rank < n_kv or v_rank < n_kv):
+    if grams is None and calib_ids is not None and reduced:
         grams = attention_input_grams(model, calib_ids, window=calib_window, progress=progress)
 
-    dtype = model.model.embed_tokens.weight.dtype
-    tpa = _empty_model(tcfg)
-    src_sd = model.state_dict()
-    sd = {}
-    for key, value in src_sd.items():
-        if ".self_attn." in key and not key.split(".self_attn.")[1].startswith(("q_proj", "o_proj")):
-            continue
-        sd[key] = value
-    layers = model.model.layers
-    for i in tqdm(range(len(layers)), desc="to-tpa", disable=not progress, leave=False):
-        attn = layers[i].self_attn
-        gram = None if grams is None else grams[i]
-        fit = gram if calibrate else None
-        pre = f"model.layers.{i}.self_attn."
-        ka, kw, kb, kerr, kaerr = _head_mode_factors(attn.k_proj.weight, attn.k_proj.bias, h, n_kv, k_rank,
-                                                     fit, gram, group_of)
-        va, vw, vb, verr, vaerr = _head_mode_factors(attn.v_proj.weight, attn.v_proj.bias, h, n_kv, v_rank,
-                                                     fit, gram, group_of)
-        sd[pre + "k_a"], sd[pre + "k_b_proj.weight"] = ka, kw
-        sd[pre + "v_a"], sd[pre + "v_b_proj.weight"] = va, vw
-        if qkv_bias:
-            sd[pre + "k_b_proj.bias"] = kb if kb is not None else torch.zeros(k_rank * dh, dtype=torch.float64)
-            sd[pre + "v_b_proj.bias"] = vb if vb is not None else torch.zeros(v_rank * dh, dtype=torch.float64)
-        report.layers.append(LayerError(i, kerr, verr, kaerr, vaerr))
+    dtype = next(model.parameters()).dtype
+    sd = _tpa_globals(adapter, source.get(global_keys), tcfg.tie_word_embeddings)
+    for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, leave=False):
+        canon = adapter.read_layer(i, source.get(per_layer[i]))    # one float64 layer at a time
+        new, errs = _tpa_layer(canon, adapter.layout, k_rank, v_rank, flags,
+                               None if grams is None else grams[i], calibrate, group_of)
+        sd.update({TPA_LAYER_PREFIX.format(i) + k: v.to(dtype) for k, v in new.items()})
+        report.layers.append(LayerError(i, *errs))
+    tpa = _empty_model(tcfg).to(dtype)
     target = tpa.state_dict()
     missing = set(target) - set(sd)
     if tcfg.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-        sd.pop("lm_head.weight", None)
+        missing.discard(f"{TPA_GLOBAL_MODULES['lm_head']}.weight")
     unexpected = set(sd) - set(target)
     if missing or unexpected:
         raise RuntimeError(f"to-tpa weight mapping mismatch: missing={sorted(missing)[:5]} "
                            f"unexpected={sorted(unexpected)[:5]}")
-    tpa.load_state_dict({k: v.to(dtype=torch.float32) for k, v in sd.items()}, strict=False)
+    tpa.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
     if tcfg.tie_word_embeddings:
         tpa.tie_weights()
-    tpa = tpa.to(dtype)
     tpa.generation_config = copy.deepcopy(model.generation_config)
     tpa.eval()
     report.seconds = time.time() - t0
@@ -320,12 +386,12 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
                               verify_text: str | Path | None = None, verify_tokens: int = 512,
                               ppl_tokens: int = 2048, overwrite: bool = False, progress: bool = True,
                               placement=None, max_shard_size: str | int = "2GB") -> ToTPAReport:
-    """Convert the checkpoint ``source`` layer by layer (never loading the whole model) and write an
-    HF folder (config with ``auto_map``, ``configuration_tpa.py``/``modeling_tpa.py``, weights,
-    tokenizer, generation config, ``tpa_conversion.json``) to ``out`` via a temporary folder renamed
-    into place. With ``calib`` the attention inputs are measured by the layer-wise calibration
-    engine on ``placement`` (:func:`hf_symmetry.devices.resolve`), and the head-mode reductions run
-    on that device too."""
+    """Convert the checkpoint ``source`` layer by layer (never loading the whole model; every layer
+    read through the family's adapter) and write an HF folder (config with ``auto_map``,
+    ``configuration_tpa.py``/``modeling_tpa.py``, weights, tokenizer, generation config,
+    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place. With ``calib`` the
+    attention inputs are measured by the layer-wise calibration engine on ``placement``
+    (:func:`hf_symmetry.devices.resolve`), and the head-mode reductions run on that device too."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..assets import resolve_model, resolve_text
@@ -339,16 +405,12 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     check_output_dir(out, overwrite)
     config = AutoConfig.from_pretrained(src)  # fail fast, before reading any weights
     require(config, "to_tpa")
-    h, n_kv, dh = _heads(config)
-    for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
-        if r is not None and not 1 <= r <= n_kv:
-            raise ValueError(
-                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
-    k_rank = n_kv if k_rank is None else int(k_rank)
-    v_rank = n_kv if v_rank is None else int(v_rank)
     reader = CheckpointReader(src)
-    keys = set(reader.keys())
-    pre0 = "model.layers.0."
+    adapter = Adapter.from_config(config, reader.keys())
+    _heads(adapter)
+    k_rank, v_rank = _check_ranks(adapter, k_rank, v_rank)
+    n_kv = adapter.layout.n_kv_heads
+    global_keys, per_layer = _layout_keys(adapter, reader.keys())
     if calib is not None:
         calib = resolve_text(calib)
     if verify_text is not None:
@@ -361,47 +423,30 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
         if reduced:
             grams = attention_input_grams(src, ids, progress=progress, placement=placement)
 
-    qkv_bias = pre0 + "self_attn.q_proj.bias" in keys or pre0 + "self_attn.k_proj.bias" in keys
-    o_bias = pre0 + "self_attn.o_proj.bias" in keys
-    mlp_bias = pre0 + "mlp.gate_proj.bias" in keys
-    tcfg = tpa_config_from(config, k_rank, v_rank, qkv_bias, o_bias, mlp_bias)
-    report = ToTPAReport(
-        source=str(src), family=config.model_type, num_attention_heads=h, num_key_value_heads=n_kv, head_dim=dh,
-        k_rank=k_rank, v_rank=v_rank, exact=not reduced, calibrated=grams is not None, calib_tokens=calib_n,
-        cache_elements_per_token_source=2 * n_kv * dh * config.num_hidden_layers,
-        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
+    first = reader.get(per_layer[0])
+    dtype = next(iter(first.values())).dtype
+    flags = _source_biases(adapter.read_layer(0, first))
+    del first
+    tcfg = tpa_config_from(config, k_rank, v_rank, **flags)
+    report = _report(str(src), adapter, tcfg, k_rank, v_rank, exact=not reduced, calibrated=grams is not None,
+                     calib_tokens=calib_n)
     device = linalg_device(placement)
-    dtype = reader._locations["model.embed_tokens.weight"][1]   # from the header: no tensor read
-    layer_keys = {i: [k for k in reader.keys() if k.startswith(f"model.layers.{i}.")]
-                  for i in range(config.num_hidden_layers)}
-    rest = [k for k in reader.keys() if not k.startswith("model.layers.")
-            and not (tcfg.tie_word_embeddings and k == "lm_head.weight")]
 
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size))
-        for i in tqdm(range(config.num_hidden_layers), desc="to-tpa", disable=not progress, unit="layer"):
-            layer = reader.get(layer_keys[i])
-            pre = f"model.layers.{i}.self_attn."
+        for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, unit="layer"):
+            raw = reader.get(per_layer[i])
+            like = next(iter(raw.values())).dtype
+            canon = adapter.read_layer(i, raw)
+            del raw
             gram = None if grams is None else grams[i].to(device)
-            new = {}
-            for kind, rank in (("k", k_rank), ("v", v_rank)):
-                w = layer.pop(pre + f"{kind}_proj.weight").to(device)
-                b = layer.pop(pre + f"{kind}_proj.bias", None)
-                a, wb, bb, err, aerr = _head_mode_factors(w, None if b is None else b.to(device), h, n_kv, rank,
-                                                          gram, gram)
-                new[pre + f"{kind}_a"], new[pre + f"{kind}_b_proj.weight"] = a, wb
-                if qkv_bias:
-                    new[pre + f"{kind}_b_proj.bias"] = bb if bb is not None else torch.zeros(rank * dh)
-                if kind == "k":
-                    kerr, kaerr = err, aerr
-                else:
-                    verr, vaerr = err, aerr
-            report.layers.append(LayerError(i, kerr, verr, kaerr, vaerr))
-            layer.update({k: v.cpu().to(torch.float32).to(dtype) for k, v in new.items()})
-            writer.add(dict(sorted(layer.items())))
-            del layer, new
-        for k in rest:
-            writer.add(reader.get([k]))
+            new, errs = _tpa_layer(canon, adapter.layout, k_rank, v_rank, flags, gram, True, None, device)
+            report.layers.append(LayerError(i, *errs))
+            prefix = TPA_LAYER_PREFIX.format(i)
+            writer.add(dict(sorted((prefix + k, v.to(like)) for k, v in new.items())))
+            del canon, new
+        for k in global_keys:
+            writer.add(_tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
         _save_tpa_config(tcfg, dtype, tmp)
         if not copy_side_files(Path(src), tmp):

@@ -40,7 +40,14 @@ class CompressedLlamaConfig(PreTrainedConfig):
     ``hidden_size`` (the original width) even when the stream is sliced to ``residual_size``.
 
     Args:
-        residual_size: width of the residual stream (``hidden_size`` unless sliced).
+        residual_size: width of the residual stream (``hidden_size`` unless sliced); with
+            ``residual_sizes``, the largest of them.
+        residual_sizes: optional, one width per residual segment (``2 num_hidden_layers + 1``: the input
+            of layer i's attention is segment ``2i``, of its MLP ``2i + 1``, the final norm's ``2L``) when
+            they differ (SliceGPT with one global rotation and per-segment widths). Every basis is then a
+            prefix of the same one, so a skip connection from width ``a`` to width ``b`` keeps the first
+            ``b`` coordinates or pads with zeros; needs ``skip_connections="none"``. ``None``: every
+            segment is ``residual_size`` wide.
         layer_structures: one dict per layer mapping each of ``q_proj k_proj v_proj o_proj gate_proj up_proj
             down_proj`` to a structure: ``{"type": "dense"}``, ``{"type": "lowrank", "rank": r}``,
             ``{"type": "kron", "rank": r, "a_shape": [m1, n1]}`` (``Σ A_s ⊗ B_s`` with ``A_s [m1, n1]``) or
@@ -49,6 +56,8 @@ class CompressedLlamaConfig(PreTrainedConfig):
         lm_head: ``"tied"`` (logits from the embedding matrix), ``"tied_mixed"`` (tied, after a dense
             ``residual_size²`` map that carries the final norm's folded γ and the change of basis) or
             ``"separate"`` (its own matrix, ``lm_head_structure``).
+        qk_norm: a per-head RMSNorm with learned γ on queries and keys before RoPE (Qwen3's QK-norm;
+            residual rotations and slicing act on the other side of q/k and leave it untouched).
         compression: a summary of how the model was made (informational).
     """
 
@@ -58,6 +67,7 @@ class CompressedLlamaConfig(PreTrainedConfig):
     vocab_size: int = 32000
     hidden_size: int = 4096
     residual_size: int | None = None
+    residual_sizes: list[int] | None = None
     intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
@@ -74,6 +84,7 @@ class CompressedLlamaConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_dropout: int | float = 0.0
+    qk_norm: bool = False
     skip_connections: str = "none"
     lm_head: str = "tied"
     layer_structures: list | None = None
@@ -86,6 +97,10 @@ class CompressedLlamaConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.residual_sizes is not None:
+            self.residual_sizes = [int(w) for w in self.residual_sizes]
+            if self.residual_size is None and self.residual_sizes:
+                self.residual_size = max(self.residual_sizes)
         if self.residual_size is None:
             self.residual_size = self.hidden_size
         if self.layer_structures is None:
@@ -110,6 +125,20 @@ class CompressedLlamaConfig(PreTrainedConfig):
             raise ValueError(f"CompressedLlamaConfig: lm_head must be one of {LM_HEAD_KINDS}, got {self.lm_head!r}")
         if self.skip_connections == "orthogonal" and self.residual_size != self.hidden_size:
             raise ValueError("CompressedLlamaConfig: orthogonal skip connections need an unsliced residual stream")
+        if self.residual_sizes is not None:
+            n_seg = 2 * self.num_hidden_layers + 1
+            if len(self.residual_sizes) != n_seg or not all(0 < w <= self.hidden_size for w in self.residual_sizes):
+                raise ValueError(f"CompressedLlamaConfig: residual_sizes must be {n_seg} widths in (0, hidden_size="
+                                 f"{self.hidden_size}], got {self.residual_sizes}")
+            if max(self.residual_sizes) != self.residual_size:
+                raise ValueError(f"CompressedLlamaConfig: residual_size ({self.residual_size}) must be the largest "
+                                 f"of residual_sizes ({max(self.residual_sizes)})")
+            if self.skip_connections != "none":
+                raise ValueError("CompressedLlamaConfig: per-segment residual widths need one basis for all "
+                                 "segments (skip_connections='none')")
+            if self.lm_head == "tied" and self.residual_sizes[0] != self.residual_sizes[-1]:
+                raise ValueError("CompressedLlamaConfig: a tied head without head_mix needs the first and last "
+                                 "residual widths equal")
         if len(self.layer_structures) != self.num_hidden_layers:
             raise ValueError(f"CompressedLlamaConfig: layer_structures has {len(self.layer_structures)} entries "
                              f"for {self.num_hidden_layers} layers")
@@ -121,6 +150,10 @@ class CompressedLlamaConfig(PreTrainedConfig):
         _check_spec("embed_structure", self.embed_structure)
         if self.lm_head == "separate":
             _check_spec("lm_head_structure", self.lm_head_structure)
+
+    def segment_width(self, k: int) -> int:
+        """Width of residual segment ``k`` (``0 .. 2 num_hidden_layers``)."""
+        return self.residual_size if self.residual_sizes is None else self.residual_sizes[k]
 
     def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
         """Cached elements per token (one layer if ``per_layer`` else all): stock K/V, ``2 n_kv d_h``."""

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
 
 
 @strict
 class RMSDecoderConfig(PreTrainedConfig):
-    r"""A pre-norm decoder with learned absolute positions whose norms are RMSNorms without weight.
+    r"""A pre-norm decoder (learned absolute positions or rotary, sequential or parallel blocks) whose
+    norms are RMSNorms without weight.
 
-    A LayerNorm decoder becomes one exactly: centring every writer to the residual stream (the
+    A LayerNorm decoder (OPT, GPT-2, GPT-NeoX) becomes one exactly: centring every writer to the residual stream (the
     embeddings' rows, the attention output and FFN output projections, with their biases) makes the
     stream zero-mean, so each LayerNorm equals an RMSNorm followed by its γ and β; those fold into
     the linear layers that read the norm. The stream can then be rotated by any orthogonal matrix.
@@ -26,6 +28,14 @@ class RMSDecoderConfig(PreTrainedConfig):
             shift positions) instead of from the cache position (GPT-2).
         attention_bias / mlp_bias: biases on q/k/v/o and on the FFN's two projections.
         lm_head_bias: the head's bias (the final LayerNorm's β folded in).
+        residual_size: width of the residual stream (``hidden_size`` unless sliced: SliceGPT keeps the
+            stream's first principal directions). The norms still divide ``Σ x²`` by ``hidden_size``, and
+            the attention keeps ``hidden_size`` channels (``num_attention_heads × head_dim``).
+        head_dim: ``hidden_size // num_attention_heads`` unless given.
+        rotary: rotary position embeddings (``rope_parameters``, rotate-half pairing, on the first
+            ``partial_rotary_factor`` of each head, as GPT-NeoX) instead of a learned position table.
+        parallel_block: attention and FFN both read the layer's input and both add to it (GPT-NeoX's
+            ``use_parallel_residual``); otherwise the FFN reads the stream after attention.
     """
 
     model_type = "hf_symmetry_rms_decoder"
@@ -33,12 +43,17 @@ class RMSDecoderConfig(PreTrainedConfig):
 
     vocab_size: int = 50272
     hidden_size: int = 768
+    residual_size: int | None = None
+    head_dim: int | None = None
     intermediate_size: int = 3072
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
     hidden_act: str = "relu"
     max_position_embeddings: int = 2048
     position_offset: int = 0
+    rotary: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    parallel_block: bool = False
     positions_from_mask: bool = False
     rms_norm_eps: float = 1e-5
     attention_bias: bool = True
@@ -51,14 +66,19 @@ class RMSDecoderConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
 
+    def __post_init__(self, **kwargs):
+        if self.residual_size is None:
+            self.residual_size = self.hidden_size
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        super().__post_init__(**kwargs)
+
     def validate_architecture(self):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
                              f"{self.num_attention_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        if not 0 < self.residual_size <= self.hidden_size:
+            raise ValueError(f"residual_size must be in (0, hidden_size={self.hidden_size}], got {self.residual_size}")
 
     def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
         """Cached elements per token (one layer if ``per_layer`` else all): K and V, ``2 · hidden``."""

@@ -34,6 +34,10 @@ class TPAConfig(PreTrainedConfig):
         intermediate_size: SwiGLU width, default ``8/3 hidden_size`` rounded up to a multiple of 64.
         attention_bias: biases on the B projections (and on ``q_proj`` in KV-only mode), e.g. Qwen2.
         attention_out_bias: bias on ``o_proj``.
+        qk_norm: a per-head RMSNorm (learned γ over ``head_dim``, Qwen3's QK-norm) on the queries and on the
+            key token factors ``B_K``, before RoPE. With non-contextual A at full rank (a converted
+            GQA model: every key head is one factor) it is exactly Qwen3's norm on each key head; the
+            factor-space routes stay exact since the norm acts on each factor, not on composed keys.
         tpa_decode_path: ``"auto"`` (each part of the attention, scores and values, from the factors
             where that is estimated cheaper: decoding and short chunks against a long cache; whole-sequence
             prefill and training then form Q/K/V and use eager/SDPA), ``"factor"`` (always compute attention
@@ -68,6 +72,7 @@ class TPAConfig(PreTrainedConfig):
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
     attention_out_bias: bool = False
+    qk_norm: bool = False
     mlp_bias: bool = False
     attention_dropout: int | float = 0.0
     tpa_decode_path: str = "auto"

@@ -15,6 +15,9 @@ The residual stream is rotated (after norm fusion, docs/math.md §1.4): RMSNorms
 ``Σ x²`` by the original ``hidden_size``. With one basis per residual segment every skip connection
 carries the orthogonal ``Q_prevᵀ Q_next``, stored as a Cayley parameter and turned into a matrix once
 (cached, recomputed only when its parameters change), not on every forward.
+With one basis for all segments (SliceGPT, one global PCA) the segments may have different widths
+(``config.residual_sizes``): a skip connection into a narrower segment keeps the first coordinates,
+into a wider one pads with zeros.
 
 This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only torch,
 transformers and its sibling ``configuration_compressed_llama``.
@@ -35,6 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding, apply_rotary_pos_emb,
                                                       eager_attention_forward)
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from .configuration_compressed_llama import CompressedLlamaConfig
 
@@ -283,6 +287,15 @@ class DenseSkip(nn.Module):
         return F.linear(x, self.weight)
 
 
+def resize_stream(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The residual stream carried into a segment ``width`` wide (per-segment widths, one basis for
+    all: keep the first ``width`` coordinates, or pad with zeros — the dropped directions are gone)."""
+    have = x.shape[-1]
+    if have == width:
+        return x
+    return x[..., :width] if have > width else F.pad(x, (0, width - have))
+
+
 def make_skip(config: CompressedLlamaConfig) -> nn.Module | None:
     if config.skip_connections == "orthogonal":
         return OrthogonalSkip(config.residual_size)
@@ -304,18 +317,24 @@ class CompressedLlamaAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         spec = config.layer_structures[layer_idx]
-        d, q_out, kv_out = config.residual_size, config.num_attention_heads * self.head_dim, \
-            config.num_key_value_heads * self.head_dim
-        self.q_proj = structured_linear(d, q_out, spec["q_proj"])
-        self.k_proj = structured_linear(d, kv_out, spec["k_proj"])
-        self.v_proj = structured_linear(d, kv_out, spec["v_proj"])
-        self.o_proj = structured_linear(q_out, d, spec["o_proj"])
+        d_in, d_out = config.segment_width(2 * layer_idx), config.segment_width(2 * layer_idx + 1)
+        q_out, kv_out = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = structured_linear(d_in, q_out, spec["q_proj"])
+        self.k_proj = structured_linear(d_in, kv_out, spec["k_proj"])
+        self.v_proj = structured_linear(d_in, kv_out, spec["v_proj"])
+        self.o_proj = structured_linear(q_out, d_out, spec["o_proj"])
+        if config.qk_norm:   # Qwen3's per-head QK-norm (transformers' own module)
+            self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -333,10 +352,11 @@ class CompressedLlamaMLP(nn.Module):
     def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
         super().__init__()
         spec = config.layer_structures[layer_idx]
-        d, h = config.residual_size, config.intermediate_size
-        self.gate_proj = structured_linear(d, h, spec["gate_proj"])
-        self.up_proj = structured_linear(d, h, spec["up_proj"])
-        self.down_proj = structured_linear(h, d, spec["down_proj"])
+        d_in, d_out, h = (config.segment_width(2 * layer_idx + 1), config.segment_width(2 * layer_idx + 2),
+                          config.intermediate_size)
+        self.gate_proj = structured_linear(d_in, h, spec["gate_proj"])
+        self.up_proj = structured_linear(d_in, h, spec["up_proj"])
+        self.down_proj = structured_linear(h, d_out, spec["down_proj"])
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
@@ -352,16 +372,17 @@ class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = CompressedRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = CompressedLlamaMLP(config, layer_idx)
         self.mlp_skip = make_skip(config)
+        self.mid_width, self.out_width = config.segment_width(2 * layer_idx + 1), config.segment_width(2 * layer_idx + 2)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
                 **kwargs):
         attn, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
                                        attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
         skip = hidden_states if self.attn_skip is None else self.attn_skip(hidden_states)
-        hidden_states = skip + attn
+        hidden_states = resize_stream(skip, self.mid_width) + attn
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
         skip = hidden_states if self.mlp_skip is None else self.mlp_skip(hidden_states)
-        return skip + mlp, weights
+        return resize_stream(skip, self.out_width) + mlp, weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,8 +420,7 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
         elif isinstance(module, OrthogonalSkip):
             init.zeros_(module.skip_k)
             init.ones_(module.skip_signs)
-        elif isinstance(module, DenseSkip) or (isinstance(module, nn.Linear) and module.in_features == module.out_features
-                                               and getattr(module, "_is_head_mix", False)):
+        elif isinstance(module, DenseSkip) or (isinstance(module, nn.Linear) and getattr(module, "_is_head_mix", False)):
             init.eye_(module.weight)
         else:
             super()._init_weights(module)
@@ -413,7 +433,7 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = StructuredEmbedding(config.vocab_size, config.residual_size, config.embed_structure)
+        self.embed_tokens = StructuredEmbedding(config.vocab_size, config.segment_width(0), config.embed_structure)
         self.layers = nn.ModuleList([CompressedLlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = CompressedRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
@@ -474,14 +494,14 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
         super().__init__(config)
         self.model = CompressedLlamaModel(config)
         self.vocab_size = config.vocab_size
-        d = config.residual_size
+        d_last, d_embed = config.segment_width(2 * config.num_hidden_layers), config.segment_width(0)
         self.head_mix = None
         self.lm_head = None
         if config.lm_head == "tied_mixed":
-            self.head_mix = nn.Linear(d, d, bias=False)
+            self.head_mix = nn.Linear(d_last, d_embed, bias=False)
             self.head_mix._is_head_mix = True
         elif config.lm_head == "separate":
-            self.lm_head = structured_linear(d, config.vocab_size, {**config.lm_head_structure, "bias": False})
+            self.lm_head = structured_linear(d_last, config.vocab_size, {**config.lm_head_structure, "bias": False})
         self.post_init()
 
     def get_input_embeddings(self):
@@ -517,6 +537,15 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
         out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out if return_dict else out.to_tuple()
+
+
+# Checkpoint names, for converters (hf_symmetry's compress writes through these and spells no layer path)
+#: layer ``i``'s modules are ``LAYER_PREFIX.format(i) + "self_attn.q_proj"`` etc.
+LAYER_PREFIX = "model.layers.{}."
+#: canonical QK-norm names (hf_symmetry's adapter) -> module inside a decoder layer
+QK_NORM_MODULES = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+#: the embedding matrix, the separate head and the tied head's mix
+EMBED_MODULE, LM_HEAD_MODULE, HEAD_MIX_MODULE = "model.embed_tokens.matrix", "lm_head", "head_mix"
 
 
 CompressedLlamaModel.register_for_auto_class("AutoModel")

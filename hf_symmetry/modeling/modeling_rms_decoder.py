@@ -1,5 +1,6 @@
-"""LayerNorm decoders (OPT, GPT-2) after residual-stream rotation: pre-norm blocks with learned
-absolute positions, biases everywhere, and RMSNorms without weight (see ``configuration_rms_decoder``).
+"""LayerNorm decoders (OPT, GPT-2, GPT-NeoX) after residual-stream rotation: pre-norm blocks (sequential,
+or parallel as GPT-NeoX) with learned absolute positions or rotary embeddings (GPT-NeoX's own, imported
+from transformers), biases everywhere, and RMSNorms without weight (see ``configuration_rms_decoder``).
 
 This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only
 torch, transformers and its sibling ``configuration_rms_decoder``.
@@ -18,19 +19,24 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding, apply_rotary_pos_emb
 
 from .configuration_rms_decoder import RMSDecoderConfig
 
 
 class WeightlessRMSNorm(nn.Module):
-    """``x / sqrt(mean(x²) + eps)``, in the input's dtype (its γ and β live in the next linears)."""
+    """``x / sqrt(Σ x² / norm_dim + eps)``, in the input's dtype (its γ and β live in the next linears).
+    ``norm_dim`` is the original width, also when the stream is sliced to fewer dims (SliceGPT)."""
 
-    def __init__(self, eps: float):
+    def __init__(self, eps: float, norm_dim: int | None = None):
         super().__init__()
-        self.variance_epsilon = eps
+        self.variance_epsilon, self.norm_dim = eps, norm_dim
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        if self.norm_dim is None or self.norm_dim == hidden_states.shape[-1]:
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        else:
+            variance = hidden_states.pow(2).sum(-1, keepdim=True) / self.norm_dim
         return hidden_states * torch.rsqrt(variance + self.variance_epsilon)
 
 
@@ -56,18 +62,21 @@ class RMSDecoderAttention(nn.Module):
         self.num_key_value_groups = 1
         self.scaling = self.head_dim ** -0.5
         self.is_causal = True
-        d = config.hidden_size
-        self.q_proj = nn.Linear(d, d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(d, d, bias=config.attention_bias)
+        r, inner = config.residual_size, config.num_attention_heads * config.head_dim
+        self.q_proj = nn.Linear(r, inner, bias=config.attention_bias)
+        self.k_proj = nn.Linear(r, inner, bias=config.attention_bias)
+        self.v_proj = nn.Linear(r, inner, bias=config.attention_bias)
+        self.o_proj = nn.Linear(inner, r, bias=config.attention_bias)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values: Cache | None = None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, past_key_values: Cache | None = None,
+                position_embeddings=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if position_embeddings is not None:   # rotary (partial: the first dims of each head)
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -80,8 +89,8 @@ class RMSDecoderAttention(nn.Module):
 class RMSDecoderMLP(nn.Module):
     def __init__(self, config: RMSDecoderConfig):
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.residual_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.residual_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
@@ -91,14 +100,18 @@ class RMSDecoderMLP(nn.Module):
 class RMSDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: RMSDecoderConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = WeightlessRMSNorm(config.rms_norm_eps)
+        self.input_layernorm = WeightlessRMSNorm(config.rms_norm_eps, config.hidden_size)
         self.self_attn = RMSDecoderAttention(config, layer_idx)
-        self.post_attention_layernorm = WeightlessRMSNorm(config.rms_norm_eps)
+        self.post_attention_layernorm = WeightlessRMSNorm(config.rms_norm_eps, config.hidden_size)
         self.mlp = RMSDecoderMLP(config)
 
+        self.parallel_block = config.parallel_block
+
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
-        attn, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask=attention_mask,
-                                 past_key_values=past_key_values, **kwargs)
+        normed = self.input_layernorm(hidden_states)
+        attn, _ = self.self_attn(normed, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        if self.parallel_block:   # both read the layer input (its two weightless norms are the same map)
+            return hidden_states + attn + self.mlp(normed)
         hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
@@ -117,11 +130,14 @@ class RMSDecoderPreTrainedModel(PreTrainedModel):
 class RMSDecoderModel(RMSDecoderPreTrainedModel):
     def __init__(self, config: RMSDecoderConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + config.position_offset,
-                                            config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.residual_size)
+        if config.rotary:
+            self.rotary_emb = GPTNeoXRotaryEmbedding(config)
+        else:
+            self.embed_positions = nn.Embedding(config.max_position_embeddings + config.position_offset,
+                                                config.residual_size)
         self.layers = nn.ModuleList([RMSDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
-        self.norm = WeightlessRMSNorm(config.rms_norm_eps)
+        self.norm = WeightlessRMSNorm(config.rms_norm_eps, config.hidden_size)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -150,7 +166,11 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
         past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
             position_ids = self._positions(inputs_embeds, attention_mask, past_seen)
-        hidden_states = inputs_embeds + self.embed_positions(position_ids + self.config.position_offset)
+        if self.config.rotary:
+            hidden_states = inputs_embeds
+            kwargs["position_embeddings"] = self.rotary_emb(hidden_states, position_ids)
+        else:
+            hidden_states = inputs_embeds + self.embed_positions(position_ids + self.config.position_offset)
         mask_positions = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                                          past_key_values=past_key_values, position_ids=mask_positions)
@@ -164,7 +184,7 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = RMSDecoderModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = nn.Linear(config.residual_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_output_embeddings(self):

@@ -340,6 +340,13 @@ class TPAAttention(nn.Module):
             else:
                 setattr(self, f"{name}_a", nn.Parameter(torch.empty(rank, h)))
         self.o_proj = nn.Linear(h * dh, d, bias=config.attention_out_bias)
+        if config.qk_norm:   # Qwen3's per-head QK-norm, on the query heads and the key factors
+            self.q_norm = TPARMSNorm(dh, eps=config.rms_norm_eps)
+            self.k_norm = TPARMSNorm(dh, eps=config.rms_norm_eps)
+
+    def _qk_normed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (``[..., d_h]``: query heads or Q/K token factors) through the QK-norm, if any."""
+        return getattr(self, f"{name}_norm")(t) if self.config.qk_norm else t
 
     # -- factors ---------------------------------------------------------------------------------
     def _a(self, name: str, x: torch.Tensor, rank: int) -> torch.Tensor:
@@ -353,12 +360,15 @@ class TPAAttention(nn.Module):
         B, T, _ = x.shape
         out = {}
         if self.q_rank is None:
-            out["q"] = apply_rotary(self.q_proj(x).view(B, T, self.num_heads, self.head_dim), cos, sin)
+            q = self._qk_normed("q", self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+            out["q"] = apply_rotary(q, cos, sin)
         else:
             out["a_q"] = self._a("q", x, self.q_rank)
-            out["b_q"] = apply_rotary(self.q_b_proj(x).view(B, T, self.q_rank, self.head_dim), cos, sin)
+            b_q = self._qk_normed("q", self.q_b_proj(x).view(B, T, self.q_rank, self.head_dim))
+            out["b_q"] = apply_rotary(b_q, cos, sin)
         out["a_k"] = self._a("k", x, self.k_rank)
-        out["b_k"] = apply_rotary(self.k_b_proj(x).view(B, T, self.k_rank, self.head_dim), cos, sin)
+        b_k = self._qk_normed("k", self.k_b_proj(x).view(B, T, self.k_rank, self.head_dim))
+        out["b_k"] = apply_rotary(b_k, cos, sin)
         out["a_v"] = self._a("v", x, self.v_rank)
         out["b_v"] = self.v_b_proj(x).view(B, T, self.v_rank, self.head_dim)
         return out
@@ -694,6 +704,22 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
             loss=loss, logits=logits, past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out if return_dict else out.to_tuple()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint names, for converters (hf_symmetry's to-tpa writes through these and spells no path itself)
+# ----------------------------------------------------------------------------------------------
+#: layer ``i``'s tensors are named ``LAYER_PREFIX.format(i) + module + ".weight"`` (or ``".bias"``)
+LAYER_PREFIX = "model.layers.{}."
+#: hf_symmetry's canonical module names (``q o gate up down attn_norm ffn_norm q_norm k_norm``) -> module
+#: inside a TPA decoder layer that holds the same tensor
+LAYER_MODULES = {"q": "self_attn.q_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                 "down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                 "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+#: the factors of keys and values: (non-contextual A parameter, B projection module)
+FACTORS = {"k": ("self_attn.k_a", "self_attn.k_b_proj"), "v": ("self_attn.v_a", "self_attn.v_b_proj")}
+#: canonical global names -> module
+GLOBAL_MODULES = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
 
 
 TPAModel.register_for_auto_class("AutoModel")

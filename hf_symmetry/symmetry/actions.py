@@ -126,6 +126,20 @@ def permute_ffn(layer: Tensors, perm: torch.Tensor) -> Tensors:
     return _map(out, lambda W: W[:, perm], "down.weight")
 
 
+def interleaved_to_half(layer: Tensors, layout: HeadLayout) -> Tensors:
+    """Re-pair the rotary dims of every q and k head from interleaved ``(2i, 2i+1)`` (GPT-J) to
+    rotate-half ``(i, i + r/2)`` (GPT-NeoX, Llama). The same permutation of q's and k's rows leaves every
+    score ``q·k`` unchanged and carries pair ``i`` with its frequency, so interleaved RoPE before equals
+    rotate-half RoPE after. Not a symmetry of one architecture: the RoPE layout changes with it."""
+    r, dh = layout.rotary_dim, layout.head_dim
+    perm = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, dh)])
+
+    def per_head(W: torch.Tensor) -> torch.Tensor:
+        return W.reshape(W.shape[0] // dh, dh, -1)[:, perm].reshape(W.shape)
+
+    return _map(layer, per_head, "q.weight", "q.bias", "k.weight", "k.bias")
+
+
 # ---------------------------------------------------------------------- residual stream
 
 

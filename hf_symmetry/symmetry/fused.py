@@ -266,14 +266,18 @@ class InputWeights:
     map and unweighting minimises the expected output error on such inputs, still at rank r."""
     root: torch.Tensor
     inv_root: torch.Tensor
-    root_aug: torch.Tensor
-    inv_root_aug: torch.Tensor
+    root_aug: torch.Tensor | None
+    inv_root_aug: torch.Tensor | None
 
     @classmethod
-    def from_moments(cls, gram: torch.Tensor, mean: torch.Tensor, floor: float = 1e-10) -> "InputWeights":
+    def from_moments(cls, gram: torch.Tensor, mean: torch.Tensor, floor: float = 1e-10,
+                     augmented: bool = True) -> "InputWeights":
         """``gram = E[x xᵀ]``, ``mean = E[x]``. Eigenvalues below ``floor · λ_max`` are lifted to it, so
-        directions the data never visits still count a little (and the inverse stays bounded)."""
+        directions the data never visits still count a little (and the inverse stays bounded).
+        ``augmented=False`` skips the query side's ``C̃`` roots (``None``; the value path never reads them)."""
         gram, mean = gram.to(torch.float64), mean.to(torch.float64)
+        if not augmented:
+            return cls(*_sym_roots(gram, floor), None, None)
         aug = torch.cat([torch.cat([gram, mean[:, None]], 1), torch.cat([mean, mean.new_ones(1)])[None]], 0)
         return cls(*_sym_roots(gram, floor), *_sym_roots(aug, floor))
 

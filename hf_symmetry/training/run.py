@@ -151,6 +151,7 @@ class TrainOutcome:
     train_tokens: int               # tokens seen by the optimizer over all steps (all processes)
     seconds: float
     tokens_per_second: float        # this run's training throughput (all processes together)
+    cpu_seconds: float = 0.0        # process CPU seconds of this process's training (all its threads)
 
 
 def _make_trainer_class():
@@ -267,9 +268,9 @@ def train(model: torch.nn.Module, train_dataset, eval_dataset=None, settings: Tr
         trainer.add_callback(_progress_callback(settings.loss_name))
     resume = last_checkpoint(settings.output_dir) if settings.resume else None
     start_step = int(Path(resume).name.split("-")[-1]) if resume else 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = trainer.train(resume_from_checkpoint=resume)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     eval_loss = None
     if eval_dataset is not None:
         eval_loss = float(trainer.evaluate()["eval_loss"])
@@ -281,7 +282,8 @@ def train(model: torch.nn.Module, train_dataset, eval_dataset=None, settings: Tr
                         train_loss=float(result.training_loss), eval_loss=eval_loss,
                         log_history=list(trainer.state.log_history), resumed_from=resume,
                         train_tokens=trainer.state.global_step * global_batch * seq_len, seconds=seconds,
-                        tokens_per_second=steps_run * global_batch * seq_len / max(seconds, 1e-9))
+                        tokens_per_second=steps_run * global_batch * seq_len / max(seconds, 1e-9),
+                        cpu_seconds=cpu_seconds)
 
 
 def _stack(items: list[dict]) -> dict:

@@ -7,21 +7,18 @@ uncompressed model" statistics of the paper come from this one pass), the inputs
 raw stream covariance.
 
 Sequential calibration: segment k's statistics come instead from the model whose segments before k are
-already compressed (as SliceGPT and GPTQ calibrate). Stage W: :class:`FoldedLlama`, the norm-folded
-model with matrices replaced by their approximations; SliceGPT: :func:`sequential_stream_pca` on the
-calibration engine, each decoder layer run as :class:`SlicedLayer` (the stream projected onto the kept
-directions)."""
+already compressed (as SliceGPT and GPTQ calibrate), both on the calibration engine's sequential mode
+(one decoder layer in memory). Stage W: :func:`sequential_weighted`, each layer run as the family's own
+module with its norms folded and its matrices replaced by their approximations; SliceGPT:
+:func:`sequential_stream_pca`, each decoder layer run as :class:`SlicedLayer` (the stream projected
+onto the kept directions)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
-
-from ...architectures import Adapter
-from .plan import MatrixPlan
 
 Tensors = dict[str, torch.Tensor]
 
@@ -95,124 +92,130 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
     return stats
 
 
-def _rms_normalised(h: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without γ (γ is folded into the readers)."""
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+@dataclass
+class CalibrationInput:
+    """What sequential calibration runs on: the checkpoint (or tensor source with its config), the
+    calibration token ids, the batch length and the device placement of the calibration engine."""
+    source: object
+    config: dict
+    ids: torch.Tensor
+    seq_len: int
+    placement: object = None
 
 
-def _moment(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token (cross) second moment ``xᵀy / n``, ``y = x`` by default (float32 product, float64 result,
-    as :func:`collect_statistics`)."""
-    return (x.T @ (x if y is None else y)).double() / x.shape[0]
+#: per segment kind: the writer's input site, the stream before the writer adds to it, the stream
+#: the segment's readers see (normalised), on a decoder layer of the calibration engine
+_ATTN_SITES = ("o_in", "layer_in", "normed:ffn_norm_in")
+_FFN_SITES = ("down_in", "ffn_norm_in", "normed:layer_out")
 
 
-class FoldedLlama:
-    """The norm-folded model (RMSNorm without γ, γ in the readers) in float32 on all calibration batches
-    at once, for sequential calibration. With one rotation per residual segment the compressed model
-    *is* this model with every compressed matrix replaced by its approximation in the original basis,
-    ``Ŵ Qᵀ`` (:meth:`replace`): RMSNorm commutes with the rotations and the skips are exact. :meth:`walk`
-    visits the segments in order and measures each one on the model whose earlier segments are
-    replaced (and, to match the original model, also runs the original alongside). Memory: the
-    calibration activations (tokens × intermediate size), float32, and the approximations of the layer
-    being walked; the weights are the caller's tensors, cast per use. One walk per instance."""
+def _request(sites: tuple[str, str, str], match_original: bool):
+    from ...calibration import StatsRequest
 
-    def __init__(self, layers: list[Tensors], globals_: Tensors, adapter: Adapter, model_config: dict,
-                 ids: torch.Tensor, seq_len: int):
-        from transformers.activations import ACT2FN
-
-        # references to the caller's (float64) tensors, cast per use: no second copy of the model; a
-        # layer's entries are dropped once the walk has passed it
-        self.weights = {f"{i}.{k}": v for i, lw in enumerate(layers) for k, v in lw.items() if "norm" not in k}
-        self.weights["embed.weight"] = globals_["embed.weight"]
-        self.original = dict(self.weights)      # replace() rebinds entries of self.weights only
-        self.batches = [b.numel() for b in calibration_batches(ids, seq_len)]
-        self.ids = ids[: sum(self.batches)]
-        self.layout, self.eps, self.n_layers = adapter.layout, adapter.eps, len(layers)
-        self.act = ACT2FN[model_config["hidden_act"]]
-        self.cos, self.sin = _rope_tables(model_config, max(self.batches))
-
-    def replace(self, m: MatrixPlan, M: torch.Tensor) -> None:
-        """Use ``M`` (the solver's ``[k, d]`` orientation, original basis) for the matrix of ``m``."""
-        key = f"{m.canon}.weight" if m.layer is None else f"{m.layer}.{m.canon}.weight"
-        self.weights[key] = (M if m.role == "reader" or m.canon == "embed" else M.T).float()
-
-    def walk(self, stats: CalibrationStats):
-        """Yield the segments ``0, 1, …, 2L`` in order, each once its statistics (``normed``, its writer's
-        ``attn_out``/``mlp_hidden``, ``stream`` when asked for, and with ``stats.normed_cross`` set the
-        ``*_cross`` and ``*_drift`` moments against the original model) are in ``stats``; the matrices
-        replaced before resuming are used from then on (a segment's own writers still count as dense in
-        what its statistics measure)."""
-        original = self._segments(self.original) if stats.normed_cross is not None else None
-        for k, (z, s, h) in enumerate(self._segments(self.weights)):
-            writer, i = ("attn_out" if k % 2 else "mlp_hidden"), (k - 1) // 2
-            if z is not None and getattr(stats, writer) is not None:
-                getattr(stats, writer)[i] = _moment(z)
-            if stats.stream is not None:
-                stats.stream[k] = _moment(s)
-            x = self._norm(s)
-            if stats.normed is not None:
-                stats.normed[k] = _moment(x)
-            if original is not None:
-                z0, s0, h0 = next(original)
-                stats.normed_cross[k] = _moment(x, self._norm(s0))
-                if z is not None:
-                    getattr(stats, writer + "_cross")[i] = _moment(z, z0)
-                    getattr(stats, writer + "_drift")[i] = _moment(z, h0 - h)
-                del z0, s0, h0
-            del z, s, h, x
-            yield k
-
-    def _segments(self, weights: Tensors):
-        """Per segment, in order: (its writer's input, the stream its readers see, the stream before the
-        writer — none for the embedding), reading ``weights`` anew after each yield."""
-        embed = lambda: weights["embed.weight"][self.ids].float()  # noqa: E731
-        yield None, embed(), None
-        h = embed()
-        weights.pop("embed.weight")
-        for i in range(self.n_layers):
-            z = self._attention(self._norm(h), i, weights)
-            yield z, h + self._linear(z, i, "o", weights), h
-            h = h + self._linear(z, i, "o", weights)
-            x = self._norm(h)
-            u = self.act(self._linear(x, i, "gate", weights)) * self._linear(x, i, "up", weights)
-            yield u, h + self._linear(u, i, "down", weights), h
-            h = h + self._linear(u, i, "down", weights)
-            for key in [k for k in weights if k.startswith(f"{i}.")]:
-                del weights[key]
-
-    def _linear(self, x: torch.Tensor, i: int, canon: str, weights: Tensors) -> torch.Tensor:
-        y = x @ weights[f"{i}.{canon}.weight"].to(x.dtype).T
-        bias = weights.get(f"{i}.{canon}.bias")
-        return y if bias is None else y + bias.to(x.dtype)
-
-    def _norm(self, h: torch.Tensor) -> torch.Tensor:
-        return _rms_normalised(h, self.eps)
-
-    def _attention(self, x: torch.Tensor, i: int, weights: Tensors) -> torch.Tensor:
-        """Causal GQA attention per batch: the inputs of ``o_proj``."""
-        L = self.layout
-        q, k, v = (self._linear(x, i, c, weights) for c in ("q", "k", "v"))
-        out, start = [], 0
-        for n in self.batches:
-            def heads(t, count):
-                return t[start:start + n].view(1, n, count, L.head_dim).transpose(1, 2)
-            qh, kh, vh = heads(q, L.n_heads), heads(k, L.n_kv_heads), heads(v, L.n_kv_heads)
-            qh, kh = apply_rotary_pos_emb(qh, kh, self.cos[None, :n], self.sin[None, :n])
-            groups = L.n_heads // L.n_kv_heads
-            kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
-            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
-            out.append(o.transpose(1, 2).reshape(n, -1))
-            start += n
-        return torch.cat(out)
+    writer, before, normed = sites
+    if not match_original:
+        return StatsRequest(grams=(writer, normed))
+    return StatsRequest(grams=(writer, normed), joint=((writer, before),),
+                        cross=((writer, writer), (normed, normed), (writer, before)))
 
 
-def _rope_tables(model_config: dict, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin [length, head_dim]`` of the compressed model's rotary embedding."""
-    from .assemble import config_object
+def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_kind: str) -> None:
+    """Segment ``segment``'s statistics (``writer_kind``: ``attn_out`` or ``mlp_hidden``) from one
+    :meth:`LayerStep.collect`, per token: the writer's inputs X̂ᵀX̂, the readers' normalised stream,
+    and when matching the original model the cross moments X̂ᵀX and the drift X̂ᵀ(H − Ĥ)."""
+    writer, before, normed = sites
+    n = got.tokens
+    getattr(stats, writer_kind)[layer] = got.grams[writer] / n
+    stats.normed[segment] = got.grams[normed] / n
+    if stats.normed_cross is not None:
+        stats.normed_cross[segment] = got.cross[(normed, normed)] / n
+        getattr(stats, writer_kind + "_cross")[layer] = got.cross[(writer, writer)] / n
+        getattr(stats, writer_kind + "_drift")[layer] = (got.cross[(writer, before)] - got.joint[(writer, before)]) / n
 
-    rotary = LlamaRotaryEmbedding(config=config_object(model_config))
-    cos, sin = rotary(torch.zeros(1, 1, 1), torch.arange(length)[None])
-    return cos[0].float(), sin[0].float()
+
+def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, match_original: bool,
+                        solve_segment, progress: bool = True) -> CalibrationStats:
+    """Stage W with sequential calibration on the calibration engine (its sequential mode, one decoder
+    layer in memory): the segments ``0, 1, …, 2L`` in order, each measured on the model whose earlier
+    segments are already compressed, and with ``match_original`` also the original model's stream
+    carried alongside. ``solve_segment(k, stats)`` solves segment ``k`` from ``stats`` (its entries
+    for segment k are filled) and returns ``[(MatrixPlan, M̂)]``: the approximations, in the solver's
+    ``[k, d]`` orientation and the original basis, that replace the segment's matrices from then on.
+    A segment's own writer still counts as dense in what its statistics measure.
+
+    Each layer runs as the family's own decoder-layer module with its norms folded (γ = 1, γ in the
+    readers): with one rotation per residual segment the compressed model *is* this model with every
+    compressed matrix replaced by its approximation in the original basis (RMSNorm commutes with the
+    rotations, the skips are exact). Per layer i: segment 2i+1 (o, gate, up) is measured with q/k/v
+    replaced, segment 2i+2 (down, and the next layer's q/k/v or the head) with o/gate/up replaced too;
+    the fully replaced layer's outputs are handed on. Segment 0 (the embedding and layer 0's q/k/v) is
+    measured on the embeddings, and the compressed embedding's rows then enter layer 0."""
+    from ...calibration import CalibrationEngine, StatsRequest
+    from ...calibration import calibration_batches as batches
+    from ...calibration.engine import Activations
+    from ...symmetry import actions
+
+    engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
+    adapter = engine.adapter
+    L = adapter.n_layers
+    n_seg = 2 * L + 1
+    stats = CalibrationStats(0, token_counts, normed=[None] * n_seg, attn_out=[None] * L, mlp_hidden=[None] * L)
+    if match_original:
+        stats.normed_cross = [None] * n_seg
+        for name in ("attn_out_cross", "mlp_hidden_cross", "attn_out_drift", "mlp_hidden_drift"):
+            setattr(stats, name, [None] * L)
+    chunks = batches(calib.ids, calib.seq_len)
+    run = engine.start(chunks, carry_original=match_original)
+    stats.tokens = run.tokens
+    first = StatsRequest(grams=("normed:layer_in",),
+                         cross=(("normed:layer_in", "normed:layer_in"),) if match_original else ())
+    pending: dict[str, torch.Tensor] = {}          # canonical weights of the next layer's solved readers
+
+    def apply(replacements, layer: int, canon: Tensors) -> None:
+        for m, M in replacements:
+            W = M if m.role == "reader" or m.canon == "embed" else M.T
+            if m.canon == "embed":
+                E = W.to(engine.dtype)
+                home = run.stream.batches[0].device
+                run.stream = Activations([E[b.to(E.device)].to(device=home) for b in chunks])
+            elif m.canon == "lm_head":
+                continue                             # nothing runs after the head
+            elif m.layer == layer:
+                canon[f"{m.canon}.weight"] = W
+            elif m.layer == layer + 1:
+                pending[f"{m.canon}.weight"] = W
+            else:
+                raise AssertionError(f"segment solve replaced {m.name} out of order (layer {layer})")
+
+    def module(step, canon: Tensors) -> torch.nn.Module:
+        """The layer's module (a copy) with the canonical tensors ``canon`` (norm-folded)."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        out = copy.deepcopy(step.module)
+        prefix = adapter.layer_prefix(step.index)
+        like = {prefix + n: engine.dtype for n, _ in step.module.named_parameters()}
+        for key, t in adapter.write_layer(step.index, canon, like).items():
+            set_module_tensor_to_device(out, key[len(prefix):], engine.device, value=t, dtype=engine.dtype)
+        return out.eval()
+
+    for step in run.layers(first, only={0}):
+        i = step.index
+        canon = actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
+        if i == 0:
+            n = step.stats.tokens
+            stats.normed[0] = step.stats.grams["normed:layer_in"] / n
+            if match_original:
+                stats.normed_cross[0] = step.stats.cross[("normed:layer_in", "normed:layer_in")] / n
+            apply(solve_segment(0, stats), -1, canon)
+        canon.update(pending)
+        pending.clear()
+        for k, sites, kind in ((2 * i + 1, _ATTN_SITES, "attn_out"), (2 * i + 2, _FFN_SITES, "mlp_hidden")):
+            partial = module(step, canon)
+            _record(stats, step.collect(_request(sites, match_original), module=partial), sites, k, i, kind)
+            del partial
+            apply(solve_segment(k, stats), i, canon)
+        step.replace(module(step, canon))
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------

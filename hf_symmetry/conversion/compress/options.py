@@ -43,11 +43,12 @@ class CompressOptions:
     gs_blocks: tuple[int, int] | None = None     # (kl, kr) tiles of layer matrices; embeddings use (1, kr)
     compress_embeddings: bool = True
     dense_modules: tuple[str, ...] = ("v",)      # the paper leaves V dense
-    f_iters: int = 20
-    w_iters: int = 1
+    f_iters: int = 20                            # stage F alternations at most
+    w_iters: int = 50                            # stage W alternations at most (a cap: ``tol`` stops it)
     als_iters: int = 5
     wopp_iters: int = 50
-    tol: float = 0.0                             # stage F/W stop: relative decrease per alternation (0: fixed count)
+    tol: float = 1e-3                            # stage F/W stop: relative decrease per alternation (0: fixed count)
+    extrapolate: bool = True                     # stage W: over-relaxation of Q between alternations
     wopp_tol: float = 1e-9                       # weighted Procrustes stop: gradient norm relative to its first
     solver_dtype: str = "float32"                # iterations in float32 (fast), final projections in float64
     damping: float = 0.01                        # covariance damping, relative to the mean eigenvalue
@@ -96,9 +97,9 @@ class CompressOptions:
             raise ValueError(f"tolerances must be >= 0, got tol={self.tol}, wopp_tol={self.wopp_tol}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {self.allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
-        if self.allocation != "uniform" and self.slicing:
-            raise ValueError("non-uniform allocation applies to the structured classes (kron, gs, lowrank); the "
-                             "compressed model family has one residual width for SliceGPT")
+        if self.allocation != "uniform" and self.slicing and self.q_mode != "global":
+            raise ValueError("per-segment SliceGPT widths (--allocation sensitivity) need one global PCA "
+                             "(--q-mode global): with one basis per segment the skip matrices would change shape")
         if self.allocation != "uniform" and not self.needs_calibration:
             raise ValueError("non-uniform allocation measures sensitivity on calibration text: use stage f or w")
         for name in _ITER_NAMES:
@@ -204,10 +205,10 @@ class CompressOptions:
             if self.weighted:
                 keys += ["w_iters", "als_iters", "damping", "sequential"]
                 if self.rotates:
-                    keys += ["wopp_iters", "wopp_tol"]
+                    keys += ["wopp_iters", "wopp_tol", "extrapolate"]
                 if self.sequential:
                     keys.append("match_original")
-        if not self.slicing:
+        if not self.slicing or self.q_mode == "global":
             keys.append("allocation")
         if not self.needs_calibration:
             keys = [k for k in keys if not k.startswith("calib")]

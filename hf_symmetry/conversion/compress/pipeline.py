@@ -10,12 +10,14 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint import CheckpointReader, atomic_output_dir, check_output_dir, copy_side_files
+from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
+                           parse_size)
 from ...hub.cards import public_report
 from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
-from .assemble import assemble, build_model, compressed_config, read_folded
-from .calibration import CalibrationStats, FoldedLlama, collect_statistics, sequential_stream_pca
+from .assemble import assemble, build_model, compressed_config, config_object, read_folded
+from .calibration import CalibrationInput, CalibrationStats, collect_statistics, sequential_stream_pca
+from .layernorm import through_rms_decoder
 from .options import CompressOptions
 from .plan import Plan, check_family, plan_for
 from .solve import solve
@@ -71,11 +73,13 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
                      calib_ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                      progress: bool = True, plan: Plan | None = None, stats: CalibrationStats | None = None,
                      hf_config=None, rotations: list[torch.Tensor] | None = None,
-                     placement=None) -> tuple[Tensors, dict, CompressReport]:
+                     placement=None, sink=None) -> tuple[Tensors, dict, CompressReport]:
     """The whole pipeline on tensors: (compressed state dict, config dict, report). Calibration runs
     the layer-wise engine over ``source`` on ``placement`` (:func:`hf_symmetry.devices.resolve`;
     default CPU float32); ``stats`` may be passed in instead (e.g. cached by a benchmark); ``plan``
-    and ``rotations`` override the planned structures and the starting rotations (see :func:`solve`)."""
+    and ``rotations`` override the planned structures and the starting rotations (see :func:`solve`).
+    The norm-folded layers are read from ``source`` as the steps need them. ``sink``: receives the
+    compressed tensors as they are assembled, layer by layer (the returned state dict is then empty)."""
     times = {}
     t0 = time.perf_counter()
     if plan is None:
@@ -91,28 +95,29 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         _require_calibration(options, calib_ids)
         t = time.perf_counter()
         keep, allocation = allocate_for(source, config, options, plan, calib_ids[: options.calib_tokens],
-                                        stats.token_counts if stats is not None else None, placement, progress)
+                                        stats.token_counts if stats is not None else None, placement, progress,
+                                        stats=stats)
         plan, _ = plan_for(source, config, options, keep=keep)
         plan.accounting["allocation_report"] = allocation
         times["allocation"] = time.perf_counter() - t
     t1 = time.perf_counter()
-    layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied)
+    layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied, lazy=True)
     new_config = compressed_config(config, plan, options, hf_config)
-    net = None
+    calib = None
     if options.solver == "pca-sequential":
         _require_calibration(options, calib_ids)
         rotations, stats = sequential_stream_pca(source, config, calib_ids[: options.calib_tokens],
                                                  options.calib_seq_len, plan.residual, placement, progress)
     elif options.sequential:
         _require_calibration(options, calib_ids)
-        net = FoldedLlama(layers, globals_, adapter, new_config, calib_ids[: options.calib_tokens],
-                          options.calib_seq_len)
+        calib = CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement)
+    from ...devices import linalg_device
+
     with st.limit_threads(1):
-        res = solve(plan, layers, globals_, stats, options, progress, rotations, net)
-    del net
+        res = solve(plan, layers, globals_, stats, options, progress, rotations, calib, device=linalg_device(placement))
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    state = assemble(plan, layers, globals_, gamma, res, dtype, progress)
+    state = assemble(plan, layers, globals_, gamma, res, dtype, progress, sink=sink)
     times["assemble"] = time.perf_counter() - t2
     report = CompressReport(source="", output=None, family=plan.family, options=options.as_dict(),
                             accounting=plan.accounting, relative_errors=res.relative_errors,
@@ -123,8 +128,13 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
 
 def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None, progress: bool = False,
                    stats: CalibrationStats | None = None, placement=None):
-    """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report)."""
+    """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report); an OPT / GPT-2
+    model -> (RMSDecoderForCausalLM, report) (SliceGPT only, :mod:`.layernorm`)."""
     options.validate()
+    if through_rms_decoder(model.config):
+        from .layernorm import compress_layer_norm_model
+
+        return compress_layer_norm_model(model, options, calib_ids, progress=progress, placement=placement)
     dtype = next(model.parameters()).dtype
     config = model.config.to_dict()
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
@@ -137,63 +147,97 @@ def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | No
 
 
 def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptions, calib_text: str | Path | None,
-                        overwrite: bool = False, progress: bool = True, eval_text: str | Path | None = None,
-                        eval_tokens: int | None = None, placement=None) -> CompressReport:
+                        overwrite: bool = False, progress: bool = True, placement=None,
+                        max_shard_size: str | int = "2GB") -> CompressReport:
     """Compress the HF folder ``src`` into ``out`` (loadable with ``trust_remote_code=True``). Every
     input is checked before any work; ``out`` appears only when everything succeeded. The tokenizer is
-    loaded once; calibration reads the checkpoint one layer at a time on ``placement``'s device, and
-    the whole source model is loaded only for the original's perplexity (``eval_text``), then
-    released before the solve."""
+    loaded once; the source model is never loaded whole: calibration reads the checkpoint one decoder
+    layer at a time on ``placement``'s device, the solvers read the layers as they need them, and the
+    compressed tensors are written to safetensors shards as they are assembled. Perplexity before/after is the command's verification
+    step (:func:`record_verification`), run on the written folder."""
     from transformers import AutoConfig
 
-    from ...evaluation.compare import load_model, load_tokenizer
-    from ...evaluation.perplexity import PPL, perplexity, read_text, tokenize_text
+    from ...evaluation.compare import load_tokenizer
+    from ...evaluation.perplexity import read_text, tokenize_text
     from .card import write_card
 
     options.validate()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
+    if through_rms_decoder(reader.config):    # LayerNorm decoders: SliceGPT via the RMS-decoder family
+        from .layernorm import compress_layer_norm_checkpoint
+
+        return compress_layer_norm_checkpoint(reader, out, options, calib_text, overwrite, progress, placement)
     plan, adapter = plan_for(reader, reader.config, options)
     calib = read_text(calib_text) if calib_text is not None else None  # an empty file fails here, before any load
     if options.needs_calibration and calib is None:
         raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
                          "embedded name)")
-    evaluation = read_text(eval_text) if eval_text is not None else None
-    tokenizer = load_tokenizer(src) if (options.needs_calibration or evaluation is not None) else None
-    calib_ids = eval_ids = None
+    calib_ids = None
     if options.needs_calibration:
-        calib_ids = tokenize_text(tokenizer, calib, max_tokens=options.calib_tokens)
+        calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
         if calib_ids.numel() < 2:
             raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
-    if evaluation is not None:
-        eval_ids = tokenize_text(tokenizer, evaluation, max_tokens=eval_tokens or PPL.tokens)
     hf_config = AutoConfig.from_pretrained(src)
     dtype = getattr(hf_config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
-    original_ppl = None
-    if eval_ids is not None:
-        original = load_model(src)
-        original_ppl = perplexity(original, eval_ids, PPL.window, PPL.stride, progress=False).perplexity
-        del original
-    state, new_config, report = compress_tensors(reader, reader.config, options, calib_ids=calib_ids, dtype=dtype,
-                                                 progress=progress, plan=plan, hf_config=hf_config,
-                                                 placement=placement)
-    model, counted = build_model(state, new_config, dtype)
-    del state
-    report.accounting["compressed_model_params_counted"] = counted
-    report.source, report.output = str(src), str(out)
-    if eval_ids is not None:
-        report.perplexity = {"text": str(eval_text), "tokens": int(eval_ids.numel()), "window": PPL.window,
-                             "stride": PPL.stride, "original": original_ppl,
-                             "compressed": perplexity(model, eval_ids, PPL.window, PPL.stride,
-                                                      progress=False).perplexity}
     with atomic_output_dir(out, overwrite) as tmp:
-        model.save_pretrained(tmp)
+        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "compress"})
+        counted = 0
+
+        def sink(tensors: Tensors) -> None:        # one module's tensors at a time, straight to the shard
+            nonlocal counted
+            counted += sum(t.numel() for t in tensors.values())
+            writer.add(tensors)
+
+        _, new_config, report = compress_tensors(reader, reader.config, options, calib_ids=calib_ids, dtype=dtype,
+                                                 progress=progress, plan=plan, hf_config=hf_config,
+                                                 placement=placement, sink=sink)
+        writer.close()
+        _save_config(new_config, dtype, tmp)
+        report.accounting["compressed_model_params_counted"] = counted
+        report.source, report.output = str(src), str(out)
         copy_side_files(reader.path, tmp)
-        (tmp / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
+        _write_report(tmp, report)
         write_card(tmp, report, options)
         for f in tmp.iterdir():          # like save_pretrained elsewhere: ordinary readable files
             if f.is_file():
                 os.chmod(f, 0o644)
     return report
+
+
+def _save_config(config: dict, dtype: torch.dtype, folder: Path) -> None:
+    """config.json with ``auto_map`` plus the flat remote-code files, as ``save_pretrained`` writes them
+    (the weights are streamed separately)."""
+    from accelerate import init_empty_weights
+    from transformers.dynamic_module_utils import custom_object_save
+
+    from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
+
+    with init_empty_weights():
+        skeleton = CompressedLlamaForCausalLM(config_object(config))
+    skeleton.config.dtype = str(dtype).split(".")[1]
+    skeleton.config.architectures = [type(skeleton).__name__]
+    custom_object_save(skeleton, folder, config=skeleton.config)
+    skeleton.config.save_pretrained(folder)
+
+
+def _write_report(folder: Path, report: CompressReport) -> None:
+    (Path(folder) / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
+
+
+def record_verification(folder: str | Path, report: CompressReport, options: CompressOptions, verification) -> None:
+    """Put the verification's perplexities (original and compressed, the shared definition) into the
+    report (``compression_report.json``) and the card of ``folder``, which the verification step then
+    completes with its own figures."""
+    from .card import write_card
+
+    v = verification
+    if v.perplexity_original is None or v.perplexity_converted is None:
+        return
+    report.perplexity = {"text": v.text, "tokens": v.ppl_tokens, "window": v.ppl_window, "stride": v.ppl_stride,
+                         "original": v.perplexity_original, "compressed": v.perplexity_converted}
+    folder = Path(folder)
+    _write_report(folder, report)
+    write_card(folder, report, options)

@@ -56,10 +56,15 @@ class Plan:
     lm_head: str               # tied | tied_mixed | separate
     matrices: list[MatrixPlan]
     accounting: dict = field(default_factory=dict)
+    residual_sizes: list[int] | None = None    # per-segment widths (SliceGPT, one global Q), else None
 
     @property
     def n_segments(self) -> int:
         return 2 * self.n_layers + 1
+
+    def width(self, segment: int) -> int:
+        """Width of residual segment ``segment`` in the compressed model."""
+        return self.residual if self.residual_sizes is None else self.residual_sizes[segment]
 
     def layer_matrices(self, i: int) -> dict[str, MatrixPlan]:
         return {m.canon: m for m in self.matrices if m.layer == i}
@@ -187,7 +192,9 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     """Decide every structure before any work; raises ValueError for what cannot be done.
 
     ``keep`` (name → fraction of that matrix's parameters kept; 1 = dense) replaces the uniform size of
-    the ratio: non-uniform allocations (:mod:`.allocate`), checked against the ratio like uniform ones."""
+    the ratio: non-uniform allocations (:mod:`.allocate`), checked against the ratio like uniform ones.
+    For SliceGPT its keys are ``segment{k}`` and its values the fraction of the hidden size kept in
+    residual segment ``k`` (one global rotation: per-segment widths need no skip matrices)."""
     options.validate()
     adapter = check_family(config, keys)
     d, n_layers = adapter.hidden, adapter.n_layers
@@ -198,8 +205,16 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     target_total = dense_total - options.ratio * p_compressed
     gamma_is_one = final_gamma is None or bool(torch.all(final_gamma == 1))
 
+    widths = None
     if options.slicing:
-        residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total)
+        if keep is None:
+            residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total)
+        else:
+            if segment:
+                raise ValueError("per-segment SliceGPT widths need one global rotation (--q-mode global)")
+            widths = segment_widths(keep, d, n_layers)
+            residual = max(widths)
+            structures = {e.name: st.Dense((e.shape[0], widths[e.segment])) for e in entries}
         skip = "dense" if segment else "none"
         lm_head = "tied_mixed" if tied else "separate"
     else:
@@ -223,7 +238,10 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
                                                 e.canon in ("embed", "lm_head"))
                                   if in_policy(e.canon, options) else st.Dense(e.shape))
     matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
-    plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices)
+    plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices,
+                residual_sizes=None if widths is None or len(set(widths)) == 1 else widths)
+    if widths is not None and plan.residual_sizes is None:
+        plan.residual = widths[0]
     plan.accounting = accounting(plan, dense_total, p_compressed, options)
     # the total every allocation at these options must meet: the ratio's, or the preset's uniform size
     plan.accounting["target_params"] = (round(target_total) if options.matrix_keep is None
@@ -262,10 +280,22 @@ def plan_slice(entries, d, n_layers, tied, segment, target_total) -> tuple[int, 
     return best, {e.name: st.Dense((e.shape[0], best)) for e in entries}
 
 
-def _module_params(m: MatrixPlan, residual: int) -> int:
+def segment_widths(keep: dict[str, float], d: int, n_layers: int) -> list[int]:
+    """Per-segment widths from SliceGPT's ``keep`` map (``segment{k}`` → fraction of ``d``)."""
+    n_seg = 2 * n_layers + 1
+    missing = [k for k in range(n_seg) if f"segment{k}" not in keep]
+    if missing:
+        raise ValueError(f"per-segment widths lack segments {missing[:4]}")
+    widths = [int(round(keep[f"segment{k}"] * d)) for k in range(n_seg)]
+    if not all(1 <= w <= d for w in widths):
+        raise ValueError(f"segment widths must be in [1, {d}], got {widths}")
+    return widths
+
+
+def _module_params(m: MatrixPlan, width: int) -> int:
     bias = 0
     if m.bias:
-        bias = m.structure.shape[0] if m.role == "reader" else residual
+        bias = m.structure.shape[0] if m.role == "reader" else width
     return m.structure.params() + bias
 
 
@@ -273,10 +303,10 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
     d, dr = plan.hidden, plan.residual
     skip_each = {"orthogonal": d * (d + 1) // 2, "dense": dr * dr, "none": 0}[plan.skip]
     skips = 2 * plan.n_layers * skip_each
-    mix = dr * dr if plan.lm_head == "tied_mixed" else 0
+    mix = plan.width(0) * plan.width(2 * plan.n_layers) if plan.lm_head == "tied_mixed" else 0
     compressed_set = [m for m in plan.matrices if in_policy(m.canon, options)]
     structured = sum(m.structure.params() for m in compressed_set)
-    total = sum(_module_params(m, dr) for m in plan.matrices) + skips + mix
+    total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix
     per_matrix = {m.name: {"structure": m.module_structure.spec(), "dense_params": m.structure.shape[0] * d,
                            "params": m.structure.params(),
                            "ratio": 1 - m.structure.params() / (m.structure.shape[0] * d)}
@@ -294,6 +324,7 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
         "dense_model_params": dense_total,
         "compressed_model_params": total,
         "ratio_over_model": 1 - total / dense_total,
+        **({"residual_sizes": list(plan.residual_sizes)} if plan.residual_sizes is not None else {}),
         "per_matrix": per_matrix,
     }
 

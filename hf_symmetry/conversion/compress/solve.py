@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ...symmetry import structured as st
 from ...symmetry.segments import Term, balance, solve_segment
-from .calibration import CalibrationStats, FoldedLlama, pca as _pca
+from .calibration import CalibrationInput, CalibrationStats, pca as _pca, sequential_weighted
 from .options import CompressOptions
 from .plan import MatrixPlan, Plan
 
@@ -24,7 +24,7 @@ Tensors = dict[str, torch.Tensor]
 
 def _damped(G: torch.Tensor, damping: float) -> torch.Tensor:
     """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening)."""
-    return G + damping * G.diagonal().mean().clamp_min(1e-12) * torch.eye(G.shape[0], dtype=G.dtype)
+    return G + damping * G.diagonal().mean().clamp_min(1e-12) * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
 
 
 def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch.Tensor:
@@ -47,7 +47,8 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
     else:
         key = "attn_out" if m.canon == "o" else "mlp_hidden"
         G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
-        drift = getattr(stats, key + "_drift")[m.layer]
+        drift = getattr(stats, key + "_drift")[m.layer].to(M.device)
+    G, Cx = G.to(M.device), Cx.to(M.device)
     ridge = _damped(G, damping) - G
     target = M.T if m.role == "reader" else M
     out = torch.linalg.solve(G + ridge, (Cx + ridge) @ target + drift)
@@ -55,18 +56,18 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
 
 
 def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
-           options: CompressOptions, only: int | None = None) -> list[tuple[list[Term], list[Term]]]:
+           options: CompressOptions, only: int | None = None, device=None) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
     ``only`` filled when given: sequential calibration has the statistics of one segment at a time)."""
     n_seg = 2 * plan.n_layers + 1
     segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
-    token_gram = None if stats is None else st.Gram(diag=stats.token_counts + 1.0)   # (√(D+1))²
+    token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
     weighted = stage == "w" and stats is not None and stats.normed is not None
     reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
     for m in plan.matrices:
         if not m.compressed or (only is not None and m.segment != only):
             continue
-        M = _matrix_of(m, layers, globals_)
+        M = _matrix_of(m, layers, globals_).to(device)
         if weighted and stats.normed_cross is not None and m.canon != "embed":
             M = _matched(m, M, stats, options.damping)
         term = Term(m.name, M, m.structure)
@@ -76,12 +77,12 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
         if weighted:
             if m.role == "reader" and term.row_gram is None:
                 if m.segment not in reader_cov:
-                    reader_cov[m.segment] = _damped(stats.normed[m.segment], options.damping)
+                    reader_cov[m.segment] = _damped(stats.normed[m.segment].to(device), options.damping)
                 term.col_gram = reader_cov[m.segment]
             elif m.canon == "o":
-                term.row_gram = st.Gram(matrix=_damped(stats.attn_out[m.layer], options.damping))
+                term.row_gram = st.Gram(matrix=_damped(stats.attn_out[m.layer].to(device), options.damping))
             elif m.canon == "down":
-                term.row_gram = st.Gram(matrix=_damped(stats.mlp_hidden[m.layer], options.damping))
+                term.row_gram = st.Gram(matrix=_damped(stats.mlp_hidden[m.layer].to(device), options.damping))
         terms, readers = segments[m.segment]
         terms.append(term)
         if m.role == "reader":
@@ -101,72 +102,92 @@ class SolveResult:
     stats: CalibrationStats | None = None        # sequential calibration: the statistics it measured
 
 
-def _stopping(options: CompressOptions) -> dict:
-    """Stage F/W's stopping rule (:func:`...symmetry.segments.solve_segment`)."""
-    return {"tol": options.tol, "wopp_tol": options.wopp_tol}
+def _stopping(options: CompressOptions, stage: str = "w") -> dict:
+    """Stage F/W's stopping rule and acceleration (:func:`...symmetry.segments.solve_segment`): both
+    stages stop by ``tol``; stage W over-relaxes Q between alternations (``extrapolate``)."""
+    return {"tol": options.tol, "wopp_tol": options.wopp_tol, "extrapolate": options.extrapolate and stage == "w"}
 
 
-def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress):
-    segments = _terms(plan, layers, globals_, stats, stage, options)
+def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict) -> None:
+    """Record the solved factors (in host memory) and relative errors of ``terms`` (their matrices are
+    then no longer needed: nothing else holds them)."""
+    for t in terms:
+        factors[t.name] = tuple(f.cpu() for f in t.factors)
+        rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
+                            torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
+
+
+def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress, factors, rel,
+                 device=None):
+    """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
+    all segments' terms together; one Q per segment builds, solves and drops the terms segment by
+    segment (the layers are read as the segments need them), keeping only factors and errors."""
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     if options.q_mode == "global":
+        segments = _terms(plan, layers, globals_, stats, stage, options, device=device)
         terms = [t for seg, _ in segments for t in seg]
         res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            **_stopping(options))
-        Qs = [res.Q] * len(segments)
+                            **_stopping(options, stage))
+        Qs = [res.Q.cpu()] * len(segments)
         traces["global"] = res.trace
-        all_terms = terms
-    else:
-        Qs, all_terms = [], []
-        for k, (terms, _) in enumerate(tqdm(segments, desc=desc, unit="segment", disable=not progress)):
-            res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                                **_stopping(options))
-            Qs.append(res.Q)
-            traces[f"segment{k}"] = res.trace
-            all_terms += terms
-    return Qs, all_terms, traces
+        _keep(terms, res.Q, factors, rel)
+        return Qs, traces
+    Qs = []
+    for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
+        terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device)[k]
+        res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
+                            **_stopping(options, stage))
+        Qs.append(res.Q.cpu())
+        traces[f"segment{k}"] = res.trace
+        _keep(terms, res.Q, factors, rel)
+        del terms
+    return Qs, traces
 
 
-def _solve_sequential(plan, layers, globals_, stats, options, Q_init, net: FoldedLlama, progress):
+def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: CalibrationInput, progress, factors,
+                      rel, device=None):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
-    statistics of the model whose segments before k are already compressed, measured by ``net``, and
-    its matrices are replaced in ``net`` by their approximations once solved. ``match_original``: each
-    matrix then targets the original model's outputs and writers the original residual stream
-    (:func:`_matched`), instead of the matrix's own outputs on X̂."""
-    n_seg = plan.n_segments
-    L = plan.n_layers
-    seq = CalibrationStats(stats.tokens, stats.token_counts, [None] * n_seg, None, [None] * L, [None] * L)
-    if options.match_original:
-        seq.normed_cross = [None] * n_seg
-        for name in ("attn_out_cross", "mlp_hidden_cross", "attn_out_drift", "mlp_hidden_drift"):
-            setattr(seq, name, [None] * L)
+    statistics of the model whose segments before k are already compressed, measured on the
+    calibration engine (:func:`.calibration.sequential_weighted`), and its matrices are replaced there
+    by their approximations once solved. ``match_original``: each matrix then targets the original
+    model's outputs and writers the original residual stream (:func:`_matched`), instead of the
+    matrix's own outputs on X̂."""
     iters = options.w_iters if options.rotates else 0
     dtype = getattr(torch, options.solver_dtype)
     ms = plan.by_name()
-    Qs, all_terms, traces = [], [], {}
-    for k in tqdm(net.walk(seq), total=n_seg, desc="stage W (sequential)", unit="segment", disable=not progress):
-        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k)[k]
+    Qs, traces = [None] * plan.n_segments, {}
+    bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not progress)
+
+    def segment(k: int, seq: CalibrationStats):
+        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
                             **_stopping(options))
-        for t in terms:
-            net.replace(ms[t.name], t.structure.dense(t.factors) @ res.Q.T)
-        Qs.append(res.Q)
+        Qs[k] = res.Q.cpu()
         traces[f"segment{k}"] = res.trace
-        all_terms += terms
-    return Qs, all_terms, traces, seq
+        _keep(terms, res.Q, factors, rel)
+        bar.update(1)
+        return [(ms[t.name], t.structure.dense(t.factors) @ res.Q.T) for t in terms]
+
+    try:
+        seq = sequential_weighted(calib, stats.token_counts, options.match_original, segment, progress)
+    finally:
+        bar.close()
+    return Qs, traces, seq
 
 
 def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
           options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
-          net: FoldedLlama | None = None) -> SolveResult:
+          calib: CalibrationInput | None = None, device: torch.device | str | None = None) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
-    the factors are simply projected at these rotations. ``net``: the calibration forward of
-    ``options.sequential``."""
+    the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
+    ``options.sequential`` runs on (checkpoint, token ids, device). ``device``: where the solvers' linear
+    algebra runs (the matrices and statistics of one segment are moved there; results come back to the
+    CPU)."""
     n_seg = plan.n_segments
-    if options.sequential and not options.slicing and net is None:
-        raise ValueError("sequential calibration needs the calibration forward (a FoldedLlama)")
+    if options.sequential and not options.slicing and calib is None:
+        raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
     path = options.solver
     if path == "pca":
         return SolveResult(_pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
@@ -177,28 +198,22 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
+    factors, rel = {}, {}
+    args = (plan, layers, globals_, stats)
+    out = (factors, rel, device)
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
-        Qs, terms, traces = _solve_stage(plan, layers, globals_, stats, options.stage, options, Q0, 0,
-                                         "projection", progress)
+        Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out)
     elif not options.rotates:     # low rank, sequential: one segment after the other, Q = I
-        Qs, terms, traces, seq = _solve_sequential(plan, layers, globals_, stats, options, Q0, net, progress)
+        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out)
     else:
-        Qs, terms, traces = _solve_stage(plan, layers, globals_, stats, "f", options, Q0, options.f_iters,
-                                         "stage F", progress)
+        Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out)
         if options.stage == "w":
-            Qs, terms, w_traces, seq = (
-                _solve_sequential(plan, layers, globals_, stats, options, Qs, net, progress) if path == "sequential"
-                else (*_solve_stage(plan, layers, globals_, stats, "w", options, Qs, options.w_iters, "stage W",
-                                    progress), None))
+            if path == "sequential":
+                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out)
+            else:
+                Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
-    factors, rel = {}, {}
-    ms = plan.by_name()
-    for t in terms:
-        factors[t.name] = t.factors
-        Q = Qs[ms[t.name].segment]
-        rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
-                            torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
     return SolveResult(Qs, factors, traces, rel, seq)
 
 
