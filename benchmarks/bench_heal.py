@@ -277,7 +277,8 @@ def table(results: dict) -> str:
             per_doubling = 2 ** log_slope(pts)
             need = tokens_to_goal(pts, goal)
             parts.append(f"{t}: ×{per_doubling:.3f} per doubling, goal {goal}× at "
-                         + ("never at this rate" if need is None else f"≈{need:.1e} tokens"))
+                         + ("never at this rate" if need is None else
+                            "no usable trend (> 1e9 tokens)" if need > 1e9 else f"≈{need:.1e} tokens"))
         lines.append(f"- {name}: " + "; ".join(parts))
     return "\n".join(lines)
 

@@ -10,7 +10,7 @@ seed. Shapes: the same width, depth and heads; OPT: LayerNorm, learned positions
 Llama: RMSNorm, RoPE, SwiGLU without biases, its FFN width chosen so that the parameters without
 embeddings match OPT's (within 1 %). Heads untied in both, so SliceGPT pays the same for them.
 
-Then ``compress --structure slice --ratio 0.25`` on each, in memory (``compress_model``; the same ratio
+Then ``compress --structure slice --ratio R`` on each (R = 0.25, 0.4, 0.5), in memory (``compress_model``; the same ratio
 definition, so both end at about the same parameter count): Llama into the compressed family (one global
 PCA), OPT centred into the RMS-decoder family (``conversion/compress/layernorm.py``). Perplexity on the
 held-out split before and after. Calibration: the first ``--calib-tokens`` training tokens.
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # sized for a shared 2-core machine (about 5 CPU-minutes in all); larger runs: --hidden 256 --steps 2000 ...
 DEFAULTS = dict(hidden=128, layers=4, heads=4, seq_len=128, batch=8, steps=200, lr=2e-3, val_tokens=4096,
-                calib_tokens=4096, ratio=0.25, seed=0)
+                calib_tokens=4096, ratios="0.25,0.4,0.5", seed=0)
 
 
 def configs(vocab: int, ids: dict, o: dict):
@@ -116,24 +116,29 @@ def main(argv=None) -> int:
         t = time.process_time()
         dense_ppl = perplexity(model, val)
         eval_cpu = time.process_time() - t
-        t = time.process_time()
-        options = CompressOptions(structure="slice", ratio=o["ratio"], calib_tokens=o["calib_tokens"],
-                                  calib_seq_len=o["seq_len"])
-        sliced, report = compress_model(model, options, calib_ids=calib)
-        slice_cpu = time.process_time() - t
-        sliced_ppl = perplexity(sliced.float(), val)
-        acc = report.accounting
-        result["models"][name] = {
-            "model_type": cfg.model_type, "train_tokens": out.train_tokens, "train_cpu_seconds": train_cpu,
-            "train_curve": [(h["step"], h["loss"]) for h in out.log_history if "loss" in h],
-            "dense_params": acc["dense_model_params"], "sliced_params": acc["compressed_model_params"],
-            "ratio_over_model": acc["ratio_over_model"], "ratio_over_compressed": acc["ratio_over_compressed"],
-            "residual_width": acc.get("residual", getattr(sliced.config, "residual_size", None)),
-            "hidden": cfg.hidden_size, "output_family": sliced.config.model_type,
-            "perplexity_dense": dense_ppl, "perplexity_sliced": sliced_ppl, "perplexity_ratio": sliced_ppl / dense_ppl,
-            "eval_cpu_seconds": eval_cpu, "slice_cpu_seconds": slice_cpu}
-        print(json.dumps({name: {k: v for k, v in result["models"][name].items() if k != "train_curve"}}), flush=True)
-        del model, sliced
+        entry = {"model_type": cfg.model_type, "hidden": cfg.hidden_size, "train_tokens": out.train_tokens,
+                 "train_cpu_seconds": train_cpu,
+                 "train_curve": [(h["step"], h["loss"]) for h in out.log_history if "loss" in h],
+                 "perplexity_dense": dense_ppl, "eval_cpu_seconds": eval_cpu, "sliced": []}
+        for ratio in (float(r) for r in str(o["ratios"]).split(",")):
+            t = time.process_time()
+            options = CompressOptions(structure="slice", ratio=ratio, calib_tokens=o["calib_tokens"],
+                                      calib_seq_len=o["seq_len"])
+            sliced, report = compress_model(model, options, calib_ids=calib)
+            slice_cpu = time.process_time() - t
+            sliced_ppl = perplexity(sliced.float(), val)
+            acc = report.accounting
+            entry["dense_params"] = acc["dense_model_params"]
+            entry["sliced"].append({
+                "ratio": ratio, "sliced_params": acc["compressed_model_params"],
+                "ratio_over_model": acc["ratio_over_model"], "ratio_over_compressed": acc["ratio_over_compressed"],
+                "residual_width": acc.get("residual", getattr(sliced.config, "residual_size", None)),
+                "output_family": sliced.config.model_type, "perplexity_sliced": sliced_ppl,
+                "perplexity_ratio": sliced_ppl / dense_ppl, "slice_cpu_seconds": slice_cpu})
+            del sliced
+        result["models"][name] = entry
+        print(json.dumps({name: {k: v for k, v in entry.items() if k != "train_curve"}}), flush=True)
+        del model
     result["cpu_seconds_total"] = time.process_time() - cpu0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -382,12 +382,14 @@ def measure_slice_sensitivity(source, config: dict, adapter, Q: torch.Tensor, st
                               options: CompressOptions, ids: torch.Tensor, placement=None,
                               progress: bool = True) -> dict[str, list[tuple[float, float]]]:
     """Per group: ``[(width / d, relative output error)]`` at :data:`MEASURED_WIDTHS`. A decoder layer's
-    error is ``Σ‖ŷ − y‖² / Σ‖y − x‖²`` over the calibration tokens, ``ŷ`` the layer run with the segments
-    it writes sliced (:class:`_SlicedOutputs`) on the original layer's inputs — relative to the layer's
-    residual update, as for the structured classes. (Relative to the stream, ``Σ‖y‖²``, the middle
-    layers of SmolLM2, whose stream a few large directions dominate, looked cheap to slice to 15 %
-    and the allocation lost badly: BENCHMARKS.md.) The embedding's error is the share of its output's
-    energy outside the kept directions, ``tr((I − P) C₀) / tr C₀`` (its update is its output)."""
+    error is ``Σ‖ŷ − y‖² / Σ‖y‖²`` over the calibration tokens, ``ŷ`` the layer run with the segments it
+    writes sliced (:class:`_SlicedOutputs`) on the original layer's inputs — relative to the stream,
+    which the next layers read normalised; the embedding's is the share of its output's energy outside
+    the kept directions, ``tr((I − P) C₀) / tr C₀``.
+
+    Measured on SmolLM2 (BENCHMARKS.md), neither this nor the structured classes' normalisation (the
+    layer's residual update) gives widths that beat one uniform width: a direction dropped at one
+    segment is gone from every later one, which no layer-local error sees."""
     from ...calibration import CalibrationEngine, StatsRequest
     from ...calibration import calibration_batches as batches
 
@@ -399,20 +401,17 @@ def measure_slice_sensitivity(source, config: dict, adapter, Q: torch.Tensor, st
     projections = {w: (Q[:, :w] @ Q[:, :w].T).to(device=engine.device, dtype=engine.dtype) for w in widths}
 
     def on_layer(step):
-        s = step.stats
-        energy = _trace(s.grams["layer_out"])
-        update = energy - 2 * _trace(s.joint[("layer_in", "layer_out")]) + _trace(s.grams["layer_in"])
+        energy = _trace(step.stats.grams["layer_out"])
         curve = []
         for w in widths:
             got = step.collect(request, module=_sliced_layer(step.module, adapter, projections[w]))
             err = _trace(got.grams["layer_out"]) - 2 * _trace(got.cross[("layer_out", "layer_out")]) + energy
-            curve.append((w / d, max(err, 0.0) / max(update, 1e-300)))
+            curve.append((w / d, max(err, 0.0) / max(energy, 1e-300)))
         curves[f"layers.{step.index}"] = curve
         return None
 
-    engine.collect(batches(ids, options.calib_seq_len),
-                   StatsRequest(grams=("layer_in", "layer_out"), joint=(("layer_in", "layer_out"),)),
-                   on_layer=on_layer, carry_original=True)
+    engine.collect(batches(ids, options.calib_seq_len), StatsRequest(grams=("layer_out",)), on_layer=on_layer,
+                   carry_original=True)
     C = Q.T @ stream_first.to(Q) @ Q
     total = float(C.diagonal().sum())
     curves["embed"] = [(w / d, float(C.diagonal()[w:].sum()) / max(total, 1e-300)) for w in widths]

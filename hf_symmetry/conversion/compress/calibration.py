@@ -134,14 +134,16 @@ def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, write
 
 
 def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, match_original: bool,
-                        solve_segment, progress: bool = True) -> CalibrationStats:
+                        solve_segment, progress: bool = True, keep: bool = True) -> CalibrationStats:
     """Stage W with sequential calibration on the calibration engine (its sequential mode, one decoder
     layer in memory): the segments ``0, 1, …, 2L`` in order, each measured on the model whose earlier
     segments are already compressed, and with ``match_original`` also the original model's stream
     carried alongside. ``solve_segment(k, stats)`` solves segment ``k`` from ``stats`` (its entries
     for segment k are filled) and returns ``[(MatrixPlan, M̂)]``: the approximations, in the solver's
     ``[k, d]`` orientation and the original basis, that replace the segment's matrices from then on.
-    A segment's own writer still counts as dense in what its statistics measure.
+    A segment's own writer still counts as dense in what its statistics measure. ``keep=False`` drops
+    each segment's statistics once it is solved (memory flat in depth; the returned statistics are then
+    empty but for the token counts).
 
     Each layer runs as the family's own decoder-layer module with its norms folded (γ = 1, γ in the
     readers): with one rotation per residual segment the compressed model *is* this model with every
@@ -207,6 +209,8 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
             if match_original:
                 stats.normed_cross[0] = step.stats.cross[("normed:layer_in", "normed:layer_in")] / n
             apply(solve_segment(0, stats), -1, canon)
+            if not keep:
+                _release(stats, 0, None, None)
         canon.update(pending)
         pending.clear()
         for k, sites, kind in ((2 * i + 1, _ATTN_SITES, "attn_out"), (2 * i + 2, _FFN_SITES, "mlp_hidden")):
@@ -214,8 +218,21 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
             _record(stats, step.collect(_request(sites, match_original), module=partial), sites, k, i, kind)
             del partial
             apply(solve_segment(k, stats), i, canon)
+            if not keep:
+                _release(stats, k, i, kind)
         step.replace(module(step, canon))
     return stats
+
+
+def _release(stats: CalibrationStats, segment: int, layer: int | None, writer_kind: str | None) -> None:
+    """Drop segment ``segment``'s statistics (and its writer's, of ``layer``) once it is solved."""
+    for name in ("normed", "normed_cross"):
+        if getattr(stats, name) is not None:
+            getattr(stats, name)[segment] = None
+    if writer_kind is not None:
+        for name in (writer_kind, writer_kind + "_cross", writer_kind + "_drift"):
+            if getattr(stats, name) is not None:
+                getattr(stats, name)[layer] = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,7 +114,8 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     from ...devices import linalg_device
 
     with st.limit_threads(1):
-        res = solve(plan, layers, globals_, stats, options, progress, rotations, calib, device=linalg_device(placement))
+        res = solve(plan, layers, globals_, stats, options, progress, rotations, calib, device=linalg_device(placement),
+                    keep_stats=False)
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     state = assemble(plan, layers, globals_, gamma, res, dtype, progress, sink=sink)

@@ -146,7 +146,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
 
 
 def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: CalibrationInput, progress, factors,
-                      rel, device=None):
+                      rel, device=None, keep_stats=True):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
     calibration engine (:func:`.calibration.sequential_weighted`), and its matrices are replaced there
@@ -170,7 +170,8 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
         return [(ms[t.name], t.structure.dense(t.factors) @ res.Q.T) for t in terms]
 
     try:
-        seq = sequential_weighted(calib, stats.token_counts, options.match_original, segment, progress)
+        seq = sequential_weighted(calib, stats.token_counts, options.match_original, segment, progress,
+                                  keep=keep_stats)
     finally:
         bar.close()
     return Qs, traces, seq
@@ -178,13 +179,15 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
 
 def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
           options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
-          calib: CalibrationInput | None = None, device: torch.device | str | None = None) -> SolveResult:
+          calib: CalibrationInput | None = None, device: torch.device | str | None = None,
+          keep_stats: bool = True) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
     ``options.sequential`` runs on (checkpoint, token ids, device). ``device``: where the solvers' linear
     algebra runs (the matrices and statistics of one segment are moved there; results come back to the
-    CPU)."""
+    CPU). ``keep_stats=False``: sequential calibration drops each segment's statistics once it is solved
+    (``SolveResult.stats`` then holds none)."""
     n_seg = plan.n_segments
     if options.sequential and not options.slicing and calib is None:
         raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
@@ -205,12 +208,12 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
         # low rank: no rotation can lower the error, the stage only picks the weighting
         Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out)
     elif not options.rotates:     # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out)
+        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats)
     else:
         Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out)
+                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats)
             else:
                 Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
