@@ -8,7 +8,12 @@ Rows (each in a fresh process, so each peak RSS is its own; calibration on ``bri
   sequential (each on the stream of the model whose earlier segments are already sliced);
 - the ``procrustesgpt-llama`` preset (embedding/head and V dense, q/k/o/gate/up/down at 75 %), and
   SliceGPT (global PCA) at the preset's total parameter count;
-- low rank (stage W weighting), uniform and ``--allocation sensitivity``; optionally GS (stage F/W).
+- low rank (stage W weighting), uniform and ``--allocation sensitivity``; optionally GS (stage F/W);
+- SliceGPT with per-segment widths (``--allocation sensitivity``), GS and Kronecker with stage W to
+  convergence (:data:`CONVERGED`), uniform and allocated, and the preset with GS.
+
+``--segments`` instead scores two residual segments for every method at the same total
+(:func:`segment_objectives`; ``compress_frontier_segments.json``).
 
 Perplexity: the project's definition (window 512, stride 256) on the first ``--eval-tokens`` tokens of
 two held-out texts, ``britannica-eval`` and ``hamlet``. Results: ``benchmarks/results/compress_frontier.json``

@@ -372,7 +372,8 @@ class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = CompressedRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = CompressedLlamaMLP(config, layer_idx)
         self.mlp_skip = make_skip(config)
-        self.mid_width, self.out_width = config.segment_width(2 * layer_idx + 1), config.segment_width(2 * layer_idx + 2)
+        self.mid_width = config.segment_width(2 * layer_idx + 1)
+        self.out_width = config.segment_width(2 * layer_idx + 2)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
                 **kwargs):
@@ -420,7 +421,8 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
         elif isinstance(module, OrthogonalSkip):
             init.zeros_(module.skip_k)
             init.ones_(module.skip_signs)
-        elif isinstance(module, DenseSkip) or (isinstance(module, nn.Linear) and getattr(module, "_is_head_mix", False)):
+        elif isinstance(module, DenseSkip) or (isinstance(module, nn.Linear)
+                                               and getattr(module, "_is_head_mix", False)):
             init.eye_(module.weight)
         else:
             super()._init_weights(module)

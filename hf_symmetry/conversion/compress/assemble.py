@@ -132,7 +132,8 @@ def assemble(plan: Plan, layers: list[Tensors], globals_: Tensors, gamma: torch.
     if plan.lm_head == "separate":
         matrix(ms["lm_head"], rot_g["lm_head.weight"], family.LM_HEAD_MODULE, None)
     elif plan.lm_head == "tied_mixed":
-        M = Qs[2 * L][:, :plan.width(2 * L)].T @ (gamma[:, None] * Qs[0][:, :plan.width(0)])   # logits = RMSNorm(s) M Êᵀ
+        # logits = RMSNorm(s) M Êᵀ
+        M = Qs[2 * L][:, :plan.width(2 * L)].T @ (gamma[:, None] * Qs[0][:, :plan.width(0)])
         put(family.HEAD_MIX_MODULE, {"weight": M.T})
     return out
 
