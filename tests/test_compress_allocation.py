@@ -20,8 +20,9 @@ import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import allocate as A
+from hf_symmetry.conversion.compress import allocate_widths as W
 from hf_symmetry.conversion.compress.plan import check_family, matrix_entries
-from hf_symmetry.testing import input_ids, outputs, tiny_model
+from hf_symmetry.testing import input_ids, tiny_model
 
 
 def _source(model):
@@ -143,9 +144,9 @@ def _slice_widths(smollm2_shapes, scale=None):
     options = C.CompressOptions(structure="slice", ratio=0.25, allocation="sensitivity")
     uniform = C.plan_compression(config, keys, dense_total, None, options)
     entries = matrix_entries(config, keys, check_family(config, keys))
-    curves = {name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in A.MEASURED_WIDTHS]
-              for name in A.slice_groups(30)}
-    widths, _, _ = A.allocate_slice(entries, 30, 576, True, uniform.accounting["target_params"], curves,
+    curves = {name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in W.MEASURED_WIDTHS]
+              for name in W.slice_groups(30)}
+    widths, _, _ = W.allocate_slice(entries, 30, 576, True, uniform.accounting["target_params"], curves,
                                     uniform.residual)
     keep = {f"segment{k}": w / 576 for k, w in enumerate(widths)}
     return uniform, C.plan_compression(config, keys, dense_total, None, options, keep=keep), widths
@@ -189,7 +190,7 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     adapter = check_family(config, src.keys())
     stats = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False)
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
-    curves = A.measure_slice_sensitivity(src, config, adapter, Q, stats.stream[0], options, calib, progress=False)
+    curves = W.measure_slice_sensitivity(src, config, adapter, Q, stats.stream[0], options, calib, progress=False)
     assert set(curves) == {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
