@@ -198,7 +198,7 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     layer = model.model.layers[0]
     x = torch.randn(1, 5, config["hidden_size"])
     pos = model.model.rotary_emb(x, torch.arange(5)[None])
-    full = A._sliced_layer(layer, adapter, torch.eye(config["hidden_size"]))
+    full = W._sliced_layer(layer, adapter, torch.eye(config["hidden_size"]))
 
     def first(out):
         return out[0] if isinstance(out, tuple) else out

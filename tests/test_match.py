@@ -283,7 +283,7 @@ def test_incompatible_models_are_refused_before_any_work(tmp_path, capsys, other
     a = _save(tiny_model("llama"), tmp_path / "a")
     b = _save(other(), tmp_path / "b")
     capsys.readouterr()
-    assert main(["match", str(a), str(b), str(tmp_path / "out"), "--quiet"]) == 2
+    assert main(["match", str(a), str(b), str(tmp_path / "out"), "--quiet", "--no-verify"]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()

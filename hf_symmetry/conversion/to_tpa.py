@@ -150,13 +150,15 @@ def _source_biases(canon0: dict) -> dict:
 # Calibration
 # ----------------------------------------------------------------------------------------------
 def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress: bool = True,
-                          placement=None) -> list[torch.Tensor]:
+                          placement=None, lazy: bool = False):
     """Per layer ``C = X̃ᵀ X̃`` (float64, ``(d+1)×(d+1)``) of the attention inputs (after the pre-norm),
     ``X̃ = [X, 1]``, over ``ids`` cut into windows of ``window`` tokens.
 
     ``model``: an HF model folder (read one layer at a time by the calibration engine, never
     loaded whole) or an in-memory model (its state dict is the engine's source). ``placement``:
-    device and calibration dtype (:func:`hf_symmetry.devices.resolve`; default CPU float32)."""
+    device and calibration dtype (:func:`hf_symmetry.devices.resolve`; default CPU float32).
+    ``lazy``: an iterator that calibrates layer ``i`` only when its Gram is asked for, so a caller
+    that converts each layer before asking for the next holds one Gram at a time (a list otherwise)."""
     from ..calibration import CalibrationEngine, StatsRequest, calibration_batches
 
     if isinstance(model, (str, Path)):
@@ -166,8 +168,9 @@ def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress:
                                    progress=progress)
     run = engine.start(calibration_batches(ids, window))
     # each layer's statistics are dropped once augmented (collect() would keep every layer's twice)
-    return [step.stats.augmented_gram("attn_in")
-            for step in run.layers(StatsRequest(grams=("attn_in",), sums=("attn_in",)))]
+    grams = (step.stats.augmented_gram("attn_in")
+             for step in run.layers(StatsRequest(grams=("attn_in",), sums=("attn_in",))))
+    return grams if lazy else list(grams)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,7 +424,8 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
         ids = calibration_ids(AutoTokenizer.from_pretrained(src), calib, calib_tokens)
         calib_n = int(ids.numel())
         if reduced:
-            grams = attention_input_grams(src, ids, progress=progress, placement=placement)
+            # one layer calibrated per converted layer: one Gram in memory, whatever the depth
+            grams = attention_input_grams(src, ids, progress=False, placement=placement, lazy=True)
 
     first = reader.get(per_layer[0])
     dtype = next(iter(first.values())).dtype
@@ -439,7 +443,7 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
             like = next(iter(raw.values())).dtype
             canon = adapter.read_layer(i, raw)
             del raw
-            gram = None if grams is None else grams[i].to(device)
+            gram = None if grams is None else next(grams).to(device)
             new, errs = _tpa_layer(canon, adapter.layout, k_rank, v_rank, flags, gram, True, None, device)
             report.layers.append(LayerError(i, *errs))
             prefix = TPA_LAYER_PREFIX.format(i)
@@ -447,6 +451,8 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
             del canon, new
         for k in global_keys:
             writer.add(_tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
+        if grams is not None:
+            grams.close()
         writer.close()
         _save_tpa_config(tcfg, dtype, tmp)
         if not copy_side_files(Path(src), tmp):
