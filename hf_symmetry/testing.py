@@ -105,3 +105,41 @@ def outputs(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=ids)
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+#: first lines of every remote-code check: the interpreter runs with ``-S`` (no ``.pth`` files, so an
+#: editable hf_symmetry is invisible), site-packages is appended by hand, and the check refuses to run
+#: where hf_symmetry is importable anyway (it would then prove nothing)
+_REMOTE_PREAMBLE = """import json, sys
+sys.path.append(SITE_PACKAGES)
+try:
+    import hf_symmetry  # noqa: F401
+except ImportError:
+    pass
+else:
+    sys.exit("hf_symmetry is importable: the remote-code test would prove nothing")
+"""
+
+
+def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constants) -> dict:
+    """Run the Python source ``script`` in a fresh interpreter where hf_symmetry cannot be imported,
+    offline, with a private HF cache under ``workdir`` and ``constants`` defined as globals (their
+    ``repr``); returns the JSON object printed on its last stdout line. What a user without
+    hf_symmetry gets from ``trust_remote_code=True``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    workdir = Path(workdir)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(workdir / "hf_home"), HF_MODULES_CACHE=str(workdir / "hf_modules"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    header = "".join(f"{k} = {v!r}\n" for k, v in {"SITE_PACKAGES": sysconfig.get_paths()["purelib"],
+                                                   **constants}.items())
+    run = subprocess.run([sys.executable, "-S", "-c", header + _REMOTE_PREAMBLE + script], cwd=workdir, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -7,10 +7,6 @@ where the math does not hold, and the written folders load with ``trust_remote_c
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -23,7 +19,7 @@ from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa, convert_model_to_tpa
 from hf_symmetry.symmetry import structured as S
-from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model
+from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model, run_without_hf_symmetry
 
 
 def _delta(a, b, ids=None) -> float:
@@ -108,14 +104,6 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
 
 # --------------------------------------------------------------------------- remote code
 _REMOTE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # run with -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        sys.exit("hf_symmetry is importable: the remote-code test would prove nothing")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -134,15 +122,7 @@ _REMOTE_SCRIPT = textwrap.dedent("""
 
 def run_remote(folder, names: list[str], tmp_path) -> dict:
     """Load each ``folder/name`` with trust_remote_code in a Python where hf_symmetry is not importable."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
-    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(folder)!r}\nNAMES = {names!r}\n"
-            + _REMOTE_SCRIPT)
-    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_without_hf_symmetry(_REMOTE_SCRIPT, tmp_path, FOLDER=str(folder), NAMES=names)
 
 
 def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):

@@ -3,10 +3,6 @@ a weightless RMSNorm, the result is the RMS-decoder family, and it computes the 
 (float64), reloads with remote code where hf_symmetry is not installed, and generates."""
 
 import json
-import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -19,7 +15,7 @@ from hf_symmetry.conversion.rotate import RotateOptions, rotate_checkpoint, rota
 from hf_symmetry.modeling.configuration_rms_decoder import RMSDecoderConfig
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.symmetry import actions
-from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model
+from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model, run_without_hf_symmetry
 
 ALL = RotateOptions(residual="random", heads="random", ffn=True, scaling=True, seed=2)
 
@@ -136,14 +132,6 @@ def test_the_rms_decoder_family_rotates_again_exactly():
 
 
 _REMOTE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # run with -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        sys.exit("hf_symmetry is importable: the remote-code test would prove nothing")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -188,15 +176,7 @@ def test_rotated_checkpoint_loads_with_remote_code_and_generates(tmp_path):
             assert native.generate(ids[:, :8], max_new_tokens=6, do_sample=False)[0, 8:].tolist() == tokens[family]
     save_file(expected, str(tmp_path / "rotated" / "expected.safetensors"))
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
-    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(tmp_path / 'rotated')!r}\n"
-            + _REMOTE_SCRIPT)
-    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_without_hf_symmetry(_REMOTE_SCRIPT, tmp_path, FOLDER=str(tmp_path / "rotated"))
     for family in ("opt", "gpt2", "gpt_neox"):
         name, delta, generated = result[family]
         assert name == "RMSDecoderForCausalLM" and delta <= 1e-9

@@ -5,10 +5,6 @@ remote code, CLI refusals."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -25,7 +21,7 @@ from hf_symmetry.modeling.configuration_farr import qk_parameters, vo_parameters
 from hf_symmetry.symmetry import fused
 from hf_symmetry.symmetry.actions import NotASymmetry
 from hf_symmetry.symmetry.layout import HeadLayout
-from hf_symmetry.testing import input_ids, outputs, tiny_model
+from hf_symmetry.testing import input_ids, outputs, tiny_model, run_without_hf_symmetry
 
 DECODERS = ("llama", "mistral", "smollm3", "qwen2", "qwen3")
 ENCODERS = ("bert", "roberta")
@@ -299,14 +295,6 @@ def test_layout_check_catches_a_wrong_head_layout(family, wrong):
 
 # ---------------------------------------------------------------------- saving, remote code, CLI
 _REMOTE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # run with -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        sys.exit("hf_symmetry is importable: the remote-code test would prove nothing")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModel, AutoModelForCausalLM
@@ -346,14 +334,7 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
         expected[family] = outputs(native, ids).contiguous()
     save_file(expected, str(tmp_path / "farr" / "expected.safetensors"))
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
-    code = f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(tmp_path / 'farr')!r}\n" + _REMOTE_SCRIPT
-    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_without_hf_symmetry(_REMOTE_SCRIPT, tmp_path, FOLDER=str(tmp_path / "farr"))
     assert result["llama"][0] == result["smollm3"][0] == "FarrLlamaForCausalLM"
     assert result["bert"][0] == "FarrBertModel"
     assert max(r[1] for r in result.values()) < 1e-12
