@@ -136,10 +136,14 @@ def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constant
     workdir = Path(workdir)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(workdir / "hf_home"), HF_MODULES_CACHE=str(workdir / "hf_modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     header = "".join(f"{k} = {v!r}\n" for k, v in {"SITE_PACKAGES": sysconfig.get_paths()["purelib"],
                                                    **constants}.items())
     run = subprocess.run([sys.executable, "-S", "-c", header + _REMOTE_PREAMBLE + script], cwd=workdir, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    lines = run.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise AssertionError(f"no JSON on the last stdout line: {run.stdout[-1000:]!r}\n{run.stderr[-1000:]}") from None

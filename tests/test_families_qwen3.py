@@ -164,3 +164,86 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
     assert result["compressed"][0] == "CompressedLlamaForCausalLM" and result["compressed"][1] <= 1e-9
     # and that is the original's function (to float32 round-off: Qwen3's own RMSNorms compute in float32 here)
     assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() <= 1e-5
+
+
+# --------------------------------------------------------------------------- sequential calibration, allocation
+def test_sequential_walk_of_qwen3_measures_the_one_pass_statistics(exact_rmsnorm):
+    """The calibration engine's sequential mode runs each Qwen3 layer as transformers' own module, QK-norm
+    included: with nothing replaced its statistics are those of one pass of the original model."""
+    from test_compress_model import _rel, _walk
+
+    model = tiny_model("qwen3")
+    calib = input_ids(batch=1, length=110, seed=3)[0]
+    visited = []
+    seq, ref = _walk(model, calib, lambda k, stats: visited.append(k) or [])
+    assert visited == list(range(2 * model.config.num_hidden_layers + 1)) and seq.tokens == ref.tokens == 110
+    for name in ("normed", "attn_out", "mlp_hidden"):
+        for a, b, cross in zip(getattr(seq, name), getattr(ref, name), getattr(seq, name + "_cross")):
+            assert _rel(a, b) < 1e-10 and _rel(cross, b) < 1e-10, name
+    # negative control: the same walk over the model without its QK-norm γ measures other attention outputs
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_norm.weight.mul_(3.0)
+    changed, _ = _walk(model, calib)
+    assert max(_rel(a, b) for a, b in zip(changed.attn_out, ref.attn_out)) > 1e-3
+
+
+@pytest.mark.parametrize("structure", ["gs", "lowrank"])
+def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, exact_rmsnorm):
+    """--sequential on Qwen3: full-rank structures at random per-segment rotations, each segment solved on
+    the statistics of the partly converted model, give back the original function."""
+    from test_compress_model import _full_rank, _placement64, _source
+    from hf_symmetry.symmetry.groups import haar_orthogonal, rng
+
+    model = tiny_model("qwen3")
+    config = model.config.to_dict()
+    options = C.CompressOptions(structure=structure, ratio=0.25, stage="w", sequential=True, match_original=True,
+                                f_iters=1, w_iters=2, als_iters=2, wopp_iters=10, calib_seq_len=40, tolerance=1.0)
+    src = _source(model)
+    plan = _full_rank(C.plan_for(src, config, options)[0])
+    Qs = [haar_orthogonal(plan.hidden, rng(0, k)) for k in range(2 * plan.n_layers + 1)]
+    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=input_ids(batch=1, length=120, seed=3)[0],
+                                            dtype=torch.float64, progress=False, plan=plan, hf_config=model.config,
+                                            rotations=Qs if structure == "gs" else None, placement=_placement64())
+    assert report.options["sequential"] and cfg["qk_norm"]
+    compressed = C.build_model(state, cfg, torch.float64)[0]
+    ref = outputs(model, input_ids())
+    assert ((outputs(compressed, input_ids()) - ref).abs().max() / ref.abs().max()).item() <= 1e-9
+    with torch.no_grad():     # negative control: the compressed model needs Qwen3's per-head norm
+        compressed.model.layers[1].self_attn.k_norm.weight.fill_(1.0)
+    assert _delta(model, compressed) > 1e-3
+
+
+@pytest.mark.slow
+def test_qwen3_compress_cli_with_sequential_and_sensitivity_allocation(tmp_path):
+    """The command on a Qwen3 folder: --sequential and --allocation sensitivity (structured and SliceGPT
+    widths) run, meet the parameter budget the report counts, keep the QK-norm, and load as written."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_symmetry.assets import smollm2_dir
+    from hf_symmetry.cli import main
+
+    model = tiny_model("qwen3", dtype=torch.float32, vocab_size=49152)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    AutoTokenizer.from_pretrained(smollm2_dir()).save_pretrained(src)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    common = ["--calib", str(calib), "--calib-seq-len", "64", "--f-iters", "1", "--w-iters", "2", "--quiet",
+              "--no-verify"]
+    runs = {"seq": ["--structure", "lowrank", "--sequential", "--ratio", "0.2"],
+            "alloc": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.2"],
+            "widths": ["--structure", "slice", "--allocation", "sensitivity", "--ratio", "0.2"]}
+    ids = input_ids(batch=1, length=12)
+    for name, flags in runs.items():
+        out = tmp_path / name
+        assert main(["compress", str(src), str(out), *flags, *common]) == 0, name
+        cfg = json.loads((out / "config.json").read_text())
+        acc = json.loads((out / "compression_report.json").read_text())["accounting"]
+        assert cfg["qk_norm"] is True, name
+        assert acc["compressed_model_params"] == acc["compressed_model_params_counted"], name
+        loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert sum(p.numel() for p in loaded.parameters()) == acc["compressed_model_params"], name
+        logits = outputs(loaded, ids)
+        assert torch.isfinite(logits).all() and _delta(model.float(), loaded, ids) > 1e-4, name
+    assert len(set(json.loads((tmp_path / "widths" / "config.json").read_text())["residual_sizes"])) > 1

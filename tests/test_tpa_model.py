@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -17,6 +13,7 @@ import torch
 
 import hf_symmetry
 from hf_symmetry import TPAConfig, TPAForCausalLM, TPAModel
+from hf_symmetry.testing import run_without_hf_symmetry
 from hf_symmetry.modeling.modeling_tpa import (TPACache, TPAFactorLinear, _compose, apply_rotary,
                                                eager_attention_forward)
 
@@ -393,14 +390,6 @@ def test_shifting_all_positions_leaves_logits_unchanged(variant):
 # Save / load, remote code
 # ---------------------------------------------------------------------------------------------
 ISOLATED_LOADER = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry
-    except ImportError:
-        hf_symmetry_importable = False
-    else:
-        hf_symmetry_importable = True
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True).eval()
@@ -409,8 +398,8 @@ ISOLATED_LOADER = textwrap.dedent("""
         logits = model(ids).logits
         gen = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
         cache = model(ids).past_key_values
-    json.dump({"importable": hf_symmetry_importable, "module": type(model).__module__,
-               "cache": type(cache).__name__, "logits": logits.tolist(), "gen": gen.tolist()}, open(OUTPUT, "w"))
+    print(json.dumps({"module": type(model).__module__, "cache": type(cache).__name__, "logits": logits.tolist(),
+                      "gen": gen.tolist()}))
 """)
 
 
@@ -438,20 +427,11 @@ def test_save_load_roundtrip_and_remote_code_without_hf_symmetry(tmp_path):
         assert torch.equal(loaded(ids).logits, ref)
 
     # with trust_remote_code, in a Python where hf_symmetry cannot be imported
-    out = tmp_path / "out.json"
-    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(folder)!r}\n"
-            f"IDS = {ids.tolist()!r}\nOUTPUT = {str(out)!r}\n" + ISOLATED_LOADER)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got["importable"] is False
+    got = run_without_hf_symmetry(ISOLATED_LOADER, tmp_path, FOLDER=str(folder), IDS=ids.tolist())
     assert got["module"].startswith("transformers_modules.") and got["cache"] == "TPACache"
-    assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-6
+    assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-5   # float32, another process
     assert got["gen"] == ref_gen.tolist()
-    assert (tmp_path / "hf_home" / "modules" / "transformers_modules").is_dir()
+    assert (tmp_path / "hf_modules" / "transformers_modules").is_dir()
 
 
 def test_modeling_files_only_import_torch_and_transformers():

@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from hf_symmetry.testing import run_without_hf_symmetry
 
 pytestmark = pytest.mark.slow  # SmolLM2's tokenizer (a real-model asset); the two-process test runs torchrun
 
@@ -118,23 +119,14 @@ def test_two_processes_give_the_weights_of_one_process(corpus, tmp_path):
 
 
 LOADER = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry
-    except ImportError:
-        importable = False
-    else:
-        importable = True
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True).eval()
-    tok = AutoTokenizer.from_pretrained(FOLDER)
+    tok = AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True)
     ids = tok("The plays of Shakespeare", return_tensors="pt").input_ids
     with torch.no_grad():
         loss = model(ids, labels=ids).loss.item()
-    json.dump({"importable": importable, "module": type(model).__module__, "loss": loss, "ids": ids.tolist()},
-              open(OUTPUT, "w"))
+    print(json.dumps({"module": type(model).__module__, "loss": loss, "ids": ids.tolist()}))
 """)
 
 
@@ -143,16 +135,8 @@ def test_saved_t6_folder_loads_as_remote_code_without_hf_symmetry(corpus, tmp_pa
     assert _run(corpus, folder, "t6", 2) == 0
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_tpa.TPAForCausalLM"
-    out = tmp_path / "out.json"
-    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(folder)!r}\n"
-            f"OUTPUT = {str(out)!r}\n" + LOADER)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert got["importable"] is False and got["module"].startswith("transformers_modules.")
+    got = run_without_hf_symmetry(LOADER, tmp_path, FOLDER=str(folder))
+    assert got["module"].startswith("transformers_modules.")
     from transformers import AutoModelForCausalLM
 
     local = AutoModelForCausalLM.from_pretrained(folder).eval()

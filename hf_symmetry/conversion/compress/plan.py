@@ -57,6 +57,7 @@ class Plan:
     matrices: list[MatrixPlan]
     accounting: dict = field(default_factory=dict)
     residual_sizes: list[int] | None = None    # per-segment widths (SliceGPT, one global Q), else None
+    carried: int = 0           # parameters kept as they are (QK-norm γ), counted in the model's total
 
     @property
     def n_segments(self) -> int:
@@ -204,11 +205,12 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     p_compressed = sum(e.shape[0] * e.shape[1] for e in entries if in_policy(e.canon, options))
     target_total = dense_total - options.ratio * p_compressed
     gamma_is_one = final_gamma is None or bool(torch.all(final_gamma == 1))
+    carried = 2 * n_layers * adapter.layout.head_dim if adapter.layout.qk_norm else 0   # q_norm, k_norm γ
 
     widths = None
     if options.slicing:
         if keep is None:
-            residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total)
+            residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total - carried)
         else:
             if segment:
                 raise ValueError("per-segment SliceGPT widths need one global rotation (--q-mode global)")
@@ -221,7 +223,7 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
         residual = d
         skip = "orthogonal" if segment else "none"
         lm_head = ("tied" if gamma_is_one and not segment else "tied_mixed") if tied else "separate"
-        overhead = rotation_overhead(d, n_layers, segment, lm_head)
+        overhead = rotation_overhead(d, n_layers, segment, lm_head) + carried
         if options.matrix_keep is not None:            # the paper's fixed size per matrix, overheads on top
             kappa = options.matrix_keep
         else:
@@ -239,7 +241,7 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
                                   if in_policy(e.canon, options) else st.Dense(e.shape))
     matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
     plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices,
-                residual_sizes=None if widths is None or len(set(widths)) == 1 else widths)
+                residual_sizes=None if widths is None or len(set(widths)) == 1 else widths, carried=carried)
     if widths is not None and plan.residual_sizes is None:
         plan.residual = widths[0]
     plan.accounting = accounting(plan, dense_total, p_compressed, options)
@@ -306,7 +308,7 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
     mix = plan.width(0) * plan.width(2 * plan.n_layers) if plan.lm_head == "tied_mixed" else 0
     compressed_set = [m for m in plan.matrices if in_policy(m.canon, options)]
     structured = sum(m.structure.params() for m in compressed_set)
-    total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix
+    total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix + plan.carried
     per_matrix = {m.name: {"structure": m.module_structure.spec(), "dense_params": m.structure.shape[0] * d,
                            "params": m.structure.params(),
                            "ratio": 1 - m.structure.params() / (m.structure.shape[0] * d)}
