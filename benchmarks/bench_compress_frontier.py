@@ -179,7 +179,7 @@ def segment_objectives(args) -> dict:
 
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
-    from bench_stage_w_reference import damped, score, segment_problems  # noqa: F401
+    from bench_stage_w_reference import build_terms, score, segment_problems
 
     from hf_symmetry.assets import smollm2_dir, text_path
     from hf_symmetry.checkpoint import CheckpointReader
@@ -187,8 +187,7 @@ def segment_objectives(args) -> dict:
     from hf_symmetry.conversion.compress.calibration import pca
     from hf_symmetry.evaluation.compare import load_tokenizer
     from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
-    from hf_symmetry.symmetry import structured as S
-    from hf_symmetry.symmetry.segments import Term, balance, solve_segment
+    from hf_symmetry.symmetry.segments import solve_segment
 
     problems = segment_problems([("ffn", 5), ("attn", 5)], 16384)
     reader = CheckpointReader(smollm2_dir())
@@ -226,22 +225,7 @@ def segment_objectives(args) -> dict:
             plan = C.plan_for(reader, reader.config, options)[0].by_name()
 
             def terms_for(stage):
-                terms, readers = [], []
-                for key, M in p.items():
-                    role, _, name = key.partition(".")
-                    if role not in ("writer", "reader"):
-                        continue
-                    t = Term(name, M.clone(), plan[names[(kind, role, name)]].structure)
-                    if stage == "w":
-                        if role == "writer":
-                            t.row_gram = S.Gram(matrix=p["writer_gram"])
-                        else:
-                            t.col_gram = p["reader_cov"]
-                    terms.append(t)
-                    if role == "reader":
-                        readers.append(t)
-                balance(terms, readers)
-                return terms
+                return build_terms(p, stage, lambda role, name, shape: plan[names[(kind, role, name)]].structure)
 
             c0 = time.process_time()
             eye = torch.eye(d, dtype=torch.float64)

@@ -103,8 +103,16 @@ def damped(G: torch.Tensor, damping: float) -> torch.Tensor:
     return G + damping * G.diagonal().mean().clamp_min(1e-12) * torch.eye(G.shape[0], dtype=G.dtype)
 
 
-def build_terms(p: dict, stage: str):
-    """Our :class:`Term` list (balanced as ``compress`` balances) for stage ``f`` or ``w``."""
+def _paper_structure(role: str, name: str, shape: tuple[int, int]):
+    """The reference comparison's structures: Kronecker sums, V dense."""
+    from hf_symmetry.symmetry import structured as S
+
+    return S.Dense(shape) if name == "v" else S.Kron(shape, RANK, (1, FACTOR))
+
+
+def build_terms(p: dict, stage: str, structure_of=_paper_structure):
+    """Our :class:`Term` list (balanced as ``compress`` balances) for stage ``f`` or ``w``;
+    ``structure_of(role, name, shape)`` gives each matrix's structure."""
     from hf_symmetry.symmetry import structured as S
     from hf_symmetry.symmetry.segments import Term, balance
 
@@ -113,10 +121,7 @@ def build_terms(p: dict, stage: str):
         role, _, name = key.partition(".")
         if role not in ("writer", "reader"):
             continue
-        k, d = M.shape
-        dense = name == "v"
-        structure = S.Dense((k, d)) if dense else S.Kron((k, d), RANK, (1, FACTOR))
-        t = Term(name, M.clone(), structure)
+        t = Term(name, M.clone(), structure_of(role, name, tuple(M.shape)))
         if stage == "w":
             if role == "writer":
                 t.row_gram = S.Gram(matrix=p["writer_gram"])
