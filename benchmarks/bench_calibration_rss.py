@@ -210,6 +210,9 @@ def main(argv=None) -> int:
                    choices=["to-tpa", "farr", "regmean", "slice", "lowrank-seq", "plain"])
     p.add_argument("--shape", choices=sorted(SHAPES), default="bench",
                    help="checkpoint shapes (default: bench, width 1536; llama3-8b: one 16 GB checkpoint)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of a fixed-shape checkpoint (default: the shape's own, 32 for llama3-8b); fewer "
+                        "give a shallow checkpoint of the same widths, whose per-layer peak is the deep one's")
     p.add_argument("--delete", action="store_true", help="delete each generated checkpoint after its jobs")
     p.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--work", default="/tmp/bench_calibration_rss", help="checkpoints and outputs (default: /tmp/...)")
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     work = Path(args.work)
     results = []
-    fixed = SHAPES[args.shape][-1]
+    fixed = args.layers or SHAPES[args.shape][-1]
     for size in ([None] if fixed else args.sizes):
         n_layers = fixed or max(1, round((size * 1e9 - embed_bytes(args.shape)) / layer_bytes(args.shape)))
         ckpt = work / (f"{args.shape}-{n_layers}L" if args.shape != "bench" else f"llama-{n_layers}L")

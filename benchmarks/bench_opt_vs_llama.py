@@ -1,5 +1,5 @@
-"""OPT-shaped vs Llama-shaped decoders of the same size, trained on the same tokens: how much does SliceGPT
-at 25 % cost each? (The SliceGPT and ProcrustesGPT papers report OPT models losing less than Llama-2 at
+"""OPT-shaped vs Llama-shaped decoders of the same size, trained on the same tokens: how much do SliceGPT
+and ProcrustesGPT's structured classes at 25 % cost each? (The SliceGPT and ProcrustesGPT papers report OPT models losing less than Llama-2 at
 the same slicing; this asks whether that difference appears when the data, size and training are equal.)
 
 Both models are trained here from scratch on the CPU with the shared Trainer setup (``hf_symmetry.training``,
@@ -12,8 +12,14 @@ embeddings match OPT's (within 1 %). Heads untied in both, so SliceGPT pays the 
 
 Then ``compress --structure slice --ratio R`` on each (R = 0.25, 0.4, 0.5), in memory (``compress_model``; the same ratio
 definition, so both end at about the same parameter count): Llama into the compressed family (one global
-PCA), OPT centred into the RMS-decoder family (``conversion/compress/layernorm.py``). Perplexity on the
-held-out split before and after. Calibration: the first ``--calib-tokens`` training tokens.
+PCA), OPT centred into the RMS-decoder family (``conversion/compress/layernorm/``). Then ``compress
+--structure S --ratio 0.25`` for each S of ``--structures`` (low rank, Kronecker, GS; ``compress``'s defaults:
+stage W, one rotation per residual segment for Kronecker and GS), Llama into the compressed family, OPT into
+the RMS-decoder family's structured linears. Perplexity on the held-out split before and after. Calibration:
+the first ``--calib-tokens`` training tokens.
+
+The trained models are cached under ``--work`` (keyed by every training setting), so a rerun with other
+compression settings does not train again.
 
     nice -n 10 python benchmarks/bench_opt_vs_llama.py            # one process, one thread
 
@@ -31,9 +37,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# sized for a shared 2-core machine (about 5 CPU-minutes in all); larger runs: --hidden 256 --steps 2000 ...
-DEFAULTS = dict(hidden=128, layers=4, heads=4, seq_len=128, batch=8, steps=200, lr=2e-3, val_tokens=4096,
-                calib_tokens=4096, ratios="0.25,0.4,0.5", seed=0)
+# sized for a shared 2-core machine (about 12 CPU-minutes in all; 400 steps are ~0.95 epochs of the corpus);
+# larger runs: --hidden 256 --steps 4000 ...
+DEFAULTS = dict(hidden=128, layers=4, heads=4, seq_len=128, batch=8, steps=400, lr=2e-3, val_tokens=4096,
+                calib_tokens=4096, ratios="0.25,0.4,0.5", structures="lowrank,kron", structured_ratio=0.25, seed=0)
+_TRAINING = ("hidden", "layers", "heads", "seq_len", "batch", "steps", "lr", "val_tokens", "seed")
 
 
 def configs(vocab: int, ids: dict, o: dict):
@@ -102,24 +110,34 @@ def main(argv=None) -> int:
               "parameters_without_embeddings": counts, "data": data_info, "models": {}}
     import transformers as T
 
+    tag = "-".join(f"{k}{o[k]}" for k in _TRAINING)
     for name, cfg in (("opt", opt_cfg), ("llama", llama_cfg)):
         cfg._attn_implementation = "sdpa"
-        torch.manual_seed(o["seed"])
-        model = T.AutoModelForCausalLM.from_config(cfg)
-        settings = TrainSettings(output_dir=str(work / name), max_steps=o["steps"], per_device_batch_size=o["batch"],
-                                 learning_rate=o["lr"], weight_decay=0.1, max_grad_norm=1.0, seed=o["seed"],
-                                 use_cpu=True, progress=False, logging_steps=max(1, o["steps"] // 12))
-        t = time.process_time()
-        out = train(model, train_ds, None, settings)
-        train_cpu = time.process_time() - t
+        cached = work / f"model-{name}-{tag}"
+        if (cached / "train_meta.json").exists():      # trained by an earlier run with the same settings
+            model = T.AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+            meta = json.loads((cached / "train_meta.json").read_text())
+            reused = True
+        else:
+            reused = False
+            torch.manual_seed(o["seed"])
+            model = T.AutoModelForCausalLM.from_config(cfg)
+            settings = TrainSettings(output_dir=str(work / name), max_steps=o["steps"],
+                                     per_device_batch_size=o["batch"], learning_rate=o["lr"], weight_decay=0.1,
+                                     max_grad_norm=1.0, seed=o["seed"], use_cpu=True, progress=False,
+                                     logging_steps=max(1, o["steps"] // 12))
+            t = time.process_time()
+            out = train(model, train_ds, None, settings)
+            meta = {"train_tokens": out.train_tokens, "train_cpu_seconds": time.process_time() - t,
+                    "train_curve": [(h["step"], h["loss"]) for h in out.log_history if "loss" in h]}
+            model.float().save_pretrained(cached)
+            (cached / "train_meta.json").write_text(json.dumps(meta))
         model = model.float().eval()
         t = time.process_time()
         dense_ppl = perplexity(model, val)
         eval_cpu = time.process_time() - t
-        entry = {"model_type": cfg.model_type, "hidden": cfg.hidden_size, "train_tokens": out.train_tokens,
-                 "train_cpu_seconds": train_cpu,
-                 "train_curve": [(h["step"], h["loss"]) for h in out.log_history if "loss" in h],
-                 "perplexity_dense": dense_ppl, "eval_cpu_seconds": eval_cpu, "sliced": []}
+        entry = {"model_type": cfg.model_type, "hidden": cfg.hidden_size, **meta, "reused_cached_model": reused,
+                 "perplexity_dense": dense_ppl, "eval_cpu_seconds": eval_cpu, "sliced": [], "structured": []}
         for ratio in (float(r) for r in str(o["ratios"]).split(",")):
             t = time.process_time()
             options = CompressOptions(structure="slice", ratio=ratio, calib_tokens=o["calib_tokens"],
@@ -136,6 +154,22 @@ def main(argv=None) -> int:
                 "output_family": sliced.config.model_type, "perplexity_sliced": sliced_ppl,
                 "perplexity_ratio": sliced_ppl / dense_ppl, "slice_cpu_seconds": slice_cpu})
             del sliced
+        for structure in [s for s in str(o["structures"]).split(",") if s]:
+            t = time.process_time()
+            options = CompressOptions(structure=structure, ratio=o["structured_ratio"], calib_tokens=o["calib_tokens"],
+                                      calib_seq_len=o["seq_len"])
+            compressed, report = compress_model(model, options, calib_ids=calib)
+            cpu = time.process_time() - t
+            ppl = perplexity(compressed.float(), val)
+            acc = report.accounting
+            entry["structured"].append({
+                "structure": structure, "method": report.method, "ratio": o["structured_ratio"],
+                "params": acc["compressed_model_params"], "ratio_over_model": acc["ratio_over_model"],
+                "ratio_over_compressed": acc["ratio_over_compressed"], "output_family": compressed.config.model_type,
+                "skip_connections": compressed.config.skip_connections, "perplexity": ppl,
+                "perplexity_ratio": ppl / dense_ppl, "compress_cpu_seconds": cpu})
+            print(json.dumps({name: entry["structured"][-1]}), flush=True)
+            del compressed
         result["models"][name] = entry
         print(json.dumps({name: {k: v for k, v in entry.items() if k != "train_curve"}}), flush=True)
         del model

@@ -140,6 +140,10 @@ class CheckpointReader:
                 raise ValueError(f"corrupt safetensors file {self.path / fname}: {exc}") from None
         return out
 
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Every tensor's stored dtype, from the safetensors headers (no tensor data is read)."""
+        return {k: loc[1] for k, loc in self._locations.items()}
+
     def total_bytes(self) -> int:
         return sum((self.path / f).stat().st_size for f in set(self.key_to_file.values()))
 

@@ -265,3 +265,31 @@ def test_uniform_configs_keep_loading_and_bad_widths_are_refused():
                        ({"residual_sizes": [8, 12, 16, 4, 12], "lm_head": "tied"}, "tied head")):
         with pytest.raises(ValueError, match=match):
             CompressedLlamaConfig(**base, **{"lm_head": "tied_mixed", **bad})
+
+
+def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
+    """One global PCA needs only Σ_k C_k / tr C_k over the residual segments: the one-pass statistics keep
+    that running sum (one ``d × d`` matrix whatever the depth) instead of every segment's moment. It is
+    the same sum, added in the same order, so the rotation is bit for bit the one of the per-segment
+    moments. Negative control: the unnormalised sum gives another basis."""
+    from hf_symmetry.conversion.compress.calibration import pca
+    from hf_symmetry.conversion.compress.solve import _pca_rotations
+
+    assert C.CompressOptions(structure="slice").stream_sum
+    assert not C.CompressOptions(structure="slice", allocation="sensitivity").stream_sum   # needs segments 0, 2L
+    assert not C.CompressOptions(structure="slice", q_mode="segment").stream_sum
+    model = tiny_model("llama")
+    config, src = model.config.to_dict(), _source(model)
+    calib = input_ids(batch=1, length=120, seed=3)[0]
+    each = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
+                                placement=_float64())
+    summed = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
+                                  placement=_float64(), stream_sum=True)
+    n_seg = 2 * config["num_hidden_layers"] + 1
+    assert summed.stream is None and len(each.stream) == n_seg and summed.tokens == each.tokens
+    assert torch.equal(summed.stream_sum, sum(C_ / C_.trace().clamp_min(1e-300) for C_ in each.stream))
+    Q = _pca_rotations(summed, n_seg, "global")[0]
+    assert torch.equal(Q, _pca_rotations(each, n_seg, "global")[0])
+    w = config["hidden_size"] * 3 // 4
+    kept = lambda B: B[:, :w] @ B[:, :w].T  # noqa: E731  (the kept subspace: signs of eigenvectors do not matter)
+    assert _rel(kept(pca(sum(each.stream))), kept(Q)) > 1e-3

@@ -46,6 +46,33 @@ def test_every_copied_from_marker_names_an_existing_transformers_object(file, ta
     pytest.fail(f"{file}: cannot import any module of {target}")
 
 
+HF_MARKER = re.compile(r"#\s*Copied from (hf_symmetry\.modeling\.[\w.]+)\n(?:@.*\n)*(?:class|def) (\w+)")
+
+
+def _hf_symmetry_copies() -> list[tuple[str, str, str]]:
+    """(file, marked source, name defined right after the marker) of every block copied between families."""
+    return [(path.name, target, name) for path in sorted(MODELING.glob("modeling_*.py"))
+            for target, name in HF_MARKER.findall(path.read_text())]
+
+
+def test_the_rms_decoder_family_carries_marked_copies_of_the_structured_linears():
+    copied = {name for file, _, name in _hf_symmetry_copies() if file == "modeling_rms_decoder.py"}
+    assert {"LowRankLinear", "KroneckerLinear", "GSLinear", "OrthogonalSkip", "cayley_decode"} <= copied
+
+
+@pytest.mark.parametrize("file,target,name", _hf_symmetry_copies())
+def test_every_copy_of_an_hf_symmetry_block_is_identical_to_its_source(file, target, name):
+    """Blocks copied from one flat family into another (``# Copied from hf_symmetry.modeling.<file>.<name>``)
+    must be the marked object's source, character for character, and defined right after the marker."""
+    import inspect
+
+    module, source_name = target.rsplit(".", 1)
+    assert name == source_name, f"{file}: the marker names {target} but {name} follows it"
+    original = inspect.getsource(getattr(importlib.import_module(module), source_name))
+    copy = inspect.getsource(getattr(importlib.import_module(f"hf_symmetry.modeling.{file[:-3]}"), name))
+    assert copy == original, f"{file}: {name} drifted from {target}"
+
+
 def test_copied_rms_norm_and_rotate_half_compute_what_their_source_computes():
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16, dtype=torch.float64)

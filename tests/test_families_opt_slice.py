@@ -1,8 +1,8 @@
 """SliceGPT on LayerNorm decoders (OPT, GPT-2) through the RMS-decoder family: centre every writer, fold
 each LayerNorm into its readers, rotate into the centred stream's principal directions and keep ``w`` of
-them. Exact at full width (float64), a real loss below it that PCA keeps smaller than a random basis, the
-structured classes refused with the reason, and ``compress`` on an OPT folder writes a model that loads
-as remote code without hf_symmetry."""
+them. Exact at full width (float64), a real loss below it that PCA keeps smaller than a random basis, what
+SliceGPT cannot do there refused with the reason, and ``compress`` on an OPT folder writes a model that
+loads as remote code without hf_symmetry. (The structured classes: tests/test_families_opt_structured.py.)"""
 
 from __future__ import annotations
 
@@ -91,11 +91,11 @@ def test_the_pca_is_taken_of_the_centred_stream():
     assert any(kept(Qc, w) > kept(Qr, w) + 1e-6 for w in range(1, d))
 
 
-def test_structured_classes_and_per_segment_rotations_are_refused_with_the_reason():
+def test_per_segment_and_sequential_slicegpt_are_refused_with_the_reason():
     model = tiny_model("opt", dtype=torch.float32)
-    assert allows(model.config, "slicegpt") and not allows(model.config, "compress")
-    with pytest.raises(UnsupportedSymmetry, match="compress: opt uses LayerNorm and the compressed family"):
-        compress_model(model, CompressOptions(structure="kron", stage="none"))
+    assert allows(model.config, "slicegpt") and allows(model.config, "compress")
+    with pytest.raises(ValueError, match="sequential SliceGPT on a LayerNorm decoder"):
+        compress_model(model, CompressOptions(structure="slice", q_mode="segment", sequential=True), _calib())
     with pytest.raises(ValueError, match="--q-mode global"):
         compress_model(model, CompressOptions(structure="slice", q_mode="segment"), _calib())
     post_ln = tiny_model("opt", dtype=torch.float32, do_layer_norm_before=False)   # OPT-350m's layout
@@ -105,10 +105,10 @@ def test_structured_classes_and_per_segment_rotations_are_refused_with_the_reaso
 
 
 @pytest.mark.slow
-def test_compress_cli_slices_an_opt_folder_and_refuses_structured_classes(tmp_path, capsys):
+def test_compress_cli_slices_an_opt_folder_and_refuses_per_segment_slicing(tmp_path, capsys):
     """``compress --structure slice`` on an OPT folder (with SmolLM2's tokenizer, so the embedded calibration
     text tokenises): the RMS-decoder family with a narrower stream, its card and report, loading with
-    trust_remote_code where hf_symmetry is not importable; ``--structure kron`` is refused before any work."""
+    trust_remote_code where hf_symmetry is not importable; ``--q-mode segment`` is refused before any work."""
     from transformers import AutoModelForCausalLM
 
     from hf_symmetry.assets import smollm2_dir
@@ -129,9 +129,9 @@ def test_compress_cli_slices_an_opt_folder_and_refuses_structured_classes(tmp_pa
     out = tmp_path / "out"
     base = ["compress", str(src), "--calib", "britannica-calib", "--calib-tokens", "256", "--calib-seq-len", "64",
             "--no-verify", "--quiet"]
-    assert main([*base[:2], str(tmp_path / "kron"), *base[2:], "--structure", "kron"]) == 2
-    assert "opt uses LayerNorm and the compressed family is RMSNorm-based" in capsys.readouterr().err
-    assert not (tmp_path / "kron").exists()
+    assert main([*base[:2], str(tmp_path / "seg"), *base[2:], "--structure", "slice", "--q-mode", "segment"]) == 2
+    assert "no skip matrices: use --q-mode global" in capsys.readouterr().err
+    assert not (tmp_path / "seg").exists()
     assert main([*base[:2], str(out), *base[2:], "--structure", "slice"]) == 0
     printed = capsys.readouterr().out
     cfg = json.loads((out / "config.json").read_text())

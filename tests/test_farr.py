@@ -560,3 +560,90 @@ def test_spectra_of_a_nope_model_analyses_the_score_path_of_nope_layers_only():
     assert report["paths"] == ["vo", "qk"] and report["qk"]["available"] and report["qk"]["layers"] == [1]
     assert "qk" not in report["layers"][0] and len(report["layers"][1]["qk"]) == 2
     assert report["summary"]["qk"]["0.9"]["layer_ranks"][0] is None
+
+
+def _whole_layer_farr(model, options: FarrOptions, ranks: dict, moments=None) -> dict:
+    """Reference: FaRR's reduction pass as it was before it read the FFN one module at a time:
+    every layer whole as float64 canonical tensors through ``reduce_layer``, cast back like the source."""
+    from hf_symmetry.conversion.farr import farr_target, reduce_layer
+
+    sd = model.state_dict()
+    config = model.config.to_dict()
+    adapter = Adapter.from_config(config, list(sd))
+    target = farr_target(adapter, config, list(sd), options)
+    global_keys, per_layer, rest = partition_keys(adapter, list(sd))
+    out = {k: sd[k] for k in global_keys + rest}   # e.g. BERT's pooler passes through
+    for i in range(adapter.n_layers):
+        raw = {k: sd[k] for k in per_layer[i]}
+        w = fused.InputWeights.from_moments(*moments[i], augmented=options.qk) if moments else None
+        new, _ = reduce_layer(adapter.read_layer(i, raw), adapter, target, options,
+                              {p: ranks[p][i] for p in options.paths}, w, adapter.layer_layout(i))
+        out.update(adapter.write_layer(i, new, raw))
+    return out
+
+
+@pytest.mark.parametrize("family,dtype,calibrated", [("llama", torch.float32, True), ("qwen2", torch.bfloat16, False),
+                                                     ("qwen2", torch.float32, True), ("bert", torch.float32, False)])
+def test_reduction_pass_reads_the_ffn_one_module_at_a_time_and_writes_the_same_tensors(tmp_path, family, dtype,
+                                                                                       calibrated):
+    """The reduction pass reads the attention and norms in float64 and the FFN one module at a time in
+    its own dtype (gate/up get the pre-norm's γ folded a block of rows at a time): exactly the tensors of
+    the whole-layer float64 pass, from a checkpoint or in memory. Negative controls: the γ fold is there
+    (gate/up differ from the source, down does not) and the other metric gives other tensors."""
+    from hf_symmetry.conversion.farr import attention_input_moments
+    from safetensors.torch import load_file
+
+    model = tiny_model(family).to(dtype).eval()
+    options = FarrOptions(params_fraction=0.6)
+    moments = None
+    if calibrated:
+        sd = model.state_dict()
+        got, _, report = farr_state_dict(sd, model.config,
+                                         options, moments=(moments := attention_input_moments(
+                                             model, input_ids(batch=1, length=60, seed=3)[0])))
+    else:
+        model.save_pretrained(tmp_path / "src")
+        report = farr_checkpoint(tmp_path / "src", tmp_path / "out", options, progress=False, max_shard_size=20_000)
+        got = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in load_file(f).items()}
+    want = _whole_layer_farr(model, options, report.ranks, moments)
+    assert set(got) == set(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    if family != "bert":   # pre-norm: γ folded into gate/up, down passed through
+        sd = model.state_dict()
+        assert not torch.equal(got["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.gate_proj.weight"])
+        assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], sd["model.layers.0.mlp.down_proj.weight"])
+    # the other metric (data-free <-> calibrated) at the same ranks: other tensors
+    other = _whole_layer_farr(model, options, report.ranks,
+                              None if calibrated else attention_input_moments(model, input_ids(batch=1, length=60)[0]))
+    assert not all(torch.equal(got[k], other[k]) for k in want)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_spectra_layout_check_never_loads_the_whole_model(tmp_path, capsys, monkeypatch, family):
+    """`spectra`'s layout check runs one decoder layer at a time through the calibration engine: with
+    transformers' whole-model loading made to fail it still checks every layer, and finds what the
+    hooks on the whole model find; a wrong head layout fails it (negative control)."""
+    import transformers
+
+    from hf_symmetry.evaluation.fused_check import check_fused_layout_layerwise
+
+    model = tiny_model(family, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "src")
+    ids = input_ids(batch=1)[0]
+    whole = check_fused_layout(model, ids)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the layout check loaded the whole model")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(no_model))
+    assert cli.main(["spectra", str(tmp_path / "src"), str(tmp_path / "spec"), "--quiet"]) == 0
+    check = json.loads((tmp_path / "spec" / "report.json").read_text())["layout_check"]
+    assert check["passed"] and [e["layer"] for e in check["per_layer"]] == [0, 1]
+    layerwise = check_fused_layout_layerwise(tmp_path / "src", ids)
+    assert layerwise.passed and whole.passed
+    for mine, ref in zip(layerwise.per_layer, whole.per_layer):
+        assert mine.keys() == ref.keys() and all(abs(mine[k] - ref[k]) < 1e-4 for k in mine if k != "layer")
+    L = Adapter.from_config(model.config.to_dict(), list(model.state_dict())).layout
+    wrong = {"llama": _InterleavedGroups, "bert": _ShiftedHeads}[family]
+    bad = wrong(L.n_heads, L.n_kv_heads, L.head_dim, L.rotary_dim, L.rope_layout, L.qk_norm)
+    assert check_fused_layout_layerwise(tmp_path / "src", ids, layout=bad).vo_max_rel_error > 1e-2

@@ -13,6 +13,7 @@ import yaml
 
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import merge as merge_module
+from hf_symmetry.conversion import merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
 from hf_symmetry.conversion.merge import merge_state_dicts
 from hf_symmetry.conversion.merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
@@ -134,8 +135,14 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
     assert not _close(seen[1], {k: v for k, v in source.items()}, 1e-3)     # not the unmatched source
 
     grams = []
-    real_regmean = merge_module.regmean
-    monkeypatch.setattr(merge_module, "regmean", lambda W, G, *a, **k: grams.append(G) or real_regmean(W, G, *a, **k))
+    real_group = merge_stream.regmean_group
+
+    def spy(models, *a, **k):   # the Grams each merged linear group gets (cloned: the solver consumes them)
+        taken = []
+        grams.append(taken)
+        return real_group(((taken.append(G.clone()) or G, W) for G, W in models), *a, **k)
+
+    monkeypatch.setattr(merge_stream, "regmean_group", spy)
     merge_state_dicts([anchor, source], s_model.config, _recipe("regmean", match=options), calibration_ids=CALIB)
     # Grams recomputed on the matched models, in the order the pipeline visits linear layers
     from hf_symmetry.architectures import Adapter
@@ -185,8 +192,8 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
     seen = []
     real_layer = merge_module.LayerGrams.layer
 
-    def spy(self, i, *args):
-        out = real_layer(self, i, *args)
+    def spy(self, i, *args, **kwargs):
+        out = real_layer(self, i, *args, **kwargs)
         seen.append((i, [sorted(g) for g in out]))
         return out
 
@@ -425,3 +432,91 @@ def test_fisher_merge_that_cannot_fit_is_refused_before_any_work(tmp_path, monke
     assert main(["merge", "--method", "fisher", str(path), str(path), str(tmp_path / "out"), "--quiet",
                  "--no-verify"]) == 2
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+# --------------------------------------------------------------------------- RegMean's memory-lean pass
+
+
+def _textbook_regmean(weights, grams, model_weights, alpha):
+    """RegMean written out (the form before the memory-lean solver): Wᵀ = (Σ w G̃)⁻¹ Σ w G̃ Wᵀ."""
+    lhs, rhs = 0, 0
+    for W, G, mw in zip(weights, grams, model_weights):
+        G = alpha * G + (1 - alpha) * torch.diag(torch.diagonal(G))
+        lhs = lhs + mw * G
+        rhs = rhs + mw * G @ W.double().T
+    return torch.linalg.solve(lhs, rhs).T
+
+
+def test_regmean_group_and_row_block_solver_equal_the_textbook_formula():
+    """One factorisation for the linears that share an input, Grams consumed one model at a time:
+    bitwise the textbook result; the LM head's row blocks agree to rounding."""
+    from hf_symmetry.conversion.merge_methods import RegMeanSolver, regmean_group
+
+    gen = torch.Generator().manual_seed(3)
+    X = [torch.randn(200, 24, generator=gen, dtype=torch.float64) for _ in range(3)]
+    grams = [x.T @ x for x in X]
+    q, k = ([torch.randn(rows, 24, generator=gen) for _ in range(3)] for rows in (30, 8))
+    mw, alpha = [1.0, 2.0, 0.5], 0.7
+    got = regmean_group(((G.clone(), [a, b]) for G, a, b in zip(grams, q, k)), mw, alpha)
+    assert torch.equal(got[0], _textbook_regmean(q, grams, mw, alpha))
+    assert torch.equal(got[1], _textbook_regmean(k, grams, mw, alpha))
+    kept = [G.clone() for G in grams]
+    assert torch.equal(regmean(q, grams, mw, alpha), got[0]) and all(map(torch.equal, grams, kept))  # not consumed
+    head = [torch.randn(97, 24, generator=gen) for _ in range(3)]
+    want = _textbook_regmean(head, grams, mw, alpha)
+    solver = RegMeanSolver(grams, mw, alpha)
+    assert torch.equal(solver.solve(head), want)                                      # one block
+    blocks = torch.cat([solver.solve([h[r:r + 10] for h in head]) for r in range(0, 97, 10)])
+    assert (blocks - want).abs().max() <= 1e-12 * want.abs().max()
+    assert (_textbook_regmean(head, grams, mw, 1.0) - want).abs().max() > 1e-3 * want.abs().max()  # control
+
+
+@pytest.mark.parametrize("match", [None, {}])
+def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, monkeypatch, match):
+    """Through folders, RegMean reads each layer a group at a time, lets the first input's Grams wait
+    in files while the second input's layer runs, and merges the embeddings and the LM head a block
+    of rows at a time (forced small here): the same tensors as the in-memory merge, which holds every
+    Gram and reads each tensor whole."""
+    from safetensors.torch import load_file
+
+    from hf_symmetry.assets import resolve_text
+    from hf_symmetry.evaluation import read_text, tokenize_text
+    from hf_symmetry.evaluation.compare import load_tokenizer
+
+    models = [tiny_model("llama", seed=s, tie_word_embeddings=False) for s in (0, 7)]
+    paths = []
+    for j, m in enumerate(models):
+        m.save_pretrained(tmp_path / f"m{j}")   # float64, so the comparison is exact
+        paths.append(tmp_path / f"m{j}")
+    _word_tokenizer(paths[0])
+    spilled = []
+    real_init = merge_stream.LayerGramSet.__init__
+
+    def spy(self, grams, folder, *args, **kwargs):
+        spilled.append(folder is not None)
+        return real_init(self, grams, folder, *args, **kwargs)
+
+    monkeypatch.setattr(merge_stream.LayerGramSet, "__init__", spy)
+    monkeypatch.setattr(merge_stream, "BLOCK_ELEMENTS", 10 * models[0].config.hidden_size)   # 10 rows a block
+    raw = {"merge_method": "regmean", "models": [str(p) for p in paths], "evaluation": False,
+           "calibration": {"tokens": 600}, **({"match": match} if match is not None else {})}
+    report = merge_module.merge_checkpoints(recipe_from_dict(raw), tmp_path / "out", progress=False)
+    got = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(f))
+    assert not (tmp_path / "out" / ".merge-work").exists()
+    # input 0's Grams waited in files while input 1's layer ran (with matching, both inputs' while the layer is matched)
+    assert spilled.count(True) == models[0].config.num_hidden_layers * (1 if match is None else 2)
+
+    ids = tokenize_text(load_tokenizer(paths[0]), read_text(resolve_text("britannica-calib")), 600)
+    want = merge_state_dicts([_sd(m) for m in models], models[0].config, recipe_from_dict(raw), calibration_ids=ids)
+    assert set(got) == set(want.state_dict)
+    for key, w in want.state_dict.items():
+        if key == "lm_head.weight":    # solved in row blocks: the same to rounding
+            assert (got[key] - w).abs().max() <= 1e-12 * w.abs().max()
+        else:
+            assert torch.equal(got[key], w), key
+    if match is not None:   # the embeddings' distances summed block by block
+        for name, d in want.outcome.distances.items():
+            for kind in ("before", "after"):
+                assert report.distances[name]["total"][kind] == pytest.approx(d["total"][kind], rel=1e-10)

@@ -254,3 +254,65 @@ def test_fused_phi3_converts_exactly_through_the_adapter():
         assert (outputs(tpa, ids) - outputs(model, ids)).abs().max().item() <= 1e-9, path
     reduced, _ = convert_model_to_tpa(model, k_rank=1, progress=False)
     assert (outputs(reduced, ids) - outputs(model, ids)).abs().max().item() > 1e-3
+
+
+def _whole_layer_reference(model, k_rank, v_rank, grams=None):
+    """The conversion as it was before the checkpoint path read only k/v in float64: every layer
+    whole, as float64 canonical tensors (the in-memory path), cast back to the model's dtype."""
+    tpa, _ = convert_model_to_tpa(model, k_rank=k_rank, v_rank=v_rank, calib_grams=grams, progress=False)
+    return tpa.state_dict()
+
+
+def _written(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("qwen2", torch.bfloat16), ("phi3", torch.float32)])
+def test_checkpoint_conversion_passes_unchanged_matrices_through_and_writes_the_same_tensors(tmp_path, family, dtype):
+    """The streamed conversion reads only the key/value projections and the vectors in float64 and
+    passes q, o and the FFN through in their own dtype, one at a time: it writes exactly the tensors
+    of the whole-layer float64 conversion (float32, bfloat16, fused Phi-3 projections). Negative
+    control: a different key rank changes them."""
+    from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa
+    from hf_symmetry.testing import tiny_model
+
+    model = (tiny_model("phi3") if family == "phi3" else tiny_source(family, n_kv=3)).to(dtype).eval()
+    model.save_pretrained(tmp_path / "src")
+    convert_checkpoint_to_tpa(tmp_path / "src", tmp_path / "tpa", k_rank=1, v_rank=2, progress=False,
+                              max_shard_size=20_000)   # several shards
+    got = _written(tmp_path / "tpa")
+    want = _whole_layer_reference(model, 1, 2)
+    assert set(got) == set(want) - {"lm_head.weight"} or set(got) == set(want)
+    assert all(got[k].dtype == dtype and torch.equal(got[k], want[k]) for k in got)
+    other = _whole_layer_reference(model, 2, 2)
+    assert not all(torch.equal(got[k], other[k]) for k in got)
+
+
+@pytest.mark.slow   # SmolLM2's tokenizer (the model is built once from its GGUF)
+
+def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_grams(tmp_path):
+    """Calibrated: the streamed conversion (the engine's Gram of layer i computed just before layer i
+    is converted, the engine's layer let go first) writes exactly the tensors of the whole-layer
+    conversion fitted to the same Grams; Grams of other text give other tensors (negative control)."""
+    import shutil
+
+    from hf_symmetry.assets import smollm2_dir
+    from hf_symmetry.calibration import calibration_ids
+    from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_checkpoint_to_tpa
+    from transformers import AutoTokenizer
+
+    model = tiny_source("llama", n_kv=3, vocab=49152)   # SmolLM2's tokenizer
+    model.save_pretrained(tmp_path / "src")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(smollm2_dir() / name, tmp_path / "src" / name)
+    report = convert_checkpoint_to_tpa(tmp_path / "src", tmp_path / "tpa", k_rank=1, v_rank=1,
+                                       calib="britannica-calib", calib_tokens=96, progress=False)
+    assert report.calibrated and report.calib_tokens == 96
+    ids = calibration_ids(AutoTokenizer.from_pretrained(tmp_path / "src"), "britannica-calib", 96)
+    got = _written(tmp_path / "tpa")
+    want = _whole_layer_reference(model, 1, 1, attention_input_grams(tmp_path / "src", ids, progress=False))
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    other = _whole_layer_reference(model, 1, 1, attention_input_grams(tmp_path / "src", ids[:40], progress=False))
+    assert not all(torch.equal(got[k], other[k]) for k in got)

@@ -156,8 +156,21 @@ class Adapter:
         names = list(self._layer_names().values()) + fused
         return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
 
-    def read_layer(self, i: int, tensors: Tensors) -> Tensors:
-        """Canonical float64 view of layer ``i`` from its checkpoint tensors."""
+    def layer_keys_of(self, i: int, modules: set[str]) -> set[str]:
+        """Checkpoint keys (weight and bias, where present) of layer ``i`` that hold the canonical
+        modules ``modules`` (e.g. ``{"gate", "up"}``; a fused qkv or gate_up tensor for any of its
+        parts), for readers that take a layer one group of tensors at a time."""
+        p, spec = self.layer_prefix(i), self.spec
+        names = [n for c, n in self._layer_names().items() if c in modules]
+        if spec.attention.qkv and modules & {"q", "k", "v"}:
+            names.append(spec.attention.qkv)
+        if spec.ffn.gate_up and modules & {"gate", "up"}:
+            names.append(spec.ffn.gate_up)
+        return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
+
+    def read_layer(self, i: int, tensors: Tensors, dtype: torch.dtype | None = torch.float64) -> Tensors:
+        """Canonical float64 view of layer ``i`` from its checkpoint tensors (owned copies; ``dtype=None``:
+        each tensor's own dtype, for tensors a conversion passes through unchanged)."""
         p = self.layer_prefix(i)
         out: Tensors = {}
         for canon, name in self._layer_names().items():
@@ -165,16 +178,16 @@ class Adapter:
                 t = tensors.get(f"{p}{name}.{kind}")
                 if t is None:
                     continue
-                t = t.to(torch.float64, copy=True)
+                t = t.to(dtype or t.dtype, copy=True)
                 if kind == "weight" and self.spec.conv1d and self._is_linear(canon):
                     t = t.T
                 if kind == "weight" and self._one_plus(canon):
                     t = t + 1.0
                 out[f"{canon}.{kind}"] = t.contiguous()
         if self.spec.attention.qkv:
-            self._split_qkv(tensors, p, out)
+            self._split_qkv(tensors, p, out, dtype)
         if self.spec.ffn.gate_up:
-            self._split_gate_up(tensors, p, out)
+            self._split_gate_up(tensors, p, out, dtype)
         missing = [k for k in ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight") if k not in out]
         if missing:
             raise ValueError(f"layer {i}: checkpoint lacks tensors for {missing} (prefix {p!r})")
@@ -201,23 +214,24 @@ class Adapter:
             return stacked.reshape(3 * L.n_heads * L.head_dim, *parts[0].shape[1:])
         return torch.cat(parts, dim=0)
 
-    def _split_qkv(self, tensors: Tensors, p: str, out: Tensors) -> None:
+    def _split_qkv(self, tensors: Tensors, p: str, out: Tensors, dtype: torch.dtype | None = torch.float64) -> None:
         name = self.spec.attention.qkv
-        w = tensors[f"{p}{name}.weight"].to(torch.float64, copy=True)
+        w = tensors[f"{p}{name}.weight"]
+        w = w.to(dtype or w.dtype, copy=True)
         w = w.T if self.spec.conv1d else w
         for canon, part in zip("qkv", self._qkv_parts(w)):
             out[f"{canon}.weight"] = part.contiguous()
         b = tensors.get(f"{p}{name}.bias")
         if b is not None:
-            for canon, part in zip("qkv", self._qkv_parts(b.to(torch.float64, copy=True))):
+            for canon, part in zip("qkv", self._qkv_parts(b.to(dtype or b.dtype, copy=True))):
                 out[f"{canon}.bias"] = part.contiguous()
 
-    def _split_gate_up(self, tensors: Tensors, p: str, out: Tensors) -> None:
+    def _split_gate_up(self, tensors: Tensors, p: str, out: Tensors, dtype: torch.dtype | None = torch.float64) -> None:
         name = self.spec.ffn.gate_up
         for kind in ("weight", "bias"):
             t = tensors.get(f"{p}{name}.{kind}")
             if t is not None:
-                gate, up = t.to(torch.float64, copy=True).chunk(2, dim=0)
+                gate, up = t.to(dtype or t.dtype, copy=True).chunk(2, dim=0)
                 out[f"gate.{kind}"], out[f"up.{kind}"] = gate.contiguous(), up.contiguous()
 
     def write_layer(self, i: int, canon: Tensors, like: dict) -> Tensors:
@@ -302,15 +316,16 @@ class Adapter:
         wanted = {f"{n}.{k}" for n in self._global_names().values() for k in ("weight", "bias")}
         return [k for k in keys if k in wanted]
 
-    def read_globals(self, tensors: Tensors, dtype: torch.dtype | None = torch.float64) -> Tensors:
+    def read_globals(self, tensors: Tensors, dtype: torch.dtype | None = torch.float64, copy: bool = True) -> Tensors:
         """Canonical globals: owned copies in ``dtype`` (``None``: each tensor's own dtype, for
-        callers that compute on vocabulary-sized matrices a block of rows at a time)."""
+        callers that compute on vocabulary-sized matrices a block of rows at a time). ``copy=False``
+        with ``dtype=None``: the tensors themselves where no conversion changes them (pass-through)."""
         out: Tensors = {}
         for canon, name in self._global_names().items():
             for kind in ("weight", "bias"):
                 t = tensors.get(f"{name}.{kind}")
                 if t is not None:
-                    t = t.to(dtype or t.dtype, copy=True)
+                    t = t.to(dtype or t.dtype, copy=copy)
                     out[f"{canon}.{kind}"] = t + 1.0 if kind == "weight" and self._one_plus(canon) else t
         return out
 

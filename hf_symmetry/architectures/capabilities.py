@@ -377,6 +377,13 @@ def _tpa_key_rank(f: Facts) -> str | None:
 
 
 def _compress(f: Facts) -> str | None:
+    """The compressed family; LayerNorm decoders instead go through the RMS-decoder family (centred, then
+    its structured linears and orthogonal skips)."""
+    if f.norm_kind == "layer" and f.decoder:
+        r = _residual(f)
+        if r is None and "layer_structures" not in RMS_DECODER.fields:
+            r = f"{RMS_DECODER.name} has no structured linears"
+        return r
     return _target_reason(f, COMPRESSED, needs_rotation=True)
 
 

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 
 from ..architectures import Adapter
 from ..devices import Placement, resolve
+from .memory import release_free_memory
 from .statistics import FINAL_SITES, Accumulator, LayerStats, StatsRequest, base_site, capture_sites
 
 Tensors = dict[str, torch.Tensor]
@@ -204,9 +205,10 @@ class CalibrationEngine:
         missing = sorted(k for k in keys if k not in set(self.keys))
         if missing:
             raise ValueError(f"checkpoint lacks {missing[:3]} needed to run {type(module).__name__}")
-        tensors = self.source.get(sorted(keys))
-        for n in names:
-            set_module_tensor_to_device(module, n, self.device, value=tensors.pop(prefix + n), dtype=self.dtype)
+        for n in names:   # one tensor at a time: the stored copy lives only until it is cast
+            value = self.source.get([prefix + n])[prefix + n]
+            set_module_tensor_to_device(module, n, self.device, value=value, dtype=self.dtype)
+            del value
         for n, b in list(module.named_buffers()):
             if b.device.type == "meta":
                 continue
@@ -339,6 +341,12 @@ class LayerStep:
     run: "CalibrationRun" = field(repr=False)
     replacement: torch.nn.Module | None = None
 
+    def release(self) -> None:
+        """Drop the original layer now (its outputs are already computed and handed on), for callers
+        that only need the statistics: the layer's weights are then freed before the caller's own
+        work on this layer, not when the next layer is built."""
+        self.module = None
+
     def replace(self, module: torch.nn.Module) -> None:
         """Hand on the outputs of ``module`` (the converted layer, called like the original with
         the same arguments) instead of the original layer's."""
@@ -417,10 +425,12 @@ class CalibrationRun:
         stop = engine.adapter.n_layers if stop is None else stop
         bar = tqdm(range(self.next_layer, stop), desc="calibration", unit="layer", disable=not engine.progress)
         for i in bar:
+            release_free_memory()   # the previous layer's temporaries, before this layer is built
             module = engine.layer_module(i)
             want = request if (only is None or i in only) else StatsRequest()
             stats, outs, oouts = self._collect(i, module, want, keep_outputs=True, original_module=module)
             step = LayerStep(i, module, stats if (only is None or i in only) else None, self)
+            del module   # the step holds the layer: a caller that sets step.module = None frees it now
             yield step
             if step.replacement is not None:
                 with torch.no_grad():   # a generator body is outside any decorator's no_grad
@@ -435,7 +445,7 @@ class CalibrationRun:
             # the caller's loop variable still holds this step while the next layer is built: let
             # go of its layers, so one layer is in memory at a time
             step.module = step.replacement = None
-            del step, module, outs, oouts
+            del step, outs, oouts
 
     @torch.no_grad()
     def final(self, request: StatsRequest) -> LayerStats:

@@ -24,8 +24,9 @@ def register(sub) -> None:
     p = sub.add_parser("compress", help="structured compression (Kronecker / GS / low rank) with orthogonal "
                                         "transforms, or SliceGPT", description=__doc__)
     p.add_argument("model", nargs="?", default="default",
-                   help="HF folder of a Llama-family model (llama, mistral, qwen2, qwen3, phi3; with --structure "
-                        "slice also opt, gpt2, gpt_neox, gptj) or an embedded alias (default: SmolLM2-135M-Instruct)")
+                   help="HF folder of a Llama-family model (llama, mistral, qwen2, qwen3, phi3) or a LayerNorm "
+                        "decoder (opt, gpt2, gpt_neox, gptj: written as the RMS-decoder family), or an embedded alias "
+                        "(default: SmolLM2-135M-Instruct)")
     p.add_argument("out", help="output folder")
     p.add_argument("--structure", choices=STRUCTURES, default=None,
                    help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "

@@ -11,8 +11,8 @@ import torch
 from ..assets import MODEL_ALIASES, resolve_model, resolve_text
 from ..checkpoint import CheckpointReader, atomic_output_dir, check_output_dir
 from ..conversion.farr import calibration_tokens, spectra_report
-from ..evaluation.compare import load_model, load_tokenizer, write_json
-from ..evaluation.fused_check import check_fused_layout
+from ..evaluation.compare import load_tokenizer, write_json
+from ..evaluation.fused_check import check_fused_layout_layerwise
 from ..evaluation.perplexity import read_text, tokenize_text
 from ..evaluation.spectra_plots import plot_layer_spectra, plot_rank_heatmaps
 from ..symmetry.fused import check_tau
@@ -32,13 +32,15 @@ def register(sub) -> None:
                         "(default: 0.99 0.999)")
     p.add_argument("--text", default="britannica-eval", help="text for the layout check (file or embedded name)")
     p.add_argument("--check-tokens", type=int, default=64,
-                   help="tokens the hook-based layout check runs on (default: 64)")
+                   help="tokens the hook-based layout check runs on, one decoder layer in memory at a time "
+                        "(default: 64)")
     p.add_argument("--calibrate", metavar="TEXT",
                    help="measure the maps in the activation-aware metric (output energy on the model's own attention "
                         "inputs over TEXT, as `farr --calibrate` does) instead of the data-free Frobenius norm")
     p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
     p.add_argument("--no-layout-check", action="store_true",
-                   help="skip checking the fused maps against the model's own forward (needs the model in memory)")
+                   help="skip checking the fused maps against the model's own forward (a second pass over the "
+                        "checkpoint, one layer at a time)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
     p.add_argument("--json", dest="json_out", metavar="FILE", help="also write the summary as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -63,7 +65,8 @@ def run(args) -> int:
                             placement=placement)
     report["model"], report["calibration"] = str(src), calibration
     if not args.no_layout_check:
-        report["layout_check"] = _layout_check(src, args.text, args.check_tokens, progress=not args.quiet)
+        report["layout_check"] = _layout_check(reader, args.text, args.check_tokens, progress=not args.quiet,
+                                               placement=placement)
     with atomic_output_dir(args.out, args.overwrite) as tmp:
         write_json(tmp / REPORT, report)
         plot_rank_heatmaps(report, tmp / HEATMAP)
@@ -78,17 +81,22 @@ def run(args) -> int:
     return 0
 
 
-def _layout_check(src: Path, text: str, tokens: int, progress: bool = False) -> dict:
-    model = load_model(src)
-    vocab = model.config.vocab_size
+def _layout_check(reader: CheckpointReader, text: str, tokens: int, progress: bool = False, placement=None) -> dict:
+    """The fused maps against the model's own layers (hooks), one decoder layer in memory at a time."""
+    vocab = reader.config["vocab_size"]
     try:
         # a prefix of the text is plenty (and keeps the tokenizer from warning about its length)
-        ids = tokenize_text(load_tokenizer(src), read_text(resolve_text(text))[:tokens * 16], max_tokens=tokens)
+        ids = tokenize_text(load_tokenizer(reader.path), read_text(resolve_text(text))[:tokens * 16],
+                            max_tokens=tokens)
     except (OSError, ValueError):
         ids = None
     if ids is None or int(ids.max()) >= vocab:   # no usable tokenizer: any token ids exercise the layout
         ids = torch.arange(tokens) * 7919 % vocab
-    return check_fused_layout(model, ids, progress=progress).as_dict()
+    from ..devices import resolve
+
+    # float32 whatever --calib-dtype says: the check's tolerance is for float32 forwards
+    placement = None if placement is None else resolve(placement.device, "float32")
+    return check_fused_layout_layerwise(reader.path, ids, progress=progress, placement=placement).as_dict()
 
 
 def _summary(report: dict) -> dict:

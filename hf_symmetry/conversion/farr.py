@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from ..architectures import Adapter
 from ..architectures.capabilities import require
+from ..calibration.memory import release_free_memory
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size)
 from ..evaluation.compare import write_json
@@ -44,8 +45,9 @@ from ..hub.cards import count_parameters, public_model_label, public_report, wri
 from ..modeling import configuration_farr, modeling_farr
 from ..modeling.configuration_farr import qk_parameters, vo_parameters
 from ..symmetry import fused
-from ..symmetry.actions import fold_layer_norms
-from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
+from ..symmetry.actions import fold_layer_norms, fold_norm
+from .layer_parts import attention_modules, ffn_modules, module_of, read_part, stand_ins
+from .stream import DictSink, DictSource, TensorSource, partition_keys
 
 Tensors = dict[str, torch.Tensor]
 REPORT_FILE = "farr_report.json"
@@ -197,9 +199,16 @@ def analyze(source: TensorSource, adapter: Adapter, paths: tuple[str, ...], deta
     ``weights`` (calibration; ``weights[i]`` is layer i's :class:`fused.InputWeights`), the maps are
     measured on the module's actual input, so γ is not folded."""
     _, per_layer, _ = partition_keys(adapter, source.keys())
-    return [analyze_layer(i, adapter.read_layer(i, source.get(per_layer[i])), adapter, paths, detail,
-                          _weights_to(weights[i], device) if weights else None, device)
-            for i in tqdm(range(adapter.n_layers), desc="fused spectra", disable=not progress, unit="layer")]
+    shapes, ffn = source.shapes(), ffn_modules(adapter)
+    out = []
+    for i in tqdm(range(adapter.n_layers), desc="fused spectra", disable=not progress, unit="layer"):
+        # the attention and the norms (γ folds into q/k/v); the FFN is never read
+        keys = [k for k in per_layer[i] if module_of(adapter, i, k) not in ffn]
+        layer = read_part(adapter, i, stand_ins(per_layer[i], shapes), source.get(keys), torch.float64)
+        out.append(analyze_layer(i, layer, adapter, paths, detail,
+                                 _weights_to(weights[i], device) if weights else None, device))
+        del layer
+    return out
 
 
 def analyze_layer(i: int, layer: Tensors, adapter: Adapter, paths: tuple[str, ...], detail: bool = False,
@@ -291,25 +300,22 @@ def calibrated_analysis(model, ids: torch.Tensor, paths: tuple[str, ...], placem
     _, per_layer, _ = partition_keys(adapter, engine.keys)
     window = min(window, engine.config.get("max_position_embeddings") or window)
     run = engine.start(calibration_batches(ids, window))
-    a = adapter.spec.attention
-    modules = tuple(f"{m}." for m in (a.q, a.k, a.v, a.o, a.qkv) if m)
     shapes = engine.source.shapes()
     out = []
     for step in run.layers(StatsRequest(grams=("v_in",), sums=("v_in",))):
+        step.release()   # its outputs are handed on: free the engine's layer before this layer's work
+        i = step.index
         w = fused.InputWeights.from_moments(step.stats.second_moment("v_in"), step.stats.mean("v_in"),
                                             augmented="qk" in paths)
+        del step
         # only the attention's tensors are read (the rest of the layer stands in on the meta device)
-        prefix = adapter.layer_prefix(step.index)
-        keys = [k for k in per_layer[step.index] if k.removeprefix(prefix).startswith(modules)]
-        raw = {**{k: torch.empty(shapes[k], device="meta") for k in per_layer[step.index] if k not in keys},
-               **engine.source.get(keys)}
-        layer = {k: t for k, t in adapter.read_layer(step.index, raw).items()
-                 if k.split(".")[0] in ("q", "k", "v", "o")}
-        del raw
-        out.append(analyze_layer(step.index, layer, adapter, paths, detail, w, device))
+        keys = [k for k in per_layer[i] if module_of(adapter, i, k) in attention_modules(adapter)]
+        layer = {k: t for k, t in read_part(adapter, i, stand_ins(per_layer[i], shapes), engine.source.get(keys),
+                                             torch.float64).items() if k.split(".")[0] in ("q", "k", "v", "o")}
+        out.append(analyze_layer(i, layer, adapter, paths, detail, w, device))
         if store is not None:
-            store.put(step.index, w)
-        del w, layer, step
+            store.put(i, w)
+        del w, layer
     return out
 
 
@@ -462,21 +468,43 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
         analysis = analyze(source, adapter, options.paths, progress=progress, weights=weights, device=device)
     plan = plan_ranks(analysis, options, target)
     kept: dict[str, list[list[float]]] = {p: [] for p in options.paths}
-
-    def layer_fn(i: int, layer: Tensors) -> Tensors:
+    global_keys, per_layer, rest = partition_keys(adapter, keys)
+    release_free_memory()   # the analysis' temporaries, before the vocabulary-sized reads
+    # the globals pass through unchanged, one tensor at a time (vocabulary-sized: no copy of them is made)
+    for key in global_keys:
+        sink.add(source.get([key]))
+    shapes, dtypes = source.shapes(), _dtypes(source)
+    ffn = ffn_modules(adapter)
+    for i in tqdm(range(adapter.n_layers), desc="farr", disable=not progress, unit="layer"):
+        release_free_memory()   # the previous layer's temporaries
+        like = {k: dtypes[k] for k in per_layer[i]}
+        stand = stand_ins(per_layer[i], shapes, dtypes)
+        # the attention and the norms, in float64: what FaRR rewrites
+        keys_a = [k for k in per_layer[i] if module_of(adapter, i, k) not in ffn]
+        raw = source.get(keys_a)
+        modeled = adapter.modeled_layer_keys(i)
+        passthrough = {k: v for k, v in raw.items() if k not in modeled}   # rotary buffers
+        layer = read_part(adapter, i, stand, raw, torch.float64)
+        ffn_norm = {k: layer[f"ffn_norm.{k}"] for k in ("weight", "bias") if f"ffn_norm.{k}" in layer}
         w = _weights_to(weights[i], device) if weights else None
         new, k = reduce_layer({n: t.to(device) for n, t in layer.items()}, adapter, target, options,
                               {p: plan.ranks[p][i] for p in options.paths}, w, adapter.layer_layout(i))
         for p, v in k.items():
             kept[p].append(v)
-        return {n: t.cpu() for n, t in new.items()}
-
-    # the globals pass through unchanged, one tensor at a time (vocabulary-sized: no copy of them is made)
-    for key in adapter.global_keys(keys):
-        sink.add(source.get([key]))
-    # the stream drops the biases reduce_layer folded away: modelled keys absent from the result
-    transform_checkpoint(_WithoutGlobals(source, adapter), adapter, sink, layer_fn, globals_fn=lambda g: g,
-                         progress=progress, desc="farr")
+        sink.add({**passthrough, **adapter.write_layer(i, {n: t.cpu() for n, t in new.items()}, like)})
+        del layer, new, w, raw, passthrough
+        # the FFN, one module at a time in its own dtype: unchanged, but for the pre-norm's γ folded
+        # into gate/up (as reduce_layer folds it on a whole layer), a block of rows at a time
+        fold = ffn_norm if adapter.spec.placement == "pre" and "weight" in ffn_norm else None
+        for module in sorted({module_of(adapter, i, k) for k in per_layer[i]} & ffn):
+            names = [k for k in per_layer[i] if module_of(adapter, i, k) == module]
+            part = read_part(adapter, i, stand, source.get(names), None)
+            if fold is not None:
+                part = _fold_ffn_norm(part, fold["weight"], fold.get("bias"))
+            sink.add(adapter.write_layer(i, part, like))
+            del part
+    if rest:
+        sink.add(source.get(rest))
     farr_config = target.make_config(plan.ranks.get("vo"), plan.ranks.get("qk"))
     report = FarrReport(source="", output=None, model_type=farr_config.model_type,
                         options=dataclasses.asdict(options), head_dim=adapter.layout.head_dim,
@@ -487,19 +515,38 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
     return farr_config, report, analysis
 
 
-class _WithoutGlobals:
-    """A tensor source without its global (embedding, final norm, head) tensors."""
+def _dtypes(source: TensorSource) -> dict[str, torch.dtype]:
+    """Every tensor's stored dtype (from the headers of a checkpoint; an in-memory source's tensors)."""
+    if hasattr(source, "dtypes"):
+        return source.dtypes()
+    return {k: t.dtype for k, t in source.get(source.keys()).items()}
 
-    def __init__(self, source: TensorSource, adapter: Adapter):
-        self.source = source
-        hidden = set(adapter.global_keys(source.keys()))
-        self._keys = [k for k in source.keys() if k not in hidden]
 
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def get(self, names: list[str]) -> Tensors:
-        return self.source.get(names)
+def _fold_ffn_norm(part: Tensors, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 1024) -> Tensors:
+    """:func:`~hf_symmetry.symmetry.actions.fold_norm` of a pre-norm (float64 ``weight``, ``bias``) into
+    the gate/up tensors of ``part`` (canonical, any dtype), in float64 a block of ``rows`` rows at a
+    time; results in each tensor's own dtype. Element for element the whole-tensor fold (each row
+    is folded on its own), without a float64 copy of the matrix."""
+    out = dict(part)
+    for n in ("gate", "up"):
+        W = part.get(f"{n}.weight")
+        if W is None:
+            continue
+        new_w = torch.empty_like(W)
+        b = part.get(f"{n}.bias")
+        new_b = None if bias is None else torch.empty(W.shape[0], dtype=torch.float64)   # cast once, when written
+        for r in range(0, W.shape[0], rows):
+            block = {f"{n}.weight": W[r:r + rows].to(torch.float64)}
+            if b is not None:
+                block[f"{n}.bias"] = b[r:r + rows].to(torch.float64)
+            block = fold_norm(block, (n,), weight, bias)
+            new_w[r:r + rows] = block[f"{n}.weight"]
+            if new_b is not None:
+                new_b[r:r + rows] = block[f"{n}.bias"]
+        out[f"{n}.weight"] = new_w
+        if new_b is not None:
+            out[f"{n}.bias"] = new_b
+    return out
 
 
 def _qk_notes(adapter: Adapter, options: FarrOptions) -> list[str]:

@@ -9,9 +9,11 @@ Pipeline (docs/math.md §2):
    (:mod:`hf_symmetry.conversion.match`);
 3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge_methods`).
 
-Weight-only methods (average, task arithmetic, TIES) and RegMean stream layer by layer: each
-layer of every input is read, matched and merged before the next one is read. RegMean's Gram
-matrices are collected inside that pass (:class:`LayerGrams`: one calibration run per input,
+Weight-only methods (average, task arithmetic, TIES) and RegMean stream layer by layer
+(:mod:`hf_symmetry.conversion.merge_stream`): each layer of every input is read, matched and merged
+one group of tensors at a time before the next layer is read, and the vocabulary-sized globals a
+block of rows at a time where the rule allows. RegMean's Gram matrices are collected inside that
+pass (:class:`~hf_symmetry.conversion.merge_stream.LayerGrams`: one calibration run per input,
 advanced one decoder layer at a time, so host memory holds one layer's Grams whatever the depth),
 on the inputs as given, and carried exactly through the match (``RᵀGR``, ``PᵀGP``;
 :meth:`MatchSolution.transform_grams`); the globals (LM head: the Gram of the final norm's output)
@@ -41,17 +43,14 @@ from ..devices import linalg_device
 from .calibration import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
 from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
                     vocabulary_fingerprint, with_lm_head)
-from .merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
+from .merge_methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
+from .merge_stream import GRAM_OF, LayerGrams, stream_merge
 from .recipe import DATA_METHODS, EvaluationSpec, MergeRecipe, ModelEntry, recipe_from_dict
 from .rotate import RotateOptions, plan_checks
 from .stream import DictSink, DictSource, TensorSource, combine_checkpoints, partition_keys
 
 Tensors = dict[str, torch.Tensor]
 
-# Canonical linear weight -> the Gram of its input (RegMean).
-_GRAM_OF = {"q.weight": "attn_in", "k.weight": "attn_in", "v.weight": "attn_in", "o.weight": "o_in",
-            "gate.weight": "ffn_in", "up.weight": "ffn_in", "down.weight": "down_in"}
-_GRAM_SITES = ("attn_in", "o_in", "ffn_in", "down_in")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -72,6 +71,15 @@ class MergeRule:
     grams: list[Tensors] | None = None
     device: torch.device = torch.device("cpu")    # where RegMean's solves run (results come back to the CPU)
     _parts: list | None = field(default=None, repr=False)   # the Fisher sources' keys per layer
+    _solvers: dict = field(default_factory=dict, repr=False)  # RegMean: Gram key -> factored system
+
+    @property
+    def row_separable(self) -> bool:
+        """Whether each row of a tensor is merged on its own (the globals can go a block of rows at a time)."""
+        return self.method in ("average", "task_arithmetic", "regmean")
+
+    def set_grams(self, grams: list[Tensors] | None) -> None:
+        self.grams, self._solvers = grams, {}
 
     @property
     def weights(self) -> list[float]:
@@ -97,12 +105,12 @@ class MergeRule:
         for key in parts[0]:
             tensors = [p[key] for p in parts]
             gkey = gram_key(key)
-            if self.method == "regmean" and gkey is not None:
-                grams = [g[gkey].to(self.device) for g in self.grams]
-                n = len(self.entries)
+            if self.method == "regmean" and gkey is not None:   # factored once, e.g. for every block of the LM head
                 try:
-                    out[key] = regmean([t.to(self.device) for t in tensors[:n]], grams, self.weights,
-                                       self.params["alpha"]).cpu()
+                    if gkey not in self._solvers:
+                        self._solvers[gkey] = RegMeanSolver([g[gkey] for g in self.grams], self.weights,
+                                                            self.params["alpha"], self.device)
+                    out[key] = self._solvers[gkey].solve(tensors[:len(self.entries)]).cpu()
                 except ValueError as exc:
                     raise ValueError(f"{gkey}: {exc}") from None
             else:
@@ -119,7 +127,7 @@ class MergeRule:
         if self.method == "fisher":
             fishers = [self.adapter.read_layer(i, f.get(part[1][i])) for f, part in zip(self.fishers, self._fisher_parts())]
         return self._merge_dict(layers, fishers,
-                                lambda key: f"layers.{i}.{_GRAM_OF[key]}" if key in _GRAM_OF else None)
+                                lambda key: f"layers.{i}.{GRAM_OF[key]}" if key in GRAM_OF else None)
 
     def globals(self, gs: list[Tensors]) -> Tensors:
         fishers = None
@@ -206,89 +214,27 @@ def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule
         for j, m in enumerate(matchers):
             m.solve_residual(sources[anchor], sources[j], progress)
 
+    if rule.method != "fisher":
+        stream_merge(sources, adapter, rule, sink, anchor, matchers, tied_output, progress,
+                     f"{'match + ' if plan else ''}{rule.method}", layer_grams)
+        return matchers
+
     def globals_fn(gs: list[Tensors]) -> Tensors:
         if matchers:
             gs = [m.match_globals(gs[anchor], g) for m, g in zip(matchers, gs)]
         gs = [{k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
               for g in gs]
-        if layer_grams is not None:   # after the last layer (match_globals has recorded the final norm)
-            rule.grams = layer_grams.final(matchers, head=not tied_output)
         return rule.globals(gs)
 
     def layer_fn(i: int, layers: list[Tensors]) -> Tensors:
         if matchers:
             layers = [m.match_layer(i, layers[anchor], layer) for m, layer in zip(matchers, layers)]
-        if layer_grams is not None:   # this layer's Grams, in the anchor's frame (match_layer has solved it)
-            rule.grams = layer_grams.layer(i, matchers)
         return rule.layer(i, layers)
 
+    # Fisher: each layer's Fishers are read beside its weights (the matched inputs, written by then)
     combine_checkpoints(sources, adapter, sink, layer_fn, globals_fn, rule.rest, like=anchor, progress=progress,
-                        desc=f"{'match + ' if plan else ''}{rule.method}", globals_last=layer_grams is not None)
-    if layer_grams is not None:
-        rule.grams = None
+                        desc=f"{'match + ' if plan else ''}{rule.method}")
     return matchers
-
-
-class LayerGrams:
-    """RegMean's statistics inside the merge pass: one layer-wise calibration run
-    (:mod:`hf_symmetry.calibration`) per merged input, on the input as given, advanced one decoder
-    layer at a time as the merge reaches it. :meth:`layer` returns layer ``i``'s Gram matrices
-    ``Σ xᵀx`` of every linear input (keys ``layers.{i}.{attn_in,o_in,ffn_in,down_in}``) for each
-    input, carried into the anchor's frame by its match solution; :meth:`final` the LM head's
-    (``head_in``) after the last layer. Memory: each input's calibration activations and one
-    layer (module and Grams) per input, whatever the depth.
-
-    ``placement``: device and calibration dtype of the runs (default: CPU, float64 for float64
-    weights, else float32); the Grams accumulate in float64 on its linear-algebra device."""
-
-    def __init__(self, sources: list[TensorSource], configs: list[dict], batches: list[torch.Tensor],
-                 placement=None, progress: bool = True):
-        from ..calibration import CalibrationEngine, StatsRequest
-        from ..devices import resolve
-
-        self.device = linalg_device(placement)
-        self.runs, self.steps, self.heads = [], [], []
-        for j, (source, config) in enumerate(zip(sources, configs)):
-            engine = CalibrationEngine(source, config, placement=placement or resolve("cpu", statistics_dtype(source)),
-                                       progress=False, stats_device=self.device)
-            self.heads.append(engine.adapter.spec.lm_head is not None
-                              and engine.skeleton().get_output_embeddings() is not None)
-            run = engine.start(batches)
-            self.runs.append(run)
-            self.steps.append(run.layers(StatsRequest(grams=_GRAM_SITES)))
-
-    @staticmethod
-    def _carried(grams: Tensors, matcher, adapter: Adapter) -> Tensors:
-        if matcher is None:
-            return grams
-        # the match solution lives on the CPU; the rule moves the carried Grams to its device
-        return matcher.solution.transform_grams({k: g.cpu() for k, g in grams.items()}, adapter.layout)
-
-    def layer(self, i: int, matchers: list | None = None) -> list[Tensors]:
-        out = []
-        for j, steps in enumerate(self.steps):
-            step = next(steps)
-            if step.index != i:
-                raise RuntimeError(f"RegMean statistics out of step: layer {step.index} measured for layer {i}")
-            grams = {f"layers.{i}.{site}": step.stats.grams[site] for site in _GRAM_SITES}
-            out.append(self._carried(grams, matchers[j] if matchers else None, self.runs[j].engine.adapter))
-            del step
-        return out
-
-    def final(self, matchers: list | None = None, head: bool = True) -> list[Tensors]:
-        from ..calibration import StatsRequest
-
-        out = []
-        for j, (run, steps) in enumerate(zip(self.runs, self.steps)):
-            for _ in steps:   # hand the last layer's outputs on (no layer is left to measure)
-                raise RuntimeError("RegMean statistics: layers left after the last merged layer")
-            if head and self.heads[j]:
-                grams = {"head_in": run.final(StatsRequest(grams=("head_in",))).grams["head_in"]}
-                out.append(self._carried(grams, matchers[j] if matchers else None, run.engine.adapter))
-            else:
-                out.append({})
-        self.runs = self.steps = []   # drop the calibration activations
-        return out
 
 
 class _Spill:
@@ -361,7 +307,8 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
               calibration_ids: torch.Tensor | None = None, folders: list | None = None,
               progress: bool = True, placement=None, workdir: Path | None = None) -> MergeOutcome:
     """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first.
-    ``workdir``: a folder for Fisher merging's matched inputs and Fishers (default: memory)."""
+    ``workdir``: a folder for Fisher merging's matched inputs and Fishers and for the Grams RegMean keeps
+    waiting while the next input's layer runs (default: memory)."""
     folders = folders or [None] * len(sources)
     has_base = recipe.base_model is not None
     n_models = len(recipe.models)
@@ -407,7 +354,8 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
     else:
         layer_grams = None
         if recipe.method == "regmean":   # embeds the calibration tokens; each layer is measured in the merge pass
-            layer_grams = LayerGrams(sources[:n_models], configs[:n_models], batches, placement, progress)
+            layer_grams = LayerGrams(sources[:n_models], configs[:n_models], batches, placement, progress,
+                                     spill=None if workdir is None else Path(workdir) / "grams")
             timings["calibration_embed"] = time.perf_counter() - start
             start = time.perf_counter()
         matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress, layer_grams)
@@ -497,9 +445,10 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method}"})
         sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
-        spill = tmp / ".fisher-work"   # Fisher's matched inputs and Fishers, removed before OUT appears
+        spill = tmp / ".merge-work"   # Fisher's matched inputs and Fishers, RegMean's waiting Grams (removed)
         outcome = run_merge(readers, [r.config for r in readers], recipe.inputs, recipe, sink, calibration_ids,
-                            folders, progress, placement, workdir=spill if recipe.method == "fisher" else None)
+                            folders, progress, placement,
+                            workdir=spill if recipe.method in ("fisher", "regmean") else None)
         shutil.rmtree(spill, ignore_errors=True)
         writer.close()
         config = dict(outcome.config)

@@ -80,21 +80,101 @@ def fisher_average(tensors: list[Tensor], fishers: list[Tensor], weights: list[f
     return (w * F * x).sum(0) / (w * F).sum(0)
 
 
-def regmean(weights: list[Tensor], grams: list[Tensor], model_weights: list[float], alpha: float = 0.9) -> Tensor:
-    """RegMean (Jin et al.) for one linear layer ``[out, in]``: the W minimising
-    ``Σ_i w_i ‖X_i Wᵀ − X_i W_iᵀ‖²``, i.e. ``Wᵀ = (Σ w_i G̃_i)⁻¹ Σ w_i G̃_i W_iᵀ`` with
-    ``G̃ = α G + (1 − α) diag(G)`` (off-diagonals scaled by α, which keeps the sum invertible
-    wherever every input channel saw some signal)."""
+def _regularised_(G: Tensor, alpha: float, scale: float) -> Tensor:
+    """``scale · (α G + (1 − α) diag(G))`` in place (float64; the operations of the textbook form,
+    signed zeros included, so results are bitwise those of computing it out of place)."""
+    diag = torch.diagonal(G)
+    d = alpha * diag + (1 - alpha) * diag
+    G.mul_(alpha).add_(0.0)
+    diag.copy_(d)
+    return G.mul_(scale)
+
+
+def _factor(lhs: Tensor) -> tuple[Tensor, Tensor]:
+    """LU factors of the summed Gram (``torch.linalg.solve`` factors the same way, so solving with
+    them is bitwise ``solve``)."""
+    LU, pivots, info = torch.linalg.lu_factor_ex(lhs)
+    if info.item() > 0:
+        raise ValueError("RegMean: the summed Gram matrix is singular (some input channel never saw signal); "
+                         "use alpha < 1 or more calibration tokens")
+    return LU, pivots
+
+
+def _check_alpha(alpha: float) -> None:
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"RegMean alpha must be in [0, 1]; got {alpha}")
-    lhs, rhs = 0, 0
-    for W, G, mw in zip(weights, grams, model_weights):
-        G = G.to(torch.float64)
-        G = alpha * G + (1 - alpha) * torch.diag(torch.diagonal(G))
-        lhs = lhs + mw * G
-        rhs = rhs + mw * G @ W.to(torch.float64).T
-    try:
-        return torch.linalg.solve(lhs, rhs).T
-    except torch.linalg.LinAlgError:
-        raise ValueError("RegMean: the summed Gram matrix is singular (some input channel never saw signal); "
-                         "use alpha < 1 or more calibration tokens") from None
+
+
+def _draining(items: list):
+    """The items of a list, each dropped from it as it is handed out."""
+    for k in range(len(items)):
+        item, items[k] = items[k], None
+        yield item
+
+
+def regmean_group(models, model_weights: list[float], alpha: float = 0.9, device=None) -> list[Tensor]:
+    """RegMean (Jin et al.) of the linear layers ``[out, in]`` that read one input (q, k and v; gate
+    and up; or one layer): for each, the W minimising ``Σ_i w_i ‖X_i Wᵀ − X_i W_iᵀ‖²``, i.e.
+    ``Wᵀ = (Σ w_i G̃_i)⁻¹ Σ w_i G̃_i W_iᵀ`` with ``G̃ = α G + (1 − α) diag(G)`` (off-diagonals
+    scaled by α, which keeps the sum invertible wherever every input channel saw some signal).
+
+    ``models`` yields, one merged model at a time, ``(G_i, W_i of each layer)`` (the weights as a
+    list or any iterable, e.g. read one at a time). Each model's Gram becomes its share of the
+    summed Gram in place (it is consumed) and each weight is dropped once used, so memory holds the
+    running sums and one model's Gram and one weight, not every model's; the summed Gram is factored
+    once for all the layers. Computed on ``device`` (results
+    there), in float64."""
+    _check_alpha(alpha)
+    lhs, rhs = None, None
+    for (G, Ws), mw in zip(models, model_weights):
+        G = _regularised_(G.to(device=device, dtype=torch.float64), alpha, mw)
+        first = rhs is None
+        rhs = [] if first else rhs
+        for k, W in enumerate(_draining(Ws) if isinstance(Ws, list) else Ws):
+            term = G @ W.to(device=device, dtype=torch.float64).T
+            del W
+            if first:
+                rhs.append(term.add_(0.0))
+            else:
+                rhs[k].add_(term)
+            del term
+        lhs = G.add_(0.0) if lhs is None else lhs.add_(G)
+        del G
+    LU, pivots = _factor(lhs)
+    del lhs
+    out = []
+    for k in range(len(rhs)):
+        r, rhs[k] = rhs[k], None
+        out.append(torch.linalg.lu_solve(LU, pivots, r).T)
+        del r
+    return out
+
+
+def regmean(weights: list[Tensor], grams: list[Tensor], model_weights: list[float], alpha: float = 0.9) -> Tensor:
+    """RegMean of one linear layer (:func:`regmean_group` with one layer; ``grams`` are not modified)."""
+    return regmean_group(((G.to(torch.float64, copy=True), [W]) for W, G in zip(weights, grams)),
+                         model_weights, alpha)[0]
+
+
+class RegMeanSolver:
+    """RegMean of one linear layer given a block of its output rows at a time (a vocabulary-sized
+    LM head): the summed Gram is factored once, each block of rows is solved with it. Holds every
+    model's regularised Gram (``in × in``), so it suits layers with a small input width."""
+
+    def __init__(self, grams: list[Tensor], model_weights: list[float], alpha: float = 0.9, device=None):
+        _check_alpha(alpha)
+        self.device = device
+        self.grams = [_regularised_(G.to(device=device, dtype=torch.float64, copy=True), alpha, mw)
+                      for G, mw in zip(grams, model_weights)]
+        lhs = None
+        for G in self.grams:
+            lhs = G.clone().add_(0.0) if lhs is None else lhs.add_(G)
+        self.LU, self.pivots = _factor(lhs)
+
+    def solve(self, weights: list[Tensor]) -> Tensor:
+        """The merged rows for the models' rows ``weights`` (each ``[rows, in]``)."""
+        rhs = None
+        for G, W in zip(self.grams, weights):
+            t = G @ W.to(device=self.device, dtype=torch.float64).T
+            rhs = t.add_(0.0) if rhs is None else rhs.add_(t)
+        return torch.linalg.lu_solve(self.LU, self.pivots, rhs).T

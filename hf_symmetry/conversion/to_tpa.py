@@ -45,6 +45,7 @@ from ..modeling.modeling_tpa import GLOBAL_MODULES as TPA_GLOBAL_MODULES
 from ..modeling.modeling_tpa import LAYER_MODULES as TPA_LAYER_MODULES
 from ..modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
 from ..modeling.modeling_tpa import TPAForCausalLM
+from .layer_parts import module_of, read_part, stand_ins
 from .stream import DictSource, partition_keys
 
 Tensors = dict[str, torch.Tensor]
@@ -167,10 +168,17 @@ def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress:
         engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
                                    progress=progress)
     run = engine.start(calibration_batches(ids, window))
-    # each layer's statistics are dropped once augmented (collect() would keep every layer's twice)
-    grams = (step.stats.augmented_gram("attn_in")
-             for step in run.layers(StatsRequest(grams=("attn_in",), sums=("attn_in",))))
-    return grams if lazy else list(grams)
+
+    def grams():
+        # each layer's statistics are dropped once augmented (collect() would keep every layer's
+        # twice), and the engine's layer before the caller converts that layer
+        for step in run.layers(StatsRequest(grams=("attn_in",), sums=("attn_in",))):
+            step.release()
+            gram = step.stats.augmented_gram("attn_in")
+            del step
+            yield gram
+
+    return grams() if lazy else list(grams())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,9 +263,28 @@ def _tpa_layer(canon: Tensors, layout, k_rank: int, v_rank: int, flags: dict, gr
     return out, (errs["k"][0], errs["v"][0], errs["k"][1], errs["v"][1])
 
 
+def _layer_parts(adapter: Adapter, i: int, keys: list[str], shapes: dict) -> tuple[list[str], list[str]]:
+    """Layer ``i``'s checkpoint keys split into what the conversion computes on (the key and value
+    projections, fused ones included, and every vector: norms, biases), read in float64, and the
+    matrices it passes through unchanged (query, output and FFN projections), read in their own dtype."""
+    a = adapter.spec.attention
+    kv = {m for m in (a.k, a.v, a.qkv) if m}
+    converted = [k for k in keys if module_of(adapter, i, k) in kv or len(shapes[k]) < 2]
+    return converted, [k for k in keys if k not in set(converted)]
+
+
+def _tpa_name(canonical: str) -> str:
+    """The TPA tensor name (relative to the layer prefix) of a canonical tensor passed through."""
+    module, kind = canonical.rsplit(".", 1)
+    if module not in TPA_LAYER_MODULES:
+        raise ValueError(f"to-tpa: the source layer has tensors the TPA family has no place for: {[canonical]}")
+    return f"{TPA_LAYER_MODULES[module]}.{kind}"
+
+
 def _tpa_globals(adapter: Adapter, raw: Tensors, tied: bool) -> Tensors:
-    """TPA global tensors (the source's dtype) from the source's raw global tensors."""
-    g = adapter.read_globals(raw, dtype=None)
+    """TPA global tensors (the source's dtype) from the source's raw global tensors (the tensors
+    read are written: no vocabulary-sized copy)."""
+    g = adapter.read_globals(raw, dtype=None, copy=False)
     out = {f"{module}.{kind}": g[f"{cname}.{kind}"] for cname, module in TPA_GLOBAL_MODULES.items()
            for kind in ("weight", "bias") if f"{cname}.{kind}" in g and not (tied and cname == "lm_head")}
     left = sorted(set(g) - {f"{c}.{k}" for c in TPA_GLOBAL_MODULES for k in ("weight", "bias")})
@@ -399,6 +426,7 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
 
     from ..assets import resolve_model, resolve_text
     from ..calibration import calibration_ids
+    from ..calibration.memory import release_free_memory
     from ..checkpoint import CheckpointReader, ShardedWriter, parse_size
     from ..devices import linalg_device
 
@@ -427,10 +455,9 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
             # one layer calibrated per converted layer: one Gram in memory, whatever the depth
             grams = attention_input_grams(src, ids, progress=False, placement=placement, lazy=True)
 
-    first = reader.get(per_layer[0])
-    dtype = next(iter(first.values())).dtype
-    flags = _source_biases(adapter.read_layer(0, first))
-    del first
+    shapes, dtypes = reader.shapes(), reader.dtypes()
+    dtype = dtypes[per_layer[0][0]]
+    flags = _source_biases(adapter.read_layer(0, stand_ins(per_layer[0], shapes, dtypes)))
     tcfg = tpa_config_from(config, k_rank, v_rank, **flags)
     report = _report(str(src), adapter, tcfg, k_rank, v_rank, exact=not reduced, calibrated=grams is not None,
                      calib_tokens=calib_n)
@@ -439,20 +466,28 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size))
         for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, unit="layer"):
-            raw = reader.get(per_layer[i])
-            like = next(iter(raw.values())).dtype
-            canon = adapter.read_layer(i, raw)
-            del raw
+            # the engine runs layer i (and lets it go) before this layer is read
             gram = None if grams is None else next(grams).to(device)
+            keys = per_layer[i]
+            like = dtypes[keys[0]]   # every tensor of the layer is written in the dtype of its first
+            stand = stand_ins(keys, shapes, dtypes)
+            converted, passed = _layer_parts(adapter, i, keys, shapes)
+            canon = read_part(adapter, i, stand, reader.get(converted), torch.float64)
             new, errs = _tpa_layer(canon, adapter.layout, k_rank, v_rank, flags, gram, True, None, device)
             report.layers.append(LayerError(i, *errs))
             prefix = TPA_LAYER_PREFIX.format(i)
             writer.add(dict(sorted((prefix + k, v.to(like)) for k, v in new.items())))
-            del canon, new
-        for k in global_keys:
-            writer.add(_tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
+            del canon, new, gram
+            release_free_memory()
+            for key in passed:   # unchanged matrices: one at a time, in their own dtype
+                part = read_part(adapter, i, stand, reader.get([key]), None)
+                writer.add({prefix + _tpa_name(name): t.to(like) for name, t in part.items()})
+                del part
         if grams is not None:
-            grams.close()
+            grams.close()   # the calibration run's activations
+        release_free_memory()
+        for k in global_keys:   # vocabulary-sized: one at a time, as read
+            writer.add(_tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
         _save_tpa_config(tcfg, dtype, tmp)
         if not copy_side_files(Path(src), tmp):

@@ -52,10 +52,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class _Capture:
-    """Forward hooks that record one layer's attention input, probabilities and O input/output."""
+    """Forward hooks that record one layer's attention input, probabilities and O input/output.
+    ``model`` is the whole model, or (``prefix=""``) the decoder layer itself."""
 
-    def __init__(self, model, adapter: Adapter, layer: int):
-        a, p = adapter.spec.attention, adapter.layer_prefix(layer)
+    def __init__(self, model, adapter: Adapter, layer: int, prefix: str | None = None):
+        a, p = adapter.spec.attention, adapter.layer_prefix(layer) if prefix is None else prefix
         modules = dict(model.named_modules())
         reader = a.q or a.qkv
         self.o_module = modules[p + a.o]
@@ -101,15 +102,57 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
 
     for i in tqdm(layers, desc="layout check", unit="layer", disable=not progress, leave=False):
         layer = adapter.read_layer(i, {k: state[k] for k in per_layer[i]})
-        L = layout or adapter.layer_layout(i)
-        entry = {"layer": i, **_check_vo(layer, L, captures[i])}
-        if fused.qk_fusion_blocker(L) is None and not L.rotary_dim:
-            entry["qk_max_abs_error"] = _check_qk(layer, L, captures[i].data, causal)
-            report.qk_max_abs_error = max(report.qk_max_abs_error or 0.0, entry["qk_max_abs_error"])
-        report.vo_max_rel_error = max(report.vo_max_rel_error, entry["vo_max_rel_error"])
-        report.total_max_rel_error = max(report.total_max_rel_error, entry["total_max_rel_error"])
-        report.per_layer.append(entry)
+        _add_layer(report, i, layer, layout or adapter.layer_layout(i), captures[i], causal)
     return report
+
+
+@torch.no_grad()
+def check_fused_layout_layerwise(source, ids: torch.Tensor, layers: list[int] | None = None, tolerance: float = 1e-3,
+                                 layout: HeadLayout | None = None, progress: bool = False,
+                                 placement=None) -> LayoutCheck:
+    """:func:`check_fused_layout` on a checkpoint (a model folder) without loading the model: the
+    calibration engine builds one decoder layer at a time as the family's own module (eager
+    attention, float32 on the CPU unless ``placement`` says otherwise), runs it on its inputs with the
+    hooks on, and only that layer's attention tensors are read for the fused maps."""
+    from ..calibration import CalibrationEngine, StatsRequest
+    from ..conversion.layer_parts import attention_modules, module_of, read_part, stand_ins
+    from ..devices import resolve
+
+    engine = CalibrationEngine(source, placement=placement or resolve("cpu", "float32"), progress=progress,
+                               attn_implementation="eager")
+    adapter = engine.adapter
+    wanted = set(range(adapter.n_layers) if layers is None else layers)
+    _, per_layer, _ = partition_keys(adapter, engine.keys)
+    shapes, attention = engine.source.shapes(), attention_modules(adapter)
+    report = LayoutCheck(tokens=ids.numel(), tolerance=tolerance)
+    run = engine.start([ids.reshape(1, -1)])
+    for step in run.layers(StatsRequest(), stop=max(wanted) + 1):
+        i = step.index
+        if i not in wanted:
+            continue
+        capture = _Capture(step.module, adapter, i, prefix="")
+        try:
+            step.collect(StatsRequest())   # the layer once more on its inputs, the hooks recording
+        finally:
+            capture.remove()
+        step.release()
+        # the attention and the vectors (biases, norms) only: the FFN is never read
+        keys = [k for k in per_layer[i] if module_of(adapter, i, k) in attention or len(shapes[k]) < 2]
+        layer = read_part(adapter, i, stand_ins(per_layer[i], shapes), engine.source.get(keys), torch.float64)
+        _add_layer(report, i, layer, layout or adapter.layer_layout(i), capture, adapter.spec.is_decoder)
+        del capture, layer, step
+    return report
+
+
+def _add_layer(report: LayoutCheck, i: int, layer: dict, L: HeadLayout, capture: _Capture, causal: bool) -> None:
+    """Check layer ``i``'s fused maps (canonical ``layer``) against what ``capture`` recorded."""
+    entry = {"layer": i, **_check_vo(layer, L, capture)}
+    if fused.qk_fusion_blocker(L) is None and not L.rotary_dim:
+        entry["qk_max_abs_error"] = _check_qk(layer, L, capture.data, causal)
+        report.qk_max_abs_error = max(report.qk_max_abs_error or 0.0, entry["qk_max_abs_error"])
+    report.vo_max_rel_error = max(report.vo_max_rel_error, entry["vo_max_rel_error"])
+    report.total_max_rel_error = max(report.total_max_rel_error, entry["total_max_rel_error"])
+    report.per_layer.append(entry)
 
 
 def _check_vo(layer: dict, L: HeadLayout, cap: _Capture) -> dict:

@@ -1,5 +1,6 @@
-"""Configuration of LayerNorm decoders (OPT, GPT-2) after residual-stream rotation (``hf-symmetry
-rotate --residual`` on a LayerNorm model).
+"""Configuration of LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J) after residual-stream rotation
+(``hf-symmetry rotate --residual`` on a LayerNorm model) or compression (``hf-symmetry compress``: SliceGPT
+slices the stream, the structured classes replace linears by structured ones).
 
 This file is copied next to saved checkpoints (``trust_remote_code`` loading), so it imports only
 ``transformers`` (and ``huggingface_hub``, which transformers depends on).
@@ -36,6 +37,17 @@ class RMSDecoderConfig(PreTrainedConfig):
             ``partial_rotary_factor`` of each head, as GPT-NeoX) instead of a learned position table.
         parallel_block: attention and FFN both read the layer's input and both add to it (GPT-NeoX's
             ``use_parallel_residual``); otherwise the FFN reads the stream after attention.
+        layer_structures: per layer, ``{module: structure}`` for ``q_proj``, ``k_proj``, ``v_proj``,
+            ``o_proj``, ``up_proj``, ``down_proj`` (ProcrustesGPT, ``hf-symmetry compress``): ``{"type":
+            "dense"}``, ``{"type": "lowrank", "rank": r}``, ``{"type": "kron", "rank": r, "a_shape": [m1,
+            n1]}`` or ``{"type": "gs", "rank": b, "blocks": [kl, kr]}``, in the module's ``[out, in]``
+            orientation. ``None`` (or a module left out): an ordinary ``nn.Linear``.
+        embed_structure / lm_head_structure: the token embedding's ``[vocab, d]`` and the head's
+            structure in the same form (``None``: dense).
+        skip_connections: ``"none"`` (one basis for the whole stream) or ``"orthogonal"`` (one basis per
+            residual segment: every skip connection carries the orthogonal ``Q_prevᵀ Q_next``, stored as
+            a Cayley parameter).
+        compression: what made the model (method, ratio, source model type); informational.
     """
 
     model_type = "hf_symmetry_rms_decoder"
@@ -65,6 +77,11 @@ class RMSDecoderConfig(PreTrainedConfig):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     tie_word_embeddings: bool = False
+    layer_structures: list | None = None
+    embed_structure: dict | None = None
+    lm_head_structure: dict | None = None
+    skip_connections: str = "none"
+    compression: dict | None = None
 
     def __post_init__(self, **kwargs):
         if self.residual_size is None:
@@ -79,6 +96,13 @@ class RMSDecoderConfig(PreTrainedConfig):
                              f"{self.num_attention_heads}")
         if not 0 < self.residual_size <= self.hidden_size:
             raise ValueError(f"residual_size must be in (0, hidden_size={self.hidden_size}], got {self.residual_size}")
+        if self.skip_connections not in ("none", "orthogonal"):
+            raise ValueError(f"skip_connections must be 'none' or 'orthogonal', got {self.skip_connections!r}")
+        if self.skip_connections == "orthogonal" and (self.parallel_block or self.residual_size != self.hidden_size):
+            raise ValueError("orthogonal skip connections need sequential blocks and an unsliced stream")
+        if self.layer_structures is not None and len(self.layer_structures) != self.num_hidden_layers:
+            raise ValueError(f"layer_structures has {len(self.layer_structures)} entries for "
+                             f"{self.num_hidden_layers} layers")
 
     def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
         """Cached elements per token (one layer if ``per_layer`` else all): K and V, ``2 · hidden``."""

@@ -2,6 +2,12 @@
 or parallel as GPT-NeoX) with learned absolute positions or rotary embeddings (GPT-NeoX's own, imported
 from transformers), biases everywhere, and RMSNorms without weight (see ``configuration_rms_decoder``).
 
+After ProcrustesGPT compression (``hf-symmetry compress --structure kron|gs|lowrank``) the linears that
+read or write the stream, the token embedding and the head may be structured (Kronecker sums,
+group-and-shuffle, low rank: factorised forward passes, the dense matrix is never formed), and with one
+basis per residual segment every skip connection carries an orthogonal matrix; the config says which
+(``layer_structures``, ``embed_structure``, ``lm_head_structure``, ``skip_connections``). Biases stay dense.
+
 This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only
 torch, transformers and its sibling ``configuration_rms_decoder``.
 """
@@ -11,8 +17,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
@@ -22,6 +30,228 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding, apply_rotary_pos_emb
 
 from .configuration_rms_decoder import RMSDecoderConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# Structured linear layers and orthogonal skips (ProcrustesGPT; the compressed family's own, copied so
+# that this file stays flat). Which module a layer gets is read from the config: ``layer_structures``,
+# ``embed_structure``, ``lm_head_structure``, ``skip_connections``.
+# ----------------------------------------------------------------------------------------------
+# Copied from hf_symmetry.modeling.modeling_compressed_llama._StructuredLinear
+class _StructuredLinear(nn.Module):
+    """``y = x Wᵀ (+ b)`` for a structured ``W [out_features, in_features]``. Subclasses implement
+    ``_matmul(x2d)``, ``rows(ids)`` (rows of W, for embeddings) and ``dense_weight()`` (for tests and
+    inspection only)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.DenseLinear
+class DenseLinear(_StructuredLinear):
+    def __init__(self, in_features, out_features, bias=False):
+        super().__init__(in_features, out_features, bias)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def _matmul(self, x):
+        return F.linear(x, self.weight)
+
+    def rows(self, ids):
+        return F.embedding(ids, self.weight)
+
+    def dense_weight(self):
+        return self.weight
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.LowRankLinear
+class LowRankLinear(_StructuredLinear):
+    """``W = U V``: ``lr_u [out, r]``, ``lr_v [r, in]``."""
+
+    def __init__(self, in_features, out_features, rank: int, bias=False):
+        super().__init__(in_features, out_features, bias)
+        self.rank = rank
+        self.lr_u = nn.Parameter(torch.empty(out_features, rank))
+        self.lr_v = nn.Parameter(torch.empty(rank, in_features))
+
+    def _matmul(self, x):
+        return F.linear(F.linear(x, self.lr_v), self.lr_u)
+
+    def rows(self, ids):
+        return F.embedding(ids, self.lr_u) @ self.lr_v
+
+    def dense_weight(self):
+        return self.lr_u @ self.lr_v
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rank={self.rank}"
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.KroneckerLinear
+class KroneckerLinear(_StructuredLinear):
+    """``W = Σ_{s<r} A_s ⊗ B_s`` with ``A_s [m1, n1]``, ``B_s [m2, n2]`` (``(A ⊗ B)[i1 m2 + i2, j1 n2 + j2]
+    = A[i1, j1] B[i2, j2]``). Stored factor-row-major so that both contraction orders are plain
+    matmuls on views: ``kron_a[i, s, j] = A_s[i, j]`` (``[m1, r, n1]``), ``kron_b[i, s, j] = B_s[i, j]``
+    (``[m2, r, n2]``). The cheaper contraction order is fixed at construction."""
+
+    def __init__(self, in_features, out_features, rank: int, a_shape, bias=False):
+        super().__init__(in_features, out_features, bias)
+        m1, n1 = (int(a) for a in a_shape)
+        if m1 <= 0 or n1 <= 0 or out_features % m1 or in_features % n1:
+            raise ValueError(f"Kronecker factor shape {tuple(a_shape)} does not divide the "
+                             f"{out_features}x{in_features} matrix")
+        m2, n2 = out_features // m1, in_features // n1
+        self.rank, self.a_shape, self.b_shape = rank, (m1, n1), (m2, n2)
+        self.kron_a = nn.Parameter(torch.empty(m1, rank, n1))
+        self.kron_b = nn.Parameter(torch.empty(m2, rank, n2))
+        # flops per token of each order: contract A first / B first
+        self.a_first = rank * m1 * n2 * (n1 + m2) <= rank * m2 * n1 * (n2 + m1)
+
+    def _matmul(self, x):
+        (m1, n1), (m2, n2), r, N = self.a_shape, self.b_shape, self.rank, x.shape[0]
+        if self.a_first:
+            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))   # [N, n2, (i1, s)]
+            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)            # [(N, i1), (s, j2)]
+            return F.linear(u, self.kron_b.reshape(m2, r * n2)).view(N, m1 * m2)
+        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))                     # [N, n1, (i2, s)]
+        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)                # [(N, i2), (s, j1)]
+        y = F.linear(t, self.kron_a.reshape(m1, r * n1)).view(N, m2, m1)
+        return y.transpose(1, 2).reshape(N, m1 * m2)
+
+    def rows(self, ids):
+        m2 = self.b_shape[0]
+        flat = ids.reshape(-1)
+        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]                                # [N, r, n1], [N, r, n2]
+        return torch.bmm(a.transpose(1, 2), b).reshape(*ids.shape, self.in_features)
+
+    def dense_weight(self):
+        return torch.einsum("asc,bsd->abcd", self.kron_a, self.kron_b).reshape(self.out_features, self.in_features)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rank={self.rank}, a_shape={self.a_shape}, b_shape={self.b_shape}"
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.GSLinear
+class GSLinear(_StructuredLinear):
+    """Group-and-shuffle ``W = L · P · R``: ``gs_right [kr, kl·b, in/kr]`` (block-diagonal, applied first),
+    the shuffle routing ``b`` channels from every R-block to every L-block, ``gs_left [kl, out/kl, kr·b]``
+    (block-diagonal). Tile (i, j) of W is ``gs_left[i][:, j-th b] @ gs_right[j][i-th b, :]``."""
+
+    def __init__(self, in_features, out_features, rank: int, blocks, bias=False):
+        super().__init__(in_features, out_features, bias)
+        kl, kr = (int(k) for k in blocks)
+        if kl <= 0 or kr <= 0 or out_features % kl or in_features % kr:
+            raise ValueError(f"GS blocks {tuple(blocks)} do not divide the {out_features}x{in_features} matrix")
+        self.kl, self.kr, self.rank = kl, kr, rank
+        self.gs_left = nn.Parameter(torch.empty(kl, out_features // kl, kr * rank))
+        self.gs_right = nn.Parameter(torch.empty(kr, kl * rank, in_features // kr))
+
+    def _matmul(self, x):
+        kl, kr, b, N = self.kl, self.kr, self.rank, x.shape[0]
+        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))      # [kr, N, (i, c)]
+        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)                # shuffle: [kl, N, (j, c)]
+        y = torch.bmm(h, self.gs_left.transpose(1, 2))                                      # [kl, N, out/kl]
+        return y.transpose(0, 1).reshape(N, self.out_features)
+
+    def rows(self, ids):
+        kl, kr, b = self.kl, self.kr, self.rank
+        flat = ids.reshape(-1)
+        bl = self.out_features // kl
+        right = self.gs_right.view(kr, kl, b, -1)
+        out = torch.empty(flat.shape[0], self.in_features, dtype=self.gs_left.dtype, device=flat.device)
+        for i in range(kl):
+            sel = (flat // bl) == i
+            if kl > 1 and not bool(sel.any()):
+                continue
+            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)           # [kr, n_i, b]
+            out[sel] = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
+        return out.reshape(*ids.shape, self.in_features)
+
+    def dense_weight(self):
+        kl, kr, b = self.kl, self.kr, self.rank
+        left = self.gs_left.view(kl, -1, kr, b)
+        right = self.gs_right.view(kr, kl, b, -1)
+        return torch.einsum("ipjc,jicq->ipjq", left, right).reshape(self.out_features, self.in_features)
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, blocks=({self.kl}, {self.kr}), rank={self.rank}"
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.structured_linear
+def structured_linear(in_features: int, out_features: int, spec: dict) -> _StructuredLinear:
+    """The module a config structure entry describes."""
+    kind, bias = spec["type"], bool(spec.get("bias", False))
+    if kind == "dense":
+        return DenseLinear(in_features, out_features, bias)
+    if kind == "lowrank":
+        return LowRankLinear(in_features, out_features, int(spec["rank"]), bias)
+    if kind == "kron":
+        return KroneckerLinear(in_features, out_features, int(spec["rank"]), spec["a_shape"], bias)
+    if kind == "gs":
+        return GSLinear(in_features, out_features, int(spec["rank"]), spec["blocks"], bias)
+    raise ValueError(f"unknown structure type {kind!r}")
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.StructuredEmbedding
+class StructuredEmbedding(nn.Module):
+    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``)."""
+
+    def __init__(self, vocab_size: int, dim: int, spec: dict):
+        super().__init__()
+        self.matrix = structured_linear(dim, vocab_size, {**spec, "bias": False})
+
+    def forward(self, input_ids):
+        return self.matrix.rows(input_ids)
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.cayley_decode
+def cayley_decode(k: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """``diag(signs) (I + K)(I − K)⁻¹`` with K skew-symmetric, upper triangle ``k`` (row-major);
+    computed in float64 and returned in ``k``'s dtype. ``I − K`` is always invertible (K is skew)."""
+    d = signs.shape[0]
+    iu = torch.triu_indices(d, d, 1, device=k.device)
+    K = torch.zeros(d, d, dtype=torch.float64, device=k.device)
+    K[iu[0], iu[1]] = k.to(torch.float64)
+    K = K - K.T
+    eye = torch.eye(d, dtype=torch.float64, device=k.device)
+    C = torch.linalg.solve((eye - K).T, (eye + K).T).T
+    return (signs.to(torch.float64)[:, None] * C).to(k.dtype)
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.OrthogonalSkip
+class OrthogonalSkip(nn.Module):
+    """``x -> x S`` for an orthogonal ``S = Q_prevᵀ Q_next`` stored as ``d(d+1)/2`` numbers
+    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once and cached; the cache is
+    rebuilt only when ``skip_k`` changes (loading, ``.to()``, in-place edits) — and on every call while
+    training with a trainable ``skip_k``, so that gradients flow."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.skip_k = nn.Parameter(torch.zeros(dim * (dim - 1) // 2))
+        self.register_buffer("skip_signs", torch.ones(dim))
+        self._cache: tuple | None = None
+
+    def matrix(self) -> torch.Tensor:
+        if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
+            return cayley_decode(self.skip_k, self.skip_signs)
+        key = (self.skip_k.data_ptr(), self.skip_k._version, self.skip_signs.data_ptr(), self.skip_signs._version,
+               self.skip_k.dtype, self.skip_k.device)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, cayley_decode(self.skip_k.detach(), self.skip_signs))
+        return self._cache[1]
+
+    def forward(self, x):
+        return x @ self.matrix()
 
 
 class WeightlessRMSNorm(nn.Module):
@@ -42,6 +272,17 @@ class WeightlessRMSNorm(nn.Module):
 
 # Copied from transformers.models.llama.modeling_llama.eager_attention_forward (no GQA: one KV head
 # per query head; the softmax keeps the input dtype)
+def _linear(in_features: int, out_features: int, bias: bool, spec: dict | None) -> nn.Module:
+    """``nn.Linear`` where the config gives no structure (or a dense one), else the structured module."""
+    if spec is None or spec.get("type", "dense") == "dense":
+        return nn.Linear(in_features, out_features, bias=bias)
+    return structured_linear(in_features, out_features, {**spec, "bias": bias})
+
+
+def _layer_spec(config: RMSDecoderConfig, layer_idx: int, name: str) -> dict | None:
+    return None if config.layer_structures is None else config.layer_structures[layer_idx].get(name)
+
+
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -63,10 +304,11 @@ class RMSDecoderAttention(nn.Module):
         self.scaling = self.head_dim ** -0.5
         self.is_causal = True
         r, inner = config.residual_size, config.num_attention_heads * config.head_dim
-        self.q_proj = nn.Linear(r, inner, bias=config.attention_bias)
-        self.k_proj = nn.Linear(r, inner, bias=config.attention_bias)
-        self.v_proj = nn.Linear(r, inner, bias=config.attention_bias)
-        self.o_proj = nn.Linear(inner, r, bias=config.attention_bias)
+        spec = lambda name: _layer_spec(config, layer_idx, name)  # noqa: E731
+        self.q_proj = _linear(r, inner, config.attention_bias, spec("q_proj"))
+        self.k_proj = _linear(r, inner, config.attention_bias, spec("k_proj"))
+        self.v_proj = _linear(r, inner, config.attention_bias, spec("v_proj"))
+        self.o_proj = _linear(inner, r, config.attention_bias, spec("o_proj"))
 
     def forward(self, hidden_states, attention_mask=None, past_key_values: Cache | None = None,
                 position_embeddings=None, **kwargs):
@@ -87,10 +329,11 @@ class RMSDecoderAttention(nn.Module):
 
 
 class RMSDecoderMLP(nn.Module):
-    def __init__(self, config: RMSDecoderConfig):
+    def __init__(self, config: RMSDecoderConfig, layer_idx: int = 0):
         super().__init__()
-        self.up_proj = nn.Linear(config.residual_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.residual_size, bias=config.mlp_bias)
+        r, h = config.residual_size, config.intermediate_size
+        self.up_proj = _linear(r, h, config.mlp_bias, _layer_spec(config, layer_idx, "up_proj"))
+        self.down_proj = _linear(h, r, config.mlp_bias, _layer_spec(config, layer_idx, "down_proj"))
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):
@@ -103,8 +346,10 @@ class RMSDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = WeightlessRMSNorm(config.rms_norm_eps, config.hidden_size)
         self.self_attn = RMSDecoderAttention(config, layer_idx)
         self.post_attention_layernorm = WeightlessRMSNorm(config.rms_norm_eps, config.hidden_size)
-        self.mlp = RMSDecoderMLP(config)
-
+        self.mlp = RMSDecoderMLP(config, layer_idx)
+        orthogonal = config.skip_connections == "orthogonal"
+        self.attn_skip = OrthogonalSkip(config.residual_size) if orthogonal else None
+        self.mlp_skip = OrthogonalSkip(config.residual_size) if orthogonal else None
         self.parallel_block = config.parallel_block
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
@@ -112,8 +357,13 @@ class RMSDecoderLayer(GradientCheckpointingLayer):
         attn, _ = self.self_attn(normed, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
         if self.parallel_block:   # both read the layer input (its two weightless norms are the same map)
             return hidden_states + attn + self.mlp(normed)
+        if self.attn_skip is not None:   # one basis per residual segment: the skip changes basis
+            hidden_states = self.attn_skip(hidden_states)
         hidden_states = hidden_states + attn
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        mlp = self.mlp(self.post_attention_layernorm(hidden_states))
+        if self.mlp_skip is not None:
+            hidden_states = self.mlp_skip(hidden_states)
+        return hidden_states + mlp
 
 
 class RMSDecoderPreTrainedModel(PreTrainedModel):
@@ -126,11 +376,38 @@ class RMSDecoderPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
 
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """Random initialisation for ``from_config`` (converted checkpoints overwrite all of it): structured
+        matrices start near N(0, initializer_range²) entries, skips at the identity."""
+        std = self.config.initializer_range
+        if isinstance(module, DenseLinear):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, LowRankLinear):
+            init.normal_(module.lr_u, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
+            init.normal_(module.lr_v, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
+        elif isinstance(module, KroneckerLinear):
+            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank ** 0.5)
+            init.normal_(module.kron_b, mean=0.0, std=std / max(module.a_shape[1], 1) ** 0.5)
+        elif isinstance(module, GSLinear):
+            init.normal_(module.gs_left, mean=0.0, std=1.0 / (module.kr * module.rank) ** 0.5)
+            init.normal_(module.gs_right, mean=0.0, std=std * module.kr ** 0.5)
+        elif isinstance(module, OrthogonalSkip):
+            init.zeros_(module.skip_k)
+            init.ones_(module.skip_signs)
+        else:
+            super()._init_weights(module)
+        if isinstance(module, _StructuredLinear) and module.bias is not None:
+            init.zeros_(module.bias)
+
 
 class RMSDecoderModel(RMSDecoderPreTrainedModel):
     def __init__(self, config: RMSDecoderConfig):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.residual_size)
+        if config.embed_structure is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.residual_size)
+        else:   # rows of a structured (or dense) matrix, as the compressed family's embedding
+            self.embed_tokens = StructuredEmbedding(config.vocab_size, config.residual_size, config.embed_structure)
         if config.rotary:
             self.rotary_emb = GPTNeoXRotaryEmbedding(config)
         else:
@@ -184,7 +461,7 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = RMSDecoderModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.residual_size, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = _linear(config.residual_size, config.vocab_size, config.lm_head_bias, config.lm_head_structure)
         self.post_init()
 
     def get_output_embeddings(self):

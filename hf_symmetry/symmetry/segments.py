@@ -137,20 +137,26 @@ class Term:
         of the reduced term, whose row factor lifts back by ``T`` (:meth:`lift`). The embedding
         (``[vocab, d]``) and FFN matrices then cost ``O(d³)`` per step instead of ``O(k d²)``."""
         P = self.M.T @ (self.M if self.row_gram is None else self.row_gram.apply(self.M))
+        red, R = self.reduced_from_gram(P)
+        return red, self.M @ R
+
+    def reduced_from_gram(self, P: Tensor) -> tuple["Term", Tensor]:
+        """:meth:`reduced` from ``P = Mᵀ G M`` alone: the reduced term and ``R`` with ``T = M R`` (for
+        callers that accumulate P and apply R a block of rows of M at a time; only M's shape is used)."""
         with limit_threads():
             lam, V = torch.linalg.eigh((P + P.T) / 2)
         lam = lam.clamp_min(0)
         root = lam.sqrt()
-        inv = torch.where(root > 1e-10 * root.max().clamp_min(1e-300), 1.0 / root, torch.zeros_like(root))
+        inv = torch.where(root > 1e-7 * root.max().clamp_min(1e-300), 1.0 / root, torch.zeros_like(root))
         M_red = (V * root) @ V.T
-        T = self.M @ ((V * inv) @ V.T)
+        R = (V * inv) @ V.T
         d = self.M.shape[1]
         st = self.structure
         small = {"kron": lambda: type(st)((d, st.shape[1]), st.rank, st.a_shape),
                  "gs": lambda: type(st)((d, st.shape[1]), st.kl, st.kr, st.rank),
                  "lowrank": lambda: type(st)((d, st.shape[1]), st.rank)}[st.kind]()
         red = Term(self.name, M_red, small, None, self.col_gram, self.weight)
-        return red, T
+        return red, R
 
     def lift(self, reduced: "Term", T: Tensor) -> None:
         """Factors of the full matrix from those of its reduction (the row factor times T)."""

@@ -1,7 +1,7 @@
 """``compress``: ProcrustesGPT structured compression with orthogonal transforms, and SliceGPT as a
 built-in baseline, saved as loadable Hugging Face models (pre-norm RMSNorm decoders the compressed family
-can express: Llama, Mistral without sliding window, Qwen2, Qwen3, Phi-3 with full rotary; SliceGPT also on
-LayerNorm decoders, through the RMS-decoder family, :mod:`.layernorm`; ``hf-symmetry families``
+can express: Llama, Mistral without sliding window, Qwen2, Qwen3, Phi-3 with full rotary; also LayerNorm
+decoders (OPT, GPT-2, GPT-NeoX, GPT-J), through the RMS-decoder family, :mod:`.layernorm`; ``hf-symmetry families``
 gives the reason for any other). See ``docs/compress.md``.
 
 The steps, one module each:
@@ -13,9 +13,9 @@ The steps, one module each:
   sequential (the partly compressed model, on the calibration engine's sequential mode);
 - :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity;
 - :mod:`.solve` — rotations (stage F / W, SliceGPT's PCA) and structured factors;
-- :mod:`.assemble` — the compressed model's state dict and config;
-- :mod:`.layernorm` — SliceGPT on LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J): centred, sliced, written
-  as the RMS-decoder family;
+- :mod:`.assemble` — the compressed model's tensors (written part by part as the solver finishes them) and config;
+- :mod:`.layernorm` — LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J): centred, then sliced (SliceGPT) or
+  structured (the steps above on the centred model), written as the RMS-decoder family;
 - :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder);
 - :mod:`.card` — the model card.
 """
@@ -23,8 +23,8 @@ The steps, one module each:
 from __future__ import annotations
 
 from ..stream import DictSource, TensorSource
-from .assemble import (assemble, build_model, compressed_config, config_object, module_tensors,
-                       read_folded)
+from .assemble import (Assembler, FoldedGlobals, FoldedLayers, assemble, build_model, compressed_config,
+                       config_object, module_tensors, read_folded)
 from .calibration import (CalibrationInput, CalibrationStats, SlicedLayer, calibration_batches, collect_statistics,
                           sequential_stream_pca, sequential_weighted)
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
@@ -35,7 +35,7 @@ from .plan import (MatrixPlan, Plan, check_family, plan_compression, plan_for,
 from .solve import SolveResult, _matched, solve
 
 __all__ = [
-    "ALLOCATIONS", "DictSource", "TensorSource", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",
+    "ALLOCATIONS", "DictSource", "TensorSource", "Assembler", "FoldedGlobals", "FoldedLayers", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",
     "read_folded", "CalibrationInput", "CalibrationStats", "SlicedLayer", "sequential_stream_pca", "sequential_weighted", "calibration_batches", "collect_statistics", "LAYER_MODULES",
     "PRESETS", "Q_MODES", "STAGES", "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport",
     "compress_checkpoint", "compress_model", "compress_tensors", "record_verification", "MatrixPlan", "Plan",

@@ -1,10 +1,13 @@
-"""Step 4, assembly: the compressed model's state dict and config from the solved rotations and factors.
+"""Step 4, assembly: the compressed model's tensors and config from the solved rotations and factors.
 
-Norms folded (:func:`actions.fold_layer_norms` / :func:`actions.fold_final_norm`), the rotations applied
-with :func:`actions.rotate_residual_layer` / :func:`actions.rotate_residual_globals`, structured factors in
-place of the compressed matrices: a :class:`CompressedLlamaForCausalLM`."""
+Norms folded (:func:`actions.fold_layer_norms` / :func:`actions.fold_final_norm`, read on demand:
+:class:`FoldedLayers`, :class:`FoldedGlobals`), each dense matrix rotated into (and sliced to) its
+segments' bases, structured factors in place of the compressed matrices: a
+:class:`CompressedLlamaForCausalLM`, written part by part as the solver finishes it (:class:`Assembler`)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from tqdm.auto import tqdm
@@ -40,33 +43,117 @@ class FoldedLayers:
             raise IndexError(i)
         if i not in self._cache:
             self.reads += 1
-            self._cache[i] = actions.fold_layer_norms(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
-            while len(self._cache) > self.keep:
+            while len(self._cache) >= self.keep:       # before reading: at most ``keep`` layers at any time
                 self._cache.pop(next(iter(self._cache)))
+            self._cache[i] = actions.fold_layer_norms(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
         return self._cache[i]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def drop(self, i: int) -> None:
+        """Forget layer ``i`` (its part of the output is written: nothing reads it again)."""
+        self._cache.pop(i, None)
 
-def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False):
+
+class FoldedGlobals(Mapping):
+    """The canonical globals with the final norm folded into an untied head, read from the checkpoint
+    when asked for and not kept: ``g["embed.weight"]`` is a fresh float64 copy each time, so a
+    vocabulary-sized matrix is in memory only while a step uses it. :meth:`rows` gives it in its own
+    dtype, with the final norm's γ as a column scale still to apply (for row-block computations)."""
+
+    _LARGE = ("embed.weight", "lm_head.weight")
+
+    def __init__(self, source: TensorSource, adapter: Adapter, global_keys: list[str], tied: bool):
+        self.source, self.adapter = source, adapter
+        self._where: dict[str, str] = {}          # canonical name -> checkpoint key
+        for k in global_keys:
+            for canon in adapter.read_globals({k: torch.empty(0)}, dtype=None):
+                self._where[canon] = k
+        if tied:
+            self._where.pop("lm_head.weight", None)
+        small = adapter.read_globals(source.get([k for c, k in self._where.items() if c not in self._LARGE]))
+        self.gamma = small["final_norm.weight"].clone()
+        self._small = actions.fold_final_norm(small)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise KeyError(key)
+        if key not in self._LARGE:
+            return self._small[key]
+        read = self.adapter.read_globals(self.source.get([self._where[key]]))
+        if key == "lm_head.weight":
+            read = actions.fold_final_norm({**read, "final_norm.weight": self.gamma})
+        return read[key]
+
+    def _fold(self, key: str, raw: torch.Tensor) -> torch.Tensor:
+        """Rows of the checkpoint tensor of ``key`` -> the same rows of ``self[key]`` (float64, folded)."""
+        t = self.adapter.read_globals({self._where[key]: raw})[key]
+        return t * self.gamma[None, :] if key == "lm_head.weight" else t    # as fold_final_norm folds
+
+    def _rows(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        ckey = self._where[key]
+        if hasattr(self.source, "get_rows"):
+            return self.source.get_rows(ckey, rows)
+        return self.source.get([ckey])[ckey][rows]
+
+    def row_blocks(self, key: str, chunk: int = 4096):
+        """``(rows, blocks)``: the number of rows of ``self[key]`` and an iterator of ``(first row, block)``
+        over it in float64, read from the checkpoint a block of rows at a time."""
+        ckey = self._where[key]
+        if not hasattr(self.source, "get_rows"):       # a tensor source in memory: its own tensor, sliced
+            W = self.source.get([ckey])[ckey]
+            return W.shape[0], ((i, self._fold(key, W[i:i + chunk])) for i in range(0, W.shape[0], chunk))
+        n = self.source.shapes()[ckey][0]
+        return n, ((i, self._fold(key, self._rows(key, torch.arange(i, min(i + chunk, n)))))
+                   for i in range(0, n, chunk))
+
+    def take(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (sorted unique indices) of ``self[key]``, float64."""
+        return self._fold(key, self._rows(key, rows))
+
+
+def global_row_blocks(globals_, key: str, chunk: int = 4096):
+    """The norm-folded global ``key`` (embedding, head) in float64, a block of rows at a time:
+    ``(rows, iterator of (first row, block))`` (:meth:`FoldedGlobals.row_blocks`, or a dict's tensor)."""
+    if isinstance(globals_, FoldedGlobals):
+        return globals_.row_blocks(key, chunk)
+    W = globals_[key]
+    return W.shape[0], ((i, W[i:i + chunk].to(torch.float64)) for i in range(0, W.shape[0], chunk))
+
+
+def global_rows(globals_, key: str, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (sorted unique indices) of the norm-folded global ``key``, float64."""
+    if isinstance(globals_, FoldedGlobals):
+        return globals_.take(key, rows)
+    return globals_[key][rows].to(torch.float64)
+
+
+def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False,
+                keep: int = 2):
     """Canonical float64 layers with both norms folded, the globals with the final norm folded into an
     untied head (a tied head has none: the final γ goes into the head's change of basis), and that γ.
-    ``lazy``: the layers as :class:`FoldedLayers` (read on demand, two in memory) instead of a list."""
+    ``lazy``: the layers as :class:`FoldedLayers` (read on demand, ``keep`` in memory) and the globals as
+    :class:`FoldedGlobals` (the embedding and head read when used) instead of a list and a dict."""
     global_keys, per_layer, rest = partition_keys(adapter, keys)
     rest = [k for k in rest if not k.endswith("rotary_emb.inv_freq")]
     if rest:
         raise ValueError(f"checkpoint has tensors compress does not know how to carry: {rest[:4]}")
+    layers = FoldedLayers(source, adapter, per_layer, keep=keep)
+    if lazy:
+        g = FoldedGlobals(source, adapter, global_keys, tied)
+        return layers, g, g.gamma
     g = adapter.read_globals(source.get(global_keys))
     if tied:
         g.pop("lm_head.weight", None)
     gamma = g["final_norm.weight"].clone()
-    layers = FoldedLayers(source, adapter, per_layer)
-    if not lazy:
-        layers = list(layers)
-    return layers, actions.fold_final_norm(g), gamma
-
-
+    return list(layers), actions.fold_final_norm(g), gamma
 
 
 def module_tensors(structure: st.Structure, factors: st.Factors) -> Tensors:
@@ -83,59 +170,121 @@ def module_tensors(structure: st.Structure, factors: st.Factors) -> Tensors:
     raise AssertionError(structure.kind)
 
 
-def _module_factors(m: MatrixPlan, res: SolveResult) -> st.Factors:
-    f = res.factors[m.name]
-    return f if m.module_structure is m.structure else m.structure.transpose_factors(f)
+def _module_factors(m: MatrixPlan, factors: st.Factors) -> st.Factors:
+    return factors if m.module_structure is m.structure else m.structure.transpose_factors(factors)
+
+
+def _rotated_rows(globals_, key: str, Q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``W Q`` for the norm-folded global ``key`` (embedding, head), rounded to ``dtype``, computed in
+    float64 a block of rows at a time (a vocabulary-sized matrix is never in memory whole in float64)."""
+    n, blocks = global_row_blocks(globals_, key)
+    out = torch.empty(n, Q.shape[1], dtype=dtype)
+    for i, block in blocks:
+        out[i:i + len(block)] = block @ Q
+    return out
+
+
+class Assembler:
+    """The compressed model's tensors (cast to ``dtype``), part by part: the embedding once segment 0
+    is solved, decoder layer i once segments 2i, 2i + 1 and 2i + 2 are, the head once the last one is
+    (:meth:`segment_done`, for solvers that finish the segments in order; each part's factors are
+    dropped once written), and whatever is left at the end (:meth:`finish`). Dense matrices are
+    rotated and sliced one matrix at a time from the norm-folded layers and globals (the vocabulary-sized
+    ones a block of rows at a time). ``sink``: called with each module's tensors as they are made (e.g.
+    a :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them in :attr:`out`."""
+
+    def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink=None):
+        self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = plan, layers, globals_, gamma, dtype, sink
+        self.out: Tensors = {}
+        self.done: set = set()           # "embed", "head", layer indices
+
+    def put(self, prefix: str, tensors: Tensors) -> None:
+        made = {f"{prefix}.{k}": v.to(self.dtype).contiguous() for k, v in tensors.items()}
+        if self.sink is not None:
+            self.sink(made)
+        else:
+            self.out.update(made)
+
+    def _basis(self, Qs, segment: int) -> torch.Tensor:
+        """The kept columns of segment ``segment``'s rotation."""
+        return Qs[segment][:, :self.plan.width(segment)]
+
+    def _global(self, m: MatrixPlan, key: str, Qs, factors: dict, consume: bool) -> Tensors:
+        if m.compressed:
+            f = factors.pop(m.name) if consume else factors[m.name]
+            return module_tensors(m.module_structure, _module_factors(m, f))
+        return {"weight": _rotated_rows(self.globals, key, self._basis(Qs, m.segment), self.dtype)}
+
+    def embed(self, Qs, factors: dict, consume: bool = False) -> None:
+        self.put(family.EMBED_MODULE, self._global(self.plan.by_name()["embed"], "embed.weight", Qs, factors, consume))
+        self.done.add("embed")
+
+    def layer(self, i: int, Qs, factors: dict, consume: bool = False) -> None:
+        plan, W = self.plan, self.layers[i]
+        prefix = family.LAYER_PREFIX.format(i)
+        for canon, m in plan.layer_matrices(i).items():
+            Q = self._basis(Qs, m.segment)
+            if m.compressed:
+                f = factors.pop(m.name) if consume else factors[m.name]
+                tensors = module_tensors(m.module_structure, _module_factors(m, f))
+            else:          # exactly rotated, sliced to the segment's width: readers W Q, writers Qᵀ W
+                w = W[f"{canon}.weight"]
+                tensors = {"weight": w @ Q if m.role == "reader" else Q.T @ w}
+            bias = W.get(f"{canon}.bias")
+            if bias is not None:
+                tensors["bias"] = bias if m.role == "reader" else Q.T @ bias
+            self.put(prefix + LAYER_MODULES[canon][0], tensors)
+            del tensors
+        for canon, path in family.QK_NORM_MODULES.items():   # QK-norm: on the heads, untouched by the stream's rotations
+            if f"{canon}.weight" in W:
+                self.put(prefix + path, {"weight": W[f"{canon}.weight"]})
+        dr = plan.residual
+        for name, (a, b) in (("attn_skip", (2 * i, 2 * i + 1)), ("mlp_skip", (2 * i + 1, 2 * i + 2))):
+            _put_skip(self.put, prefix + name, plan.skip, Qs[a][:, :dr].T @ Qs[b][:, :dr])
+        self.done.add(i)
+
+    def head(self, Qs, factors: dict, consume: bool = False) -> None:
+        plan, L = self.plan, self.plan.n_layers
+        if plan.lm_head == "separate":
+            self.put(family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], "lm_head.weight", Qs, factors,
+                                                         consume))
+        elif plan.lm_head == "tied_mixed":
+            # logits = RMSNorm(s) M Êᵀ
+            M = self._basis(Qs, 2 * L).T @ (self.gamma[:, None] * self._basis(Qs, 0))
+            self.put(family.HEAD_MIX_MODULE, {"weight": M.T})
+        self.done.add("head")
+
+    def segment_done(self, k: int, Qs, factors: dict) -> None:
+        """Segment ``k``'s rotation and factors are final (``Qs[j]`` and the factors of every segment
+        ``j ≤ k`` are): write what they complete, and drop its factors from ``factors``."""
+        if k == 0:
+            self.embed(Qs, factors, consume=True)
+        if k >= 2 and k % 2 == 0:
+            self.layer(k // 2 - 1, Qs, factors, consume=True)
+            if isinstance(self.layers, FoldedLayers):
+                self.layers.drop(k // 2 - 1)
+        if k == self.plan.n_segments - 1:
+            self.head(Qs, factors, consume=True)
+
+    def finish(self, res: SolveResult, progress: bool = True) -> Tensors:
+        """Everything not yet written, from the solved rotations and factors."""
+        if "embed" not in self.done:
+            self.embed(res.Qs, res.factors)
+        todo = [i for i in range(self.plan.n_layers) if i not in self.done]
+        for i in tqdm(todo, desc="assemble", unit="layer", disable=not progress or not todo):
+            self.layer(i, res.Qs, res.factors)
+        if "head" not in self.done:
+            self.head(res.Qs, res.factors)
+        return self.out
 
 
 def assemble(plan: Plan, layers: list[Tensors], globals_: Tensors, gamma: torch.Tensor, res: SolveResult,
              dtype: torch.dtype, progress: bool = True, sink=None) -> Tensors:
     """The compressed model's state dict (cast to ``dtype``) from the norm-folded layers and globals and
     the final norm's γ. ``sink``: called with each module's tensors as they are made (e.g. a
-    :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them; the result is then empty."""
-    dr, Qs, L = plan.residual, res.Qs, plan.n_layers
-    out: Tensors = {}
-
-    def put(prefix: str, tensors: Tensors) -> None:
-        made = {f"{prefix}.{k}": v.to(dtype).contiguous() for k, v in tensors.items()}
-        if sink is not None:
-            sink(made)
-        else:
-            out.update(made)
-
-    def matrix(m: MatrixPlan, rotated: torch.Tensor, prefix: str, bias: torch.Tensor | None) -> None:
-        """``rotated``: the exactly rotated ``[out, in]`` matrix, used when ``m`` stays dense."""
-        if m.compressed:
-            tensors = module_tensors(m.module_structure, _module_factors(m, res))
-        else:
-            w = plan.width(m.segment)
-            sliced = rotated[:, :w] if (m.role == "reader" or m.canon == "embed") else rotated[:w, :]
-            tensors = {"weight": sliced}
-        if bias is not None:
-            tensors["bias"] = bias if m.role == "reader" else bias[:plan.width(m.segment)]
-        put(prefix, tensors)
-
-    rot_g = actions.rotate_residual_globals(globals_, Qs[0], Qs[2 * L])
-    ms = plan.by_name()
-    matrix(ms["embed"], rot_g["embed.weight"], family.EMBED_MODULE, None)
-    for i in tqdm(range(L), desc="assemble", unit="layer", disable=not progress):
-        rot = actions.rotate_residual_layer(layers[i], Qs[2 * i], Qs[2 * i + 1], Qs[2 * i + 2])
-        prefix = family.LAYER_PREFIX.format(i)
-        for canon, m in plan.layer_matrices(i).items():
-            path = LAYER_MODULES[canon][0]
-            matrix(m, rot[f"{canon}.weight"], prefix + path, rot.get(f"{canon}.bias"))
-        for canon, path in family.QK_NORM_MODULES.items():   # QK-norm: on the heads, untouched by the stream's rotations
-            if f"{canon}.weight" in layers[i]:
-                put(prefix + path, {"weight": layers[i][f"{canon}.weight"]})
-        for name, (a, b) in (("attn_skip", (2 * i, 2 * i + 1)), ("mlp_skip", (2 * i + 1, 2 * i + 2))):
-            _put_skip(put, prefix + name, plan.skip, Qs[a][:, :dr].T @ Qs[b][:, :dr])
-    if plan.lm_head == "separate":
-        matrix(ms["lm_head"], rot_g["lm_head.weight"], family.LM_HEAD_MODULE, None)
-    elif plan.lm_head == "tied_mixed":
-        # logits = RMSNorm(s) M Êᵀ
-        M = Qs[2 * L][:, :plan.width(2 * L)].T @ (gamma[:, None] * Qs[0][:, :plan.width(0)])
-        put(family.HEAD_MIX_MODULE, {"weight": M.T})
-    return out
+    :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them; the result is then empty.
+    (:class:`Assembler` writes the parts as a solver finishes them.)"""
+    return Assembler(plan, layers, globals_, gamma, dtype, sink).finish(res, progress)
 
 
 def _put_skip(put, prefix: str, kind: str, S: torch.Tensor) -> None:

@@ -41,6 +41,8 @@ class CalibrationStats:
     # ... and the writers' inputs X̂ against the residual stream's drift before them, X̂ᵀ(H − Ĥ) / n
     attn_out_drift: list[torch.Tensor] | None = None
     mlp_hidden_drift: list[torch.Tensor] | None = None
+    # one global PCA: Σ_k C_k / tr C_k over the raw-stream moments, in segment order (instead of ``stream``)
+    stream_sum: torch.Tensor | None = None
 
 
 def calibration_batches(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -56,12 +58,15 @@ _ONE_PASS_SITES = {"normed": ("normed:layer_in", "normed:ffn_norm_in", "normed:f
 
 
 def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, want_normed: bool, want_stream: bool,
-                       placement=None, progress: bool = True) -> CalibrationStats:
+                       placement=None, progress: bool = True, stream_sum: bool = False) -> CalibrationStats:
     """One pass of the original model over ``ids`` in chunks of ``seq_len``, layer by layer from the
     checkpoint (:class:`hf_symmetry.calibration.CalibrationEngine`: one decoder layer in memory at a
     time, on ``placement``'s device): per residual segment the second moments of the normalised and/or
     raw stream, and the inputs of ``o_proj`` and ``down_proj``; ``source`` is a checkpoint reader or
-    any tensor source with ``config``."""
+    any tensor source with ``config``. Each layer's moments are taken as the engine reaches it.
+    ``stream_sum``: keep only the running sum of the trace-normalised raw-stream moments
+    (``stats.stream_sum``, all one global PCA needs: one ``d × d`` matrix whatever the depth) instead of
+    every segment's (``stats.stream``)."""
     from ...calibration import CalibrationEngine, StatsRequest
     from ...calibration import calibration_batches as batches
 
@@ -77,18 +82,38 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
             final_sites.append(_ONE_PASS_SITES[kind][2])
     if want_normed:
         layer_sites += ["o_in", "down_in"]
+        stats.normed, stats.attn_out, stats.mlp_hidden = [], [], []
+    if want_stream and not stream_sum:
+        stats.stream = []
+
+    def stream_moment(C: torch.Tensor) -> None:     # the segments in order, as sum() would add them
+        if stream_sum:
+            C = C / C.trace().clamp_min(1e-300)
+            stats.stream_sum = C if stats.stream_sum is None else stats.stream_sum + C
+        else:
+            stats.stream.append(C)
+
+    def record(grams: dict, sites: tuple[str, ...], n: int) -> None:
+        if want_normed:
+            stats.normed += [grams[s] / n for s in sites if s.startswith("normed:")]
+        if want_stream:
+            for s in sites:
+                if not s.startswith("normed:"):
+                    stream_moment(grams[s] / n)
+
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-    result = engine.collect(batches(ids, seq_len), StatsRequest(grams=tuple(layer_sites)),
-                            final=StatsRequest(grams=tuple(final_sites)))
-    stats.tokens = n = result.tokens
-    per_segment = lambda site, final: [g for ls in result.layers for g in (ls.grams[site[0]], ls.grams[site[1]])] \
-        + [final.grams[site[2]]]  # noqa: E731
-    if want_normed:
-        stats.normed = [g / n for g in per_segment(_ONE_PASS_SITES["normed"], result.final)]
-        stats.attn_out = [ls.grams["o_in"] / n for ls in result.layers]
-        stats.mlp_hidden = [ls.grams["down_in"] / n for ls in result.layers]
-    if want_stream:
-        stats.stream = [g / n for g in per_segment(_ONE_PASS_SITES["stream"], result.final)]
+    run = engine.start(batches(ids, seq_len))
+    stats.tokens = n = run.tokens
+    for step in run.layers(StatsRequest(grams=tuple(layer_sites))):
+        grams = step.stats.grams
+        record(grams, tuple(s for s in layer_sites if s not in ("o_in", "down_in")), n)   # segments 2i, 2i + 1
+        if want_normed:
+            stats.attn_out.append(grams["o_in"] / n)
+            stats.mlp_hidden.append(grams["down_in"] / n)
+        del grams
+        step.stats = None
+    final = run.final(StatsRequest(grams=tuple(final_sites)))
+    record(final.grams, tuple(final_sites), n)
     return stats
 
 
@@ -125,16 +150,18 @@ def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, write
     and when matching the original model the cross moments X̂ᵀX and the drift X̂ᵀ(H − Ĥ)."""
     writer, before, normed = sites
     n = got.tokens
-    getattr(stats, writer_kind)[layer] = got.grams[writer] / n
-    stats.normed[segment] = got.grams[normed] / n
+    # in place (the sums are not needed again): no second copy of the FFN's [4d, 4d]-sized moments
+    getattr(stats, writer_kind)[layer] = got.grams.pop(writer).div_(n)
+    stats.normed[segment] = got.grams.pop(normed).div_(n)
     if stats.normed_cross is not None:
-        stats.normed_cross[segment] = got.cross[(normed, normed)] / n
-        getattr(stats, writer_kind + "_cross")[layer] = got.cross[(writer, writer)] / n
-        getattr(stats, writer_kind + "_drift")[layer] = (got.cross[(writer, before)] - got.joint[(writer, before)]) / n
+        stats.normed_cross[segment] = got.cross.pop((normed, normed)).div_(n)
+        getattr(stats, writer_kind + "_cross")[layer] = got.cross.pop((writer, writer)).div_(n)
+        getattr(stats, writer_kind + "_drift")[layer] = got.cross.pop((writer, before)).sub_(
+            got.joint.pop((writer, before))).div_(n)
 
 
 def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, match_original: bool,
-                        solve_segment, progress: bool = True, keep: bool = True) -> CalibrationStats:
+                        solve_segment, progress: bool = True, keep: bool = True, folded=None) -> CalibrationStats:
     """Stage W with sequential calibration on the calibration engine (its sequential mode, one decoder
     layer in memory): the segments ``0, 1, …, 2L`` in order, each measured on the model whose earlier
     segments are already compressed, and with ``match_original`` also the original model's stream
@@ -143,7 +170,8 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     ``[k, d]`` orientation and the original basis, that replace the segment's matrices from then on.
     A segment's own writer still counts as dense in what its statistics measure. ``keep=False`` drops
     each segment's statistics once it is solved (memory flat in depth; the returned statistics are then
-    empty but for the token counts).
+    empty but for the token counts). ``folded``: the norm-folded float64 layers the solver reads
+    (:class:`.assemble.FoldedLayers`), shared instead of read and folded a second time.
 
     Each layer runs as the family's own decoder-layer module with its norms folded (γ = 1, γ in the
     readers): with one rotation per residual segment the compressed model *is* this model with every
@@ -175,12 +203,14 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
 
     def apply(replacements, layer: int, canon: Tensors) -> None:
         for m, M in replacements:
-            W = M if m.role == "reader" or m.canon == "embed" else M.T
-            if m.canon == "embed":
-                E = W.to(engine.dtype)
+            if m.canon == "embed":        # the approximation, or its rows (a function of the token ids)
+                rows = M if callable(M) else (lambda idx, E=M.to(engine.dtype): E[idx.to(E.device)])
                 home = run.stream.batches[0].device
-                run.stream = Activations([E[b.to(E.device)].to(device=home) for b in chunks])
-            elif m.canon == "lm_head":
+                run.stream = Activations([rows(b).to(device=home, dtype=engine.dtype) for b in chunks])
+                continue
+            # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
+            W = (M if m.role == "reader" else M.T).to(engine.dtype)
+            if m.canon == "lm_head":
                 continue                             # nothing runs after the head
             elif m.layer == layer:
                 canon[f"{m.canon}.weight"] = W
@@ -202,7 +232,7 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
 
     for step in run.layers(first, only={0}):
         i = step.index
-        canon = actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
+        canon = dict(folded[i]) if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
         if i == 0:
             n = step.stats.tokens
             stats.normed[0] = step.stats.grams["normed:layer_in"] / n

@@ -162,6 +162,13 @@ class CompressOptions:
         return self.slicing and not self.sequential
 
     @property
+    def stream_sum(self) -> bool:
+        """Whether the one-pass stream statistics reduce to one running sum of the trace-normalised
+        segment moments (SliceGPT with one global PCA and one width: all its PCA needs; per-segment
+        widths also measure the first and last segment's own)."""
+        return self.want_stream and self.q_mode == "global" and self.allocation == "uniform"
+
+    @property
     def solver(self) -> str:
         """The solve path: ``pca`` (SliceGPT, one pass), ``pca-sequential``, ``projection`` (no rotation
         search), ``sequential`` (stage W segment after segment on the partly compressed model) or

@@ -15,7 +15,7 @@ from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, c
 from ...hub.cards import public_report
 from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
-from .assemble import assemble, build_model, compressed_config, config_object, read_folded
+from .assemble import Assembler, build_model, compressed_config, config_object, read_folded
 from .calibration import CalibrationInput, CalibrationStats, collect_statistics, sequential_stream_pca
 from .layernorm import through_rms_decoder
 from .options import CompressOptions
@@ -66,7 +66,7 @@ def one_pass_statistics(source: TensorSource, config: dict, options: CompressOpt
     _require_calibration(options, calib_ids)
     return collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
                               want_normed=options.want_normed, want_stream=options.want_stream,
-                              placement=placement, progress=progress)
+                              placement=placement, progress=progress, stream_sum=options.stream_sum)
 
 
 def compress_tensors(source: TensorSource, config: dict, options: CompressOptions,
@@ -101,7 +101,10 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         plan.accounting["allocation_report"] = allocation
         times["allocation"] = time.perf_counter() - t
     t1 = time.perf_counter()
-    layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied, lazy=True)
+    # the solvers walk the segments in order (two layers at a time); SliceGPT's PCA reads no weights
+    layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied, lazy=True,
+                                          keep=1 if options.slicing else 2)
+    assembler = Assembler(plan, layers, globals_, gamma, dtype, sink)
     new_config = compressed_config(config, plan, options, hf_config)
     calib = None
     if options.solver == "pca-sequential":
@@ -115,10 +118,11 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
 
     with st.limit_threads(1):
         res = solve(plan, layers, globals_, stats, options, progress, rotations, calib, device=linalg_device(placement),
-                    keep_stats=False)
+                    keep_stats=False, on_segment=assembler.segment_done,   # parts written as they are solved
+                    row_dtype=dtype)
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    state = assemble(plan, layers, globals_, gamma, res, dtype, progress, sink=sink)
+    state = assembler.finish(res, progress)
     times["assemble"] = time.perf_counter() - t2
     report = CompressReport(source="", output=None, family=plan.family, options=options.as_dict(),
                             accounting=plan.accounting, relative_errors=res.relative_errors,
@@ -130,7 +134,7 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
 def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None, progress: bool = False,
                    stats: CalibrationStats | None = None, placement=None):
     """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report); an OPT / GPT-2
-    model -> (RMSDecoderForCausalLM, report) (SliceGPT only, :mod:`.layernorm`)."""
+    model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm`)."""
     options.validate()
     if through_rms_decoder(model.config):
         from .layernorm import compress_layer_norm_model
@@ -165,7 +169,7 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
     options.validate()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
-    if through_rms_decoder(reader.config):    # LayerNorm decoders: SliceGPT via the RMS-decoder family
+    if through_rms_decoder(reader.config):    # LayerNorm decoders: via the RMS-decoder family
         from .layernorm import compress_layer_norm_checkpoint
 
         return compress_layer_norm_checkpoint(reader, out, options, calib_text, overwrite, progress, placement)

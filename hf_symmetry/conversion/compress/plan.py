@@ -79,6 +79,12 @@ def check_family(config: dict, keys: list[str]) -> Adapter:
     cannot (:func:`hf_symmetry.architectures.capabilities.require`), before any work."""
     adapter = Adapter.from_config(config, keys)
     require(adapter, "compress")
+    if adapter.spec.norm_kind == "layer":      # compressed, but through the RMS-decoder family (.layernorm)
+        from ...architectures import UnsupportedSymmetry
+
+        raise UnsupportedSymmetry(f"compress: {adapter.family} uses LayerNorm and the compressed family is "
+                                  "RMSNorm-based (compress_model / compress_checkpoint write it as the RMS-decoder "
+                                  "family)")
     return adapter
 
 

@@ -49,16 +49,89 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
         G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
         drift = getattr(stats, key + "_drift")[m.layer].to(M.device)
     G, Cx = G.to(M.device), Cx.to(M.device)
-    ridge = _damped(G, damping) - G
+    diag = G.diagonal()
+    ridge = (diag + damping * diag.mean().clamp_min(1e-12)) - diag    # _damped(G) − G: diagonal, exactly
     target = M.T if m.role == "reader" else M
-    out = torch.linalg.solve(G + ridge, (Cx + ridge) @ target + drift)
+    # G + ridge and Cx + ridge with the ridge added to their diagonals (the same values, fewer [k, k] copies)
+    rhs = _plus_diagonal(Cx, ridge) @ target
+    rhs += drift
+    out = torch.linalg.solve(_plus_diagonal(G, ridge), rhs)
     return out.T if m.role == "reader" else out
 
 
+def _plus_diagonal(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = A.clone()
+    out.diagonal().add_(v)
+    return out
+
+
+class _TallTerm:
+    """A vocabulary-sized matrix with free rows and a row weighting or none (the low-rank embedding),
+    solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root, :meth:`Term.reduced`), but
+    read from the checkpoint a block of rows at a time: its Gram ``Mᵀ G M`` (and ``MᵀM``) is
+    accumulated block by block, and the row factor ``T f₀ = (M R) f₀`` is lifted block by block into
+    the output's dtype, so M is never in memory whole. :attr:`term` is the reduced term the segment's
+    solve sees."""
+
+    def __init__(self, m: MatrixPlan, globals_, weights: torch.Tensor | None, device, row_dtype):
+        from .assemble import global_row_blocks
+
+        self.m, self.globals, self.key, self.device = m, globals_, f"{m.canon}.weight", device
+        self.row_dtype = row_dtype or torch.float64
+        n, blocks = global_row_blocks(globals_, self.key)
+        P = P1 = None
+        for i, B in blocks:
+            B = B.to(device)
+            GB = B if weights is None else weights[i:i + len(B)].to(device)[:, None] * B
+            P = B.T @ GB if P is None else P + B.T @ GB
+            if weights is not None:
+                P1 = B.T @ B if P1 is None else P1 + B.T @ B
+        self.plain = P if P1 is None else P1        # Mᵀ M (the relative error's metric)
+        shell = Term(m.name, torch.empty(n, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
+        self.term, self.R = shell.reduced_from_gram(P)
+        self.term.tall = self
+
+    @staticmethod
+    def applies(m: MatrixPlan) -> bool:
+        return m.canon == "embed" and m.structure.kind == "lowrank" and m.structure.shape[0] > m.structure.shape[1]
+
+    def lift(self, Q: torch.Tensor) -> tuple[st.Factors, float]:
+        """The full matrix's factors (row factor in the output's dtype) and its relative error
+        ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``: ``Ŵ = M R f₀ f₁``)."""
+        from .assemble import global_row_blocks
+
+        f0, f1 = self.term.factors
+        n, blocks = global_row_blocks(self.globals, self.key)
+        U = torch.empty(n, f0.shape[1], dtype=self.row_dtype)
+        for i, B in blocks:
+            U[i:i + len(B)] = ((B.to(self.device) @ self.R) @ f0).cpu()
+        D = Q.to(self.R) - self.R @ f0 @ f1
+        err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
+                    torch.sqrt(self.plain.trace()).clamp_min(1e-300))
+        return (U, f1.cpu()), err
+
+    def rows(self, Q: torch.Tensor):
+        """``idx -> Ŵ Qᵀ`` at the rows ``idx`` (any shape): the approximation the sequential calibration
+        runs on, row by row as the whole ``dense(factors) Qᵀ`` would give it."""
+        from .assemble import global_rows
+
+        f0, f1 = self.term.factors
+
+        def take(idx: torch.Tensor) -> torch.Tensor:
+            uniq, inverse = torch.unique(idx.reshape(-1), return_inverse=True)
+            B = global_rows(self.globals, self.key, uniq).to(self.device)
+            out = (((B @ self.R) @ f0) @ f1) @ Q.to(B).T
+            return out[inverse].reshape(*idx.shape, out.shape[-1])
+        return take
+
+
 def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
-           options: CompressOptions, only: int | None = None, device=None) -> list[tuple[list[Term], list[Term]]]:
+           options: CompressOptions, only: int | None = None, device=None,
+           row_dtype=None) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
-    ``only`` filled when given: sequential calibration has the statistics of one segment at a time)."""
+    ``only`` filled when given: sequential calibration has the statistics of one segment at a time).
+    The low-rank embedding enters as its reduced term (:class:`_TallTerm`, read a block of rows at a
+    time; its row factor is lifted into ``row_dtype``, default float64)."""
     n_seg = 2 * plan.n_layers + 1
     segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
@@ -66,6 +139,11 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
     reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
     for m in plan.matrices:
         if not m.compressed or (only is not None and m.segment != only):
+            continue
+        if _TallTerm.applies(m):
+            weights = token_gram.diag if (stage in ("f", "w") and token_gram is not None) else None
+            term = _TallTerm(m, globals_, weights, device, row_dtype).term
+            segments[m.segment][0].append(term)
             continue
         M = _matrix_of(m, layers, globals_).to(device)
         if weighted and stats.normed_cross is not None and m.canon != "embed":
@@ -112,20 +190,25 @@ def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict) -> None:
     """Record the solved factors (in host memory) and relative errors of ``terms`` (their matrices are
     then no longer needed: nothing else holds them)."""
     for t in terms:
+        tall = getattr(t, "tall", None)
+        if tall is not None:
+            factors[t.name], rel[t.name] = tall.lift(Q)
+            continue
         factors[t.name] = tuple(f.cpu() for f in t.factors)
         rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
                             torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
 
 
 def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress, factors, rel,
-                 device=None):
+                 device=None, on_segment=None, row_dtype=None):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together; one Q per segment builds, solves and drops the terms segment by
-    segment (the layers are read as the segments need them), keeping only factors and errors."""
+    segment (the layers are read as the segments need them), keeping only factors and errors, and
+    calls ``on_segment(k, Qs, factors)`` after each (see :func:`solve`)."""
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     if options.q_mode == "global":
-        segments = _terms(plan, layers, globals_, stats, stage, options, device=device)
+        segments = _terms(plan, layers, globals_, stats, stage, options, device=device, row_dtype=row_dtype)
         terms = [t for seg, _ in segments for t in seg]
         res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters, dtype=dtype,
                             **_stopping(options, stage))
@@ -135,18 +218,20 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         return Qs, traces
     Qs = []
     for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
-        terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device)[k]
+        terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
                             **_stopping(options, stage))
         Qs.append(res.Q.cpu())
         traces[f"segment{k}"] = res.trace
         _keep(terms, res.Q, factors, rel)
         del terms
+        if on_segment is not None:
+            on_segment(k, Qs, factors)
     return Qs, traces
 
 
 def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: CalibrationInput, progress, factors,
-                      rel, device=None, keep_stats=True):
+                      rel, device=None, keep_stats=True, on_segment=None, row_dtype=None):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
     calibration engine (:func:`.calibration.sequential_weighted`), and its matrices are replaced there
@@ -160,18 +245,23 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
     bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not progress)
 
     def segment(k: int, seq: CalibrationStats):
-        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device)[k]
+        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
                             **_stopping(options))
         Qs[k] = res.Q.cpu()
         traces[f"segment{k}"] = res.trace
         _keep(terms, res.Q, factors, rel)
         bar.update(1)
-        return [(ms[t.name], t.structure.dense(t.factors) @ res.Q.T) for t in terms]
+        approximations = [(ms[t.name], t.tall.rows(res.Q) if hasattr(t, "tall") else t.structure.dense(t.factors) @ res.Q.T)
+                          for t in terms]
+        del terms
+        if on_segment is not None:
+            on_segment(k, Qs, factors)
+        return approximations
 
     try:
         seq = sequential_weighted(calib, stats.token_counts, options.match_original, segment, progress,
-                                  keep=keep_stats)
+                                  keep=keep_stats, folded=layers)
     finally:
         bar.close()
     return Qs, traces, seq
@@ -180,14 +270,20 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
 def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
           options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
           calib: CalibrationInput | None = None, device: torch.device | str | None = None,
-          keep_stats: bool = True) -> SolveResult:
+          keep_stats: bool = True, on_segment=None, row_dtype: torch.dtype | None = None) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
     ``options.sequential`` runs on (checkpoint, token ids, device). ``device``: where the solvers' linear
     algebra runs (the matrices and statistics of one segment are moved there; results come back to the
     CPU). ``keep_stats=False``: sequential calibration drops each segment's statistics once it is solved
-    (``SolveResult.stats`` then holds none)."""
+    (``SolveResult.stats`` then holds none). ``on_segment(k, Qs, factors)``: called by the paths that
+    finish the segments one after the other (one rotation per segment, or none) once segment k's
+    rotation ``Qs[k]`` and factors are final, with those of every earlier segment (e.g.
+    :meth:`.assemble.Assembler.segment_done`, which writes what they complete and drops its factors from
+    ``factors``, the dict that becomes ``SolveResult.factors``). ``row_dtype``: the dtype the
+    vocabulary-sized row factor of a low-rank embedding is kept in (the output's: it is rounded to it
+    when written anyway; default float64)."""
     n_seg = plan.n_segments
     if options.sequential and not options.slicing and calib is None:
         raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
@@ -204,18 +300,22 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     factors, rel = {}, {}
     args = (plan, layers, globals_, stats)
     out = (factors, rel, device)
+    more = {"on_segment": on_segment, "row_dtype": row_dtype}
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
-        Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out)
+        Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out, **more)
     elif not options.rotates:     # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats)
+        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats, **more)
     else:
-        Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out)
+        last_f = options.stage == "f"
+        Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out,
+                                  on_segment=on_segment if last_f else None, row_dtype=row_dtype)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats)
+                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats, **more)
             else:
-                Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out)
+                Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out,
+                                            **more)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
     return SolveResult(Qs, factors, traces, rel, seq)
 
@@ -223,7 +323,9 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
 def _pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:
     """SliceGPT: eigenvectors of the residual stream's second moment, largest first."""
     if q_mode == "global":
-        Q = _pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
+        total = stats.stream_sum if stats.stream_sum is not None else \
+            sum(C / C.trace().clamp_min(1e-300) for C in stats.stream)
+        Q = _pca(total)
         return [Q] * n_seg
     return [_pca(C) for C in stats.stream]
 

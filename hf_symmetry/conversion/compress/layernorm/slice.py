@@ -1,7 +1,6 @@
 """SliceGPT on LayerNorm decoders (OPT, GPT-2), through the RMS-decoder family.
 
-The compressed family is a Llama (gated FFN, RoPE, no learned positions), so a LayerNorm decoder takes
-SliceGPT's own route instead (Ashkboos et al., 2024, §3.2): every writer to the residual stream (token
+A LayerNorm decoder takes SliceGPT's own route (Ashkboos et al., 2024, §3.2): every writer to the residual stream (token
 and position embeddings, attention and FFN output projections with their biases) is mean-centred, which
 leaves the function unchanged and makes each LayerNorm an RMSNorm followed by its γ and β; those fold
 into the readers. The stream of this centred model is ``P x`` (``P = I − 11ᵀ/d``), so its second moment
@@ -19,48 +18,18 @@ model sizes across families.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import torch
 
-from ...architectures import Adapter
-from ...architectures.capabilities import facts, require
-from ...checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files, \
-    write_config
-from ..rotate import RotateOptions, _rotate_layer_norm_decoder, copy_remote_code
-from ..stream import DictSink, DictSource, TensorSource, partition_keys
-from .calibration import collect_statistics, pca
-from .options import CompressOptions
-from .plan import source_numels
+from ....architectures import Adapter
+from ...rotate import RotateOptions, _rotate_layer_norm_decoder
+from ...stream import TensorSource, partition_keys
+from ..calibration import collect_statistics, pca
+from ..options import CompressOptions
+from ..plan import source_numels
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
-
-
-def through_rms_decoder(config) -> bool:
-    """True for the decoders whose SliceGPT runs here (LayerNorm, so not the compressed family)."""
-    f = facts(config)
-    return f.decoder and f.norm_kind == "layer"
-
-
-def check(adapter: Adapter, options: CompressOptions, keys: list[str]) -> None:
-    """Refuse, before any work, what this route cannot do, with the reason."""
-    if not options.slicing:
-        require(adapter, "compress")   # the structured classes need the compressed family: its reason
-    require(adapter, "slicegpt")
-    if options.sequential:
-        raise ValueError(f"sequential SliceGPT on a LayerNorm decoder ({adapter.family}) is not implemented: drop "
-                         "--sequential (one pass of the original model, one global PCA of the centred stream)")
-    if options.q_mode != "global":
-        raise ValueError(f"SliceGPT on a LayerNorm decoder ({adapter.family}) writes the RMS-decoder family, which has "
-                         "one basis for the whole stream and no skip matrices: use --q-mode global (the default)")
-    if options.allocation != "uniform":
-        raise ValueError(f"SliceGPT on a LayerNorm decoder ({adapter.family}) keeps one width for every segment: "
-                         "--allocation uniform")
-    _, _, rest = partition_keys(adapter, keys)
-    if rest:
-        raise ValueError(f"checkpoint has tensors SliceGPT does not know how to carry: {rest[:4]}")
 
 
 def centred_rotation(stream: list[torch.Tensor]) -> torch.Tensor:
@@ -127,7 +96,8 @@ def slice_tensors(source: TensorSource, config: dict, options: CompressOptions, 
                   progress: bool = True):
     """The whole route on tensors into ``sink``: (RMS-decoder config dict, report). ``width`` overrides
     the planned width (``d``: the exact, unsliced rotation); ``rotation`` the measured ``Q``."""
-    from .pipeline import CompressReport, _require_calibration
+    from ..pipeline import CompressReport, _require_calibration
+    from . import check
 
     t0 = time.perf_counter()
     keys = source.keys()
@@ -152,65 +122,3 @@ def slice_tensors(source: TensorSource, config: dict, options: CompressOptions, 
                             seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
                             method=f"{options.label}, centred into the RMS-decoder family")
     return new_config, report
-
-
-def build(state: dict, config: dict, dtype: torch.dtype):
-    """The RMS-decoder model holding ``state`` (strict), and its counted parameters."""
-    from ...modeling.configuration_rms_decoder import RMSDecoderConfig
-    from ...modeling.modeling_rms_decoder import RMSDecoderForCausalLM
-
-    model = RMSDecoderForCausalLM(RMSDecoderConfig.from_dict(config)).to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
-    return model.eval(), sum(p.numel() for p in model.parameters())
-
-
-def compress_layer_norm_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None,
-                              progress: bool = False, width: int | None = None, placement=None):
-    """In memory: a loaded OPT / GPT-2 ``...ForCausalLM`` -> (RMSDecoderForCausalLM, report)."""
-    options.validate()
-    dtype = next(model.parameters()).dtype
-    sink = DictSink()
-    new_config, report = slice_tensors(DictSource({k: v.detach() for k, v in model.state_dict().items()}),
-                                       model.config.to_dict(), options, calib_ids, sink, width=width,
-                                       placement=placement, progress=progress)
-    sliced, counted = build(dict(sink), new_config, dtype)
-    report.accounting["compressed_model_params_counted"] = counted
-    return sliced, report
-
-
-def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, options: CompressOptions,
-                                   calib_text, overwrite: bool = False, progress: bool = True, placement=None):
-    """:func:`hf_symmetry.conversion.compress.compress_checkpoint` for LayerNorm decoders: every input
-    checked before any work, the checkpoint read one layer at a time, ``out`` written atomically
-    (weights, config, the RMS-decoder family's remote code, tokenizer, report, card)."""
-    from ...evaluation.compare import load_tokenizer
-    from ...evaluation.perplexity import read_text, tokenize_text
-    from .card import write_card
-    from .pipeline import _write_report
-
-    options.validate()
-    check_output_dir(out, overwrite)
-    adapter = Adapter.from_config(reader.config, reader.keys())
-    check(adapter, options, reader.keys())
-    plan_width(adapter, reader, reader.keys(), options)          # an unreachable ratio fails here
-    calib = read_text(calib_text) if calib_text is not None else None
-    if calib is None:
-        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)")
-    calib_ids = tokenize_text(load_tokenizer(reader.path), calib, max_tokens=options.calib_tokens)
-    if calib_ids.numel() < 2:
-        raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
-    with atomic_output_dir(out, overwrite) as tmp:
-        writer = ShardedWriter(tmp, 2 * 10**9, metadata={"hf_symmetry": "compress"})
-        new_config, report = slice_tensors(reader, reader.config, options, calib_ids, writer, placement=placement,
-                                           progress=progress)
-        writer.close()
-        write_config(tmp, new_config)
-        copy_remote_code(tmp)
-        copy_side_files(reader.path, tmp)
-        report.source, report.output = str(reader.path), str(out)
-        _write_report(tmp, report)
-        write_card(tmp, report, options)
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
-    return report

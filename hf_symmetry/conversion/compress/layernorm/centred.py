@@ -1,0 +1,80 @@
+"""The centred model as a tensor source: a LayerNorm decoder with every writer mean-centred and every
+LayerNorm folded into its readers is exactly an RMS-decoder model at full width (weightless RMSNorms,
+biases everywhere, untied head with a bias). :class:`CentredSource` presents it under the RMS-decoder
+family's checkpoint names, computed from the original checkpoint one layer at a time when asked for, so
+the compressed family's steps (calibration on the layer-wise engine, the solvers' folded layers) run on
+it unchanged: the normalised stream its readers see, ``P x / rms(P x)``, is then measured directly."""
+
+from __future__ import annotations
+
+import torch
+
+from ....architectures import Adapter
+from ...rotate import _centre_globals, _centre_layer, _check_layer_norm_decoder, rms_decoder_config
+from ...stream import partition_keys
+from ....symmetry import actions
+
+Tensors = dict[str, torch.Tensor]
+_F64 = {"": torch.float64}     # write in float64 (the adapter's default dtype for keys it has not seen)
+
+
+class CentredSource:
+    """``keys()`` / ``get(names)`` of the centred, LayerNorm-folded model (float64), read layer by layer
+    from ``source`` (the last layer computed is kept, so a layer's tensors asked for one by one are
+    centred once). ``config``: the RMS-decoder config dict of this full-width model."""
+
+    def __init__(self, source, config: dict):
+        keys = source.keys()
+        _check_layer_norm_decoder(config)
+        self.source, self.adapter = source, Adapter.from_config(config, keys)
+        self.global_keys, self.per_layer, rest = partition_keys(self.adapter, keys)
+        if rest:
+            raise ValueError(f"checkpoint has tensors compress does not know how to carry: {rest[:4]}")
+        self._cache: tuple[int, Tensors] | None = None
+        canon0 = self._canonical(0)
+        pos = [f"{self.adapter.prefix}{n}.weight" for n in self.adapter.spec.pos_embed[:1]]
+        pos = [k for k in pos if k in set(keys)]
+        rows = self.source.get(pos)[pos[0]].shape[0] if pos else 0
+        self.config = rms_decoder_config(self.adapter, config, canon0["up.weight"].shape[0], rows)
+        self.config.pop("dtype", None)
+        self.writer = Adapter.from_config(self.config)
+        self._layer_suffixes = [k[len(self.writer.layer_prefix(0)):] for k in self.writer.write_layer(0, canon0, _F64)]
+        dummy = {"embed.weight": torch.empty(0), "lm_head.weight": torch.empty(0), "lm_head.bias": torch.empty(0)}
+        if pos:
+            dummy["pos0.weight"] = torch.empty(0)
+        self._global_names = list(self.writer.write_globals(dummy, _F64))
+
+    def keys(self) -> list[str]:
+        per_layer = [self.writer.layer_prefix(i) + s for i in range(self.adapter.n_layers) for s in self._layer_suffixes]
+        return self._global_names + per_layer
+
+    def _canonical(self, i: int) -> Tensors:
+        """Layer ``i`` centred and folded, canonical (float64)."""
+        canon = _centre_layer(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
+        if self.adapter.layout.rope_layout == "interleaved":   # GPT-J: the family pairs rotate-half
+            canon = actions.interleaved_to_half(canon, self.adapter.layout)
+        return canon
+
+    def _layer(self, i: int) -> Tensors:
+        if self._cache is None or self._cache[0] != i:
+            self._cache = (i, self.writer.write_layer(i, self._canonical(i), _F64))
+        return self._cache[1]
+
+    def globals(self) -> Tensors:
+        """The centred globals, canonical (``embed``, ``pos0``, ``lm_head`` weight and bias), float64."""
+        return _centre_globals(self.adapter.read_globals(self.source.get(self.global_keys)))
+
+    def get(self, names: list[str]) -> Tensors:
+        out: Tensors = {}
+        wanted_globals = [n for n in names if n in self._global_names]
+        if wanted_globals:
+            g = self.writer.write_globals(self.globals(), _F64)
+            out.update({n: g[n] for n in wanted_globals})
+        for n in names:
+            if n in out:
+                continue
+            i = self.writer.layer_of(n)
+            if i is None:
+                raise KeyError(n)
+            out[n] = self._layer(i)[n]
+        return out

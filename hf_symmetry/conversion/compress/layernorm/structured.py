@@ -1,0 +1,161 @@
+"""ProcrustesGPT (Kronecker sums, GS, low rank) on LayerNorm decoders, through the RMS-decoder family.
+
+The centred model (:class:`.centred.CentredSource`: every writer mean-centred, each LayerNorm folded into
+its readers) is an RMS-decoder model whose residual stream any orthogonal ``Q`` rotates exactly, one
+global ``Q`` or one per residual segment (the skip connections then carry ``Q_prevᵀ Q_next``). From there
+the compressed family's own steps run unchanged on it: the plan's structures (:func:`..plan.structure_for`),
+calibration on the layer-wise engine (the centred model's normalised stream measured directly), the
+solvers (stage F / W, :func:`..solve.solve`) and the assembly of factors and rotations
+(:func:`..assemble.assemble`, whose module names the RMS-decoder family shares). What the compressed
+family's plan does not know is added here: every linear keeps a dense bias (readers' biases unchanged,
+writers' rotated with the stream), the learned position table stays dense and rotates with the
+embedding's segment, and the head (untied by the centring) keeps the final LayerNorm's β as its bias.
+
+Parameter accounting as the compressed family's: ``ratio`` is the fraction of the parameters of the
+compressed matrices (q, k, o, up, down, embedding, and the head where the source has its own; V dense as in
+the paper) removed from the whole model, skip matrices and the untied head of a tied source included, so
+equal ratios mean equal total parameter counts."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ....architectures import Adapter
+from ....symmetry import structured as st
+from ...stream import TensorSource, partition_keys
+from ..assemble import FoldedLayers, assemble
+from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
+from ..plan import MatrixPlan, Plan, accounting, choose_kron_factor, in_policy, rotation_overhead, source_numels, \
+    structure_for
+from .centred import CentredSource
+
+Tensors = dict[str, torch.Tensor]
+CANONICAL = ("q", "k", "v", "o", "up", "down")
+
+
+def plan_structured(centred: CentredSource, dense_total: int, options: CompressOptions) -> Plan:
+    """The structures of ``options`` on the centred model, sized so that the whole model meets the ratio
+    (or, with a preset, each compressed matrix keeps ``matrix_keep`` of its parameters)."""
+    adapter, cfg = centred.adapter, centred.config
+    d, L = adapter.hidden, adapter.n_layers
+    inner = cfg["num_attention_heads"] * cfg["head_dim"]
+    k_of = {"q": inner, "k": inner, "v": inner, "o": inner, "up": cfg["intermediate_size"],
+            "down": cfg["intermediate_size"]}
+    entries = [(f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}", c, i, LAYER_MODULES[c][1],
+                2 * i + SEGMENT_OFFSET[c], (k_of[c], d), True) for i in range(L) for c in CANONICAL]
+    vocab = int(cfg["vocab_size"])
+    entries += [("embed", "embed", None, "writer", 0, (vocab, d), False),
+                ("lm_head", "lm_head", None, "reader", 2 * L, (vocab, d), False)]
+    tied = adapter.tied_embeddings
+    # the budget, as the compressed family's: a tied head counts once (here it is untied, and pays for it)
+    p_compressed = sum(k * n for name, c, *_, (k, n), _ in entries
+                       if in_policy(c, options) and not (tied and c == "lm_head"))
+    struct_size = sum(k * n for _, c, *_, (k, n), _ in entries if in_policy(c, options))
+    rows = int(cfg["max_position_embeddings"] + cfg["position_offset"]) if not cfg.get("rotary") else 0
+    extra = rows * d + vocab                        # the position table and the head's bias, both dense
+    skip = "orthogonal" if options.segment_rotations else "none"
+    fixed = (sum(k * n for _, c, *_, (k, n), _ in entries if not in_policy(c, options))
+             + sum(k if role == "reader" else d for _, _, _, role, _, (k, _), bias in entries if bias)
+             + extra + rotation_overhead(d, L, options.segment_rotations, "separate"))
+    target = dense_total - options.ratio * p_compressed
+    kappa = options.matrix_keep if options.matrix_keep is not None else (target - fixed) / struct_size
+    if kappa <= 0:
+        raise ValueError(f"ratio {options.ratio} cannot be met on {adapter.family}: what stays dense (V, biases, "
+                         f"positions{', skip rotations' if skip != 'none' else ''}) already needs {fixed:,} of "
+                         f"{target:,.0f} parameters; use a smaller ratio" +
+                         (" or --q-mode global" if skip != "none" else ""))
+    kron_q = choose_kron_factor(d, kappa, options.kron_factor) if options.structure == "kron" else None
+    matrices = []
+    for name, c, i, role, seg, shape, bias in entries:
+        s = (structure_for(options.structure, name, *shape, kappa, options, kron_q, c in ("embed", "lm_head"))
+             if in_policy(c, options) else st.Dense(shape))
+        matrices.append(MatrixPlan(name, c, i, role, seg, s, bias))
+    plan = Plan(adapter.family, d, d, L, False, skip, "separate", matrices)
+    acc = accounting(plan, dense_total, p_compressed, options)
+    total = acc["compressed_model_params"] + extra
+    acc.update(compressed_model_params=total, ratio_over_compressed=(dense_total - total) / p_compressed,
+               ratio_over_model=1 - total / dense_total, uniform_keep=kappa, kron_factor=kron_q,
+               target_params=round(target) if options.matrix_keep is None else total,
+               untied_head_params=plan.by_name()["lm_head"].structure.params() if tied else 0,
+               output_family="hf_symmetry_rms_decoder")
+    plan.accounting = acc
+    if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.tolerance:
+        raise ValueError(f"no {options.structure} configuration meets ratio {options.ratio:g} within "
+                         f"{options.tolerance:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
+                         + ("; try another --kron-factor" if options.structure == "kron" else ""))
+    return plan
+
+
+def structured_config(centred: CentredSource, plan: Plan, options: CompressOptions, source_config: dict) -> dict:
+    """The RMS-decoder config of the compressed model: the centred model's, plus each module's structure."""
+    ms = plan.by_name()
+
+    def spec(m: MatrixPlan) -> dict:
+        return {**m.module_structure.spec(), "bias": m.bias}
+
+    cfg = dict(centred.config)
+    cfg.update(
+        layer_structures=[{LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
+                          for i in range(plan.n_layers)],
+        embed_structure=spec(ms["embed"]), lm_head_structure=spec(ms["lm_head"]), skip_connections=plan.skip,
+        compression={"method": options.method, "label": options.label, "structure": options.structure,
+                     "stage": options.stage, "q_mode": options.q_mode, "ratio": options.ratio,
+                     "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
+                     "ratio_over_model": plan.accounting["ratio_over_model"],
+                     "source_model_type": source_config.get("model_type")})
+    if source_config.get("dtype") or source_config.get("torch_dtype"):
+        cfg["dtype"] = source_config.get("dtype") or source_config.get("torch_dtype")
+    return cfg
+
+
+def structured_tensors(source: TensorSource, config: dict, options: CompressOptions, calib_ids: torch.Tensor | None,
+                       sink, dtype: torch.dtype, plan: Plan | None = None, stats=None,
+                       rotations: list[torch.Tensor] | None = None, placement=None, progress: bool = True):
+    """The whole route on tensors into ``sink`` (called with each module's tensors): (RMS-decoder config
+    dict, report). ``plan``, ``stats`` and ``rotations`` override the planned structures, the measured
+    statistics and the starting rotations, as in :func:`..pipeline.compress_tensors`."""
+    from ....devices import linalg_device
+    from ..pipeline import CompressReport, _summarise, one_pass_statistics
+    from ..solve import solve
+
+    times = {}
+    t0 = time.perf_counter()
+    centred = CentredSource(source, config)
+    if plan is None:
+        plan = plan_structured(centred, source_numels(source, source.keys(), centred.adapter.tied_embeddings),
+                               options)
+    if stats is None:
+        stats = one_pass_statistics(centred, centred.config, options, calib_ids, placement, progress)
+    times["calibration"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    writer = centred.writer
+    _, per_layer, _ = partition_keys(writer, centred.keys())
+    layers = FoldedLayers(centred, writer, per_layer)       # norm folding is a no-op: the norms have no weight
+    globals_ = centred.globals()
+    with st.limit_threads(1):
+        res = solve(plan, layers, globals_, stats, options, progress, rotations, None,
+                    device=linalg_device(placement), keep_stats=False)
+    times["solve"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    d = plan.hidden
+    assemble(plan, layers, globals_, torch.ones(d, dtype=torch.float64), res, dtype, progress, sink=sink)
+    extras = {"lm_head.bias": globals_["lm_head.bias"]}
+    if "pos0.weight" in globals_:             # the position table writes segment 0, as the embedding
+        extras["pos0.weight"] = globals_["pos0.weight"] @ res.Qs[0]
+    sink({k: v.to(dtype).contiguous() for k, v in writer.write_globals(extras, {"": dtype}).items()})
+    times["assemble"] = time.perf_counter() - t2
+    new_config = structured_config(centred, plan, options, config)
+    report = CompressReport(source="", output=None, family=centred.adapter.family, options=options.as_dict(),
+                            accounting=plan.accounting, relative_errors=res.relative_errors,
+                            objective=_summarise(res.traces), calibration_tokens=stats.tokens if stats else 0,
+                            seconds=times, method=f"{options.label}, centred into the RMS-decoder family")
+    return new_config, report
+
+
+def layer_norm_plan(source: TensorSource, config: dict, options: CompressOptions) -> Plan:
+    """The plan alone (tests, dry runs): reads layer 0 and the checkpoint's shapes."""
+    centred = CentredSource(source, config)
+    return plan_structured(centred, source_numels(source, source.keys(), Adapter.from_config(config).tied_embeddings),
+                           options)
