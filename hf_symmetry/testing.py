@@ -147,3 +147,19 @@ def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constant
         return json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         raise AssertionError(f"no JSON on the last stdout line: {run.stdout[-1000:]!r}\n{run.stderr[-1000:]}") from None
+
+
+def full_rank(plan):
+    """Every structured matrix of a compress plan at full rank (in place; returns the plan): the
+    compressed model must then be the original function."""
+    from hf_symmetry.symmetry import structured as S
+
+    for m in plan.matrices:
+        s = m.structure
+        if s.kind == "kron":
+            m.structure = S.Kron(s.shape, s.max_rank, s.a_shape)
+        elif s.kind == "gs":
+            m.structure = S.GS(s.shape, s.kl, s.kr, min(s.tile))
+        elif s.kind == "lowrank":
+            m.structure = S.LowRank(s.shape, min(s.shape))
+    return plan

@@ -20,24 +20,14 @@ from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.symmetry import structured as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.testing import input_ids, outputs, tiny_model
+from hf_symmetry.testing import full_rank, input_ids, outputs, tiny_model
 
 
 def _source(model):
     return C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
 
 
-def _full_rank(plan: C.Plan) -> C.Plan:
-    """Every structure at full rank: the compressed model must then be the original function."""
-    for m in plan.matrices:
-        s = m.structure
-        if s.kind == "kron":
-            m.structure = S.Kron(s.shape, s.max_rank, s.a_shape)
-        elif s.kind == "gs":
-            m.structure = S.GS(s.shape, s.kl, s.kr, min(s.tile))
-        elif s.kind == "lowrank":
-            m.structure = S.LowRank(s.shape, min(s.shape))
-    return plan
+_full_rank = full_rank
 
 
 def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=torch.float64, seed=0):

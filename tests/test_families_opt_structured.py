@@ -21,9 +21,8 @@ from hf_symmetry.architectures.capabilities import allows, families_text, reason
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress.layernorm import build, layer_norm_plan, structured_tensors
 from hf_symmetry.modeling.modeling_rms_decoder import GSLinear, KroneckerLinear, RMSDecoderForCausalLM
-from hf_symmetry.symmetry import structured as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.testing import input_ids, outputs, run_without_hf_symmetry, tiny_model
+from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 
 def _calib():
@@ -35,16 +34,7 @@ def _delta(a, b, ids=None) -> float:
     return (outputs(a, ids) - outputs(b, ids)).abs().max().item()
 
 
-def _full_rank(plan: C.Plan) -> C.Plan:
-    for m in plan.matrices:
-        s = m.structure
-        if s.kind == "kron":
-            m.structure = S.Kron(s.shape, s.max_rank, s.a_shape)
-        elif s.kind == "gs":
-            m.structure = S.GS(s.shape, s.kl, s.kr, min(s.tile))
-        elif s.kind == "lowrank":
-            m.structure = S.LowRank(s.shape, min(s.shape))
-    return plan
+_full_rank = full_rank
 
 
 def _exact(model, structure: str, q_mode: str = "segment", seed: int = 0):
