@@ -7,10 +7,6 @@ model; every allocation and the preset load as remote code without hf_symmetry."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -22,7 +18,7 @@ from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import allocate as A
 from hf_symmetry.conversion.compress import allocate_widths as W
 from hf_symmetry.conversion.compress.plan import check_family, matrix_entries
-from hf_symmetry.testing import input_ids, tiny_model
+from hf_symmetry.testing import input_ids, run_without_hf_symmetry, tiny_model
 
 
 def _source(model):
@@ -230,25 +226,18 @@ def test_procrustesgpt_llama_preset_is_the_papers_configuration():
 
 # ----------------------------------------------------------------------------- remote code
 ISOLATED_LOADER = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry
-    except ImportError:
-        importable = False
-    else:
-        importable = True
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
-    out = {"importable": importable}
+    out = {}
     for name in NAMES:
         model = AutoModelForCausalLM.from_pretrained(FOLDER + "/" + name, trust_remote_code=True).eval()
         with torch.no_grad():
             logits = model(load_file(IDS)["ids"][None]).logits[0]
         save_file({"logits": logits.contiguous()}, OUTPUT + "." + name)
         out[name] = type(model).__module__
-    json.dump(out, open(OUTPUT + ".json", "w"))
+    out["imported"] = "hf_symmetry" in sys.modules
+    print(json.dumps(out))
 """)
 
 
@@ -286,16 +275,9 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
     ids = input_ids(batch=1, length=12)[0]
     save_file({"ids": ids.contiguous()}, str(tmp_path / "ids.safetensors"))
     out = str(tmp_path / "logits")
-    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(root)!r}\nNAMES = {list(runs)!r}\n"
-            f"IDS = {str(tmp_path / 'ids.safetensors')!r}\nOUTPUT = {out!r}\n" + ISOLATED_LOADER)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    meta = json.loads(open(out + ".json").read())
-    assert meta["importable"] is False
+    meta = run_without_hf_symmetry(ISOLATED_LOADER, tmp_path, timeout=600, FOLDER=str(root), NAMES=list(runs),
+                                   IDS=str(tmp_path / "ids.safetensors"), OUTPUT=out)
+    assert meta["imported"] is False
     for name in runs:
         assert meta[name].startswith("transformers_modules."), name
         local = AutoModelForCausalLM.from_pretrained(root / name).eval()

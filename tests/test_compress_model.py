@@ -7,9 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
-import sys
-import sysconfig
 import textwrap
 
 import pytest
@@ -20,7 +17,7 @@ from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.symmetry import structured as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.testing import full_rank, input_ids, outputs, tiny_model
+from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 
 def _source(model):
@@ -519,14 +516,6 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
 
 # ----------------------------------------------------------------------------- SmolLM2
 ISOLATED_LOADER = textwrap.dedent("""
-    import json, sys
-    sys.path.append(SITE_PACKAGES)  # -S: no .pth files, so the editable hf_symmetry is not importable
-    try:
-        import hf_symmetry
-    except ImportError:
-        importable = False
-    else:
-        importable = True
     import torch
     torch.set_num_threads(1)
     from safetensors.torch import load_file, save_file
@@ -536,7 +525,7 @@ ISOLATED_LOADER = textwrap.dedent("""
     with torch.no_grad():
         logits = model(ids.unsqueeze(0)).logits[0]
     save_file({"logits": logits.contiguous()}, OUTPUT)
-    json.dump({"importable": importable, "module": type(model).__module__}, open(OUTPUT + ".json", "w"))
+    print(json.dumps({"imported": "hf_symmetry" in sys.modules, "module": type(model).__module__}))
 """)
 
 
@@ -562,16 +551,9 @@ def test_compressed_smollm2_loads_as_remote_code_without_hf_symmetry(smollm2_ful
     ids = eval_ids[:128]
     save_file({"ids": ids.contiguous()}, str(tmp_path / "ids.safetensors"))
     out = str(tmp_path / "logits.safetensors")
-    code = (f"SITE_PACKAGES = {sysconfig.get_paths()['purelib']!r}\nFOLDER = {str(folder)!r}\n"
-            f"IDS = {str(tmp_path / 'ids.safetensors')!r}\nOUTPUT = {out!r}\n" + ISOLATED_LOADER)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    meta = json.loads(open(out + ".json").read())
-    assert meta["importable"] is False and meta["module"].startswith("transformers_modules.")
+    meta = run_without_hf_symmetry(ISOLATED_LOADER, tmp_path, timeout=600, FOLDER=str(folder),
+                                   IDS=str(tmp_path / "ids.safetensors"), OUTPUT=out)
+    assert meta["imported"] is False and meta["module"].startswith("transformers_modules.")
     # The in-process reference loads the same folder through hf_symmetry's registered classes, on one
     # thread like the subprocess, so both run the same kernels in the same order.
     from transformers import AutoModelForCausalLM

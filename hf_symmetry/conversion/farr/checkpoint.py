@@ -1,0 +1,103 @@
+"""The checkpoint entry point (:func:`farr_checkpoint`): a safetensors folder streamed into a FaRR
+model folder with its remote code, report, heatmap and card; and the calibration tokens it and
+``spectra`` read."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ...architectures import Adapter
+from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
+                           parse_size)
+from ...evaluation.compare import write_json
+from ...hub.cards import count_parameters, public_report, write_card
+from ...modeling import configuration_farr, modeling_farr
+from ..stream import Tensors
+from .calibrated import LayerWeights, calibrated_analysis
+from .card import farr_card_data, write_rank_heatmap
+from .options import FarrOptions
+from .reduce import FarrReport, _farr, _param_count
+from .target import _classes_for, farr_target
+
+REPORT_FILE = "farr_report.json"
+
+
+def save_farr_config(farr_config, folder: Path) -> None:
+    """config.json with ``auto_map`` plus the flat remote-code files, so the folder loads with
+    ``trust_remote_code=True`` where hf_symmetry is not installed."""
+    classes = _classes_for(farr_config)
+    farr_config.auto_map = {"AutoConfig": f"configuration_farr.{type(farr_config).__name__}",
+                            **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()}}
+    farr_config.save_pretrained(folder)   # also copies configuration_farr.py (register_for_auto_class)
+    shutil.copyfile(modeling_farr.__file__, folder / "modeling_farr.py")
+    shutil.copyfile(configuration_farr.__file__, folder / "configuration_farr.py")
+
+
+def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, overwrite: bool = False,
+                    max_shard_size: str | int = "2GB", progress: bool = True, calib_text: str | Path | None = None,
+                    calib_tokens: int = 2048, placement=None) -> FarrReport:
+    """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
+    ``calib_text`` the layer-wise calibration engine measures the attention inputs on the first
+    ``calib_tokens`` tokens (activation-aware metric) on ``placement``
+    (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too,
+    and its SVDs and eigendecompositions run on that device."""
+    from ...devices import linalg_device
+
+    start = time.perf_counter()
+    check_output_dir(out, overwrite)
+    reader = CheckpointReader(src)
+    farr_target(Adapter.from_config(reader.config, reader.keys()), reader.config, reader.keys(), options)
+    ids, calibration = None, None
+    if calib_text is not None:
+        ids, calibration = calibration_tokens(src, calib_text, calib_tokens)
+    with atomic_output_dir(out, overwrite) as tmp:
+        weights = analysis = None
+        if ids is not None:   # the metrics wait for the reduction pass in the (hidden) output folder
+            weights = LayerWeights(tmp / ".farr-input-weights")
+            analysis = calibrated_analysis(src, ids, options.paths, placement, progress, store=weights)
+        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
+        counter = _CountingSink(writer)
+        farr_config, report, analysis = _farr(reader, reader.config, options, counter, progress, weights=weights,
+                                              analysis=analysis, device=linalg_device(placement))
+        if weights is not None:
+            weights.close()
+        report.calibration = calibration
+        writer.close()
+        farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
+        save_farr_config(farr_config, tmp)
+        copy_side_files(reader.path, tmp)
+        report.source, report.output = str(src), str(out)
+        report.params_before = count_parameters(reader.path)   # the count every card and report uses
+        report.params_after = count_parameters(tmp)
+        report.seconds = time.perf_counter() - start
+        write_json(tmp / REPORT_FILE, public_report(report.as_dict()))
+        plots = [write_rank_heatmap(tmp, analysis, reader.config, reader.keys(), report, Path(src).name)]
+        write_card(tmp, "farr", farr_card_data(src, out, report, plots))
+    return report
+
+
+def calibration_tokens(src, text, tokens: int) -> tuple[torch.Tensor, dict]:
+    """The first ``tokens`` token ids of ``text`` in the tokenizer of the model folder ``src``, and a
+    record of what was used."""
+    from ...assets import resolve_text
+    from ...calibration import calibration_ids
+    from ...evaluation.compare import load_tokenizer
+
+    if tokens <= 0:
+        raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
+    path = resolve_text(text)
+    ids = calibration_ids(load_tokenizer(src), path, tokens)
+    return ids, {"text": str(path), "tokens": int(ids.numel())}
+
+
+class _CountingSink:
+    def __init__(self, sink):
+        self.sink, self.params = sink, 0
+
+    def add(self, tensors: Tensors) -> None:
+        self.params += _param_count(tensors)
+        self.sink.add(tensors)
