@@ -225,8 +225,9 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
     assert err <= 1e-9, err
 
 
-def _whole_matched(m, M, stats, damping):
-    """``_matched`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix)."""
+def _whole_matched(m, M, stats, damping, damped=None, consume=False):
+    """``_matched`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
+    from the statistics alone (the shared damped moments and the consuming are ignored)."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     if m.role == "reader":
         G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], 0
@@ -632,3 +633,67 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     old = options_from_args(parser.parse_args(["compress", "m", "out", "--structure", "gs", "--w-iters", "1",
                                                "--tol", "0", "--no-extrapolate"]))
     assert (old.w_iters, old.tol, old.extrapolate) == (1, 0.0, False)
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("qwen2", torch.float64), ("qwen3", torch.bfloat16),
+                                          ("gemma2", torch.bfloat16), ("phi3", torch.float32)])
+def test_lazy_folded_layers_fold_each_matrix_as_the_whole_layer_fold(family, dtype):
+    """The solvers' layers are kept in their checkpoint dtype and each matrix is folded in float64 when
+    read (:class:`FoldedLayer`): every tensor equals, bit for bit, the whole layer read in float64 and
+    folded at once — also for biases (Qwen2), QK-norms (Qwen3), norms stored as γ − 1 in bfloat16
+    (Gemma 2: made γ in float64, not in bfloat16) and fused projections (Phi-3). Negative control: the
+    same matrices folded from the bfloat16 γ − 1 + 1 differ."""
+    from hf_symmetry.architectures import Adapter
+    from hf_symmetry.conversion.stream import partition_keys
+    from hf_symmetry.symmetry import actions
+
+    model = tiny_model(family, dtype=dtype)
+    src = _source(model)
+    adapter = Adapter.from_config(model.config.to_dict(), src.keys())
+    _, per_layer, _ = partition_keys(adapter, src.keys())
+    lazy = C.FoldedLayers(src, adapter, per_layer, keep=1)
+    for i in range(adapter.n_layers):
+        whole = actions.fold_layer_norms(adapter.read_layer(i, src.get(per_layer[i])))
+        layer = lazy[i]
+        assert set(layer) == set(whole)
+        for k, t in whole.items():
+            got = layer[k]
+            assert got.dtype == torch.float64 and torch.equal(got, t), (family, i, k)
+        assert layer["q.weight"].data_ptr() != layer["q.weight"].data_ptr()      # a fresh copy per read
+        assert all(t.dtype in (dtype, torch.float64) for t in layer.raw.values())
+    assert lazy.reads == adapter.n_layers and len(lazy._cache) == 1            # one layer kept
+    if family == "gemma2":          # negative control: γ − 1 restored in bfloat16 is not γ
+        raw = adapter.read_layer(0, src.get(per_layer[0]), dtype=None)
+        rough = actions.fold_layer_norms({k: v.to(torch.float64) for k, v in raw.items()})
+        assert not torch.equal(rough["q.weight"], lazy[0]["q.weight"])
+
+
+def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(exact_rmsnorm):
+    """Sequential stage W with ``keep_stats=False`` builds a segment's terms consuming the writers'
+    moments (dropped from the statistics as soon as the matched target and the damped row weight are
+    made, so the FFN's ``4d × 4d`` moments are not held through the solve): the terms are those built
+    without consuming — same matched matrices, same row weights — and only the writers' entries are gone
+    (the segment's readers share its normalised-stream moments, which stay)."""
+    import copy
+
+    S = importlib.import_module("hf_symmetry.conversion.compress.solve")   # the module (the package exports solve())
+    model = tiny_model("llama")
+    calib = input_ids(batch=1, length=110, seed=3)[0]
+    config, src = model.config.to_dict(), _source(model)
+    options = C.CompressOptions(structure="lowrank", ratio=0.3, sequential=True, tolerance=1.0)
+    plan, adapter = C.plan_for(src, config, options)
+    layers, globals_, _ = C.read_folded(src, adapter, src.keys(), plan.tied)
+    seq, _ = _walk(model, calib)
+    for k in (1, 2):                                # layer 0's attention (o) and FFN (down) segments
+        kept, eaten = copy.deepcopy(seq), copy.deepcopy(seq)
+        a, _ = S._terms(plan, layers, globals_, kept, "w", options, only=k)[k]
+        b, _ = S._terms(plan, layers, globals_, eaten, "w", options, only=k, consume=True)[k]
+        assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
+        for ta, tb in zip(a, b):
+            assert _rel(tb.M, ta.M) < 1e-12, ta.name
+            if ta.row_gram is not None:
+                assert _rel(tb.row_gram.matrix, ta.row_gram.matrix) == 0
+        writer = "attn_out" if k == 1 else "mlp_hidden"
+        for name in (writer, writer + "_cross", writer + "_drift"):
+            assert getattr(kept, name)[0] is not None and getattr(eaten, name)[0] is None, name
+        assert eaten.normed[k] is not None and eaten.normed_cross[k] is not None

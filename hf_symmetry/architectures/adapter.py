@@ -168,17 +168,21 @@ class Adapter:
             names.append(spec.ffn.gate_up)
         return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
 
-    def read_layer(self, i: int, tensors: Tensors, dtype: torch.dtype | None = torch.float64) -> Tensors:
+    def read_layer(self, i: int, tensors: Tensors, dtype: torch.dtype | None = torch.float64,
+                   norm_dtype: torch.dtype | None = None) -> Tensors:
         """Canonical float64 view of layer ``i`` from its checkpoint tensors (owned copies; ``dtype=None``:
-        each tensor's own dtype, for tensors a conversion passes through unchanged)."""
+        each tensor's own dtype, for tensors a conversion passes through unchanged). ``norm_dtype``: the
+        norms' dtype instead (e.g. float64 norms beside matrices in their own dtype: a ``γ − 1`` norm is
+        then made ``γ`` exactly)."""
         p = self.layer_prefix(i)
         out: Tensors = {}
         for canon, name in self._layer_names().items():
+            want = norm_dtype if (norm_dtype is not None and not self._is_linear(canon)) else dtype
             for kind in ("weight", "bias"):
                 t = tensors.get(f"{p}{name}.{kind}")
                 if t is None:
                     continue
-                t = t.to(dtype or t.dtype, copy=True)
+                t = t.to(want or t.dtype, copy=True)
                 if kind == "weight" and self.spec.conv1d and self._is_linear(canon):
                     t = t.T
                 if kind == "weight" and self._one_plus(canon):

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from ..architectures import Adapter
 from ..devices import Placement, resolve
-from .memory import release_free_memory
+from .memory import release_free_memory, return_large_blocks_at_once
 from .statistics import FINAL_SITES, Accumulator, LayerStats, StatsRequest, base_site, capture_sites
 
 Tensors = dict[str, torch.Tensor]
@@ -143,6 +143,9 @@ class CalibrationEngine:
         self.device_activation_fraction = device_activation_fraction
         self.attn_implementation = attn_implementation
         self._skeleton = None
+        # a layer's freed activations and temporaries go back to the OS at once, not into the heap's
+        # high-water mark (see hf_symmetry.calibration.memory)
+        return_large_blocks_at_once()
 
     # ------------------------------------------------------------------ the empty model
     @property
@@ -195,18 +198,20 @@ class CalibrationEngine:
     def _layers_list(self, model) -> torch.nn.ModuleList:
         return model.get_submodule((self.adapter.prefix + self.adapter.spec.layers))
 
-    def _materialise(self, module: torch.nn.Module, prefix: str) -> torch.nn.Module:
+    def _materialise(self, module: torch.nn.Module, prefix: str, values: Tensors | None = None) -> torch.nn.Module:
         """Load ``module``'s parameters (checkpoint keys ``prefix + name``) onto the device in the
-        calibration dtype; buffers move to the device too (floating ones keep their dtype)."""
+        calibration dtype; buffers move to the device too (floating ones keep their dtype).
+        ``values``: take the parameters from this dict (checkpoint keys) instead of the checkpoint."""
         from accelerate.utils import set_module_tensor_to_device
 
         names = [n for n, _ in module.named_parameters()]
         keys = {prefix + n for n in names}
-        missing = sorted(k for k in keys if k not in set(self.keys))
+        have = set(self.keys) if values is None else set(values)
+        missing = sorted(k for k in keys if k not in have)
         if missing:
             raise ValueError(f"checkpoint lacks {missing[:3]} needed to run {type(module).__name__}")
         for n in names:   # one tensor at a time: the stored copy lives only until it is cast
-            value = self.source.get([prefix + n])[prefix + n]
+            value = self.source.get([prefix + n])[prefix + n] if values is None else values[prefix + n]
             set_module_tensor_to_device(module, n, self.device, value=value, dtype=self.dtype)
             del value
         for n, b in list(module.named_buffers()):
@@ -215,11 +220,12 @@ class CalibrationEngine:
             set_module_tensor_to_device(module, n, self.device, value=b)
         return module
 
-    def layer_module(self, i: int) -> torch.nn.Module:
-        """Decoder layer ``i`` as the family's transformers module, weights from the checkpoint, on
-        the device in the calibration dtype, eval mode. The caller owns it (drop it when done)."""
+    def layer_module(self, i: int, values: Tensors | None = None) -> torch.nn.Module:
+        """Decoder layer ``i`` as the family's transformers module, weights from the checkpoint (or
+        from ``values``, the layer's checkpoint-named tensors, e.g. a converted layer), on the device
+        in the calibration dtype, eval mode. The caller owns it (drop it when done)."""
         layer = copy.deepcopy(self._layers_list(self.skeleton())[i])
-        return self._materialise(layer, self.adapter.layer_prefix(i)).eval()
+        return self._materialise(layer, self.adapter.layer_prefix(i), values).eval()
 
     def final_norm_module(self) -> torch.nn.Module | None:
         """The final norm (``None`` for families without one), materialised like a layer."""

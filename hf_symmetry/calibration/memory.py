@@ -34,3 +34,24 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def return_large_blocks_at_once(threshold: int = 1 << 20) -> bool:
+    """Serve every allocation of ``threshold`` bytes or more with its own mapping (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``), so that a freed activation or temporary of a layer goes back
+    to the OS at once instead of waiting in the heap for :func:`release_free_memory`. glibc's
+    default threshold adapts upwards to 32 MB, which leaves a layer's freed per-batch temporaries
+    (a few MB each) resident on top of the live tensors: measured ~60-100 MB of RegMean's peak on
+    a width-1536 model. Process-wide and set once; returns whether it took effect (no-op outside
+    glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):   # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))

@@ -133,12 +133,12 @@ class Term:
         return rows_free and self.M.shape[0] > self.M.shape[1]
 
     def reduced(self) -> tuple["Term", Tensor]:
-        """``(term on M' = (Mᵀ G M)^{1/2}, T = M M'⁺)``: the same objective for every Q and every factors
-        of the reduced term, whose row factor lifts back by ``T`` (:meth:`lift`). The embedding
-        (``[vocab, d]``) and FFN matrices then cost ``O(d³)`` per step instead of ``O(k d²)``."""
+        """``(term on M' = (Mᵀ G M)^{1/2}, R = M'⁺)``: the same objective for every Q and every factors
+        of the reduced term, whose row factor lifts back by ``T = M R`` (:meth:`lift`). The embedding
+        (``[vocab, d]``) and FFN matrices then cost ``O(d³)`` per step instead of ``O(k d²)``; ``T``
+        (as large as M) is never formed: the lift computes ``M (R f)``."""
         P = self.M.T @ (self.M if self.row_gram is None else self.row_gram.apply(self.M))
-        red, R = self.reduced_from_gram(P)
-        return red, self.M @ R
+        return self.reduced_from_gram(P)
 
     def reduced_from_gram(self, P: Tensor) -> tuple["Term", Tensor]:
         """:meth:`reduced` from ``P = Mᵀ G M`` alone: the reduced term and ``R`` with ``T = M R`` (for
@@ -158,16 +158,17 @@ class Term:
         red = Term(self.name, M_red, small, None, self.col_gram, self.weight)
         return red, R
 
-    def lift(self, reduced: "Term", T: Tensor) -> None:
-        """Factors of the full matrix from those of its reduction (the row factor times T)."""
+    def lift(self, reduced: "Term", R: Tensor) -> None:
+        """Factors of the full matrix from those of its reduction (the row factor times ``T = M R``,
+        applied as ``M (R f)``)."""
         f = reduced.factors
         kind = self.structure.kind
         if kind == "kron":
-            self.factors = (f[0], torch.einsum("ik,skj->sij", T, f[1]))
+            self.factors = (f[0], torch.einsum("ik,skj->sij", self.M, torch.einsum("kl,slj->skj", R, f[1])))
         elif kind == "gs":
-            self.factors = ((T @ f[0][0])[None], f[1])
+            self.factors = ((self.M @ (R @ f[0][0]))[None], f[1])
         else:
-            self.factors = (T @ f[0], f[1])
+            self.factors = (self.M @ (R @ f[0]), f[1])
         self._summarise()
 
 
@@ -341,9 +342,9 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
     work, lifts = [], []
     for t in terms:
         if reduce and not t.is_dense and t.reducible():
-            red, T = t.reduced()
+            red, R = t.reduced()
             work.append(red)
-            lifts.append((t, red, T))
+            lifts.append((t, red, R))
         else:
             work.append(t)
     fast = dtype != torch.float64
@@ -399,8 +400,8 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
     for t in work:
         t.fit(Q, als_iters)
     trace.append(objective(work, Q))
-    for t, red, T in lifts:
-        t.lift(red, T)
+    for t, red, R in lifts:
+        t.lift(red, R)
     return SegmentResult(Q, trace, alternations, converged)
 
 

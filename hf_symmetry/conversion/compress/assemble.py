@@ -25,27 +25,62 @@ from .solve import SolveResult
 Tensors = dict[str, torch.Tensor]
 
 
+class FoldedLayer(Mapping):
+    """One layer's norm-folded canonical tensors (:func:`actions.fold_layer_norms`), each made in
+    float64 when it is asked for from the layer's tensors kept in their checkpoint dtype (norms in
+    float64): every access returns a fresh float64 tensor equal to that of the whole-layer fold, so a
+    step holds in float64 only the matrices it works on, not the layer."""
+
+    _NORM_OF = {**{r: "attn_norm" for r in actions._ATTN_READERS}, **{r: "ffn_norm" for r in actions._FFN_READERS}}
+
+    def __init__(self, raw: Tensors):
+        self.raw = raw                     # canonical names, matrices in their own dtype, norms in float64
+
+    def __iter__(self):
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __contains__(self, key) -> bool:
+        return key in self.raw
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.raw:
+            raise KeyError(key)
+        canon = key.rsplit(".", 1)[0]
+        part = {k: self.raw[k].to(torch.float64, copy=True) for k in (f"{canon}.weight", f"{canon}.bias")
+                if k in self.raw}
+        norm = self._NORM_OF.get(canon)
+        if norm is not None:
+            part.update({k: self.raw[k] for k in (f"{norm}.weight", f"{norm}.bias") if k in self.raw})
+        return actions.fold_layer_norms(part)[key]
+
+
 class FoldedLayers:
     """The norm-folded canonical float64 layers as a read-only sequence that reads each layer from
-    the checkpoint when it is asked for and keeps only the last ``keep`` of them: the solvers and the
+    the checkpoint when it is asked for and keeps only the last ``keep`` of them, in their checkpoint
+    dtype (:class:`FoldedLayer` folds a matrix in float64 when it is read): the solvers and the
     assembly walk the layers in order, so memory holds a layer or two whatever the depth."""
 
     def __init__(self, source: TensorSource, adapter: Adapter, per_layer: dict[int, list[str]], keep: int = 2):
         self.source, self.adapter, self.per_layer, self.keep = source, adapter, per_layer, keep
-        self._cache: dict[int, Tensors] = {}
+        self._cache: dict[int, FoldedLayer] = {}
         self.reads = 0
 
     def __len__(self) -> int:
         return self.adapter.n_layers
 
-    def __getitem__(self, i: int) -> Tensors:
+    def __getitem__(self, i: int) -> FoldedLayer:
         if not 0 <= i < len(self):
             raise IndexError(i)
         if i not in self._cache:
             self.reads += 1
             while len(self._cache) >= self.keep:       # before reading: at most ``keep`` layers at any time
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[i] = actions.fold_layer_norms(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
+            raw = self.adapter.read_layer(i, self.source.get(self.per_layer[i]), dtype=None,
+                                          norm_dtype=torch.float64)
+            self._cache[i] = FoldedLayer(raw)
         return self._cache[i]
 
     def __iter__(self):
@@ -153,7 +188,7 @@ def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: b
     if tied:
         g.pop("lm_head.weight", None)
     gamma = g["final_norm.weight"].clone()
-    return list(layers), actions.fold_final_norm(g), gamma
+    return [dict(layer) for layer in layers], actions.fold_final_norm(g), gamma
 
 
 def module_tensors(structure: st.Structure, factors: st.Factors) -> Tensors:

@@ -15,7 +15,6 @@ onto the kept directions)."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -220,19 +219,19 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
                 raise AssertionError(f"segment solve replaced {m.name} out of order (layer {layer})")
 
     def module(step, canon: Tensors) -> torch.nn.Module:
-        """The layer's module (a copy) with the canonical tensors ``canon`` (norm-folded)."""
-        from accelerate.utils import set_module_tensor_to_device
-
-        out = copy.deepcopy(step.module)
+        """The layer's module with the canonical tensors ``canon`` (norm-folded), built from the
+        family's meta skeleton (the original layer's weights are not copied)."""
         prefix = adapter.layer_prefix(step.index)
         like = {prefix + n: engine.dtype for n, _ in step.module.named_parameters()}
-        for key, t in adapter.write_layer(step.index, canon, like).items():
-            set_module_tensor_to_device(out, key[len(prefix):], engine.device, value=t, dtype=engine.dtype)
-        return out.eval()
+        return engine.layer_module(step.index, adapter.write_layer(step.index, canon, like))
 
     for step in run.layers(first, only={0}):
         i = step.index
-        canon = dict(folded[i]) if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
+        # in the engine's dtype (the layer modules are built in it: the same values), one matrix folded
+        # in float64 at a time
+        layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
+        canon = {k: layer[k].to(engine.dtype) for k in layer}
+        del layer
         if i == 0:
             n = step.stats.tokens
             stats.normed[0] = step.stats.grams["normed:layer_in"] / n

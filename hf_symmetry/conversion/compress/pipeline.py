@@ -101,9 +101,11 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         plan.accounting["allocation_report"] = allocation
         times["allocation"] = time.perf_counter() - t
     t1 = time.perf_counter()
-    # the solvers walk the segments in order (two layers at a time); SliceGPT's PCA reads no weights
+    # the solvers walk the segments in order (two layers at a time; sequential calibration holds its
+    # own copy of the layer it runs, so one is kept and a segment reaching into the next layer re-reads
+    # the previous one for its assembly); SliceGPT's PCA reads no weights
     layers, globals_, gamma = read_folded(source, adapter, source.keys(), plan.tied, lazy=True,
-                                          keep=1 if options.slicing else 2)
+                                          keep=1 if options.slicing or options.sequential else 2)
     assembler = Assembler(plan, layers, globals_, gamma, dtype, sink)
     new_config = compressed_config(config, plan, options, hf_config)
     calib = None

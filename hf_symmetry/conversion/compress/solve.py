@@ -23,8 +23,11 @@ Tensors = dict[str, torch.Tensor]
 
 
 def _damped(G: torch.Tensor, damping: float) -> torch.Tensor:
-    """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening)."""
-    return G + damping * G.diagonal().mean().clamp_min(1e-12) * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+    """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening); one
+    copy of G, the diagonal added in place."""
+    out = G.clone()
+    out.diagonal().add_(damping * G.diagonal().mean().clamp_min(1e-12))
+    return out
 
 
 def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch.Tensor:
@@ -36,33 +39,41 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
     return W if m.role == "reader" else W.T
 
 
-def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float) -> torch.Tensor:
+def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
+             damped: torch.Tensor | None = None, consume: bool = False) -> torch.Tensor:
     """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
     model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
     side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
     ridge-regularised towards M itself, so that X̂ = X gives M back exactly:
-    ``(X̂ᵀX̂ + δI)⁻¹ ((X̂ᵀX + δI) M + X̂ᵀD)`` — then approximated in the metric X̂ᵀX̂ like any stage W term."""
+    ``(X̂ᵀX̂ + δI)⁻¹ ((X̂ᵀX + δI) M + X̂ᵀD)`` — then approximated in the metric X̂ᵀX̂ like any stage W term.
+    ``damped``: ``X̂ᵀX̂ + δI`` when the caller already made it (a writer's row metric, shared);
+    ``consume``: drop the statistics used here from ``stats`` as soon as they are used (the caller owns
+    them and needs them no more), so that the FFN's ``[4d, 4d]`` moments are not held through the solve."""
     if m.role == "reader":
-        G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], 0
+        lists, index = (), m.segment
+        G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], None
     else:
         key = "attn_out" if m.canon == "o" else "mlp_hidden"
+        lists, index = (key, key + "_cross", key + "_drift"), m.layer
         G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
-        drift = getattr(stats, key + "_drift")[m.layer].to(M.device)
-    G, Cx = G.to(M.device), Cx.to(M.device)
-    diag = G.diagonal()
-    ridge = (diag + damping * diag.mean().clamp_min(1e-12)) - diag    # _damped(G) − G: diagonal, exactly
+        drift = getattr(stats, key + "_drift")[m.layer]
+    if consume and m.role != "reader":     # a segment's readers share its normalised-stream moments
+        for name in lists:
+            getattr(stats, name)[index] = None
+    G = G.to(M.device)
+    Gd = damped if damped is not None else _damped(G, damping)
+    ridge = Gd.diagonal() - G.diagonal()           # Gd − G: diagonal
+    del G
     target = M.T if m.role == "reader" else M
-    # G + ridge and Cx + ridge with the ridge added to their diagonals (the same values, fewer [k, k] copies)
-    rhs = _plus_diagonal(Cx, ridge) @ target
-    rhs += drift
-    out = torch.linalg.solve(_plus_diagonal(G, ridge), rhs)
+    # (X̂ᵀX + ridge) M without a [k, k] copy of X̂ᵀX
+    rhs = Cx.to(M.device) @ target
+    del Cx
+    rhs.addcmul_(ridge[:, None], target)
+    if drift is not None:
+        rhs += drift.to(M.device)
+        del drift
+    out = torch.linalg.solve(Gd, rhs)
     return out.T if m.role == "reader" else out
-
-
-def _plus_diagonal(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    out = A.clone()
-    out.diagonal().add_(v)
-    return out
 
 
 class _TallTerm:
@@ -127,11 +138,12 @@ class _TallTerm:
 
 def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
            options: CompressOptions, only: int | None = None, device=None,
-           row_dtype=None) -> list[tuple[list[Term], list[Term]]]:
+           row_dtype=None, consume: bool = False) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
     ``only`` filled when given: sequential calibration has the statistics of one segment at a time).
     The low-rank embedding enters as its reduced term (:class:`_TallTerm`, read a block of rows at a
-    time; its row factor is lifted into ``row_dtype``, default float64)."""
+    time; its row factor is lifted into ``row_dtype``, default float64). ``consume``: the writers'
+    statistics are dropped from ``stats`` once their terms are built (see :func:`_matched`)."""
     n_seg = 2 * plan.n_layers + 1
     segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
@@ -146,8 +158,14 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
             segments[m.segment][0].append(term)
             continue
         M = _matrix_of(m, layers, globals_).to(device)
+        row_metric = None         # a writer's damped input moments: its row weight, and _matched's system
+        if weighted and m.canon in ("o", "down"):
+            key = "attn_out" if m.canon == "o" else "mlp_hidden"
+            row_metric = _damped(getattr(stats, key)[m.layer].to(device), options.damping)
         if weighted and stats.normed_cross is not None and m.canon != "embed":
-            M = _matched(m, M, stats, options.damping)
+            M = _matched(m, M, stats, options.damping, damped=row_metric, consume=consume)
+        elif consume and row_metric is not None:
+            getattr(stats, key)[m.layer] = None
         term = Term(m.name, M, m.structure)
         if m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None:
             if m.canon == "embed" or stage == "f":
@@ -157,10 +175,8 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
                 if m.segment not in reader_cov:
                     reader_cov[m.segment] = _damped(stats.normed[m.segment].to(device), options.damping)
                 term.col_gram = reader_cov[m.segment]
-            elif m.canon == "o":
-                term.row_gram = st.Gram(matrix=_damped(stats.attn_out[m.layer].to(device), options.damping))
-            elif m.canon == "down":
-                term.row_gram = st.Gram(matrix=_damped(stats.mlp_hidden[m.layer].to(device), options.damping))
+            elif row_metric is not None:
+                term.row_gram = st.Gram(matrix=row_metric)
         terms, readers = segments[m.segment]
         terms.append(term)
         if m.role == "reader":
@@ -245,7 +261,8 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
     bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not progress)
 
     def segment(k: int, seq: CalibrationStats):
-        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype)[k]
+        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype,
+                          consume=not keep_stats)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
                             **_stopping(options))
         Qs[k] = res.Q.cpu()
