@@ -13,7 +13,7 @@ import yaml
 
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import merge as merge_module
-from hf_symmetry.conversion import merge_stream
+from hf_symmetry.conversion import merge_methods, merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
 from hf_symmetry.conversion.merge import merge_state_dicts
 from hf_symmetry.conversion.merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
@@ -473,10 +473,10 @@ def test_regmean_group_and_row_block_solver_equal_the_textbook_formula():
 
 @pytest.mark.parametrize("match", [None, {}])
 def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, monkeypatch, match):
-    """Through folders, RegMean reads each layer a group at a time, lets the first input's Grams wait
-    in files while the second input's layer runs, and merges the embeddings and the LM head a block
-    of rows at a time (forced small here): the same tensors as the in-memory merge, which holds every
-    Gram and reads each tensor whole."""
+    """Through folders, RegMean reads each layer a group at a time, lets every input's Grams wait
+    in files once its layer has run (the solver reads them back a block of rows at a time), and
+    merges the embeddings and the LM head a block of rows at a time (blocks forced small here): the
+    same tensors as the in-memory merge, which holds every Gram and reads each tensor whole."""
     from safetensors.torch import load_file
 
     from hf_symmetry.assets import resolve_text
@@ -498,6 +498,11 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
 
     monkeypatch.setattr(merge_stream.LayerGramSet, "__init__", spy)
     monkeypatch.setattr(merge_stream, "BLOCK_ELEMENTS", 10 * models[0].config.hidden_size)   # 10 rows a block
+    monkeypatch.setattr(merge_methods, "GRAM_BLOCK_ELEMENTS", 500)   # a Gram read 6-10 rows at a time
+    reads = []
+    real_rows = merge_stream.StoredGram.rows
+    monkeypatch.setattr(merge_stream.StoredGram, "rows",
+                        lambda self, start, stop: reads.append((stop - start, self.shape[0])) or real_rows(self, start, stop))
     raw = {"merge_method": "regmean", "models": [str(p) for p in paths], "evaluation": False,
            "calibration": {"tokens": 600}, **({"match": match} if match is not None else {})}
     report = merge_module.merge_checkpoints(recipe_from_dict(raw), tmp_path / "out", progress=False)
@@ -505,8 +510,12 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
     for f in (tmp_path / "out").glob("*.safetensors"):
         got.update(load_file(f))
     assert not (tmp_path / "out" / ".merge-work").exists()
-    # input 0's Grams waited in files while input 1's layer ran (with matching, both inputs' while the layer is matched)
-    assert spilled.count(True) == models[0].config.num_hidden_layers * (1 if match is None else 2)
+    # every input's Grams waited in files while the next input's layer ran and the layer was merged
+    assert spilled.count(True) == models[0].config.num_hidden_layers * 2
+    if match is None:   # the solver read them back a block of rows at a time, never whole
+        assert reads and max(rows for rows, _ in reads) <= 10 and all(rows < n for rows, n in reads)
+    else:               # matched: each Gram is carried into the anchor's frame whole
+        assert not reads
 
     ids = tokenize_text(load_tokenizer(paths[0]), read_text(resolve_text("britannica-calib")), 600)
     want = merge_state_dicts([_sd(m) for m in models], models[0].config, recipe_from_dict(raw), calibration_ids=ids)

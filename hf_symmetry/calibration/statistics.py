@@ -43,6 +43,7 @@ products are float64 too, so statistics of a float64 model are exact to rounding
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -138,8 +139,14 @@ class Accumulator:
     def __init__(self, request: StatsRequest, stats: LayerStats, eps: float, device: torch.device | None = None):
         self.request, self.stats, self.eps = request, stats, eps
         self.device = device
+        r = request   # how often each site's float64 copy is read per batch (converted / original stream)
+        self._uses = Counter([*r.grams, *r.sums, *(site for pair in r.joint for site in pair), *(a for a, _ in r.cross)])
+        self._original_uses = Counter(b for _, b in r.cross)
 
-    def _view(self, acts: Tensors, site: str, cache: Tensors) -> torch.Tensor:
+    def _view(self, acts: Tensors, site: str, cache: Tensors, left: Counter) -> torch.Tensor:
+        """``site``'s activations as float64 ``[tokens, width]`` on ``device``, made once per batch and
+        dropped from ``cache`` at their last use (``left``: the uses still to come), so one site's
+        copy is alive at a time where each statistic reads one site (4096 wide: 16 MB per 512 tokens)."""
         if site not in cache:
             x = acts[base_site(site)]
             x = x.reshape(-1, x.shape[-1])
@@ -147,7 +154,8 @@ class Accumulator:
                 x = rms_normalised(x, self.eps)
             x = x.to(torch.float64)
             cache[site] = x if self.device is None else x.to(self.device)
-        return cache[site]
+        left[site] -= 1
+        return cache.pop(site) if left[site] <= 0 else cache[site]
 
     def add(self, acts: Tensors, original: Tensors | None = None) -> None:
         """``acts``: site -> activations ``[..., width]`` of this batch; ``original``: the same sites
@@ -155,29 +163,33 @@ class Accumulator:
         r, s = self.request, self.stats
         cache: Tensors = {}
         ocache: Tensors = {}
+        left, oleft = Counter(self._uses), Counter(self._original_uses)
         tokens = None
+        if r.cross and original is None:
+            raise ValueError("cross moments need the original stream: run the engine with carry_original=True")
         for site in r.grams:
-            x = self._view(acts, site, cache)
+            x = self._view(acts, site, cache, left)
             tokens = x.shape[0]
             if site in s.grams:   # in place: no Gram-sized temporary per batch (4096² float64 is 134 MB)
                 s.grams[site].addmm_(x.T, x)
             else:
                 s.grams[site] = x.T @ x
+            del x   # before the next site's copy is made
         for site in r.sums:
-            x = self._view(acts, site, cache)
+            x = self._view(acts, site, cache, left)
             tokens = x.shape[0]
             _add(s.sums, site, x.sum(0))
+            del x
         for a, b in r.joint:
-            xa, xb = self._view(acts, a, cache), self._view(acts, b, cache)
+            xa, xb = self._view(acts, a, cache, left), self._view(acts, b, cache, left)
             tokens = xa.shape[0]
             _add(s.joint, (a, b), xa.T @ xb)
-        if r.cross:
-            if original is None:
-                raise ValueError("cross moments need the original stream: run the engine with carry_original=True")
-            for a, b in r.cross:
-                xa, xb = self._view(acts, a, cache), self._view(original, b, ocache)
-                tokens = xa.shape[0]
-                _add(s.cross, (a, b), xa.T @ xb)
+            del xa, xb
+        for a, b in r.cross:
+            xa, xb = self._view(acts, a, cache, left), self._view(original, b, ocache, oleft)
+            tokens = xa.shape[0]
+            _add(s.cross, (a, b), xa.T @ xb)
+            del xa, xb
         if tokens is None:
             first = next(iter(acts.values()), None)
             tokens = 0 if first is None else first.reshape(-1, first.shape[-1]).shape[0]

@@ -9,6 +9,8 @@ weighted sum, disjoint weighted mean, ``lambda``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 Tensor = torch.Tensor
@@ -80,10 +82,11 @@ def fisher_average(tensors: list[Tensor], fishers: list[Tensor], weights: list[f
     return (w * F * x).sum(0) / (w * F).sum(0)
 
 
-def _regularised_(G: Tensor, alpha: float, scale: float) -> Tensor:
+def _regularised_(G: Tensor, alpha: float, scale: float, offset: int = 0) -> Tensor:
     """``scale · (α G + (1 − α) diag(G))`` in place (float64; the operations of the textbook form,
-    signed zeros included, so results are bitwise those of computing it out of place)."""
-    diag = torch.diagonal(G)
+    signed zeros included, so results are bitwise those of computing it out of place). ``G`` may be
+    the rows ``offset:`` of the Gram (its diagonal then starts at column ``offset``)."""
+    diag = torch.diagonal(G, offset=offset)
     d = alpha * diag + (1 - alpha) * diag
     G.mul_(alpha).add_(0.0)
     diag.copy_(d)
@@ -92,8 +95,14 @@ def _regularised_(G: Tensor, alpha: float, scale: float) -> Tensor:
 
 def _factor(lhs: Tensor) -> tuple[Tensor, Tensor]:
     """LU factors of the summed Gram (``torch.linalg.solve`` factors the same way, so solving with
-    them is bitwise ``solve``)."""
-    LU, pivots, info = torch.linalg.lu_factor_ex(lhs)
+    them is bitwise ``solve``). A column-major ``lhs`` (LAPACK's layout) is factored in place: no
+    second ``in × in`` matrix."""
+    if lhs.dim() == 2 and lhs.mT.is_contiguous():
+        pivots = torch.empty(lhs.shape[-1], dtype=torch.int32, device=lhs.device)
+        info = torch.empty((), dtype=torch.int32, device=lhs.device)
+        LU, pivots, info = torch.linalg.lu_factor_ex(lhs, out=(lhs, pivots, info))
+    else:
+        LU, pivots, info = torch.linalg.lu_factor_ex(lhs)
     if info.item() > 0:
         raise ValueError("RegMean: the summed Gram matrix is singular (some input channel never saw signal); "
                          "use alpha < 1 or more calibration tokens")
@@ -112,6 +121,28 @@ def _draining(items: list):
         yield item
 
 
+GRAM_BLOCK_ELEMENTS = 1 << 20   # rows of a Gram used (or read from its file) at a time: 8 MB of float64
+
+
+def _views(G: Tensor):
+    """The rows of an in-memory Gram, a block at a time (views)."""
+    n = G.shape[0]
+    step = max(1, GRAM_BLOCK_ELEMENTS // n)
+    for start in range(0, n, step):
+        yield start, min(n, start + step), G[start:start + step]
+
+
+def _stored_blocks(G, alpha: float, scale: float, device):
+    """The regularised rows of a stored Gram (``G.rows(start, stop)``), a block at a time."""
+    n = G.shape[0]
+    step = max(1, GRAM_BLOCK_ELEMENTS // n)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        block = G.rows(start, stop).to(device=device, dtype=torch.float64)
+        yield start, stop, _regularised_(block, alpha, scale, offset=start)
+        del block
+
+
 def regmean_group(models, model_weights: list[float], alpha: float = 0.9, device=None) -> list[Tensor]:
     """RegMean (Jin et al.) of the linear layers ``[out, in]`` that read one input (q, k and v; gate
     and up; or one layer): for each, the W minimising ``Σ_i w_i ‖X_i Wᵀ − X_i W_iᵀ‖²``, i.e.
@@ -123,23 +154,45 @@ def regmean_group(models, model_weights: list[float], alpha: float = 0.9, device
     summed Gram in place (it is consumed) and each weight is dropped once used, so memory holds the
     running sums and one model's Gram and one weight, not every model's; the summed Gram is factored
     once for all the layers. Computed on ``device`` (results
-    there), in float64."""
+    there), in float64.
+
+    A ``G_i`` that is not a tensor is a stored Gram (e.g. a file): it has ``shape`` and
+    ``rows(start, stop)``, and is read a block of rows at a time (once for the summed Gram, once
+    per weight), so memory never holds it whole; the summed Gram is then built column-major and
+    factored in place."""
     _check_alpha(alpha)
     lhs, rhs = None, None
     for (G, Ws), mw in zip(models, model_weights):
-        G = _regularised_(G.to(device=device, dtype=torch.float64), alpha, mw)
         first = rhs is None
         rhs = [] if first else rhs
-        for k, W in enumerate(_draining(Ws) if isinstance(Ws, list) else Ws):
-            term = G @ W.to(device=device, dtype=torch.float64).T
-            del W
-            if first:
-                rhs.append(term.add_(0.0))
+        n = G.shape[0]
+        if isinstance(G, Tensor):
+            G = _regularised_(G.to(device=device, dtype=torch.float64), alpha, mw)
+            blocks = functools.partial(_views, G)
+        else:   # stored: read a block of rows at a time, for the summed Gram now and for each weight
+            blocks = functools.partial(_stored_blocks, G, alpha, mw, device)
+            if lhs is None:
+                lhs = torch.empty((n, n), dtype=torch.float64, device=device).T   # column-major
+                for start, stop, block in blocks():
+                    lhs[start:stop] = block.add_(0.0)
             else:
-                rhs[k].add_(term)
-            del term
-        lhs = G.add_(0.0) if lhs is None else lhs.add_(G)
-        del G
+                for start, stop, block in blocks():
+                    lhs[start:stop].add_(block)
+        for k, W in enumerate(_draining(Ws) if isinstance(Ws, list) else Ws):
+            W = W.to(device=device, dtype=torch.float64)
+            # G̃ Wᵀ a block of rows at a time: the temporaries are blocks, not a second right-hand side
+            r = torch.empty((n, W.shape[0]), dtype=torch.float64, device=device) if first else rhs[k]
+            for start, stop, block in blocks():
+                if first:
+                    r[start:stop] = block @ W.T
+                else:
+                    r[start:stop].add_(block @ W.T)
+            if first:
+                rhs.append(r.add_(0.0))
+            del W, r
+        if isinstance(G, Tensor):
+            lhs = G.add_(0.0) if lhs is None else lhs.add_(G)
+        del G, blocks
     LU, pivots = _factor(lhs)
     del lhs
     out = []

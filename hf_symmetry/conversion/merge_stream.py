@@ -10,9 +10,10 @@ Host memory (docs/calibration.md, "What each conversion keeps"):
   taking the inputs one at a time and consuming each input's Gram. With matching, the whole layer
   is read (the match is solved on it) and its tensors are handed out group by group.
 * **RegMean's Grams** (:class:`LayerGrams`): one calibration run per input, advanced one decoder
-  layer at a time. While the next input's layer runs, the Grams of the inputs before it wait in
-  files in the hidden output folder (:class:`LayerGramSet`), so host memory holds one input's Grams
-  and one calibration layer, not every input's.
+  layer at a time. Once an input's layer has run, its Grams wait in files in the hidden output
+  folder (:class:`LayerGramSet`) until the merge takes them, so host memory holds the Grams of one
+  input's calibration layer while it runs, and one Gram while a group is merged, not every input's
+  (the down projection's Gram alone is ``intermediate²`` float64, 134 MB at width 4096).
 * **Globals**: for rules that merge each row of the embeddings and the LM head on its own
   (average, task arithmetic, RegMean; without residual matching), a block of rows of every input
   at a time; TIES trims whole tensors and residual matching rotates the globals as a whole, so those
@@ -28,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..architectures import Adapter
-from ..calibration.memory import release_free_memory
+from ..calibration.memory import release_free_memory, return_large_blocks_at_once
 from .layer_parts import read_part, stand_ins
 from .match import with_lm_head
 from .merge_methods import regmean_group
@@ -50,15 +51,30 @@ BLOCK_ELEMENTS = 1 << 20                             # rows per block of the glo
 # --------------------------------------------------------------------------- RegMean statistics
 
 
+class StoredGram:
+    """A Gram matrix waiting in a raw float64 file, read a block of rows at a time by
+    :func:`~.merge_methods.regmean_group` (so host memory never holds it whole)."""
+
+    def __init__(self, path: Path, shape: tuple):
+        self.path, self.shape = Path(path), tuple(shape)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        width = self.shape[1]
+        data = np.fromfile(self.path, dtype=np.float64, count=(stop - start) * width, offset=start * width * 8)
+        return torch.from_numpy(data).reshape(stop - start, width)
+
+
 class LayerGramSet:
     """One input's Gram matrices of one layer (keys ``layers.{i}.{site}``), each handed out once by
     :meth:`take`, carried into the anchor's frame by the input's match solution as it is taken.
-    With ``folder`` they wait in raw float64 files there (not in host memory) until taken."""
+    With ``folder`` they wait in raw float64 files there (not in host memory) until taken; taken
+    without a match, a file is handed out as a :class:`StoredGram` (removed by :meth:`close`)."""
 
     def __init__(self, grams: Tensors, folder: Path | None, tag: str, matcher=None, adapter: Adapter | None = None):
         self.matcher, self.adapter = matcher, adapter
         self._memory: Tensors = {}
         self._files: dict[str, tuple[Path, tuple, torch.device]] = {}
+        self._handed: list[Path] = []   # files handed out as StoredGram, removed by close()
         for key in list(grams):
             G = grams.pop(key)
             if folder is None:
@@ -75,6 +91,10 @@ class LayerGramSet:
     def take(self, key: str) -> torch.Tensor:
         if key in self._memory:
             G = self._memory.pop(key)
+        elif self.matcher is None:   # read by the solver a block at a time (from the CPU)
+            path, shape, _ = self._files.pop(key)
+            self._handed.append(path)
+            return StoredGram(path, shape)
         else:
             path, shape, device = self._files.pop(key)
             G = torch.from_numpy(np.fromfile(path, dtype=np.float64)).reshape(shape).to(device)
@@ -86,9 +106,10 @@ class LayerGramSet:
 
     def close(self) -> None:
         self._memory.clear()
-        for path, _, _ in self._files.values():
+        for path in [*(p for p, _, _ in self._files.values()), *self._handed]:
             path.unlink(missing_ok=True)
         self._files.clear()
+        self._handed.clear()
 
 
 class LayerGrams:
@@ -98,11 +119,12 @@ class LayerGrams:
     matrices ``Σ xᵀx`` of every linear input (``layers.{i}.{attn_in,o_in,ffn_in,down_in}``) as a
     :class:`LayerGramSet`, carried into the anchor's frame by its match solution; :meth:`final` the
     LM head's (``head_in``) after the last layer. Memory: each input's calibration activations, one
-    calibration layer at a time, and one input's Grams (the others' wait in files in ``spill``, a
-    folder, when given); whatever the depth.
+    calibration layer at a time, and the Grams of the input whose layer runs (once measured, every
+    input's wait in files in ``spill``, a folder, when given); whatever the depth.
 
     ``placement``: device and calibration dtype of the runs (default: CPU, float64 for float64
-    weights, else float32); the Grams accumulate in float64 on its linear-algebra device."""
+    weights, else float32); the Grams accumulate in float64 on its linear-algebra device.
+    ``batches`` run one sequence at a time (the recipe's ``batch_size`` groups Fisher's passes)."""
 
     def __init__(self, sources: list[TensorSource], configs: list[dict], batches: list[torch.Tensor],
                  placement=None, progress: bool = True, spill: Path | None = None):
@@ -110,6 +132,11 @@ class LayerGrams:
         from ..devices import linalg_device, resolve
         from .calibration import statistics_dtype
 
+        return_large_blocks_at_once()   # freed per-batch temporaries leave at once (calibration.memory)
+        # one sequence per forward: the Grams are sums over tokens (the same for any grouping, to
+        # rounding), and a layer's per-forward temporaries (its activations, the statistics' float64
+        # copies) are then one sequence's, not a batch's (measured: ~60 MB less peak at width 1536)
+        batches = [seq[None] for batch in batches for seq in batch]
         self.device = linalg_device(placement)
         self.spill = None if spill is None else Path(spill)
         if self.spill is not None:
@@ -124,11 +151,10 @@ class LayerGrams:
             self.runs.append(run)
             self.steps.append(run.layers(StatsRequest(grams=GRAM_SITES)))
 
-    def layer(self, i: int, matchers: list | None = None, spill_all: bool = False) -> list[LayerGramSet]:
-        """Layer ``i``'s Grams of every input; with ``spill`` the inputs' but the last (all of them
-        with ``spill_all``) wait in files."""
+    def layer(self, i: int, matchers: list | None = None) -> list[LayerGramSet]:
+        """Layer ``i``'s Grams of every input; with ``spill`` they wait in files (the last input's
+        too: kept in memory, its down projection's Gram would sit beside every Gram merged before it)."""
         out = []
-        last = len(self.steps) - (0 if spill_all else 1)
         for j, steps in enumerate(self.steps):
             step = next(steps)
             if step.index != i:
@@ -136,7 +162,7 @@ class LayerGrams:
             grams = {f"layers.{i}.{site}": step.stats.grams.pop(site) for site in GRAM_SITES}
             step.release()   # the calibration layer is done with: free it before the next input's runs
             del step
-            out.append(LayerGramSet(grams, self.spill if j < last else None, f"input{j}",
+            out.append(LayerGramSet(grams, self.spill, f"input{j}",
                                     matchers[j] if matchers else None, self.runs[j].engine.adapter))
             release_free_memory()   # the run's freed temporaries (see hf_symmetry.calibration.memory)
         return out
@@ -255,8 +281,8 @@ def merge_layer(i: int, sources: list[TensorSource], adapter: Adapter, rule, sin
     modeled = adapter.modeled_layer_keys(i)
     rest_keys = [k for k in parts[anchor][1][i] if k not in modeled]
     # the statistics first, so the calibration layers are gone before the merge reads this layer
-    # (with matching every input's Grams wait in files while the whole layers are matched)
-    grams = layer_grams.layer(i, matchers, spill_all=bool(matchers)) if layer_grams is not None else None
+    # (they wait in files while the layer is read, matched and merged)
+    grams = layer_grams.layer(i, matchers) if layer_grams is not None else None
     if matchers:   # the match is solved on whole layers (read one input at a time)
         canonical, dtypes = [], {}
         for j, (s, p) in enumerate(zip(sources, parts)):
