@@ -16,16 +16,22 @@ import functools
 import sys
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
+@functools.lru_cache(maxsize=None)
+def _glibc(name: str):
+    """glibc's function ``name``, or ``None`` outside Linux/glibc."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):   # not glibc
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
 
 
@@ -45,12 +51,8 @@ def return_large_blocks_at_once(threshold: int = 1 << 20) -> bool:
     (a few MB each) resident on top of the live tensors: measured ~60-100 MB of RegMean's peak on
     a width-1536 model. Process-wide and set once; returns whether it took effect (no-op outside
     glibc)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):   # not glibc
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     M_MMAP_THRESHOLD = -3
