@@ -246,7 +246,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, monke
     """What keeps low rank flat in depth changes no tensor: the embedding solved on its Gram accumulated a
     block of rows at a time and lifted block by block (``_TallTerm``), the matched targets with the ridge on
     the diagonals, and each part written as soon as its segments are solved (``Assembler.segment_done``)
-    give the tensors (float64, to 1e-10) of the whole-matrix computation: the embedding reduced and lifted
+    give the tensors (float64, to 1e-10) of the whole-matrix computation, with at most three rotations held: the embedding reduced and lifted
     inside ``solve_segment``, a dense ridge, everything assembled at the end. Negative control: a 1 %
     change of the damping is seen at this tolerance."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
@@ -256,9 +256,14 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, monke
     options = C.CompressOptions(structure="lowrank", ratio=0.25, stage="w", sequential=sequential,
                                 calib_seq_len=40, tolerance=1.0)
     assert solve_mod._TallTerm.applies(C.plan_for(_source(model), config, options)[0].by_name()["embed"])
-    streamed = []
-    monkeypatch.setattr(C.Assembler, "segment_done",
-                        lambda self, k, Qs, f, _orig=C.Assembler.segment_done: streamed.append(k) or _orig(self, k, Qs, f))
+    streamed, live = [], []
+
+    def segment_done(self, k, Qs, f, _orig=C.Assembler.segment_done):
+        streamed.append(k)
+        _orig(self, k, Qs, f)
+        live.append(sum(Q is not None for Q in Qs))     # rotations still held once segment k is written
+
+    monkeypatch.setattr(C.Assembler, "segment_done", segment_done)
 
     def run(**changes):
         state, _, report = C.compress_tensors(_source(model), config, options.with_(**changes), calib_ids=calib,
@@ -268,6 +273,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, monke
 
     new, report = run()
     assert streamed == list(range(2 * config["num_hidden_layers"] + 1))
+    assert max(live) <= 3, live    # flat in depth: those of written layers released (segment 0 kept: tied head)
     with monkeypatch.context() as mp:
         mp.setattr(solve_mod._TallTerm, "applies", staticmethod(lambda m: False))
         mp.setattr(solve_mod, "_matched", _whole_matched)

@@ -289,15 +289,21 @@ class Assembler:
             self.put(family.HEAD_MIX_MODULE, {"weight": M.T})
         self.done.add("head")
 
-    def segment_done(self, k: int, Qs, factors: dict) -> None:
+    def segment_done(self, k: int, Qs: list, factors: dict) -> None:
         """Segment ``k``'s rotation and factors are final (``Qs[j]`` and the factors of every segment
-        ``j ≤ k`` are): write what they complete, and drop its factors from ``factors``."""
+        ``j ≤ k`` are): write what they complete, and drop its factors from ``factors`` and the
+        rotations no later part reads from ``Qs`` (set to ``None``: a ``[d, d]`` float64 rotation per
+        segment would otherwise grow with depth, 19 MB each at d = 1536)."""
         if k == 0:
             self.embed(Qs, factors, consume=True)
         if k >= 2 and k % 2 == 0:
-            self.layer(k // 2 - 1, Qs, factors, consume=True)
+            i = k // 2 - 1
+            self.layer(i, Qs, factors, consume=True)
             if isinstance(self.layers, FoldedLayers):
-                self.layers.drop(k // 2 - 1)
+                self.layers.drop(i)
+            for j in (2 * i, 2 * i + 1):      # read by layer i only (and segment 0 by a tied, mixed head)
+                if not (j == 0 and self.plan.lm_head == "tied_mixed"):
+                    Qs[j] = None
         if k == self.plan.n_segments - 1:
             self.head(Qs, factors, consume=True)
 

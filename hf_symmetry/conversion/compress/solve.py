@@ -189,7 +189,8 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
 
 @dataclass
 class SolveResult:
-    Qs: list[torch.Tensor]                       # one per segment (the same tensor in global mode)
+    Qs: list[torch.Tensor | None]                # one per segment (the same tensor in global mode); None
+    #                                              where an ``on_segment`` consumer released it once used
     factors: dict[str, st.Factors]               # per compressed matrix, M orientation
     traces: dict[str, list[float]]               # objective traces per solved problem
     relative_errors: dict[str, float]
