@@ -246,8 +246,9 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, monke
     """What keeps low rank flat in depth changes no tensor: the embedding solved on its Gram accumulated a
     block of rows at a time and lifted block by block (``_TallTerm``), the matched targets with the ridge on
     the diagonals, and each part written as soon as its segments are solved (``Assembler.segment_done``)
-    give the tensors (float64, to 1e-10) of the whole-matrix computation, with at most three rotations held: the embedding reduced and lifted
-    inside ``solve_segment``, a dense ridge, everything assembled at the end. Negative control: a 1 %
+    give the tensors (float64, to 1e-10) of the whole-matrix computation, with at most three rotations
+    held: the embedding reduced and lifted inside ``solve_segment``, a dense ridge, everything assembled
+    at the end. Negative control: a 1 %
     change of the damping is seen at this tolerance."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     model = tiny_model("llama")
