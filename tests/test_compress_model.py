@@ -225,9 +225,10 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
     assert err <= 1e-9, err
 
 
-def _whole_matched(m, M, stats, damping, damped=None, consume=False):
+def _whole_matched(m, M, stats, damping, consume=False):
     """``_matched`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
-    from the statistics alone (the shared damped moments and the consuming are ignored)."""
+    from the statistics alone (nothing consumed, nothing damped in place): the target and a writer's
+    damped moments."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     if m.role == "reader":
         G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], 0
@@ -238,25 +239,37 @@ def _whole_matched(m, M, stats, damping, damped=None, consume=False):
     ridge = solve_mod._damped(G, damping) - G
     target = M.T if m.role == "reader" else M
     out = torch.linalg.solve(G + ridge, (Cx + ridge) @ target + drift)
-    return out.T if m.role == "reader" else out
+    return (out.T, None) if m.role == "reader" else (out, G + ridge)
 
 
+@pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("sequential", [False, True])
-def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, monkeypatch, exact_rmsnorm):
-    """What keeps low rank flat in depth changes no tensor: the embedding solved on its Gram accumulated a
-    block of rows at a time and lifted block by block (``_TallTerm``), the matched targets with the ridge on
-    the diagonals, and each part written as soon as its segments are solved (``Assembler.segment_done``)
-    give the tensors (float64, to 1e-10) of the whole-matrix computation, with at most three rotations
-    held: the embedding reduced and lifted inside ``solve_segment``, a dense ridge, everything assembled
-    at the end. Negative control: a 1 %
-    change of the damping is seen at this tolerance."""
+def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied, monkeypatch, exact_rmsnorm):
+    """What keeps low rank flat in depth changes no tensor: the embedding and an untied head solved on
+    their Grams accumulated a block of rows at a time and lifted block by block (``_TallTerm``; the
+    head's matched target ``M Aᵀ`` applied per block, never read whole), the matched targets with the
+    ridge on the diagonals and the writers' moments damped in place, and each part written as soon as its
+    segments are solved (``Assembler.segment_done``) give the tensors (float64, to 1e-10) of the
+    whole-matrix computation, with at most three rotations held: the vocabulary-sized matrices reduced
+    and lifted inside ``solve_segment``, a dense ridge, everything assembled at the end. Negative
+    control: a 1 % change of the damping is seen at this tolerance."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
-    model = tiny_model("llama")
+    assemble_mod = importlib.import_module("hf_symmetry.conversion.compress.assemble")
+    model = tiny_model("llama", tie_word_embeddings=tied)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
     options = C.CompressOptions(structure="lowrank", ratio=0.25, stage="w", sequential=sequential,
                                 calib_seq_len=40, tolerance=1.0)
-    assert solve_mod._TallTerm.applies(C.plan_for(_source(model), config, options)[0].by_name()["embed"])
+    ms = C.plan_for(_source(model), config, options)[0].by_name()
+    assert solve_mod._TallTerm.applies(ms["embed"])
+    assert tied or solve_mod._TallTerm.applies(ms["lm_head"])
+    whole_read = assemble_mod.FoldedGlobals.__getitem__
+
+    def no_whole_head(self, key):
+        assert key != "lm_head.weight", "the head was read whole"
+        return whole_read(self, key)
+
+    monkeypatch.setattr(assemble_mod.FoldedGlobals, "__getitem__", no_whole_head)
     streamed, live = [], []
 
     def segment_done(self, k, Qs, f, _orig=C.Assembler.segment_done):
@@ -276,6 +289,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, monke
     assert streamed == list(range(2 * config["num_hidden_layers"] + 1))
     assert max(live) <= 3, live    # flat in depth: those of written layers released (segment 0 kept: tied head)
     with monkeypatch.context() as mp:
+        mp.setattr(assemble_mod.FoldedGlobals, "__getitem__", whole_read)
         mp.setattr(solve_mod._TallTerm, "applies", staticmethod(lambda m: False))
         mp.setattr(solve_mod, "_matched", _whole_matched)
         mp.setattr(C.Assembler, "segment_done", lambda self, k, Qs, f: None)
@@ -304,8 +318,14 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
     if not reader:
         setattr(stats, key + "_drift", [Xh.T @ D / n])
     m = C.MatrixPlan("m", canon, 0, "reader" if reader else "writer", 0, S.Dense((k, d)))
-    got = C._matched(m, M, stats, damping=0.05)
-    lam = (n * 0.05 * G.diagonal().mean()).sqrt()
+    G0 = G.clone()
+    got, metric = C._matched(m, M, stats, damping=0.05, consume=True)
+    if reader:
+        assert metric is None and stats.normed == [G] and torch.equal(G, G0)   # shared by the segment's readers
+    else:   # a writer's statistics are consumed and its moments damped in place: they are its row metric
+        assert getattr(stats, key) == [None] and getattr(stats, key + "_cross") == [None]
+        assert metric is G and torch.allclose(metric, G0 + 0.05 * G0.diagonal().mean() * torch.eye(k), atol=1e-15)
+    lam = (n * 0.05 * G0.diagonal().mean()).sqrt()
     A = torch.cat([Xh, lam * torch.eye(X.shape[1], dtype=torch.float64)])
     target, prior = (X @ M.T, M.T) if reader else (X @ M + D, M)
     want = torch.linalg.lstsq(A, torch.cat([target, lam * prior])).solution

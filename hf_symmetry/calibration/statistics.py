@@ -183,12 +183,12 @@ class Accumulator:
         for a, b in r.joint:
             xa, xb = self._view(acts, a, cache, left), self._view(acts, b, cache, left)
             tokens = xa.shape[0]
-            _add(s.joint, (a, b), xa.T @ xb)
+            _add_product(s.joint, (a, b), xa, xb)
             del xa, xb
         for a, b in r.cross:
             xa, xb = self._view(acts, a, cache, left), self._view(original, b, ocache, oleft)
             tokens = xa.shape[0]
-            _add(s.cross, (a, b), xa.T @ xb)
+            _add_product(s.cross, (a, b), xa, xb)
             del xa, xb
         if tokens is None:
             first = next(iter(acts.values()), None)
@@ -201,6 +201,15 @@ def _add(store: dict, key, value: torch.Tensor) -> None:
         store[key] += value
     else:
         store[key] = value
+
+
+def _add_product(store: dict, key, xa: torch.Tensor, xb: torch.Tensor) -> None:
+    """``store[key] += xaᵀ xb`` in place (no product-sized temporary per batch: the FFN's
+    ``[4d, 4d]`` cross moment is 134 MB in float64 at 4d = 4096)."""
+    if key in store:
+        store[key].addmm_(xa.T, xb)
+    else:
+        store[key] = xa.T @ xb
 
 
 @contextlib.contextmanager

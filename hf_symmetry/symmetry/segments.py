@@ -101,10 +101,13 @@ class Term:
             else:  # a column weight is a row weight of the transpose
                 st, gram, tgt = self.structure.transpose(), Gram(matrix=Q.T @ self.col_gram @ Q), target.T
                 prev = None if self.factors is None else self.structure.transpose_factors(self.factors)
-            init = st.project(tgt)
-            if prev is not None and weighted_error(tgt - st.dense(prev), gram) < weighted_error(tgt - st.dense(init), gram):
-                init = prev
-            f = st.weighted(tgt, gram, init=init, iters=als_iters)
+            if st.kind == "lowrank":      # closed form: no starting point to choose
+                f = st.weighted(tgt, gram)
+            else:
+                init = st.project(tgt)
+                if prev is not None and weighted_error(tgt - st.dense(prev), gram) < weighted_error(tgt - st.dense(init), gram):
+                    init = prev
+                f = st.weighted(tgt, gram, init=init, iters=als_iters)
             self.factors = f if self.col_gram is None else st.transpose_factors(f)
         self._summarise()
 

@@ -207,11 +207,11 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
                 home = run.stream.batches[0].device
                 run.stream = Activations([rows(b).to(device=home, dtype=engine.dtype) for b in chunks])
                 continue
-            # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
-            W = (M if m.role == "reader" else M.T).to(engine.dtype)
             if m.canon == "lm_head":
                 continue                             # nothing runs after the head
-            elif m.layer == layer:
+            # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
+            W = (M if m.role == "reader" else M.T).to(engine.dtype)
+            if m.layer == layer:
                 canon[f"{m.canon}.weight"] = W
             elif m.layer == layer + 1:
                 pending[f"{m.canon}.weight"] = W

@@ -22,11 +22,16 @@ from .plan import MatrixPlan, Plan
 Tensors = dict[str, torch.Tensor]
 
 
-def _damped(G: torch.Tensor, damping: float) -> torch.Tensor:
+def _ridge(G: torch.Tensor, damping: float) -> torch.Tensor:
+    """GPTQ-style dampening ``δ mean(diag G)``, added to the diagonal of ``G`` (a 0-d tensor)."""
+    return damping * G.diagonal().mean().clamp_min(1e-12)
+
+
+def _damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Tensor:
     """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening); one
-    copy of G, the diagonal added in place."""
-    out = G.clone()
-    out.diagonal().add_(damping * G.diagonal().mean().clamp_min(1e-12))
+    copy of G with the diagonal added in place, or G itself changed (``in_place``: the caller owns G)."""
+    out = G if in_place else G.clone()
+    out.diagonal().add_(_ridge(G, damping))
     return out
 
 
@@ -40,82 +45,99 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
 
 
 def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
-             damped: torch.Tensor | None = None, consume: bool = False) -> torch.Tensor:
+             consume: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
     model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
     side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
     ridge-regularised towards M itself, so that X̂ = X gives M back exactly:
     ``(X̂ᵀX̂ + δI)⁻¹ ((X̂ᵀX + δI) M + X̂ᵀD)`` — then approximated in the metric X̂ᵀX̂ like any stage W term.
-    ``damped``: ``X̂ᵀX̂ + δI`` when the caller already made it (a writer's row metric, shared);
-    ``consume``: drop the statistics used here from ``stats`` as soon as they are used (the caller owns
-    them and needs them no more), so that the FFN's ``[4d, 4d]`` moments are not held through the solve."""
-    if m.role == "reader":
-        lists, index = (), m.segment
-        G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], None
-    else:
-        key = "attn_out" if m.canon == "o" else "mlp_hidden"
-        lists, index = (key, key + "_cross", key + "_drift"), m.layer
-        G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
-        drift = getattr(stats, key + "_drift")[m.layer]
-    if consume and m.role != "reader":     # a segment's readers share its normalised-stream moments
-        for name in lists:
-            getattr(stats, name)[index] = None
-    G = G.to(M.device)
-    Gd = damped if damped is not None else _damped(G, damping)
-    ridge = Gd.diagonal() - G.diagonal()           # Gd − G: diagonal
-    del G
-    target = M.T if m.role == "reader" else M
-    # (X̂ᵀX + ridge) M without a [k, k] copy of X̂ᵀX
-    rhs = Cx.to(M.device) @ target
+    Returns the target and, for a writer, its damped moments ``X̂ᵀX̂ + δI`` (its row weight; ``None``
+    for a reader, whose segment shares one column weight).
+    ``consume``: the caller owns the statistics and needs them no more: a writer's are dropped from
+    ``stats`` and its moments damped in place once the cross moments are used, so that at most two of
+    the FFN's ``[4d, 4d]`` float64 matrices are held at a time (moments and cross moments, then the
+    damped moments and their factorisation)."""
+    if m.role == "reader":     # M Aᵀ (a segment's readers share its moments: nothing is consumed)
+        return M @ _reader_map(m.segment, stats, damping, M.device).T, None
+    key = "attn_out" if m.canon == "o" else "mlp_hidden"
+    G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
+    drift = getattr(stats, key + "_drift")[m.layer]
+    if consume:
+        for name in (key, key + "_cross", key + "_drift"):
+            getattr(stats, name)[m.layer] = None
+    # (X̂ᵀX + δI) M without a [k, k] copy of X̂ᵀX, the cross moments dropped before the system is made
+    rhs = Cx.to(M.device) @ M
     del Cx
-    rhs.addcmul_(ridge[:, None], target)
-    if drift is not None:
-        rhs += drift.to(M.device)
-        del drift
-    out = torch.linalg.solve(Gd, rhs)
-    return out.T if m.role == "reader" else out
+    G = G.to(M.device)
+    rhs.add_(M, alpha=float(_ridge(G, damping)))
+    rhs += drift.to(M.device)
+    del drift
+    Gd = _damped(G, damping, in_place=consume)
+    del G
+    return torch.linalg.solve(Gd, rhs), Gd
+
+
+def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
+    """``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``) of segment ``segment``'s normalised stream: the
+    matched target of each of its readers ``M`` is ``M Aᵀ`` (:func:`_matched`), so a vocabulary-sized
+    head can be matched a block of rows at a time."""
+    G = stats.normed[segment].to(device)
+    rhs = stats.normed_cross[segment].to(device=device, copy=True)
+    rhs.diagonal().add_(_ridge(G, damping))
+    return torch.linalg.solve(_damped(G, damping), rhs)
 
 
 class _TallTerm:
-    """A vocabulary-sized matrix with free rows and a row weighting or none (the low-rank embedding),
-    solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root, :meth:`Term.reduced`), but
-    read from the checkpoint a block of rows at a time: its Gram ``Mᵀ G M`` (and ``MᵀM``) is
-    accumulated block by block, and the row factor ``T f₀ = (M R) f₀`` is lifted block by block into
-    the output's dtype, so M is never in memory whole. :attr:`term` is the reduced term the segment's
-    solve sees."""
+    """A vocabulary-sized matrix with free rows (a low-rank embedding or untied head) and a row
+    weighting or none, solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root,
+    :meth:`Term.reduced`), but read from the checkpoint a block of rows at a time: its Gram ``Mᵀ G M``
+    (and ``MᵀM``) is accumulated block by block, and the row factor ``T f₀ = (M R) f₀`` is lifted
+    block by block into the output's dtype, so M is never in memory whole. ``right``: the matrix is
+    ``M Aᵀ`` instead (a head's matched target, :func:`_reader_map`), applied to each block.
+    ``col_gram``: the head's column weight (stage W), set on the reduced term. :attr:`term` is the
+    reduced term the segment's solve sees."""
 
-    def __init__(self, m: MatrixPlan, globals_, weights: torch.Tensor | None, device, row_dtype):
-        from .assemble import global_row_blocks
-
+    def __init__(self, m: MatrixPlan, globals_, weights: torch.Tensor | None, device, row_dtype,
+                 right: torch.Tensor | None = None, col_gram: torch.Tensor | None = None):
         self.m, self.globals, self.key, self.device = m, globals_, f"{m.canon}.weight", device
         self.row_dtype = row_dtype or torch.float64
-        n, blocks = global_row_blocks(globals_, self.key)
+        self.right = right
+        n, blocks = self._blocks()
         P = P1 = None
         for i, B in blocks:
-            B = B.to(device)
             GB = B if weights is None else weights[i:i + len(B)].to(device)[:, None] * B
-            P = B.T @ GB if P is None else P + B.T @ GB
+            P = B.T @ GB if P is None else P.addmm_(B.T, GB)
             if weights is not None:
-                P1 = B.T @ B if P1 is None else P1 + B.T @ B
+                P1 = B.T @ B if P1 is None else P1.addmm_(B.T, B)
         self.plain = P if P1 is None else P1        # Mᵀ M (the relative error's metric)
         shell = Term(m.name, torch.empty(n, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
         self.term, self.R = shell.reduced_from_gram(P)
+        self.term.col_gram = col_gram
         self.term.tall = self
+
+    def _map(self, B: torch.Tensor) -> torch.Tensor:
+        B = B.to(self.device)
+        return B if self.right is None else B @ self.right.T
+
+    def _blocks(self):
+        from .assemble import global_row_blocks
+
+        n, blocks = global_row_blocks(self.globals, self.key)
+        return n, ((i, self._map(B)) for i, B in blocks)
 
     @staticmethod
     def applies(m: MatrixPlan) -> bool:
-        return m.canon == "embed" and m.structure.kind == "lowrank" and m.structure.shape[0] > m.structure.shape[1]
+        return (m.canon in ("embed", "lm_head") and m.structure.kind == "lowrank"
+                and m.structure.shape[0] > m.structure.shape[1])
 
     def lift(self, Q: torch.Tensor) -> tuple[st.Factors, float]:
         """The full matrix's factors (row factor in the output's dtype) and its relative error
         ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``: ``Ŵ = M R f₀ f₁``)."""
-        from .assemble import global_row_blocks
-
         f0, f1 = self.term.factors
-        n, blocks = global_row_blocks(self.globals, self.key)
+        n, blocks = self._blocks()
         U = torch.empty(n, f0.shape[1], dtype=self.row_dtype)
         for i, B in blocks:
-            U[i:i + len(B)] = ((B.to(self.device) @ self.R) @ f0).cpu()
+            U[i:i + len(B)] = ((B @ self.R) @ f0).cpu()
         D = Q.to(self.R) - self.R @ f0 @ f1
         err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
                     torch.sqrt(self.plain.trace()).clamp_min(1e-300))
@@ -130,7 +152,7 @@ class _TallTerm:
 
         def take(idx: torch.Tensor) -> torch.Tensor:
             uniq, inverse = torch.unique(idx.reshape(-1), return_inverse=True)
-            B = global_rows(self.globals, self.key, uniq).to(self.device)
+            B = self._map(global_rows(self.globals, self.key, uniq))
             out = (((B @ self.R) @ f0) @ f1) @ Q.to(B).T
             return out[inverse].reshape(*idx.shape, out.shape[-1])
         return take
@@ -141,8 +163,8 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
            row_dtype=None, consume: bool = False) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
     ``only`` filled when given: sequential calibration has the statistics of one segment at a time).
-    The low-rank embedding enters as its reduced term (:class:`_TallTerm`, read a block of rows at a
-    time; its row factor is lifted into ``row_dtype``, default float64). ``consume``: the writers'
+    A low-rank embedding or untied head enters as its reduced term (:class:`_TallTerm`, read a block of
+    rows at a time; its row factor is lifted into ``row_dtype``, default float64). ``consume``: the writers'
     statistics are dropped from ``stats`` once their terms are built (see :func:`_matched`)."""
     n_seg = 2 * plan.n_layers + 1
     segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
@@ -152,20 +174,33 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
     for m in plan.matrices:
         if not m.compressed or (only is not None and m.segment != only):
             continue
-        if _TallTerm.applies(m):
-            weights = token_gram.diag if (stage in ("f", "w") and token_gram is not None) else None
-            term = _TallTerm(m, globals_, weights, device, row_dtype).term
+        if _TallTerm.applies(m):      # weighted as below; a head's matched target a block of rows at a time
+            head = m.canon == "lm_head"
+            rows_weighted = stage in ("f", "w") and token_gram is not None and (not head or stage == "f")
+            col = right = None
+            if weighted and head:
+                if m.segment not in reader_cov:
+                    reader_cov[m.segment] = _damped(stats.normed[m.segment].to(device), options.damping)
+                col = reader_cov[m.segment]
+                if stats.normed_cross is not None:
+                    right = _reader_map(m.segment, stats, options.damping, device)
+            term = _TallTerm(m, globals_, token_gram.diag if rows_weighted else None, device, row_dtype,
+                             right, col).term
             segments[m.segment][0].append(term)
+            if head:
+                segments[m.segment][1].append(term)
             continue
         M = _matrix_of(m, layers, globals_).to(device)
-        row_metric = None         # a writer's damped input moments: its row weight, and _matched's system
-        if weighted and m.canon in ("o", "down"):
-            key = "attn_out" if m.canon == "o" else "mlp_hidden"
-            row_metric = _damped(getattr(stats, key)[m.layer].to(device), options.damping)
+        row_metric = None         # a writer's damped input moments: its row weight (and _matched's system)
         if weighted and stats.normed_cross is not None and m.canon != "embed":
-            M = _matched(m, M, stats, options.damping, damped=row_metric, consume=consume)
-        elif consume and row_metric is not None:
-            getattr(stats, key)[m.layer] = None
+            M, row_metric = _matched(m, M, stats, options.damping, consume=consume)
+        elif weighted and m.canon in ("o", "down"):
+            key = "attn_out" if m.canon == "o" else "mlp_hidden"
+            G = getattr(stats, key)[m.layer]
+            if consume:
+                getattr(stats, key)[m.layer] = None
+            row_metric = _damped(G.to(device), options.damping, in_place=consume)
+            del G
         term = Term(m.name, M, m.structure)
         if m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None:
             if m.canon == "embed" or stage == "f":
@@ -271,7 +306,7 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
         _keep(terms, res.Q, factors, rel)
         bar.update(1)
         approximations = [(ms[t.name], t.tall.rows(res.Q) if hasattr(t, "tall") else t.structure.dense(t.factors) @ res.Q.T)
-                          for t in terms]
+                          for t in terms if ms[t.name].canon != "lm_head"]    # nothing runs after the head
         del terms
         if on_segment is not None:
             on_segment(k, Qs, factors)
