@@ -171,20 +171,26 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
     weighted = stage == "w" and stats is not None and stats.normed is not None
     reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
+
+    def column_weight(segment: int) -> torch.Tensor:
+        if segment not in reader_cov:
+            reader_cov[segment] = _damped(stats.normed[segment].to(device), options.damping)
+        return reader_cov[segment]
+
     for m in plan.matrices:
         if not m.compressed or (only is not None and m.segment != only):
             continue
+        # embedding (stages F, W) and head (stage F): weighted by the token counts on their rows
+        token_rows = (m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None
+                      and (m.canon == "embed" or stage == "f"))
         if _TallTerm.applies(m):      # weighted as below; a head's matched target a block of rows at a time
             head = m.canon == "lm_head"
-            rows_weighted = stage in ("f", "w") and token_gram is not None and (not head or stage == "f")
             col = right = None
             if weighted and head:
-                if m.segment not in reader_cov:
-                    reader_cov[m.segment] = _damped(stats.normed[m.segment].to(device), options.damping)
-                col = reader_cov[m.segment]
+                col = column_weight(m.segment)
                 if stats.normed_cross is not None:
                     right = _reader_map(m.segment, stats, options.damping, device)
-            term = _TallTerm(m, globals_, token_gram.diag if rows_weighted else None, device, row_dtype,
+            term = _TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype,
                              right, col).term
             segments[m.segment][0].append(term)
             if head:
@@ -202,14 +208,11 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
             row_metric = _damped(G.to(device), options.damping, in_place=consume)
             del G
         term = Term(m.name, M, m.structure)
-        if m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None:
-            if m.canon == "embed" or stage == "f":
-                term.row_gram = token_gram
+        if token_rows:
+            term.row_gram = token_gram
         if weighted:
             if m.role == "reader" and term.row_gram is None:
-                if m.segment not in reader_cov:
-                    reader_cov[m.segment] = _damped(stats.normed[m.segment].to(device), options.damping)
-                term.col_gram = reader_cov[m.segment]
+                term.col_gram = column_weight(m.segment)
             elif row_metric is not None:
                 term.row_gram = st.Gram(matrix=row_metric)
         terms, readers = segments[m.segment]
