@@ -171,6 +171,39 @@ def test_step_collect_measures_a_partly_converted_layer(tmp_path):
     assert not _close(step.stats.grams["down_in"], ref[(0, "down_in")], 1e-3)
 
 
+def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tmp_path):
+    """``keep_original``: once the original layer is released, cross statistics against the original
+    stream come from the activations kept in the first pass — the same sums as running the original
+    layer again (on a stream that has drifted: layer 0 is replaced). Sites not kept, or no sites kept,
+    are refused rather than taken from the converted layer."""
+    import copy
+
+    _saved("llama", tmp_path)
+    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
+    engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
+    request = StatsRequest(grams=("down_in",), cross=(("down_in", "layer_out"), ("o_in", "ffn_norm_in"),
+                                                      ("normed:ffn_norm_in", "normed:ffn_norm_in")))
+    for keep in (("ffn_norm_in",), ()):
+        run = engine.start(batches, carry_original=True)
+        for step in run.layers(StatsRequest(), keep_original=keep):
+            partial = copy.deepcopy(step.module)
+            with torch.no_grad():
+                partial.mlp.up_proj.weight.mul_(0.5)
+            live = step.collect(request, module=partial)
+            step.release()
+            if not keep:
+                with pytest.raises(RuntimeError, match="released"):
+                    step.collect(request, module=partial)
+                break
+            kept = step.collect(request, module=partial)
+            for key in request.cross:
+                assert torch.equal(kept.cross[key], live.cross[key]), key
+            with pytest.raises(RuntimeError, match="down_in"):
+                step.collect(StatsRequest(cross=(("o_in", "down_in"),)), module=partial)
+            if step.index == 0:
+                step.replace(partial)     # layer 1 then runs on a drifted stream
+
+
 def test_engine_reads_one_layer_at_a_time(tmp_path):
     """The engine never asks its source for more than one layer's tensor (or the input embeddings)
     at once, and reads each layer's tensors exactly once."""

@@ -117,24 +117,39 @@ def _walk(model, calib, replace=lambda k, seq: []):
     return seq, ref
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_sequential_walk_of_the_uncompressed_model_measures_the_one_pass_statistics(family, exact_rmsnorm):
+@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("qwen2", {}),
+                                           ("llama", dict(attention_bias=True, mlp_bias=True))])
+def test_sequential_walk_of_the_uncompressed_model_measures_the_one_pass_statistics(family, kwargs, exact_rmsnorm):
     """Nothing replaced: the calibration engine's sequential mode, each layer run as the family's own
     module with its norms folded (RoPE, GQA, biases, ragged batches 40+40+30), gives the statistics of
     one pass of the original model, segment after segment, and the original stream alongside is the
-    same stream (cross moments = moments, no drift)."""
-    model = tiny_model(family)
+    same stream (cross moments = moments; no drift: each writer's target is its own output, its bias
+    left out)."""
+    model = tiny_model(family, **kwargs)
     calib = input_ids(batch=1, length=110, seed=3)[0]
     visited = []
     seq, ref = _walk(model, calib, lambda k, stats: visited.append(k) or [])
     L = model.config.num_hidden_layers
     assert visited == list(range(2 * L + 1)) and seq.tokens == ref.tokens == 110
     for name in ("normed", "attn_out", "mlp_hidden"):
-        for a, b, cross in zip(getattr(seq, name), getattr(ref, name), getattr(seq, name + "_cross")):
+        for a, b in zip(getattr(seq, name), getattr(ref, name)):
             assert _rel(a, b) < 1e-10, name
-            assert _rel(cross, b) < 1e-10, name      # the original model alongside: the same activations
-    for drift in seq.attn_out_drift + seq.mlp_hidden_drift:
-        assert drift.abs().max() < 1e-12            # ... and the same residual stream
+    for a, b in zip(seq.normed_cross, ref.normed):
+        assert _rel(a, b) < 1e-10                   # the original model alongside: the same activations
+    _assert_targets_are_own_outputs(model, seq)    # ... and the same residual stream
+
+
+def _writers(model, i):
+    layer = model.model.layers[i]
+    return {"attn_out": layer.self_attn.o_proj, "mlp_hidden": layer.mlp.down_proj}
+
+
+def _assert_targets_are_own_outputs(model, seq, tol=1e-10):
+    """No drift: each writer's target moment X̂ᵀ(H' − b − Ĥ) is its own outputs' X̂ᵀX̂ M (M = Wᵀ)."""
+    for i in range(model.config.num_hidden_layers):
+        for kind, linear in _writers(model, i).items():
+            G, T = getattr(seq, kind)[i], getattr(seq, kind + "_target")[i]
+            assert _rel(T, G @ linear.weight.detach().T.double()) < tol, (kind, i)
 
 
 def test_sequential_walk_measures_the_model_with_replaced_matrices(exact_rmsnorm):
@@ -161,8 +176,10 @@ def test_sequential_walk_measures_the_model_with_replaced_matrices(exact_rmsnorm
     assert _rel(seq.attn_out[0], ref.attn_out[0]) > 1e-2          # q scaled: other attention patterns
     assert _rel(seq.normed[1], ref.normed[1]) > 1e-2
     assert _rel(seq.normed[2], ref.normed[2]) > 1e-2              # o negated from segment 1 on
-    assert seq.attn_out_drift[0].abs().max() < 1e-12             # before o_proj of layer 0: the embeddings
-    assert seq.mlp_hidden_drift[0].abs().max() > 1e-3             # the stream before down_proj has drifted
+    # the targets are the original model's outputs (and stream), no longer the partly replaced model's own
+    o, down = (w.weight.detach().T.double() for w in _writers(model, 0).values())
+    assert _rel(seq.attn_out_target[0], seq.attn_out[0] @ o) > 1e-2
+    assert _rel(seq.mlp_hidden_target[0], seq.mlp_hidden[0] @ down) > 1e-2
 
 
 def test_sequential_statistics_are_those_of_the_compressed_model():
@@ -225,21 +242,20 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
     assert err <= 1e-9, err
 
 
-def _whole_matched(m, M, stats, damping, consume=False):
+def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False):
     """``_matched`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
     from the statistics alone (nothing consumed, nothing damped in place): the target and a writer's
     damped moments."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     if m.role == "reader":
-        G, Cx, drift = stats.normed[m.segment], stats.normed_cross[m.segment], 0
-    else:
-        key = "attn_out" if m.canon == "o" else "mlp_hidden"
-        G, Cx, drift = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer], \
-            getattr(stats, key + "_drift")[m.layer]
+        G, Cx = stats.normed[m.segment], stats.normed_cross[m.segment]
+        ridge = solve_mod._damped(G, damping) - G
+        return torch.linalg.solve(G + ridge, (Cx + ridge) @ M.T).T, None
+    key = "attn_out" if m.canon == "o" else "mlp_hidden"
+    G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
     ridge = solve_mod._damped(G, damping) - G
-    target = M.T if m.role == "reader" else M
-    out = torch.linalg.solve(G + ridge, (Cx + ridge) @ target + drift)
-    return (out.T, None) if m.role == "reader" else (out, G + ridge)
+    out = torch.linalg.solve(G + ridge, T + ridge @ M)
+    return out, (out.T @ (G + ridge) @ out if rows_gram else G + ridge)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -314,22 +330,31 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
     Xh = X + 0.3 * randn(*X.shape)
     D = torch.zeros(n, d) if reader else 0.5 * randn(n, d)
     G, key = Xh.T @ Xh / n, {"q": "normed", "o": "attn_out", "down": "mlp_hidden"}[canon]
-    stats = C.CalibrationStats(n, torch.ones(3), **{key: [G], key + "_cross": [Xh.T @ X / n]})
-    if not reader:
-        setattr(stats, key + "_drift", [Xh.T @ D / n])
+    stats = C.CalibrationStats(n, torch.ones(3), **{key: [G]})
+    if reader:
+        stats.normed_cross = [Xh.T @ X / n]
+    else:
+        setattr(stats, key + "_target", [Xh.T @ (X @ M + D) / n])
     m = C.MatrixPlan("m", canon, 0, "reader" if reader else "writer", 0, S.Dense((k, d)))
     G0 = G.clone()
     got, metric = C._matched(m, M, stats, damping=0.05, consume=True)
     if reader:
         assert metric is None and stats.normed == [G] and torch.equal(G, G0)   # shared by the segment's readers
     else:   # a writer's statistics are consumed and its moments damped in place: they are its row metric
-        assert getattr(stats, key) == [None] and getattr(stats, key + "_cross") == [None]
+        assert getattr(stats, key) == [None] and getattr(stats, key + "_target") == [None]
         assert metric is G and torch.allclose(metric, G0 + 0.05 * G0.diagonal().mean() * torch.eye(k), atol=1e-15)
     lam = (n * 0.05 * G0.diagonal().mean()).sqrt()
     A = torch.cat([Xh, lam * torch.eye(X.shape[1], dtype=torch.float64)])
     target, prior = (X @ M.T, M.T) if reader else (X @ M + D, M)
     want = torch.linalg.lstsq(A, torch.cat([target, lam * prior])).solution
     assert torch.allclose(got, want.T if reader else want, atol=1e-10)
+    if not reader:    # a reducible writer's target by an in-place Cholesky solve, and only Mᵀ Gd M of its weight
+        Gd = G0 + 0.05 * G0.diagonal().mean() * torch.eye(k, dtype=torch.float64)
+        fresh = lambda G: C.CalibrationStats(n, torch.ones(3), **{key: [G], key + "_target": [Xh.T @ (X @ M + D) / n]})  # noqa: E731
+        got2, P = C._matched(m, M, fresh(G0.clone()), damping=0.05, consume=True, rows_gram=True)
+        assert torch.allclose(got2, want, atol=1e-10) and torch.allclose(P, want.T @ Gd @ want, atol=1e-10)
+        with pytest.raises(ValueError, match="not positive definite"):
+            C._matched(m, M, fresh(-G0.clone()), damping=0.05, consume=True, rows_gram=True)
 
 
 @pytest.mark.parametrize("kwargs", [dict(stage="f"), dict(q_mode="global"), dict(structure="slice")])
@@ -687,7 +712,7 @@ def test_lazy_folded_layers_fold_each_matrix_as_the_whole_layer_fold(family, dty
             got = layer[k]
             assert got.dtype == torch.float64 and torch.equal(got, t), (family, i, k)
         assert layer["q.weight"].data_ptr() != layer["q.weight"].data_ptr()      # a fresh copy per read
-        assert all(t.dtype in (dtype, torch.float64) for t in layer.raw.values())
+        assert all(t.dtype == torch.float64 for t in layer.norms.values())   # only the norms are kept
     assert lazy.reads == adapter.n_layers and len(lazy._cache) == 1            # one layer kept
     if family == "gemma2":          # negative control: γ − 1 restored in bfloat16 is not γ
         raw = adapter.read_layer(0, src.get(per_layer[0]), dtype=None)
@@ -699,8 +724,9 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     """Sequential stage W with ``keep_stats=False`` builds a segment's terms consuming the writers'
     moments (dropped from the statistics as soon as the matched target and the damped row weight are
     made, so the FFN's ``4d × 4d`` moments are not held through the solve): the terms are those built
-    without consuming — same matched matrices, same row weights — and only the writers' entries are gone
-    (the segment's readers share its normalised-stream moments, which stay)."""
+    without consuming — same matched matrices, same row weights (a reducible writer's as ``Mᵀ G M``, G
+    itself released) — and only the writers' entries are gone (the segment's readers share its
+    normalised-stream moments, which stay)."""
     import copy
 
     S = importlib.import_module("hf_symmetry.conversion.compress.solve")   # the module (the package exports solve())
@@ -718,9 +744,15 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
         assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
         for ta, tb in zip(a, b):
             assert _rel(tb.M, ta.M) < 1e-12, ta.name
-            if ta.row_gram is not None:
+            if ta.row_gram is not None and tb.row_gram is not None:
                 assert _rel(tb.row_gram.matrix, ta.row_gram.matrix) == 0
+            elif ta.row_gram is not None:   # a reducible writer keeps only Mᵀ G M: the same reduced problem
+                assert tb.reducible() and tb.energy() == pytest.approx(ta.energy(), rel=1e-12)
+                (ra, _), (rb, _) = ta.reduced(), tb.reduced()
+                assert _rel(rb.M, ra.M) < 1e-10, ta.name
+                with pytest.raises(RuntimeError, match="released"):
+                    tb.error(torch.eye(tb.M.shape[1], dtype=torch.float64))
         writer = "attn_out" if k == 1 else "mlp_hidden"
-        for name in (writer, writer + "_cross", writer + "_drift"):
+        for name in (writer, writer + "_target"):
             assert getattr(kept, name)[0] is not None and getattr(eaten, name)[0] is None, name
         assert eaten.normed[k] is not None and eaten.normed_cross[k] is not None

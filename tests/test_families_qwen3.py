@@ -170,7 +170,7 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
 def test_sequential_walk_of_qwen3_measures_the_one_pass_statistics(exact_rmsnorm):
     """The calibration engine's sequential mode runs each Qwen3 layer as transformers' own module, QK-norm
     included: with nothing replaced its statistics are those of one pass of the original model."""
-    from test_compress_model import _rel, _walk
+    from test_compress_model import _assert_targets_are_own_outputs, _rel, _walk
 
     model = tiny_model("qwen3")
     calib = input_ids(batch=1, length=110, seed=3)[0]
@@ -178,8 +178,10 @@ def test_sequential_walk_of_qwen3_measures_the_one_pass_statistics(exact_rmsnorm
     seq, ref = _walk(model, calib, lambda k, stats: visited.append(k) or [])
     assert visited == list(range(2 * model.config.num_hidden_layers + 1)) and seq.tokens == ref.tokens == 110
     for name in ("normed", "attn_out", "mlp_hidden"):
-        for a, b, cross in zip(getattr(seq, name), getattr(ref, name), getattr(seq, name + "_cross")):
-            assert _rel(a, b) < 1e-10 and _rel(cross, b) < 1e-10, name
+        for a, b in zip(getattr(seq, name), getattr(ref, name)):
+            assert _rel(a, b) < 1e-10, name
+    assert all(_rel(a, b) < 1e-10 for a, b in zip(seq.normed_cross, ref.normed))
+    _assert_targets_are_own_outputs(model, seq)
     # negative control: the same walk over the model without its QK-norm γ measures other attention outputs
     with torch.no_grad():
         for layer in model.model.layers:

@@ -169,11 +169,12 @@ class Adapter:
         return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
 
     def read_layer(self, i: int, tensors: Tensors, dtype: torch.dtype | None = torch.float64,
-                   norm_dtype: torch.dtype | None = None) -> Tensors:
+                   norm_dtype: torch.dtype | None = None, partial: bool = False) -> Tensors:
         """Canonical float64 view of layer ``i`` from its checkpoint tensors (owned copies; ``dtype=None``:
         each tensor's own dtype, for tensors a conversion passes through unchanged). ``norm_dtype``: the
         norms' dtype instead (e.g. float64 norms beside matrices in their own dtype: a ``γ − 1`` norm is
-        then made ``γ`` exactly)."""
+        then made ``γ`` exactly). ``partial``: ``tensors`` holds only some of the layer's tensors
+        (:meth:`canonical_sources`); only what they give is returned."""
         p = self.layer_prefix(i)
         out: Tensors = {}
         for canon, name in self._layer_names().items():
@@ -188,14 +189,30 @@ class Adapter:
                 if kind == "weight" and self._one_plus(canon):
                     t = t + 1.0
                 out[f"{canon}.{kind}"] = t.contiguous()
-        if self.spec.attention.qkv:
+        if self.spec.attention.qkv and not (partial and f"{p}{self.spec.attention.qkv}.weight" not in tensors):
             self._split_qkv(tensors, p, out, dtype)
         if self.spec.ffn.gate_up:
             self._split_gate_up(tensors, p, out, dtype)
         missing = [k for k in ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight") if k not in out]
-        if missing:
+        if missing and not partial:
             raise ValueError(f"layer {i}: checkpoint lacks tensors for {missing} (prefix {p!r})")
         return out
+
+    def canonical_sources(self, i: int, keys) -> dict[str, list[str]]:
+        """Canonical module name (``q``, ``gate``, ``attn_norm``, …) -> the checkpoint keys of layer ``i``
+        it is read from (weight, bias; a fused qkv or gate_up tensor serves each of its parts), so that
+        :meth:`read_layer` with ``partial=True`` can read one module at a time."""
+        p, keyset = self.layer_prefix(i), set(keys)
+
+        def present(name: str) -> list[str]:
+            return [f"{p}{name}.{kind}" for kind in ("weight", "bias") if f"{p}{name}.{kind}" in keyset]
+
+        out = {c: present(n) for c, n in self._layer_names().items() if n}
+        if self.spec.attention.qkv:
+            out.update({c: present(self.spec.attention.qkv) for c in "qkv"})
+        if self.spec.ffn.gate_up:
+            out.update({c: present(self.spec.ffn.gate_up) for c in ("gate", "up")})
+        return {c: ks for c, ks in out.items() if ks}
 
     def _one_plus(self, canon: str) -> bool:
         """Norm weights stored as ``γ - 1`` (Gemma): every RMSNorm of an ``rms_1p`` family."""

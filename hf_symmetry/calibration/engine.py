@@ -346,11 +346,16 @@ class LayerStep:
     stats: LayerStats | None
     run: "CalibrationRun" = field(repr=False)
     replacement: torch.nn.Module | None = None
+    #: per batch, the original model's activations at the sites asked for with ``keep_original``
+    #: (and ``layer_out``), from the pass that built this step: :meth:`collect` takes its ``cross``
+    #: sites from them once the original layer is released
+    original_acts: list[Tensors] | None = field(default=None, repr=False)
 
     def release(self) -> None:
-        """Drop the original layer now (its outputs are already computed and handed on), for callers
-        that only need the statistics: the layer's weights are then freed before the caller's own
-        work on this layer, not when the next layer is built."""
+        """Drop the original layer now (its outputs are already computed and handed on): its weights
+        are then freed before the caller's own work on this layer, not when the next layer is built.
+        :meth:`collect` still works for ``cross`` statistics at the sites kept with
+        :meth:`CalibrationRun.layers`' ``keep_original``."""
         self.module = None
 
     def replace(self, module: torch.nn.Module) -> None:
@@ -360,9 +365,13 @@ class LayerStep:
 
     def collect(self, request: StatsRequest, module: torch.nn.Module | None = None) -> LayerStats:
         """Statistics of ``module`` (default: the original layer) on this layer's inputs (the
-        converted stream; the original stream's sites for ``cross`` come from the original layer)."""
+        converted stream; the original stream's sites for ``cross`` come from the original layer, or
+        from those kept with ``keep_original`` once it is released)."""
+        if self.module is None and (module is None or (request.original_sites() and self.original_acts is None)):
+            raise RuntimeError(f"layer {self.index} was released: collect needs a module to run, and cross "
+                               "statistics the original stream's sites kept with keep_original")
         return self.run._collect(self.index, module or self.module, request, keep_outputs=False,
-                                 original_module=self.module)[0]
+                                 original_module=self.module, original_acts=self.original_acts)[0]
 
     def tensors(self) -> Tensors:
         """This layer's checkpoint tensors (original dtypes)."""
@@ -392,16 +401,26 @@ class CalibrationRun:
         return stats, Accumulator(request, stats, self.engine.adapter.eps, self.engine.stats_device)
 
     @torch.no_grad()
-    def _collect(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None):
+    def _collect(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None,
+                 original_acts: list[Tensors] | None = None, keep_original: tuple[str, ...] = ()):
         """Run batch by batch: statistics of ``request`` and (``keep_outputs``) the outputs of
-        ``module`` on the converted stream and of ``original_module`` on the original stream."""
+        ``module`` on the converted stream and of ``original_module`` on the original stream (default
+        ``module``; ``None`` where ``original_acts`` holds the original stream's sites instead).
+        ``keep_original``: also return, per batch, the original stream's activations at these sites
+        and its output (``layer_out``)."""
         adapter = self.engine.adapter
         stats, acc = self._new_stats(i, request)
         sites = {base_site(s) for s in request.sites()}
         osites = {base_site(s) for s in request.original_sites()}
-        original_module = original_module or module
+        if original_module is None and original_acts is None:
+            original_module = module
         need_original = self.original is not None and (bool(osites) or keep_outputs)
-        outs, oouts = [], []
+        if need_original and original_module is None:
+            missing = osites - set(original_acts[0]) - {"layer_in"}
+            if missing:
+                raise RuntimeError(f"layer {i} was released and the original stream's {sorted(missing)} were "
+                                   "not kept (CalibrationRun.layers' keep_original)")
+        outs, oouts, kept = [], [], []
         site_modules = adapter.site_modules()
         for b, x in enumerate(self.stream.batches):
             args, kwargs = self.records[b][i]
@@ -409,24 +428,34 @@ class CalibrationRun:
             oacts = None
             if need_original:
                 xo = self._to_device(self.original.batches[b])
-                with capture_sites(original_module, site_modules, osites) as got:
-                    yo = _first(original_module(xo, *args, **kwargs))
-                oacts = dict(got, layer_in=xo, layer_out=yo)
-                if keep_outputs:
-                    oouts.append(self._home(self.original, yo))
+                if original_module is None:
+                    oacts = {s: self._to_device(t) for s, t in original_acts[b].items()}
+                    oacts["layer_in"] = xo
+                else:
+                    with capture_sites(original_module, site_modules, osites | set(keep_original)) as got:
+                        yo = _first(original_module(xo, *args, **kwargs))
+                    oacts = dict(got, layer_in=xo, layer_out=yo)
+                    if keep_outputs:
+                        oouts.append(self._home(self.original, yo))
+                    if keep_original:
+                        kept.append({s: oouts[-1] if s == "layer_out" and keep_outputs else
+                                     self._home(self.original, oacts[s]) for s in (*keep_original, "layer_out")})
             with capture_sites(module, site_modules, sites) as got:
                 y = _first(module(x_dev, *args, **kwargs))
             acc.add(dict(got, layer_in=x_dev, layer_out=y), oacts)
             if keep_outputs:
                 outs.append(self._home(self.stream, y))
             del got, oacts
-        return stats, outs, oouts
+        return stats, outs, oouts, kept
 
-    def layers(self, request: StatsRequest, stop: int | None = None, only: set[int] | None = None
-               ) -> Iterator[LayerStep]:
+    def layers(self, request: StatsRequest, stop: int | None = None, only: set[int] | None = None,
+               keep_original: tuple[str, ...] = ()) -> Iterator[LayerStep]:
         """Walk layers ``next_layer .. stop-1``: build each, collect ``request`` (on layers in
         ``only``, default all), yield the step, then hand the outputs on (the replacement's, if
-        the caller set one)."""
+        the caller set one). ``keep_original`` (with ``carry_original``): the original stream's
+        activations at these sites are kept on the step (:attr:`LayerStep.original_acts`, one
+        ``tokens × width`` tensor per site), so that it can release the original layer and still
+        collect cross statistics against them."""
         engine = self.engine
         stop = engine.adapter.n_layers if stop is None else stop
         bar = tqdm(range(self.next_layer, stop), desc="calibration", unit="layer", disable=not engine.progress)
@@ -434,8 +463,10 @@ class CalibrationRun:
             release_free_memory()   # the previous layer's temporaries, before this layer is built
             module = engine.layer_module(i)
             want = request if (only is None or i in only) else StatsRequest()
-            stats, outs, oouts = self._collect(i, module, want, keep_outputs=True, original_module=module)
-            step = LayerStep(i, module, stats if (only is None or i in only) else None, self)
+            stats, outs, oouts, kept = self._collect(i, module, want, keep_outputs=True, original_module=module,
+                                                     keep_original=keep_original if self.original is not None else ())
+            step = LayerStep(i, module, stats if (only is None or i in only) else None, self,
+                             original_acts=kept or None)
             del module   # the step holds the layer: a caller that sets step.module = None frees it now
             yield step
             if step.replacement is not None:
@@ -450,8 +481,8 @@ class CalibrationRun:
             self.next_layer = i + 1
             # the caller's loop variable still holds this step while the next layer is built: let
             # go of its layers, so one layer is in memory at a time
-            step.module = step.replacement = None
-            del step, outs, oouts
+            step.module = step.replacement = step.original_acts = None
+            del step, outs, oouts, kept
 
     @torch.no_grad()
     def final(self, request: StatsRequest) -> LayerStats:

@@ -64,10 +64,29 @@ class Term:
             raise ValueError(f"{self.name}: a term is weighted on its rows or on its columns, not both")
         self._summary: tuple | None = None
         self._energy: float | None = None
+        self._weight_released = False
+        self._rows_gram: Tensor | None = None     # Mᵀ G M once G is released (:meth:`release_row_weight`)
 
     @property
     def is_dense(self) -> bool:
         return isinstance(self.structure, Dense)
+
+    def release_row_weight(self) -> None:
+        """Keep of the row weight G only what a reducible term's solve needs, ``Mᵀ G M`` (``[d, d]``),
+        and drop G itself (a writer's ``[4d, 4d]`` input moments): :meth:`reduced` and :meth:`energy`
+        use the kept product; the full term's own error can no longer be evaluated (its reduced term's
+        is the same). No-op without a row weight."""
+        if self.row_gram is None:
+            return
+        self.set_rows_gram(self.M.T @ self.row_gram.apply(self.M))
+
+    def set_rows_gram(self, P: Tensor) -> None:
+        """Weight the rows by a G of which only ``P = Mᵀ G M`` is given (G itself is not needed by a
+        reducible term's solve; see :meth:`release_row_weight`)."""
+        if not self.reducible():
+            raise ValueError(f"{self.name}: only a reducible term can be weighted by Mᵀ G M alone")
+        self._rows_gram, self._energy = P, float(P.trace())
+        self.row_gram, self._weight_released = None, True
 
     def energy(self) -> float:
         """The weighted squared norm of M (rotation invariant): the paper's ``‖X W‖²`` for λ."""
@@ -90,6 +109,9 @@ class Term:
 
     def fit(self, Q: Tensor, als_iters: int) -> None:
         """Best structured factors for the rotated matrix ``M Q`` (see the module docstring)."""
+        if self._weight_released:
+            raise RuntimeError(f"{self.name}: its row weight was released (release_row_weight): "
+                               "only its reduced term can be fitted")
         target = self.M @ Q
         if self.is_dense:
             self.factors = (target,)
@@ -109,11 +131,20 @@ class Term:
                     init = prev
                 f = st.weighted(tgt, gram, init=init, iters=als_iters)
             self.factors = f if self.col_gram is None else st.transpose_factors(f)
-        self._summarise()
+        self._summary = None          # made when the error is asked for (:meth:`summary`)
+
+    def summary(self) -> tuple:
+        """``(c, K, H)`` of the current factors (:meth:`_summarise`), made once per fit."""
+        if self._summary is None:
+            self._summarise()
+        return self._summary
 
     def _summarise(self) -> None:
         """The error as a function of Q for the current factors:
         ``c − 2 tr(QᵀK) (+ tr(Σ Q H Qᵀ) for a column weight)``."""
+        if self._weight_released:
+            raise RuntimeError(f"{self.name}: its row weight was released (release_row_weight): its error "
+                               "is that of its reduced term")
         W_hat = self.structure.dense(self.factors)
         if self.col_gram is None:
             GW = W_hat if self.row_gram is None else self.row_gram.apply(W_hat)
@@ -122,7 +153,7 @@ class Term:
             self._summary = (self.energy(), self.col_gram @ (self.M.T @ W_hat), W_hat.T @ W_hat)
 
     def error(self, Q: Tensor) -> float:
-        c, K, H = self._summary
+        c, K, H = self.summary()
         e = c - 2 * float((Q * K).sum())
         return e if H is None else e + float(((self.col_gram @ Q @ H) * Q).sum())
 
@@ -140,6 +171,8 @@ class Term:
         of the reduced term, whose row factor lifts back by ``T = M R`` (:meth:`lift`). The embedding
         (``[vocab, d]``) and FFN matrices then cost ``O(d³)`` per step instead of ``O(k d²)``; ``T``
         (as large as M) is never formed: the lift computes ``M (R f)``."""
+        if self._rows_gram is not None:
+            return self.reduced_from_gram(self._rows_gram)
         P = self.M.T @ (self.M if self.row_gram is None else self.row_gram.apply(self.M))
         return self.reduced_from_gram(P)
 
@@ -172,7 +205,7 @@ class Term:
             self.factors = ((self.M @ (R @ f[0][0]))[None], f[1])
         else:
             self.factors = (self.M @ (R @ f[0]), f[1])
-        self._summarise()
+        self._summary = None          # made when an error is asked for (the reduced term's is the same)
 
 
 def objective(terms: list[Term], Q: Tensor) -> float:
@@ -200,7 +233,7 @@ def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor,
     for t in terms:
         if t.is_dense:
             continue
-        _, Kt, Ht = t._summary
+        _, Kt, Ht = t.summary()
         K += t.weight * Kt
         if Ht is not None:
             entry = quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros_like(K)])
@@ -314,7 +347,7 @@ class SegmentResult:
 
 def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5, wopp_iters: int = 100,
                   reduce: bool = True, dtype: torch.dtype = torch.float64, *, tol: float = 0.0,
-                  wopp_tol: float = 1e-9, extrapolate: bool = False) -> SegmentResult:
+                  wopp_tol: float = 1e-9, extrapolate: bool = False, keep_weights: bool = True) -> SegmentResult:
     """Alternate projection and rotation from ``Q0``, then project once more so that the returned factors
     belong to the returned Q. The recorded objective never increases (up to the round-off of ``dtype``).
 
@@ -328,9 +361,11 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
     Defaults (``tol=0``, no extrapolation) are the previous fixed-count behaviour.
 
     ``reduce``: tall row-free terms are solved on their ``[d, d]`` Gram roots (same objective) and
-    lifted. ``dtype``: the iterations may run in float32 (faster); Q is then re-orthonormalised and the
-    final projection done in float64, so the result is float64-exact. Everything runs on the device of
-    the terms' matrices."""
+    lifted. ``keep_weights=False``: a reduced term's row weight is dropped from it once its reduction is
+    made (nothing in the solve needs it again: for callers that read only the factors, e.g. a writer's
+    ``[4d, 4d]`` input moments). ``dtype``: the iterations may run in float32 (faster); Q is then
+    re-orthonormalised and the final projection done in float64, so the result is float64-exact.
+    Everything runs on the device of the terms' matrices."""
     if iters < 0 or tol < 0 or wopp_iters < 0:
         raise ValueError(f"iters, tol and wopp_iters must be >= 0, got {iters}, {tol}, {wopp_iters}")
     device = terms[0].M.device if terms else Q0.device
@@ -338,22 +373,26 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
     # is slower than one thread, and on shared cores even small products are 10-100x slower with it
     with limit_threads(1) if device.type == "cpu" else contextlib.nullcontext():
         return _solve(terms, Q0.to(device=device, dtype=torch.float64).clone(), iters, als_iters, wopp_iters,
-                      reduce, dtype, tol, wopp_tol, extrapolate)
+                      reduce, dtype, tol, wopp_tol, extrapolate, keep_weights)
 
 
-def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate) -> SegmentResult:
+def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate,
+           keep_weights=True) -> SegmentResult:
     work, lifts = [], []
     for t in terms:
         if reduce and not t.is_dense and t.reducible():
+            if not keep_weights:
+                t.release_row_weight()
             red, R = t.reduced()
+            t._rows_gram = None        # (the reduced term holds what it gave)
             work.append(red)
             lifts.append((t, red, R))
         else:
             work.append(t)
-    fast = dtype != torch.float64
+    fast = dtype != torch.float64 and iters > 0      # no iterations: nothing to run in float32
     grams: dict = {}
     loop = [t.cast(dtype, grams) for t in work] if fast else work
-    Qw = Q.to(dtype)
+    Qw = Q.to(dtype) if fast else Q
     trace: list[float] = []
     eig_cache: dict = {}
     before = None
@@ -402,7 +441,12 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
     # (no iterations: Q stays Q0 exactly, not its float32 rounding)
     for t in work:
         t.fit(Q, als_iters)
-    trace.append(objective(work, Q))
+    final = 0.0               # objective(work, Q), each term's summary dropped once counted
+    for t in work:
+        if not t.is_dense:
+            final += t.weight * t.error(Q)
+        t._summary = None
+    trace.append(final)
     for t, red, R in lifts:
         t.lift(red, R)
     return SegmentResult(Q, trace, alternations, converged)

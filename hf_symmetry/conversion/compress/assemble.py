@@ -26,42 +26,54 @@ Tensors = dict[str, torch.Tensor]
 
 
 class FoldedLayer(Mapping):
-    """One layer's norm-folded canonical tensors (:func:`actions.fold_layer_norms`), each made in
-    float64 when it is asked for from the layer's tensors kept in their checkpoint dtype (norms in
-    float64): every access returns a fresh float64 tensor equal to that of the whole-layer fold, so a
-    step holds in float64 only the matrices it works on, not the layer."""
+    """One layer's norm-folded canonical tensors (:func:`actions.fold_layer_norms`), each read from the
+    checkpoint and folded in float64 when it is asked for (the matrix and its norm only; the norms, a
+    few vectors, are kept in float64): every access returns a fresh float64 tensor equal to that of the
+    whole-layer fold, so a step holds in float64 only the matrices it works on, and nothing holds the
+    layer's matrices between accesses."""
 
     _NORM_OF = {**{r: "attn_norm" for r in actions._ATTN_READERS}, **{r: "ffn_norm" for r in actions._FFN_READERS}}
 
-    def __init__(self, raw: Tensors):
-        self.raw = raw                     # canonical names, matrices in their own dtype, norms in float64
+    def __init__(self, source: TensorSource, adapter: Adapter, index: int, keys: list[str]):
+        self.source, self.adapter, self.index = source, adapter, index
+        self.sources = adapter.canonical_sources(index, keys)     # canonical module -> checkpoint keys
+        norms = sorted({n for n in self._NORM_OF.values() if n in self.sources})
+        self.norms = self._read(norms)                            # float64 (a γ − 1 norm made γ exactly)
+        self._keys = [f"{c}.{kind}" for c, ks in self.sources.items() for kind in ("weight", "bias")
+                      if any(k.endswith("." + kind) for k in ks)]
+        self.reads = 0
+
+    def _read(self, modules) -> Tensors:
+        names = list(dict.fromkeys(k for c in modules for k in self.sources[c]))
+        raw = self.adapter.read_layer(self.index, self.source.get(names), dtype=None, norm_dtype=torch.float64,
+                                      partial=True)
+        return {k: v for k, v in raw.items() if k.rsplit(".", 1)[0] in modules}
 
     def __iter__(self):
-        return iter(self.raw)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self.raw)
+        return len(self._keys)
 
     def __contains__(self, key) -> bool:
-        return key in self.raw
+        return key in self._keys
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self.raw:
+        if key not in self._keys:
             raise KeyError(key)
         canon = key.rsplit(".", 1)[0]
-        part = {k: self.raw[k].to(torch.float64, copy=True) for k in (f"{canon}.weight", f"{canon}.bias")
-                if k in self.raw}
-        norm = self._NORM_OF.get(canon)
-        if norm is not None:
-            part.update({k: self.raw[k] for k in (f"{norm}.weight", f"{norm}.bias") if k in self.raw})
+        is_norm = canon in self._NORM_OF.values()
+        part = {} if is_norm else {k: v.to(torch.float64) for k, v in self._read([canon]).items()}
+        self.reads += not is_norm
+        norm = canon if is_norm else self._NORM_OF.get(canon)
+        part.update({k: v for k, v in self.norms.items() if k.startswith(f"{norm}.")})
         return actions.fold_layer_norms(part)[key]
 
 
 class FoldedLayers:
-    """The norm-folded canonical float64 layers as a read-only sequence that reads each layer from
-    the checkpoint when it is asked for and keeps only the last ``keep`` of them, in their checkpoint
-    dtype (:class:`FoldedLayer` folds a matrix in float64 when it is read): the solvers and the
-    assembly walk the layers in order, so memory holds a layer or two whatever the depth."""
+    """The norm-folded canonical float64 layers as a read-only sequence of :class:`FoldedLayer`, each
+    reading its matrices from the checkpoint one at a time when asked for (only the last ``keep``
+    layers' norms are kept): memory holds the matrices a step works on, whatever the depth."""
 
     def __init__(self, source: TensorSource, adapter: Adapter, per_layer: dict[int, list[str]], keep: int = 2):
         self.source, self.adapter, self.per_layer, self.keep = source, adapter, per_layer, keep
@@ -76,11 +88,9 @@ class FoldedLayers:
             raise IndexError(i)
         if i not in self._cache:
             self.reads += 1
-            while len(self._cache) >= self.keep:       # before reading: at most ``keep`` layers at any time
+            while len(self._cache) >= self.keep:
                 self._cache.pop(next(iter(self._cache)))
-            raw = self.adapter.read_layer(i, self.source.get(self.per_layer[i]), dtype=None,
-                                          norm_dtype=torch.float64)
-            self._cache[i] = FoldedLayer(raw)
+            self._cache[i] = FoldedLayer(self.source, self.adapter, i, self.per_layer[i])
         return self._cache[i]
 
     def __iter__(self):

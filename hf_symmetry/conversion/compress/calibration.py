@@ -15,6 +15,7 @@ onto the kept directions)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +33,15 @@ class CalibrationStats:
     stream: list[torch.Tensor] | None = None      # h itself (SliceGPT's PCA)
     attn_out: list[torch.Tensor] | None = None    # o_proj inputs
     mlp_hidden: list[torch.Tensor] | None = None  # down_proj inputs
-    # sequential calibration matching the original model: X̂ᵀX / n, the partly compressed model's inputs
-    # (those above) against the original model's at the same place
+    # sequential calibration matching the original model: X̂ᵀX / n, the partly compressed model's
+    # normalised stream (the readers' inputs) against the original model's at the same place
     normed_cross: list[torch.Tensor] | None = None
-    attn_out_cross: list[torch.Tensor] | None = None
-    mlp_hidden_cross: list[torch.Tensor] | None = None
-    # ... and the writers' inputs X̂ against the residual stream's drift before them, X̂ᵀ(H − Ĥ) / n
-    attn_out_drift: list[torch.Tensor] | None = None
-    mlp_hidden_drift: list[torch.Tensor] | None = None
+    # ... and per writer X̂ᵀ(H' − b − Ĥ) / n (``[k, d]``): its inputs X̂ against what it must add to the
+    # partly compressed stream Ĥ before it to give the original stream H' after it (bias b aside); with
+    # the original stream H before it that is X̂ᵀ(X M + H − Ĥ) / n, M the writer: the original outputs
+    # plus the stream's drift, without the ``[k, k]`` cross moment X̂ᵀX
+    attn_out_target: list[torch.Tensor] | None = None
+    mlp_hidden_target: list[torch.Tensor] | None = None
     # one global PCA: Σ_k C_k / tr C_k over the raw-stream moments, in segment order (instead of ``stream``)
     stream_sum: torch.Tensor | None = None
 
@@ -128,35 +130,40 @@ class CalibrationInput:
 
 
 #: per segment kind: the writer's input site, the stream before the writer adds to it, the stream
-#: the segment's readers see (normalised), on a decoder layer of the calibration engine
-_ATTN_SITES = ("o_in", "layer_in", "normed:ffn_norm_in")
-_FFN_SITES = ("down_in", "ffn_norm_in", "normed:layer_out")
+#: the segment's readers see (normalised), the stream after the writer, on a decoder layer of the
+#: calibration engine
+_ATTN_SITES = ("o_in", "layer_in", "normed:ffn_norm_in", "ffn_norm_in")
+_FFN_SITES = ("down_in", "ffn_norm_in", "normed:layer_out", "layer_out")
 
 
-def _request(sites: tuple[str, str, str], match_original: bool):
+def _request(sites: tuple[str, str, str, str], match_original: bool):
     from ...calibration import StatsRequest
 
-    writer, before, normed = sites
+    writer, before, normed, after = sites
     if not match_original:
         return StatsRequest(grams=(writer, normed))
-    return StatsRequest(grams=(writer, normed), joint=((writer, before),),
-                        cross=((writer, writer), (normed, normed), (writer, before)))
+    return StatsRequest(grams=(writer, normed), sums=(writer,), joint=((writer, before),),
+                        cross=((normed, normed), (writer, after)))
 
 
-def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_kind: str) -> None:
+def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_kind: str,
+            bias: torch.Tensor | None = None) -> None:
     """Segment ``segment``'s statistics (``writer_kind``: ``attn_out`` or ``mlp_hidden``) from one
     :meth:`LayerStep.collect`, per token: the writer's inputs X̂ᵀX̂, the readers' normalised stream,
-    and when matching the original model the cross moments X̂ᵀX and the drift X̂ᵀ(H − Ĥ)."""
-    writer, before, normed = sites
+    and when matching the original model the readers' cross moments X̂ᵀX and the writer's target
+    moment X̂ᵀ(H' − b − Ĥ) (``bias`` b: the writer's, which it keeps)."""
+    writer, before, normed, after = sites
     n = got.tokens
     # in place (the sums are not needed again): no second copy of the FFN's [4d, 4d]-sized moments
     getattr(stats, writer_kind)[layer] = got.grams.pop(writer).div_(n)
     stats.normed[segment] = got.grams.pop(normed).div_(n)
     if stats.normed_cross is not None:
         stats.normed_cross[segment] = got.cross.pop((normed, normed)).div_(n)
-        getattr(stats, writer_kind + "_cross")[layer] = got.cross.pop((writer, writer)).div_(n)
-        getattr(stats, writer_kind + "_drift")[layer] = got.cross.pop((writer, before)).sub_(
-            got.joint.pop((writer, before))).div_(n)
+        target = got.cross.pop((writer, after)).sub_(got.joint.pop((writer, before)))
+        total = got.sums.pop(writer)
+        if bias is not None:
+            target.sub_(torch.outer(total, bias.to(target)))
+        getattr(stats, writer_kind + "_target")[layer] = target.div_(n)
 
 
 def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, match_original: bool,
@@ -182,6 +189,7 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     from ...calibration import CalibrationEngine, StatsRequest
     from ...calibration import calibration_batches as batches
     from ...calibration.engine import Activations
+    from ...calibration.statistics import base_site
     from ...symmetry import actions
 
     engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
@@ -191,7 +199,7 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     stats = CalibrationStats(0, token_counts, normed=[None] * n_seg, attn_out=[None] * L, mlp_hidden=[None] * L)
     if match_original:
         stats.normed_cross = [None] * n_seg
-        for name in ("attn_out_cross", "mlp_hidden_cross", "attn_out_drift", "mlp_hidden_drift"):
+        for name in ("attn_out_target", "mlp_hidden_target"):
             setattr(stats, name, [None] * L)
     chunks = batches(calib.ids, calib.seq_len)
     run = engine.start(chunks, carry_original=match_original)
@@ -218,20 +226,21 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
             else:
                 raise AssertionError(f"segment solve replaced {m.name} out of order (layer {layer})")
 
-    def module(step, canon: Tensors) -> torch.nn.Module:
-        """The layer's module with the canonical tensors ``canon`` (norm-folded), built from the
+    def module(i: int, like: dict, canon: "_Overlay") -> torch.nn.Module:
+        """Layer ``i``'s module with the canonical tensors ``canon`` (norm-folded), built from the
         family's meta skeleton (the original layer's weights are not copied)."""
-        prefix = adapter.layer_prefix(step.index)
-        like = {prefix + n: engine.dtype for n, _ in step.module.named_parameters()}
-        return engine.layer_module(step.index, adapter.write_layer(step.index, canon, like))
+        return engine.layer_module(i, adapter.write_layer(i, canon, like))
 
-    for step in run.layers(first, only={0}):
+    # the original stream's sites the segments' cross statistics read (besides the layer's output), kept
+    # from the first pass: the original layer is released before the segments are measured and solved
+    kept = tuple(dict.fromkeys(base_site(b) for sites in (_ATTN_SITES, _FFN_SITES)
+                               for _, b in _request(sites, True).cross)) if match_original else ()
+    for step in run.layers(first, only={0}, keep_original=tuple(s for s in kept if s != "layer_out")):
         i = step.index
-        # in the engine's dtype (the layer modules are built in it: the same values), one matrix folded
-        # in float64 at a time
         layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
-        canon = {k: layer[k].to(engine.dtype) for k in layer}
-        del layer
+        canon = _Overlay(layer, engine.dtype)
+        like = {adapter.layer_prefix(i) + n: engine.dtype for n, _ in step.module.named_parameters()}
+        step.release()
         if i == 0:
             n = step.stats.tokens
             stats.normed[0] = step.stats.grams["normed:layer_in"] / n
@@ -243,14 +252,50 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
         canon.update(pending)
         pending.clear()
         for k, sites, kind in ((2 * i + 1, _ATTN_SITES, "attn_out"), (2 * i + 2, _FFN_SITES, "mlp_hidden")):
-            partial = module(step, canon)
-            _record(stats, step.collect(_request(sites, match_original), module=partial), sites, k, i, kind)
+            partial = module(i, like, canon)
+            got = step.collect(_request(sites, match_original), module=partial)
             del partial
+            bias = "o.bias" if kind == "attn_out" else "down.bias"
+            _record(stats, got, sites, k, i, kind, bias=layer[bias] if bias in layer else None)
+            del got
             apply(solve_segment(k, stats), i, canon)
             if not keep:
                 _release(stats, k, i, kind)
-        step.replace(module(step, canon))
+        step.replace(module(i, like, canon))
     return stats
+
+
+class _Overlay(Mapping):
+    """A layer's canonical tensors in ``dtype`` as the sequential calibration builds its modules from
+    them: the approximations set so far (``canon[key] = W``), over the norm-folded layer, whose other
+    tensors are read and cast when a module is built (so nothing but the approximations is held
+    between modules)."""
+
+    def __init__(self, layer, dtype: torch.dtype):
+        self.layer, self.dtype, self.replaced = layer, dtype, {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.replaced:
+            return self.replaced[key]
+        return self.layer[key].to(self.dtype)
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if key not in self.layer:
+            raise KeyError(key)
+        self.replaced[key] = value
+
+    def update(self, other: Tensors) -> None:
+        for k, v in other.items():
+            self[k] = v
+
+    def __iter__(self):
+        return iter(self.layer)
+
+    def __len__(self) -> int:
+        return len(self.layer)
+
+    def __contains__(self, key) -> bool:
+        return key in self.layer
 
 
 def _release(stats: CalibrationStats, segment: int, layer: int | None, writer_kind: str | None) -> None:
@@ -259,7 +304,7 @@ def _release(stats: CalibrationStats, segment: int, layer: int | None, writer_ki
         if getattr(stats, name) is not None:
             getattr(stats, name)[segment] = None
     if writer_kind is not None:
-        for name in (writer_kind, writer_kind + "_cross", writer_kind + "_drift"):
+        for name in (writer_kind, writer_kind + "_target"):
             if getattr(stats, name) is not None:
                 getattr(stats, name)[layer] = None
 

@@ -45,36 +45,56 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
 
 
 def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
-             consume: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             consume: bool = False, rows_gram: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
     model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
     side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
-    ridge-regularised towards M itself, so that X̂ = X gives M back exactly:
-    ``(X̂ᵀX̂ + δI)⁻¹ ((X̂ᵀX + δI) M + X̂ᵀD)`` — then approximated in the metric X̂ᵀX̂ like any stage W term.
-    Returns the target and, for a writer, its damped moments ``X̂ᵀX̂ + δI`` (its row weight; ``None``
-    for a reader, whose segment shares one column weight).
+    ridge-regularised towards M itself, so that X̂ = X gives M back exactly. Readers:
+    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M`` (:func:`_reader_map`); writers:
+    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``, from the target moment ``X̂ᵀ(X M + D)`` the calibration
+    measured (:class:`.calibration.CalibrationStats`) — then approximated in the metric X̂ᵀX̂ like any
+    stage W term. Returns the target and, for a writer, its damped moments ``X̂ᵀX̂ + δI`` (its row weight;
+    ``None`` for a reader, whose segment shares one column weight).
     ``consume``: the caller owns the statistics and needs them no more: a writer's are dropped from
-    ``stats`` and its moments damped in place once the cross moments are used, so that at most two of
-    the FFN's ``[4d, 4d]`` float64 matrices are held at a time (moments and cross moments, then the
-    damped moments and their factorisation)."""
+    ``stats``, and its moments damped and its target moment turned into the right-hand side in place,
+    so that one of the FFN's ``[4d, 4d]`` float64 matrices is held (and its factorisation while solving).
+    ``rows_gram`` (with ``consume``, for a writer whose term is reducible): return ``M'ᵀ (X̂ᵀX̂ + δI) M'``
+    (``[d, d]``, all its solve needs of the row weight; :meth:`Term.set_rows_gram`) instead of the
+    moments, which are then factorised in place (on the CPU: LAPACK's Cholesky solve overwrites them,
+    no second ``[4d, 4d]`` matrix)."""
     if m.role == "reader":     # M Aᵀ (a segment's readers share its moments: nothing is consumed)
         return M @ _reader_map(m.segment, stats, damping, M.device).T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
-    G, Cx = getattr(stats, key)[m.layer], getattr(stats, key + "_cross")[m.layer]
-    drift = getattr(stats, key + "_drift")[m.layer]
+    G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
     if consume:
-        for name in (key, key + "_cross", key + "_drift"):
+        for name in (key, key + "_target"):
             getattr(stats, name)[m.layer] = None
-    # (X̂ᵀX + δI) M without a [k, k] copy of X̂ᵀX, the cross moments dropped before the system is made
-    rhs = Cx.to(M.device) @ M
-    del Cx
     G = G.to(M.device)
-    rhs.add_(M, alpha=float(_ridge(G, damping)))
-    rhs += drift.to(M.device)
-    del drift
+    rhs = T.to(M.device, copy=not consume).add_(M, alpha=float(_ridge(G, damping)))
+    del T
     Gd = _damped(G, damping, in_place=consume)
     del G
-    return torch.linalg.solve(Gd, rhs), Gd
+    if not (consume and rows_gram):
+        return torch.linalg.solve(Gd, rhs), Gd
+    if Gd.device.type == "cpu" and Gd.dtype == torch.float64 and Gd.is_contiguous():
+        target = _cholesky_solve_in_place(Gd, rhs, m.name)
+    else:
+        target = torch.linalg.solve(Gd, rhs)
+    del Gd
+    return target, target.T @ rhs           # M'ᵀ Gd M' = M'ᵀ rhs
+
+
+def _cholesky_solve_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> torch.Tensor:
+    """``A⁻¹ B`` for a symmetric positive definite float64 CPU ``A``, whose memory receives its Cholesky
+    factor (LAPACK ``dposv``; ``A`` is destroyed): no copy of ``A`` is made."""
+    from scipy.linalg.lapack import dposv
+
+    # A is symmetric: its C-ordered buffer read as a Fortran-ordered matrix is A itself
+    _, x, info = dposv(A.numpy().T, B.numpy(), lower=1, overwrite_a=1, overwrite_b=0)
+    if info != 0:
+        raise ValueError(f"{name}: the damped input moments are not positive definite (LAPACK info {info}); "
+                         "raise --damping")
+    return torch.from_numpy(x).contiguous()
 
 
 def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
@@ -198,8 +218,12 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
             continue
         M = _matrix_of(m, layers, globals_).to(device)
         row_metric = None         # a writer's damped input moments: its row weight (and _matched's system)
+        rows_gram = None          # ... or only Mᵀ G M of them (a reducible writer, its statistics consumed)
         if weighted and stats.normed_cross is not None and m.canon != "embed":
-            M, row_metric = _matched(m, M, stats, options.damping, consume=consume)
+            if consume and m.role == "writer" and Term(m.name, M, m.structure).reducible():
+                M, rows_gram = _matched(m, M, stats, options.damping, consume=True, rows_gram=True)
+            else:
+                M, row_metric = _matched(m, M, stats, options.damping, consume=consume)
         elif weighted and m.canon in ("o", "down"):
             key = "attn_out" if m.canon == "o" else "mlp_hidden"
             G = getattr(stats, key)[m.layer]
@@ -213,8 +237,13 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
         if weighted:
             if m.role == "reader" and term.row_gram is None:
                 term.col_gram = column_weight(m.segment)
+            elif rows_gram is not None:
+                term.set_rows_gram(rows_gram)
             elif row_metric is not None:
                 term.row_gram = st.Gram(matrix=row_metric)
+                del row_metric
+                if consume and term.reducible():     # its solve needs Mᵀ G M only: the [k, k] G goes now
+                    term.release_row_weight()
         terms, readers = segments[m.segment]
         terms.append(term)
         if m.role == "reader":
@@ -241,6 +270,12 @@ def _stopping(options: CompressOptions, stage: str = "w") -> dict:
     return {"tol": options.tol, "wopp_tol": options.wopp_tol, "extrapolate": options.extrapolate and stage == "w"}
 
 
+def _kept_rotation(Q: torch.Tensor, Q0: torch.Tensor, iters: int) -> torch.Tensor:
+    """A segment's solved rotation on the CPU: without iterations it is its start ``Q0`` (shared, not a
+    ``d × d`` copy per segment)."""
+    return Q0 if iters == 0 and Q0.dtype == torch.float64 and Q0.device.type == "cpu" else Q.cpu()
+
+
 def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict) -> None:
     """Record the solved factors (in host memory) and relative errors of ``terms`` (their matrices are
     then no longer needed: nothing else holds them)."""
@@ -250,8 +285,12 @@ def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict) -> None:
             factors[t.name], rel[t.name] = tall.lift(Q)
             continue
         factors[t.name] = tuple(f.cpu() for f in t.factors)
-        rel[t.name] = float(torch.linalg.matrix_norm(t.M @ Q - t.structure.dense(t.factors)) /
-                            torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
+        D = t.structure.dense(t.factors)
+        if any(D.data_ptr() == f.data_ptr() for f in t.factors):
+            D = D.clone()                         # (a dense term's product is its factor)
+        D.addmm_(t.M, Q.to(t.M), beta=-1)                 # M Q − Ŵ with one matrix-sized temporary
+        rel[t.name] = float(torch.linalg.matrix_norm(D) / torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
+        del D
 
 
 def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress, factors, rel,
@@ -266,7 +305,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         segments = _terms(plan, layers, globals_, stats, stage, options, device=device, row_dtype=row_dtype)
         terms = [t for seg, _ in segments for t in seg]
         res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            **_stopping(options, stage))
+                            keep_weights=False, **_stopping(options, stage))
         Qs = [res.Q.cpu()] * len(segments)
         traces["global"] = res.trace
         _keep(terms, res.Q, factors, rel)
@@ -275,8 +314,8 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
     for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
         terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            **_stopping(options, stage))
-        Qs.append(res.Q.cpu())
+                            keep_weights=False, **_stopping(options, stage))
+        Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
         traces[f"segment{k}"] = res.trace
         _keep(terms, res.Q, factors, rel)
         del terms
@@ -303,8 +342,8 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
         terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype,
                           consume=not keep_stats)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            **_stopping(options))
-        Qs[k] = res.Q.cpu()
+                            keep_weights=False, **_stopping(options))
+        Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
         traces[f"segment{k}"] = res.trace
         _keep(terms, res.Q, factors, rel)
         bar.update(1)
