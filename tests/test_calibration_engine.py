@@ -204,6 +204,35 @@ def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tm
                 step.replace(partial)     # layer 1 then runs on a drifted stream
 
 
+def test_replaced_run_skips_the_original_layer_on_the_converted_stream(tmp_path):
+    """``replaced=True``: the caller replaces every layer, so the original layer's outputs on the
+    converted stream are not computed — the statistics and the stream handed on are those of the plain
+    run — and a layer left unreplaced is an error, not a silent hand-on of nothing."""
+    import copy
+
+    _saved("llama", tmp_path)
+    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
+    engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
+    first = StatsRequest(grams=("normed:layer_in",))
+    streams, grams = [], []
+    for replaced in (False, True):
+        run = engine.start(batches, carry_original=True)
+        for step in run.layers(first, only={0}, replaced=replaced):
+            if step.index == 0:
+                grams.append(step.stats.grams["normed:layer_in"])
+            new = copy.deepcopy(step.module)
+            with torch.no_grad():
+                new.mlp.down_proj.weight.mul_(0.5)
+            step.replace(new)
+        streams.append(run.stream.batches)
+    assert torch.equal(grams[0], grams[1])
+    assert all(torch.equal(a, b) for a, b in zip(*streams))
+    run = engine.start(batches)
+    with pytest.raises(RuntimeError, match="not replaced"):
+        for _ in run.layers(StatsRequest(), replaced=True):
+            pass
+
+
 def test_engine_reads_one_layer_at_a_time(tmp_path):
     """The engine never asks its source for more than one layer's tensor (or the input embeddings)
     at once, and reads each layer's tensors exactly once."""

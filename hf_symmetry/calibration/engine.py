@@ -402,12 +402,15 @@ class CalibrationRun:
 
     @torch.no_grad()
     def _collect(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None,
-                 original_acts: list[Tensors] | None = None, keep_original: tuple[str, ...] = ()):
+                 original_acts: list[Tensors] | None = None, keep_original: tuple[str, ...] = (),
+                 converted_outputs: bool = True):
         """Run batch by batch: statistics of ``request`` and (``keep_outputs``) the outputs of
         ``module`` on the converted stream and of ``original_module`` on the original stream (default
         ``module``; ``None`` where ``original_acts`` holds the original stream's sites instead).
         ``keep_original``: also return, per batch, the original stream's activations at these sites
-        and its output (``layer_out``)."""
+        and its output (``layer_out``). ``converted_outputs=False``: ``module``'s outputs on the
+        converted stream are not needed (the caller replaces the layer): it is not run there unless
+        ``request`` reads a site inside it."""
         adapter = self.engine.adapter
         stats, acc = self._new_stats(i, request)
         sites = {base_site(s) for s in request.sites()}
@@ -440,22 +443,28 @@ class CalibrationRun:
                     if keep_original:
                         kept.append({s: oouts[-1] if s == "layer_out" and keep_outputs else
                                      self._home(self.original, oacts[s]) for s in (*keep_original, "layer_out")})
+            if not converted_outputs and sites <= {"layer_in"}:
+                acc.add({"layer_in": x_dev}, oacts)
+                del oacts
+                continue
             with capture_sites(module, site_modules, sites) as got:
                 y = _first(module(x_dev, *args, **kwargs))
             acc.add(dict(got, layer_in=x_dev, layer_out=y), oacts)
-            if keep_outputs:
+            if keep_outputs and converted_outputs:
                 outs.append(self._home(self.stream, y))
             del got, oacts
         return stats, outs, oouts, kept
 
     def layers(self, request: StatsRequest, stop: int | None = None, only: set[int] | None = None,
-               keep_original: tuple[str, ...] = ()) -> Iterator[LayerStep]:
+               keep_original: tuple[str, ...] = (), replaced: bool = False) -> Iterator[LayerStep]:
         """Walk layers ``next_layer .. stop-1``: build each, collect ``request`` (on layers in
         ``only``, default all), yield the step, then hand the outputs on (the replacement's, if
         the caller set one). ``keep_original`` (with ``carry_original``): the original stream's
         activations at these sites are kept on the step (:attr:`LayerStep.original_acts`, one
         ``tokens × width`` tensor per site), so that it can release the original layer and still
-        collect cross statistics against them."""
+        collect cross statistics against them. ``replaced``: the caller replaces every layer
+        (:meth:`LayerStep.replace`), so the original layer is not run on the converted stream (its
+        outputs there would be thrown away) unless ``request`` reads a site inside it."""
         engine = self.engine
         stop = engine.adapter.n_layers if stop is None else stop
         bar = tqdm(range(self.next_layer, stop), desc="calibration", unit="layer", disable=not engine.progress)
@@ -464,11 +473,14 @@ class CalibrationRun:
             module = engine.layer_module(i)
             want = request if (only is None or i in only) else StatsRequest()
             stats, outs, oouts, kept = self._collect(i, module, want, keep_outputs=True, original_module=module,
-                                                     keep_original=keep_original if self.original is not None else ())
+                                                     keep_original=keep_original if self.original is not None else (),
+                                                     converted_outputs=not replaced)
             step = LayerStep(i, module, stats if (only is None or i in only) else None, self,
                              original_acts=kept or None)
             del module   # the step holds the layer: a caller that sets step.module = None frees it now
             yield step
+            if replaced and step.replacement is None:
+                raise RuntimeError(f"layer {i} was not replaced (CalibrationRun.layers(replaced=True))")
             if step.replacement is not None:
                 with torch.no_grad():   # a generator body is outside any decorator's no_grad
                     outs = [self._home(self.stream, _first(step.replacement(self._to_device(x),

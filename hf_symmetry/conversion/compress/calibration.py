@@ -173,7 +173,9 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     segments are already compressed, and with ``match_original`` also the original model's stream
     carried alongside. ``solve_segment(k, stats)`` solves segment ``k`` from ``stats`` (its entries
     for segment k are filled) and returns ``[(MatrixPlan, M̂)]``: the approximations, in the solver's
-    ``[k, d]`` orientation and the original basis, that replace the segment's matrices from then on.
+    ``[k, d]`` orientation and the original basis, that replace the segment's matrices from then on
+    (``M̂`` or a function making it, called when it is applied; the embedding's may be a function of
+    the token ids giving its rows).
     A segment's own writer still counts as dense in what its statistics measure. ``keep=False`` drops
     each segment's statistics once it is solved (memory flat in depth; the returned statistics are then
     empty but for the token counts). ``folded``: the norm-folded float64 layers the solver reads
@@ -217,8 +219,11 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
                 continue
             if m.canon == "lm_head":
                 continue                             # nothing runs after the head
+            if callable(M):
+                M = M()                              # made now: one float64 approximation at a time
             # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
             W = (M if m.role == "reader" else M.T).to(engine.dtype)
+            del M
             if m.layer == layer:
                 canon[f"{m.canon}.weight"] = W
             elif m.layer == layer + 1:
@@ -235,7 +240,7 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     # from the first pass: the original layer is released before the segments are measured and solved
     kept = tuple(dict.fromkeys(base_site(b) for sites in (_ATTN_SITES, _FFN_SITES)
                                for _, b in _request(sites, True).cross)) if match_original else ()
-    for step in run.layers(first, only={0}, keep_original=tuple(s for s in kept if s != "layer_out")):
+    for step in run.layers(first, only={0}, keep_original=tuple(s for s in kept if s != "layer_out"), replaced=True):
         i = step.index
         layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
         canon = _Overlay(layer, engine.dtype)

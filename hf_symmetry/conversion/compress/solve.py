@@ -276,15 +276,16 @@ def _kept_rotation(Q: torch.Tensor, Q0: torch.Tensor, iters: int) -> torch.Tenso
     return Q0 if iters == 0 and Q0.dtype == torch.float64 and Q0.device.type == "cpu" else Q.cpu()
 
 
-def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict) -> None:
-    """Record the solved factors (in host memory) and relative errors of ``terms`` (their matrices are
-    then no longer needed: nothing else holds them)."""
+def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict, dtype: torch.dtype | None = None) -> None:
+    """Record the solved factors (in host memory; in ``dtype``, the output's, when given: they are
+    rounded to it when written anyway) and relative errors of ``terms`` (their matrices are then no
+    longer needed: nothing else holds them)."""
     for t in terms:
         tall = getattr(t, "tall", None)
         if tall is not None:
             factors[t.name], rel[t.name] = tall.lift(Q)
             continue
-        factors[t.name] = tuple(f.cpu() for f in t.factors)
+        factors[t.name] = tuple(f.to(device="cpu", dtype=dtype or f.dtype) for f in t.factors)
         D = t.structure.dense(t.factors)
         if any(D.data_ptr() == f.data_ptr() for f in t.factors):
             D = D.clone()                         # (a dense term's product is its factor)
@@ -308,7 +309,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
                             keep_weights=False, **_stopping(options, stage))
         Qs = [res.Q.cpu()] * len(segments)
         traces["global"] = res.trace
-        _keep(terms, res.Q, factors, rel)
+        _keep(terms, res.Q, factors, rel, row_dtype)
         return Qs, traces
     Qs = []
     for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
@@ -317,7 +318,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
                             keep_weights=False, **_stopping(options, stage))
         Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
         traces[f"segment{k}"] = res.trace
-        _keep(terms, res.Q, factors, rel)
+        _keep(terms, res.Q, factors, rel, row_dtype)
         del terms
         if on_segment is not None:
             on_segment(k, Qs, factors)
@@ -345,10 +346,13 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
                             keep_weights=False, **_stopping(options))
         Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
         traces[f"segment{k}"] = res.trace
-        _keep(terms, res.Q, factors, rel)
+        _keep(terms, res.Q, factors, rel, row_dtype)
         bar.update(1)
-        approximations = [(ms[t.name], t.tall.rows(res.Q) if hasattr(t, "tall") else t.structure.dense(t.factors) @ res.Q.T)
-                          for t in terms if ms[t.name].canon != "lm_head"]    # nothing runs after the head
+        # nothing runs after the head; the others' approximations are made one at a time when applied
+        approximations = [(ms[t.name], t.tall.rows(res.Q) if hasattr(t, "tall") else
+                           t.structure.dense(t.factors) @ res.Q.T if ms[t.name].canon == "embed" else
+                           (lambda s=t.structure, f=t.factors, Q=res.Q: s.dense(f) @ Q.T))
+                          for t in terms if ms[t.name].canon != "lm_head"]
         del terms
         if on_segment is not None:
             on_segment(k, Qs, factors)
@@ -377,8 +381,8 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     rotation ``Qs[k]`` and factors are final, with those of every earlier segment (e.g.
     :meth:`.assemble.Assembler.segment_done`, which writes what they complete and drops its factors from
     ``factors``, the dict that becomes ``SolveResult.factors``). ``row_dtype``: the dtype the
-    vocabulary-sized row factor of a low-rank embedding is kept in (the output's: it is rounded to it
-    when written anyway; default float64)."""
+    solved factors are kept in, the vocabulary-sized row factor of a low-rank embedding included (the
+    output's: they are rounded to it when written anyway; default float64, the solver's)."""
     n_seg = plan.n_segments
     if options.sequential and not options.slicing and calib is None:
         raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
