@@ -41,7 +41,6 @@ class FoldedLayer(Mapping):
         self.norms = self._read(norms)                            # float64 (a γ − 1 norm made γ exactly)
         self._keys = [f"{c}.{kind}" for c, ks in self.sources.items() for kind in ("weight", "bias")
                       if any(k.endswith("." + kind) for k in ks)]
-        self.reads = 0
 
     def _read(self, modules) -> Tensors:
         names = list(dict.fromkeys(k for c in modules for k in self.sources[c]))
@@ -64,7 +63,6 @@ class FoldedLayer(Mapping):
         canon = key.rsplit(".", 1)[0]
         is_norm = canon in self._NORM_OF.values()
         part = {} if is_norm else {k: v.to(torch.float64) for k, v in self._read([canon]).items()}
-        self.reads += not is_norm
         norm = canon if is_norm else self._NORM_OF.get(canon)
         part.update({k: v for k, v in self.norms.items() if k.startswith(f"{norm}.")})
         return actions.fold_layer_norms(part)[key]
