@@ -173,6 +173,8 @@ class Term:
         (as large as M) is never formed: the lift computes ``M (R f)``."""
         if self._rows_gram is not None:
             return self.reduced_from_gram(self._rows_gram)
+        if self._weight_released:     # its Mᵀ G M went to the reduced term solve_segment made
+            raise RuntimeError(f"{self.name}: its row weight was released and already reduced")
         P = self.M.T @ (self.M if self.row_gram is None else self.row_gram.apply(self.M))
         return self.reduced_from_gram(P)
 
