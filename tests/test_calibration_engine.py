@@ -182,7 +182,8 @@ def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tm
     batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     request = StatsRequest(grams=("down_in",), cross=(("down_in", "layer_out"), ("o_in", "ffn_norm_in"),
-                                                      ("normed:ffn_norm_in", "normed:ffn_norm_in")))
+                                                      ("normed:ffn_norm_in", "normed:ffn_norm_in")),
+                           joint=(("down_in", "ffn_norm_in"),), drift=(("down_in", "layer_out", "ffn_norm_in"),))
     for keep in (("ffn_norm_in",), ()):
         run = engine.start(batches, carry_original=True)
         for step in run.layers(StatsRequest(), keep_original=keep):
@@ -198,8 +199,17 @@ def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tm
             kept = step.collect(request, module=partial)
             for key in request.cross:
                 assert torch.equal(kept.cross[key], live.cross[key]), key
+            # drift: Σ x̂_aᵀ(x_b − x̂_c) in one sum, the cross moment less the joint one
+            drift = kept.drift[("down_in", "layer_out", "ffn_norm_in")]
+            assert torch.equal(drift, live.drift[("down_in", "layer_out", "ffn_norm_in")])
+            assert _close(drift, kept.cross[("down_in", "layer_out")] - kept.joint[("down_in", "ffn_norm_in")], 1e-12)
+            assert not _close(drift, kept.cross[("down_in", "layer_out")], 1e-3)
             with pytest.raises(RuntimeError, match="down_in"):
                 step.collect(StatsRequest(cross=(("o_in", "down_in"),)), module=partial)
+            # the original stream's input went with the released layer (it was not kept)
+            assert run.original.batches == []
+            with pytest.raises(RuntimeError, match="layer_in"):
+                step.collect(StatsRequest(cross=(("normed:layer_in", "normed:layer_in"),)), module=partial)
             if step.index == 0:
                 step.replace(partial)     # layer 1 then runs on a drifted stream
 

@@ -242,7 +242,7 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
     assert err <= 1e-9, err
 
 
-def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False):
+def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False, reader_map=None):
     """``_matched`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
     from the statistics alone (nothing consumed, nothing damped in place): the target and a writer's
     damped moments."""
@@ -256,6 +256,15 @@ def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False):
     ridge = solve_mod._damped(G, damping) - G
     out = torch.linalg.solve(G + ridge, T + ridge @ M)
     return out, (out.T @ (G + ridge) @ out if rows_gram else G + ridge)
+
+
+def _whole_reader_moments(segment, stats, damping, device, matched):
+    """``_consume_reader_moments`` as a dense-ridge computation that leaves the statistics in place."""
+    solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
+    G = stats.normed[segment]
+    ridge = solve_mod._damped(G, damping) - G
+    A = torch.linalg.solve(G + ridge, stats.normed_cross[segment] + ridge) if matched else None
+    return G + ridge, A
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -308,6 +317,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
         mp.setattr(assemble_mod.FoldedGlobals, "__getitem__", whole_read)
         mp.setattr(solve_mod._TallTerm, "applies", staticmethod(lambda m: False))
         mp.setattr(solve_mod, "_matched", _whole_matched)
+        mp.setattr(solve_mod, "_consume_reader_moments", _whole_reader_moments)
         mp.setattr(C.Assembler, "segment_done", lambda self, k, Qs, f: None)
         whole, whole_report = run()
         other, _ = run(damping=0.0101)
@@ -725,8 +735,8 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     moments (dropped from the statistics as soon as the matched target and the damped row weight are
     made, so the FFN's ``4d × 4d`` moments are not held through the solve): the terms are those built
     without consuming — same matched matrices, same row weights (a reducible writer's as ``Mᵀ G M``, G
-    itself released) — and only the writers' entries are gone (the segment's readers share its
-    normalised-stream moments, which stay)."""
+    itself released), same column weights — and the segment's statistics are gone: the writers' and
+    the readers' normalised-stream moments, consumed once their shared column weight and map are made."""
     import copy
 
     S = importlib.import_module("hf_symmetry.conversion.compress.solve")   # the module (the package exports solve())
@@ -744,6 +754,9 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
         assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
         for ta, tb in zip(a, b):
             assert _rel(tb.M, ta.M) < 1e-12, ta.name
+            assert (ta.col_gram is None) == (tb.col_gram is None), ta.name
+            if ta.col_gram is not None:
+                assert _rel(tb.col_gram, ta.col_gram) == 0, ta.name
             if ta.row_gram is not None and tb.row_gram is not None:
                 assert _rel(tb.row_gram.matrix, ta.row_gram.matrix) == 0
             elif ta.row_gram is not None:   # a reducible writer keeps only Mᵀ G M: the same reduced problem
@@ -755,4 +768,6 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
         writer = "attn_out" if k == 1 else "mlp_hidden"
         for name in (writer, writer + "_target"):
             assert getattr(kept, name)[0] is not None and getattr(eaten, name)[0] is None, name
-        assert eaten.normed[k] is not None and eaten.normed_cross[k] is not None
+        # the readers' moments too, once their shared column weight and map are made from them in place
+        assert kept.normed[k] is not None and kept.normed_cross[k] is not None
+        assert eaten.normed[k] is None and eaten.normed_cross[k] is None

@@ -353,10 +353,13 @@ class LayerStep:
 
     def release(self) -> None:
         """Drop the original layer now (its outputs are already computed and handed on): its weights
-        are then freed before the caller's own work on this layer, not when the next layer is built.
+        are then freed before the caller's own work on this layer, not when the next layer is built;
+        so is the original stream's input to it (one ``tokens × hidden`` copy), unless kept.
         :meth:`collect` still works for ``cross`` statistics at the sites kept with
-        :meth:`CalibrationRun.layers`' ``keep_original``."""
+        :meth:`CalibrationRun.layers`' ``keep_original`` (``layer_in`` among them where needed)."""
         self.module = None
+        if self.run.original is not None:
+            self.run.original = Activations([])   # handed on from this layer's outputs as before
 
     def replace(self, module: torch.nn.Module) -> None:
         """Hand on the outputs of ``module`` (the converted layer, called like the original with
@@ -419,7 +422,7 @@ class CalibrationRun:
             original_module = module
         need_original = self.original is not None and (bool(osites) or keep_outputs)
         if need_original and original_module is None:
-            missing = osites - set(original_acts[0]) - {"layer_in"}
+            missing = osites - set(original_acts[0]) - ({"layer_in"} if self.original.batches else set())
             if missing:
                 raise RuntimeError(f"layer {i} was released and the original stream's {sorted(missing)} were "
                                    "not kept (CalibrationRun.layers' keep_original)")
@@ -430,11 +433,12 @@ class CalibrationRun:
             x_dev = self._to_device(x)
             oacts = None
             if need_original:
-                xo = self._to_device(self.original.batches[b])
                 if original_module is None:
                     oacts = {s: self._to_device(t) for s, t in original_acts[b].items()}
-                    oacts["layer_in"] = xo
+                    if self.original.batches:    # (the input is dropped with the released layer)
+                        oacts.setdefault("layer_in", self._to_device(self.original.batches[b]))
                 else:
+                    xo = self._to_device(self.original.batches[b])
                     with capture_sites(original_module, site_modules, osites | set(keep_original)) as got:
                         yo = _first(original_module(xo, *args, **kwargs))
                     oacts = dict(got, layer_in=xo, layer_out=yo)
@@ -513,7 +517,7 @@ class CalibrationRun:
             x = self._to_device(x)
             acts = {"final_in": x, "head_in": norm(x) if norm is not None else x}
             oacts = None
-            if self.original is not None and request.cross:
+            if self.original is not None and (request.cross or request.drift):
                 xo = self._to_device(self.original.batches[b])
                 oacts = {"final_in": xo, "head_in": norm(xo) if norm is not None else xo}
             acc.add(acts, oacts)

@@ -37,7 +37,11 @@ products are float64 too, so statistics of a float64 model are exact to rounding
   earlier layers are converted) and ``x`` from the original model's stream at site ``b``
   (needs ``carry_original``). ``cross`` of ``(a, a)`` is the classic cross moment against the
   original model; ``(a, b)`` with a stream site gives drift terms, e.g. ``Σ x̂ᵀ(h − ĥ)`` is
-  ``cross[(a, "layer_in")] − joint[(a, "layer_in")]``.
+  ``cross[(a, "layer_in")] − joint[(a, "layer_in")]``;
+* ``drift``: ``Σ x̂_aᵀ (x_b − x̂_c)`` for a triple ``(a, b, c)``: ``x_b`` from the original stream, ``x̂_c``
+  from the converted one (needs ``carry_original``), e.g. ``(writer, after, before)`` for what a writer
+  must add to the converted stream to give the original stream after it. It equals
+  ``cross[(a, b)] − joint[(a, c)]`` and is accumulated as one ``[width_a, width_b]`` sum instead of two.
 """
 
 from __future__ import annotations
@@ -67,12 +71,15 @@ class StatsRequest:
     sums: tuple[str, ...] = ()
     joint: tuple[tuple[str, str], ...] = ()
     cross: tuple[tuple[str, str], ...] = ()
+    drift: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self):
         for name in ("grams", "sums"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name in ("joint", "cross"):
+        for name in ("joint", "cross", "drift"):
             object.__setattr__(self, name, tuple(tuple(p) for p in getattr(self, name)))
+        if any(len(t) != 3 for t in self.drift):
+            raise ValueError(f"drift statistics are (a, b, c) triples, got {self.drift}")
         for site in self.sites() | self.original_sites():
             if base_site(site) not in LAYER_SITES + FINAL_SITES:
                 raise ValueError(f"unknown calibration site {site!r}; sites: {', '.join(LAYER_SITES + FINAL_SITES)}")
@@ -80,20 +87,21 @@ class StatsRequest:
     def sites(self) -> set[str]:
         """Sites whose activations of the (converted) run are needed."""
         return {*self.grams, *self.sums, *(a for a, _ in self.joint), *(b for _, b in self.joint),
-                *(a for a, _ in self.cross)}
+                *(a for a, _ in self.cross), *(a for a, _, _ in self.drift), *(c for _, _, c in self.drift)}
 
     def original_sites(self) -> set[str]:
-        """Sites whose activations on the original model's stream are needed (``cross``)."""
-        return {b for _, b in self.cross}
+        """Sites whose activations on the original model's stream are needed (``cross``, ``drift``)."""
+        return {b for _, b in self.cross} | {b for _, b, _ in self.drift}
 
     @property
     def empty(self) -> bool:
-        return not (self.grams or self.sums or self.joint or self.cross)
+        return not (self.grams or self.sums or self.joint or self.cross or self.drift)
 
     def __or__(self, other: "StatsRequest") -> "StatsRequest":
         merge = lambda a, b: tuple(dict.fromkeys(a + b))  # noqa: E731  (ordered union)
         return StatsRequest(merge(self.grams, other.grams), merge(self.sums, other.sums),
-                            merge(self.joint, other.joint), merge(self.cross, other.cross))
+                            merge(self.joint, other.joint), merge(self.cross, other.cross),
+                            merge(self.drift, other.drift))
 
 
 @dataclass
@@ -106,6 +114,7 @@ class LayerStats:
     sums: Tensors = field(default_factory=dict)
     joint: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     cross: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    drift: dict[tuple[str, str, str], torch.Tensor] = field(default_factory=dict)
 
     def second_moment(self, site: str) -> torch.Tensor:
         """``E[x xᵀ]`` of ``site``."""
@@ -123,7 +132,8 @@ class LayerStats:
 
     def to(self, device) -> "LayerStats":
         mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
-        return LayerStats(self.layer, self.tokens, mv(self.grams), mv(self.sums), mv(self.joint), mv(self.cross))
+        return LayerStats(self.layer, self.tokens, mv(self.grams), mv(self.sums), mv(self.joint), mv(self.cross),
+                          mv(self.drift))
 
 
 def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,8 +150,9 @@ class Accumulator:
         self.request, self.stats, self.eps = request, stats, eps
         self.device = device
         r = request   # how often each site's float64 copy is read per batch (converted / original stream)
-        self._uses = Counter([*r.grams, *r.sums, *(site for pair in r.joint for site in pair), *(a for a, _ in r.cross)])
-        self._original_uses = Counter(b for _, b in r.cross)
+        self._uses = Counter([*r.grams, *r.sums, *(site for pair in r.joint for site in pair), *(a for a, _ in r.cross),
+                              *(site for a, _, c in r.drift for site in (a, c))])
+        self._original_uses = Counter([*(b for _, b in r.cross), *(b for _, b, _ in r.drift)])
 
     def _view(self, acts: Tensors, site: str, cache: Tensors, left: Counter) -> torch.Tensor:
         """``site``'s activations as float64 ``[tokens, width]`` on ``device``, made once per batch and
@@ -165,8 +176,8 @@ class Accumulator:
         ocache: Tensors = {}
         left, oleft = Counter(self._uses), Counter(self._original_uses)
         tokens = None
-        if r.cross and original is None:
-            raise ValueError("cross moments need the original stream: run the engine with carry_original=True")
+        if (r.cross or r.drift) and original is None:
+            raise ValueError("cross and drift moments need the original stream: run the engine with carry_original=True")
         for site in r.grams:
             x = self._view(acts, site, cache, left)
             tokens = x.shape[0]
@@ -189,6 +200,13 @@ class Accumulator:
             xa, xb = self._view(acts, a, cache, left), self._view(original, b, ocache, oleft)
             tokens = xa.shape[0]
             _add_product(s.cross, (a, b), xa, xb)
+            del xa, xb
+        for a, b, c in r.drift:
+            xa = self._view(acts, a, cache, left)
+            # a new tensor: the views may be the activations themselves (a float64 run)
+            xb = self._view(original, b, ocache, oleft).sub(self._view(acts, c, cache, left))
+            tokens = xa.shape[0]
+            _add_product(s.drift, (a, b, c), xa, xb)
             del xa, xb
         if tokens is None:
             first = next(iter(acts.values()), None)

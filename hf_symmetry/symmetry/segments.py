@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .procrustes import orthogonal_procrustes
-from .structured import Dense, Factors, Gram, Structure, limit_threads, weighted_error
+from .structured import Dense, Factors, Gram, Structure, limit_threads, symmetric_eigh, weighted_error
 
 Tensor = torch.Tensor
 
@@ -181,8 +181,7 @@ class Term:
     def reduced_from_gram(self, P: Tensor) -> tuple["Term", Tensor]:
         """:meth:`reduced` from ``P = Mᵀ G M`` alone: the reduced term and ``R`` with ``T = M R`` (for
         callers that accumulate P and apply R a block of rows of M at a time; only M's shape is used)."""
-        with limit_threads():
-            lam, V = torch.linalg.eigh((P + P.T) / 2)
+        lam, V = symmetric_eigh(P)
         lam = lam.clamp_min(0)
         root = lam.sqrt()
         inv = torch.where(root > 1e-7 * root.max().clamp_min(1e-300), 1.0 / root, torch.zeros_like(root))

@@ -146,7 +146,7 @@ class FoldedGlobals(Mapping):
             return self.source.get_rows(ckey, rows)
         return self.source.get([ckey])[ckey][rows]
 
-    def row_blocks(self, key: str, chunk: int = 4096):
+    def row_blocks(self, key: str, chunk: int = 1024):
         """``(rows, blocks)``: the number of rows of ``self[key]`` and an iterator of ``(first row, block)``
         over it in float64, read from the checkpoint a block of rows at a time."""
         ckey = self._where[key]
@@ -162,7 +162,7 @@ class FoldedGlobals(Mapping):
         return self._fold(key, self._rows(key, rows))
 
 
-def global_row_blocks(globals_, key: str, chunk: int = 4096):
+def global_row_blocks(globals_, key: str, chunk: int = 1024):
     """The norm-folded global ``key`` (embedding, head) in float64, a block of rows at a time:
     ``(rows, iterator of (first row, block))`` (:meth:`FoldedGlobals.row_blocks`, or a dict's tensor)."""
     if isinstance(globals_, FoldedGlobals):

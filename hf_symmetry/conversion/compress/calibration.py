@@ -142,8 +142,8 @@ def _request(sites: tuple[str, str, str, str], match_original: bool):
     writer, before, normed, after = sites
     if not match_original:
         return StatsRequest(grams=(writer, normed))
-    return StatsRequest(grams=(writer, normed), sums=(writer,), joint=((writer, before),),
-                        cross=((normed, normed), (writer, after)))
+    return StatsRequest(grams=(writer, normed), sums=(writer,), cross=((normed, normed),),
+                        drift=((writer, after, before),))
 
 
 def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_kind: str,
@@ -159,7 +159,7 @@ def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, write
     stats.normed[segment] = got.grams.pop(normed).div_(n)
     if stats.normed_cross is not None:
         stats.normed_cross[segment] = got.cross.pop((normed, normed)).div_(n)
-        target = got.cross.pop((writer, after)).sub_(got.joint.pop((writer, before)))
+        target = got.drift.pop((writer, after, before))
         total = got.sums.pop(writer)
         if bias is not None:
             target.sub_(torch.outer(total, bias.to(target)))
@@ -238,8 +238,8 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
 
     # the original stream's sites the segments' cross statistics read (besides the layer's output), kept
     # from the first pass: the original layer is released before the segments are measured and solved
-    kept = tuple(dict.fromkeys(base_site(b) for sites in (_ATTN_SITES, _FFN_SITES)
-                               for _, b in _request(sites, True).cross)) if match_original else ()
+    kept = tuple(sorted({base_site(b) for sites in (_ATTN_SITES, _FFN_SITES)
+                         for b in _request(sites, True).original_sites()})) if match_original else ()
     for step in run.layers(first, only={0}, keep_original=tuple(s for s in kept if s != "layer_out"), replaced=True):
         i = step.index
         layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
@@ -251,6 +251,7 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
             stats.normed[0] = step.stats.grams["normed:layer_in"] / n
             if match_original:
                 stats.normed_cross[0] = step.stats.cross[("normed:layer_in", "normed:layer_in")] / n
+            step.stats = None
             apply(solve_segment(0, stats), -1, canon)
             if not keep:
                 _release(stats, 0, None, None)

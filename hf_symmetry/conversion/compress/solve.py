@@ -8,6 +8,7 @@ or sequential) or globally, then slicing. Which path runs is :attr:`CompressOpti
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,13 +46,14 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
 
 
 def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
-             consume: bool = False, rows_gram: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             consume: bool = False, rows_gram: bool = False, reader_map: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
     model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
     side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
     ridge-regularised towards M itself, so that X̂ = X gives M back exactly. Readers:
-    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M`` (:func:`_reader_map`); writers:
-    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``, from the target moment ``X̂ᵀ(X M + D)`` the calibration
+    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M`` (:func:`_reader_map`, or ``reader_map`` when the caller made it);
+    writers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``, from the target moment ``X̂ᵀ(X M + D)`` the calibration
     measured (:class:`.calibration.CalibrationStats`) — then approximated in the metric X̂ᵀX̂ like any
     stage W term. Returns the target and, for a writer, its damped moments ``X̂ᵀX̂ + δI`` (its row weight;
     ``None`` for a reader, whose segment shares one column weight).
@@ -60,10 +62,13 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
     so that one of the FFN's ``[4d, 4d]`` float64 matrices is held (and its factorisation while solving).
     ``rows_gram`` (with ``consume``, for a writer whose term is reducible): return ``M'ᵀ (X̂ᵀX̂ + δI) M'``
     (``[d, d]``, all its solve needs of the row weight; :meth:`Term.set_rows_gram`) instead of the
-    moments, which are then factorised in place (on the CPU: LAPACK's Cholesky solve overwrites them,
-    no second ``[4d, 4d]`` matrix)."""
+    moments. Then M is not needed once the right-hand side is made (a caller that hands it over
+    without keeping a reference frees it there), and on the CPU the moments are factorised and the
+    right-hand side solved in place (:func:`_cholesky_in_place`: no second ``[4d, 4d]`` matrix, no
+    second target-sized one)."""
     if m.role == "reader":     # M Aᵀ (a segment's readers share its moments: nothing is consumed)
-        return M @ _reader_map(m.segment, stats, damping, M.device).T, None
+        A = reader_map if reader_map is not None else _reader_map(m.segment, stats, damping, M.device)
+        return M @ A.T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
     G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
     if consume:
@@ -76,25 +81,35 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
     del G
     if not (consume and rows_gram):
         return torch.linalg.solve(Gd, rhs), Gd
-    if Gd.device.type == "cpu" and Gd.dtype == torch.float64 and Gd.is_contiguous():
-        target = _cholesky_solve_in_place(Gd, rhs, m.name)
-    else:
-        target = torch.linalg.solve(Gd, rhs)
+    del M
+    if Gd.device.type == "cpu" and Gd.dtype == rhs.dtype == torch.float64 and Gd.is_contiguous() \
+            and rhs.is_contiguous():
+        return _cholesky_in_place(Gd, rhs, m.name)
+    target = torch.linalg.solve(Gd, rhs)
     del Gd
     return target, target.T @ rhs           # M'ᵀ Gd M' = M'ᵀ rhs
 
 
-def _cholesky_solve_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> torch.Tensor:
-    """``A⁻¹ B`` for a symmetric positive definite float64 CPU ``A``, whose memory receives its Cholesky
-    factor (LAPACK ``dposv``; ``A`` is destroyed): no copy of ``A`` is made."""
-    from scipy.linalg.lapack import dposv
+def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(X, XᵀAX)`` with ``X = A⁻¹ B``, for a symmetric positive definite float64 CPU ``A`` (C-ordered,
+    like ``B``): ``A``'s memory receives its Cholesky factor L (LAPACK ``dpotrf``) and ``B``'s becomes
+    ``Z = L⁻¹B``, whose ``ZᵀZ = XᵀAX`` is taken, and then X (BLAS ``dtrsm`` from the right on ``Bᵀ``,
+    which is ``B``'s buffer read in Fortran order). Both are destroyed; no matrix-sized copy is made."""
+    from scipy.linalg.blas import dtrsm
+    from scipy.linalg.lapack import dpotrf
 
     # A is symmetric: its C-ordered buffer read as a Fortran-ordered matrix is A itself
-    _, x, info = dposv(A.numpy().T, B.numpy(), lower=1, overwrite_a=1, overwrite_b=0)
+    L, info = dpotrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     if info != 0:
         raise ValueError(f"{name}: the damped input moments are not positive definite (LAPACK info {info}); "
                          "raise --damping")
-    return torch.from_numpy(x).contiguous()
+    Bt = B.numpy().T                                                  # Bᵀ, Fortran-ordered
+    Bt = dtrsm(1.0, L, Bt, side=1, lower=1, trans_a=1, overwrite_b=1)  # Bᵀ L⁻ᵀ = Zᵀ, in place
+    Z = torch.from_numpy(Bt.T)
+    P = Z.T @ Z
+    del Z
+    Bt = dtrsm(1.0, L, Bt, side=1, lower=1, trans_a=0, overwrite_b=1)  # Bᵀ L⁻ᵀ L⁻¹ = Xᵀ, in place
+    return torch.from_numpy(Bt.T), P
 
 
 def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
@@ -107,6 +122,27 @@ def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=No
     return torch.linalg.solve(_damped(G, damping), rhs)
 
 
+def _consume_reader_moments(segment: int, stats: CalibrationStats, damping: float, device,
+                            matched: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Segment ``segment``'s column weight ``X̂ᵀX̂ + δI`` and (``matched``) its readers' map ``A``
+    (:func:`_reader_map`), made in place from its normalised-stream moments, which are dropped from
+    ``stats`` (the caller owns them): two ``[d, d]`` matrices held through the segment instead of four."""
+    G = stats.normed[segment].to(device)
+    stats.normed[segment] = None
+    ridge = _ridge(G, damping)
+    A = None
+    if matched:
+        rhs = stats.normed_cross[segment].to(device)
+        stats.normed_cross[segment] = None
+        rhs.diagonal().add_(ridge)
+        G.diagonal().add_(ridge)
+        A = torch.linalg.solve(G, rhs)
+        del rhs
+    else:
+        G.diagonal().add_(ridge)
+    return G, A
+
+
 class _TallTerm:
     """A vocabulary-sized matrix with free rows (a low-rank embedding or untied head) and a row
     weighting or none, solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root,
@@ -115,7 +151,7 @@ class _TallTerm:
     block by block into the output's dtype, so M is never in memory whole. ``right``: the matrix is
     ``M Aᵀ`` instead (a head's matched target, :func:`_reader_map`), applied to each block.
     ``col_gram``: the head's column weight (stage W), set on the reduced term. :attr:`term` is the
-    reduced term the segment's solve sees."""
+    reduced term the segment's solve sees (handed over by :meth:`take`)."""
 
     def __init__(self, m: MatrixPlan, globals_, weights: torch.Tensor | None, device, row_dtype,
                  right: torch.Tensor | None = None, col_gram: torch.Tensor | None = None):
@@ -131,9 +167,22 @@ class _TallTerm:
                 P1 = B.T @ B if P1 is None else P1.addmm_(B.T, B)
         self.plain = P if P1 is None else P1        # Mᵀ M (the relative error's metric)
         shell = Term(m.name, torch.empty(n, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
-        self.term, self.R = shell.reduced_from_gram(P)
-        self.term.col_gram = col_gram
-        self.term.tall = self
+        term, self.R = shell.reduced_from_gram(P)
+        term.col_gram = col_gram
+        term.tall = self
+        # the term owns this object and this one refers back weakly: no reference cycle, so both (and
+        # their [d, d] matrices) are freed when the solver drops the term, not at the next garbage collection
+        self._term, self._handed = weakref.ref(term), term
+
+    def take(self) -> Term:
+        """The reduced term, handed to the caller (who then owns both)."""
+        term, self._handed = self._handed, None
+        return term
+
+    @property
+    def term(self) -> Term:
+        """The reduced term the segment's solve sees (it owns this object)."""
+        return self._term()
 
     def _map(self, B: torch.Tensor) -> torch.Tensor:
         B = B.to(self.device)
@@ -182,20 +231,57 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
            options: CompressOptions, only: int | None = None, device=None,
            row_dtype=None, consume: bool = False) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
-    ``only`` filled when given: sequential calibration has the statistics of one segment at a time).
-    A low-rank embedding or untied head enters as its reduced term (:class:`_TallTerm`, read a block of
-    rows at a time; its row factor is lifted into ``row_dtype``, default float64). ``consume``: the writers'
-    statistics are dropped from ``stats`` once their terms are built (see :func:`_matched`)."""
-    n_seg = 2 * plan.n_layers + 1
-    segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(n_seg)]
+    ``only`` filled when given: sequential calibration has the statistics of one segment at a time),
+    balanced (:func:`...symmetry.segments.balance`); the terms are those of :func:`_each_term`."""
+    segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(2 * plan.n_layers + 1)]
+    for m, term in _each_term(plan, layers, globals_, stats, stage, options, only, device, row_dtype, consume):
+        terms, readers = segments[m.segment]
+        terms.append(term)
+        if m.role == "reader":
+            readers.append(term)
+    for terms, readers in segments:
+        if stage != "none":
+            balance(terms, readers)
+    return segments
+
+
+def _reducible(m: MatrixPlan) -> bool:
+    """Whether ``m``'s term is solved on its Gram root (:meth:`Term.reducible`; shape and structure only)."""
+    return Term(m.name, torch.empty(m.structure.shape, device="meta"), m.structure).reducible()
+
+
+def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
+               options: CompressOptions, only: int | None = None, device=None,
+               row_dtype=None, consume: bool = False):
+    """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
+    ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank embedding or untied head
+    enters as its reduced term (:class:`_TallTerm`, read a block of rows at a time; its row factor is
+    lifted into ``row_dtype``, default float64). ``consume``: the writers' statistics are dropped from
+    ``stats`` once their terms are built (see :func:`_matched`)."""
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
     weighted = stage == "w" and stats is not None and stats.normed is not None
+    matched = weighted and stats.normed_cross is not None
     reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
+    reader_maps: dict[int, torch.Tensor] = {}     # ... and its matched targets' map A
 
     def column_weight(segment: int) -> torch.Tensor:
         if segment not in reader_cov:
-            reader_cov[segment] = _damped(stats.normed[segment].to(device), options.damping)
+            if consume:    # the segment's readers' weight and map made at once, from its moments in place
+                reader_cov[segment], A = _consume_reader_moments(segment, stats, options.damping, device, matched)
+                if A is not None:
+                    reader_maps.clear()
+                    reader_maps[segment] = A
+            else:
+                reader_cov[segment] = _damped(stats.normed[segment].to(device), options.damping)
         return reader_cov[segment]
+
+    def reader_map(segment: int) -> torch.Tensor:
+        if consume:
+            column_weight(segment)
+        if segment not in reader_maps:
+            reader_maps.clear()                    # segments come in order: one A held at a time
+            reader_maps[segment] = _reader_map(segment, stats, options.damping, device)
+        return reader_maps[segment]
 
     for m in plan.matrices:
         if not m.compressed or (only is not None and m.segment != only):
@@ -208,30 +294,32 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
             col = right = None
             if weighted and head:
                 col = column_weight(m.segment)
-                if stats.normed_cross is not None:
-                    right = _reader_map(m.segment, stats, options.damping, device)
-            term = _TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype,
-                             right, col).term
-            segments[m.segment][0].append(term)
-            if head:
-                segments[m.segment][1].append(term)
+                if matched:
+                    right = reader_map(m.segment)
+            yield m, _TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype,
+                               right, col).take()
             continue
-        M = _matrix_of(m, layers, globals_).to(device)
         row_metric = None         # a writer's damped input moments: its row weight (and _matched's system)
         rows_gram = None          # ... or only Mᵀ G M of them (a reducible writer, its statistics consumed)
-        if weighted and stats.normed_cross is not None and m.canon != "embed":
-            if consume and m.role == "writer" and Term(m.name, M, m.structure).reducible():
-                M, rows_gram = _matched(m, M, stats, options.damping, consume=True, rows_gram=True)
+        if matched and m.canon != "embed":
+            if consume and m.role == "writer" and _reducible(m):    # M handed over: freed once used
+                M, rows_gram = _matched(m, _matrix_of(m, layers, globals_).to(device), stats, options.damping,
+                                        consume=True, rows_gram=True)
             else:
-                M, row_metric = _matched(m, M, stats, options.damping, consume=consume)
-        elif weighted and m.canon in ("o", "down"):
-            key = "attn_out" if m.canon == "o" else "mlp_hidden"
-            G = getattr(stats, key)[m.layer]
-            if consume:
-                getattr(stats, key)[m.layer] = None
-            row_metric = _damped(G.to(device), options.damping, in_place=consume)
-            del G
+                M = _matrix_of(m, layers, globals_).to(device)
+                M, row_metric = _matched(m, M, stats, options.damping, consume=consume,
+                                         reader_map=reader_map(m.segment) if m.role == "reader" else None)
+        else:
+            M = _matrix_of(m, layers, globals_).to(device)
+            if weighted and m.canon in ("o", "down"):
+                key = "attn_out" if m.canon == "o" else "mlp_hidden"
+                G = getattr(stats, key)[m.layer]
+                if consume:
+                    getattr(stats, key)[m.layer] = None
+                row_metric = _damped(G.to(device), options.damping, in_place=consume)
+                del G
         term = Term(m.name, M, m.structure)
+        del M
         if token_rows:
             term.row_gram = token_gram
         if weighted:
@@ -244,14 +332,9 @@ def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: 
                 del row_metric
                 if consume and term.reducible():     # its solve needs Mᵀ G M only: the [k, k] G goes now
                     term.release_row_weight()
-        terms, readers = segments[m.segment]
-        terms.append(term)
-        if m.role == "reader":
-            readers.append(term)
-    for terms, readers in segments:
-        if stage != "none":
-            balance(terms, readers)
-    return segments
+        rows_gram = row_metric = None
+        yield m, term
+        del term
 
 
 @dataclass
@@ -325,6 +408,34 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
     return Qs, traces
 
 
+def _each_at_fixed_rotation(each, Q: torch.Tensor, options: CompressOptions, dtype, factors: dict, rel: dict,
+                            row_dtype, approximation) -> tuple[list, float]:
+    """One segment's terms at a fixed rotation ``Q`` (no alternation: each term's factors are its own
+    projection, whatever the others'): each term from the iterator ``each`` of ``(MatrixPlan, Term)`` is
+    solved (on its Gram root where it is reducible), its factors kept (:func:`_keep`) and its
+    ``approximation(term)`` made, and then dropped before the next is built, so one term's matrices
+    and working set are held at a time instead of the segment's. Returns the ``(name, approximation)``
+    pairs and the segment's objective at Q, balanced as :func:`_terms` balances it: the writers' errors
+    plus λ times the readers', ``λ = Σ`` writers' energies ``/ Σ`` readers' (compressed terms only)."""
+    approximations = []
+    errors = {"writer": 0.0, "reader": 0.0}
+    energies = {"writer": 0.0, "reader": 0.0}
+    compressed = {"writer": 0, "reader": 0}
+    for m, t in each:
+        if not t.is_dense:
+            energies[m.role] += t.energy()
+            compressed[m.role] += 1
+        res = solve_segment([t], Q, 0, options.als_iters, options.wopp_iters, dtype=dtype, keep_weights=False)
+        errors[m.role] += res.trace[-1]
+        _keep([t], Q, factors, rel, row_dtype)
+        approximations.append((t.name, approximation(t)))
+        del t, res
+    lam = 1.0
+    if compressed["writer"] and compressed["reader"]:
+        lam = energies["writer"] / max(energies["reader"], 1e-300)
+    return approximations, errors["writer"] + lam * errors["reader"]
+
+
 def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: CalibrationInput, progress, factors,
                       rel, device=None, keep_stats=True, on_segment=None, row_dtype=None):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
@@ -339,21 +450,42 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
     Qs, traces = [None] * plan.n_segments, {}
     bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not progress)
 
+    def approximation(t: Term, Q: torch.Tensor):
+        """What replaces ``t``'s matrix in the calibration from now on (see :func:`sequential_weighted`):
+        its approximation in the original basis, or a function making it when it is applied."""
+        if hasattr(t, "tall"):
+            return t.tall.rows(Q)
+        Q = Q.to(t.factors[0].device)
+        if ms[t.name].canon == "embed":
+            return t.structure.dense(t.factors) @ Q.T
+        return lambda s=t.structure, f=t.factors: s.dense(f) @ Q.T
+
     def segment(k: int, seq: CalibrationStats):
-        terms, _ = _terms(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype,
-                          consume=not keep_stats)[k]
-        res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            keep_weights=False, **_stopping(options))
-        Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
-        traces[f"segment{k}"] = res.trace
-        _keep(terms, res.Q, factors, rel, row_dtype)
+        each = _each_term(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype,
+                          consume=not keep_stats)
+        if iters == 0:     # Q fixed: the terms do not interact, each is solved and dropped in turn
+            approximations, J = _each_at_fixed_rotation(each, Q_init[k], options, dtype, factors, rel, row_dtype,
+                                                        lambda t: approximation(t, Q_init[k]))
+            Qs[k] = Q_init[k]
+            traces[f"segment{k}"] = [J]
+        else:
+            terms, readers = [], []
+            for m, t in each:
+                terms.append(t)
+                if m.role == "reader":
+                    readers.append(t)
+            balance(terms, readers)
+            del readers
+            res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
+                                keep_weights=False, **_stopping(options))
+            Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
+            traces[f"segment{k}"] = res.trace
+            _keep(terms, res.Q, factors, rel, row_dtype)
+            approximations = [(t.name, approximation(t, res.Q)) for t in terms]
+            del terms, res
         bar.update(1)
         # nothing runs after the head; the others' approximations are made one at a time when applied
-        approximations = [(ms[t.name], t.tall.rows(res.Q) if hasattr(t, "tall") else
-                           t.structure.dense(t.factors) @ res.Q.T if ms[t.name].canon == "embed" else
-                           (lambda s=t.structure, f=t.factors, Q=res.Q: s.dense(f) @ Q.T))
-                          for t in terms if ms[t.name].canon != "lm_head"]
-        del terms
+        approximations = [(ms[name], a) for name, a in approximations if ms[name].canon != "lm_head"]
         if on_segment is not None:
             on_segment(k, Qs, factors)
         return approximations
