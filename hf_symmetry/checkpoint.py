@@ -156,6 +156,39 @@ _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", 
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+class RowBlocks:
+    """A tensor made a block of rows at a time, when it is written (:class:`ShardedWriter` streams the
+    blocks into the shard), so that a vocabulary-sized factor is never in memory whole.
+    ``make_blocks()`` yields its row blocks in order (any dtype: each is cast to :attr:`dtype`);
+    :meth:`to` changes the dtype lazily; :meth:`materialise` makes the whole tensor (for consumers
+    that need one)."""
+
+    def __init__(self, shape, dtype: torch.dtype, make_blocks):
+        self.shape, self.dtype, self._make = torch.Size(shape), dtype, make_blocks
+
+    def to(self, dtype: torch.dtype) -> "RowBlocks":
+        return RowBlocks(self.shape, dtype, self._make)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        rows = 0
+        for block in self._make():
+            rows += len(block)
+            yield block.to(device="cpu", dtype=self.dtype).contiguous()
+        if rows != self.shape[0]:
+            raise RuntimeError(f"row blocks gave {rows} rows for a tensor of shape {tuple(self.shape)}")
+
+    def materialise(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        i = 0
+        for block in self.blocks():
+            out[i:i + len(block)] = block
+            i += len(block)
+        return out
+
+
 class ShardedWriter:
     """Writes tensors into safetensors shards of at most ``max_shard_bytes`` as they come.
 
@@ -178,18 +211,19 @@ class ShardedWriter:
         self._header: dict[str, dict] = {}
         self._offset = 0
 
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+    def add(self, tensors: dict[str, torch.Tensor | RowBlocks]) -> None:
+        """Write ``tensors`` (a :class:`RowBlocks` value is written as its blocks come)."""
         for name, t in tensors.items():
             if t.dtype not in _ST_DTYPES:
                 raise TypeError(f"cannot store dtype {t.dtype} in safetensors ({name})")
-            size = t.numel() * t.element_size()
+            size = math.prod(t.shape) * t.dtype.itemsize
             if self._header and self._offset + size > self.max_bytes:
                 self.flush()
             if self._file is None:
                 self._file = open(self.folder / f"shard-{len(self.shards):05d}.tmp", "wb")
                 self._file.seek(self.HEADER_RESERVE)
-            data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            self._file.write(memoryview(data))
+            for block in (t.blocks() if isinstance(t, RowBlocks) else (t.detach().contiguous(),)):
+                self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
             self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                                   "data_offsets": [self._offset, self._offset + size]}
             self._offset += size

@@ -258,6 +258,30 @@ def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False, reader_
     return out, (out.T @ (G + ridge) @ out if rows_gram else G + ridge)
 
 
+def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path):
+    """``compress_checkpoint`` hands each part to the shard writer as it is assembled, a low-rank
+    embedding's row factor streamed a block of rows at a time (:class:`RowBlocks`): the files hold
+    exactly the tensors ``compress_tensors`` collects in memory from the same tokens."""
+    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.evaluation.compare import load_tokenizer
+    from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+
+    solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(str((7 * i) % 97) for i in range(300)))
+    options = C.CompressOptions(structure="lowrank", ratio=0.3, sequential=True, calib_seq_len=64)
+    reader = CheckpointReader(tiny_dir)
+    assert solve_mod._TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
+    C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calib, progress=False)
+    ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=options.calib_tokens)
+    state, _, _ = C.compress_tensors(reader, reader.config, options, calib_ids=ids, dtype=torch.float32,
+                                     progress=False)
+    written = CheckpointReader(tmp_path / "out")
+    assert set(written.keys()) == set(state) and any(k.endswith("lr_u") and "embed" in k for k in state)
+    got = written.get(written.keys())
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
 def _whole_reader_moments(segment, stats, damping, device, matched):
     """``_consume_reader_moments`` as a dense-ridge computation that leaves the statistics in place."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")

@@ -172,6 +172,25 @@ def test_writer_output_is_valid_safetensors(tmp_path, monkeypatch, reserve):
     assert torch.equal(load_file(str(sharded / "model-00002-of-00002.safetensors"))["b"], tensors["b"])
 
 
+def test_writer_streams_row_blocks(tmp_path):
+    """A :class:`RowBlocks` tensor (made a block of rows at a time, e.g. a low-rank embedding's row
+    factor) is written as its blocks come, cast to its dtype, between whole tensors: the file holds
+    exactly the tensor the blocks make. Blocks that do not add up to its rows are an error."""
+    from hf_symmetry.checkpoint import RowBlocks
+
+    W = torch.randn(10, 3, dtype=torch.float64)
+    lazy = RowBlocks((10, 3), torch.float64, lambda: (W[i:i + 4] for i in range(0, 10, 4))).to(torch.float32)
+    writer = ShardedWriter(tmp_path)
+    writer.add({"a": torch.ones(2), "u": lazy, "z": torch.zeros(3)})
+    writer.close()
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("u"), W.float()) and torch.equal(f.get_tensor("u"), lazy.materialise())
+        assert torch.equal(f.get_tensor("a"), torch.ones(2)) and torch.equal(f.get_tensor("z"), torch.zeros(3))
+    short = RowBlocks((10, 3), torch.float32, lambda: iter([W[:4]]))
+    with pytest.raises(RuntimeError, match="gave 4 rows"):
+        ShardedWriter(tmp_path / "x" if (tmp_path / "x").mkdir() is None else None).add({"u": short})
+
+
 # ----------------------------------------------------------------------------- CLI errors
 
 def _cli(capsys, *argv) -> tuple[int, str]:

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...architectures import Adapter
+from ...checkpoint import RowBlocks
 from ...symmetry import actions
 from ...symmetry import structured as st
 from ...symmetry.segments import cayley_encode
@@ -242,11 +243,14 @@ class Assembler:
         self.done: set = set()           # "embed", "head", layer indices
 
     def put(self, prefix: str, tensors: Tensors) -> None:
-        made = {f"{prefix}.{k}": v.to(self.dtype).contiguous() for k, v in tensors.items()}
+        """Cast and hand on one module's tensors (a :class:`...checkpoint.RowBlocks` factor is streamed
+        into the sink, or made whole when the tensors are collected)."""
+        made = {f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
+                for k, v in tensors.items()}
         if self.sink is not None:
             self.sink(made)
         else:
-            self.out.update(made)
+            self.out.update({k: v.materialise() if isinstance(v, RowBlocks) else v for k, v in made.items()})
 
     def _basis(self, Qs, segment: int) -> torch.Tensor:
         """The kept columns of segment ``segment``'s rotation."""

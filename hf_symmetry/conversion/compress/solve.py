@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ...checkpoint import RowBlocks
 from ...symmetry import structured as st
 from ...symmetry.segments import Term, balance, solve_segment
 from .calibration import CalibrationInput, CalibrationStats, pca as _pca, sequential_weighted
@@ -200,13 +201,20 @@ class _TallTerm:
                 and m.structure.shape[0] > m.structure.shape[1])
 
     def lift(self, Q: torch.Tensor) -> tuple[st.Factors, float]:
-        """The full matrix's factors (row factor in the output's dtype) and its relative error
-        ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``: ``Ŵ = M R f₀ f₁``)."""
+        """The full matrix's factors and its relative error ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``:
+        ``Ŵ = M R f₀ f₁``). The vocabulary-sized row factor ``M (R f₀)`` is a
+        :class:`...checkpoint.RowBlocks` in the output's dtype: made a block of rows of M at a time,
+        read again from the checkpoint, when it is written (the output's shard writer streams it), so
+        it is never in memory whole (220 MB in float32 for a 49152 × 1117 factor)."""
         f0, f1 = self.term.factors
-        n, blocks = self._blocks()
-        U = torch.empty(n, f0.shape[1], dtype=self.row_dtype)
-        for i, B in blocks:
-            U[i:i + len(B)] = ((B @ self.R) @ f0).cpu()
+        Rf = self.R @ f0
+        n, _ = self._blocks()
+
+        def blocks():
+            for _, B in self._blocks()[1]:
+                yield B @ Rf
+
+        U = RowBlocks((n, f0.shape[1]), self.row_dtype, blocks)
         D = Q.to(self.R) - self.R @ f0 @ f1
         err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
                     torch.sqrt(self.plain.trace()).clamp_min(1e-300))
