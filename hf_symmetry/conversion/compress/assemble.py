@@ -235,7 +235,9 @@ class Assembler:
     dropped once written), and whatever is left at the end (:meth:`finish`). Dense matrices are
     rotated and sliced one matrix at a time from the norm-folded layers and globals (the vocabulary-sized
     ones a block of rows at a time). ``sink``: called with each module's tensors as they are made (e.g.
-    a :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them in :attr:`out`."""
+    a :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them in :attr:`out`; a sink
+    with a true ``row_blocks`` attribute is handed vocabulary-sized row factors as
+    :class:`...checkpoint.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
 
     def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink=None):
         self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = plan, layers, globals_, gamma, dtype, sink
@@ -247,10 +249,12 @@ class Assembler:
         into the sink, or made whole when the tensors are collected)."""
         made = {f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
                 for k, v in tensors.items()}
+        if self.sink is None or not getattr(self.sink, "row_blocks", False):
+            made = {k: v.materialise() if isinstance(v, RowBlocks) else v for k, v in made.items()}
         if self.sink is not None:
             self.sink(made)
         else:
-            self.out.update({k: v.materialise() if isinstance(v, RowBlocks) else v for k, v in made.items()})
+            self.out.update(made)
 
     def _basis(self, Qs, segment: int) -> torch.Tensor:
         """The kept columns of segment ``segment``'s rotation."""

@@ -198,6 +198,8 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
             counted += sum(t.numel() for t in tensors.values())
             writer.add(tensors)
 
+        sink.row_blocks = True                      # the writer streams RowBlocks (Assembler.put)
+
         _, new_config, report = compress_tensors(reader, reader.config, options, calib_ids=calib_ids, dtype=dtype,
                                                  progress=progress, plan=plan, hf_config=hf_config,
                                                  placement=placement, sink=sink)

@@ -146,6 +146,7 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
                 nonlocal counted
                 counted += sum(t.numel() for t in tensors.values())
                 writer.add(tensors)
+            add.row_blocks = True                   # the writer streams RowBlocks (Assembler.put)
 
         new_config, report = _run(reader, reader.config, options, calib_ids, _Counting(), dtype, placement, progress)
         writer.close()
