@@ -113,35 +113,37 @@ def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[tor
     return torch.from_numpy(Bt.T), P
 
 
-def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
-    """``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``) of segment ``segment``'s normalised stream: the
-    matched target of each of its readers ``M`` is ``M Aᵀ`` (:func:`_matched`), so a vocabulary-sized
-    head can be matched a block of rows at a time."""
+def _reader_weights(segment: int, stats: CalibrationStats, damping: float, device, matched: bool,
+                    consume: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Segment ``segment``'s column weight ``X̂ᵀX̂ + δI`` and (``matched``) its readers' map
+    ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): the matched target of each of its readers ``M`` is
+    ``M Aᵀ`` (:func:`_matched`), so a vocabulary-sized head can be matched a block of rows at a time.
+    ``consume``: made in place from the normalised-stream moments, which are dropped from ``stats``
+    (the caller owns them): two ``[d, d]`` matrices held through the segment instead of four."""
     G = stats.normed[segment].to(device)
-    rhs = stats.normed_cross[segment].to(device=device, copy=True)
-    rhs.diagonal().add_(_ridge(G, damping))
-    return torch.linalg.solve(_damped(G, damping), rhs)
+    A = None
+    if matched:
+        rhs = stats.normed_cross[segment].to(device=device, copy=not consume)
+        rhs.diagonal().add_(_ridge(G, damping))
+    Gd = _damped(G, damping, in_place=consume)
+    if consume:
+        stats.normed[segment] = None
+        if matched:
+            stats.normed_cross[segment] = None
+    if matched:
+        A = torch.linalg.solve(Gd, rhs)
+    return Gd, A
+
+
+def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
+    """Segment ``segment``'s readers' map A (:func:`_reader_weights`), the statistics left as they are."""
+    return _reader_weights(segment, stats, damping, device, matched=True, consume=False)[1]
 
 
 def _consume_reader_moments(segment: int, stats: CalibrationStats, damping: float, device,
                             matched: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Segment ``segment``'s column weight ``X̂ᵀX̂ + δI`` and (``matched``) its readers' map ``A``
-    (:func:`_reader_map`), made in place from its normalised-stream moments, which are dropped from
-    ``stats`` (the caller owns them): two ``[d, d]`` matrices held through the segment instead of four."""
-    G = stats.normed[segment].to(device)
-    stats.normed[segment] = None
-    ridge = _ridge(G, damping)
-    A = None
-    if matched:
-        rhs = stats.normed_cross[segment].to(device)
-        stats.normed_cross[segment] = None
-        rhs.diagonal().add_(ridge)
-        G.diagonal().add_(ridge)
-        A = torch.linalg.solve(G, rhs)
-        del rhs
-    else:
-        G.diagonal().add_(ridge)
-    return G, A
+    """:func:`_reader_weights` consuming the segment's moments."""
+    return _reader_weights(segment, stats, damping, device, matched, consume=True)
 
 
 class _TallTerm:
