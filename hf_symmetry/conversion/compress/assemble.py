@@ -243,6 +243,7 @@ class Assembler:
         self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = plan, layers, globals_, gamma, dtype, sink
         self.out: Tensors = {}
         self.done: set = set()           # "embed", "head", layer indices
+        self.written: set = set()        # names of the layer matrices written
 
     def put(self, prefix: str, tensors: Tensors) -> None:
         """Cast and hand on one module's tensors (a :class:`...checkpoint.RowBlocks` factor is streamed
@@ -270,22 +271,32 @@ class Assembler:
         self.put(family.EMBED_MODULE, self._global(self.plan.by_name()["embed"], "embed.weight", Qs, factors, consume))
         self.done.add("embed")
 
+    def matrix(self, m: MatrixPlan, Qs, factors: dict, consume: bool = False) -> None:
+        """Layer matrix ``m``'s module: its factors, or the dense matrix rotated into (and sliced to) its
+        segment's basis (readers ``W Q``, writers ``Qᵀ W``), with its bias. Needs only its own
+        segment's rotation."""
+        W = self.layers[m.layer]
+        Q = self._basis(Qs, m.segment)
+        if m.compressed:
+            f = factors.pop(m.name) if consume else factors[m.name]
+            tensors = module_tensors(m.module_structure, _module_factors(m, f))
+        else:
+            w = W[f"{m.canon}.weight"]
+            tensors = {"weight": w @ Q if m.role == "reader" else Q.T @ w}
+        bias = W.get(f"{m.canon}.bias")
+        if bias is not None:
+            tensors["bias"] = bias if m.role == "reader" else Q.T @ bias
+        self.put(family.LAYER_PREFIX.format(m.layer) + LAYER_MODULES[m.canon][0], tensors)
+        self.written.add(m.name)
+
     def layer(self, i: int, Qs, factors: dict, consume: bool = False) -> None:
+        """Decoder layer ``i``: its matrices not yet written (:meth:`matrix`), its QK norms and its
+        two skip connections (which need both rotations around them)."""
         plan, W = self.plan, self.layers[i]
         prefix = family.LAYER_PREFIX.format(i)
-        for canon, m in plan.layer_matrices(i).items():
-            Q = self._basis(Qs, m.segment)
-            if m.compressed:
-                f = factors.pop(m.name) if consume else factors[m.name]
-                tensors = module_tensors(m.module_structure, _module_factors(m, f))
-            else:          # exactly rotated, sliced to the segment's width: readers W Q, writers Qᵀ W
-                w = W[f"{canon}.weight"]
-                tensors = {"weight": w @ Q if m.role == "reader" else Q.T @ w}
-            bias = W.get(f"{canon}.bias")
-            if bias is not None:
-                tensors["bias"] = bias if m.role == "reader" else Q.T @ bias
-            self.put(prefix + LAYER_MODULES[canon][0], tensors)
-            del tensors
+        for m in plan.layer_matrices(i).values():
+            if m.name not in self.written:
+                self.matrix(m, Qs, factors, consume)
         for canon, path in family.QK_NORM_MODULES.items():   # QK-norm: on the heads, untouched by the stream's rotations
             if f"{canon}.weight" in W:
                 self.put(prefix + path, {"weight": W[f"{canon}.weight"]})
@@ -312,6 +323,10 @@ class Assembler:
         segment would otherwise grow with depth, 19 MB each at d = 1536)."""
         if k == 0:
             self.embed(Qs, factors, consume=True)
+        # the layer matrices of segment k at once (their factors need not wait for the layer's last segment)
+        for m in self.plan.matrices:
+            if m.segment == k and m.layer is not None and m.name not in self.written:
+                self.matrix(m, Qs, factors, consume=True)
         if k >= 2 and k % 2 == 0:
             i = k // 2 - 1
             self.layer(i, Qs, factors, consume=True)

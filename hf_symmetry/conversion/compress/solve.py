@@ -388,21 +388,39 @@ def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict, dtype: t
 
 
 def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress, factors, rel,
-                 device=None, on_segment=None, row_dtype=None):
+                 device=None, on_segment=None, row_dtype=None, keep_factors=True):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
-    all segments' terms together; one Q per segment builds, solves and drops the terms segment by
-    segment (the layers are read as the segments need them), keeping only factors and errors, and
-    calls ``on_segment(k, Qs, factors)`` after each (see :func:`solve`)."""
+    all segments' terms together, streaming them from the checkpoint on each alternation
+    (:class:`.global_q.GlobalSolve`); one Q per segment builds, solves and drops the terms segment by
+    segment (the layers are read as the segments need them). Both keep only factors and errors, and
+    call ``on_segment(k, Qs, factors)`` once segment k's are final (see :func:`solve`).
+    ``keep_factors=False``: only the rotations are wanted (stage F before stage W, which replaces
+    every factor): no factors are kept and ``on_segment`` is not called."""
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     if options.q_mode == "global":
-        segments = _terms(plan, layers, globals_, stats, stage, options, device=device, row_dtype=row_dtype)
-        terms = [t for seg, _ in segments for t in seg]
-        res = solve_segment(terms, Q_init[0], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            keep_weights=False, **_stopping(options, stage))
-        Qs = [res.Q.cpu()] * len(segments)
-        traces["global"] = res.trace
-        _keep(terms, res.Q, factors, rel, row_dtype)
+        from .global_q import GlobalSolve
+
+        Qs: list = []
+
+        def each(k: int):
+            return _each_term(plan, layers, globals_, stats, stage, options, only=k, device=device,
+                              row_dtype=row_dtype)
+
+        def keep(t: Term, Q: torch.Tensor) -> None:
+            _keep([t], Q, factors, rel, row_dtype)
+
+        def done(k: int, Q: torch.Tensor) -> None:
+            if not Qs:
+                Qs.extend([Q.cpu()] * plan.n_segments)
+            if on_segment is not None:
+                on_segment(k, Qs, factors)
+
+        Q, trace = GlobalSolve(each, plan.n_segments, stage, options, plan.hidden, device).solve(
+            Q_init[0], iters, progress, desc=f"{desc} (global)", final=keep_factors, keep=keep, on_segment=done)
+        if not Qs:
+            Qs.extend([Q.cpu()] * plan.n_segments)
+        traces["global"] = trace
         return Qs, traces
     Qs = []
     for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
@@ -411,9 +429,10 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
                             keep_weights=False, **_stopping(options, stage))
         Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
         traces[f"segment{k}"] = res.trace
-        _keep(terms, res.Q, factors, rel, row_dtype)
-        del terms
-        if on_segment is not None:
+        if keep_factors:
+            _keep(terms, res.Q, factors, rel, row_dtype)
+        del terms, res
+        if on_segment is not None and keep_factors:
             on_segment(k, Qs, factors)
     return Qs, traces
 
@@ -549,8 +568,9 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
         Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats, **more)
     else:
         last_f = options.stage == "f"
+        # stage F's factors only where they are the result (stage W replaces every one of them)
         Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out,
-                                  on_segment=on_segment if last_f else None, row_dtype=row_dtype)
+                                  on_segment=on_segment if last_f else None, row_dtype=row_dtype, keep_factors=last_f)
         if options.stage == "w":
             if path == "sequential":
                 Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats, **more)
