@@ -7,6 +7,7 @@ each alternation instead of holding them."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -103,3 +104,47 @@ def test_global_stage_f_before_stage_w_keeps_no_factors(monkeypatch):
     compressed = [m.name for m in plan.matrices if m.compressed]
     assert sorted(kept) == sorted(compressed)          # once each: stage W's, none of stage F's
     assert set(res.factors) == set(compressed)
+
+
+# ----------------------------------------------------------------------------- one-pass statistics on demand
+def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_moments(monkeypatch):
+    """Stage W with one rotation per segment (not sequential) measures each layer's moments when the
+    solver first reads them and drops them once their segment is solved: the output is that of the
+    statistics taken all up front, bit for bit, and at most one layer's FFN input moments are held."""
+    from hf_symmetry.conversion.compress import calibration as CAL
+    from hf_symmetry.conversion.compress.pipeline import compress_tensors
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    config = model.config.to_dict()
+    options = C.CompressOptions(structure="kron", ratio=0.3, stage="w", f_iters=2, w_iters=2, als_iters=2,
+                                wopp_iters=5, tolerance=1.0, calib_seq_len=40)
+    assert options.statistics_on_demand
+    assert not C.CompressOptions(structure="kron", q_mode="global").statistics_on_demand
+    assert not C.CompressOptions(structure="kron", sequential=True).statistics_on_demand
+    src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
+    calib = input_ids(batch=1, length=120, seed=5)[0]
+    eager = one_pass_statistics(src, config, options, calib, progress=False)
+    assert isinstance(eager.mlp_hidden, list)
+    ref, _, _ = compress_tensors(src, config, options, calib_ids=calib, stats=eager, progress=False)
+
+    held = []
+    real = CAL.one_pass_on_demand
+
+    def watched(*a, **k):
+        stats = real(*a, **k)
+        release = stats.release_segment
+
+        def release_segment(j):
+            held.append(sum(x is not None for x in stats.mlp_hidden.items))
+            release(j)
+        stats.release_segment = release_segment
+        return stats
+
+    monkeypatch.setattr(sys.modules["hf_symmetry.conversion.compress.pipeline"], "one_pass_on_demand", watched)
+    out, _, report = compress_tensors(src, config, options, calib_ids=calib, progress=False)
+    assert len(held) == 2 * model.config.num_hidden_layers + 1     # every segment released once solved
+    assert max(held) == 1                                          # one layer's FFN moments at a time
+    assert report.calibration_tokens == eager.tokens
+    assert set(out) == set(ref)
+    for k in ref:
+        assert torch.equal(out[k], ref[k]), k

@@ -255,6 +255,14 @@ def _retract(Y: Tensor) -> Tensor:
     return q * torch.where(sign == 0, torch.ones_like(sign), sign)
 
 
+def nearest_orthogonal(Y: Tensor) -> Tensor:
+    """The orthogonal matrix nearest to ``Y`` (its polar factor ``U Vᵀ``), in float64: float32
+    iterations' rotation made orthogonal to float64 round-off."""
+    with limit_threads():
+        U, _, Vh = torch.linalg.svd(Y.to(torch.float64))
+    return U @ Vh
+
+
 def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: float) -> tuple[Tensor, list[float]]:
     """Riemannian gradient descent on O(d) from ``X0`` for ``value_and_grad(X) -> (f, Euclidean ∇f)``: a QR
     retraction (the iterate is orthogonal to round-off), alternating Barzilai–Borwein steps and the
@@ -434,9 +442,7 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
     if not fast:
         Q = Qw
     elif iters:
-        with limit_threads():
-            U, _, Vh = torch.linalg.svd(Qw.to(torch.float64))
-        Q = U @ Vh                                 # the nearest orthogonal matrix, in float64
+        Q = nearest_orthogonal(Qw)
         for t, tw in zip(work, loop):
             t.factors = None if tw.factors is None else tuple(f.to(torch.float64) for f in tw.factors)
     # (no iterations: Q stays Q0 exactly, not its float32 rounding)

@@ -12,7 +12,9 @@ The steps, one module each:
 - :mod:`.calibration` — the second moments the solvers weight by: one pass of the original model, or
   sequential (the partly compressed model, on the calibration engine's sequential mode);
 - :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity;
-- :mod:`.solve` — rotations (stage F / W, SliceGPT's PCA) and structured factors;
+- :mod:`.solve` — rotations (stage F / W, SliceGPT's PCA) and structured factors, segment by segment;
+- :mod:`.global_q` — one global rotation, the weights streamed from the checkpoint on each alternation;
+- :mod:`.targets` — the solvers' damped weights and sequential calibration's matched targets;
 - :mod:`.assemble` — the compressed model's tensors (written part by part as the solver finishes them) and config;
 - :mod:`.layernorm` — LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J): centred, then sliced (SliceGPT) or
   structured (the steps above on the centred model), written as the RMS-decoder family;
@@ -32,7 +34,8 @@ from .pipeline import (REPORT_FILE, CompressReport, compress_checkpoint, compres
                        record_verification)
 from .plan import (MatrixPlan, Plan, check_family, plan_compression, plan_for,
                    source_numels)
-from .solve import SolveResult, _matched, solve
+from .solve import SolveResult, solve
+from .targets import _matched
 
 __all__ = [
     "ALLOCATIONS", "DictSource", "TensorSource", "Assembler", "FoldedGlobals", "FoldedLayers", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",

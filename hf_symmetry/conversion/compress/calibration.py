@@ -118,6 +118,86 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
     return stats
 
 
+class _OnDemand:
+    """A list of per-segment (or per-layer) moments that are measured when first read: reading entry
+    ``k`` runs the calibration pass on to the layer that produces it (``advance(layer_of(k))``).
+    Setting an entry (to ``None``: released) stores it as given."""
+
+    def __init__(self, n: int, advance, layer_of):
+        self.items: list = [None] * n
+        self._advance, self._layer_of = advance, layer_of
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, k: int):
+        self._advance(self._layer_of(k))
+        return self.items[k]
+
+    def __setitem__(self, k: int, value) -> None:
+        self.items[k] = value
+
+
+def one_pass_on_demand(source, config: dict, ids: torch.Tensor, seq_len: int, placement=None,
+                       progress: bool = True) -> CalibrationStats:
+    """The one-pass statistics of :func:`collect_statistics` (``want_normed``: the normalised stream per
+    segment, the writers' inputs per layer), measured as they are first read instead of all up front:
+    reading segment k's entries runs the calibration pass on to the layer that produces them (segment
+    0 and ``2i+1``, ``2i+2`` at layer i: its input, mid-layer and output stream). A solver that goes
+    through the segments in order and releases each one's entries once solved
+    (``stats.release_segment(k)``) then holds about one layer's moments (the FFN's ``4d × 4d`` input
+    moments among them), not every layer's. The values are those of :func:`collect_statistics` bit for
+    bit (the output stream of layer i is the input stream of layer i + 1 and, after the last, the final one)."""
+    from ...calibration import CalibrationEngine, StatsRequest
+    from ...calibration import calibration_batches as batches
+
+    vocab = int(config["vocab_size"])
+    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
+    L = engine.adapter.n_layers
+    run = engine.start(batches(ids, seq_len))
+    n = run.tokens
+    request = StatsRequest(grams=("normed:layer_in", "normed:ffn_norm_in", "normed:layer_out", "o_in", "down_in"))
+    state = {"steps": run.layers(request), "measured": 0}
+    del run
+
+    def advance(layer: int) -> None:
+        while state["measured"] <= layer and state["steps"] is not None:
+            step = next(state["steps"])
+            i, grams = step.index, step.stats.grams
+            step.stats = None
+            step.release()                        # the outputs are made: the original layer can go
+            first = grams.pop("normed:layer_in")  # layer 0's is segment 0; later ones equal the previous output's
+            if i == 0:
+                normed.items[0] = first.div_(n)
+            del first
+            normed.items[2 * i + 1] = grams.pop("normed:ffn_norm_in").div_(n)
+            normed.items[2 * i + 2] = grams.pop("normed:layer_out").div_(n)
+            attn_out.items[i] = grams.pop("o_in").div_(n)
+            mlp_hidden.items[i] = grams.pop("down_in").div_(n)
+            del step, grams
+            state["measured"] = i + 1
+            if i == L - 1:                        # nothing runs after the last layer
+                state["steps"].close()
+                state["steps"] = None
+
+    normed = _OnDemand(2 * L + 1, advance, lambda k: max(0, (k - 1) // 2))
+    attn_out = _OnDemand(L, advance, lambda i: i)
+    mlp_hidden = _OnDemand(L, advance, lambda i: i)
+    stats = CalibrationStats(n, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
+                             normed=normed, attn_out=attn_out, mlp_hidden=mlp_hidden)
+
+    def release_segment(k: int) -> None:
+        """Drop segment k's moments (and its writer's), once it is solved."""
+        normed[k] = None
+        if k % 2 == 1:
+            attn_out[(k - 1) // 2] = None
+        elif k > 0:
+            mlp_hidden[k // 2 - 1] = None
+
+    stats.release_segment = release_segment
+    return stats
+
+
 @dataclass
 class CalibrationInput:
     """What sequential calibration runs on: the checkpoint (or tensor source with its config), the

@@ -27,8 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ...symmetry.segments import Term, _retract, balance, weighted_procrustes
-from ...symmetry.structured import limit_threads
+from ...symmetry.segments import Term, _retract, balance, nearest_orthogonal, weighted_procrustes
 
 Tensor = torch.Tensor
 
@@ -225,9 +224,7 @@ class GlobalSolve:
             if not fast:
                 Q = Qw
             elif iters:
-                with limit_threads():
-                    U, _, Vh = torch.linalg.svd(Qw.to(torch.float64))
-                Q = U @ Vh                      # the nearest orthogonal matrix, in float64
+                Q = nearest_orthogonal(Qw)
             if final:
                 trace.append(self.finish(Q, warm, keep, on_segment))
         return Q, trace

@@ -157,6 +157,14 @@ class CompressOptions:
         return self.weighted and not self.sequential
 
     @property
+    def statistics_on_demand(self) -> bool:
+        """Whether the one-pass statistics are measured as the per-segment solve reaches each segment
+        (:func:`.calibration.one_pass_on_demand`: about one layer's moments held) instead of all before
+        it: stage W with one rotation per segment, not sequential, uniform sizes (the sensitivity
+        allocation and one global rotation read every segment's moments)."""
+        return self.want_normed and not self.want_stream and self.q_mode == "segment" and self.allocation == "uniform"
+
+    @property
     def want_stream(self) -> bool:
         """One-pass statistics of the residual stream itself (SliceGPT's PCA, not sequential)."""
         return self.slicing and not self.sequential

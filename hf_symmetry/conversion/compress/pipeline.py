@@ -16,7 +16,8 @@ from ...hub.cards import public_report
 from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
 from .assemble import Assembler, build_model, compressed_config, config_object, read_folded
-from .calibration import CalibrationInput, CalibrationStats, collect_statistics, sequential_stream_pca
+from .calibration import (CalibrationInput, CalibrationStats, collect_statistics, one_pass_on_demand,
+                          sequential_stream_pca)
 from .layernorm import through_rms_decoder
 from .options import CompressOptions
 from .plan import Plan, check_family, plan_for
@@ -57,13 +58,18 @@ def _require_calibration(options: CompressOptions, calib_ids: torch.Tensor | Non
 
 
 def one_pass_statistics(source: TensorSource, config: dict, options: CompressOptions,
-                        calib_ids: torch.Tensor | None, placement=None, progress: bool = True) -> CalibrationStats | None:
+                        calib_ids: torch.Tensor | None, placement=None, progress: bool = True,
+                        on_demand: bool = False) -> CalibrationStats | None:
     """The statistics of one pass of the original model that ``options`` needs (token counts only
     where it needs no activations; ``None`` where it needs no calibration), layer by layer from
-    ``source``."""
+    ``source``. ``on_demand`` (for a solver that releases each segment's statistics once solved):
+    where :attr:`CompressOptions.statistics_on_demand`, measured as the solver first reads them."""
     if not options.needs_calibration:
         return None
     _require_calibration(options, calib_ids)
+    if on_demand and options.statistics_on_demand:
+        return one_pass_on_demand(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
+                                  placement=placement, progress=progress)
     return collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
                               want_normed=options.want_normed, want_stream=options.want_stream,
                               placement=placement, progress=progress, stream_sum=options.stream_sum)
@@ -86,8 +92,8 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         plan, adapter = plan_for(source, config, options)
     else:
         adapter = check_family(config, source.keys())
-    if stats is None:
-        stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
+    if stats is None:      # measured as the solver reaches each segment where that is enough
+        stats = one_pass_statistics(source, config, options, calib_ids, placement, progress, on_demand=True)
     times["calibration"] = time.perf_counter() - t0
     if options.allocation == "sensitivity" and plan.accounting.get("allocation") != "sensitivity":
         from .allocate import allocate_for
