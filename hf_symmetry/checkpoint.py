@@ -159,12 +159,16 @@ _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 class RowBlocks:
     """A tensor made a block of rows at a time, when it is written (:class:`ShardedWriter` streams the
     blocks into the shard), so that a vocabulary-sized factor is never in memory whole.
-    ``make_blocks()`` yields its row blocks in order (any dtype: each is cast to :attr:`dtype`);
-    :meth:`to` changes the dtype lazily; :meth:`materialise` makes the whole tensor (for consumers
-    that need one)."""
+    ``make_blocks()`` yields its row blocks in order (``[rows, columns]``, any dtype: each is cast to
+    :attr:`dtype`); the rows are the second-last dimension, and any leading dimensions have size 1
+    (e.g. a GS factor ``[1, vocab, c]``). :meth:`to` changes the dtype lazily; :meth:`materialise`
+    makes the whole tensor (for consumers that need one)."""
 
     def __init__(self, shape, dtype: torch.dtype, make_blocks):
         self.shape, self.dtype, self._make = torch.Size(shape), dtype, make_blocks
+        if len(self.shape) < 2 or math.prod(self.shape[:-2]) != 1:
+            raise ValueError(f"row blocks make a [rows, columns] tensor (leading dimensions of size 1), "
+                             f"not {tuple(self.shape)}")
 
     def to(self, dtype: torch.dtype) -> "RowBlocks":
         return RowBlocks(self.shape, dtype, self._make)
@@ -177,14 +181,14 @@ class RowBlocks:
         for block in self._make():
             rows += len(block)
             yield block.to(device="cpu", dtype=self.dtype).contiguous()
-        if rows != self.shape[0]:
+        if rows != self.shape[-2]:
             raise RuntimeError(f"row blocks gave {rows} rows for a tensor of shape {tuple(self.shape)}")
 
     def materialise(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
-        i = 0
+        flat, i = out.view(self.shape[-2], self.shape[-1]), 0
         for block in self.blocks():
-            out[i:i + len(block)] = block
+            flat[i:i + len(block)] = block
             i += len(block)
         return out
 

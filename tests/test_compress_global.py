@@ -12,10 +12,9 @@ import sys
 import pytest
 import torch
 
-import hf_symmetry  # noqa: F401
+import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress.pipeline import one_pass_statistics
-from hf_symmetry.conversion.compress.assemble import FoldedLayers
 from hf_symmetry.symmetry.segments import solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
 

@@ -35,7 +35,7 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
 
 
 class _TallTerm:
-    """A vocabulary-sized matrix with free rows (a low-rank embedding or untied head) and a row
+    """A vocabulary-sized matrix with free rows (a low-rank or GS embedding or untied head) and a row
     weighting or none, solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root,
     :meth:`Term.reduced`), but read from the checkpoint a block of rows at a time: its Gram ``Mᵀ G M``
     (and ``MᵀM``) is accumulated block by block, and the row factor ``T f₀ = (M R) f₀`` is lifted
@@ -87,25 +87,31 @@ class _TallTerm:
 
     @staticmethod
     def applies(m: MatrixPlan) -> bool:
-        return (m.canon in ("embed", "lm_head") and m.structure.kind == "lowrank"
-                and m.structure.shape[0] > m.structure.shape[1])
+        """A vocabulary-sized matrix whose row factor is free: low rank, or GS with one row block (the
+        embeddings' GS blocks); a Kronecker embedding's rows are tied to its factors (read whole)."""
+        s = m.structure
+        rows_free = s.kind == "lowrank" or (s.kind == "gs" and s.kl == 1)
+        return m.canon in ("embed", "lm_head") and rows_free and s.shape[0] > s.shape[1]
 
     def lift(self, Q: torch.Tensor) -> tuple[st.Factors, float]:
         """The full matrix's factors and its relative error ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``:
-        ``Ŵ = M R f₀ f₁``). The vocabulary-sized row factor ``M (R f₀)`` is a
-        :class:`...checkpoint.RowBlocks` in the output's dtype: made a block of rows of M at a time,
-        read again from the checkpoint, when it is written (the output's shard writer streams it), so
-        it is never in memory whole (220 MB in float32 for a 49152 × 1117 factor)."""
-        f0, f1 = self.term.factors
-        Rf = self.R @ f0
+        ``Ŵ = M R Ŵ'``, Ŵ' the reduced term's approximation). The vocabulary-sized row factor
+        ``M (R f₀)`` (low rank; GS: ``[1, vocab, c]``) is a :class:`...checkpoint.RowBlocks` in the
+        output's dtype: made a block of rows of M at a time, read again from the checkpoint, when it
+        is written (the output's shard writer streams it), so it is never in memory whole (220 MB in
+        float32 for a 49152 × 1117 factor)."""
+        term = self.term
+        f0, f1 = term.factors
+        gs = term.structure.kind == "gs"
+        Rf = self.R @ (f0[0] if gs else f0)
         n, _ = self._blocks()
 
         def blocks():
             for _, B in self._blocks()[1]:
                 yield B @ Rf
 
-        U = RowBlocks((n, f0.shape[1]), self.row_dtype, blocks)
-        D = Q.to(self.R) - self.R @ f0 @ f1
+        U = RowBlocks((1, n, Rf.shape[1]) if gs else (n, Rf.shape[1]), self.row_dtype, blocks)
+        D = Q.to(self.R) - self.R @ term.structure.dense(term.factors)
         err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
                     torch.sqrt(self.plain.trace()).clamp_min(1e-300))
         return (U, f1.cpu()), err
@@ -115,12 +121,13 @@ class _TallTerm:
         runs on, row by row as the whole ``dense(factors) Qᵀ`` would give it."""
         from .assemble import global_rows
 
-        f0, f1 = self.term.factors
+        term = self.term
+        W_red = term.structure.dense(term.factors)       # Ŵ = M R Ŵ'
 
         def take(idx: torch.Tensor) -> torch.Tensor:
             uniq, inverse = torch.unique(idx.reshape(-1), return_inverse=True)
             B = self._map(global_rows(self.globals, self.key, uniq))
-            out = (((B @ self.R) @ f0) @ f1) @ Q.to(B).T
+            out = ((B @ self.R) @ W_red) @ Q.to(B).T
             return out[inverse].reshape(*idx.shape, out.shape[-1])
         return take
 
