@@ -12,6 +12,7 @@ Each job runs in a fresh process (``/usr/bin/time`` reads its peak RSS and CPU t
 * ``merge --method regmean A A`` (the checkpoint with itself: the calibration and merge work of two inputs)
 * ``slice``: ``compress --structure slice --calib britannica-calib`` (SliceGPT)
 * ``lowrank-seq``: ``compress --structure lowrank --sequential --calib britannica-calib``
+* ``lowrank``: ``compress --structure lowrank --calib britannica-calib`` (stage W on one pass's statistics)
 * ``plain``: ``AutoModelForCausalLM.from_pretrained`` + a forward over the same tokens in 512-token windows
 
 all with ``--calib-tokens 4096`` (``--tokens``), on the CPU, verification off. ``--code DIR`` runs the
@@ -139,12 +140,14 @@ def run_job(job: str, ckpt: Path, work: Path, tokens: int, code: Path, threads: 
                         "--calib-tokens", str(tokens)] + common,
         "lowrank-seq": cli + ["compress", str(ckpt), str(out), "--structure", "lowrank", "--sequential", "--calib",
                               "britannica-calib", "--calib-tokens", str(tokens)] + common,
+        "lowrank": cli + ["compress", str(ckpt), str(out), "--structure", "lowrank", "--calib", "britannica-calib",
+                          "--calib-tokens", str(tokens)] + common,
         "plain": [sys.executable, "-c", _PLAIN, str(ckpt), str(tokens), str(threads)],
     }[job]
     if job != "plain" and code.resolve() == Path(__file__).resolve().parents[1]:   # older trees lack --device
         argv += ["--device", "cpu"]
     compress_cli = code / "hf_symmetry" / "commands" / "compress.py"
-    if job in ("slice", "lowrank-seq") and "add_verify_args" in compress_cli.read_text():
+    if job in ("slice", "lowrank-seq", "lowrank") and "add_verify_args" in compress_cli.read_text():
         argv += ["--no-verify"]   # newer trees verify by default; the benchmark measures the conversion
     start = time.perf_counter()
     log = work / f"{job}-{ckpt.name}.stderr"
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=float, nargs="+", default=[1.0, 3.0], help="checkpoint sizes in GB (default 1 3)")
     p.add_argument("--jobs", nargs="+", default=["to-tpa", "farr", "regmean", "slice", "lowrank-seq", "plain"],
-                   choices=["to-tpa", "farr", "regmean", "slice", "lowrank-seq", "plain"])
+                   choices=["to-tpa", "farr", "regmean", "slice", "lowrank-seq", "lowrank", "plain"])
     p.add_argument("--shape", choices=sorted(SHAPES), default="bench",
                    help="checkpoint shapes (default: bench, width 1536; llama3-8b: one 16 GB checkpoint)")
     p.add_argument("--layers", type=int, default=None,

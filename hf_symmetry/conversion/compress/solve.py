@@ -159,8 +159,8 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
                options: CompressOptions, only: int | None = None, device=None,
                row_dtype=None, consume: bool = False):
     """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
-    ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank embedding or untied head
-    enters as its reduced term (:class:`_TallTerm`, read a block of rows at a time; its row factor is
+    ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank or GS (one row block)
+    embedding or untied head enters as its reduced term (:class:`_TallTerm`, read a block of rows at a time; its row factor is
     lifted into ``row_dtype``, default float64). ``consume``: the writers' statistics are dropped from
     ``stats`` once their terms are built (see :func:`_matched`)."""
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
