@@ -582,6 +582,7 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
                  "--json", str(tmp_path / "summary.json")]) == 0
     assert pushed == [(str(out), "user/compressed", True, "compress")]
     assert json.loads((tmp_path / "summary.json").read_text())["push"] == {"repo_id": "user/compressed"}
+    assert all(p.is_file() for p in out.iterdir())      # the global solve's spill folder is gone
 
     report = json.loads((out / "compression_report.json").read_text())
     assert str(tmp_path) not in (out / "compression_report.json").read_text()   # published: no local paths

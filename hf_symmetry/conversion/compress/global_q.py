@@ -19,6 +19,7 @@ and hands each finished segment on (``on_segment``). The solve equals
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +53,7 @@ class _Spill:
         return tuple(loaded[str(i)].to(device=device, dtype=dtype) for i in range(len(loaded)))
 
     def remove(self) -> None:
-        for path in self.files.values():
-            path.unlink(missing_ok=True)
-        self.folder.rmdir()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _warm_started(t: Term) -> bool:

@@ -79,13 +79,14 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
                      calib_ids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                      progress: bool = True, plan: Plan | None = None, stats: CalibrationStats | None = None,
                      hf_config=None, rotations: list[torch.Tensor] | None = None,
-                     placement=None, sink=None) -> tuple[Tensors, dict, CompressReport]:
+                     placement=None, sink=None, scratch=None) -> tuple[Tensors, dict, CompressReport]:
     """The whole pipeline on tensors: (compressed state dict, config dict, report). Calibration runs
     the layer-wise engine over ``source`` on ``placement`` (:func:`hf_symmetry.devices.resolve`;
     default CPU float32); ``stats`` may be passed in instead (e.g. cached by a benchmark); ``plan``
     and ``rotations`` override the planned structures and the starting rotations (see :func:`solve`).
     The norm-folded layers are read from ``source`` as the steps need them. ``sink``: receives the
-    compressed tensors as they are assembled, layer by layer (the returned state dict is then empty)."""
+    compressed tensors as they are assembled, layer by layer (the returned state dict is then empty).
+    ``scratch``: a folder for the solver's temporary files (one global Q's warm starts)."""
     times = {}
     t0 = time.perf_counter()
     if plan is None:
@@ -127,7 +128,7 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     with st.limit_threads(1):
         res = solve(plan, layers, globals_, stats, options, progress, rotations, calib, device=linalg_device(placement),
                     keep_stats=False, on_segment=assembler.segment_done,   # parts written as they are solved
-                    row_dtype=dtype)
+                    row_dtype=dtype, scratch=scratch)
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     state = assembler.finish(res, progress)
@@ -208,7 +209,7 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
 
         _, new_config, report = compress_tensors(reader, reader.config, options, calib_ids=calib_ids, dtype=dtype,
                                                  progress=progress, plan=plan, hf_config=hf_config,
-                                                 placement=placement, sink=sink)
+                                                 placement=placement, sink=sink, scratch=tmp)
         writer.close()
         _save_config(new_config, dtype, tmp)
         report.accounting["compressed_model_params_counted"] = counted

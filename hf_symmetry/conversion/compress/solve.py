@@ -283,14 +283,15 @@ def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict, dtype: t
 
 
 def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress, factors, rel,
-                 device=None, on_segment=None, row_dtype=None, keep_factors=True):
+                 device=None, on_segment=None, row_dtype=None, keep_factors=True, scratch=None):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together, streaming them from the checkpoint on each alternation
     (:class:`.global_q.GlobalSolve`); one Q per segment builds, solves and drops the terms segment by
     segment (the layers are read as the segments need them). Both keep only factors and errors, and
     call ``on_segment(k, Qs, factors)`` once segment k's are final (see :func:`solve`).
     ``keep_factors=False``: only the rotations are wanted (stage F before stage W, which replaces
-    every factor): no factors are kept and ``on_segment`` is not called."""
+    every factor): no factors are kept and ``on_segment`` is not called. ``scratch``: the folder under
+    which one global Q spills its warm starts (default: the system's temporary folder)."""
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     if options.q_mode == "global":
@@ -312,7 +313,8 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
                 on_segment(k, Qs, factors)
 
         Q, trace = GlobalSolve(each, plan.n_segments, stage, options, plan.hidden, device).solve(
-            Q_init[0], iters, progress, desc=f"{desc} (global)", final=keep_factors, keep=keep, on_segment=done)
+            Q_init[0], iters, progress, desc=f"{desc} (global)", final=keep_factors, keep=keep, on_segment=done,
+            scratch=scratch)
         if not Qs:
             Qs.extend([Q.cpu()] * plan.n_segments)
         traces["global"] = trace
@@ -427,7 +429,8 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
 def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
           options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
           calib: CalibrationInput | None = None, device: torch.device | str | None = None,
-          keep_stats: bool = True, on_segment=None, row_dtype: torch.dtype | None = None) -> SolveResult:
+          keep_stats: bool = True, on_segment=None, row_dtype: torch.dtype | None = None,
+          scratch=None) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
@@ -440,7 +443,9 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     :meth:`.assemble.Assembler.segment_done`, which writes what they complete and drops its factors from
     ``factors``, the dict that becomes ``SolveResult.factors``). ``row_dtype``: the dtype the
     solved factors are kept in, the vocabulary-sized row factor of a low-rank embedding included (the
-    output's: they are rounded to it when written anyway; default float64, the solver's)."""
+    output's: they are rounded to it when written anyway; default float64, the solver's). ``scratch``:
+    where one global Q spills its warm starts (:class:`.global_q.GlobalSolve`; default: the system's
+    temporary folder)."""
     n_seg = plan.n_segments
     if options.sequential and not options.slicing and calib is None:
         raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
@@ -457,20 +462,23 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     factors, rel = {}, {}
     args = (plan, layers, globals_, stats)
     out = (factors, rel, device)
-    more = {"on_segment": on_segment, "row_dtype": row_dtype}
+    more = {"on_segment": on_segment, "row_dtype": row_dtype, "scratch": scratch}
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
         Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out, **more)
     elif not options.rotates:     # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats, **more)
+        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats, on_segment=on_segment,
+                                            row_dtype=row_dtype)
     else:
         last_f = options.stage == "f"
         # stage F's factors only where they are the result (stage W replaces every one of them)
         Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out,
-                                  on_segment=on_segment if last_f else None, row_dtype=row_dtype, keep_factors=last_f)
+                                  on_segment=on_segment if last_f else None, row_dtype=row_dtype, keep_factors=last_f,
+                                  scratch=scratch)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats, **more)
+                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats,
+                                                      on_segment=on_segment, row_dtype=row_dtype)
             else:
                 Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out,
                                             **more)
