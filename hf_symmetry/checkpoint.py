@@ -159,37 +159,46 @@ _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 class RowBlocks:
     """A tensor made a block of rows at a time, when it is written (:class:`ShardedWriter` streams the
     blocks into the shard), so that a vocabulary-sized factor is never in memory whole.
-    ``make_blocks()`` yields its row blocks in order (``[rows, columns]``, any dtype: each is cast to
-    :attr:`dtype`); the rows are the second-last dimension, and any leading dimensions have size 1
-    (e.g. a GS factor ``[1, vocab, c]``). :meth:`to` changes the dtype lazily; :meth:`materialise`
-    makes the whole tensor (for consumers that need one)."""
+    ``make_blocks()`` yields its blocks in order along dimension ``row_dim`` (each with the tensor's
+    other dimensions; any dtype: each is cast to :attr:`dtype`). :meth:`to` changes the dtype and
+    :meth:`permute` the layout lazily; :meth:`materialise` makes the whole tensor (for consumers that
+    need one). The blocks are written as they come where the dimensions before ``row_dim`` have size
+    1 (then their bytes follow each other in the tensor's)."""
 
-    def __init__(self, shape, dtype: torch.dtype, make_blocks):
-        self.shape, self.dtype, self._make = torch.Size(shape), dtype, make_blocks
-        if len(self.shape) < 2 or math.prod(self.shape[:-2]) != 1:
-            raise ValueError(f"row blocks make a [rows, columns] tensor (leading dimensions of size 1), "
-                             f"not {tuple(self.shape)}")
+    def __init__(self, shape, dtype: torch.dtype, make_blocks, row_dim: int = 0):
+        self.shape, self.dtype, self._make, self.row_dim = torch.Size(shape), dtype, make_blocks, row_dim
 
     def to(self, dtype: torch.dtype) -> "RowBlocks":
-        return RowBlocks(self.shape, dtype, self._make)
+        return RowBlocks(self.shape, dtype, self._make, self.row_dim)
+
+    def permute(self, *dims: int) -> "RowBlocks":
+        make = self._make
+        return RowBlocks([self.shape[d] for d in dims], self.dtype,
+                         lambda: (block.permute(*dims) for block in make()), dims.index(self.row_dim))
 
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def streamable(self) -> bool:
+        """Whether the blocks' bytes, one after the other, are the tensor's (C order)."""
+        return all(n == 1 for n in self.shape[:self.row_dim])
+
     def blocks(self) -> Iterator[torch.Tensor]:
         rows = 0
         for block in self._make():
-            rows += len(block)
+            rows += block.shape[self.row_dim]
             yield block.to(device="cpu", dtype=self.dtype).contiguous()
-        if rows != self.shape[-2]:
+        if rows != self.shape[self.row_dim]:
             raise RuntimeError(f"row blocks gave {rows} rows for a tensor of shape {tuple(self.shape)}")
 
     def materialise(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
-        flat, i = out.view(self.shape[-2], self.shape[-1]), 0
+        i = 0
         for block in self.blocks():
-            flat[i:i + len(block)] = block
-            i += len(block)
+            n = block.shape[self.row_dim]
+            out.narrow(self.row_dim, i, n).copy_(block)
+            i += n
         return out
 
 
@@ -226,6 +235,8 @@ class ShardedWriter:
             if self._file is None:
                 self._file = open(self.folder / f"shard-{len(self.shards):05d}.tmp", "wb")
                 self._file.seek(self.HEADER_RESERVE)
+            if isinstance(t, RowBlocks) and not t.streamable:
+                t = t.materialise()
             for block in (t.blocks() if isinstance(t, RowBlocks) else (t.detach().contiguous(),)):
                 self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
             self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),

@@ -191,6 +191,24 @@ def test_writer_streams_row_blocks(tmp_path):
         ShardedWriter(tmp_path / "x" if (tmp_path / "x").mkdir() is None else None).add({"u": short})
 
 
+def test_row_blocks_along_another_dimension_and_permuted(tmp_path):
+    """Row blocks along dimension 1 (a Kronecker factor ``[r, vocab, n2]``) are not contiguous pieces
+    of the tensor: the writer makes them whole; permuted to ``[vocab, r, n2]`` (the module's layout)
+    they are, and stream. Both files hold the tensor the blocks make."""
+    from hf_symmetry.checkpoint import RowBlocks
+
+    B = torch.randn(3, 10, 2, dtype=torch.float64)
+    math = RowBlocks(B.shape, torch.float64, lambda: (B[:, i:i + 4] for i in range(0, 10, 4)), row_dim=1)
+    module = math.permute(1, 0, 2)
+    assert not math.streamable and module.streamable and module.row_dim == 0 and module.shape == (10, 3, 2)
+    assert torch.equal(math.materialise(), B) and torch.equal(module.materialise(), B.permute(1, 0, 2))
+    writer = ShardedWriter(tmp_path)
+    writer.add({"math": math, "module": module})
+    writer.close()
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("math"), B) and torch.equal(f.get_tensor("module"), B.permute(1, 0, 2))
+
+
 # ----------------------------------------------------------------------------- CLI errors
 
 def _cli(capsys, *argv) -> tuple[int, str]:

@@ -35,7 +35,7 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
 
 
 class _TallTerm:
-    """A vocabulary-sized matrix with free rows (a low-rank or GS embedding or untied head) and a row
+    """A vocabulary-sized matrix with free rows (a low-rank, GS or Kronecker embedding or untied head) and a row
     weighting or none, solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root,
     :meth:`Term.reduced`), but read from the checkpoint a block of rows at a time: its Gram ``Mᵀ G M``
     (and ``MᵀM``) is accumulated block by block, and the row factor ``T f₀ = (M R) f₀`` is lifted
@@ -87,34 +87,47 @@ class _TallTerm:
 
     @staticmethod
     def applies(m: MatrixPlan) -> bool:
-        """A vocabulary-sized matrix whose row factor is free: low rank, or GS with one row block (the
-        embeddings' GS blocks); a Kronecker embedding's rows are tied to its factors (read whole)."""
+        """A vocabulary-sized matrix whose row factor is free: low rank, GS with one row block (the
+        embeddings' GS blocks), Kronecker with ``A_s`` of one row (the plan's Kronecker shapes)."""
         s = m.structure
-        rows_free = s.kind == "lowrank" or (s.kind == "gs" and s.kl == 1)
+        rows_free = (s.kind == "lowrank" or (s.kind == "gs" and s.kl == 1)
+                     or (s.kind == "kron" and s.a_shape[0] == 1))
         return m.canon in ("embed", "lm_head") and rows_free and s.shape[0] > s.shape[1]
 
     def lift(self, Q: torch.Tensor) -> tuple[st.Factors, float]:
         """The full matrix's factors and its relative error ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``:
         ``Ŵ = M R Ŵ'``, Ŵ' the reduced term's approximation). The vocabulary-sized row factor
-        ``M (R f₀)`` (low rank; GS: ``[1, vocab, c]``) is a :class:`...checkpoint.RowBlocks` in the
+        ``M (R f₀)`` (low rank; GS: ``[1, vocab, c]``; Kronecker: the ``B_s``, ``[r, vocab, n₂]``) is a
+        :class:`...checkpoint.RowBlocks` in the
         output's dtype: made a block of rows of M at a time, read again from the checkpoint, when it
         is written (the output's shard writer streams it), so it is never in memory whole (220 MB in
         float32 for a 49152 × 1117 factor)."""
         term = self.term
         f0, f1 = term.factors
-        gs = term.structure.kind == "gs"
-        Rf = self.R @ (f0[0] if gs else f0)
+        kind = term.structure.kind
         n, _ = self._blocks()
+        if kind == "kron":      # (A, B): the row factors B_s [vocab, n2] = M (R B'_s), stacked [r, vocab, n2]
+            RB = torch.einsum("kl,slj->skj", self.R, f1)
 
-        def blocks():
-            for _, B in self._blocks()[1]:
-                yield B @ Rf
+            def blocks():
+                for _, B in self._blocks()[1]:
+                    yield torch.einsum("ik,skj->sij", B, RB)
 
-        U = RowBlocks((1, n, Rf.shape[1]) if gs else (n, Rf.shape[1]), self.row_dtype, blocks)
+            factors = (f0.cpu(), RowBlocks((f1.shape[0], n, f1.shape[2]), self.row_dtype, blocks, row_dim=1))
+        else:                   # low rank (U, V), GS ([1, d, c] left factor, right factor)
+            Rf = self.R @ (f0[0] if kind == "gs" else f0)
+
+            def blocks():
+                for _, B in self._blocks()[1]:
+                    U = B @ Rf
+                    yield U[None] if kind == "gs" else U
+
+            shape = (1, n, Rf.shape[1]) if kind == "gs" else (n, Rf.shape[1])
+            factors = (RowBlocks(shape, self.row_dtype, blocks, row_dim=len(shape) - 2), f1.cpu())
         D = Q.to(self.R) - self.R @ term.structure.dense(term.factors)
         err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
                     torch.sqrt(self.plain.trace()).clamp_min(1e-300))
-        return (U, f1.cpu()), err
+        return factors, err
 
     def rows(self, Q: torch.Tensor):
         """``idx -> Ŵ Qᵀ`` at the rows ``idx`` (any shape): the approximation the sequential calibration
@@ -159,8 +172,8 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
                options: CompressOptions, only: int | None = None, device=None,
                row_dtype=None, consume: bool = False):
     """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
-    ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank or GS (one row block)
-    embedding or untied head enters as its reduced term (:class:`_TallTerm`, read a block of rows at a time; its row factor is
+    ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank, GS (one row block) or
+    Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced term (:class:`_TallTerm`, read a block of rows at a time; its row factor is
     lifted into ``row_dtype``, default float64). ``consume``: the writers' statistics are dropped from
     ``stats`` once their terms are built (see :func:`_matched`)."""
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
