@@ -15,6 +15,7 @@ The steps, one module each:
 - :mod:`.solve` — rotations (stage F / W, SliceGPT's PCA) and structured factors, segment by segment;
 - :mod:`.global_q` — one global rotation, the weights streamed from the checkpoint on each alternation;
 - :mod:`.targets` — the solvers' damped weights and sequential calibration's matched targets;
+- :mod:`.tall` — the embedding and an untied head, solved and written a block of rows at a time;
 - :mod:`.assemble` — the compressed model's tensors (written part by part as the solver finishes them) and config;
 - :mod:`.layernorm` — LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J): centred, then sliced (SliceGPT) or
   structured (the steps above on the centred model), written as the RMS-decoder family;
