@@ -221,8 +221,11 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         traces["global"] = trace
         return Qs, traces
     Qs = []
+    # statistics measured on demand are this solve's own: consumed in place (no copy of a writer's moments)
+    owned = stage == "w" and hasattr(stats, "release_segment")
     for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
-        terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype)[k]
+        terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype,
+                          consume=owned)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
                             keep_weights=False, **_stopping(options, stage))
         Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
@@ -232,7 +235,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         del terms, res
         if on_segment is not None and keep_factors:
             on_segment(k, Qs, factors)
-        if stage == "w" and hasattr(stats, "release_segment"):
+        if owned:
             stats.release_segment(k)        # (statistics measured on demand: one layer's held)
     return Qs, traces
 
