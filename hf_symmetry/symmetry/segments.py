@@ -385,19 +385,27 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
                       reduce, dtype, tol, wopp_tol, extrapolate, keep_weights)
 
 
+def work_term(t: Term, keep_weights: bool = True) -> tuple[Term, Tensor | None]:
+    """The term the alternation fits in place of ``t`` and ``R`` to lift it back (:meth:`Term.lift`):
+    a reducible term's ``[d, d]`` Gram root (``keep_weights=False``: its row weight dropped from ``t``
+    first, :meth:`Term.release_row_weight`), or ``t`` itself and ``None``."""
+    if t.is_dense or not t.reducible():
+        return t, None
+    if not keep_weights:
+        t.release_row_weight()
+    red, R = t.reduced()
+    t._rows_gram = None        # (the reduced term holds what it gave)
+    return red, R
+
+
 def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate,
            keep_weights=True) -> SegmentResult:
     work, lifts = [], []
     for t in terms:
-        if reduce and not t.is_dense and t.reducible():
-            if not keep_weights:
-                t.release_row_weight()
-            red, R = t.reduced()
-            t._rows_gram = None        # (the reduced term holds what it gave)
-            work.append(red)
-            lifts.append((t, red, R))
-        else:
-            work.append(t)
+        w, R = work_term(t, keep_weights) if reduce else (t, None)
+        work.append(w)
+        if R is not None:
+            lifts.append((t, w, R))
     fast = dtype != torch.float64 and iters > 0      # no iterations: nothing to run in float32
     grams: dict = {}
     loop = [t.cast(dtype, grams) for t in work] if fast else work

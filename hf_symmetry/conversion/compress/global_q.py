@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ...symmetry.segments import Term, _retract, balance, nearest_orthogonal, weighted_procrustes
+from ...symmetry.segments import Term, _retract, balance, nearest_orthogonal, weighted_procrustes, work_term
 
 Tensor = torch.Tensor
 
@@ -89,17 +89,6 @@ class _Summary:
         return e
 
 
-def _work(t: Term) -> tuple[Term, Tensor | None]:
-    """The term the alternation fits: a reducible term's ``[d, d]`` Gram root (its row weight then
-    dropped from it, as ``solve_segment(keep_weights=False)`` does) and ``R`` to lift it, or the term."""
-    if t.is_dense or not t.reducible():
-        return t, None
-    t.release_row_weight()
-    red, R = t.reduced()
-    t._rows_gram = None
-    return red, R
-
-
 class GlobalSolve:
     """Stage ``stage`` with one rotation over every segment (see the module docstring). ``terms(k)``
     yields ``(MatrixPlan, Term)`` of segment ``k`` as :func:`.solve._each_term` makes them."""
@@ -125,7 +114,7 @@ class GlobalSolve:
         for k in range(self.n_segments):
             grams: dict = {}           # the segment's column weight, cast once for its readers
             for t in self._segment(k):
-                w, _ = _work(t)
+                w, _ = work_term(t, keep_weights=False)
                 del t
                 if dtype != w.M.dtype:
                     w = w.cast(dtype, grams)
@@ -147,7 +136,7 @@ class GlobalSolve:
         total = 0.0
         for k in range(self.n_segments):
             for t in self._segment(k):
-                w, R = _work(t)
+                w, R = work_term(t, keep_weights=False)
                 if warm is not None and _warm_started(w):
                     w.factors = warm.get(w.name, torch.float64, w.M.device)
                 w.fit(Q, self.options.als_iters)
