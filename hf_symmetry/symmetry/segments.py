@@ -225,21 +225,49 @@ def balance(terms: list[Term], readers: list[Term]) -> None:
         t.weight *= lam
 
 
+@dataclass
+class Summary:
+    """The objective as a function of Q for fixed factors, summed over terms (:meth:`add`):
+    ``J(Q) = const − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``, one pair per shared column weight ``Σ_p``
+    (:meth:`value`), and with ``at`` the sum of the terms' errors at that Q (:attr:`J`)."""
+    K: Tensor
+    const: float = 0.0
+    quad: dict = field(default_factory=dict)      # id(Σ_p) -> [Σ_p, H_p]
+    J: float = 0.0
+    dense_only: bool = True
+
+    def add(self, t: Term, at: Tensor | None = None) -> None:
+        """Add term ``t`` (its current factors; dense terms add nothing)."""
+        if t.is_dense:
+            return
+        c, Kt, Ht = t.summary()
+        self.K += t.weight * Kt
+        self.const += t.weight * c
+        if Ht is not None:
+            entry = self.quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros_like(self.K)])
+            entry[1] += t.weight * Ht
+        if at is not None:
+            self.J += t.weight * t.error(at)
+        self.dense_only = False
+
+    @property
+    def pairs(self) -> list[tuple[Tensor, Tensor]]:
+        return [(S, H) for S, H in self.quad.values()]
+
+    def value(self, Q: Tensor) -> float:
+        e = self.const - 2 * float((Q * self.K).sum())
+        for S, H in self.quad.values():
+            e += float(((S @ Q @ H) * Q).sum())
+        return e
+
+
 def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
     """``K`` and the pairs ``(Σ_p, H_p)`` of ``J(Q) = c − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``."""
     M = terms[0].M
-    d = M.shape[1]
-    K = torch.zeros(d, d, dtype=M.dtype, device=M.device)
-    quad: dict[int, list] = {}
+    summary = Summary(torch.zeros(M.shape[1], M.shape[1], dtype=M.dtype, device=M.device))
     for t in terms:
-        if t.is_dense:
-            continue
-        _, Kt, Ht = t.summary()
-        K += t.weight * Kt
-        if Ht is not None:
-            entry = quad.setdefault(id(t.col_gram), [t.col_gram, torch.zeros_like(K)])
-            entry[1] += t.weight * Ht
-    return K, [(S, H) for S, H in quad.values()]
+        summary.add(t)
+    return summary.K, summary.pairs
 
 
 def _eigh(A: Tensor) -> tuple[Tensor, Tensor]:

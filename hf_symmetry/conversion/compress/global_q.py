@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ...symmetry.segments import Term, _retract, balance, nearest_orthogonal, weighted_procrustes, work_term
+from ...symmetry.segments import (Summary, Term, _retract, balance, nearest_orthogonal, weighted_procrustes,
+                                  work_term)
 
 Tensor = torch.Tensor
 
@@ -62,33 +62,6 @@ def _warm_started(t: Term) -> bool:
     return not t.is_dense and t.structure.kind != "lowrank" and (t.row_gram is not None or t.col_gram is not None)
 
 
-@dataclass
-class _Summary:
-    """The objective as a function of Q for the factors of one sweep:
-    ``const − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``, and its value ``J`` at the sweep's Q."""
-    K: Tensor
-    const: float = 0.0
-    pairs: dict = field(default_factory=dict)      # id(Σ_p) -> [Σ_p, H_p]
-    J: float = 0.0
-    dense_only: bool = True
-
-    def add(self, t: Term, Q: Tensor) -> None:
-        c, Kt, Ht = t.summary()
-        self.K += t.weight * Kt
-        self.const += t.weight * c
-        if Ht is not None:
-            entry = self.pairs.setdefault(id(t.col_gram), [t.col_gram, torch.zeros_like(self.K)])
-            entry[1] += t.weight * Ht
-        self.J += t.weight * t.error(Q)
-        self.dense_only = False
-
-    def value(self, Q: Tensor) -> float:
-        e = self.const - 2 * float((Q * self.K).sum())
-        for S, H in self.pairs.values():
-            e += float(((S @ Q @ H) * Q).sum())
-        return e
-
-
 class GlobalSolve:
     """Stage ``stage`` with one rotation over every segment (see the module docstring). ``terms(k)``
     yields ``(MatrixPlan, Term)`` of segment ``k`` as :func:`.solve._each_term` makes them."""
@@ -107,10 +80,10 @@ class GlobalSolve:
             balance(terms, readers)
         return terms
 
-    def sweep(self, Q: Tensor, dtype: torch.dtype, warm: _Spill | None, spill: _Spill | None) -> _Summary:
+    def sweep(self, Q: Tensor, dtype: torch.dtype, warm: _Spill | None, spill: _Spill | None) -> Summary:
         """Fit every matrix at ``Q`` (iterations in ``dtype``, started from ``warm``'s factors where the
         fit uses them, the new ones put in ``spill``): the summary of the fitted factors."""
-        summary = _Summary(torch.zeros(self.d, self.d, dtype=dtype, device=Q.device))
+        summary = Summary(torch.zeros(self.d, self.d, dtype=dtype, device=Q.device))
         for k in range(self.n_segments):
             grams: dict = {}           # the segment's column weight, cast once for its readers
             for t in self._segment(k):
@@ -121,9 +94,8 @@ class GlobalSolve:
                 if warm is not None and _warm_started(w):
                     w.factors = warm.get(w.name, dtype, w.M.device)
                 w.fit(Q, self.options.als_iters)
-                if not w.is_dense:
-                    summary.add(w, Q)
-                    w._summary = None
+                summary.add(w, at=Q)
+                w._summary = None
                 if spill is not None and _warm_started(w):
                     spill.put(w.name, w.factors)
                 del w
@@ -199,7 +171,7 @@ class GlobalSolve:
                 if S.dense_only:
                     break
                 Q_prev = Qw
-                Qw, _ = weighted_procrustes(S.K, [tuple(p) for p in S.pairs.values()], Qw,
+                Qw, _ = weighted_procrustes(S.K, S.pairs, Qw,
                                             iters=self.options.wopp_iters, tol=rule["wopp_tol"])
                 trace.append(S.value(Qw))
                 del S
