@@ -1,8 +1,11 @@
 """``hf-symmetry compress [MODEL] OUT``: structured compression with orthogonal transforms (ProcrustesGPT),
-or SliceGPT, saved as a Hugging Face model that loads with ``trust_remote_code=True``."""
+or SliceGPT, saved as a Hugging Face model that loads with ``trust_remote_code=True``; SliceGPT with one
+global PCA and one width on an untied (or ``--untie``) Llama / Mistral / Qwen2 / Qwen3 / Phi-3 is
+written as the source's own stock class instead (no remote code)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from ..assets import resolve_model, resolve_text
@@ -77,6 +80,16 @@ def register(sub) -> None:
                    help="stage w: no over-relaxation of the rotation between alternations (by default each "
                         "alternation also tries a longer step along the last rotation change and keeps it only if "
                         "the objective is lower; it reaches a lower objective in fewer alternations)")
+    p.add_argument("--untie", action="store_true",
+                   help="slice: untie a tied head so that the output is the source's stock family (its head then "
+                        "costs vocab x width, counted in the ratio, instead of the compressed family's width² head "
+                        "mix)")
+    p.add_argument("--round-to", type=int, default=None, metavar="N",
+                   help="slice, stock output: round the residual width to a multiple of N (default: 64, what GPU "
+                        "kernels want; 1: no rounding); the report gives the width before rounding")
+    p.add_argument("--remote-code", action="store_true",
+                   help="slice: write the compressed (remote-code) family even where the source's stock family "
+                        "could hold the output")
     p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
     add_device_args(p)
@@ -108,17 +121,65 @@ def options_from_args(args) -> CompressOptions:
     return options
 
 
+def stock_from_args(args, options):
+    """The stock-output settings of a SliceGPT run (``None``: the compressed family, as for every other
+    structure)."""
+    from ..conversion.compress.stock import StockOptions
+
+    if not options.slicing:
+        if args.untie or args.round_to is not None or args.remote_code:
+            raise ValueError("--untie, --round-to and --remote-code apply to --structure slice")
+        return None
+    stock = StockOptions(untie=args.untie, round_to=64 if args.round_to is None else args.round_to)
+    stock.validate()
+    return None if args.remote_code else stock
+
+
+def _stock_lines(report, options, stock, config) -> list[str]:
+    """What the size report says about the output family: the stock class and its width rounding, or
+    why the output stays in the compressed family (and, for a tied head, what untying would cost)."""
+    from ..conversion.compress.stock import why_not_stock
+
+    if not options.slicing:
+        return []
+    acc = report.accounting
+    if acc.get("output_family") == "stock":
+        lines = [f"  output: stock {acc['stock_class']} (no remote code), hidden size {acc['residual']} of "
+                 f"{acc['hidden']}; width {acc['width_unrounded']} rounded to a multiple of {acc['round_to']} "
+                 f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc['norm_constant']:.6g}, rms_norm_eps "
+                 f"{acc['source_rms_norm_eps']:.6g} × d/d′ = {acc['rms_norm_eps']:.6g}"]
+        if acc["untied_head_params"]:
+            lines.append(f"  untied head (--untie): vocab × width = {acc['untied_head_params']:,} parameters, "
+                         "counted in the ratio")
+        return lines
+    reason = "--remote-code" if stock is None else why_not_stock(config, options, stock.untie)
+    lines = [f"  output: compressed family (trust_remote_code=True): {reason}"]
+    if acc.get("head_mix_params") and reason and "--untie" in reason:
+        width = math.isqrt(acc["head_mix_params"])          # the mix is width × width
+        lines.append(f"  tied head: head mix {acc['head_mix_params']:,} parameters; --untie would cost vocab × width "
+                     f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)")
+    return lines
+
+
+def _config(src) -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(src) / "config.json").read_text())
+
+
 def run(args) -> int:
     from ..devices import placement_from_args
 
     start = time.perf_counter()
     options = options_from_args(args)
+    stock = stock_from_args(args, options)
     placement = placement_from_args(args)   # an unusable device fails before any work
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
     calib = resolve_text(args.calib) if args.calib else None
     report = compress_checkpoint(src, args.out, options, calib, overwrite=args.overwrite, progress=not args.quiet,
-                                 placement=placement)
+                                 placement=placement, stock=stock)
     acc = report.accounting
     lines = [f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
              f"in {sum(report.seconds.values()):.1f} s",
@@ -126,6 +187,7 @@ def run(args) -> int:
              f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
              f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
              f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
+             *_stock_lines(report, options, stock, _config(src)),
              f"  report: {args.out}/compression_report.json"]
 
     def perplexities(v):

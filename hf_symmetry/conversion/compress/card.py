@@ -23,7 +23,7 @@ def write_card(folder: Path, report, options: CompressOptions) -> None:
         "summary": (f"Structured compression of `{public_model_label(report.source)}` with {method}: "
                     f"{acc['ratio_over_compressed']:.1%} of the compressed matrices' parameters removed "
                     f"({acc['ratio_over_model']:.1%} of the whole model, {acc['compressed_model_params']:,} parameters "
-                    f"left). Load with `trust_remote_code=True`."),
+                    f"left). " + _loading(acc)),
         "method": method, "parameters": options.applicable(),
         "inputs": [report.source],
         "size": {"parameters": acc["compressed_model_params"]},
@@ -34,6 +34,13 @@ def write_card(folder: Path, report, options: CompressOptions) -> None:
                   "perplexity": report.perplexity and {**report.perplexity,
                                                        "text": public_text_label(report.perplexity["text"])}},
     })
+
+
+def _loading(acc: dict) -> str:
+    if acc.get("output_family") == "stock":
+        return (f"A stock `{acc['stock_class']}` with hidden size {acc['residual']} (of {acc['hidden']}): loads "
+                "without `trust_remote_code`.")
+    return "Load with `trust_remote_code=True`."
 
 
 def per_matrix_rows(per_matrix: dict) -> list[dict]:

@@ -162,8 +162,10 @@ def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | No
 
 def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptions, calib_text: str | Path | None,
                         overwrite: bool = False, progress: bool = True, placement=None,
-                        max_shard_size: str | int = "2GB") -> CompressReport:
-    """Compress the HF folder ``src`` into ``out`` (loadable with ``trust_remote_code=True``). Every
+                        max_shard_size: str | int = "2GB", stock=None) -> CompressReport:
+    """Compress the HF folder ``src`` into ``out`` (loadable with ``trust_remote_code=True``). ``stock``
+    (a :class:`.stock.StockOptions`): where SliceGPT with one global PCA and one width can be written as
+    the source's own stock family (:func:`.stock.why_not_stock`), it is (no remote code). Every
     input is checked before any work; ``out`` appears only when everything succeeded. The tokenizer is
     loaded once; the source model is never loaded whole: calibration reads the checkpoint one decoder
     layer at a time on ``placement``'s device, the solvers read the layers as they need them, and the
@@ -178,6 +180,12 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
     options.validate()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
+    if stock is not None:
+        from .stock import compress_stock_checkpoint, why_not_stock
+
+        if why_not_stock(reader.config, options, stock.untie) is None:
+            return compress_stock_checkpoint(src, out, options, calib_text, stock, overwrite, progress, placement,
+                                             max_shard_size)
     if through_rms_decoder(reader.config):    # LayerNorm decoders: via the RMS-decoder family
         from .layernorm import compress_layer_norm_checkpoint
 

@@ -1,0 +1,347 @@
+"""Stock SliceGPT: one global PCA and one uniform width, written as the source's own family.
+
+SliceGPT with one rotation ``Q`` for the whole residual stream and one width ``d′`` is a stock decoder
+with ``hidden_size = d′``: the embedding is ``E Q′``, every reader ``W Q′``, every writer ``Q′ᵀ W``
+(``Q′`` the first ``d′`` principal directions, norms folded first, docs/math.md §1.4). One thing
+differs from the compressed family: its RMSNorms divide ``Σ x²`` by the original width ``d``, a stock
+RMSNorm of width ``d′`` divides by ``d′``. With ``S = Σ x²`` over the ``d′`` kept coordinates,
+
+    rsqrt(S/d + ε) = rsqrt((d′/d) (S/d′ + ε d/d′)) = c · rsqrt(S/d′ + ε′),   c = √(d/d′),  ε′ = ε d/d′,
+
+so a stock norm with ``ε′`` gives the compressed family's normalised stream divided by ``c``: every
+reader of a norm (q, k, v, gate, up and the head) is multiplied by ``c``, all norm weights stay 1,
+and the config's ``rms_norm_eps`` becomes ``ε d/d′``. This is exact (float round-off), with ε rescaled;
+``c`` alone, ε unchanged, is off by a relative ``ε (d/d′ − 1) / (2 S/d′)`` per norm (tiny, not zero).
+The constant goes into the readers rather than the norm weights: they are rounded to the checkpoint
+dtype once anyway, where a norm weight of ``c`` in bfloat16 would be off by up to 0.4 %.
+
+QK-norm (Qwen3) reads ``config.rms_norm_eps`` too: with ``q`` and ``k`` scaled by ``c²`` instead of
+``c`` (so ``q_stock = c q``), ``c q · rsqrt(c² m + ε′) = q · rsqrt(m + ε)`` since ``ε′ / c² = ε``:
+the per-head norms stay exact as well.
+
+The head is untied (the output's ``lm_head`` reads the sliced stream: ``W_head diag(γ) Q′ c``), so a
+source with tied embeddings needs ``--untie``: vocab × d′ more parameters, in the budget, where the
+compressed family pays d′² for its ``head_mix``. Widths are rounded to a multiple of ``round_to`` (64
+by default: GPU kernels want that). Per-segment widths or rotations, LayerNorm decoders and tied heads
+without ``--untie`` stay in the compressed (remote-code) families.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ...architectures import Adapter
+from ...symmetry import actions
+from ..stream import TensorSource, transform_checkpoint
+from .options import CompressOptions
+from .plan import check_family, in_policy, matrix_entries, source_numels
+
+#: model types whose stock RMSNorm is ``weight · x · rsqrt(mean(x²) + config.rms_norm_eps)`` and whose
+#: config takes an explicit ``head_dim`` (the sliced hidden size no longer fixes it)
+STOCK_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+@dataclass(frozen=True)
+class StockOptions:
+    """How a stock SliceGPT output is written: ``untie`` a tied head (vocab × d′ parameters), widths
+    rounded to a multiple of ``round_to`` (1: no rounding)."""
+    untie: bool = False
+    round_to: int = 64
+
+    def validate(self) -> None:
+        if not isinstance(self.round_to, int) or self.round_to < 1:
+            raise ValueError(f"--round-to must be a positive integer, got {self.round_to!r}")
+
+
+def why_not_stock(config: dict, options: CompressOptions, untie: bool = False) -> str | None:
+    """``None`` where ``options`` on this source can be written as the source's stock family, else the
+    reason the output stays in the compressed family."""
+    if not options.slicing:
+        return "only SliceGPT keeps the stock architecture (the structured classes need their own modules)"
+    if options.q_mode != "global" or options.sequential:
+        return "one rotation per residual segment puts a matrix on every skip connection"
+    if options.allocation != "uniform":
+        return "per-segment residual widths need the compressed family"
+    model_type = config.get("model_type")
+    if model_type not in STOCK_TYPES:
+        return f"{model_type} has no stock RMSNorm family that holds the sliced stream (stock: {', '.join(STOCK_TYPES)})"
+    if bool(config.get("tie_word_embeddings", True)) and not untie:
+        return ("the source ties its head to the embedding: a sliced tied head needs the compressed family's "
+                "head mix (d′² parameters); --untie writes the stock family with an untied head (vocab × d′)")
+    return None
+
+
+def stock_class(config: dict) -> str:
+    """The stock ``...ForCausalLM`` class name of ``config``'s model type."""
+    archs = config.get("architectures")
+    if archs:
+        return archs[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
+
+
+def _params_at(entries, w: int, n_layers: int, vocab: int, tied: bool, carried: int) -> int:
+    """Parameters of the stock model at width ``w``: sliced matrices (reader biases whole, writer biases
+    sliced), the head (untied), the 2L + 1 norm weights of width ``w`` and the QK-norm γ."""
+    total = 0
+    for e in entries:
+        k = e.shape[0]
+        total += k * w + ((k if e.role == "reader" else w) if e.bias else 0)
+    return total + (vocab * w if tied else 0) + (2 * n_layers + 1) * w + carried
+
+
+def plan_stock_width(source: TensorSource, config: dict, options: CompressOptions,
+                     stock: StockOptions = StockOptions()) -> tuple[int, dict]:
+    """The width ``d′`` (the one whose parameter count is closest to the ratio's target, then the nearest
+    multiple of ``stock.round_to``) and the parameter accounting, in the keys the compressed family's
+    reports use. The budget is the compressed family's: removed parameters per dense parameter of the
+    matrices it compresses, the untied head paid for."""
+    stock.validate()
+    keys = source.keys()
+    adapter = check_family(config, keys)
+    d, L, tied = adapter.hidden, adapter.n_layers, adapter.tied_embeddings
+    vocab = int(config["vocab_size"])
+    entries = matrix_entries(config, keys, adapter)
+    carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
+    dense_total = source_numels(source, keys, tied)
+    p_compressed = sum(e.shape[0] * e.shape[1] for e in entries if in_policy(e.canon, options))
+    target = dense_total - options.ratio * p_compressed
+
+    def params(w):
+        return _params_at(entries, w, L, vocab, tied, carried)
+
+    exact = min(range(1, d + 1), key=lambda w: abs(params(w) - target))
+    n = stock.round_to
+    candidates = list(range(n, d + 1, n))
+    if not candidates:
+        raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
+    w = min(candidates, key=lambda x: (abs(params(x) - target), -x))
+    total = params(w)
+    per_matrix = {e.name: {"structure": {"type": "dense", "width": w},
+                                                          "params": e.shape[0] * w, "dense_params": e.shape[0] * d,
+                                                          "ratio": 1 - w / d} for e in entries}
+    if tied:
+        per_matrix["lm_head"] = {"structure": {"type": "dense", "width": w}, "params": vocab * w,
+                                 "dense_params": 0, "ratio": 0.0}
+    accounting = {
+        "target_ratio": options.ratio, "dense_params_of_compressed_matrices": p_compressed,
+        "dense_model_params": dense_total, "compressed_model_params": total,
+        "ratio_over_model": 1 - total / dense_total, "ratio_over_compressed": (dense_total - total) / p_compressed,
+        "ratio_per_matrix_mean": 1 - w / d, "skip_params": 0, "head_mix_params": 0,
+        "untied_head_params": vocab * w if tied else 0, "norm_params": (2 * L + 1) * w,
+        "hidden": d, "residual": w, "width_unrounded": exact, "round_to": n,
+        "output_family": "stock", "stock_class": stock_class(config), "target_params": round(target),
+        "per_matrix": per_matrix,
+    }
+    return w, accounting
+
+
+def compressed_plan_at(source: TensorSource, config: dict, options: CompressOptions, width: int):
+    """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
+    ratio's: the same slice as :func:`stock_slice_tensors` at that width, in the remote-code family (for
+    comparisons; the ratio's tolerance does not apply)."""
+    from dataclasses import replace
+
+    from .plan import accounting, plan_for
+    from ...symmetry import structured as st
+
+    plan, _ = plan_for(source, config, options.with_(tolerance=1.0))
+    plan.residual = int(width)
+    plan.matrices = [replace(m, structure=st.Dense((m.structure.shape[0], int(width)))) for m in plan.matrices]
+    dense_total = plan.accounting["dense_model_params"]
+    plan.accounting = {**accounting(plan, dense_total, plan.accounting["dense_params_of_compressed_matrices"], options),
+                       "target_params": plan.accounting["target_params"]}
+    return plan
+
+
+def normalisation(d: int, w: int, eps: float) -> tuple[float, float]:
+    """``(c, ε′)``: the stock norm of width ``w`` with ``ε′ = ε d/w``, its output times ``c = √(d/w)``,
+    is the compressed family's norm (``Σ x² / d + ε``)."""
+    return math.sqrt(d / w), eps * d / w
+
+
+def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOptions,
+                        calib_ids: torch.Tensor | None, sink, stock: StockOptions = StockOptions(),
+                        width: int | None = None, rotation: torch.Tensor | None = None, placement=None,
+                        progress: bool = True, constant: bool = True, rescale_eps: bool = True):
+    """The stock SliceGPT route on tensors into ``sink``: (stock config dict, report). ``width``
+    overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``, principal directions
+    first). ``constant`` / ``rescale_eps`` (for the negative controls only): leave the constant ``c``
+    out of the readers, or keep ε as it was."""
+    from .pipeline import CompressReport, one_pass_statistics
+    from .solve import _pca_rotations
+
+    options.validate()
+    stock.validate()
+    reason = why_not_stock(config, options, untie=True)
+    if reason is not None:
+        raise ValueError(f"no stock output: {reason}")
+    t0 = time.perf_counter()
+    keys = source.keys()
+    adapter = check_family(config, keys)
+    w, accounting = plan_stock_width(source, config, options, stock)
+    d, L = adapter.hidden, adapter.n_layers
+    if width is not None:
+        w = int(width)
+        if not 1 <= w <= d:
+            raise ValueError(f"width must be in [1, {d}], got {w}")
+        entries = matrix_entries(config, keys, adapter)
+        carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
+        total = _params_at(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
+        accounting.update(residual=w, compressed_model_params=total, ratio_per_matrix_mean=1 - w / d,
+                          ratio_over_model=1 - total / accounting["dense_model_params"],
+                          ratio_over_compressed=(accounting["dense_model_params"] - total)
+                          / accounting["dense_params_of_compressed_matrices"],
+                          untied_head_params=accounting["untied_head_params"] and int(config["vocab_size"]) * w,
+                          norm_params=(2 * L + 1) * w, round_to=None)
+    tokens = 0
+    if rotation is None:
+        stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
+        rotation, tokens = _pca_rotations(stats, 2 * L + 1, "global")[0], stats.tokens
+        del stats
+    t1 = time.perf_counter()
+    Qw = rotation[:, :w].to(torch.float64).contiguous()
+    c, eps = normalisation(d, w, adapter.eps)
+    if not constant:
+        c = 1.0
+    if not rescale_eps:
+        eps = adapter.eps
+    qk = c * c if adapter.layout.qk_norm else c        # q, k under QK-norm: q_stock = c q
+
+    def layer_fn(i, layer):
+        layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Qw)
+        for n in ("q", "k", "v", "gate", "up"):
+            s = qk if n in ("q", "k") else c
+            layer[f"{n}.weight"] = layer[f"{n}.weight"] * s
+            if f"{n}.bias" in layer and s != c:          # a reader's bias scales only with its output
+                layer[f"{n}.bias"] = layer[f"{n}.bias"] * (s / c)
+        for norm in ("attn_norm", "ffn_norm"):
+            layer[f"{norm}.weight"] = torch.ones(w, dtype=torch.float64)
+        return layer
+
+    def globals_fn(g):
+        g = dict(g)
+        if "lm_head.weight" not in g:                 # tied: untied here, the final norm's γ folds into it
+            g["lm_head.weight"] = g["embed.weight"].clone()
+        g = actions.rotate_residual_globals(actions.fold_final_norm(g), Qw)
+        g["lm_head.weight"] = g["lm_head.weight"] * c
+        g["final_norm.weight"] = torch.ones(w, dtype=torch.float64)
+        return g
+
+    new_config = stock_config(config, adapter, w, eps)
+    accounting["stock_class"] = new_config["architectures"][0]
+    transform_checkpoint(source, adapter, sink, layer_fn=layer_fn, globals_fn=globals_fn, progress=progress,
+                         desc="slice")
+    accounting.update(norm_constant=c, rms_norm_eps=eps, source_rms_norm_eps=adapter.eps)
+    report = CompressReport(source="", output=None, family=adapter.family, options=options.as_dict(),
+                            accounting=accounting, relative_errors={}, objective={}, calibration_tokens=tokens,
+                            seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
+                            method=f"{options.label}, stock {accounting['stock_class']}")
+    return new_config, report
+
+
+def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict:
+    """The source's config with ``hidden_size = width``, ``rms_norm_eps = eps``, an untied head and an
+    explicit ``head_dim``. ``LlamaConfig`` refuses a hidden size that is not a multiple of the number
+    of heads (even with ``head_dim`` given); a Llama without biases is then written as
+    ``MistralForCausalLM`` without sliding window, the same computation in a stock class whose config
+    takes any ``head_dim``."""
+    new = {k: v for k, v in config.items() if not k.startswith("_") and k != "auto_map"}
+    new.update(hidden_size=int(width), rms_norm_eps=float(eps), tie_word_embeddings=False,
+               head_dim=int(adapter.layout.head_dim), architectures=[stock_class(config)])
+    heads = adapter.layout.n_heads
+    if config.get("model_type") == "llama" and width % heads:
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ValueError(f"width {width} is not a multiple of the {heads} attention heads, which LlamaConfig "
+                             f"requires, and a Llama with biases has no other stock class: use a --round-to that is "
+                             f"a multiple of {heads}")
+        for k in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            new.pop(k, None)
+        new.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    return new
+
+
+def stock_slice_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None,
+                      stock: StockOptions = StockOptions(), width: int | None = None,
+                      rotation: torch.Tensor | None = None, progress: bool = False, placement=None, **controls):
+    """In memory: a loaded Llama / Mistral / Qwen2 / Qwen3 / Phi-3 ``...ForCausalLM`` -> (the same stock
+    class at ``hidden_size = d′``, report). A tied source is untied (as ``--untie``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..stream import DictSink, DictSource
+
+    dtype = next(model.parameters()).dtype
+    source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
+    sink = DictSink()
+    new_config, report = stock_slice_tensors(source, model.config.to_dict(), options, calib_ids, sink, stock,
+                                             width=width, rotation=rotation, placement=placement,
+                                             progress=progress, **controls)
+    cfg = AutoConfig.for_model(**{k: v for k, v in new_config.items() if k != "transformers_version"})
+    out = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    missing, unexpected = out.load_state_dict({k: v.to(dtype) for k, v in sink.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise RuntimeError(f"stock slice does not match {type(out).__name__}: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}")
+    report.accounting["compressed_model_params_counted"] = sum(p.numel() for p in out.parameters())
+    return out.eval(), report
+
+
+def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, stock: StockOptions = StockOptions(),
+                              overwrite: bool = False, progress: bool = True, placement=None,
+                              max_shard_size: str | int = "2GB"):
+    """:func:`.pipeline.compress_checkpoint` where :func:`why_not_stock` allows: ``out`` holds the
+    source's own stock family at ``hidden_size = d′`` (no remote code), its report and card."""
+    import os
+
+    from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir,
+                               copy_side_files, parse_size, write_config)
+    from ...evaluation.compare import load_tokenizer
+    from ...evaluation.perplexity import read_text, tokenize_text
+    from .card import write_card
+    from .pipeline import _write_report
+
+    options.validate()
+    stock.validate()
+    check_output_dir(out, overwrite)
+    reader = CheckpointReader(src)
+    reason = why_not_stock(reader.config, options, stock.untie)
+    if reason is not None:
+        raise ValueError(f"no stock output: {reason}")
+    w, _ = plan_stock_width(reader, reader.config, options, stock)      # a bad --round-to fails here
+    stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)   # so does its class
+    calib = read_text(calib_text) if calib_text is not None else None
+    if calib is None:
+        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
+                         "embedded name)")
+    calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
+    if calib_ids.numel() < 2:
+        raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+    with atomic_output_dir(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "compress"})
+        counted = 0
+
+        class _Counting:
+            def add(self, tensors):
+                nonlocal counted
+                counted += sum(t.numel() for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq"))
+                writer.add(tensors)
+
+        new_config, report = stock_slice_tensors(reader, reader.config, options, calib_ids, _Counting(), stock,
+                                                 placement=placement, progress=progress)
+        writer.close()
+        report.accounting["compressed_model_params_counted"] = counted
+        write_config(tmp, new_config)
+        copy_side_files(reader.path, tmp)
+        report.source, report.output = str(src), str(out)
+        _write_report(tmp, report)
+        write_card(tmp, report, options)
+        for f in tmp.iterdir():
+            if f.is_file():
+                os.chmod(f, 0o644)
+    return report
