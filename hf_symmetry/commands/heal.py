@@ -48,7 +48,14 @@ def register(sub) -> None:
                         "and on --resume, instead of running it alongside the student")
     p.add_argument("--cache-k", type=int, default=64, help="logits kept per position by --teacher-cache (default: 64)")
     p.add_argument("--teacher-samples", type=int, default=0, metavar="N",
-                   help="add N sequences sampled from the teacher itself (data-free distillation; stated on the card)")
+                   help="add N sequences sampled from the teacher itself (data-free distillation; stated on the card), "
+                        "generated in batches on the teacher's device, deterministic for --seed, cached under the "
+                        "hf_symmetry cache and reused while the teacher is unchanged")
+    p.add_argument("--layer-loss-weight", type=float, default=0.0, metavar="W",
+                   help="also distil every decoder layer's output state through the conversion's layer map "
+                        "(layer_map.safetensors: identity for TPA/FaRR, the residual rotation cut to the kept width for "
+                        "compress), relative squared error per position, weighted by W (default: 0, logits only); "
+                        "a student without a map is distilled on the logits only")
     p.add_argument("--eval-steps", type=int, default=None, help="held-out KD loss every N steps (default: at the end)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: every 10%% of the steps, at most every 25)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run kept in OUT.heal-run/")
@@ -79,7 +86,8 @@ def run(args) -> int:
                           grad_accum=args.grad_accum, lora_rank=args.lora_rank, full=args.full, lr=args.lr,
                           warmup_steps=args.warmup_steps, temperature=args.temperature, lm_weight=args.lm_weight,
                           teacher_cache=args.teacher_cache, cache_k=args.cache_k,
-                          teacher_samples=args.teacher_samples, eval_steps=args.eval_steps,
+                          teacher_samples=args.teacher_samples, layer_loss_weight=args.layer_loss_weight,
+                          eval_steps=args.eval_steps,
                           save_steps=args.save_steps, seed=args.seed)
     eval_texts = [] if (args.no_verify or args.eval_tokens == 0) else (args.eval_text or ["britannica-eval"])
     r = heal_checkpoint(args.model, args.out, args.teacher, args.text, options, overwrite=args.overwrite,
@@ -92,6 +100,11 @@ def run(args) -> int:
              f"  {r.steps} steps, {r.train_tokens:,} training tokens, {r.tokens_per_second:.0f} tokens/s "
              f"({r.processes} process(es) on {r.device}; training took {r.train_cpu_seconds:.0f} CPU-s on the "
              f"main process); {r.trainable_params:,} trainable parameters"]
+    if r.layer_targets != "off":
+        lines.append(f"  layer targets: {r.layer_targets}")
+    if r.teacher_samples:
+        lines.append(f"  teacher samples: {r.teacher_samples} sequences"
+                     + (" (read from the cache)" if r.teacher_samples_reused else " (sampled, now cached)"))
     if r.resumed_from:
         lines.append(f"  resumed from {r.resumed_from}")
     if r.heldout_kl_before is not None:

@@ -9,12 +9,15 @@ Pipeline (:func:`heal_checkpoint`):
    enough for one sequence, the LoRA rank fits every adapted projection.
 2. **Data**: the training text packed into ``seq_len`` sequences (:mod:`hf_symmetry.training.data`),
    split by document into train and held-out; optionally ``teacher_samples`` extra sequences
-   sampled from the teacher (data-free distillation); optionally the teacher's top-k logits of every
+   sampled from the teacher (data-free distillation; cached under the hf_symmetry cache and reused
+   while the teacher is unchanged); optionally the teacher's top-k logits of every
    training sequence cached on disk (``teacher_cache``) so that later epochs and resumed runs skip
    the teacher.
 3. **Adapters**: LoRA on every projection (:mod:`hf_symmetry.training.peft_targets`; for the
    compressed family its structured factors) or ``full`` fine-tuning of all weights.
-4. **Training**: :func:`hf_symmetry.training.train` with :class:`~hf_symmetry.training.distill.DistillationLoss`;
+4. **Training**: :func:`hf_symmetry.training.train` with :class:`~hf_symmetry.training.distill.DistillationLoss`
+   (logits, plus with ``layer_loss_weight > 0`` the decoder-layer states through the conversion's layer
+   map, :mod:`.layer_map`; a student without one is distilled on the logits only, said in one line);
    checkpoints in the run folder make ``resume`` continue an interrupted run.
 5. **Output** (main process only): adapters merged into the weights, the model saved in its own
    family (``save_pretrained``: custom families carry their remote code), tokenizer copied, optional
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,6 +63,7 @@ class HealOptions:
     teacher_cache: bool = False
     cache_k: int = 64
     teacher_samples: int = 0
+    layer_loss_weight: float = 0.0          # weight of the per-layer state loss (layer map); 0: logits only
     validation_fraction: float = 0.05
     eval_steps: int | None = None
     save_steps: int | None = None           # None: every 10 % of the steps, at most every 25 steps
@@ -89,6 +94,8 @@ class HealOptions:
             raise ValueError(f"--lm-weight must be in [0, 1], got {self.lm_weight}")
         if self.teacher_samples < 0 or self.cache_k < 1:
             raise ValueError("--teacher-samples must be >= 0 and --cache-k >= 1")
+        if not (self.layer_loss_weight >= 0 and math.isfinite(self.layer_loss_weight)):
+            raise ValueError(f"--layer-loss-weight must be finite and >= 0, got {self.layer_loss_weight}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -119,6 +126,8 @@ class HealReport:
     perplexity: dict = field(default_factory=dict)   # text -> {"teacher", "before", "after", "tokens"}
     adapter_dir: str | None = None
     teacher_samples: int = 0
+    teacher_samples_reused: bool = False        # read from the hf_symmetry cache instead of sampled
+    layer_targets: str = "off"                  # the layer map used ("identity"/"rotation ..."), or why none
     device: str = "cpu"
     processes: int = 1
     train_cpu_seconds: float = 0.0              # CPU seconds of the training steps on the main process
@@ -215,8 +224,9 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     from ..evaluation.compare import load_tokenizer
     from ..training import build_datasets, is_main_process, train, world_size
     from ..training.data import PackedDataset, read_documents
-    from ..training.distill import (DistillationLoss, build_teacher_cache, check_same_tokenizer,
-                                    load_teacher_cache, mean_kl, teacher_samples)
+    from ..training.distill import (DistillationLoss, build_teacher_cache, cached_teacher_samples,
+                                    check_same_tokenizer, load_teacher_cache, mean_kl)
+    from .layer_map import read_layer_map
     from ..training.peft_targets import apply_lora, lora_plan
     from ..training.run import TrainSettings, per_device_batch
 
@@ -243,6 +253,19 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     plan = None if options.full else lora_plan(_skeleton(src), options.lora_rank)   # rank check, no weights read
     data = build_datasets(tok, text_paths, options.seq_len, options.validation_fraction,
                           max_train_tokens=options.tokens, seed=options.seed)
+    layer_map, layer_targets = None, "off"
+    if options.layer_loss_weight > 0:
+        layer_map = read_layer_map(src)
+        why = (f"{src.name} has no layer map (layer_map.safetensors)" if layer_map is None
+               else layer_map.mismatch(teacher_cfg, student_cfg))
+        if why:
+            layer_map, layer_targets = None, f"none: {why}"
+            if is_main_process():
+                print(f"hf-symmetry heal: {why}: distilling the logits only", file=sys.stderr, flush=True)
+        else:
+            layer_targets = layer_map.kind + (f" ({len(layer_map.bases)} basis/bases, widths "
+                                              f"{min(layer_map.layer_width)}-{max(layer_map.layer_width)})"
+                                              if layer_map.kind == "rotation" else "")
 
     # ---- 2. teacher, data extras (run folder from here on) -----------------------------------
     from accelerate import PartialState
@@ -256,15 +279,12 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     student = _load(src, progress)
     tmodel = _load(tea, progress)
     train_seqs = data.train.sequences
+    samples_reused = False
     if options.teacher_samples:
-        path = run / "teacher-samples.safetensors"
-        with state.main_process_first():
-            from safetensors.torch import load_file, save_file
-            if not path.is_file():
-                s = teacher_samples(tmodel, tok, options.teacher_samples, options.seq_len, seed=options.seed,
-                                    device=tdev or (dev if dev.type != "cpu" else None), progress=progress)
-                save_file({"sequences": s}, str(path))
-            sampled = load_file(str(path))["sequences"]
+        with state.main_process_first():     # the main process samples (or reads the cache), the others read
+            sampled, _, samples_reused = cached_teacher_samples(
+                tmodel, tok, tea, options.teacher_samples, options.seq_len, seed=options.seed, device=tdev or dev,
+                progress=progress and state.is_main_process)
         train_seqs = torch.cat([train_seqs, sampled])
     extras = None
     if options.teacher_cache:
@@ -299,8 +319,10 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     # ---- 4. training -------------------------------------------------------------------------
-    loss = DistillationLoss(None if options.teacher_cache else tmodel, options.temperature, options.lm_weight,
-                            teacher_device=tdev)
+    # with layer targets the teacher runs alongside even with --teacher-cache (its states are not cached)
+    loss = DistillationLoss(None if options.teacher_cache and layer_map is None else tmodel, options.temperature,
+                            options.lm_weight, teacher_device=tdev, layer_map=layer_map,
+                            layer_weight=options.layer_loss_weight if layer_map is not None else 0.0)
     steps = options.steps()
     settings = TrainSettings(
         output_dir=str(run), max_steps=steps, per_device_batch_size=per_device,
@@ -323,6 +345,7 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
                         steps=result.global_step, train_tokens=result.train_tokens,
                         tokens_per_second=result.tokens_per_second, seconds=0.0, resumed_from=result.resumed_from,
                         final_train_loss=_last_loss(result.log_history), teacher_samples=options.teacher_samples,
+                        teacher_samples_reused=samples_reused, layer_targets=layer_targets,
                         device=str(dev), processes=world_size(), train_cpu_seconds=result.cpu_seconds)
     if not main:
         return report
@@ -368,6 +391,9 @@ def _write_output(trained, tok, src: Path, tea: Path, out: Path, overwrite: bool
         gen = src / "generation_config.json"
         if gen.is_file() and not (tmp / "generation_config.json").is_file():
             shutil.copy2(gen, tmp / "generation_config.json")
+        from .layer_map import MAP_FILE
+        if (src / MAP_FILE).is_file():    # the healed model relates to the original as its input did
+            shutil.copy2(src / MAP_FILE, tmp / MAP_FILE)
         (tmp / "heal_report.json").write_text(json.dumps(_public(report.as_dict()), indent=2, default=str) + "\n")
 
 
@@ -402,12 +428,14 @@ def _write_card(out: Path, report: HealReport, tok) -> None:
                        "train_tokens": report.train_tokens, "steps": report.steps, "seq_len": o["seq_len"],
                        "batch_size": o["batch_size"], "learning_rate": o["learning_rate"],
                        "temperature": o["temperature"], "lm_weight": o["lm_weight"],
-                       "teacher_cache": o["teacher_cache"], "teacher_samples": o["teacher_samples"]},
+                       "teacher_cache": o["teacher_cache"], "teacher_samples": o["teacher_samples"],
+                       "layer_loss_weight": o["layer_loss_weight"]},
         "eval_results": results,
         "extra": {"teacher": public_model_label(report.teacher), "perplexity": report.perplexity,
                   "heldout_kl_before": report.heldout_kl_before, "heldout_kl_after": report.heldout_kl_after,
                   "train_documents": report.data.get("train_documents"), "trainable_params": report.trainable_params,
-                  "teacher_samples": report.teacher_samples, "tokens_per_second": report.tokens_per_second,
+                  "teacher_samples": report.teacher_samples, "layer_targets": report.layer_targets,
+                  "tokens_per_second": report.tokens_per_second,
                   "device": report.device, "processes": report.processes},
         "tags": ["distillation", "lora" if report.mode == "lora" else "full-fine-tuning"],
     }

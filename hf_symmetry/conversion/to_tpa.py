@@ -490,6 +490,9 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
             writer.add(_tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
         _save_tpa_config(tcfg, dtype, tmp)
+        from .layer_map import LayerMap   # the residual stream is untouched: heal's layer targets are the original's
+
+        LayerMap.identity(adapter.n_layers, tcfg.hidden_size, "to_tpa").save(tmp)
         if not copy_side_files(Path(src), tmp):
             report.notes.append("the source folder has no tokenizer to copy")
         report.seconds = time.time() - t0

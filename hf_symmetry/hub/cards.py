@@ -209,7 +209,8 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "F64": 
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors"))
+    # layer_map.safetensors (conversion.layer_map) holds the conversion's rotations, not parameters
+    return sorted(p for p in folder.glob("*.safetensors") if p.name != "layer_map.safetensors")
 
 
 _INDEX_DTYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")   # index buffers (BERT's position_ids), not parameters

@@ -16,6 +16,20 @@ training sequences and writes its **top-k logits** to a safetensors file (``topk
 (``teacher_topk_values`` / ``teacher_topk_indices``) and uses the teacher distribution renormalised on
 its top k tokens, KL taken on that support (exact when ``k`` is the vocabulary size).
 
+**Layer targets** (``layer_map`` and ``layer_weight > 0``): the student's decoder-layer outputs are
+also pulled towards the teacher's, mapped into the student's basis by the conversion's layer map
+(:class:`hf_symmetry.conversion.layer_map.LayerMap`: identity for TPA/FaRR, the residual rotation cut
+to the kept width for compression). Per layer ``l`` and position ``t``, with ``y = map_l(h_teacher)``,
+the error is ``‖s_t − y_t‖² / ‖y_t‖²`` (relative, so that the few positions with massive activations
+do not outweigh the rest); :func:`layer_state_loss` averages it over positions and layers, and the
+loss becomes ``(1 − λ)·KD + λ·LM + w·layer``. At zero distortion (full-width slicing, full-rank TPA)
+it is 0 to float round-off.
+
+**Teacher samples** (:func:`cached_teacher_samples`): sequences sampled from the teacher on its
+device in batches, deterministic for a seed (and device), cached as token files under the
+hf_symmetry cache and reused; the cache key holds a fingerprint of the teacher (config and weights
+files' names, sizes and modification times), so a changed teacher samples anew.
+
 Teacher and student must share the tokenizer: :func:`check_same_tokenizer` compares vocabularies
 and special tokens before any work.
 """
@@ -24,14 +38,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ..modeling import cache_field
+
 __all__ = ["DistillationLoss", "kd_kl", "topk_kl", "check_same_tokenizer", "build_teacher_cache",
-           "load_teacher_cache", "teacher_samples", "mean_kl"]
+           "load_teacher_cache", "teacher_samples", "cached_teacher_samples", "teacher_fingerprint", "mean_kl",
+           "decoder_layers", "layer_outputs", "layer_state_loss"]
 
 
 def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -54,42 +73,111 @@ def topk_kl(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indice
     return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM, through PEFT and DDP wrappers: the first ``ModuleList``
+    named ``layers`` (``h`` for GPT-2-style models)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(module):
+            return module
+    raise ValueError(f"{type(model).__name__}: no decoder layers found (a ModuleList named 'layers')")
+
+
+@contextmanager
+def layer_outputs(model: torch.nn.Module):
+    """Within the block, the list filled by each forward pass of ``model`` with every decoder
+    layer's output hidden state (``[B, L, width]``), in layer order."""
+    layers = decoder_layers(model)
+    states: list = [None] * len(layers)
+
+    def hook(i):
+        def store(module, args, output):
+            states[i] = output[0] if isinstance(output, (tuple, list)) else output
+        return store
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield states
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def layer_state_loss(student_states, teacher_states, layer_map, eps: float = 1e-12) -> torch.Tensor:
+    """Mean over layers and positions of ``‖s − map_l(h)‖² / ‖map_l(h)‖²`` (float32): the student's
+    layer-``l`` states ``s`` against the teacher's ``h`` mapped into the student's basis by
+    ``layer_map.target(l, h)``."""
+    if len(student_states) != len(teacher_states):
+        raise ValueError(f"student has {len(student_states)} decoder layers, teacher {len(teacher_states)}")
+    total = 0.0
+    for i, (s, h) in enumerate(zip(student_states, teacher_states)):
+        y = layer_map.target(i, h.to(device=s.device, dtype=torch.float32))
+        err = (s.float() - y).pow(2).sum(-1)
+        total = total + (err / y.pow(2).sum(-1).clamp_min(eps)).mean()
+    return total / len(student_states)
+
+
 @dataclass
 class DistillationLoss:
     """``loss(model, inputs) -> (loss, {"kd_part", "lm_part"})`` for :func:`hf_symmetry.training.train`.
 
-    ``teacher`` may be ``None`` when every batch carries cached top-k teacher logits."""
+    ``teacher`` may be ``None`` when every batch carries cached top-k teacher logits (and no layer
+    targets are asked for). ``layer_map``/``layer_weight``: the layer targets (module doc)."""
     teacher: torch.nn.Module | None
     temperature: float = 1.0
     lm_weight: float = 0.0
     teacher_device: str | torch.device | None = None
+    layer_map: object | None = None
+    layer_weight: float = 0.0
 
     def __post_init__(self):
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0.0 <= self.lm_weight <= 1.0:
             raise ValueError(f"LM weight must be in [0, 1], got {self.lm_weight}")
+        if self.layer_weight < 0:
+            raise ValueError(f"layer-loss weight must be >= 0, got {self.layer_weight}")
         if self.teacher is not None:
             self.teacher.eval()
             self.teacher.requires_grad_(False)
 
+    @property
+    def uses_layers(self) -> bool:
+        return self.layer_weight > 0 and self.layer_map is not None
+
     @torch.no_grad()
-    def teacher_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def teacher_forward(self, input_ids: torch.Tensor, states: bool = False):
+        """``(logits, layer states or None)`` of the teacher on ``input_ids``, on the student's device."""
+        if self.teacher is None:
+            raise ValueError("no teacher and no cached teacher logits in the batch")
         dev = torch.device(self.teacher_device) if self.teacher_device is not None else input_ids.device
         if next(self.teacher.parameters()).device != dev:
             self.teacher.to(dev)
-        return self.teacher(input_ids=input_ids.to(dev), use_cache=False).logits.to(input_ids.device)
+        if not states:
+            return self.teacher(input_ids=input_ids.to(dev), use_cache=False).logits.to(input_ids.device), None
+        with layer_outputs(self.teacher) as hs:
+            logits = self.teacher(input_ids=input_ids.to(dev), use_cache=False).logits.to(input_ids.device)
+        return logits, [h.to(input_ids.device) for h in hs]
+
+    def teacher_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.teacher_forward(input_ids)[0]
 
     def __call__(self, model, inputs: dict):
         ids = inputs["input_ids"]
-        out = model(input_ids=ids, use_cache=False)
+        layers = self.uses_layers
+        if layers:
+            with layer_outputs(model) as student_states:
+                out = model(input_ids=ids, use_cache=False)
+        else:
+            out = model(input_ids=ids, use_cache=False)
         logits = out.logits
+        teacher_states = None
         if "teacher_topk_values" in inputs:
             kd = topk_kl(logits, inputs["teacher_topk_values"], inputs["teacher_topk_indices"], self.temperature)
+            if layers:
+                teacher_states = self.teacher_forward(ids, states=True)[1]
         else:
-            if self.teacher is None:
-                raise ValueError("no teacher and no cached teacher logits in the batch")
-            kd = kd_kl(logits, self.teacher_logits(ids), self.temperature)
+            t_logits, teacher_states = self.teacher_forward(ids, states=layers)
+            kd = kd_kl(logits, t_logits, self.temperature)
         parts = {"kd_part": kd.detach().item()}
         loss = kd
         if self.lm_weight > 0:
@@ -97,6 +185,10 @@ class DistillationLoss:
             lm = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
             parts["lm_part"] = lm.detach().item()
             loss = (1 - self.lm_weight) * kd + self.lm_weight * lm
+        if layers:
+            ls = layer_state_loss(student_states, teacher_states, self.layer_map)
+            parts["layer_part"] = ls.detach().item()
+            loss = loss + self.layer_weight * ls
         return loss, parts
 
 
@@ -198,32 +290,94 @@ def load_teacher_cache(path: str | Path, sequences: torch.Tensor) -> dict[str, t
     return {"teacher_topk_values": data["topk_values"], "teacher_topk_indices": data["topk_indices"]}
 
 
-@torch.no_grad()
-def teacher_samples(teacher, tokenizer, n: int, seq_len: int, seed: int = 0, batch_size: int = 8,
-                    device: str | torch.device | None = None, progress: bool = True) -> torch.Tensor:
-    """``[n, seq_len]`` sequences sampled from the teacher itself (temperature 1, no truncation),
-    each starting from the BOS token (EOS when there is none): data-free distillation material.
-    Deterministic for a given seed and device."""
-    from tqdm.auto import tqdm
-
+def _start_token(tokenizer) -> int:
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if start is None:
         raise ValueError("the tokenizer has neither a BOS nor an EOS token to start teacher samples from")
+    return int(start)
+
+
+def default_sample_batch(device) -> int:
+    """Sequences generated at once: 64 on an accelerator, 8 on CPU."""
+    return 8 if torch.device(device).type == "cpu" else 64
+
+
+@torch.no_grad()
+def teacher_samples(teacher, tokenizer, n: int, seq_len: int, seed: int = 0, batch_size: int | None = None,
+                    device: str | torch.device | None = None, progress: bool = True) -> torch.Tensor:
+    """``[n, seq_len]`` sequences sampled from the teacher itself (temperature 1, no truncation),
+    each starting from the BOS token (EOS when there is none): data-free distillation material.
+    Generated ``batch_size`` sequences at a time with the KV cache, sampled on the teacher's device
+    (a generator of that device): deterministic for a given seed, batch size and device."""
+    from tqdm.auto import tqdm
+
+    start = _start_token(tokenizer)
     dev = torch.device(device) if device is not None else next(teacher.parameters()).device
+    batch_size = batch_size or default_sample_batch(dev)
     teacher.eval().to(dev)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     out = []
     for i in tqdm(range(0, n, batch_size), desc="sampling from the teacher", disable=not progress, unit="batch"):
         b = min(batch_size, n - i)
-        ids = torch.full((b, 1), start, dtype=torch.long, device=dev)
+        ids = torch.empty((b, seq_len), dtype=torch.long, device=dev)
+        ids[:, 0] = start
         past = None
-        step_in = ids
-        for _ in range(seq_len - 1):
-            o = teacher(input_ids=step_in, past_key_values=past, use_cache=True)
-            past = o.past_key_values
-            probs = torch.softmax(o.logits[:, -1].float(), -1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=gen).to(dev)
-            ids = torch.cat([ids, nxt], 1)
-            step_in = nxt
+        for t in range(1, seq_len):
+            o = teacher(input_ids=ids[:, t - 1:t], use_cache=True, **{cache_field(): past})
+            past = getattr(o, cache_field())
+            probs = torch.softmax(o.logits[:, -1].float(), -1)
+            ids[:, t] = torch.multinomial(probs, 1, generator=gen)[:, 0]
         out.append(ids.cpu())
+        del past
     return torch.cat(out)
+
+
+def teacher_fingerprint(folder: str | Path) -> str:
+    """A fingerprint of the model folder ``folder``: its ``config.json`` and the names, sizes and
+    modification times of its weights files (no weights are read). A changed teacher changes it."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes())
+    for p in sorted(folder.iterdir()):
+        if p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".json") and p.name.startswith(("model", "pytorch_model")):
+            st = p.stat()
+            h.update(json.dumps([p.name, st.st_size, st.st_mtime_ns]).encode())
+    return h.hexdigest()[:20]
+
+
+def cached_teacher_samples(teacher, tokenizer, teacher_folder: str | Path, n: int, seq_len: int, seed: int = 0,
+                           device: str | torch.device | None = None, batch_size: int | None = None,
+                           cache: str | Path | None = None, progress: bool = True) -> tuple[torch.Tensor, Path, bool]:
+    """:func:`teacher_samples`, cached: ``(sequences [n, seq_len], file, reused)``. The token file
+    (safetensors, ``sequences`` int32) lives in ``cache`` (default ``<hf_symmetry cache>/teacher-samples``)
+    under a key of the teacher's fingerprint (:func:`teacher_fingerprint`), n, seq_len, seed, batch
+    size, start token and device type; an existing file with that key is read instead of sampling.
+    Written to a temporary name and renamed: concurrent runs never see half a file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if cache is None:
+        from ..assets import cache_dir
+        cache = cache_dir() / "teacher-samples"
+    dev = torch.device(device) if device is not None else next(teacher.parameters()).device
+    batch_size = batch_size or default_sample_batch(dev)
+    fp = teacher_fingerprint(teacher_folder)
+    key = {"teacher": fp, "n": n, "seq_len": seq_len, "seed": seed, "batch_size": batch_size,
+           "start": _start_token(tokenizer), "device": dev.type, "version": 2}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache) / f"{Path(teacher_folder).name}-{n}x{seq_len}-seed{seed}-{digest}.safetensors"
+    if path.is_file():
+        try:
+            with safe_open(str(path), "pt") as f:
+                if (f.metadata() or {}).get("key") == json.dumps(key, sort_keys=True):
+                    return f.get_tensor("sequences").long(), path, True
+        except Exception:   # a damaged file: sample anew
+            pass
+    seqs = teacher_samples(teacher, tokenizer, n, seq_len, seed=seed, batch_size=batch_size, device=dev,
+                           progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"sequences": seqs.to(torch.int32).contiguous()}, str(tmp),
+              metadata={"key": json.dumps(key, sort_keys=True), "teacher": str(Path(teacher_folder).name)})
+    os.replace(tmp, path)
+    return seqs, path, False

@@ -244,6 +244,10 @@ class Assembler:
         self.out: Tensors = {}
         self.done: set = set()           # "embed", "head", layer indices
         self.written: set = set()        # names of the layer matrices written
+        from ..layer_map import LayerMapRecorder
+
+        # how each decoder layer's output relates to the original's (read by ``heal``)
+        self.layer_map = LayerMapRecorder(plan.n_layers, plan.hidden, "compress")
 
     def put(self, prefix: str, tensors: Tensors) -> None:
         """Cast and hand on one module's tensors (a :class:`...checkpoint.RowBlocks` factor is streamed
@@ -303,6 +307,7 @@ class Assembler:
         dr = plan.residual
         for name, (a, b) in (("attn_skip", (2 * i, 2 * i + 1)), ("mlp_skip", (2 * i + 1, 2 * i + 2))):
             _put_skip(self.put, prefix + name, plan.skip, Qs[a][:, :dr].T @ Qs[b][:, :dr])
+        self.layer_map.add(i, Qs[2 * i + 2], plan.width(2 * i + 2))   # layer i writes segment 2i + 2
         self.done.add(i)
 
     def head(self, Qs, factors: dict, consume: bool = False) -> None:

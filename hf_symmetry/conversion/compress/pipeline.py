@@ -133,6 +133,8 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     t2 = time.perf_counter()
     state = assembler.finish(res, progress)
     times["assemble"] = time.perf_counter() - t2
+    if sink is not None and assembler.layer_map.complete():
+        sink.layer_map = assembler.layer_map.map     # written next to the weights (heal's layer targets)
     report = CompressReport(source="", output=None, family=plan.family, options=options.as_dict(),
                             accounting=plan.accounting, relative_errors=res.relative_errors,
                             objective=_summarise(res.traces), calibration_tokens=stats.tokens if stats else 0,
@@ -219,6 +221,8 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
                                                  progress=progress, plan=plan, hf_config=hf_config,
                                                  placement=placement, sink=sink, scratch=tmp)
         writer.close()
+        if getattr(sink, "layer_map", None) is not None:
+            sink.layer_map.save(tmp)
         _save_config(new_config, dtype, tmp)
         report.accounting["compressed_model_params_counted"] = counted
         report.source, report.output = str(src), str(out)

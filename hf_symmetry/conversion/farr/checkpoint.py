@@ -69,6 +69,9 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
         writer.close()
         farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
         save_farr_config(farr_config, tmp)
+        from ..layer_map import LayerMap   # the residual stream is untouched: heal's layer targets are the original's
+
+        LayerMap.identity(farr_config.num_hidden_layers, farr_config.hidden_size, "farr").save(tmp)
         copy_side_files(reader.path, tmp)
         report.source, report.output = str(src), str(out)
         report.params_before = count_parameters(reader.path)   # the count every card and report uses
