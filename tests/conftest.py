@@ -14,28 +14,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# Copied from transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, with its one change: transformers'
+# RMSNorms compute in float32 even for float64 inputs, which would cap float64 exactness tests at ~1e-7; this
+# keeps the input dtype. (tests/test_copies.py checks that the source exists and computes the same in float32.)
 def _exact_rmsnorm_forward(self, hidden_states):
-    # transformers' RMSNorms compute in float32 even for float64 inputs, which would cap
-    # float64 exactness tests at ~1e-7; this keeps the input dtype.
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def _exact_gptj_attn(self, query, key, value, attention_mask=None):
-    # GPT-J computes attention scores in float32 whatever the input dtype; keep float64.
-    attn_weights = torch.matmul(query, key.transpose(-1, -2)) / self.scale_attn
-    if attention_mask is not None:
-        attn_weights = attn_weights + attention_mask
-    attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1)
-    return torch.matmul(attn_weights, value), attn_weights
-
-
 @pytest.fixture
 def exact_rmsnorm(monkeypatch):
-    """float64-exact transformers modules: RMSNorms and GPT-J attention keep the input dtype."""
-    from transformers.models.gptj import modeling_gptj
-
-    monkeypatch.setattr(modeling_gptj.GPTJAttention, "_attn", _exact_gptj_attn)
+    """float64-exact transformers RMSNorms: they keep the input dtype. (Attention needs no patch: the tiny
+    models run transformers' SDPA backend, which computes in the input dtype; its eager GPT-J path upcasts
+    to float32.)"""
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2

@@ -20,7 +20,7 @@ MARKER = re.compile(r"#\s*Copied from (transformers\.[\w.]+)")
 
 def _markers() -> list[tuple[str, str]]:
     found = []
-    for path in sorted(MODELING.glob("modeling_*.py")):
+    for path in [*sorted(MODELING.glob("modeling_*.py")), Path(__file__).parent / "conftest.py"]:
         for target in MARKER.findall(path.read_text()):
             found.append((path.name, target.rstrip(".")))
     return found
@@ -97,3 +97,16 @@ def test_copied_eager_attention_computes_what_llamas_computes_with_one_kv_head_p
         got, got_w = copy(module, q, k, v, mask, scaling=0.3)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         torch.testing.assert_close(got_w, want_w, rtol=0, atol=1e-6)
+
+
+def test_the_tests_float64_rmsnorm_computes_what_its_source_computes_in_float32():
+    from conftest import _exact_rmsnorm_forward
+
+    torch.manual_seed(0)
+    norm = modeling_llama.LlamaRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(_exact_rmsnorm_forward(norm, x), norm(x), rtol=0, atol=1e-6)
+    x64 = x.double()
+    assert _exact_rmsnorm_forward(norm.double(), x64).dtype == torch.float64

@@ -3,6 +3,8 @@ when ``hf_symmetry`` is imported (``AutoConfig`` / ``AutoModel`` / ``AutoModelFo
 
 from __future__ import annotations
 
+from .modeling_tpa import cache_field  # the KV cache's argument/output name in the installed transformers
+
 
 def register_auto_classes() -> None:
     """Register every family with transformers' Auto classes (idempotent)."""

@@ -25,6 +25,7 @@ transformers and its sibling ``configuration_compressed_llama``.
 
 from __future__ import annotations
 
+import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +42,16 @@ from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding, appl
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from .configuration_compressed_llama import CompressedLlamaConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# The KV cache's name: transformers 5.24 renamed the argument and output field `past_key_values` to
+# `cache`. Models here take either as an argument, and write their output under the installed name.
+# ----------------------------------------------------------------------------------------------
+# Copied from hf_symmetry.modeling.modeling_tpa.cache_field
+def cache_field() -> str:
+    """The name of the KV cache field of the installed transformers' model outputs."""
+    return "cache" if any(f.name == "cache" for f in dataclasses.fields(BaseModelOutputWithPast)) else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,7 +338,7 @@ class CompressedLlamaAttention(nn.Module):
             self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)
@@ -338,8 +349,8 @@ class CompressedLlamaAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
                                                                     eager_attention_forward)
         out, weights = attention_interface(self, q, k, v, attention_mask,
@@ -375,10 +386,9 @@ class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
         self.mid_width = config.segment_width(2 * layer_idx + 1)
         self.out_width = config.segment_width(2 * layer_idx + 2)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
-                **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
         attn, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                                       attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+                                       attention_mask=attention_mask, cache=cache, **kwargs)
         skip = hidden_states if self.attn_skip is None else self.attn_skip(hidden_states)
         hidden_states = resize_stream(skip, self.mid_width) + attn
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -395,7 +405,7 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["CompressedLlamaDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = False
@@ -448,9 +458,10 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
+                return_dict=None, past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
         cfg = self.config
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
@@ -462,13 +473,13 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
             use_cache = False
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=cfg)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=cfg)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        causal_mask = create_causal_mask(config=cfg, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                         past_key_values=past_key_values, position_ids=position_ids)
+        # positional: the cache argument's keyword is `cache` from transformers 5.24, `past_key_values` before
+        causal_mask = create_causal_mask(cfg, inputs_embeds, attention_mask, cache, position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         all_hidden, all_attn = (), ()
@@ -476,15 +487,14 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
             if output_hidden_states:
                 all_hidden += (hidden_states,)
             hidden_states, weights = layer(hidden_states, attention_mask=causal_mask,
-                                           position_embeddings=position_embeddings, past_key_values=past_key_values,
+                                           position_embeddings=position_embeddings, cache=cache,
                                            output_attentions=output_attentions, **kwargs)
             if output_attentions:
                 all_attn += (weights,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)
-        out = BaseModelOutputWithPast(last_hidden_state=hidden_states,
-                                      past_key_values=past_key_values if use_cache else None,
+        out = BaseModelOutputWithPast(last_hidden_state=hidden_states, **{cache_field(): cache if use_cache else None},
                                       hidden_states=all_hidden or None, attentions=all_attn or None)
         return out if return_dict else out.to_tuple()
 
@@ -522,12 +532,14 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
             hidden_states = self.head_mix(hidden_states)
         return self.model.embed_tokens.matrix(hidden_states)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0,
+                past_key_values=None, **kwargs):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
+                             use_cache=use_cache,
                              output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                              return_dict=True, **kwargs)
         hidden_states = outputs.last_hidden_state
@@ -536,7 +548,7 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field(): getattr(outputs, cache_field())},
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out if return_dict else out.to_tuple()
 

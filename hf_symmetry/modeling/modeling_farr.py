@@ -60,8 +60,10 @@ class FarrLlamaAttention(nn.Module):
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        # transformers' decoder layer hands the KV cache over as `cache` from 5.24, `past_key_values` before
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
         key = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim)
@@ -73,8 +75,8 @@ class FarrLlamaAttention(nn.Module):
         if self.use_rope:
             cos, sin = position_embeddings
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, llama_eager_attention_forward)
@@ -157,7 +159,8 @@ class FarrBertSelfAttention(BertSelfAttention):
         self.is_causal = False
         self.layer_idx = layer_idx
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, cache=None, past_key_values=None, **kwargs):
+        # an encoder keeps no KV cache: the cache arguments (`cache` from transformers 5.24) are ignored
         input_shape = hidden_states.shape[:-1]
         query = self.query(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
         key = self.key(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)

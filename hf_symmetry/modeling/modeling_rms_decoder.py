@@ -14,6 +14,7 @@ torch, transformers and its sibling ``configuration_rms_decoder``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -30,6 +31,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding, apply_rotary_pos_emb
 
 from .configuration_rms_decoder import RMSDecoderConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# The KV cache's name: transformers 5.24 renamed the argument and output field `past_key_values` to
+# `cache`. Models here take either as an argument, and write their output under the installed name.
+# ----------------------------------------------------------------------------------------------
+# Copied from hf_symmetry.modeling.modeling_tpa.cache_field
+def cache_field() -> str:
+    """The name of the KV cache field of the installed transformers' model outputs."""
+    return "cache" if any(f.name == "cache" for f in dataclasses.fields(BaseModelOutputWithPast)) else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +321,7 @@ class RMSDecoderAttention(nn.Module):
         self.v_proj = _linear(r, inner, config.attention_bias, spec("v_proj"))
         self.o_proj = _linear(inner, r, config.attention_bias, spec("o_proj"))
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values: Cache | None = None,
+    def forward(self, hidden_states, attention_mask=None, cache: Cache | None = None,
                 position_embeddings=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, self.head_dim)
@@ -319,8 +330,8 @@ class RMSDecoderAttention(nn.Module):
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if position_embeddings is not None:   # rotary (partial: the first dims of each head)
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0,
@@ -352,9 +363,9 @@ class RMSDecoderLayer(GradientCheckpointingLayer):
         self.mlp_skip = OrthogonalSkip(config.residual_size) if orthogonal else None
         self.parallel_block = config.parallel_block
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         normed = self.input_layernorm(hidden_states)
-        attn, _ = self.self_attn(normed, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        attn, _ = self.self_attn(normed, attention_mask=attention_mask, cache=cache, **kwargs)
         if self.parallel_block:   # both read the layer input (its two weightless norms are the same map)
             return hidden_states + attn + self.mlp(normed)
         if self.attn_skip is not None:   # one basis per residual segment: the skip changes basis
@@ -372,7 +383,7 @@ class RMSDecoderPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["RMSDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_attention_backend = True
 
@@ -431,16 +442,17 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
             return pos[:, past_seen:past_seen + n]
         return (torch.arange(n, device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs) -> BaseModelOutputWithPast:
+        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        past_seen = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = self._positions(inputs_embeds, attention_mask, past_seen)
         if self.config.rotary:
@@ -449,11 +461,11 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
         else:
             hidden_states = inputs_embeds + self.embed_positions(position_ids + self.config.position_offset)
         mask_positions = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                         past_key_values=past_key_values, position_ids=mask_positions)
+        # positional: the cache argument's keyword is `cache` from transformers 5.24, `past_key_values` before
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, mask_positions)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask=causal_mask, past_key_values=past_key_values, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+            hidden_states = layer(hidden_states, attention_mask=causal_mask, cache=cache, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{cache_field(): cache})
 
 
 class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
@@ -470,17 +482,19 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> CausalLMOutputWithPast:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0, past_key_values=None,
+                **kwargs) -> CausalLMOutputWithPast:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                         cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, **kwargs)
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field(): getattr(out, cache_field())})
 
 
 RMSDecoderModel.register_for_auto_class("AutoModel")

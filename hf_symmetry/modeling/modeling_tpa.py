@@ -21,6 +21,7 @@ torch, transformers and its sibling ``configuration_tpa``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
@@ -38,6 +39,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_tpa import TPAConfig
+
+
+# ----------------------------------------------------------------------------------------------
+# The KV cache's name: transformers 5.24 renamed the argument and output field `past_key_values` to
+# `cache`. Models here take either as an argument, and write their output under the installed name.
+# ----------------------------------------------------------------------------------------------
+def cache_field() -> str:
+    """The name of the KV cache field of the installed transformers' model outputs."""
+    return "cache" if any(f.name == "cache" for f in dataclasses.fields(BaseModelOutputWithPast)) else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,14 +516,14 @@ class TPAAttention(nn.Module):
         out = (out / rv).transpose(1, 2).contiguous()
         return out, (probs if output_attentions else None)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
                 output_attentions=False, **kwargs):
         B, T, _ = hidden_states.shape
         cos, sin = position_embeddings
         f = self.compute_factors(hidden_states, cos, sin)
         a_k, b_k, a_v, b_v = f["a_k"], f["b_k"], f["a_v"], f["b_v"]
-        if past_key_values is not None:
-            a_k, b_k, a_v, b_v = past_key_values.update_factors(self.layer_idx, a_k, b_k, a_v, b_v)
+        if cache is not None:
+            a_k, b_k, a_v, b_v = cache.update_factors(self.layer_idx, a_k, b_k, a_v, b_v)
         score_route, value_route = self.attention_plan(T, b_k.shape[1])
         if (score_route, value_route) != ("k", "v"):
             out, weights = self.factor_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions,
@@ -532,12 +542,12 @@ class TPADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = TPARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = TPARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None,
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None,
                 use_cache=False, output_attentions=False, **kwargs):
         residual = hidden_states
         hidden_states, attn_weights = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-            attention_mask=attention_mask, past_key_values=past_key_values, output_attentions=output_attentions)
+            attention_mask=attention_mask, cache=cache, output_attentions=output_attentions)
         hidden_states = residual + hidden_states
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, attn_weights
@@ -552,7 +562,7 @@ class TPAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["TPADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -598,18 +608,21 @@ class TPAModel(TPAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _as_tpa_cache(self, past_key_values):
-        if past_key_values is None or isinstance(past_key_values, TPACache):
-            return past_key_values
-        if isinstance(past_key_values, Cache) and past_key_values.get_seq_length() == 0 and all(
-                isinstance(layer, DynamicLayer) for layer in past_key_values.layers):
+    def _as_tpa_cache(self, cache):
+        """``cache`` as a :class:`TPACache`. ``generate`` hands the model an empty generic cache
+        (a ``DynamicCache``) unless it was given one: that one is swapped for the factorised cache here, and
+        the model's output carries the swap back to ``generate``."""
+        if cache is None or isinstance(cache, TPACache):
+            return cache
+        if isinstance(cache, Cache) and cache.get_seq_length() == 0 and all(
+                isinstance(layer, DynamicLayer) for layer in cache.layers):
             return TPACache(config=self.config)  # an empty generic cache: swap in the factorised one
-        raise ValueError(
-            f"TPA models need a TPACache (factorised KV cache), got {type(past_key_values).__name__}")
+        raise ValueError(f"TPA models need a TPACache (factorised KV cache), got {type(cache).__name__}")
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
+                return_dict=None, past_key_values=None, **kwargs):
+        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
         cfg = self.config
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
@@ -621,17 +634,16 @@ class TPAModel(TPAPreTrainedModel):
             use_cache = False
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = TPACache(config=cfg)
-        past_key_values = self._as_tpa_cache(past_key_values)
+        if use_cache and cache is None:
+            cache = TPACache(config=cfg)
+        cache = self._as_tpa_cache(cache)
 
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=cfg, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            past_key_values=past_key_values, position_ids=position_ids)
+        # positional: the cache argument's keyword is `cache` from transformers 5.24, `past_key_values` before
+        causal_mask = create_causal_mask(cfg, inputs_embeds, attention_mask, cache, position_ids)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -641,14 +653,14 @@ class TPAModel(TPAPreTrainedModel):
                 all_hidden += (hidden_states,)
             hidden_states, attn = layer(
                 hidden_states, attention_mask=causal_mask, position_embeddings=position_embeddings,
-                past_key_values=past_key_values, use_cache=use_cache, output_attentions=output_attentions)
+                cache=cache, use_cache=use_cache, output_attentions=output_attentions)
             if output_attentions:
                 all_attn += (attn,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)
         out = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None,
+            last_hidden_state=hidden_states, **{cache_field(): cache if use_cache else None},
             hidden_states=all_hidden or None, attentions=all_attn or None)
         return out if return_dict else out.to_tuple()
 
@@ -675,24 +687,14 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """``generate`` gets a :class:`TPACache` (factors, not K/V) instead of a ``DynamicCache``."""
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            impl = generation_config.cache_implementation
-            if impl not in (None, "dynamic"):
-                raise ValueError(
-                    f"TPA models use their own factorised cache; cache_implementation={impl!r} is not supported")
-            model_kwargs["past_key_values"] = TPACache(config=self.config)
-            return
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0,
+                past_key_values=None, **kwargs):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -701,7 +703,7 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         out = CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+            loss=loss, logits=logits, **{cache_field(): getattr(outputs, cache_field())},
             hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         return out if return_dict else out.to_tuple()
 
