@@ -116,6 +116,26 @@ def test_full_width_slicing_has_zero_layer_loss_and_a_wrong_rotation_does_not(ro
     assert count_parameters(sliced) == sum(p.numel() for p in model.parameters())
 
 
+def test_per_segment_rotations_map_each_layer_through_its_own_segment(root):
+    """SliceGPT with one PCA per residual segment, at full width: exact (dense skips), and every layer
+    has its own rotation — the map must pick the segment the layer writes (2l + 2), not a neighbour."""
+    from hf_symmetry.conversion.compress import CompressOptions, compress_checkpoint
+    from hf_symmetry.conversion.compress import plan as plan_module
+
+    out = root / "slice-segments"
+    full_width = plan_module.plan_slice
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10 ** 12))
+        compress_checkpoint(root / "teacher", out, CompressOptions(structure="slice", q_mode="segment", ratio=0.01,
+                                                                   tolerance=1.0, calib_tokens=2048, calib_seq_len=64),
+                            root / "train.txt", progress=False)
+    m = read_layer_map(out)
+    assert len(m.bases) == 4 and m.layer_basis == [0, 1, 2, 3]
+    assert _loss(out, root / "teacher") < 1e-10
+    shifted = LayerMap("rotation", 32, [1, 2, 3, 0], m.layer_width, m.bases)     # a neighbour's rotation
+    assert _loss(out, root / "teacher", shifted) > 0.3
+
+
 def test_full_rank_tpa_has_zero_layer_loss_and_a_permuted_layer_does_not(root, tpa):
     m = read_layer_map(tpa)
     assert m.kind == "identity" and m.num_layers == 4
