@@ -334,8 +334,11 @@ def test_bfloat16_calibration_is_close_to_float32(tmp_path):
     assert 0 < (a - b).norm() / a.norm() < 0.05
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
-def test_cuda_statistics_equal_cpu(tmp_path):
+def test_cuda_statistics_equal_cpu(tmp_path, exact_rmsnorm):
+    # float64 on both devices: transformers' RMSNorm computes in float32 (exact_rmsnorm keeps float64),
+    # and its float32 rotary tables are computed on the host by the engine (engine._rotary_on_host)
     _saved("qwen2", tmp_path)
     batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     req = StatsRequest(grams=("attn_in", "down_in"), sums=("o_in",))
@@ -348,33 +351,48 @@ def test_cuda_statistics_equal_cpu(tmp_path):
         assert _close(a.sums["o_in"], b.sums["o_in"], 1e-9)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
-def test_cuda_farr_and_regmean_equal_cpu(tmp_path):
-    """FaRR's eigendecompositions and SVDs and RegMean's Grams and solves on the GPU (float64) give the
-    CPU's tensors, back on the CPU."""
+def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
+    """FaRR (calibrated, window 20) of the tiny float64 Llama in ``folder`` and a RegMean merge of two
+    tiny Llamas, both calibrated on 60 tokens in windows of 20 on ``placement``: their output tensors."""
     from hf_symmetry.checkpoint import CheckpointReader
     from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, _farr, calibrated_analysis
     from hf_symmetry.conversion.merge import run_merge
     from hf_symmetry.conversion.recipe import recipe_from_dict
     from hf_symmetry.conversion.stream import DictSink
 
-    _saved("llama", tmp_path / "m")
     ids = input_ids(length=60, batch=1).reshape(-1)
     options = FarrOptions(params_fraction=0.6)
-    reader = CheckpointReader(tmp_path / "m")
-    out = {}
-    for name, placement in (("cpu", F64), ("cuda", resolve("cuda", torch.float64))):
-        store = LayerWeights()
-        analysis = calibrated_analysis(tmp_path / "m", ids, options.paths, placement, store=store, window=20)
-        sink = DictSink()
-        _farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis,
-              device=placement.device)
-        merged = DictSink()
-        recipe = recipe_from_dict({"merge_method": "regmean", "models": ["a", "b"]})
-        run_merge([DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
-                  [tiny_model("llama").config.to_dict()] * 2, ["a", "b"], recipe, merged,
-                  calibration_ids=ids, progress=False, placement=placement)
-        out[name] = (dict(sink), dict(merged))
+    reader = CheckpointReader(folder)
+    store = LayerWeights()
+    analysis = calibrated_analysis(folder, ids, options.paths, placement, store=store, window=20)
+    sink = DictSink()
+    _farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis, device=placement.device)
+    merged = DictSink()
+    # the recipe's calibration window, like FaRR's, fits the 60 tokens (its default is 256)
+    recipe = recipe_from_dict({"merge_method": "regmean", "models": ["a", "b"], "calibration": {"seq_len": 20}})
+    run_merge([DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
+              [tiny_model("llama").config.to_dict()] * 2, ["a", "b"], recipe, merged,
+              calibration_ids=ids, progress=False, placement=placement)
+    return dict(sink), dict(merged)
+
+
+def test_farr_and_regmean_calibrate_on_the_cuda_test_window(tmp_path, exact_rmsnorm):
+    """The CUDA comparison's calibration reaches the engine (60 tokens, windows of 20), here on the CPU:
+    FaRR cuts something and RegMean merges every tensor."""
+    _saved("llama", tmp_path / "m")
+    farr, merged = _farr_and_regmean(tmp_path / "m", F64)
+    assert farr and merged and all(t.device.type == "cpu" for t in (*farr.values(), *merged.values()))
+    assert set(tiny_model("llama").state_dict()) - {"lm_head.weight"} <= set(merged)   # (a tied head is not written)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_cuda_farr_and_regmean_equal_cpu(tmp_path, exact_rmsnorm):
+    """FaRR's eigendecompositions and SVDs and RegMean's Grams and solves on the GPU (float64) give the
+    CPU's tensors, back on the CPU."""
+    _saved("llama", tmp_path / "m")
+    out = {name: _farr_and_regmean(tmp_path / "m", placement)
+           for name, placement in (("cpu", F64), ("cuda", resolve("cuda", torch.float64)))}
     for cpu, gpu in zip(out["cpu"], out["cuda"]):
         for k in cpu:
             assert gpu[k].device.type == "cpu" and _close(gpu[k], cpu[k], 1e-9), k

@@ -52,7 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..architectures import Adapter
-from ..devices import Placement, resolve
+from ..devices import Placement, exact_float64, resolve, to_model
 from .memory import release_free_memory, return_large_blocks_at_once
 from .statistics import FINAL_SITES, Accumulator, LayerStats, StatsRequest, base_site, capture_sites
 
@@ -86,6 +86,37 @@ class _Catcher(torch.nn.Module):
         if self.last:
             raise _Stop
         return hidden_states
+
+
+def _rotary_on_host(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """Make every rotary-embedding module under ``module`` compute its tables on the host and hand
+    them to the caller's device; returns the modules patched (undo with :func:`_undo_rotary`).
+
+    transformers computes the cos/sin tables in float32 whatever the model's dtype, and float32
+    ``cos``/``sin`` differ between the CPU and CUDA by an ulp or so (~1e-7 relative): a float64
+    calibration on a GPU would then not give the CPU's float64 statistics. Computed on the host,
+    the tables are the CPU's bit for bit on every device (they are small: positions x head dim)."""
+    patched = []
+    for m in module.modules():
+        if not type(m).__name__.endswith("RotaryEmbedding") or "forward" in m.__dict__:
+            continue
+        original = type(m).forward.__get__(m)
+
+        def forward(*args, _original=original, **kwargs):
+            dev = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            host = lambda v: v.cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            out = _original(*map(host, args), **{k: host(v) for k, v in kwargs.items()})
+            back = lambda v: v.to(dev) if isinstance(v, torch.Tensor) and dev is not None else v  # noqa: E731
+            return tuple(back(o) for o in out) if isinstance(out, tuple) else back(out)
+
+        m.forward = forward
+        patched.append(m)
+    return patched
+
+
+def _undo_rotary(patched: list[torch.nn.Module]) -> None:
+    for m in patched:
+        m.__dict__.pop("forward", None)
 
 
 def _first(output):
@@ -151,6 +182,18 @@ class CalibrationEngine:
     @property
     def device(self) -> torch.device:
         return self.placement.device
+
+    @property
+    def exact(self) -> bool:
+        """float64 calibration off the CPU: every float32 step inside the family's modules (rotary
+        tables) is computed as the CPU computes it, and TF32/autocast are off, so the statistics
+        equal the CPU's to float64 rounding (:func:`_rotary_on_host`, :func:`hf_symmetry.devices.exact_float64`)."""
+        return self.dtype == torch.float64 and self.device.type != "cpu"
+
+    def precision(self):
+        """The context every forward of this engine runs in (:func:`hf_symmetry.devices.exact_float64`
+        for float64 placements, nothing otherwise)."""
+        return exact_float64(self.device, enabled=self.dtype == torch.float64)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -225,6 +268,8 @@ class CalibrationEngine:
         from ``values``, the layer's checkpoint-named tensors, e.g. a converted layer), on the device
         in the calibration dtype, eval mode. The caller owns it (drop it when done)."""
         layer = copy.deepcopy(self._layers_list(self.skeleton())[i])
+        if self.exact:
+            _rotary_on_host(layer)   # families whose layers hold their own rotary module
         return self._materialise(layer, self.adapter.layer_prefix(i), values).eval()
 
     def final_norm_module(self) -> torch.nn.Module | None:
@@ -282,6 +327,7 @@ class CalibrationEngine:
             if b.device.type != "meta" and not n.startswith(self.adapter.prefix + self.adapter.spec.layers + "."):
                 moved.append((n, b))
                 set_module_tensor_to_device(model, n, self.device, value=b)
+        host_rotary = _rotary_on_host(model) if self.exact else []
         try:
             for batch in tqdm(batches, desc="calibration: embed", disable=not self.progress, unit="batch",
                               leave=False):
@@ -289,8 +335,8 @@ class CalibrationEngine:
                 for i in range(len(originals)):
                     layers[i] = _Catcher(i, originals[i], record, last=(i == len(originals) - 1))
                 try:
-                    with torch.no_grad():
-                        model(input_ids=batch.to(self.device), use_cache=False)
+                    with torch.no_grad(), self.precision():
+                        model(input_ids=to_model(batch, model), use_cache=False)
                 except _Stop:
                     pass
                 finally:
@@ -301,6 +347,7 @@ class CalibrationEngine:
                 embedded.append(record.pop("input").detach())
                 record_per_batch.append(record)
         finally:
+            _undo_rotary(host_rotary)
             for k in loaded:   # back to meta: the embeddings are not kept
                 set_module_tensor_to_device(model, k, "meta")
             for n, b in moved:
@@ -403,10 +450,13 @@ class CalibrationRun:
         stats = LayerStats(index)
         return stats, Accumulator(request, stats, self.engine.adapter.eps, self.engine.stats_device)
 
-    @torch.no_grad()
-    def _collect(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None,
-                 original_acts: list[Tensors] | None = None, keep_original: tuple[str, ...] = (),
-                 converted_outputs: bool = True):
+    def _collect(self, *args, **kwargs):
+        with torch.no_grad(), self.engine.precision():
+            return self._collect_batches(*args, **kwargs)
+
+    def _collect_batches(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None,
+                         original_acts: list[Tensors] | None = None, keep_original: tuple[str, ...] = (),
+                         converted_outputs: bool = True):
         """Run batch by batch: statistics of ``request`` and (``keep_outputs``) the outputs of
         ``module`` on the converted stream and of ``original_module`` on the original stream (default
         ``module``; ``None`` where ``original_acts`` holds the original stream's sites instead).
@@ -486,7 +536,7 @@ class CalibrationRun:
             if replaced and step.replacement is None:
                 raise RuntimeError(f"layer {i} was not replaced (CalibrationRun.layers(replaced=True))")
             if step.replacement is not None:
-                with torch.no_grad():   # a generator body is outside any decorator's no_grad
+                with torch.no_grad(), engine.precision():   # a generator body is outside any decorator's no_grad
                     outs = [self._home(self.stream, _first(step.replacement(self._to_device(x),
                                                                             *self.records[b][i][0],
                                                                             **self.records[b][i][1])))
@@ -500,8 +550,11 @@ class CalibrationRun:
             step.module = step.replacement = step.original_acts = None
             del step, outs, oouts, kept
 
-    @torch.no_grad()
     def final(self, request: StatsRequest) -> LayerStats:
+        with torch.no_grad(), self.engine.precision():
+            return self._final(request)
+
+    def _final(self, request: StatsRequest) -> LayerStats:
         """Statistics after the last layer: sites ``final_in`` (the stream) and ``head_in`` (the final
         norm's output; the stream itself for families without a final norm)."""
         engine = self.engine

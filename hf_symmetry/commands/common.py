@@ -13,15 +13,26 @@ def add_output_args(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def add_device_args(p, calib_dtype: bool = True) -> None:
-    """``--device`` (and ``--calib-dtype`` for commands that calibrate), checked by
-    :func:`hf_symmetry.devices.placement_from_args` before any work."""
-    from ..devices import CALIB_DTYPES, DEVICE_CHOICES
+def add_device_arg(p, extra: str = "") -> None:
+    """The one ``--device`` flag of every command that loads a model (conversions, ``verify``,
+    ``eval``, ``heal``), resolved by :func:`hf_symmetry.devices.resolve_device` (``auto`` and ``cuda``
+    become ``cuda:<current index>``). ``p``: a parser or an argument group; added once per parser."""
+    from ..devices import DEVICE_CHOICES
 
-    if "--device" not in p._option_string_actions:
-        p.add_argument("--device", default="auto",
-                       help=f"where calibration, linear algebra and verification run: {DEVICE_CHOICES} "
-                            "(default auto: CUDA when present, accelerate's device map for verification)")
+    if "--device" in p._option_string_actions:   # (an argument group shares its parser's)
+        return
+    p.add_argument("--device", default="auto",
+                   help=f"where the model runs: {DEVICE_CHOICES} (default auto: the current CUDA device when "
+                        "torch sees a GPU, else the CPU; verification with auto lets accelerate's device map "
+                        f"spread a model too large for one GPU over the GPUs, the CPU and disk){extra}")
+
+
+def add_device_args(p, calib_dtype: bool = True) -> None:
+    """``--device`` (:func:`add_device_arg`) and ``--calib-dtype`` for commands that calibrate,
+    checked by :func:`hf_symmetry.devices.placement_from_args` before any work."""
+    from ..devices import CALIB_DTYPES
+
+    add_device_arg(p)
     if calib_dtype and "--calib-dtype" not in p._option_string_actions:
         p.add_argument("--calib-dtype", choices=list(CALIB_DTYPES), default="float32",
                        help="dtype of calibration activations and layer weights on the device (default float32)")
@@ -44,10 +55,7 @@ def add_verify_args(p, what: str = "the original", default_text: str = "britanni
     g.add_argument("--ppl-tokens", type=int, default=PPL.tokens,
                    help=f"tokens scored for perplexity, sliding window {PPL.window}, stride {PPL.stride} "
                         f"(default: {PPL.tokens}; 0 skips)")
-    if "--device" not in p._option_string_actions:
-        g.add_argument("--device", default="auto",
-                       help="where verification runs: auto (accelerate's device map: GPUs, then CPU, then disk), "
-                            "cpu, cuda, cuda:N or mps")
+    add_device_arg(g)
 
 
 def add_text_args(p, default: str = "britannica-eval") -> None:

@@ -11,7 +11,7 @@ from ..evaluation.bridge import (lm_eval_card_entries, parse_tasks, perplexity_c
                                  text_perplexity)
 from ..evaluation.perplexity import PPL
 from ..hub.cards import fmt_number
-from .common import emit
+from .common import add_device_arg, emit
 
 
 def register(sub) -> None:
@@ -36,13 +36,17 @@ def register(sub) -> None:
     p.add_argument("--update-card", action="store_true",
                    help="add the results to MODEL/README.md (model-index metadata and the evaluation table)")
     p.add_argument("--trust-remote-code", action="store_true")
+    add_device_arg(p)
     p.add_argument("--json", dest="json_out", metavar="FILE")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run)
 
 
 def _check_args(args) -> list[str] | None:
-    """Refuse bad combinations before loading anything."""
+    """Refuse bad combinations before loading anything (an unusable --device among them)."""
+    from ..evaluation.verification import resolve_device
+
+    resolve_device(args.device)
     tasks = parse_tasks(args.tasks) if args.tasks else None
     if tasks:
         from ..evaluation.bridge import _require_lm_eval
@@ -56,19 +60,22 @@ def _check_args(args) -> list[str] | None:
 
 
 def run(args) -> int:
+    from ..devices import resolve_device
+
     tasks = _check_args(args)
     text = args.text or (None if tasks else "britannica-eval")
     summary, lines, entries = {"model": str(args.model)}, [], []
     if text:
         r = text_perplexity(args.model, text, max_tokens=args.max_tokens or None, window=args.window, stride=args.stride,
-                            trust_remote_code=args.trust_remote_code, progress=not args.quiet)
+                            trust_remote_code=args.trust_remote_code, progress=not args.quiet, device=args.device)
         entry = perplexity_card_entry(r, text, args.max_tokens or None)
         entries.append(entry)
         summary.update(text=str(text), **r.as_dict())
         lines.append(f"perplexity {fmt_number(r.perplexity)} over the {r.describe()} of {text}")
     if tasks:
         results = run_lm_eval(args.model, tasks, task_dir=args.task_dir, limit=args.limit,
-                              num_fewshot=args.num_fewshot, trust_remote_code=args.trust_remote_code)
+                              num_fewshot=args.num_fewshot, trust_remote_code=args.trust_remote_code,
+                              device=str(resolve_device(args.device)))
         task_entries = lm_eval_card_entries(results)
         entries += task_entries
         summary["lm_eval"] = {t: {k: v for k, v in m.items() if k != "alias"} for t, m in results["results"].items()}

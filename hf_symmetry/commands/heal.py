@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_output_args, emit
+from .common import add_device_arg, add_output_args, emit
 
 
 def register(sub) -> None:
@@ -59,8 +59,7 @@ def register(sub) -> None:
     p.add_argument("--eval-steps", type=int, default=None, help="held-out KD loss every N steps (default: at the end)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: every 10%% of the steps, at most every 25)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run kept in OUT.heal-run/")
-    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda or cuda:N (default: auto); "
-                                                    "under accelerate/torchrun each process uses its own device")
+    add_device_arg(p, "; under accelerate/torchrun each process uses its own GPU")
     p.add_argument("--teacher-device", default=None, help="run the teacher on another device (default: the student's)")
     p.add_argument("--save-adapter", action="store_true", help="also write the PEFT adapter alone to OUT/adapter/")
     # --text/--tokens are the training text and budget here, so the held-out text of the shared

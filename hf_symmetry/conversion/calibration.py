@@ -156,6 +156,8 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise ValueError(f"Fisher merging needs a language-model head to define a likelihood; "
                          f"{type(model).__name__} has none (use average or regmean)")
+    from ..devices import to_model
+
     params = {n: p for n, p in model.named_parameters()}
     fisher = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
     was_training = model.training
@@ -165,7 +167,8 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
         for batch in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
             for seq in batch:
                 model.zero_grad(set_to_none=True)
-                loss = model(input_ids=seq[None], labels=seq[None]).loss
+                ids = to_model(seq[None], model)    # the ids where the (dispatched) model embeds them
+                loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 for n, p in params.items():
                     if p.grad is not None:

@@ -271,8 +271,10 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     from accelerate import PartialState
 
     if dev.type == "cuda" and world_size() == 1:
-        torch.cuda.set_device(dev)
+        torch.cuda.set_device(dev)       # resolve_device always names the index
     state = PartialState(cpu=dev.type == "cpu")
+    if dev.type == "cuda" and world_size() > 1:
+        dev = state.device               # each process its own GPU (LOCAL_RANK), as the Trainer places it
     if state.is_main_process:
         run.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(options.seed)

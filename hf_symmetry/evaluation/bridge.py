@@ -33,11 +33,21 @@ _LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
 
 def text_perplexity(model_or_path, text: str | os.PathLike, max_tokens: int | None = PPL.tokens,
                     window: int = PPL.window, stride: int = PPL.stride, trust_remote_code: bool = False, tokenizer=None,
-                    progress: bool = True) -> PerplexityResult:
-    """Sliding-window perplexity of a causal LM (folder, alias or loaded model) on a text."""
+                    progress: bool = True, device: str | None = None) -> PerplexityResult:
+    """Sliding-window perplexity of a causal LM (folder, alias or loaded model) on a text.
+    ``device`` (a folder or alias only): where it is loaded, as verification loads it
+    (:func:`~hf_symmetry.evaluation.verification.load_for_eval`: ``auto`` is accelerate's device map,
+    anything else one device); ``None``: float32 on the CPU."""
     text_path = resolve_text(text)
-    model = load_model(model_or_path, trust_remote_code=trust_remote_code) \
-        if isinstance(model_or_path, (str, os.PathLike)) else model_or_path
+    if isinstance(model_or_path, (str, os.PathLike)):
+        if device is None:
+            model = load_model(model_or_path, trust_remote_code=trust_remote_code)
+        else:
+            from .verification import load_for_eval
+
+            model = load_for_eval(model_or_path, device=device, trust_remote_code=trust_remote_code)
+    else:
+        model = model_or_path
     if not is_causal_lm(model):
         raise ValueError(f"{model_or_path} is not a causal LM ({type(model).__name__}); perplexity needs one")
     tokenizer = tokenizer or load_tokenizer(model_or_path)

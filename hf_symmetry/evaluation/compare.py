@@ -70,8 +70,10 @@ def load_tokenizer(path: str | Path):
 
 def model_output(model, ids: torch.Tensor) -> torch.Tensor:
     """Logits when the model has an LM head, else the last hidden state."""
+    from ..devices import to_model
+
     with torch.no_grad():
-        out = model(input_ids=ids.reshape(1, -1) if ids.dim() == 1 else ids)
+        out = model(input_ids=to_model(ids.reshape(1, -1) if ids.dim() == 1 else ids, model))
     return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
 
 

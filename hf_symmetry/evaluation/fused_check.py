@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..architectures import Adapter
+from ..devices import to_model
 from ..conversion.stream import partition_keys
 from ..symmetry import fused
 from ..symmetry.layout import HeadLayout
@@ -91,7 +92,7 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")   # the only implementation that returns probabilities
     try:
-        model(input_ids=ids.reshape(1, -1))
+        model(input_ids=to_model(ids.reshape(1, -1), model))
     finally:
         model.set_attn_implementation(previous)
         for c in captures.values():
@@ -145,7 +146,11 @@ def check_fused_layout_layerwise(source, ids: torch.Tensor, layers: list[int] | 
 
 
 def _add_layer(report: LayoutCheck, i: int, layer: dict, L: HeadLayout, capture: _Capture, causal: bool) -> None:
-    """Check layer ``i``'s fused maps (canonical ``layer``) against what ``capture`` recorded."""
+    """Check layer ``i``'s fused maps (canonical ``layer``) against what ``capture`` recorded. The
+    check runs on the host: the model (and so what it recorded) may sit on any device, the canonical
+    layer on another; only the output projection runs where it lives (:func:`_o_proj`)."""
+    layer = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
+    capture.data = {k: v.cpu() for k, v in capture.data.items()}
     entry = {"layer": i, **_check_vo(layer, L, capture)}
     if fused.qk_fusion_blocker(L) is None and not L.rotary_dim:
         entry["qk_max_abs_error"] = _check_qk(layer, L, capture.data, causal)
@@ -159,7 +164,7 @@ def _check_vo(layer: dict, L: HeadLayout, cap: _Capture) -> dict:
     d = cap.data
     X, alpha, Z = d["x"].double(), d["alpha"].double(), d["z"]
     b_v = layer.get("v.bias")
-    zero_out = cap.o_module(torch.zeros_like(Z[:1])).double()   # o_proj's bias (or 0)
+    zero_out = _o_proj(cap, torch.zeros_like(Z[:1]))   # o_proj's bias (or 0)
     worst, total = 0.0, zero_out[0].clone().expand(X.shape[0], -1).clone()
     for g, pair in enumerate(fused.group_pairs(layer, L, "vo")):
         for j, h in enumerate(L.heads_of_group(g)):
@@ -169,10 +174,16 @@ def _check_vo(layer: dict, L: HeadLayout, cap: _Capture) -> dict:
                 mine = mine + A_h @ b_v[L.rows(g)]
             only_h = torch.zeros_like(Z)
             only_h[:, L.rows(h)] = Z[:, L.rows(h)]
-            theirs = cap.o_module(only_h).double() - zero_out
+            theirs = _o_proj(cap, only_h) - zero_out
             worst = max(worst, _rel(mine, theirs))
             total += mine
     return {"vo_max_rel_error": worst, "total_max_rel_error": _rel(total, d["out"].double())}
+
+
+def _o_proj(cap: _Capture, z: torch.Tensor) -> torch.Tensor:
+    """The module's own output projection of ``z`` (a host tensor), run on its device, back on the host
+    in float64."""
+    return cap.o_module(to_model(z, cap.o_module)).double().cpu()
 
 
 def _check_qk(layer: dict, L: HeadLayout, d: dict, causal: bool) -> float:

@@ -95,12 +95,11 @@ class PerplexityResult:
 
 
 def input_device(model) -> torch.device:
-    """Where a model's inputs go: its embedding's device (CPU when accelerate offloaded it)."""
-    try:
-        device = model.get_input_embeddings().weight.device
-    except (AttributeError, NotImplementedError):
-        device = next(model.parameters()).device
-    return torch.device("cpu") if device.type == "meta" else device
+    """Where a model's inputs go: its embedding's device (:func:`hf_symmetry.devices.module_device`;
+    accelerate's execution device, else the CPU, when it offloaded the embedding)."""
+    from ..devices import module_device
+
+    return module_device(model)
 
 
 def windows(n: int, window: int = PPL.window, stride: int = PPL.stride) -> int:
@@ -119,7 +118,8 @@ def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int =
     n = ids.numel()
     if n < 2:
         raise ValueError("need at least two tokens to measure perplexity")
-    device = input_device(model)
+    from ..devices import to_model
+
     block = min(stride, window - 1)
     total_nll = 0.0
     starts = range(1, n, block)
@@ -129,7 +129,7 @@ def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int =
         for s in starts:
             e = min(s + block, n)
             b = max(0, e - window)
-            logits = model(input_ids=ids[b:e].unsqueeze(0).to(device)).logits[0].float()
+            logits = model(input_ids=to_model(ids[b:e].unsqueeze(0), model)).logits[0].float()
             # logits at position t - 1 predict token t
             total_nll += torch.nn.functional.cross_entropy(logits[s - 1 - b:e - 1 - b], ids[s:e].to(logits.device),
                                                            reduction="sum").item()

@@ -77,17 +77,19 @@ def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: t
         if "no_split" not in str(exc).lower():
             raise
         # a custom class without _no_split_modules: accelerate cannot split it, so one device it is
-        kwargs.update(device_map={"": "cuda" if torch.cuda.is_available() else "cpu"})
+        from ..devices import resolve_device as checked
+
+        kwargs.update(device_map={"": str(checked("auto"))})
         kwargs.pop("offload_folder", None)
         model = cls.from_pretrained(path, **kwargs)
     return model.eval()
 
 
 def _output(model, ids: torch.Tensor) -> tuple[torch.Tensor, str]:
-    from .perplexity import input_device
+    from ..devices import to_model
 
     with torch.no_grad():
-        out = model(input_ids=ids.reshape(1, -1).to(input_device(model)))
+        out = model(input_ids=to_model(ids.reshape(1, -1), model))
     if getattr(out, "logits", None) is not None:
         return out.logits[0].float().cpu(), "logits"
     return out.last_hidden_state[0].float().cpu(), "hidden_states"

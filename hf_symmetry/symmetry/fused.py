@@ -115,6 +115,17 @@ class FusedSVD:
     Vh: torch.Tensor
 
 
+def canonical_signs(U: torch.Tensor, Vh: torch.Tensor | None = None):
+    """Singular vectors with a fixed sign: each column of ``U`` has its largest-magnitude entry
+    positive (the matching row of ``Vh`` flips with it, so ``U diag(S) Vh`` is unchanged). An SVD
+    fixes each pair only up to sign, and LAPACK on the CPU and cuSOLVER on a GPU choose differently:
+    with this convention the factors a conversion writes are the same on every device."""
+    pick = U.abs().argmax(0)
+    s = torch.sign(U.gather(0, pick[None, :]))[0]
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return (U * s[None, :], None if Vh is None else Vh * s[:, None])
+
+
 def fused_svd(pair: FusedPair) -> FusedSVD:
     """SVD of ``A @ B`` without forming it: ``A = Q_a R_a``, ``Bᵀ = Q_b R_b``, then the SVD of the
     ``k × k`` core ``R_a R_bᵀ``. Cheaper and more accurate than an SVD of the ``d × d`` product."""
@@ -123,11 +134,13 @@ def fused_svd(pair: FusedPair) -> FusedSVD:
     with single_threaded():
         if A.shape[0] < k or B.shape[1] < k:  # tall-skinny assumption fails: do it directly
             U, S, Vh = torch.linalg.svd(A @ B, full_matrices=False)
-            return FusedSVD(U[:, :k], S[:k], Vh[:k])
+            U, Vh = canonical_signs(U[:, :k], Vh[:k])
+            return FusedSVD(U, S[:k], Vh)
         Qa, Ra = torch.linalg.qr(A)
         Qb, Rb = torch.linalg.qr(B.T.contiguous())
         Uc, S, Vch = torch.linalg.svd(Ra @ Rb.T)
-    return FusedSVD(Qa @ Uc, S, Vch @ Qb.T)
+    U, Vh = canonical_signs(Qa @ Uc, Vch @ Qb.T)
+    return FusedSVD(U, S, Vh)
 
 
 def check_tau(tau: float) -> float:
@@ -230,6 +243,7 @@ def factor_basis_split(pair: FusedPair, rank: int, side: Literal["input", "outpu
             P = torch.linalg.svd(pair.B, full_matrices=False)[0][:, :rank]
         else:
             P = torch.linalg.svd(pair.A, full_matrices=False)[2][:rank].T
+    P = canonical_signs(P)[0]
     return pair.A @ P, P.T @ pair.B
 
 

@@ -90,7 +90,8 @@ class TrainSettings:
         save_total_limit: keep at most this many checkpoints (``None``: all).
         logging_steps: running-loss window and logging interval.
         seed: seeds the data order, dropout and any random initialisation done by the Trainer.
-        bf16: ``None``: bf16 autocast where :func:`bf16_available`; ``True``/``False`` forces it.
+        bf16: ``None``: bf16 autocast where :func:`bf16_available` and not ``use_cpu`` (a run told to
+            use the CPU trains in float32 even on a machine with a GPU); ``True``/``False`` forces it.
         use_cpu: train on CPU even when an accelerator is present.
         resume: continue from the last checkpoint in ``output_dir`` (none there: start fresh).
         progress: show the tqdm progress bar.
@@ -215,7 +216,7 @@ def training_arguments(settings: TrainSettings, has_eval: bool):
     s = settings
     warmup = s.warmup_steps if s.warmup_steps is not None else (max(1, round(0.05 * s.max_steps))
                                                                  if s.max_steps >= 10 else 0)
-    bf16 = bf16_available() if s.bf16 is None else s.bf16
+    bf16 = (bf16_available() and not s.use_cpu) if s.bf16 is None else s.bf16
     kw = dict(
         output_dir=s.output_dir, max_steps=s.max_steps, per_device_train_batch_size=s.per_device_batch_size,
         per_device_eval_batch_size=s.per_device_batch_size, gradient_accumulation_steps=s.gradient_accumulation_steps,
