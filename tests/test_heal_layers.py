@@ -264,3 +264,18 @@ def test_heal_reuses_cached_teacher_samples(root, tpa, tmp_path, monkeypatch):
     r2 = _heal(root, tpa, tmp_path / "two", teacher_samples=4, tokens=8 * SEQ * 2)
     assert not r1.teacher_samples_reused and r2.teacher_samples_reused
     assert len(list((tmp_path / "cache" / "teacher-samples").glob("*.safetensors"))) == 1
+
+
+def test_cli_passes_the_layer_loss_weight(monkeypatch):
+    import hf_symmetry.conversion.heal as heal_module
+    from hf_symmetry.cli import main as cli
+
+    seen = {}
+
+    def fake(model, out, teacher, texts, options, **kw):
+        seen["options"] = options
+        raise ValueError("stop here")
+    monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
+    assert cli(["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--layer-loss-weight", "0.5",
+                "--teacher-samples", "3", "--quiet"]) == 2
+    assert seen["options"].layer_loss_weight == 0.5 and seen["options"].teacher_samples == 3
