@@ -176,6 +176,15 @@ def test_perplexity_verification_and_outputs_hand_their_ids_through_the_helper(m
     placed.check()
 
 
+def test_distillation_figures_hand_their_ids_through_the_helper(monkeypatch):
+    from hf_symmetry.training.distill import mean_kl
+
+    student, teacher = tiny_model("llama", dtype=torch.float32), tiny_model("llama", dtype=torch.float32, seed=3)
+    placed = _Placed(monkeypatch, student, teacher)
+    assert mean_kl(student, teacher, input_ids(batch=2, length=12), batch_size=1) > 0
+    placed.check()
+
+
 def test_layout_checks_run_the_output_projection_through_the_helper_and_check_on_the_host(monkeypatch):
     """Failure 3: ``_add_layer`` multiplied the device's captures by the host's canonical layer."""
     from hf_symmetry.evaluation.fused_check import check_fused_layout

@@ -152,10 +152,12 @@ class DistillationLoss:
         dev = torch.device(self.teacher_device) if self.teacher_device is not None else input_ids.device
         if next(self.teacher.parameters()).device != dev:
             self.teacher.to(dev)
+        from ..devices import to_model
+
         if not states:
-            return self.teacher(input_ids=input_ids.to(dev), use_cache=False).logits.to(input_ids.device), None
+            return self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(input_ids.device), None
         with layer_outputs(self.teacher) as hs:
-            logits = self.teacher(input_ids=input_ids.to(dev), use_cache=False).logits.to(input_ids.device)
+            logits = self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(input_ids.device)
         return logits, [h.to(input_ids.device) for h in hs]
 
     def teacher_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -196,11 +198,13 @@ class DistillationLoss:
 def mean_kl(student, teacher, sequences: torch.Tensor, batch_size: int = 8, temperature: float = 1.0) -> float:
     """Mean per-position ``KL(teacher ‖ student)`` (nats, temperature ``T``, times ``T²``) over
     ``sequences [n, L]`` — the held-out figure the tests and the card report."""
+    from ..devices import to_model
+
     total, count = 0.0, 0
     for i in range(0, sequences.shape[0], batch_size):
         ids = sequences[i:i + batch_size]
-        s = student(input_ids=ids.to(student.device), use_cache=False).logits
-        t = teacher(input_ids=ids.to(teacher.device), use_cache=False).logits.to(s.device)
+        s = student(input_ids=to_model(ids, student), use_cache=False).logits
+        t = teacher(input_ids=to_model(ids, teacher), use_cache=False).logits.to(s.device)
         total += kd_kl(s, t, temperature).item() * ids.numel()
         count += ids.numel()
     return total / max(count, 1)
@@ -249,6 +253,8 @@ def build_teacher_cache(teacher, sequences: torch.Tensor, path: str | Path, k: i
     fp = _fingerprint(sequences, k, teacher_id)
     if path.is_file() and _read_fingerprint(path) == fp:
         return path
+    from ..devices import to_model
+
     teacher.eval()
     dev = torch.device(device) if device is not None else next(teacher.parameters()).device
     teacher.to(dev)
@@ -256,7 +262,7 @@ def build_teacher_cache(teacher, sequences: torch.Tensor, path: str | Path, k: i
     vals, idxs = [], []
     for i in tqdm(range(0, sequences.shape[0], batch_size), desc="teacher top-k cache", disable=not progress,
                   unit="batch"):
-        logits = teacher(input_ids=sequences[i:i + batch_size].to(dev), use_cache=False).logits.float()
+        logits = teacher(input_ids=to_model(sequences[i:i + batch_size], teacher), use_cache=False).logits.float()
         vocab = logits.shape[-1]
         v, ix = logits.topk(min(k, vocab), dim=-1)
         vals.append(v.cpu())
