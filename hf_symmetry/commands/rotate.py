@@ -25,6 +25,19 @@ def register(sub) -> None:
     p.add_argument("--ffn", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="randomly permute FFN neurons (default: on)")
     p.add_argument("--scaling", action="store_true", help="also apply random per-group QK and VO scalings")
+    p.add_argument("--for-quantization", action="store_true",
+                   help="preset for low-bit weight quantization: randomised Hadamard residual rotation, the "
+                        "norm weights kept as balancing input scales, per-head V/O Hadamards and the exact "
+                        "V->O and up->down column scalings (--heads/--ffn/--scaling are ignored)")
+    p.add_argument("--learn", metavar="QTYPE", default=None,
+                   help="with --for-quantization: learn the residual rotation against this weight quantizer "
+                        "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq), "
+                        "from the randomised Hadamard")
+    p.add_argument("--learn-iterations", type=int, default=8,
+                   help="alternating quantize / Procrustes steps of --learn (default: 8)")
+    p.add_argument("--balance-alpha", type=float, default=1.0,
+                   help="with --for-quantization: exponent of the column balancing (1 equalises every "
+                        "column's max-abs, 0 leaves them; default: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_verify_args(p, "the original")
@@ -37,8 +50,11 @@ def run(args) -> int:
     start = time.perf_counter()
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
+    if args.learn and not args.for_quantization:
+        raise SystemExit("--learn needs --for-quantization")
     options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
-                            seed=args.seed)
+                            seed=args.seed, for_quantization=args.for_quantization, learn=args.learn,
+                            learn_iterations=args.learn_iterations, balance_alpha=args.balance_alpha)
     report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
                                max_shard_size=args.max_shard_size, progress=not args.quiet)
     lines = [f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",

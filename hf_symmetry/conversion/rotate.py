@@ -40,6 +40,14 @@ class RotateOptions:
     ffn: bool = True
     scaling: bool = False
     seed: int = 0
+    # --for-quantization: residual rotation (Hadamard, or learned against ``learn``'s quantizer grid),
+    # per-head V/O Hadamards and the exact column scalings of :mod:`.quant_rotation`; ``heads``/``ffn``/
+    # ``scaling`` are then ignored (QK rotations, permutations and row scalings cannot change the error
+    # of a row-grouped weight quantizer)
+    for_quantization: bool = False
+    learn: str | None = None            # e.g. "Q4_0": learn the residual rotation against that quantizer
+    learn_iterations: int = 8
+    balance_alpha: float = 1.0
 
     @property
     def rotate_qk(self) -> bool:
@@ -50,6 +58,8 @@ class RotateOptions:
         return self.heads in ("vo", "random")
 
     def symmetries(self) -> list[str]:
+        if self.for_quantization:
+            return (["residual_rotation"] if self.residual != "none" else []) + ["vo_rotation", "vo_scaling"]
         wanted = []
         if self.residual != "none":
             wanted.append("residual_rotation")
@@ -93,6 +103,11 @@ def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOpt
                     Q: torch.Tensor | None) -> Tensors:
     """Every per-layer action of ``options``, drawn from layer ``i``'s own random streams."""
     L, seed = adapter.layout, options.seed
+    if options.for_quantization:
+        from .quant_rotation import QuantBalance
+        from .quant_rotation import transform_layer as quant_layer
+
+        return quant_layer(i, layer, L, Q, seed=seed, balance=QuantBalance(alpha=options.balance_alpha))
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
     if options.rotate_qk:
@@ -229,6 +244,13 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
     adapter = Adapter.from_config(config, keys)
     plan_checks(adapter, options, keys)
     Q = residual_rotation(options, adapter.hidden)
+    if options.for_quantization:
+        if adapter.spec.norm_kind != "rms" or not adapter.spec.is_gated:
+            raise ValueError("--for-quantization supports RMSNorm families with a gated FFN (Llama, Mistral, Qwen2, ...)")
+        if options.learn and Q is not None:
+            from .quant_rotation import learn_checkpoint_rotation
+
+            Q = learn_checkpoint_rotation(source, adapter, options, Q, progress)
     if centres_layer_norms(adapter, options):
         return _rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
     transform_checkpoint(source, adapter, sink,

@@ -1,0 +1,113 @@
+"""Rotations for low-bit weight quantization (issue 29): held-out perplexity of SmolLM2-135M,
+original vs plain Hadamard ``rotate`` vs ``rotate --for-quantization`` (balanced, and with a learned
+residual rotation), every decoder-layer linear quantized weight-only by a real quantizer and
+dequantized back into the HF model:
+
+* GGUF Q4_0 / Q4_1 / MXFP4 (blocks of 32) through the ``gguf`` package's quantizers;
+* HQQ 4-bit and 3-bit (``hqq`` package, groups of 64 and 128): ``gguf`` has no Python quantizer for
+  the k-quants (Q3_K, Q4_K: dequantize only), so HQQ supplies 3 bits.
+
+SmolLM2's weights are themselves dequantized Q4_1 GGUF weights, so the unrotated model sits exactly
+on the Q4_1 grid; the other quantizers (other grids, block sizes and bit widths) control for that,
+and a small Llama-shaped model trained here in float (``--trained``) removes it.
+
+Perplexity: the project's definition (hf_symmetry.evaluation.perplexity), 2048 tokens of
+``hamlet`` (not used for anything else here; the learned rotation sees only weights).
+
+Run: .venv/bin/python benchmarks/bench_quant_rotation.py [--variants ...] [--quantizers ...]
+(writes benchmarks/results/quant_rotation.json, merging with what is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "quant_rotation.json"
+
+VARIANTS = {
+    "original": None,
+    "hadamard": dict(residual="hadamard", heads="none", ffn=False),
+    "for-quantization": dict(residual="hadamard", for_quantization=True),
+    "for-quantization-alpha0.5": dict(residual="hadamard", for_quantization=True, balance_alpha=0.5),
+    "for-quantization-no-residual": dict(residual="none", for_quantization=True),
+    "for-quantization-learned-Q4_0": dict(residual="hadamard", for_quantization=True, learn="Q4_0",
+                                          learn_iterations=6),
+    "for-quantization-learned-hqq3g64": dict(residual="hadamard", for_quantization=True, learn="hqq3g64",
+                                             learn_iterations=4),
+}
+QUANTIZERS = ("Q4_0", "hqq3g64-rtn", "Q4_1", "hqq4g64-rtn", "hqq3g128-rtn", "MXFP4")
+
+
+def build(variant: str, model, config: dict):
+    from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
+    from hf_symmetry.evaluation.compare import model_from_state_dict
+
+    spec = VARIANTS[variant]
+    if spec is None:
+        return copy.deepcopy(model), 0.0
+    t = time.perf_counter()
+    sd, cfg = rotate_state_dict(model.state_dict(), config, RotateOptions(seed=0, **spec))
+    seconds = time.perf_counter() - t
+    return model_from_state_dict(cfg, sd), seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="model folder or alias (default: smollm2)")
+    ap.add_argument("--label", default=None, help="results key (default: the model argument)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--quantizers", nargs="+", default=list(QUANTIZERS))
+    ap.add_argument("--text", default="hamlet")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+
+    from transformers import AutoTokenizer
+
+    from hf_symmetry.assets import resolve_model, resolve_text
+    from hf_symmetry.evaluation import perplexity, read_text, tokenize_text
+    from hf_symmetry.evaluation.compare import load_model, model_output
+    from hf_symmetry.evaluation.weight_quant import bits_per_weight, quantize_model_
+
+    src = resolve_model(args.model)
+    model = load_model(src)
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tokenize_text(tok, read_text(resolve_text(args.text)), max_tokens=args.tokens)
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    label = args.label or args.model
+    entry = results.setdefault(label, {"text": args.text, "tokens": int(ids.numel()), "variants": {}})
+    entry["machine"] = f"{platform.machine()}, {torch.get_num_threads()} threads"
+    ref_logits = model_output(model, ids[:512])
+    for variant in args.variants:
+        m, seconds = build(variant, model, model.config.to_dict())
+        row = entry["variants"].setdefault(variant, {})
+        row["convert_seconds"] = round(seconds, 1)
+        row["max_abs_dlogit_float32"] = (model_output(m, ids[:512]) - ref_logits).abs().max().item()
+        row["float"] = perplexity(m, ids, progress=False).perplexity
+        print(f"{variant}: float ppl {row['float']:.3f}, max |Δlogit| {row['max_abs_dlogit_float32']:.2e}, "
+              f"conversion {seconds:.1f} s", flush=True)
+        for q in args.quantizers:
+            mq = copy.deepcopy(m)
+            stats = quantize_model_(mq, q)
+            ppl = perplexity(mq, ids, progress=False).perplexity
+            row[q] = {"perplexity": ppl, "relative_weight_error": stats["relative_error"],
+                      "bits_per_weight": bits_per_weight(q)}
+            print(f"  {q}: ppl {ppl:.3f} (relative weight error {stats['relative_error']:.4f})", flush=True)
+            del mq
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=2) + "\n")
+        out.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

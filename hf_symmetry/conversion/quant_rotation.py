@@ -1,0 +1,248 @@
+"""Rotations and scalings aimed at low-bit weight quantization (``rotate --for-quantization``).
+
+Every transform here is an exact symmetry of the float model (docs/math.md §1), chosen so that the
+weights quantize with less loss, and the output stays the stock architecture:
+
+* **Residual rotation** ``Q`` (randomised Hadamard, or learned against the quantizer's grid by
+  :func:`learn_residual_rotation`), after folding each RMSNorm's γ into its readers.
+* **Norm weights as free input scales.** Residual rotation needs ``RMSNorm(x Q) = RMSNorm(x) Q``,
+  which holds for a *weightless* norm. But a norm weight ``w`` in the rotated basis is just a
+  per-channel scale of what the readers see, so ``norm.weight = w`` with readers ``W diag(γ) Q
+  diag(1/w)`` is exact for any non-zero ``w``. This is the fold the rotation requires, undone in
+  the new basis: ``w`` balances the readers' input columns (SmoothQuant/AWQ's per-channel scale,
+  for free, inside the stock RMSNorm). The final norm is folded into the float head (w = 1).
+* **Per-head V/O:** a randomised Hadamard per KV group (``W_V -> Rᵀ W_V``, ``W_O -> W_O R``), then a
+  per-channel scale between V's rows and O's columns (any invertible map per head is exact).
+* **FFN:** a per-channel scale between up's rows and down's columns. ``silu(gate)·up`` is linear
+  in ``up``, so ``up -> diag(s) up``, ``down -> down diag(1/s)`` is exact; gate rows cannot be
+  scaled (SiLU is not homogeneous).
+
+What is *not* used, and why: a Q↔K scale per RoPE pair is exact but scales whole rows of W_Q and
+W_K, and a row-grouped weight quantizer (GGUF blocks, HQQ groups along the input dim) is
+equivariant to row scales, so it cannot change the quantization error. The same holds for the
+row side of every pair above: only the *column* side (norm → readers, V → O, up → down) matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+from ..symmetry import actions, groups
+from ..symmetry.layout import HeadLayout
+
+Tensors = dict[str, torch.Tensor]
+
+_ATTN_READERS = ("q", "k", "v")
+_FFN_READERS = ("gate", "up")
+_VO_STREAM = 7   # random-stream id of the per-head Hadamard signs (rotate.py uses 0-5)
+
+
+@dataclass(frozen=True)
+class QuantBalance:
+    """Which exact scalings to balance, and how strongly (``alpha`` = exponent of the column
+    max-abs ratio: 1 equalises the columns, 0.5 meets halfway, 0 does nothing)."""
+
+    norms: bool = True
+    vo: bool = True
+    ffn: bool = True
+    alpha: float = 1.0
+
+
+def _col_maxabs(*Ws: torch.Tensor) -> torch.Tensor:
+    return torch.stack([W.abs().amax(dim=0) for W in Ws]).amax(dim=0)
+
+
+def _normalised(c: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``c^alpha`` divided by its geometric mean (so the overall weight scale is kept); zeros -> 1."""
+    c = torch.where(c > 0, c, torch.ones_like(c)).to(torch.float64)
+    s = c.pow(alpha)
+    return s / s.log().mean().exp()
+
+
+def balance_norms(layer: Tensors, alpha: float = 1.0) -> Tensors:
+    """For each pre-norm (whose γ must already be folded: weight 1), move a per-channel scale
+    ``w`` into the norm weight and ``1/w`` into its readers' columns: ``w_j`` is the readers'
+    max |column j| (to the power ``alpha``), so every reader column ends with the same max-abs."""
+    out = dict(layer)
+    for norm, readers in (("attn_norm", _ATTN_READERS), ("ffn_norm", _FFN_READERS)):
+        key = f"{norm}.weight"
+        if key not in out:
+            continue
+        if not torch.equal(out[key], torch.ones_like(out[key])):
+            raise actions.NotASymmetry(f"balance_norms needs {norm} folded first")
+        names = [n for n in readers if f"{n}.weight" in out]
+        w = _normalised(_col_maxabs(*(out[f"{n}.weight"] for n in names)), alpha)
+        for n in names:
+            out[f"{n}.weight"] = out[f"{n}.weight"] / w[None, :]
+        out[key] = w.to(out[key].dtype)
+    return out
+
+
+def scale_ffn_channels(layer: Tensors, s: torch.Tensor) -> Tensors:
+    """``up -> diag(s) up`` (and its bias), ``down -> down diag(1/s)``: exact for ``act(gate)·up``."""
+    if (s == 0).any():
+        raise actions.NotASymmetry("FFN scales must be non-zero")
+    out = dict(layer)
+    out["up.weight"] = out["up.weight"] * s[:, None]
+    if "up.bias" in out:
+        out["up.bias"] = out["up.bias"] * s
+    out["down.weight"] = out["down.weight"] / s[None, :]
+    return out
+
+
+def balance_ffn(layer: Tensors, alpha: float = 1.0) -> Tensors:
+    """Equalise down's column max-abs (to the power ``alpha``) through the up ↔ down scale. Needs a
+    gated FFN (with a plain ``act(up)`` only positive scales of a ReLU would be exact)."""
+    if "gate.weight" not in layer:
+        return layer
+    return scale_ffn_channels(layer, _normalised(layer["down.weight"].abs().amax(dim=0), alpha))
+
+
+def scale_vo_channels(layer: Tensors, layout: HeadLayout, t: torch.Tensor) -> Tensors:
+    """Per KV group g and channel c of ``head_dim``: V row ``/ t``, every O column of the group's
+    heads ``* t``. ``t`` has shape ``[n_kv_heads * head_dim]``."""
+    if (t == 0).any():
+        raise actions.NotASymmetry("VO scales must be non-zero")
+    out = dict(layer)
+    out["v.weight"] = out["v.weight"] / t[:, None]
+    if "v.bias" in out:
+        out["v.bias"] = out["v.bias"] / t
+    per_head = t.reshape(layout.n_kv_heads, layout.head_dim).repeat_interleave(layout.group_size, dim=0).reshape(-1)
+    out["o.weight"] = out["o.weight"] * per_head[None, :]
+    return out
+
+
+def balance_vo(layer: Tensors, layout: HeadLayout, alpha: float = 1.0) -> Tensors:
+    """Equalise O's column max-abs (per channel of each KV group, over the group's heads)."""
+    c = layer["o.weight"].abs().amax(dim=0).reshape(layout.n_kv_heads, layout.group_size, layout.head_dim)
+    return scale_vo_channels(layer, layout, 1.0 / _normalised(c.amax(dim=1).reshape(-1), alpha))
+
+
+def head_hadamards(layout: HeadLayout, seed: int, layer: int) -> list[torch.Tensor]:
+    """One randomised Hadamard ``diag(±1) H / √d_h`` per KV group (dense, head_dim × head_dim)."""
+    gen = groups.rng(seed, _VO_STREAM, layer)
+    return [groups.random_hadamard(layout.head_dim, gen).dense() for _ in range(layout.n_kv_heads)]
+
+
+def transform_layer(i: int, layer: Tensors, layout: HeadLayout, Q, seed: int = 0, vo_hadamard: bool = True,
+                    balance: QuantBalance = QuantBalance()) -> Tensors:
+    """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
+    ``Q`` (None: no residual rotation, norms stay unfolded and are not rebalanced), Hadamard the
+    V/O heads, then balance the exact column scales."""
+    layer = dict(layer)
+    if Q is not None:
+        layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
+    if vo_hadamard:
+        layer = actions.rotate_vo(layer, layout, head_hadamards(layout, seed, i))
+    if balance.vo:
+        layer = balance_vo(layer, layout, balance.alpha)
+    if balance.ffn:
+        layer = balance_ffn(layer, balance.alpha)
+    if Q is not None and balance.norms:   # last: V's and up's rows (reader rows) were rescaled above
+        layer = balance_norms(layer, balance.alpha)
+    return layer
+
+
+# ---------------------------------------------------------------------------- learned rotations
+
+
+Quantizer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def balanced(quantize: Quantizer, alpha: float = 1.0) -> Quantizer:
+    """The quantizer a balanced checkpoint applies: ``A -> q(A diag(1/t)) diag(t)``, ``t`` = the
+    column max-abs of ``A`` to the power ``alpha`` (the exact column scale moved into the norm, V or
+    up). With an isotropic input, ``||A - result||`` is the output error that quantization causes."""
+    def q(A: torch.Tensor) -> torch.Tensor:
+        t = _normalised(A.abs().amax(dim=0), alpha).to(A.dtype)
+        return quantize(A / t[None, :]) * t[None, :]
+    return q
+
+
+def learn_rotation(readers: list[torch.Tensor], writers: list[torch.Tensor], quantize: Quantizer,
+                   starts: list[torch.Tensor], iterations: int = 20, tol: float = 1e-9,
+                   log: Callable[[str], None] | None = None) -> tuple[torch.Tensor, list[float]]:
+    """Orthogonal ``Q`` minimising the quantization error of the readers ``W_r Q`` and writers
+    ``Qᵀ W_w`` (SpinQuant's goal, here without gradients), by alternating minimisation from each start:
+
+    1. quantize: targets ``T_r = q(W_r Q)``, ``T_w = q(Qᵀ W_w)``, and the error ``Σ ||W_r Q - T_r||² +
+       Σ ||Qᵀ W_w - T_w||²`` of the current ``Q``;
+    2. solve ``min_Q Σ ||W_r Q - T_r||² + Σ ||W_wᵀ Q - T_wᵀ||²`` for the fixed targets exactly: orthogonal
+       Procrustes on ``M = Σ W_rᵀ T_r + Σ W_w T_wᵀ`` (:func:`procrustes.orthogonal_procrustes`), the stage F
+       step of ProcrustesGPT with the quantizer's grid in the structure class's place.
+
+    With a quantizer that is the nearest point of a fixed grid both steps are exact minimisations,
+    so the error never increases; group-scaled grids move with ``Q``, so the best iterate over all
+    starts is returned, with the error of every iterate (``history``).
+    """
+    from ..symmetry.procrustes import orthogonal_procrustes
+
+    best, best_err, history = None, float("inf"), []
+    for start in starts:
+        Q = start.to(torch.float64)
+        prev = float("inf")
+        for it in range(iterations + 1):
+            M = torch.zeros(Q.shape, dtype=torch.float64)
+            err = 0.0
+            for W in readers:
+                A = W @ Q.to(W.dtype)
+                T = quantize(A)
+                err += (A - T).double().pow(2).sum().item()
+                M += (W.T @ T).double()
+            for W in writers:
+                A = Q.T.to(W.dtype) @ W
+                T = quantize(A)
+                err += (A - T).double().pow(2).sum().item()
+                M += (W @ T.T).double()
+            history.append(err)
+            if log:
+                log(f"  iteration {it}: quantization error {err:.6g}")
+            if err < best_err:
+                best, best_err = Q, err
+            if it == iterations or prev - err <= tol * max(prev, 1e-30) and it > 0:
+                break
+            prev = err
+            Q = orthogonal_procrustes(M)
+    return best, history
+
+
+def rotation_error(readers: list[torch.Tensor], writers: list[torch.Tensor], Q: torch.Tensor,
+                   quantize: Quantizer) -> float:
+    """``Σ ||W_r Q - q(W_r Q)||² + Σ ||Qᵀ W_w - q(Qᵀ W_w)||²``."""
+    return learn_rotation(readers, writers, quantize, [Q], iterations=0)[1][0]
+
+
+def layer_matrices(layer: Tensors, layout: HeadLayout, seed: int, i: int,
+                   vo_hadamard: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The residual stream's readers (``[q; k; v]`` and ``[gate; up]``, norms folded, each group
+    sharing one norm) and writers (``o``, ``down``) of a canonical layer, as the
+    ``--for-quantization`` checkpoint will hold them up to the residual rotation, in float32."""
+    layer = actions.fold_layer_norms(dict(layer))
+    if vo_hadamard:
+        layer = actions.rotate_vo(layer, layout, head_hadamards(layout, seed, i))
+    f32 = lambda *names: torch.cat([layer[f"{n}.weight"] for n in names if f"{n}.weight" in layer]).float()
+    return [f32("q", "k", "v"), f32("gate", "up")], [f32("o"), f32("down")]
+
+
+def learn_checkpoint_rotation(source, adapter, options, Q0, progress: bool = False) -> torch.Tensor:
+    """The residual rotation of ``rotate --for-quantization --learn QTYPE``: :func:`learn_rotation`
+    over every decoder layer's readers and writers, from the randomised Hadamard ``Q0``, against the
+    named quantizer (:mod:`hf_symmetry.evaluation.weight_quant`) with the checkpoint's column balancing.
+    Holds every layer's linears in float32 (about 4 bytes per parameter)."""
+    from ..evaluation.weight_quant import roundtrip
+    from .stream import partition_keys
+
+    _, per_layer, _ = partition_keys(adapter, source.keys())
+    readers, writers = [], []
+    for i in range(adapter.n_layers):
+        r, w = layer_matrices(adapter.read_layer(i, source.get(per_layer[i])), adapter.layout, options.seed, i)
+        readers += r
+        writers += w
+    quantize = balanced(lambda A: roundtrip(A, options.learn), options.balance_alpha)
+    log = print if progress else None
+    Q, _ = learn_rotation(readers, writers, quantize, [Q0.dense() if hasattr(Q0, "dense") else Q0],
+                          iterations=options.learn_iterations, log=log)
+    return Q
