@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "spectra",
     "farr",
     "compress",
+    "export-gguf",
     "heal",
     "push",
     "families",
