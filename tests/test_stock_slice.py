@@ -203,6 +203,8 @@ def test_round_to_and_the_untie_cost_are_reported(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
     assert main(["compress", str(src), str(tmp_path / "bad"), "--structure", "lowrank", "--untie"]) == 2
     assert "--structure slice" in capsys.readouterr().err
+    assert main(["compress", str(src), str(tmp_path / "bad"), *common, "--untie", "--remote-code"]) == 2
+    assert "--remote-code writes the compressed family" in capsys.readouterr().err
 
 
 @pytest.mark.slow

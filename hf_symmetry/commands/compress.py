@@ -130,6 +130,8 @@ def stock_from_args(args, options):
         if args.untie or args.round_to is not None or args.remote_code:
             raise ValueError("--untie, --round-to and --remote-code apply to --structure slice")
         return None
+    if args.remote_code and (args.untie or args.round_to is not None):
+        raise ValueError("--untie and --round-to shape the stock output; --remote-code writes the compressed family")
     stock = StockOptions(untie=args.untie, round_to=64 if args.round_to is None else args.round_to)
     stock.validate()
     return None if args.remote_code else stock
