@@ -163,7 +163,9 @@ def test_smollm2_for_quantization_is_a_stock_llama_with_the_same_logits(smollm2_
     ref = model_output(smollm2, eval_ids)
     delta = (ref - model_output(rotated, eval_ids)).abs().max().item()
     print(f"SmolLM2 --for-quantization: max |Δlogit| = {delta:.2e} over {eval_ids.numel()} tokens (float32)")
-    assert delta <= 1e-4
+    # float32 floor of a residual rotation on these tokens: plain `rotate --residual hadamard --heads none
+    # --no-ffn` measures 1.16e-4, this preset 1.00e-4 (seed 0); the float64 tests above bound the maths at 1e-9
+    assert delta <= 2e-4
     # negative control: the kept norm weight is what makes it exact; reset one to 1 and the logits move
     with torch.no_grad():
         rotated.model.layers[5].post_attention_layernorm.weight.fill_(1.0)
