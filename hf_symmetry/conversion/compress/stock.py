@@ -122,9 +122,8 @@ def plan_stock_width(source: TensorSource, config: dict, options: CompressOption
         raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
     w = min(candidates, key=lambda x: (abs(params(x) - target), -x))
     total = params(w)
-    per_matrix = {e.name: {"structure": {"type": "dense", "width": w},
-                                                          "params": e.shape[0] * w, "dense_params": e.shape[0] * d,
-                                                          "ratio": 1 - w / d} for e in entries}
+    per_matrix = {e.name: {"structure": {"type": "dense", "width": w}, "params": e.shape[0] * w,
+                           "dense_params": e.shape[0] * d, "ratio": 1 - w / d} for e in entries}
     if tied:
         per_matrix["lm_head"] = {"structure": {"type": "dense", "width": w}, "params": vocab * w,
                                  "dense_params": 0, "ratio": 0.0}
