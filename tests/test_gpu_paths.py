@@ -341,3 +341,65 @@ def test_cuda_eval_and_verification_place_their_inputs_on_the_model(tiny_dir, tm
     for dev in ("auto", "cuda", "cpu"):
         assert main(["eval", str(tiny_dir), "--text", str(text), "--max-tokens", "200", "--window", "64",
                      "--stride", "32", "--device", dev, "--quiet"]) == 0
+
+
+# ------------------------------------------------------------------------ the solver's host synchronisations
+def _descent_one_sync_per_scalar(value_and_grad, X0, lipschitz, iters, tol):
+    """segments._descent as it was before its step scalars were fetched together (the reference)."""
+    from hf_symmetry.symmetry.segments import _retract
+
+    def riemannian(X, G):
+        A = X.T @ G
+        return X @ ((A - A.T) / 2)
+
+    X = X0.clone()
+    f, G = value_and_grad(X)
+    xi = riemannian(X, G)
+    tau = 1.0 / max(float(lipschitz), 1e-300)
+    g0 = float((xi * xi).sum())
+    ref, weight = f, 1.0
+    best_f, best_X = f, X
+    values = [f]
+    for it in range(iters):
+        g2 = float((xi * xi).sum())
+        if g2 <= tol ** 2 * max(g0, 1e-300):
+            break
+        t = tau
+        for _ in range(50):
+            Xn = _retract(X - t * xi)
+            fn, Gn = value_and_grad(Xn)
+            if fn <= ref - 1e-4 * t * g2:
+                break
+            t *= 0.5
+        else:
+            break
+        xin = riemannian(Xn, Gn)
+        s, y = Xn - X, xin - xi
+        sy = float((s * y).sum())
+        tau = (float((s * s).sum()) / sy if it % 2 == 0 else sy / max(float((y * y).sum()), 1e-300)) if sy > 0 else 2 * t
+        weight_next = 0.85 * weight + 1.0
+        ref = (0.85 * weight * ref + fn) / weight_next
+        weight = weight_next
+        X, f, xi = Xn, fn, xin
+        if f < best_f:
+            best_f, best_X = f, X
+        values.append(best_f)
+    return best_X, values
+
+
+@pytest.mark.parametrize("n_pairs", [1, 2])
+def test_weighted_procrustes_fetching_its_step_scalars_together_gives_the_same_bits(monkeypatch, n_pairs):
+    from hf_symmetry.symmetry import segments
+
+    g = torch.Generator().manual_seed(n_pairs)
+    d = 24
+    K = torch.randn(d, d, generator=g, dtype=torch.float64)
+    pairs = []
+    for _ in range(n_pairs):
+        A, B = torch.randn(d, d, generator=g, dtype=torch.float64), torch.randn(d, d, generator=g, dtype=torch.float64)
+        pairs.append((A @ A.T / d, B @ B.T / d))
+    Q0 = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
+    new = segments.weighted_procrustes(K, pairs, Q0, iters=60, tol=1e-12)
+    monkeypatch.setattr(segments, "_descent", _descent_one_sync_per_scalar)
+    old = segments.weighted_procrustes(K, pairs, Q0, iters=60, tol=1e-12)
+    assert torch.equal(new[0], old[0]) and new[1] == old[1] and len(new[1]) > 10

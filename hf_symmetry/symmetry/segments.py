@@ -309,8 +309,8 @@ def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: floa
     ref, weight = f, 1.0          # Zhang–Hager reference value (a weighted mean of past objectives)
     best_f, best_X = f, X
     values = [f]
+    g2 = g0
     for it in range(iters):
-        g2 = float((xi * xi).sum())
         if g2 <= tol ** 2 * max(g0, 1e-300):
             break
         t = tau
@@ -324,8 +324,9 @@ def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: floa
             break  # no decrease left at this precision: stationary
         xin = riemannian(Xn, Gn)
         s, y = Xn - X, xin - xi
-        sy = float((s * y).sum())
-        tau = (float((s * s).sum()) / sy if it % 2 == 0 else sy / max(float((y * y).sum()), 1e-300)) if sy > 0 else 2 * t
+        # the step's scalars and the next gradient norm in one transfer (one host synchronisation on a GPU)
+        sy, ss, yy, g2 = torch.stack([(s * y).sum(), (s * s).sum(), (y * y).sum(), (xin * xin).sum()]).tolist()
+        tau = (ss / sy if it % 2 == 0 else sy / max(yy, 1e-300)) if sy > 0 else 2 * t
         weight_next = 0.85 * weight + 1.0
         ref = (0.85 * weight * ref + fn) / weight_next
         weight = weight_next
