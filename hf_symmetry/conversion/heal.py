@@ -263,9 +263,9 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
             if is_main_process():
                 print(f"hf-symmetry heal: {why}: distilling the logits only", file=sys.stderr, flush=True)
         else:
-            layer_targets = layer_map.kind + (f" ({len(layer_map.bases)} basis/bases, widths "
-                                              f"{min(layer_map.layer_width)}-{max(layer_map.layer_width)})"
-                                              if layer_map.kind == "rotation" else "")
+            n, lo, hi = len(layer_map.bases), min(layer_map.layer_width), max(layer_map.layer_width)
+            layer_targets = layer_map.kind + (f" ({n} rotation{'s' * (n > 1)}, width {lo}"
+                                              + (f"-{hi}" if hi > lo else "") + ")" if layer_map.kind == "rotation" else "")
 
     # ---- 2. teacher, data extras (run folder from here on) -----------------------------------
     from accelerate import PartialState
