@@ -403,3 +403,27 @@ def test_weighted_procrustes_fetching_its_step_scalars_together_gives_the_same_b
     monkeypatch.setattr(segments, "_descent", _descent_one_sync_per_scalar)
     old = segments.weighted_procrustes(K, pairs, Q0, iters=60, tol=1e-12)
     assert torch.equal(new[0], old[0]) and new[1] == old[1] and len(new[1]) > 10
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_heal_runs_with_the_default_device(tmp_path):
+    """Failure 1: ``heal`` with the default ``--device auto`` stopped in ``torch.cuda.set_device``."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from heal_models import byte_tokenizer, tiny as tiny_heal
+
+    from hf_symmetry.assets import resolve_text
+    from hf_symmetry.cli import main
+
+    tok = byte_tokenizer()
+    for name, seed in (("teacher", 0), ("student", 1)):
+        tiny_heal("llama", len(tok), seed=seed, tokenizer=tok).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    (tmp_path / "train.txt").write_text(resolve_text("britannica-calib").read_text(encoding="utf-8")[:8000])
+    assert main(["heal", str(tmp_path / "student"), str(tmp_path / "out"), "--teacher", str(tmp_path / "teacher"),
+                 "--text", str(tmp_path / "train.txt"), "--tokens", str(8 * 32 * 2), "--seq-len", "32",
+                 "--batch-size", "8", "--lora-rank", "2", "--no-verify", "--quiet"]) == 0
+    import json
+
+    report = json.loads((tmp_path / "out" / "heal_report.json").read_text())
+    assert report["device"].startswith("cuda:")
