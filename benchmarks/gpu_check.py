@@ -123,6 +123,50 @@ def table(rows: list[dict], cpu: str, gpu: str) -> str:
     return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
 
 
+LINALG_SHAPES = ((64, 64), (192, 192), (576, 576), (1536, 576))
+
+
+def time_linalg(devices: tuple[str, str], shapes=LINALG_SHAPES, batch: int = 1, repeat: int = 5) -> list[dict]:
+    """Seconds (``a``: ``devices[0]``, ``b``: ``devices[1]``) per float64 ``eigh`` (of the Gram of each shape's columns), ``svd`` and ``qr`` of each shape
+    (``batch`` > 1: one batched call over that many matrices) on both devices, median of ``repeat``: the
+    small dense factorisations the compress solver makes by the thousand, to place by measurement."""
+    import statistics
+
+    import torch
+
+    rows = []
+    for m, n in shapes:
+        g = torch.Generator().manual_seed(0)
+        A = torch.randn(batch, m, n, generator=g, dtype=torch.float64)
+        for kind, fn, make in (("eigh", torch.linalg.eigh, lambda X: X.mT @ X),
+                               ("svd", lambda X: torch.linalg.svd(X, full_matrices=False), lambda X: X),
+                               ("qr", torch.linalg.qr, lambda X: X)):
+            row = {"kind": kind, "shape": f"{batch}x{m}x{n}" if batch > 1 else f"{m}x{n}"}
+            for side, dev in zip(("a", "b"), devices):
+                X = make(A.to(dev))
+                fn(X)                                    # warm-up (library handles, kernels)
+                times = []
+                for _ in range(repeat):
+                    if X.device.type == "cuda":
+                        torch.cuda.synchronize(X.device)
+                    t0 = time.perf_counter()
+                    fn(X)
+                    if X.device.type == "cuda":
+                        torch.cuda.synchronize(X.device)
+                    times.append(time.perf_counter() - t0)
+                row[side] = statistics.median(times)
+            rows.append(row)
+    return rows
+
+
+def linalg_table(rows: list[dict], devices: tuple[str, str]) -> str:
+    a, b = devices
+    out = [f"| factorisation (float64) | {a} ms | {b} ms | {a}/{b} |", "|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['kind']} {r['shape']} | {1e3 * r['a']:.3f} | {1e3 * r['b']:.3f} | {r['a'] / r['b']:.2f} |")
+    return "\n".join(out)
+
+
 def environment(gpu: str) -> dict:
     import platform
 
@@ -158,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="where outputs and logs go (default: a temporary folder, removed)")
     p.add_argument("--keep", action="store_true", help="keep the output folders")
     p.add_argument("--out", default=None, help="write the rows and the environment as JSON here")
+    p.add_argument("--linalg", action="store_true",
+                   help="also time float64 eigh/svd/qr of the solver's sizes on both devices (one call each, and "
+                        "batched by --linalg-batch), in a second table")
+    p.add_argument("--linalg-batch", type=int, default=9, help="batch of the batched timings (default 9: heads)")
     opts = p.parse_args(argv)
     jobs = [j.strip() for j in opts.jobs.split(",") if j.strip()]
     bad = [j for j in jobs if j not in JOBS]
@@ -194,9 +242,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         print()
         print(table(rows, opts.cpu_device, opts.gpu_device))
+        linalg = None
+        if opts.linalg:
+            pair = (opts.cpu_device, opts.gpu_device)
+            linalg = time_linalg(pair) + time_linalg(pair, batch=opts.linalg_batch)
+            print()
+            print(linalg_table(linalg, pair))
         if opts.out:
             Path(opts.out).write_text(json.dumps({"environment": environment(opts.gpu_device), "options": vars(opts),
-                                                  "rows": rows}, indent=2) + "\n")
+                                                  "rows": rows, "linalg": linalg}, indent=2) + "\n")
     finally:
         if own and not opts.keep:
             shutil.rmtree(work, ignore_errors=True)
