@@ -20,8 +20,10 @@ its top k tokens, KL taken on that support (exact when ``k`` is the vocabulary s
 also pulled towards the teacher's, mapped into the student's basis by the conversion's layer map
 (:class:`hf_symmetry.conversion.layer_map.LayerMap`: identity for TPA/FaRR, the residual rotation cut
 to the kept width for compression). Per layer ``l`` and position ``t``, with ``y = map_l(h_teacher)``,
-the error is ``‖s_t − y_t‖² / ‖y_t‖²`` (relative, so that the few positions with massive activations
-do not outweigh the rest); :func:`layer_state_loss` averages it over positions and layers, and the
+the error is ``‖s_t − y_t‖² / (‖y_t‖² + ‖s_t‖²)`` (``s_t`` not differentiated in the denominator):
+relative, so that the few positions with massive activations do not outweigh the rest, and bounded
+by 2, so that a position where the student has a massive activation the teacher lacks cannot either;
+:func:`layer_state_loss` averages it over positions and layers, and the
 loss becomes ``(1 − λ)·KD + λ·LM + w·layer``. At zero distortion (full-width slicing, full-rank TPA)
 it is 0 to float round-off.
 
@@ -103,16 +105,18 @@ def layer_outputs(model: torch.nn.Module):
 
 
 def layer_state_loss(student_states, teacher_states, layer_map, eps: float = 1e-12) -> torch.Tensor:
-    """Mean over layers and positions of ``‖s − map_l(h)‖² / ‖map_l(h)‖²`` (float32): the student's
-    layer-``l`` states ``s`` against the teacher's ``h`` mapped into the student's basis by
-    ``layer_map.target(l, h)``."""
+    """Mean over layers and positions of ``‖s − y‖² / (‖y‖² + ‖s‖²)``, ``y = map_l(h)`` (float32; the
+    denominator is not differentiated; 0 for a perfect match, at most 2): the student's layer-``l``
+    states ``s`` against the teacher's ``h`` mapped into the student's basis by ``layer_map.target(l, h)``."""
     if len(student_states) != len(teacher_states):
         raise ValueError(f"student has {len(student_states)} decoder layers, teacher {len(teacher_states)}")
     total = 0.0
     for i, (s, h) in enumerate(zip(student_states, teacher_states)):
         y = layer_map.target(i, h.to(device=s.device, dtype=torch.float32))
-        err = (s.float() - y).pow(2).sum(-1)
-        total = total + (err / y.pow(2).sum(-1).clamp_min(eps)).mean()
+        s = s.float()
+        err = (s - y).pow(2).sum(-1)
+        scale = (y.pow(2).sum(-1) + s.detach().pow(2).sum(-1)).clamp_min(eps)
+        total = total + (err / scale).mean()
     return total / len(student_states)
 
 
