@@ -36,6 +36,8 @@ VARIANTS = {
     "original": None,
     "hadamard": dict(residual="hadamard", heads="none", ffn=False),
     "for-quantization": dict(residual="hadamard", for_quantization=True),
+    # the massive-activation channels (found on britannica-calib) kept out of the Hadamard
+    "for-quantization-hold-out": dict(residual="hadamard", for_quantization=True, hold_out="massive"),
     "for-quantization-alpha0.5": dict(residual="hadamard", for_quantization=True, balance_alpha=0.5),
     "for-quantization-no-residual": dict(residual="none", for_quantization=True),
     "for-quantization-learned-Q4_0": dict(residual="hadamard", for_quantization=True, learn="Q4_0",
@@ -54,6 +56,18 @@ def build(variant: str, model, config: dict):
     if spec is None:
         return copy.deepcopy(model), 0.0
     t = time.perf_counter()
+    if spec.get("hold_out") == "massive":
+        from transformers import AutoTokenizer
+
+        from hf_symmetry.assets import text_path
+        from hf_symmetry.conversion.quant_rotation import massive_channels
+        from hf_symmetry.evaluation import read_text, tokenize_text
+
+        tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        calib = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=128)
+        held = massive_channels(model, calib)
+        print(f"held out of the rotation: channels {held}", flush=True)
+        spec = {**spec, "hold_out": held}
     sd, cfg = rotate_state_dict(model.state_dict(), config, RotateOptions(seed=0, **spec))
     seconds = time.perf_counter() - t
     return model_from_state_dict(cfg, sd), seconds

@@ -170,3 +170,15 @@ def test_smollm2_for_quantization_is_a_stock_llama_with_the_same_logits(smollm2_
     with torch.no_grad():
         rotated.model.layers[5].post_attention_layernorm.weight.fill_(1.0)
     assert (ref - model_output(rotated, eval_ids)).abs().max().item() > 1e-1
+
+
+def test_hold_out_keeps_the_massive_channels_coordinate_aligned(exact_rmsnorm):
+    held = (0, 5, 9, 17)   # 48 - 4 = 44: Paley I
+    Q = qr.hadamard_except(48, held, groups.rng(0, 0))
+    assert (Q.T @ Q - torch.eye(48, dtype=torch.float64)).abs().max() < 1e-12
+    assert torch.equal(Q[list(held)][:, list(held)], torch.eye(4, dtype=torch.float64))
+    assert Q[list(held)].abs().sum().item() == pytest.approx(4.0)
+    model = tiny_model("llama")
+    ids = input_ids(model.config.vocab_size)
+    rotated, _, _ = _rotated(model, RotateOptions(residual="hadamard", for_quantization=True, hold_out=held))
+    assert (outputs(model, ids) - outputs(rotated, ids)).abs().max().item() <= 1e-9

@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--balance-alpha", type=float, default=1.0,
                    help="with --for-quantization: exponent of the column balancing (1 equalises every "
                         "column's max-abs, 0 leaves them; default: 1)")
+    p.add_argument("--hold-out", default="", metavar="I,J,...",
+                   help="with --for-quantization: residual channels the Hadamard leaves alone (e.g. the "
+                        "massive-activation channels; the remaining width needs a Hadamard construction)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_verify_args(p, "the original")
@@ -54,7 +57,8 @@ def run(args) -> int:
         raise SystemExit("--learn needs --for-quantization")
     options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
                             seed=args.seed, for_quantization=args.for_quantization, learn=args.learn,
-                            learn_iterations=args.learn_iterations, balance_alpha=args.balance_alpha)
+                            learn_iterations=args.learn_iterations, balance_alpha=args.balance_alpha,
+                            hold_out=tuple(int(c) for c in args.hold_out.split(",") if c.strip()))
     report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
                                max_shard_size=args.max_shard_size, progress=not args.quiet)
     lines = [f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",

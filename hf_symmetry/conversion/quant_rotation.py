@@ -121,6 +121,28 @@ def balance_vo(layer: Tensors, layout: HeadLayout, alpha: float = 1.0) -> Tensor
     return scale_vo_channels(layer, layout, 1.0 / _normalised(c.amax(dim=1).reshape(-1), alpha))
 
 
+def hadamard_except(n: int, held: tuple[int, ...], gen) -> torch.Tensor:
+    """Dense orthogonal ``Q``: identity on the ``held`` residual channels, a randomised Hadamard on the
+    others. Holding out the channels of the massive activations keeps them coordinate-aligned, where a
+    quantizer's zero level can represent the near-zero weights that read them."""
+    rest = [j for j in range(n) if j not in set(held)]
+    Q = torch.zeros(n, n, dtype=torch.float64)
+    Q[list(held), list(held)] = 1.0
+    H = groups.random_hadamard(len(rest), gen).dense()
+    idx = torch.tensor(rest)
+    Q[idx.unsqueeze(1), idx.unsqueeze(0)] = H
+    return Q
+
+
+@torch.no_grad()
+def massive_channels(model, ids: torch.Tensor, k: int = 4) -> tuple[int, ...]:
+    """The ``k`` residual channels with the largest max |hidden state| (summed over layers) on ``ids``:
+    the massive activations (SmolLM2: four channels hold 99 % of the first token's energy)."""
+    hs = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    score = sum(h[0].abs().amax(dim=0) for h in hs[1:])
+    return tuple(sorted(score.topk(k).indices.tolist()))
+
+
 def head_hadamards(layout: HeadLayout, seed: int, layer: int) -> list[torch.Tensor]:
     """One randomised Hadamard ``diag(±1) H / √d_h`` per KV group (dense, head_dim × head_dim)."""
     gen = groups.rng(seed, _VO_STREAM, layer)

@@ -48,6 +48,7 @@ class RotateOptions:
     learn: str | None = None            # e.g. "Q4_0": learn the residual rotation against that quantizer
     learn_iterations: int = 8
     balance_alpha: float = 1.0
+    hold_out: tuple[int, ...] = ()      # residual channels the Hadamard leaves alone (massive activations)
 
     @property
     def rotate_qk(self) -> bool:
@@ -88,6 +89,10 @@ class RotateReport:
 
 def residual_rotation(options: RotateOptions, hidden: int) -> torch.Tensor | None:
     gen = groups.rng(options.seed, _RESIDUAL)
+    if options.residual == "hadamard" and options.hold_out:
+        from .quant_rotation import hadamard_except
+
+        return hadamard_except(hidden, tuple(options.hold_out), gen)
     if options.residual == "hadamard":
         return groups.random_hadamard(hidden, gen)
     if options.residual == "random":
