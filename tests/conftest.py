@@ -22,11 +22,25 @@ def _exact_rmsnorm_forward(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _legacy_exact_gptj_attn(self, query, key, value, attention_mask=None):
+    # GPT-J before transformers 5.24 computes attention scores in float32 whatever the input dtype; keep float64.
+    attn_weights = torch.matmul(query, key.transpose(-1, -2)) / self.scale_attn
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1)
+    return torch.matmul(attn_weights, value), attn_weights
+
+
 @pytest.fixture
 def exact_rmsnorm(monkeypatch):
-    """float64-exact transformers RMSNorms: they keep the input dtype. (Attention needs no patch: the tiny
-    models run transformers' SDPA backend, which computes in the input dtype; its eager GPT-J path upcasts
-    to float32.)"""
+    """float64-exact transformers RMSNorms: they keep the input dtype. (Attention needs no patch from
+    transformers 5.24: the tiny models run its SDPA backend, which computes in the input dtype.)"""
+    from transformers.models.gptj import modeling_gptj
+
+    if not getattr(modeling_gptj.GPTJPreTrainedModel, "_supports_sdpa", False):
+        # transformers < 5.24 (the supported range's older end): GPT-J has only its eager path, a private
+        # float32 `_attn` with no public switch, so it is patched there; 5.24 and later need no patch
+        monkeypatch.setattr(modeling_gptj.GPTJAttention, "_attn", _legacy_exact_gptj_attn)
     from transformers.models.llama import modeling_llama
     from transformers.models.mistral import modeling_mistral
     from transformers.models.qwen2 import modeling_qwen2

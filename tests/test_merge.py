@@ -35,7 +35,8 @@ def _recipe(method: str, n: int = 2, **extra) -> dict:
 
 
 def _close(a: dict, b: dict, tol: float) -> bool:
-    return all((a[k].double() - b[k].double()).abs().max() <= tol for k in a.keys() & b.keys())
+    # the models a merge builds run on its device (CUDA where visible); compare on the host
+    return all((a[k].double().cpu() - b[k].double().cpu()).abs().max() <= tol for k in a.keys() & b.keys())
 
 
 # --------------------------------------------------------------------------- rules by hand
