@@ -139,8 +139,8 @@ class Clock:
         self.wall = time.perf_counter() - self.wall0 - self.eval_wall
 
 
-def make_callback(ids_by_text, tokens_per_step, record, clock):
-    """Perplexity at step 0, at every power-of-two step and at the last step."""
+def make_callback(ids_by_text, tokens_per_step, record, clock, steps=None):
+    """Perplexity at step 0, at every power-of-two step (or at ``steps``) and at the last step."""
     from transformers import TrainerCallback
 
     from hf_symmetry.evaluation.perplexity import perplexity
@@ -163,7 +163,7 @@ def make_callback(ids_by_text, tokens_per_step, record, clock):
         clock.eval_wall += time.perf_counter() - w0
 
     def due(step, last):
-        return step == 0 or step == last or (step & (step - 1)) == 0
+        return step == 0 or step == last or (step in steps if steps else (step & (step - 1)) == 0)
 
     class Curve(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kw):
@@ -218,7 +218,8 @@ def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_
     shutil.rmtree(out.with_name(out.name + ".heal-run"), ignore_errors=True)
     curve: list[dict] = []
     clock = Clock()
-    cb = make_callback(ids, args.batch_size * args.seq_len, curve, clock)
+    steps = {int(x) for x in args.curve_steps.split(",")} if args.curve_steps else None
+    cb = make_callback(ids, args.batch_size * args.seq_len, curve, clock, steps)
     print(f"{model_name}/{recipe}: {options.steps()} steps of {args.batch_size}x{args.seq_len}"
           + (f", {samples} teacher samples" if samples else ""), flush=True)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -279,6 +280,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the healed folders")
+    p.add_argument("--curve-steps", default=None, metavar="S,S,...",
+                   help="optimizer steps at which perplexity is measured (default: every power of two; step 0 and "
+                        "the last step always)")
     args = p.parse_args(argv)
     results_path = Path(args.results)
     if args.table:
@@ -329,7 +333,7 @@ def main(argv=None) -> int:
     for model_name in [m for m in args.models.split(",") if m]:
         folder = convert(model_name, work, progress=False)
         name = model_name.split("=", 1)[0]
-        for recipe in (args.dense_recipes.split(",") if name == "dense" else recipes):
+        for recipe in [r for r in (args.dense_recipes.split(",") if name == "dense" else recipes) if r]:
             results["runs"][f"{name}/{recipe}"] = run_one(name, folder, recipe, args, ids, texts, train_texts,
                                                           teacher_dir)
             results_path.parent.mkdir(parents=True, exist_ok=True)
