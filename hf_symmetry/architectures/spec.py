@@ -87,6 +87,21 @@ class ArchSpec:
     kv_heads_attr: tuple[str, ...] = ("num_key_value_heads",)
     eps_attr: tuple[str, ...] = ("rms_norm_eps",)
     rope: RopeLayout = "none"
+    # Stock outputs (conversion.compress.stock, conversion.gguf_export). stock_slice: the stock RMSNorm is
+    # γ·x·rsqrt(mean(x²) + rms_norm_eps) and the config takes an explicit head_dim (the sliced hidden size
+    # no longer fixes it), so stock SliceGPT writes the family's own class.
+    stock_slice: bool = False
+    # the stock model_type written where the sliced width is not a multiple of the heads (the family's
+    # config refuses that width), with ``narrow_stock_drop`` and ``bias_attrs`` left out and no sliding
+    # window; a source already of that type stays as it is (Llama -> Mistral)
+    narrow_stock_type: str | None = None
+    narrow_stock_drop: tuple[str, ...] = ()  # config keys the narrow stock type does not take
+    bias_attrs: tuple[str, ...] = ()         # config flags that switch on attention / MLP biases (Llama), which
+                                             # neither the narrow stock type nor the GGUF architecture holds
+    window_attr: str | None = None           # config key of one sliding window over every layer (Mistral), which
+                                             # the GGUF architecture does not hold
+    gguf_arch: str | None = None             # GGUF (llama.cpp) architecture name; None: export-gguf refuses
+    gguf_permute_qk: bool = False            # q/k rows reordered from rotate-half to GGML's interleaved RoPE
 
     @property
     def is_gated(self) -> bool:
@@ -114,22 +129,26 @@ _LLAMA_ATTN = AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_
 _LLAMA_FFN = FFNSpec(gate="mlp.gate_proj", up="mlp.up_proj", down="mlp.down_proj")
 
 
-def _llama_like(family: str, model_types: tuple[str, ...], attention: AttentionSpec = _LLAMA_ATTN) -> ArchSpec:
+def _llama_like(family: str, model_types: tuple[str, ...], attention: AttentionSpec = _LLAMA_ATTN,
+                **facts) -> ArchSpec:
     return ArchSpec(
         family=family, model_types=model_types, layers="model.layers", embed="model.embed_tokens",
         attention=attention, ffn=_LLAMA_FFN,
         attn_norm=NormSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
         ffn_norm=NormSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", rope="rotate_half")
+        norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", rope="rotate_half", **facts)
 
 
-LLAMA = _llama_like("llama", ("llama", "mistral"))
+# Mistral is GGUF ``llama`` (as llama.cpp's converter writes it), q/k rows permuted
+LLAMA = _llama_like("llama", ("llama", "mistral"), stock_slice=True, narrow_stock_type="mistral",
+                    narrow_stock_drop=("pretraining_tp",), bias_attrs=("attention_bias", "mlp_bias"),
+                    window_attr="sliding_window", gguf_arch="llama", gguf_permute_qk=True)
 # SmolLM3: Llama weights; every 4th layer is NoPE (``no_rope_layers``, see Adapter.layer_layout)
 SMOLLM3 = _llama_like("smollm3", ("smollm3",))
-QWEN2 = _llama_like("qwen2", ("qwen2",))  # q/k/v biases are found in the checkpoint itself
+QWEN2 = _llama_like("qwen2", ("qwen2",), stock_slice=True, gguf_arch="qwen2")  # q/k/v biases: found in the checkpoint
 QWEN3 = _llama_like("qwen3", ("qwen3",), AttentionSpec(
     q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj",
-    qk_norm=("self_attn.q_norm", "self_attn.k_norm")))
+    qk_norm=("self_attn.q_norm", "self_attn.k_norm")), stock_slice=True, gguf_arch="qwen3")
 
 GPT2 = ArchSpec(
     family="gpt2", model_types=("gpt2",), layers="transformer.h", embed="transformer.wte",
@@ -189,7 +208,8 @@ PHI3 = ArchSpec(
     ffn=FFNSpec(up=None, gate_up="mlp.gate_up_proj", down="mlp.down_proj"),
     attn_norm=NormSpec("input_layernorm", ("self_attn.qkv_proj",)),
     ffn_norm=NormSpec("post_attention_layernorm", ("mlp.gate_up_proj",)),
-    norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", rope="rotate_half")
+    norm_kind="rms", placement="pre", final_norm="model.norm", lm_head="lm_head", rope="rotate_half",
+    stock_slice=True)
 
 # OLMo 2: no input norms; each sublayer's output is normalised before the residual add, and
 # QK-norm spans all heads at once (one γ over num_heads·head_dim).
@@ -240,6 +260,11 @@ RMS_DECODER = ArchSpec(
 SPECS: tuple[ArchSpec, ...] = (LLAMA, QWEN2, QWEN3, SMOLLM3, GEMMA2, GEMMA3, PHI3, OLMO2, GPT2, OPT, GPTJ, GPT_NEOX,
                                BERT, RMS_DECODER)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for s in SPECS for t in s.model_types)
+
+
+def find_spec(model_type) -> ArchSpec | None:
+    """The spec of ``model_type``, or None where no spec reads it (e.g. a remote-code family)."""
+    return next((s for s in SPECS if model_type in s.model_types), None)
 
 
 def spec_for_model_type(model_type: str) -> ArchSpec:

@@ -34,12 +34,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..architectures.spec import SPECS, find_spec
 from ..checkpoint import CheckpointReader
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-#: model_type -> (GGUF architecture, q/k rows permuted to GGML's RoPE layout)
-ARCHS = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+#: model_type -> (GGUF architecture, q/k rows permuted to GGML's RoPE layout), from the specs
+#: (``ArchSpec.gguf_arch``, ``ArchSpec.gguf_permute_qk``)
+ARCHS = {t: (s.gguf_arch, s.gguf_permute_qk) for s in SPECS if s.gguf_arch for t in s.model_types}
 
 
 @dataclass
@@ -82,10 +84,11 @@ def check_config(config: dict) -> tuple[str, bool]:
     rope = config.get("rope_parameters") or {}
     if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
         raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not written by export-gguf (default RoPE only)")
-    if model_type in ("llama", "mistral") and (config.get("attention_bias") or config.get("mlp_bias")):
-        raise ValueError("GGUF llama has no attention or MLP biases")
-    if model_type == "mistral" and config.get("sliding_window"):
-        raise ValueError("sliding-window attention is not written by export-gguf (sliding_window must be null)")
+    spec = find_spec(model_type)
+    if any(config.get(k) for k in spec.bias_attrs):
+        raise ValueError(f"GGUF {spec.gguf_arch} has no attention or MLP biases")
+    if spec.window_attr and config.get(spec.window_attr):
+        raise ValueError(f"sliding-window attention is not written by export-gguf ({spec.window_attr} must be null)")
     return ARCHS[model_type]
 
 
@@ -100,6 +103,7 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> str:
     """Writes a byte-level BPE tokenizer (``tokenizer.json``) into ``writer``; returns what was written
     (or why nothing was)."""
     import gguf
+    from gguf.vocab import BpeVocab
 
     path = folder / "tokenizer.json"
     if not path.is_file():
@@ -120,7 +124,7 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> str:
             tokens.append(by_id[i])
             types.append((gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
                          if i in added else gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(BpeVocab.tokenizer_model)     # GGUF's name of byte-level BPE
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)

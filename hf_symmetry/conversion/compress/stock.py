@@ -35,14 +35,15 @@ from dataclasses import dataclass
 import torch
 
 from ...architectures import Adapter
+from ...architectures.spec import SPECS, find_spec
 from ...symmetry import actions
 from ..stream import TensorSource, transform_checkpoint
 from .options import CompressOptions
 from .plan import check_family, in_policy, matrix_entries, source_numels
 
 #: model types whose stock RMSNorm is ``weight · x · rsqrt(mean(x²) + config.rms_norm_eps)`` and whose
-#: config takes an explicit ``head_dim`` (the sliced hidden size no longer fixes it)
-STOCK_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: config takes an explicit ``head_dim`` (the sliced hidden size no longer fixes it): ``ArchSpec.stock_slice``
+STOCK_TYPES = tuple(t for s in SPECS if s.stock_slice for t in s.model_types)
 
 
 @dataclass(frozen=True)
@@ -249,19 +250,24 @@ def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict
     explicit ``head_dim``. ``LlamaConfig`` refuses a hidden size that is not a multiple of the number
     of heads (even with ``head_dim`` given); a Llama without biases is then written as
     ``MistralForCausalLM`` without sliding window, the same computation in a stock class whose config
-    takes any ``head_dim``."""
+    takes any ``head_dim`` (``ArchSpec.narrow_stock_type``)."""
     new = {k: v for k, v in config.items() if not k.startswith("_") and k != "auto_map"}
     new.update(hidden_size=int(width), rms_norm_eps=float(eps), tie_word_embeddings=False,
                head_dim=int(adapter.layout.head_dim), architectures=[stock_class(config)])
     heads = adapter.layout.n_heads
-    if config.get("model_type") == "llama" and width % heads:
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise ValueError(f"width {width} is not a multiple of the {heads} attention heads, which LlamaConfig "
-                             f"requires, and a Llama with biases has no other stock class: use a --round-to that is "
+    spec = find_spec(config.get("model_type"))
+    narrow = spec.narrow_stock_type if spec is not None else None
+    if narrow is not None and config.get("model_type") != narrow and width % heads:
+        own = stock_class(config).removesuffix("ForCausalLM")
+        if any(config.get(k) for k in spec.bias_attrs):
+            raise ValueError(f"width {width} is not a multiple of the {heads} attention heads, which {own}Config "
+                             f"requires, and a {own} with biases has no other stock class: use a --round-to that is "
                              f"a multiple of {heads}")
-        for k in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        for k in spec.bias_attrs + spec.narrow_stock_drop:
             new.pop(k, None)
-        new.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+        new.update(model_type=narrow, architectures=[stock_class({"model_type": narrow})])
+        if spec.window_attr:
+            new[spec.window_attr] = None
     return new
 
 
