@@ -4,12 +4,12 @@ residual rotation), every decoder-layer linear quantized weight-only by a real q
 dequantized back into the HF model:
 
 * GGUF Q4_0 / Q4_1 / MXFP4 (blocks of 32) through the ``gguf`` package's quantizers;
-* HQQ 4-bit and 3-bit (``hqq`` package, groups of 64 and 128): ``gguf`` has no Python quantizer for
+* HQQ 4-bit and 3-bit (``hqq`` package, groups of 64 and 128; ``-rtn``: without HQQ's slow optimiser): ``gguf`` has no Python quantizer for
   the k-quants (Q3_K, Q4_K: dequantize only), so HQQ supplies 3 bits.
 
 SmolLM2's weights are themselves dequantized Q4_1 GGUF weights, so the unrotated model sits exactly
-on the Q4_1 grid; the other quantizers (other grids, block sizes and bit widths) control for that,
-and a small Llama-shaped model trained here in float (``--trained``) removes it.
+on the Q4_1 grid; the other quantizers (other grids, block sizes and bit widths) control for that.
+A model trained here in float (``--model FOLDER``) would remove it; not run yet.
 
 Perplexity: the project's definition (hf_symmetry.evaluation.perplexity), 2048 tokens of
 ``hamlet`` (not used for anything else here; the learned rotation sees only weights).
