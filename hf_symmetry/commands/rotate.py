@@ -19,7 +19,7 @@ def register(sub) -> None:
                    help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)")
     p.add_argument("out", help="output folder")
     p.add_argument("--residual", choices=["none", "hadamard", "random"], default="hadamard",
-                   help="residual-stream rotation after norm fusion (RMSNorm families only; default: hadamard)")
+                   help="residual-stream rotation after norm fusion (pre-norm RMSNorm families stay stock; LayerNorm decoders are mean-centred into the hf_symmetry_rms_decoder family; default: hadamard)")
     p.add_argument("--heads", choices=["none", "qk", "vo", "random"], default="random",
                    help="per-KV-group head rotations: QK (inside the RoPE commutant), VO, or both (default)")
     p.add_argument("--ffn", action=__import__("argparse").BooleanOptionalAction, default=True,
@@ -28,7 +28,9 @@ def register(sub) -> None:
     p.add_argument("--for-quantization", action="store_true",
                    help="preset for low-bit weight quantization: randomised Hadamard residual rotation, the "
                         "norm weights kept as balancing input scales, per-head V/O Hadamards and the exact "
-                        "V->O and up->down column scalings (--heads/--ffn/--scaling are ignored)")
+                        "V->O and up->down column scalings (--heads/--ffn/--scaling are ignored). "
+                        "Experimental: exact in float, but on SmolLM2 it quantizes worse than the "
+                        "unrotated model (docs/quantization.md)")
     p.add_argument("--learn", metavar="QTYPE", default=None,
                    help="with --for-quantization: learn the residual rotation against this weight quantizer "
                         "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq), "
