@@ -157,7 +157,6 @@ def export_gguf(src: str | Path, out: str | Path, type: str = "f16", overwrite: 
     reader = CheckpointReader(src)
     config = reader.config
     arch, permute = check_config(config)
-    model_type = config["model_type"]
     n_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
     n_heads = int(config["num_attention_heads"])
     n_kv = int(_get(config, "num_key_value_heads", default=n_heads))

@@ -26,7 +26,7 @@ row side of every pair above: only the *column* side (norm → readers, V → O,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 
