@@ -97,8 +97,12 @@ class PerplexityResult:
 def input_device(model) -> torch.device:
     """Where a model's inputs go: its embedding's device (:func:`hf_symmetry.devices.module_device`;
     accelerate's execution device, else the CPU, when it offloaded the embedding)."""
-    from ..devices import module_device
-
+    try:
+        from ..devices import module_device
+    except ImportError:
+        # executed as a standalone file by hub.check's isolated loader, where hf_symmetry cannot be
+        # imported: a model loaded there whole, on one device, takes its inputs where its embedding is
+        return model.get_input_embeddings().weight.device
     return module_device(model)
 
 
@@ -118,8 +122,6 @@ def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int =
     n = ids.numel()
     if n < 2:
         raise ValueError("need at least two tokens to measure perplexity")
-    from ..devices import to_model
-
     block = min(stride, window - 1)
     total_nll = 0.0
     starts = range(1, n, block)
@@ -129,7 +131,7 @@ def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int =
         for s in starts:
             e = min(s + block, n)
             b = max(0, e - window)
-            logits = model(input_ids=to_model(ids[b:e].unsqueeze(0), model)).logits[0].float()
+            logits = model(input_ids=ids[b:e].unsqueeze(0).to(input_device(model))).logits[0].float()
             # logits at position t - 1 predict token t
             total_nll += torch.nn.functional.cross_entropy(logits[s - 1 - b:e - 1 - b], ids[s:e].to(logits.device),
                                                            reduction="sum").item()
