@@ -282,3 +282,26 @@ def test_heal_shares_the_perplexity_flags_of_the_other_commands():
     assert parser.parse_args(base + ["--eval-tokens", "256"]).eval_tokens == 256
     args = parser.parse_args(base)
     assert args.eval_tokens == 2048 and args.text == ["train.txt"] and not args.no_verify
+
+
+def test_a_rotated_layer_norm_decoder_heals(folders, tmp_path, tok):
+    """``rotate --residual`` on OPT writes the RMS-decoder family (remote code): heal takes it as a student
+    (it once refused every hf_symmetry_rms_decoder folder as an unknown model type) and a few steps lower
+    its held-out KL to the teacher."""
+    from hf_symmetry.conversion.heal import check_student
+    from hf_symmetry.conversion.rotate import RotateOptions, rotate_checkpoint
+    from transformers import OPTConfig, OPTForCausalLM
+
+    src = tmp_path / "opt"
+    torch.manual_seed(7)
+    OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, pad_token_id=1,
+                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(src)
+    tok.save_pretrained(src)
+    student = tmp_path / "opt-rotated"
+    rotate_checkpoint(src, student, RotateOptions(residual="hadamard", heads="none", ffn=False), progress=False)
+    assert check_student(student)["model_type"] == "hf_symmetry_rms_decoder"
+    r = heal_checkpoint(student, tmp_path / "out", folders / "teacher", [folders / "train.txt"],
+                        _opts(full=True, lr=3e-3), progress=False, device="cpu", eval_texts=None,
+                        heldout_kl_sequences=8)
+    assert r.steps == 8 and r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)

@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 
 from ..assets import resolve_model, resolve_text
+from ..modeling import causal_lm_model_types
 
 __all__ = ["HealOptions", "HealReport", "heal_checkpoint", "run_dir_for", "check_student"]
 
 ADAPTER_DIR = "adapter"
-HF_SYMMETRY_FAMILIES = ("hf_symmetry_tpa", "hf_symmetry_compressed_llama", "hf_symmetry_farr_llama")
 
 
 @dataclass
@@ -156,10 +156,11 @@ def check_student(folder: Path) -> dict:
     if "CausalLM" not in arch and "LMHeadModel" not in arch:
         raise ValueError(f"unsupported student {folder.name}: heal needs a causal language model, this is "
                          f"{arch or mt} (no next-token distribution to distil)")
-    known = mt in HF_SYMMETRY_FAMILIES or mt in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
+    ours = causal_lm_model_types()
+    known = mt in ours or mt in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES
     if not known:
         raise ValueError(f"unsupported student {folder.name}: model_type {mt!r} is neither a transformers "
-                         f"family nor one of hf_symmetry's ({', '.join(HF_SYMMETRY_FAMILIES)})")
+                         f"family nor one of hf_symmetry's ({', '.join(ours)})")
     return cfg
 
 

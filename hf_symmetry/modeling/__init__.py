@@ -6,6 +6,17 @@ from __future__ import annotations
 from .modeling_tpa import cache_field  # the KV cache's argument/output name in the installed transformers
 
 
+def causal_lm_model_types() -> tuple[str, ...]:
+    """The ``model_type`` of every hf_symmetry family with a causal-LM head (the ones registered with
+    ``AutoModelForCausalLM`` below): what ``heal`` can train besides transformers' own families."""
+    from .configuration_compressed_llama import CompressedLlamaConfig
+    from .configuration_farr import FarrLlamaConfig
+    from .configuration_rms_decoder import RMSDecoderConfig
+    from .configuration_tpa import TPAConfig
+
+    return tuple(c.model_type for c in (TPAConfig, CompressedLlamaConfig, FarrLlamaConfig, RMSDecoderConfig))
+
+
 def register_auto_classes() -> None:
     """Register every family with transformers' Auto classes (idempotent)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
