@@ -62,7 +62,11 @@ def _weights(folder) -> dict:
 
 # ----------------------------------------------------------------------------- merge == unmerged
 @pytest.mark.parametrize("family", FAMILIES)
-def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path):
+def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path, exact_rmsnorm):
+    # exact_rmsnorm: transformers' RMSNorm (Llama, FaRR) rounds through float32, which turns the merge's
+    # float64 round-off into ~1e-8 differences on some draws
+    import zlib
+
     import hf_symmetry  # noqa: F401
     from transformers import AutoModelForCausalLM
 
@@ -81,7 +85,8 @@ def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path):
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(n) % 2**31))
+                # zlib.crc32, not hash(): Python salts string hashes per process
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(n.encode())))
         unmerged = peft_model(input_ids=ids).logits.clone()
     assert (unmerged - base).abs().max() > 1e-3          # the adapters do change the model
     merged = peft_model.merge_and_unload()
