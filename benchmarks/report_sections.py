@@ -7,25 +7,46 @@ are drawn by report.py's generic renderer.
 
 from __future__ import annotations
 
-import re
-
-from report_tables import exp, fmt, gb, md_table, sig
+from report_compress import (
+    RSS_FILES,
+    calibration_rss,
+    compress,
+    compress_frontier,
+    compress_frontier_segments,
+    compress_r10,
+    opt_vs_llama,
+    stage_w_reference,
+)
+from report_tables import exp, fmt, md_table, sig
 
 
 def rotate(data, results):
     rows = []
     for r in data["rows"]:
         rot, plain = r["rotate"], r["transformers_load_save"]
-        rows.append([
-            r["checkpoint"], f"{r['checkpoint_mb']:.0f} MB",
-            f"{rot['seconds']:.1f} s / {rot['peak_rss_mb']:.0f} MiB",
-            f"{plain['seconds']:.1f} s / {plain['peak_rss_mb']:.0f} MiB",
-            f"{r['time_ratio']:.2f}", f"**{100 * r['rotate_rss_fraction_of_checkpoint']:.1f} %**",
-        ])
+        rows.append(
+            [
+                r["checkpoint"],
+                f"{r['checkpoint_mb']:.0f} MB",
+                f"{rot['seconds']:.1f} s / {rot['peak_rss_mb']:.0f} MiB",
+                f"{plain['seconds']:.1f} s / {plain['peak_rss_mb']:.0f} MiB",
+                f"{r['time_ratio']:.2f}",
+                f"**{100 * r['rotate_rss_fraction_of_checkpoint']:.1f} %**",
+            ]
+        )
     base = data["import_baseline"]
     return {
-        "rotate": md_table(["checkpoint", "size", "rotate: time / peak RSS", "transformers load + save: time / peak RSS",
-                            "time ratio", "rotate RSS / checkpoint"], rows),
+        "rotate": md_table(
+            [
+                "checkpoint",
+                "size",
+                "rotate: time / peak RSS",
+                "transformers load + save: time / peak RSS",
+                "time ratio",
+                "rotate RSS / checkpoint",
+            ],
+            rows,
+        ),
         "import": f"{base['peak_rss_mb']:.0f} MiB",
     }
 
@@ -41,8 +62,10 @@ def match_merge(data, results):
     fine = data["finetune"]["perplexity"]
     frows = [[name, f"{v['britannica']:.3f}", f"{v['hamlet']:.3f}"] for name, v in fine.items()]
     t = data["time"]
-    trows = [[job, f"{s:.1f}", fmt(t["ratio_match_to_mergekit"].get(job), 2) if job in t["ratio_match_to_mergekit"] else "1"]
-             for job, s in t["best_seconds"].items()]
+    trows = [
+        [job, f"{s:.1f}", fmt(t["ratio_match_to_mergekit"].get(job), 2) if job in t["ratio_match_to_mergekit"] else "1"]
+        for job, s in t["best_seconds"].items()
+    ]
     return {
         "independent": md_table(["model", "perplexity", "relative distance ‖B − A‖/‖A‖ before → after"], rows),
         "finetune": md_table(["model", "britannica (perplexity)", "hamlet (perplexity)"], frows),
@@ -55,102 +78,53 @@ def tpa(data, results):
     mha = data["kv_cache"][next(iter(data["kv_cache"]))]["bytes_per_token"]
     for name, v in data["kv_cache"].items():
         tot = v["total_bytes"]
-        kv.append([name, f"{v['bytes_per_token']:.0f}", f"{tot['1k'] / 2**20:.1f} MiB", f"{tot['8k'] / 2**20:.1f} MiB",
-                   f"{tot['32k'] / 2**20:.1f} MiB", f"{v['bytes_per_token'] / mha:.3f}"])
+        kv.append(
+            [
+                name,
+                f"{v['bytes_per_token']:.0f}",
+                f"{tot['1k'] / 2**20:.1f} MiB",
+                f"{tot['8k'] / 2**20:.1f} MiB",
+                f"{tot['32k'] / 2**20:.1f} MiB",
+                f"{v['bytes_per_token'] / mha:.3f}",
+            ]
+        )
     contexts = list(data["decode_latency"])
     names = list(data["decode_latency"][contexts[0]])
-    lat = [[name] + [f"{data['decode_latency'][c][name]['ms_per_token']:.2f} ({data['decode_latency'][c][name]['vs_mha']:.2f}×)"
-                     for c in contexts] for name in names]
+    lat = [
+        [name]
+        + [
+            f"{data['decode_latency'][c][name]['ms_per_token']:.2f} ({data['decode_latency'][c][name]['vs_mha']:.2f}×)"
+            for c in contexts
+        ]
+        for name in names
+    ]
     curve = data["smollm2_rank_curve"]
     src = curve["rows"][0]["cache_elements_per_token"]
     ranks = []
     for r in curve["rows"]:
         k, v = r.get("mean_k_activation_rel_err"), r.get("mean_v_activation_rel_err")
         err = "" if k is None else f"{fmt(round(k, 3))} / {fmt(round(v, 3))}"
-        ranks.append([r["k_rank"], r["v_rank"], r["variant"], r["cache_elements_per_token"],
-                      f"{r['cache_elements_per_token'] / src:.2f}", f"{r['perplexity']:.2f}", err])
+        ranks.append(
+            [
+                r["k_rank"],
+                r["v_rank"],
+                r["variant"],
+                r["cache_elements_per_token"],
+                f"{r['cache_elements_per_token'] / src:.2f}",
+                f"{r['perplexity']:.2f}",
+                err,
+            ]
+        )
     return {
-        "kv_cache": md_table(["model", "bytes/token (all layers)", "1k tokens (measured)", "8k tokens", "32k tokens", "vs MHA"], kv),
+        "kv_cache": md_table(
+            ["model", "bytes/token (all layers)", "1k tokens (measured)", "8k tokens", "32k tokens", "vs MHA"], kv
+        ),
         "decode": md_table(["model"] + [f"context {c}" for c in contexts], lat),
-        "smollm2": md_table(["R_K", "R_V", "variant", "cache elements/token", "vs source", "perplexity",
-                             "rel. activation error K / V"], ranks),
+        "smollm2": md_table(
+            ["R_K", "R_V", "variant", "cache elements/token", "vs source", "perplexity", "rel. activation error K / V"],
+            ranks,
+        ),
     }
-
-
-def _compress_rows(rows, dense):
-    out = []
-    for r in rows:
-        if r["name"] == "dense":
-            out.append(["dense", "—", f"{r['perplexity']:.2f}", "1.00", f"{r['params']:,}", "—", "—", "1.00"])
-            continue
-        q = {"segment": "per segment", "global": "global"}[r["q_mode"]] if r.get("stage") != "none" else "none (I)"
-        if r["structure"] == "lowrank" or r["structure"] == "slice":
-            q = {"segment": "per segment", "global": "global"}[r["q_mode"]] if r["structure"] == "slice" else "none (I)"
-        solve = f"{r['solve_seconds']:.0f}"
-        if r.get("stage_f_seconds") and r.get("stage") == "w":
-            solve += f" (+{r['stage_f_seconds']:.0f})"
-        iters = f", {r['f_iters']} F alternations" if r.get("f_iters") and r["structure"] != "lowrank" and r.get("stage") != "none" else ""
-        out.append([r["name"] + iters, q, sig(r["perplexity"]), sig(r["perplexity"] / dense, 3), f"{r['params']:,}",
-                    f"{100 * r['ratio_structures_only']:.1f} %", solve, f"{r['forward_vs_dense']:.2f}"])
-    return out
-
-
-COMPRESS_COLUMNS = ["method", "Q", "perplexity", "× dense", "parameters", "structures alone remove", "solve s", "prefill × dense"]
-
-
-def compress(data, results):
-    dense = data["rows"]["dense"]["perplexity"]
-    rows = list(data["rows"].values())
-    extra = results.get("compress_f10")
-    if isinstance(extra, dict):
-        rows += [r for r in extra["rows"].values() if r["name"] != "dense"]
-    timings: dict[tuple, dict] = {}
-    for t in data["layer_timings"]:
-        spec = ", ".join(f"{k}={v}" for k, v in t["spec"].items() if k != "type")
-        key = (f"{t['structure']} `{spec}`", f"{t['matrix']} {list(t['shape'])}", f"{t['params_ratio']:.2f}")
-        timings.setdefault(key, {})[t["tokens"]] = t
-    tokens = sorted({n for v in timings.values() for n in v})
-    trows = [list(key) + [f"{v[n]['dense_ms']:.2f} / {v[n]['structured_ms']:.2f} ({v[n]['structured_ms'] / v[n]['dense_ms']:.2f}×)"
-                          if n in v else "—" for n in tokens] for key, v in timings.items()]
-    damping = [["one pass", "0.01 (default)", sig(data["rows"]["lowrank: stage W"]["perplexity"])],
-               ["sequential", "0.01 (default)", sig(data["rows"]["lowrank: stage W, sequential"]["perplexity"])]]
-    for r in results.get("compress_damping", []) or []:
-        damping.append(["sequential" if r["sequential"] else "one pass", fmt(r["damping"]), sig(r["ppl"])])
-    damping.sort(key=lambda r: (r[0], r[1]))
-    return {
-        "main": md_table(COMPRESS_COLUMNS, _compress_rows(rows, dense)),
-        "layers": md_table(["structure", "matrix [out, in]", "params kept"]
-                           + [f"{n} tokens: dense / structured ms" for n in tokens], trows),
-        "damping": md_table(["low rank stage W", "damping δ", "perplexity"], damping),
-    }
-
-
-def compress_r10(data, results):
-    dense = data["rows"]["dense"]["perplexity"]
-    return {"main": md_table(COMPRESS_COLUMNS, _compress_rows(list(data["rows"].values()), dense))}
-
-
-def compress_frontier(data, results):
-    rows = []
-    total = data["rows"]["dense"]["params"]
-    for name, r in data["rows"].items():
-        removed = "" if name == "dense" else f"{100 * (1 - r['params'] / total):.1f} %"
-        ppl = r["perplexity"]
-        rows.append([name, f"{r['params'] / 1e6:.2f} M", removed, f"{ppl['britannica-eval']:.2f}", f"{ppl['hamlet']:.2f}",
-                     fmt(r.get("cpu_seconds"), 0), f"{r['peak_rss_gb']:.2f} GB"])
-    return {"main": md_table(["row", "parameters", "removed from the model", "britannica-eval", "hamlet", "CPU s", "peak RSS"], rows)}
-
-
-def compress_frontier_segments(data, results):
-    rows = []
-    for seg, methods in data["segments"].items():
-        for method, r in methods.items():
-            errs = r.get("relative_errors", {})
-            mean = sum(errs.values()) / len(errs) if errs else None
-            rows.append([seg, method, f"{r['paper_objective']:.2f}", f"{r['relative']:.3f}", fmt(mean, 3),
-                         fmt(r.get("alternations")), fmt(r.get("cpu_seconds"), 0)])
-    return {"main": md_table(["segment", "method", "paper objective", "relative", "mean relative Frobenius error",
-                              "alternations", "CPU s"], rows)}
 
 
 def _farr_rows(points, digits):
@@ -158,16 +132,33 @@ def _farr_rows(points, digits):
     for p in points:
         ranks = p.get("ranks", {})
         dims = " / ".join(f"{min(v)}–{max(v)}" if min(v) != max(v) else f"{v[0]}" for v in ranks.values())
-        cells = [fmt(p.get(k), digits) if isinstance(p.get(k), float) and p.get(k) != 1.0 else fmt(p.get(k))
-                 for k in ("farr", "farr-cal", "trunc-V", "trunc-O")]
-        rows.append([p["point"], dims, f"{100 * p['kept_fraction']:.1f} %",
-                     f"{p['removed']:,} ({p['removed_pct_model']:.2f} %)", *cells])
+        cells = [
+            fmt(p.get(k), digits) if isinstance(p.get(k), float) and p.get(k) != 1.0 else fmt(p.get(k))
+            for k in ("farr", "farr-cal", "trunc-V", "trunc-O")
+        ]
+        rows.append(
+            [
+                p["point"],
+                dims,
+                f"{100 * p['kept_fraction']:.1f} %",
+                f"{p['removed']:,} ({p['removed_pct_model']:.2f} %)",
+                *cells,
+            ]
+        )
     return rows
 
 
 def farr(data, results):
-    cols = ["point", "head dims per layer", "params kept", "params removed (% of model)", "FaRR", "FaRR calibrated",
-            "truncate W_V (W_K)", "truncate W_O (W_Q)"]
+    cols = [
+        "point",
+        "head dims per layer",
+        "params kept",
+        "params removed (% of model)",
+        "FaRR",
+        "FaRR calibrated",
+        "truncate W_V (W_K)",
+        "truncate W_O (W_Q)",
+    ]
     return {
         "smollm2": md_table(cols, _farr_rows(data["smollm2"]["vo"], 2)),
         "minilm_vo": md_table(cols, _farr_rows(data["minilm"]["vo"], 4)),
@@ -180,56 +171,66 @@ def publish(data, results):
     card, pre, push, down = data["card"], data["prepush_check"], data["push"], data["download"]
     ex = card["exactness"]
     rows = [
-        ["card written by `rotate`", f"max \\|Δlogit\\| {ex['max_abs_dlogit']:.3e} over {ex['tokens']} tokens; perplexity "
-         f"{ex['perplexity_converted']:.4f} (original {ex['perplexity_original']:.4f}); {card['size']['parameters']:,} parameters"],
-        ["pre-push load check (a Python without hf_symmetry)", f"max \\|Δ\\| vs hf_symmetry's load {pre['max_abs_diff']}; "
-         f"{pre['seconds']:.0f} s"],
-        ["push (one commit)", f"{len(push['files'])} files, {push['bytes'] / 1e6:.1f} MB, {push['seconds']:.0f} s, {push['commits']} commit"],
-        ["`from_pretrained` from the fake Hub, no hf_symmetry", f"max \\|Δlogit\\| vs original {down['max_abs_dlogit_vs_original']:.3e}; "
-         f"vs the local folder {down['max_abs_dlogit_vs_local_folder']}; {down['seconds_incl_load_and_forward']:.0f} s"],
+        [
+            "card written by `rotate`",
+            (
+                f"max \\|Δlogit\\| {ex['max_abs_dlogit']:.3e} over {ex['tokens']} tokens; perplexity "
+                f"{ex['perplexity_converted']:.4f} (original {ex['perplexity_original']:.4f}); "
+                f"{card['size']['parameters']:,} parameters"
+            ),
+        ],
+        [
+            "pre-push load check (a Python without hf_symmetry)",
+            f"max \\|Δ\\| vs hf_symmetry's load {pre['max_abs_diff']}; {pre['seconds']:.0f} s",
+        ],
+        [
+            "push (one commit)",
+            (
+                f"{len(push['files'])} files, {push['bytes'] / 1e6:.1f} MB, {push['seconds']:.0f} s, "
+                f"{push['commits']} commit"
+            ),
+        ],
+        [
+            "`from_pretrained` from the fake Hub, no hf_symmetry",
+            (
+                f"max \\|Δlogit\\| vs original {down['max_abs_dlogit_vs_original']:.3e}; vs the local folder "
+                f"{down['max_abs_dlogit_vs_local_folder']}; {down['seconds_incl_load_and_forward']:.0f} s"
+            ),
+        ],
     ]
     sm = data["lm_eval_smoke"]
-    lm = [[name, f"{sm[name]['acc']:.4f}", f"{sm[name]['acc_norm']:.4f}", f"{sm[name]['seconds']:.0f}"] for name in ("original", "rotated")]
-    return {"steps": md_table(["step", "figure"], rows), "lm_eval": md_table(["model", "acc", "acc_norm", "seconds"], lm)}
-
-
-def families_exactness(data, results):
-    rows = [[r["model_type"], ", ".join(r["applied"]), r["output_model_type"], exp(r["max_abs_dlogit_float64"])] for r in data["tiny"]]
-    real = [[r["model"], ", ".join(r["applied"]), r["tokens"], exp(r["max_abs_dlogit_float32"]), f"{r['logit_scale']:.1f}",
-             f"{100 * r['argmax_agreement']:.0f} %"] for r in data["real"]]
+    lm = [
+        [name, f"{sm[name]['acc']:.4f}", f"{sm[name]['acc_norm']:.4f}", f"{sm[name]['seconds']:.0f}"]
+        for name in ("original", "rotated")
+    ]
     return {
-        "tiny": md_table(["family", "applied", "output", "max \\|Δlogit\\| (float64)"], rows),
-        "real": md_table(["model", "applied", "tokens", "max \\|Δlogit\\| (float32)", "logit scale", "greedy agreement"], real),
+        "steps": md_table(["step", "figure"], rows),
+        "lm_eval": md_table(["model", "acc", "acc_norm", "seconds"], lm),
     }
 
 
-def opt_vs_llama(data, results):
-    m = data["models"]
-    rows = []
-    for i, (o, l) in enumerate(zip(m["opt"]["sliced"], m["llama"]["sliced"])):
-        rows.append([f"SliceGPT {o['ratio']} (width {o['residual_width']} / {l['residual_width']})",
-                     f"{o['sliced_params'] / 1e6:.2f} M", f"{o['perplexity_sliced']:.2f}", f"{o['perplexity_ratio']:.4f}",
-                     f"{l['sliced_params'] / 1e6:.2f} M", f"{l['perplexity_sliced']:.2f}", f"{l['perplexity_ratio']:.4f}"])
-    for o, l in zip(m["opt"]["structured"], m["llama"]["structured"]):
-        rows.append([f"{o['structure']} {o['ratio']} (achieved {o['ratio_over_compressed']:.3f} / {l['ratio_over_compressed']:.3f})",
-                     f"{o['params'] / 1e6:.2f} M", f"{o['perplexity']:.2f}", f"{o['perplexity_ratio']:.4f}",
-                     f"{l['params'] / 1e6:.2f} M", f"{l['perplexity']:.2f}", f"{l['perplexity_ratio']:.4f}"])
-    head = ["method", "OPT params", f"OPT perplexity (dense {m['opt']['perplexity_dense']:.2f})", "× dense",
-            "Llama params", f"Llama perplexity (dense {m['llama']['perplexity_dense']:.2f})", "× dense"]
-    return {"main": md_table(head, rows)}
-
-
-def stage_w_reference(data, results):
-    labels = {"start": "start (stage F rotation, weighted projection)", "ours_one_alternation": "ours, one alternation",
-              "ours_converged": "ours, to convergence", "reference_500": "reference, 500 Cayley-CG steps"}
-    rows = []
-    for seg, solvers in data["segments"].items():
-        for key, r in solvers.items():
-            label = labels.get(key, key)
-            if (r.get("alternations") or 0) > 1:
-                label += f" ({r['alternations']} alternations)"
-            rows.append([seg, label, f"{r['paper_objective']:.2f}", f"{r['reference_loss']:.2f}", fmt(r.get("cpu_seconds"), 1)])
-    return {"main": md_table(["segment", "solver", "paper objective", "reference's own loss", "CPU s"], rows)}
+def families_exactness(data, results):
+    rows = [
+        [r["model_type"], ", ".join(r["applied"]), r["output_model_type"], exp(r["max_abs_dlogit_float64"])]
+        for r in data["tiny"]
+    ]
+    real = [
+        [
+            r["model"],
+            ", ".join(r["applied"]),
+            r["tokens"],
+            exp(r["max_abs_dlogit_float32"]),
+            f"{r['logit_scale']:.1f}",
+            f"{100 * r['argmax_agreement']:.0f} %",
+        ]
+        for r in data["real"]
+    ]
+    return {
+        "tiny": md_table(["family", "applied", "output", "max \\|Δlogit\\| (float64)"], rows),
+        "real": md_table(
+            ["model", "applied", "tokens", "max \\|Δlogit\\| (float32)", "logit scale", "greedy agreement"], real
+        ),
+    }
 
 
 def t6_training(data, results):
@@ -239,50 +240,35 @@ def t6_training(data, results):
     for key, s in data["summary"].items():
         loss = " / ".join(f"{x:.3f}" for x in s["final_eval_loss"])
         ppl = " / ".join(f"{x:.0f}" for x in s["final_eval_perplexity"])
-        rows.append([names.get(key, key), s["heads"], f"{s['kv_cache_bytes_per_token_bf16']:,} B", loss, ppl,
-                     f"{s['training_tokens_per_second']:.0f} ({s['training_tokens_per_second'] / mha:.2f}× MHA)"])
-    routes = [[name, f"{r['multiply_adds_fwd_per_sequence'] / 1e6:.1f} M", f"{r['seconds']:.2f}"]
-              for name, r in data["attention_layer"]["routes"].items() if isinstance(r, dict)]
+        rows.append(
+            [
+                names.get(key, key),
+                s["heads"],
+                f"{s['kv_cache_bytes_per_token_bf16']:,} B",
+                loss,
+                ppl,
+                f"{s['training_tokens_per_second']:.0f} ({s['training_tokens_per_second'] / mha:.2f}× MHA)",
+            ]
+        )
+    routes = [
+        [name, f"{r['multiply_adds_fwd_per_sequence'] / 1e6:.1f} M", f"{r['seconds']:.2f}"]
+        for name, r in data["attention_layer"]["routes"].items()
+        if isinstance(r, dict)
+    ]
     return {
-        "main": md_table(["model", "heads", "KV cache per token (bf16)", "final val. loss seed 0 / 1",
-                          "val. perplexity seed 0 / 1", "training tokens / CPU-second"], rows),
+        "main": md_table(
+            [
+                "model",
+                "heads",
+                "KV cache per token (bf16)",
+                "final val. loss seed 0 / 1",
+                "val. perplexity seed 0 / 1",
+                "training tokens / CPU-second",
+            ],
+            rows,
+        ),
         "routes": md_table(["route", "forward multiply-adds / sequence", "CPU seconds"], routes),
     }
-
-
-RSS_FILES = ["calibration_rss", "calibration_rss_compress", "calibration_rss_regmean", "calibration_rss_tpa_farr",
-             "calibration_rss_lowrank"]
-RSS_JOBS = {
-    "to-tpa": "`to-tpa --k-rank 2 --v-rank 2 --calib`", "farr": "`farr --params-fraction 0.8 --calibrate`",
-    "regmean": "`merge --method regmean A A`", "slice": "`compress --structure slice`",
-    "lowrank-seq": "`compress --structure lowrank --sequential`", "lowrank": "`compress --structure lowrank` (one pass)",
-    "kron-global-f": "`compress --structure kron --stage f --q-mode global --f-iters 2`",
-    "plain": "plain `from_pretrained` + forward",
-}
-
-
-def calibration_rss(data, results):
-    """The latest run of each job on each checkpoint (files in RSS_FILES order, runs in file order)."""
-    latest: dict[tuple, dict] = {}
-    for stem in RSS_FILES:
-        for run in (results.get(stem) or {}).get("runs", []):
-            if run.get("label") == "before" or not run.get("peak_rss_bytes"):
-                continue
-            key = (run["job"], run["shape"], run["layers"], run["tokens"])
-            latest.pop(key, None)
-            latest[key] = run
-    order = list(RSS_JOBS)
-    runs = sorted(latest.values(), key=lambda r: (order.index(r["job"]) if r["job"] in order else 99, r["checkpoint_bytes"]))
-    rows = []
-    for r in runs:
-        shape = "Llama-3-8B shapes, bf16" if r["shape"] == "llama3-8b" else "width 1536"
-        commit = r["label"] if re.fullmatch(r"[0-9a-f]{7}", r.get("label", "")) else "—"
-        layers = f"{r['layers']} layer" + ("s" if r["layers"] != 1 else "")
-        rows.append([f"{r['checkpoint_bytes'] / 1e9:.2f} GB ({layers}, {shape})", RSS_JOBS.get(r["job"], r["job"]),
-                     r["tokens"], gb(r["peak_rss_bytes"]), f"**{r['rss_over_checkpoint']:.3f}**", f"{r['cpu_seconds']:.0f}",
-                     fmt(r.get("cpu_over_plain"), 2), commit])
-    return {"main": md_table(["checkpoint", "job", "calibration tokens", "peak RSS", "RSS / checkpoint", "CPU s",
-                              "CPU / plain", "code"], rows)}
 
 
 def _none(data, results):
@@ -295,8 +281,13 @@ def _ratio_at(curve, text, tokens, dense_curve):
     return None if point is None or mine is None else mine[text] / point[text]
 
 
-HEAL_NAMES = {"dense": "dense (control)", "slice25": "SliceGPT 25 %", "tpa22": "TPA k/v rank 2",
-              "lowrank_seq": "low rank 25 %, `--sequential`", "farr08": "FaRR 0.8 of V/O"}
+HEAL_NAMES = {
+    "dense": "dense (control)",
+    "slice25": "SliceGPT 25 %",
+    "tpa22": "TPA k/v rank 2",
+    "lowrank_seq": "low rank 25 %, `--sequential`",
+    "farr08": "FaRR 0.8 of V/O",
+}
 
 
 def heal(data, results):
@@ -308,13 +299,28 @@ def heal(data, results):
         cells = [" → ".join(f"{p[t]:.1f}" for p in curve) for t in texts]
         last = curve[-1]["tokens"]
         ratios = " / ".join(fmt(_ratio_at(curve, t, last, dense), 2) for t in texts)
-        rows.append([HEAL_NAMES.get(key, key), f"{m['parameters'] / 1e6:.1f} M", f"{m['learning_rate']:g}",
-                     f"{m['train_tokens']:,}", *cells, ratios,
-                     f"{m['heldout_kl_before']:.3f} → {m['heldout_kl_after']:.3f}", f"{m['tokens_per_cpu_second']:.0f}"])
+        rows.append(
+            [
+                HEAL_NAMES.get(key, key),
+                f"{m['parameters'] / 1e6:.1f} M",
+                f"{m['learning_rate']:g}",
+                f"{m['train_tokens']:,}",
+                *cells,
+                ratios,
+                f"{m['heldout_kl_before']:.3f} → {m['heldout_kl_after']:.3f}",
+                f"{m['tokens_per_cpu_second']:.0f}",
+            ]
+        )
     texts = [t for t in data["models"]["dense"]["curve"][0] if t not in ("step", "tokens")]
     points = " → ".join(f"{p['tokens'] // 1024} K" if p["tokens"] else "before" for p in dense)
-    return {"main": md_table(["student", "parameters", "lr", "training tokens"] + [f"{t}: {points}" for t in texts]
-                             + [f"× fine-tuned dense after ({' / '.join(texts)})", "held-out KL to teacher", "tokens per CPU-s"], rows)}
+    return {
+        "main": md_table(
+            ["student", "parameters", "lr", "training tokens"]
+            + [f"{t}: {points}" for t in texts]
+            + [f"× fine-tuned dense after ({' / '.join(texts)})", "held-out KL to teacher", "tokens per CPU-s"],
+            rows,
+        )
+    }
 
 
 def heal_gpu_h200(data, results):
@@ -325,22 +331,39 @@ def heal_gpu_h200(data, results):
     for r in runs.values():
         first, last = r["curve"][0], r["curve"][-1]
         cells = [f"{first[t]:.1f} → {last[t]:.1f}" for t in texts]
-        ratio = "—" if dense is None or r is dense else " / ".join(f"{last[t] / dense['curve'][-1][t]:.2f}" for t in texts)
-        rows.append([HEAL_NAMES.get(r["model"], r["model"]), r["recipe"], *cells, ratio, f"{r['tokens_per_wall_second']:,.0f}"])
-    return {"main": md_table(["student", "recipe"] + [f"{t} before → after" for t in texts]
-                             + [f"× dense ({' / '.join(texts)})", "tokens/s"], rows)}
+        ratio = (
+            "—" if dense is None or r is dense else " / ".join(f"{last[t] / dense['curve'][-1][t]:.2f}" for t in texts)
+        )
+        rows.append(
+            [HEAL_NAMES.get(r["model"], r["model"]), r["recipe"], *cells, ratio, f"{r['tokens_per_wall_second']:,.0f}"]
+        )
+    return {
+        "main": md_table(
+            ["student", "recipe"]
+            + [f"{t} before → after" for t in texts]
+            + [f"× dense ({' / '.join(texts)})", "tokens/s"],
+            rows,
+        )
+    }
 
 
-QUANT_NAMES = {"original": "original", "hadamard": "plain Hadamard residual rotation",
-               "for-quantization": "`--for-quantization`", "for-quantization-learned-Q4_0": "`--for-quantization --learn Q4_0`",
-               "for-quantization-no-residual": "no residual rotation (V/O + balancing only)"}
+QUANT_NAMES = {
+    "original": "original",
+    "hadamard": "plain Hadamard residual rotation",
+    "for-quantization": "`--for-quantization`",
+    "for-quantization-learned-Q4_0": "`--for-quantization --learn Q4_0`",
+    "for-quantization-no-residual": "no residual rotation (V/O + balancing only)",
+}
 
 
 def quant_rotation(data, results):
     variants = data["smollm2"]["variants"]
     schemes = [k for k, v in next(iter(variants.values())).items() if isinstance(v, dict)]
-    rows = [[QUANT_NAMES.get(name, f"`{name}`"), sig(v.get("float"), 4)] + [sig(v[s]["perplexity"], 4) if s in v else "—" for s in schemes]
-            for name, v in variants.items()]
+    rows = [
+        [QUANT_NAMES.get(name, f"`{name}`"), sig(v.get("float"), 4)]
+        + [sig(v[s]["perplexity"], 4) if s in v else "—" for s in schemes]
+        for name, v in variants.items()
+    ]
     return {"main": md_table(["variant", "float"] + schemes, rows)}
 
 
@@ -349,10 +372,24 @@ def compat(data, results):
 
 
 RENDERERS = {
-    "rotate": rotate, "match_merge": match_merge, "tpa": tpa, "compress": compress, "compress_f10": _none,
-    "compress_damping": _none, "compress_r10": compress_r10, "compress_frontier": compress_frontier,
-    "compress_frontier_segments": compress_frontier_segments, "farr": farr, "publish": publish,
-    "families_exactness": families_exactness, "opt_vs_llama": opt_vs_llama, "stage_w_reference": stage_w_reference,
-    "t6_training": t6_training, "heal": heal, "heal_gpu_h200": heal_gpu_h200, "quant_rotation": quant_rotation,
-    "compat": compat, **{stem: (calibration_rss if stem == RSS_FILES[0] else _none) for stem in RSS_FILES},
+    "rotate": rotate,
+    "match_merge": match_merge,
+    "tpa": tpa,
+    "compress": compress,
+    "compress_f10": _none,
+    "compress_damping": _none,
+    "compress_r10": compress_r10,
+    "compress_frontier": compress_frontier,
+    "compress_frontier_segments": compress_frontier_segments,
+    "farr": farr,
+    "publish": publish,
+    "families_exactness": families_exactness,
+    "opt_vs_llama": opt_vs_llama,
+    "stage_w_reference": stage_w_reference,
+    "t6_training": t6_training,
+    "heal": heal,
+    "heal_gpu_h200": heal_gpu_h200,
+    "quant_rotation": quant_rotation,
+    "compat": compat,
+    **{stem: (calibration_rss if stem == RSS_FILES[0] else _none) for stem in RSS_FILES},
 }

@@ -4,6 +4,7 @@ the README quotes is in it."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,10 @@ def test_every_results_file_has_a_section_with_machine_date_and_command(report):
 def test_a_new_results_file_gets_a_generic_section(report):
     results = report.load_results()
     results["zz_new_benchmark"] = {
-        "title": "A new benchmark", "machine": "one test machine", "date": "2026-01-01", "command": "python bench_new.py",
+        "title": "A new benchmark",
+        "machine": "one test machine",
+        "date": "2026-01-01",
+        "command": "python bench_new.py",
         "rows": [{"variant": "a", "seconds": 1.5}, {"variant": "b", "seconds": 2.25}],
     }
     text = report.build(results)
@@ -87,20 +91,33 @@ def test_readme_figures_are_in_benchmarks(report):
 
 
 def test_readme_figure_rule(report):
-    text = "\n".join([
-        "Tested with Python 3.11, torch 2.13.0 and transformers 5.24.0; 2048 tokens, 25 % removed.",
-        "It goes 152.9 → 76.7 with 16,384 tokens; see [x](docs/a.md#v1.5) and `--ratio 0.25`.",
-        "```bash",
-        "hf-symmetry verify a b --tolerance 1e-3",
-        "hf-symmetry eval default   # perplexity 36.2335",
-        "```",
-        "```text",
-        "  max |Δlogit|: 2.17e-04 (Δ -7.56e-06), verified in 24.8 s",
-        "```",
-    ])
+    text = "\n".join(
+        [
+            "Tested with Python 3.11, torch 2.13.0 and transformers 5.24.0; 2048 tokens, 25 % removed.",
+            "It goes 152.9 → 76.7 with 16,384 tokens; see [x](docs/a.md#v1.5) and `--ratio 0.25`.",
+            "```bash",
+            "hf-symmetry verify a b --tolerance 1e-3",
+            "hf-symmetry eval default   # perplexity 36.2335",
+            "```",
+            "```text",
+            "  max |Δlogit|: 2.17e-04 (Δ -7.56e-06), verified in 24.8 s",
+            "```",
+        ]
+    )
     assert report.readme_figures(text) == ["152.9", "76.7", "16,384", "36.2335", "2.17e-04", "7.56e-06", "24.8"]
     assert report.missing_readme_figures("perplexity 36.23", "perplexity 136.234") == ["36.23"]
 
 
 def test_readme_stays_a_front_door():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 300
+
+
+def test_links_into_benchmarks_md_resolve(report):
+    anchors = {
+        report.anchor(line[3:])
+        for line in (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines()
+        if line.startswith("## ")
+    }
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for anchor in re.findall(r"BENCHMARKS\.md#([\w\-]+)", path.read_text(encoding="utf-8")):
+            assert anchor in anchors, (path.name, anchor)
