@@ -38,7 +38,7 @@ OUTPUT = ROOT / "BENCHMARKS.md"
 META_KEYS = ("title", "machine", "date", "command", "source")
 
 sys.path.insert(0, str(HERE))
-from report_sections import RENDERERS  # noqa: E402
+from report_sections import renderer_for  # noqa: E402
 from report_tables import fmt, md_table  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def render_section(fields: dict[str, str], body: str, results: dict[str, object]
             notes.append(f"`benchmarks/results/{stem}` does not parse ({type(data).__name__}: {data}).")
             continue
         first = data if first is None else first
-        renderer = RENDERERS.get(stem)
+        renderer = renderer_for(stem, data)
         try:
             drawn = renderer(data, results) if renderer else generic_tables(data, stem)
             for name, table in drawn.items():
@@ -239,7 +239,7 @@ def build(results: dict[str, object] | None = None, sections: Path = SECTIONS) -
 def _table_names(data: object, stem: str) -> list[str]:
     if isinstance(data, Exception):
         return []
-    renderer = RENDERERS.get(stem)
+    renderer = renderer_for(stem, data)
     try:
         return list((renderer(data, {stem: data}) if renderer else generic_tables(data, stem)).keys())
     except Exception:

@@ -323,7 +323,8 @@ def heal(data, results):
     }
 
 
-def heal_gpu_h200(data, results):
+def heal_recipes(data, results):
+    """A `bench_heal.py` results file (runs by `model/recipe`), on any device."""
     runs = data["runs"]
     dense = next((r for r in runs.values() if r["model"] == "dense"), None)
     texts = [t for t in next(iter(runs.values()))["curve"][0] if t not in ("step", "tokens")]
@@ -388,8 +389,18 @@ RENDERERS = {
     "stage_w_reference": stage_w_reference,
     "t6_training": t6_training,
     "heal": heal,
-    "heal_gpu_h200": heal_gpu_h200,
+    "heal_gpu_h200": heal_recipes,
     "quant_rotation": quant_rotation,
     "compat": compat,
     **{stem: (calibration_rss if stem == RSS_FILES[0] else _none) for stem in RSS_FILES},
 }
+
+
+def renderer_for(stem: str, data: object):
+    """The renderer of a results file: by its stem, or by its shape for files a benchmark script writes under
+    a new name (``bench_heal.py --results heal_*.json``)."""
+    if stem in RENDERERS:
+        return RENDERERS[stem]
+    if stem.startswith("heal") and isinstance(data, dict) and isinstance(data.get("runs"), dict):
+        return heal_recipes
+    return None

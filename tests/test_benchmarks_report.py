@@ -121,3 +121,12 @@ def test_links_into_benchmarks_md_resolve(report):
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for anchor in re.findall(r"BENCHMARKS\.md#([\w\-]+)", path.read_text(encoding="utf-8")):
             assert anchor in anchors, (path.name, anchor)
+
+
+def test_a_new_heal_results_file_is_drawn_by_the_heal_renderer(report):
+    results = report.load_results()
+    run = dict(results["heal_gpu_h200"], title="Heal recipes on a CPU", command="python benchmarks/bench_heal.py")
+    results["heal_cpu_test"] = run
+    section = report.build(results).split("## Heal recipes on a CPU\n", 1)[1]
+    assert "| student | recipe | britannica-eval before → after |" in section
+    assert "| SliceGPT 25 % | logits | 153.9 → 105.8 |" in section
