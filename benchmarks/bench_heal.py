@@ -200,7 +200,7 @@ def machine(device: str) -> dict:
 
 
 def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_texts, teacher_dir) -> dict:
-    from hf_symmetry.conversion.heal import HealOptions, heal_checkpoint
+    from hf_symmetry.training.heal import HealOptions, heal_checkpoint
 
     spec = RECIPES[recipe]
     full = spec.get("full", False)
@@ -307,7 +307,8 @@ def main(argv=None) -> int:
 
     from hf_symmetry.assets import resolve_model, resolve_text
     from hf_symmetry.evaluation.compare import load_model, load_tokenizer
-    from hf_symmetry.evaluation.perplexity import PPL, perplexity, read_text, tokenize_text
+    from hf_symmetry.evaluation.perplexity import PPL, perplexity
+    from hf_symmetry.text import read_text, tokenize_text
 
     teacher_dir = resolve_model("smollm2")
     tok = load_tokenizer(teacher_dir)

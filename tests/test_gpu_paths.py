@@ -46,7 +46,7 @@ def test_heal_hands_torch_cuda_set_device_an_indexed_device(monkeypatch, tmp_pat
     from heal_models import byte_tokenizer, tiny as tiny_heal
 
     from hf_symmetry.assets import resolve_text
-    from hf_symmetry.conversion.heal import HealOptions, heal_checkpoint
+    from hf_symmetry.training.heal import HealOptions, heal_checkpoint
 
     tok = byte_tokenizer()
     for name, seed in (("teacher", 0), ("student", 1)):
@@ -187,7 +187,7 @@ def test_distillation_figures_hand_their_ids_through_the_helper(monkeypatch):
 
 def test_layout_checks_run_the_output_projection_through_the_helper_and_check_on_the_host(monkeypatch):
     """Failure 3: ``_add_layer`` multiplied the device's captures by the host's canonical layer."""
-    from hf_symmetry.evaluation.fused_check import check_fused_layout
+    from hf_symmetry.conversion.farr.fused_check import check_fused_layout
 
     model = tiny_model("llama", dtype=torch.float32)
     o_projs = [layer.self_attn.o_proj for layer in model.model.layers]
@@ -315,7 +315,7 @@ def test_a_run_told_to_use_the_cpu_trains_in_float32_even_beside_a_gpu(monkeypat
 @CUDA
 def test_cuda_fisher_and_layerwise_layout_check_run_on_the_gpu(tmp_path):
     from hf_symmetry.conversion.calibration import fisher_diagonal
-    from hf_symmetry.evaluation.fused_check import check_fused_layout_layerwise
+    from hf_symmetry.conversion.farr.fused_check import check_fused_layout_layerwise
 
     dev = devices.resolve_device("auto")
     assert dev.type == "cuda" and dev.index is not None

@@ -20,7 +20,7 @@ from heal_models import FAMILIES, byte_tokenizer, save_tiny, tiny  # noqa: E402
 
 from hf_symmetry.assets import resolve_text  # noqa: E402
 from hf_symmetry.cli import main as cli  # noqa: E402
-from hf_symmetry.conversion.heal import HealOptions, heal_checkpoint, run_dir_for  # noqa: E402
+from hf_symmetry.training.heal import HealOptions, heal_checkpoint, run_dir_for  # noqa: E402
 from hf_symmetry.training.peft_targets import apply_lora, lora_plan  # noqa: E402
 
 SEQ = 32
@@ -293,7 +293,7 @@ def test_a_rotated_layer_norm_decoder_heals(folders, tmp_path, tok):
     """``rotate --residual`` on OPT writes the RMS-decoder family (remote code): heal takes it as a student
     (it once refused every hf_symmetry_rms_decoder folder as an unknown model type) and a few steps lower
     its held-out KL to the teacher."""
-    from hf_symmetry.conversion.heal import check_student
+    from hf_symmetry.training.heal import check_student
     from hf_symmetry.conversion.rotate import RotateOptions, rotate_checkpoint
     from transformers import OPTConfig, OPTForCausalLM
 

@@ -169,7 +169,7 @@ def test_a_lossy_slice_records_its_narrower_width(root):
 
 # ----------------------------------------------------------------------------- heal with layer targets
 def _heal(root, student, out, **kw):
-    from hf_symmetry.conversion.heal import HealOptions, heal_checkpoint
+    from hf_symmetry.training.heal import HealOptions, heal_checkpoint
 
     opts = dict(tokens=8 * SEQ * 4, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1,
                 save_steps=100)
@@ -216,7 +216,7 @@ def test_a_map_of_another_depth_is_not_used(root, tpa, tmp_path, capsys):
 
 
 def test_negative_layer_loss_weight_is_refused():
-    from hf_symmetry.conversion.heal import HealOptions
+    from hf_symmetry.training.heal import HealOptions
 
     with pytest.raises(ValueError, match="--layer-loss-weight"):
         HealOptions(layer_loss_weight=-1).validate()
@@ -267,7 +267,7 @@ def test_heal_reuses_cached_teacher_samples(root, tpa, tmp_path, monkeypatch):
 
 
 def test_cli_passes_the_layer_loss_weight(monkeypatch):
-    import hf_symmetry.conversion.heal as heal_module
+    import hf_symmetry.training.heal as heal_module
     from hf_symmetry.cli import main as cli
 
     seen = {}

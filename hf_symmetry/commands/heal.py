@@ -78,7 +78,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..conversion.heal import HealOptions, heal_checkpoint
+    from ..training.heal import HealOptions, heal_checkpoint
     from ..training import is_main_process
 
     options = HealOptions(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,

@@ -7,17 +7,17 @@ Pipeline (:func:`heal_checkpoint`):
    ``resume``, must not otherwise), the student is a causal LM of a supported family, teacher and
    student share the tokenizer and output vocabulary, the training text is non-empty and long
    enough for one sequence, the LoRA rank fits every adapted projection.
-2. **Data**: the training text packed into ``seq_len`` sequences (:mod:`hf_symmetry.training.data`),
+2. **Data**: the training text packed into ``seq_len`` sequences (:mod:`.data`),
    split by document into train and held-out; optionally ``teacher_samples`` extra sequences
    sampled from the teacher (data-free distillation; cached under the hf_symmetry cache and reused
    while the teacher is unchanged); optionally the teacher's top-k logits of every
    training sequence cached on disk (``teacher_cache``) so that later epochs and resumed runs skip
    the teacher.
-3. **Adapters**: LoRA on every projection (:mod:`hf_symmetry.training.peft_targets`; for the
+3. **Adapters**: LoRA on every projection (:mod:`.peft_targets`; for the
    compressed family its structured factors) or ``full`` fine-tuning of all weights.
-4. **Training**: :func:`hf_symmetry.training.train` with :class:`~hf_symmetry.training.distill.DistillationLoss`
+4. **Training**: :func:`hf_symmetry.training.train` with :class:`~.distill.DistillationLoss`
    (logits, plus with ``layer_loss_weight > 0`` the decoder-layer states through the conversion's layer
-   map, :mod:`.layer_map`; a student without one is distilled on the logits only, said in one line);
+   map, :mod:`hf_symmetry.conversion.layer_map`; a student without one is distilled on the logits only, said in one line);
    checkpoints in the run folder make ``resume`` continue an interrupted run.
 5. **Output** (main process only): adapters merged into the weights, the model saved in its own
    family (``save_pretrained``: custom families carry their remote code), tokenizer copied, optional
@@ -193,8 +193,11 @@ def _load(folder: Path, progress: bool = True):
 
 def _skeleton(folder: Path):
     """The model of ``folder`` built on the meta device from its config (structure only, no weights)."""
-    import hf_symmetry  # noqa: F401  (registers the custom families)
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..modeling import register_auto_classes
+
+    register_auto_classes()
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
@@ -202,7 +205,8 @@ def _skeleton(folder: Path):
 
 
 def _perplexities(model, tokenizer, texts: list[str], eval_tokens: int, progress: bool) -> dict:
-    from ..evaluation.perplexity import perplexity, read_text, tokenize_text
+    from ..evaluation.perplexity import perplexity
+    from ..text import read_text, tokenize_text
 
     out = {}
     for text in texts:
@@ -223,13 +227,13 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     only the main process measures are ``None``/empty elsewhere)."""
     from ..devices import resolve_device
     from ..evaluation.compare import load_tokenizer
-    from ..training import build_datasets, is_main_process, train, world_size
-    from ..training.data import PackedDataset, read_documents
-    from ..training.distill import (DistillationLoss, build_teacher_cache, cached_teacher_samples,
+    from . import build_datasets, is_main_process, train, world_size
+    from .data import PackedDataset, read_documents
+    from .distill import (DistillationLoss, build_teacher_cache, cached_teacher_samples,
                                     check_same_tokenizer, load_teacher_cache, mean_kl)
-    from .layer_map import read_layer_map
-    from ..training.peft_targets import apply_lora, lora_plan
-    from ..training.run import TrainSettings, per_device_batch
+    from ..conversion.layer_map import read_layer_map
+    from .peft_targets import apply_lora, lora_plan
+    from .run import TrainSettings, per_device_batch
 
     t_start = time.perf_counter()
     # ---- 1. checks (nothing written) -------------------------------------------------------
@@ -394,7 +398,7 @@ def _write_output(trained, tok, src: Path, tea: Path, out: Path, overwrite: bool
         gen = src / "generation_config.json"
         if gen.is_file() and not (tmp / "generation_config.json").is_file():
             shutil.copy2(gen, tmp / "generation_config.json")
-        from .layer_map import MAP_FILE
+        from ..conversion.layer_map import MAP_FILE
         if (src / MAP_FILE).is_file():    # the healed model relates to the original as its input did
             shutil.copy2(src / MAP_FILE, tmp / MAP_FILE)
         (tmp / "heal_report.json").write_text(json.dumps(_public(report.as_dict()), indent=2, default=str) + "\n")
