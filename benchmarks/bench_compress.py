@@ -38,7 +38,8 @@ from safetensors.torch import load_file, save_file
 from hf_symmetry.assets import smollm2_dir, text_path
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.evaluation.compare import load_model, load_tokenizer
-from hf_symmetry.evaluation.perplexity import perplexity, read_text, tokenize_text
+from hf_symmetry.evaluation.perplexity import perplexity
+from hf_symmetry.text import read_text, tokenize_text
 from hf_symmetry.modeling.modeling_compressed_llama import structured_linear
 from hf_symmetry.symmetry import structured as S
 

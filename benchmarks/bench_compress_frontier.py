@@ -90,7 +90,8 @@ def run_row(row: dict, args, results: dict) -> dict:
     from hf_symmetry.checkpoint import CheckpointReader
     from hf_symmetry.conversion import compress as C
     from hf_symmetry.evaluation.compare import load_model, load_tokenizer
-    from hf_symmetry.evaluation.perplexity import PPL, perplexity, read_text, tokenize_text
+    from hf_symmetry.evaluation.perplexity import PPL, perplexity
+    from hf_symmetry.text import read_text, tokenize_text
 
     src = smollm2_dir()
     tok = load_tokenizer(src)
@@ -186,7 +187,7 @@ def segment_objectives(args) -> dict:
     from hf_symmetry.conversion import compress as C
     from hf_symmetry.conversion.compress.calibration import pca
     from hf_symmetry.evaluation.compare import load_tokenizer
-    from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
     from hf_symmetry.symmetry.segments import solve_segment
 
     problems = segment_problems([("ffn", 5), ("attn", 5)], 16384)

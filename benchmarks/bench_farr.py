@@ -40,7 +40,8 @@ from hf_symmetry.conversion.farr import (FarrOptions, attention_input_moments, b
                                          farr_state_dict, spectra_report)
 from hf_symmetry.conversion.stream import DictSource  # noqa: E402
 from hf_symmetry.evaluation.compare import load_model, load_tokenizer  # noqa: E402
-from hf_symmetry.evaluation.perplexity import perplexity, read_text, tokenize_text  # noqa: E402
+from hf_symmetry.evaluation.perplexity import perplexity  # noqa: E402
+from hf_symmetry.text import read_text, tokenize_text  # noqa: E402
 from hf_symmetry.evaluation.spectra_plots import plot_rank_heatmaps  # noqa: E402
 
 RESULTS = HERE / "results"

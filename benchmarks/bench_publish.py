@@ -59,9 +59,10 @@ def main() -> None:
 
     from fake_hub import FakeHub
     from hf_symmetry.assets import smollm2_dir, text_path
-    from hf_symmetry.evaluation.bridge import SMOKE_TASK, lm_eval_card_entries, run_lm_eval
+    from hf_symmetry.evaluation.bridge import SMOKE_TASK, run_lm_eval
+    from hf_symmetry.hub.entries import lm_eval_card_entries
     from hf_symmetry.evaluation.compare import load_model, load_tokenizer, model_output
-    from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
     from hf_symmetry.hub.check import isolated_env, prepush_check, run_isolated
     from hf_symmetry.hub.push import push_folder
 

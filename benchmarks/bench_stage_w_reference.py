@@ -64,7 +64,7 @@ def segment_problems(segments: list[tuple[str, int]], calib_tokens: int, damping
         from hf_symmetry.checkpoint import CheckpointReader
         from hf_symmetry.conversion import compress as C
         from hf_symmetry.evaluation.compare import load_tokenizer
-        from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+        from hf_symmetry.text import read_text, tokenize_text
 
         src = smollm2_dir()
         ids = tokenize_text(load_tokenizer(src), read_text(text_path("britannica-calib")), max_tokens=calib_tokens)

@@ -108,12 +108,6 @@ def resolve(device: str | torch.device | None = "auto", dtype: str | torch.dtype
     return Placement(dev, resolve_dtype(dtype, dev))
 
 
-def placement_from_args(args) -> Placement:
-    """The :class:`Placement` of a command's ``--device``/``--calib-dtype`` flags
-    (:func:`hf_symmetry.commands.common.add_device_args`)."""
-    return resolve(getattr(args, "device", "auto"), getattr(args, "calib_dtype", "float32"))
-
-
 def linalg_device(placement: Placement | torch.device | None) -> torch.device:
     """Where a conversion's float64 linear algebra runs: the calibration device, except MPS (no float64)."""
     if placement is None:

@@ -266,7 +266,7 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     collects in memory from the same tokens."""
     from hf_symmetry.checkpoint import CheckpointReader
     from hf_symmetry.evaluation.compare import load_tokenizer
-    from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
 
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     calib = tmp_path / "calib.txt"

@@ -29,7 +29,7 @@ def test_gemma3_270m_allowed_symmetries_are_exact_on_real_weights(gemma3_dir, tm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_symmetry.assets import text_path
-    from hf_symmetry.evaluation.perplexity import read_text
+    from hf_symmetry.text import read_text
 
     for refused, message in ((RotateOptions(residual="hadamard", heads="vo"), "normalises each sublayer's output"),
                              (RotateOptions(residual="none", heads="random"), "QK-norm per head")):

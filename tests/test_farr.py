@@ -16,7 +16,7 @@ from hf_symmetry.architectures import Adapter
 from hf_symmetry.conversion.farr import (FarrOptions, analyze, farr_checkpoint, farr_model, farr_state_dict,
                                          plan_ranks, prepare_layer)
 from hf_symmetry.conversion.stream import DictSource, partition_keys
-from hf_symmetry.evaluation.fused_check import check_fused_layout
+from hf_symmetry.conversion.farr.fused_check import check_fused_layout
 from hf_symmetry.modeling.configuration_farr import qk_parameters, vo_parameters
 from hf_symmetry.symmetry import fused
 from hf_symmetry.symmetry.actions import NotASymmetry
@@ -628,7 +628,7 @@ def test_spectra_layout_check_never_loads_the_whole_model(tmp_path, capsys, monk
     hooks on the whole model find; a wrong head layout fails it (negative control)."""
     import transformers
 
-    from hf_symmetry.evaluation.fused_check import check_fused_layout_layerwise
+    from hf_symmetry.conversion.farr.fused_check import check_fused_layout_layerwise
 
     model = tiny_model(family, dtype=torch.float32)
     model.save_pretrained(tmp_path / "src")

@@ -6,7 +6,7 @@ import torch
 
 from hf_symmetry.conversion.farr import FarrOptions, farr_model
 from hf_symmetry.evaluation.compare import model_output
-from hf_symmetry.evaluation.fused_check import check_fused_layout
+from hf_symmetry.conversion.farr.fused_check import check_fused_layout
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import torch
 from hf_symmetry.assets import text_path
 from hf_symmetry.cli import main
 from hf_symmetry.evaluation.bridge import SMOKE_TASK, write_smoke_task
-from hf_symmetry.evaluation.perplexity import read_text
+from hf_symmetry.text import read_text
 from hf_symmetry.hub import card_eval_results
 
 

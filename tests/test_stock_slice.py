@@ -138,7 +138,7 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
     loaded by a Python without hf_symmetry; its logits are the compressed family's at the same width
     from the same calibration."""
     from hf_symmetry.evaluation.compare import load_tokenizer
-    from hf_symmetry.evaluation.perplexity import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
 
     src, calib = _folder(tmp_path, "qwen2", hidden_size=96), _calib(tmp_path)
     out = tmp_path / "out"

@@ -201,8 +201,11 @@ class CalibrationEngine:
 
     def hf_config(self):
         """The checkpoint's config as its transformers config class."""
-        import hf_symmetry  # noqa: F401  (registers hf_symmetry's own families)
         from transformers import AutoConfig
+
+        from ..modeling import register_auto_classes
+
+        register_auto_classes()
 
         cfg = {k: v for k, v in self.config.items() if k not in ("transformers_version",)}
         model_type = cfg.pop("model_type")

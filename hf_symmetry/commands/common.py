@@ -29,13 +29,21 @@ def add_device_arg(p, extra: str = "") -> None:
 
 def add_device_args(p, calib_dtype: bool = True) -> None:
     """``--device`` (:func:`add_device_arg`) and ``--calib-dtype`` for commands that calibrate,
-    checked by :func:`hf_symmetry.devices.placement_from_args` before any work."""
+    checked by :func:`placement_from_args` before any work."""
     from ..devices import CALIB_DTYPES
 
     add_device_arg(p)
     if calib_dtype and "--calib-dtype" not in p._option_string_actions:
         p.add_argument("--calib-dtype", choices=list(CALIB_DTYPES), default="float32",
                        help="dtype of calibration activations and layer weights on the device (default float32)")
+
+
+def placement_from_args(args):
+    """The :class:`~hf_symmetry.devices.Placement` of a command's ``--device``/``--calib-dtype`` flags
+    (:func:`add_device_args`); an unusable device or dtype fails here, before any work."""
+    from ..devices import resolve
+
+    return resolve(getattr(args, "device", "auto"), getattr(args, "calib_dtype", "float32"))
 
 
 def add_verify_args(p, what: str = "the original", default_text: str = "britannica-eval",
@@ -149,9 +157,9 @@ def verify_and_record(args, original, out_dir, lines: list[str], names: tuple[st
     ``lines`` and record them in the folder's model card, formatted as the card formats them.
     ``extra(verification)`` may return more ``(figures, lines)`` for both. Returns the
     exactness figures, or None with ``--no-verify``."""
-    from ..evaluation.bridge import verification_card_entries
     from ..evaluation.verification import verify
     from ..hub.cards import fmt_number, update_card
+    from ..hub.entries import verification_card_entries
 
     if getattr(args, "no_verify", False):
         return None

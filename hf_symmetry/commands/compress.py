@@ -171,7 +171,7 @@ def _config(src) -> dict:
 
 
 def run(args) -> int:
-    from ..devices import placement_from_args
+    from .common import placement_from_args
 
     start = time.perf_counter()
     options = options_from_args(args)

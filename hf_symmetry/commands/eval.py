@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..evaluation.bridge import (lm_eval_card_entries, parse_tasks, perplexity_card_entry, run_lm_eval,
-                                 text_perplexity)
+from ..evaluation.bridge import parse_tasks, run_lm_eval, text_perplexity
 from ..evaluation.perplexity import PPL
 from ..hub.cards import fmt_number
+from ..hub.entries import lm_eval_card_entries, perplexity_card_entry
 from .common import add_device_arg, emit
 
 
@@ -49,9 +49,9 @@ def _check_args(args) -> list[str] | None:
     resolve_device(args.device)
     tasks = parse_tasks(args.tasks) if args.tasks else None
     if tasks:
-        from ..evaluation.bridge import _require_lm_eval
+        from ..evaluation.bridge import require_lm_eval
 
-        _require_lm_eval()
+        require_lm_eval()
     if args.task_dir and not Path(args.task_dir).is_dir():
         raise FileNotFoundError(f"task folder {args.task_dir} does not exist")
     if args.update_card and not (Path(args.model) / "config.json").is_file():

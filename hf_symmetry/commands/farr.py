@@ -12,7 +12,8 @@ import time
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrOptions, farr_checkpoint
-from ..hub.cards import fmt_number, public_text_label
+from ..hub.cards import fmt_number
+from ..text import public_text_label
 from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
                      total_time_line, verify_and_record)
 
@@ -54,7 +55,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..devices import placement_from_args
+    from .common import placement_from_args
 
     start = time.perf_counter()
     placement = placement_from_args(args)   # an unusable device fails before any work

@@ -106,7 +106,7 @@ def evaluation_of(args, recipe) -> tuple[str, int] | None:
 
 
 def run(args) -> int:
-    from ..devices import placement_from_args
+    from .common import placement_from_args
 
     start = time.perf_counter()
     placement = placement_from_args(args)   # an unusable device fails before any work

@@ -12,8 +12,8 @@ from ..assets import MODEL_ALIASES, resolve_model, resolve_text
 from ..checkpoint import CheckpointReader, atomic_output_dir, check_output_dir
 from ..conversion.farr import calibration_tokens, spectra_report
 from ..evaluation.compare import load_tokenizer, write_json
-from ..evaluation.fused_check import check_fused_layout_layerwise
-from ..evaluation.perplexity import read_text, tokenize_text
+from ..conversion.farr.fused_check import check_fused_layout_layerwise
+from ..text import read_text, tokenize_text
 from ..evaluation.spectra_plots import plot_layer_spectra, plot_rank_heatmaps
 from ..symmetry.fused import check_tau
 from .common import add_device_args, emit
@@ -49,7 +49,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..devices import placement_from_args
+    from .common import placement_from_args
 
     taus = [check_tau(t) for t in args.tau]   # bad input fails before any work
     placement = placement_from_args(args)

@@ -32,7 +32,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..devices import placement_from_args
+    from .common import placement_from_args
 
     start = time.perf_counter()
     placement = placement_from_args(args)   # an unusable device fails before any work

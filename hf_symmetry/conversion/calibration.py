@@ -118,10 +118,13 @@ def fisher_model(config: dict, state_dict, dtype: torch.dtype = torch.float32, p
     weights, gradients and Fisher accumulators do not fit in the memory there is is refused with
     one clear error (:class:`FisherMemoryError`) before anything is loaded, instead of failing out
     of memory half-way. ``state_dict``: any mapping (``in`` and ``[]``), read one tensor at a time."""
-    import hf_symmetry  # noqa: F401
     from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..modeling import register_auto_classes
+
+    register_auto_classes()
 
     cfg = dict(config)
     cfg = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "transformers_version"})

@@ -37,7 +37,8 @@ from ..architectures import Adapter
 from ..assets import resolve_model, resolve_text
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size, write_config)
-from ..hub.cards import hub_id_of, public_model_labels, public_text_label, update_card, write_card
+from ..hub.cards import hub_id_of, public_model_labels, update_card, write_card
+from ..text import public_text_label
 from ..calibration import calibration_batches
 from ..devices import linalg_device
 from .calibration import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
@@ -426,7 +427,7 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
     inputs' tokenizer and a model card (with the perplexities of the merge and of every input
     on the recipe's evaluation text, for causal LMs). ``placement`` (:func:`hf_symmetry.devices.resolve`):
     where RegMean's layer-wise calibration runs."""
-    from ..evaluation import read_text, tokenize_text
+    from ..text import read_text, tokenize_text
     from ..evaluation.compare import load_tokenizer
 
     start = time.perf_counter()
@@ -475,8 +476,8 @@ def evaluate_merge(out: str | Path, recipe: MergeRecipe, text: str | Path | None
     definition, :func:`hf_symmetry.evaluation.verification.perplexities`), recorded in the card:
     the merge's as model-index metadata, every input's in the card's table. Returns the figures
     (empty when the inputs are not causal LMs or have no tokenizer)."""
-    from ..evaluation.bridge import perplexity_card_entry
     from ..evaluation.verification import perplexities
+    from ..hub.entries import perplexity_card_entry
 
     spec = recipe.evaluation or EvaluationSpec()
     text, tokens = text or spec.text, tokens or spec.tokens

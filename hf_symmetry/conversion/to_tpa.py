@@ -499,7 +499,7 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
         (tmp / "tpa_conversion.json").write_text(json.dumps(public_report(report.as_dict()), indent=2) + "\n")
         write_card(tmp, "to_tpa", tpa_card_data(src, out, report))
     if verify_text is not None:   # the shared verification of every conversion, on the written folder
-        from ..evaluation.verification import verify_and_record_folder
+        from ..hub.entries import verify_and_record_folder
 
         report.verification = verify_and_record_folder(src, out, verify_text, verify_tokens, ppl_tokens,
                                                        progress=progress).as_dict()

@@ -1,3 +1,4 @@
-from .perplexity import PerplexityResult, perplexity, read_text, tokenize_text
+from ..text import read_text, tokenize_text
+from .perplexity import PerplexityResult, perplexity
 
 __all__ = ["PerplexityResult", "perplexity", "read_text", "tokenize_text"]

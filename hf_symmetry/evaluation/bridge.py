@@ -7,8 +7,8 @@
   ``csv``, ...) with ``data_files``. :func:`write_smoke_task` writes one such task from a local
   text, in ARC-Easy's format: a smoke test of the pipeline, never a benchmark score.
 
-Each result comes back as a card entry (a dict of ``huggingface_hub.EvalResult`` fields),
-ready for :func:`hf_symmetry.hub.write_card` / :func:`hf_symmetry.hub.update_card`.
+The card entries made from these results live in :mod:`hf_symmetry.hub.entries` (the hub sits
+above evaluation in the layer order, docs/internals.md).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import re
 from pathlib import Path
 
 from ..assets import resolve_text
+from ..text import read_text, tokenize_text
 from .compare import is_causal_lm, load_model, load_tokenizer
-from .perplexity import PPL, PerplexityResult, perplexity, read_text, tokenize_text
+from .perplexity import PPL, PerplexityResult, perplexity
 
-LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
 SMOKE_TASK = "hf_symmetry_smoke_cloze"
-_LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
 
 
 # --------------------------------------------------------------------------- perplexity
@@ -55,36 +54,10 @@ def text_perplexity(model_or_path, text: str | os.PathLike, max_tokens: int | No
     return perplexity(model, ids, window=window, stride=stride, progress=progress)
 
 
-def perplexity_card_entry(result: PerplexityResult, text: str | os.PathLike, max_tokens: int | None = None) -> dict:
-    """The card entry for a perplexity; ``dataset_args`` hold what is needed to recompute it."""
-    from ..hub.cards import perplexity_result
-
-    return perplexity_result(result.perplexity, text, text_path=resolve_text(text), max_tokens=max_tokens or None,
-                             window=result.window, stride=result.stride, tokens=result.tokens)
-
-
-def verification_card_entries(v) -> list[dict]:
-    """Card entries from a :class:`~hf_symmetry.evaluation.verification.Verification`: the
-    converted model's perplexity on the verification text (none for encoders)."""
-    from ..hub.cards import perplexity_result
-
-    if v.perplexity_converted is None:
-        return []
-    return [perplexity_result(v.perplexity_converted, v.text, text_path=v.text_path, max_tokens=v.ppl_tokens,
-                              window=v.ppl_window, stride=v.ppl_stride, tokens=v.ppl_tokens)]
-
-
-def text_perplexity_result(folder, text: str | os.PathLike, max_tokens: int | None = PPL.tokens,
-                           window: int = PPL.window, stride: int = PPL.stride, progress: bool = True) -> dict:
-    trust = bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
-    r = text_perplexity(folder, text, max_tokens, window, stride, trust_remote_code=trust, progress=progress)
-    return perplexity_card_entry(r, text, max_tokens)
-
-
 # --------------------------------------------------------------------------- lm-eval
 
 
-def _require_lm_eval():
+def require_lm_eval():
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -104,7 +77,7 @@ def run_lm_eval(model_or_path, tasks: str | list[str], task_dir: str | os.PathLi
                 trust_remote_code: bool = False, device: str = "cpu") -> dict:
     """lm-eval's ``simple_evaluate`` on a model loaded by hf_symmetry (so its own families work
     without remote code); returns lm-eval's results dict."""
-    _require_lm_eval()
+    require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -134,52 +107,6 @@ def run_lm_eval(model_or_path, tasks: str | list[str], task_dir: str | os.PathLi
     if out is None:
         raise RuntimeError("lm-eval returned no results")
     return out
-
-
-def _task_dataset(name: str, config: dict) -> dict:
-    """Card fields naming a task's data: a Hub dataset, or local files (never passed off as
-    the benchmark they imitate)."""
-    meta = config.get("metadata") or {}
-    path = str(config.get("dataset_path") or "")
-    split = config.get("test_split") or config.get("validation_split")
-    if path in _LOCAL_LOADERS or os.path.exists(path):
-        label = meta.get("card_name") or f"{name} (local data)"
-        return {"dataset_type": f"local/{name}", "dataset_name": label, "dataset_split": split}
-    return {"dataset_type": path, "dataset_name": meta.get("card_name") or name,
-            "dataset_config": config.get("dataset_name"), "dataset_split": split}
-
-
-def lm_eval_card_entries(results: dict) -> list[dict]:
-    """Card entries for every (task, metric) lm-eval reported, stderr left out."""
-    import lm_eval
-
-    entries = []
-    for task, metrics in results["results"].items():
-        config = results.get("configs", {}).get(task, {})
-        n = (results.get("n-samples", {}).get(task) or {}).get("effective")
-        fewshot = config.get("num_fewshot", 0)
-        declared = {m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)}
-        for key, value in metrics.items():
-            metric, _, _filter = key.partition(",")
-            # only the task's declared metrics: lm-eval also reports bookkeeping such as sample_len
-            if (declared and metric not in declared) or metric in ("alias", "name", "sample_len") \
-                    or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            entries.append({
-                "task_type": "multiple-choice" if config.get("output_type") == "multiple_choice"
-                else "text-generation",
-                "task_name": task, **_task_dataset(task, config),
-                "dataset_args": {"num_fewshot": fewshot, "samples": n},
-                "metric_type": metric, "metric_name": metric, "metric_value": float(value),
-                "source_name": f"lm-evaluation-harness {lm_eval.__version__}", "source_url": LM_EVAL_URL,
-                "notes": (config.get("metadata") or {}).get("card_note"),
-            })
-    return entries
-
-
-def lm_eval_results(folder, tasks, task_dir=None, limit: int | None = None) -> list[dict]:
-    trust = bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
-    return lm_eval_card_entries(run_lm_eval(folder, tasks, task_dir=task_dir, limit=limit, trust_remote_code=trust))
 
 
 # --------------------------------------------------------------------------- the smoke task

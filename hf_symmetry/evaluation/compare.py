@@ -13,8 +13,11 @@ from ..assets import resolve_model
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """An HF model folder as its LM class when it has one (logits), else its base model
     (hidden states), in eval mode. hf_symmetry's own families are registered on import."""
-    import hf_symmetry  # noqa: F401  (registers custom families with the Auto classes)
     from transformers import AutoConfig
+
+    from ..modeling import register_auto_classes
+
+    register_auto_classes()
 
     path = resolve_model(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -38,8 +41,11 @@ def auto_class(config, has_lm_head: bool = False):
 def model_from_state_dict(config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
     """An in-memory state dict (e.g. a matched or merged one) as a model in eval mode, without a
     round trip through disk. Refuses missing or unexpected tensors (a tied LM head may be absent)."""
-    import hf_symmetry  # noqa: F401
     from transformers import AutoConfig
+
+    from ..modeling import register_auto_classes
+
+    register_auto_classes()
 
     cfg = dict(config)
     cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .spectra_plots import _pyplot
+from .spectra_plots import pyplot
 
 
 def plot_layer_distances(per_layer: list[dict], out: Path, title: str) -> Path:
     """Bars of ``‖source − anchor‖ / ‖anchor‖`` per layer, before and after matching."""
-    plt = _pyplot()
+    plt = pyplot()
     layers = [r["layer"] for r in per_layer]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.28 * len(layers) + 2), 3.2), dpi=110)
     width = 0.4

@@ -1,4 +1,4 @@
-"""The one perplexity definition of hf_symmetry, and the token batches every comparison runs on.
+"""The one perplexity definition of hf_symmetry (texts are read and tokenised by :mod:`hf_symmetry.text`).
 
 Every command and card measures perplexity the same way (:data:`PPL`): the first ``tokens``
 tokens of a text (no special tokens), scored by a sliding window of ``window`` tokens that
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -33,46 +32,6 @@ class PerplexitySpec:
 PPL = PerplexitySpec()
 #: tokens compared for max |Δlogit| by every verification
 LOGIT_TOKENS = 512
-
-
-def read_text(path: str | Path) -> str:
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise ValueError(f"text file {path} is empty")
-    return text
-
-
-def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
-    """1-D LongTensor of token ids for ``text`` (no special tokens), at most ``max_tokens``.
-
-    Only about ``16 * max_tokens`` characters are tokenised, so a long text costs nothing extra
-    and the tokenizer's "longer than the specified maximum sequence length" warning, which
-    does not apply here (the ids are windowed afterwards), is silenced."""
-    import transformers
-
-    if max_tokens:
-        text = _prefix_with_tokens(tokenizer, text, max_tokens)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()   # the max-length warning is about model inputs, not these ids
-    try:
-        ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    if not ids:
-        raise ValueError("text tokenises to zero tokens")
-    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
-
-
-def _prefix_with_tokens(tokenizer, text: str, max_tokens: int) -> str:
-    """A prefix of ``text`` long enough for ``max_tokens`` tokens (doubling from 8 characters per token)."""
-    chars = 8 * max_tokens
-    while chars < len(text):
-        cut = text.rfind(" ", 0, chars)
-        prefix = text[:cut if cut > chars // 2 else chars]
-        if len(tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"]) > max_tokens:
-            return prefix
-        chars *= 2
-    return text
 
 
 @dataclass

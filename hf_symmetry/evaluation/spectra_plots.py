@@ -10,7 +10,7 @@ import numpy as np
 PATH_TITLES = {"vo": "value path W_O W_V", "qk": "score path W_Q^T W_K"}
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,7 +43,7 @@ def unit_labels(report: dict, path: str) -> list[str]:
 def plot_rank_heatmaps(report: dict, out: Path, title: str | None = None) -> Path:
     """One heatmap per (path, τ): rows heads / KV groups, columns layers, colour and number = effective
     rank, with each layer's uniform rank (max over the column) on top."""
-    plt = _pyplot()
+    plt = pyplot()
     paths, taus = report["paths"], report["taus"]
     head_dim = report["layout"]["head_dim"]
     n_units = len(_path_layers(report, paths[0])[0][paths[0]])
@@ -86,7 +86,7 @@ def plot_rank_heatmaps(report: dict, out: Path, title: str | None = None) -> Pat
 def plot_layer_spectra(report: dict, path: str, out: Path) -> Path:
     """One small panel per layer: normalised singular values σ_i/σ_1 (log scale) of every head /
     KV group, with the layer's rank at each τ marked."""
-    plt = _pyplot()
+    plt = pyplot()
     layers = _path_layers(report, path)
     head_dim = report["layout"]["head_dim"]
     cols = min(6, len(layers))

@@ -22,7 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..assets import resolve_model, resolve_text
-from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, read_text, tokenize_text, windows
+from ..text import public_text_label, read_text, tokenize_text
+from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, windows
 
 DEFAULT_TEXT = "britannica-eval"
 
@@ -56,10 +57,12 @@ def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: t
     """A saved model (LM class when it has one, else its base model) in eval mode, placed by
     accelerate: ``device_map="auto"`` spreads it over the visible GPUs and offloads what does not
     fit to CPU memory and then to ``offload_folder``; a named device puts it all there."""
-    import hf_symmetry  # noqa: F401  (registers hf_symmetry's families with the Auto classes)
     from transformers import AutoConfig
 
+    from ..modeling import register_auto_classes
     from .compare import auto_class
+
+    register_auto_classes()
 
     path = resolve_model(path)
     trust = bool(trust_remote_code)   # hf_symmetry's own families are registered and need no remote code
@@ -136,12 +139,6 @@ def _text_ids(tokenizer, text, count: int) -> tuple[torch.Tensor, Path]:
     return tokenize_text(tokenizer, read_text(path), max_tokens=count), path
 
 
-def _public_text(text) -> str:
-    from ..hub.cards import public_text_label
-
-    return public_text_label(text)
-
-
 def _steps(n_logit: int, n_ppl: int, causal: bool) -> int:
     return 2 + (windows(n_ppl, PPL.window, PPL.stride) if causal and n_ppl > 1 else 0)
 
@@ -185,7 +182,7 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, text: str 
     finally:
         bar.close()
     (a, pa), (b, pb) = results
-    v = Verification((a - b).abs().max().item(), kind, a.shape[0], _public_text(text), text_path=str(path))
+    v = Verification((a - b).abs().max().item(), kind, a.shape[0], public_text_label(text), text_path=str(path))
     if kind == "hidden_states":
         v.hidden_cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item()
     if pa is not None and pb is not None:
@@ -221,16 +218,3 @@ def perplexities(models: dict[str, str | os.PathLike], text: str | os.PathLike =
             del model
             gc.collect()
     return out, path
-
-
-def verify_and_record_folder(original: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike = DEFAULT_TEXT,
-                             tokens: int = LOGIT_TOKENS, ppl_tokens: int = PPL.tokens, device: str | None = "auto",
-                             progress: bool = True, extra: dict | None = None) -> Verification:
-    """:func:`verify` a written folder against its original and record the figures in its model
-    card (exactness and the perplexity entry); what every conversion command runs after writing."""
-    from ..hub.cards import update_card
-    from .bridge import verification_card_entries
-
-    v = verify(original, out, text=text, tokens=tokens, ppl_tokens=ppl_tokens, device=device, progress=progress)
-    update_card(out, exactness={**v.as_dict(), **(extra or {})}, eval_results=verification_card_entries(v))
-    return v

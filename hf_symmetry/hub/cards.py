@@ -25,6 +25,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..text import public_text_label
+
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult
 
@@ -408,19 +410,6 @@ def scrub_paths(obj: Any) -> Any:
     if "://" not in obj and (os.path.isabs(obj) or obj.startswith(("./", "../", "~/"))) and "\n" not in obj:
         return _public_path(obj)
     return _PATH_IN_TEXT.sub(lambda m: _public_path(m.group(0)), obj)
-
-
-def public_text_label(text: str | os.PathLike) -> str:
-    """An embedded text by its name, a file by its base name (local paths stay private)."""
-    from ..assets import TEXT_NAMES, cache_dir
-
-    s = str(text)
-    if s in TEXT_NAMES:
-        return s
-    path = Path(s)
-    if path.stem in TEXT_NAMES and path.resolve().is_relative_to(cache_dir().resolve()):
-        return path.stem  # an embedded text, resolved to its cached file
-    return path.name
 
 
 def _public_exactness(exactness: dict) -> dict:

@@ -111,7 +111,7 @@ def _check_ids(config: dict, tokenizer, text: str | None, tokens: int) -> torch.
     """Real text tokens when the folder has a tokenizer, else fixed pseudo-random ids."""
     if tokenizer is not None:
         from ..assets import resolve_text
-        from ..evaluation.perplexity import read_text, tokenize_text
+        from ..text import read_text, tokenize_text
 
         limit = config.get("max_position_embeddings") or tokens
         return tokenize_text(tokenizer, read_text(resolve_text(text or "britannica-eval")),
@@ -236,7 +236,7 @@ def prepush_check(folder: str | os.PathLike, text: str | None = None, tokens: in
     """Raise ``ValueError`` unless ``folder`` loads and runs without hf_symmetry and agrees with
     hf_symmetry's own load and with the perplexities recorded in its card."""
     from ..evaluation.compare import load_model, load_tokenizer, model_output
-    from ..evaluation.perplexity import read_text, tokenize_text
+    from ..text import read_text, tokenize_text
 
     start = time.perf_counter()
     folder = Path(folder).resolve()

@@ -108,7 +108,7 @@ def check_folder(folder: str | os.PathLike) -> Path:
 
 def _eval_for_card(folder: Path, eval_text: str | None, tasks: list[str] | None, task_dir: str | None,
                    limit: int | None, progress: bool) -> list[dict]:
-    from ..evaluation.bridge import lm_eval_results, text_perplexity_result
+    from .entries import lm_eval_results, text_perplexity_result
 
     results = []
     if eval_text:

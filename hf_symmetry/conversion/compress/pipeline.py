@@ -176,7 +176,7 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
     from transformers import AutoConfig
 
     from ...evaluation.compare import load_tokenizer
-    from ...evaluation.perplexity import read_text, tokenize_text
+    from ...text import read_text, tokenize_text
     from .card import write_card
 
     options.validate()

@@ -307,7 +307,7 @@ def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, st
     from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir,
                                copy_side_files, parse_size, write_config)
     from ...evaluation.compare import load_tokenizer
-    from ...evaluation.perplexity import read_text, tokenize_text
+    from ...text import read_text, tokenize_text
     from .card import write_card
     from .pipeline import _write_report
 

@@ -34,7 +34,9 @@ The steps, one module each:
 - :mod:`.in_memory` — the state-dict and loaded-model entry points;
 - :mod:`.checkpoint` — the checkpoint-folder entry point (remote code, report, calibration tokens);
 - :mod:`.card` — the effective-rank heatmap and the model card;
-- :mod:`.spectra` — the ``spectra`` report.
+- :mod:`.spectra` — the ``spectra`` report;
+- :mod:`.fused_check` — the fused maps checked against the module's own forward, with hooks
+  (``spectra --check-layout``, tests).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from .checkpoint import REPORT_FILE, calibration_tokens, farr_checkpoint, save_f
 from .in_memory import build_farr_model, farr_model, farr_state_dict
 from .options import FarrOptions
 from .ranks import RankPlan, plan_ranks, ranks_for_tau
-from .reduce import FarrReport, _farr, reduce_layer
+from .reduce import FarrReport, reduce_layer, run_farr
 from .spectra import spectra_report
 from .target import FarrTarget, farr_target, qk_layers
 
@@ -54,6 +56,6 @@ __all__ = [
     "LayerAnalysis", "analyze", "analyze_layer", "prepare_layer", "LayerWeights", "attention_input_moments",
     "calibrated_analysis", "CARD_TAUS", "HEATMAP_FILE", "farr_card_data", "write_rank_heatmap", "REPORT_FILE",
     "calibration_tokens", "farr_checkpoint", "save_farr_config", "build_farr_model", "farr_model", "farr_state_dict",
-    "FarrOptions", "RankPlan", "plan_ranks", "ranks_for_tau", "FarrReport", "_farr", "reduce_layer", "spectra_report",
+    "FarrOptions", "RankPlan", "plan_ranks", "ranks_for_tau", "FarrReport", "run_farr", "reduce_layer", "spectra_report",
     "FarrTarget", "farr_target", "qk_layers",
 ]

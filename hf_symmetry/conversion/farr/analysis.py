@@ -14,7 +14,7 @@ from ...symmetry import fused
 from ...symmetry.actions import fold_layer_norms
 from ..layer_parts import ffn_modules, module_of, read_part, stand_ins
 from ..stream import Tensors, TensorSource, partition_keys
-from .target import _qk_fusable
+from .target import qk_fusable
 
 
 def prepare_layer(layer: Tensors, adapter: Adapter) -> Tensors:
@@ -46,7 +46,7 @@ def analyze(source: TensorSource, adapter: Adapter, paths: tuple[str, ...], deta
         keys = [k for k in per_layer[i] if module_of(adapter, i, k) not in ffn]
         layer = read_part(adapter, i, stand_ins(per_layer[i], shapes), source.get(keys), torch.float64)
         out.append(analyze_layer(i, layer, adapter, paths, detail,
-                                 _weights_to(weights[i], device) if weights else None, device))
+                                 weights_to(weights[i], device) if weights else None, device))
         del layer
     return out
 
@@ -59,7 +59,7 @@ def analyze_layer(i: int, layer: Tensors, adapter: Adapter, paths: tuple[str, ..
     touchable = {p: sum(layer[k].numel() for k in _PATH_TENSORS[p] if k in layer) for p in paths}
     layer = {k: v.to(device) for k, v in layer.items()}
     layout = adapter.layer_layout(i)
-    here = [p for p in paths if p == "vo" or _qk_fusable(layout)]
+    here = [p for p in paths if p == "vo" or qk_fusable(layout)]
     spectra = {p: [_spectrum_to_cpu(g) for g in fused.group_spectra(layer, layout, p, detail, w)] for p in here}
     return LayerAnalysis(i, spectra, {p: touchable[p] for p in here})
 
@@ -70,6 +70,6 @@ def _spectrum_to_cpu(g: fused.GroupSpectrum) -> fused.GroupSpectrum:
                                head_S=None if g.head_S is None else [cpu(t) for t in g.head_S])
 
 
-def _weights_to(w: fused.InputWeights, device) -> fused.InputWeights:
+def weights_to(w: fused.InputWeights, device) -> fused.InputWeights:
     return fused.InputWeights(*(None if t is None else t.to(device) for t in (w.root, w.inv_root, w.root_aug,
                                                                               w.inv_root_aug)))

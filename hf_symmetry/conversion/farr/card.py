@@ -9,7 +9,7 @@ from ...architectures import Adapter
 from ...hub.cards import public_model_label
 from .analysis import LayerAnalysis
 from .reduce import FarrReport
-from .spectra import _analysis_report
+from .spectra import analysis_report
 
 
 HEATMAP_FILE = "effective_rank.png"
@@ -25,7 +25,7 @@ def write_rank_heatmap(folder: Path, analysis: list[LayerAnalysis], config: dict
     adapter = Adapter.from_config(config, keys)
     tau = report.options.get("tau")
     taus = sorted({*CARD_TAUS, tau} if tau is not None else set(CARD_TAUS))
-    heat = _analysis_report(analysis, adapter, taus, name)
+    heat = analysis_report(analysis, adapter, taus, name)
     plot_rank_heatmaps(heat, folder / HEATMAP_FILE, title=f"Effective rank of the fused attention maps of {name} "
                                                           "(rows: heads / KV groups, columns: layers)")
     unit = "head" if adapter.layout.n_kv_heads == adapter.layout.n_heads else "KV group"

@@ -20,8 +20,8 @@ from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis
 from .card import farr_card_data, write_rank_heatmap
 from .options import FarrOptions
-from .reduce import FarrReport, _farr, _param_count
-from .target import _classes_for, farr_target
+from .reduce import FarrReport, run_farr, state_dict_parameters
+from .target import farr_classes, farr_target
 
 REPORT_FILE = "farr_report.json"
 
@@ -29,7 +29,7 @@ REPORT_FILE = "farr_report.json"
 def save_farr_config(farr_config, folder: Path) -> None:
     """config.json with ``auto_map`` plus the flat remote-code files, so the folder loads with
     ``trust_remote_code=True`` where hf_symmetry is not installed."""
-    classes = _classes_for(farr_config)
+    classes = farr_classes(farr_config)
     farr_config.auto_map = {"AutoConfig": f"configuration_farr.{type(farr_config).__name__}",
                             **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()}}
     farr_config.save_pretrained(folder)   # also copies configuration_farr.py (register_for_auto_class)
@@ -61,7 +61,7 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
             analysis = calibrated_analysis(src, ids, options.paths, placement, progress, store=weights)
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
         counter = _CountingSink(writer)
-        farr_config, report, analysis = _farr(reader, reader.config, options, counter, progress, weights=weights,
+        farr_config, report, analysis = run_farr(reader, reader.config, options, counter, progress, weights=weights,
                                               analysis=analysis, device=linalg_device(placement))
         if weights is not None:
             weights.close()
@@ -102,5 +102,5 @@ class _CountingSink:
         self.sink, self.params = sink, 0
 
     def add(self, tensors: Tensors) -> None:
-        self.params += _param_count(tensors)
+        self.params += state_dict_parameters(tensors)
         self.sink.add(tensors)

@@ -1,4 +1,4 @@
-"""The reduction pass (:func:`_farr`): after the analysis and the rank plan, each layer's fused maps
+"""The reduction pass (:func:`run_farr`): after the analysis and the rank plan, each layer's fused maps
 are truncated and split back (:func:`reduce_layer`), the FFN passes through with the pre-norm's γ
 folded in, and the tensors go to a sink one layer at a time; with the run's :class:`FarrReport`."""
 
@@ -16,7 +16,7 @@ from ...symmetry import fused
 from ...symmetry.actions import fold_norm
 from ..layer_parts import ffn_modules, module_of, read_part, stand_ins
 from ..stream import Tensors, TensorSource, partition_keys
-from .analysis import LayerAnalysis, _weights_to, analyze, prepare_layer
+from .analysis import LayerAnalysis, weights_to, analyze, prepare_layer
 from .calibrated import LayerWeights
 from .options import FarrOptions
 from .ranks import plan_ranks
@@ -79,7 +79,7 @@ def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: 
     return prepare_layer(layer, adapter) if weights is not None else layer, kept
 
 
-def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progress: bool,
+def run_farr(source: TensorSource, config: dict, options: FarrOptions, sink, progress: bool,
           moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, weights: LayerWeights | None = None,
           analysis: list[LayerAnalysis] | None = None, device: torch.device | str = "cpu"):
     """The two passes. Calibrated: either ``moments`` (per layer ``(E[xxᵀ], E[x])``; the metrics are
@@ -114,7 +114,7 @@ def _farr(source: TensorSource, config: dict, options: FarrOptions, sink, progre
         passthrough = {k: v for k, v in raw.items() if k not in modeled}   # rotary buffers
         layer = read_part(adapter, i, stand, raw, torch.float64)
         ffn_norm = {k: layer[f"ffn_norm.{k}"] for k in ("weight", "bias") if f"ffn_norm.{k}" in layer}
-        w = _weights_to(weights[i], device) if weights else None
+        w = weights_to(weights[i], device) if weights else None
         new, k = reduce_layer({n: t.to(device) for n, t in layer.items()}, adapter, target, options,
                               {p: plan.ranks[p][i] for p in options.paths}, w, adapter.layer_layout(i))
         for p, v in k.items():
@@ -191,11 +191,11 @@ def _qk_notes(adapter: Adapter, options: FarrOptions) -> list[str]:
     return []
 
 
-_BUFFERS = ("position_ids", "token_type_ids")   # index buffers some BERT checkpoints carry, not parameters
+INDEX_BUFFERS = ("position_ids", "token_type_ids")   # index buffers some BERT checkpoints carry, not parameters
 
 
-def _param_count(tensors: Tensors, tied: bool = False) -> int:
+def state_dict_parameters(tensors: Tensors, tied: bool = False) -> int:
     """Parameters in ``tensors``; a tied ``lm_head`` (present in in-memory state dicts) is the
     embedding, counted once."""
     return sum(t.numel() for k, t in tensors.items()
-               if not k.endswith(_BUFFERS) and not (tied and k == "lm_head.weight"))
+               if not k.endswith(INDEX_BUFFERS) and not (tied and k == "lm_head.weight"))

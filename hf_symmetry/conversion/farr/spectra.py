@@ -48,7 +48,7 @@ def spectra_report(source: TensorSource, config: dict, taus: list[float], name: 
         weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
         analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
     calibrated = moments is not None or calib_ids is not None
-    plotted = _analysis_report(analysis, adapter, taus, name)
+    plotted = analysis_report(analysis, adapter, taus, name)
     report = {
         "model_name": name, "model_type": config.get("model_type"), "family": adapter.family,
         "layout": plotted["layout"],
@@ -63,7 +63,7 @@ def spectra_report(source: TensorSource, config: dict, taus: list[float], name: 
     return report
 
 
-def _analysis_report(analysis: list[LayerAnalysis], adapter: Adapter, taus: list[float], name: str) -> dict:
+def analysis_report(analysis: list[LayerAnalysis], adapter: Adapter, taus: list[float], name: str) -> dict:
     """The part of a spectra report the plots read: layout, paths, τs and per-layer group entries."""
     L = adapter.layout
     gqa = L.n_kv_heads != L.n_heads

@@ -53,11 +53,11 @@ class FarrTarget:
             cls = next(c for c in (configuration_farr.FarrRobertaConfig, configuration_farr.FarrBertConfig)
                        if issubclass(c, source_class))
             config = cls(**cfg, qk_head_dims=qk_dims, v_head_dims=vo_dims)
-        config.architectures = [next(iter(_classes_for(config).values())).__name__]
+        config.architectures = [next(iter(farr_classes(config).values())).__name__]
         return config
 
 
-def _normalised_config(config) -> dict:
+def normalised_config(config) -> dict:
     """The source config as its own transformers class writes it (legacy keys such as a top-level
     ``rope_theta`` become ``rope_parameters``)."""
     from transformers import CONFIG_MAPPING
@@ -72,7 +72,7 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
     options.validate()
     model_type = config.get("model_type")
     require(adapter, "farr_vo")   # the FaRR families can express this checkpoint (else: the structural reason)
-    src = _normalised_config(config)
+    src = normalised_config(config)
     encoder = not adapter.spec.is_decoder
     if encoder:
         if adapter.prefix:
@@ -97,17 +97,17 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
         mlp_bias=has(f.up))
 
 
-def _qk_fusable(layout) -> bool:
+def qk_fusable(layout) -> bool:
     return fused.qk_fusion_blocker(layout) is None
 
 
 def qk_layers(adapter: Adapter) -> list[int]:
     """Layers with a fusable score map: no QK-norm and some query/key dims RoPE leaves alone
     (encoders, NoPE layers such as SmolLM3's every 4th, the free dims of partially rotary heads)."""
-    return [i for i in range(adapter.n_layers) if _qk_fusable(adapter.layer_layout(i))]
+    return [i for i in range(adapter.n_layers) if qk_fusable(adapter.layer_layout(i))]
 
 
-def _classes_for(farr_config) -> dict[str, type]:
+def farr_classes(farr_config) -> dict[str, type]:
     return {
         "hf_symmetry_farr_llama": {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
                                    "AutoModel": modeling_farr.FarrLlamaModel},

@@ -114,7 +114,7 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
     checked before any work, the checkpoint read one layer at a time, ``out`` written atomically
     (weights, config, the RMS-decoder family's remote code, tokenizer, report, card)."""
     from ....evaluation.compare import load_tokenizer
-    from ....evaluation.perplexity import read_text, tokenize_text
+    from ....text import read_text, tokenize_text
     from ..card import write_card
     from ..pipeline import _write_report
 

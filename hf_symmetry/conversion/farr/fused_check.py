@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..architectures import Adapter
-from ..devices import to_model
-from ..conversion.stream import partition_keys
-from ..symmetry import fused
-from ..symmetry.layout import HeadLayout
+from ...architectures import Adapter
+from ...devices import to_model
+from ...symmetry import fused
+from ...symmetry.layout import HeadLayout
+from ..stream import partition_keys
 
 
 @dataclass
@@ -115,9 +115,9 @@ def check_fused_layout_layerwise(source, ids: torch.Tensor, layers: list[int] | 
     calibration engine builds one decoder layer at a time as the family's own module (eager
     attention, float32 on the CPU unless ``placement`` says otherwise), runs it on its inputs with the
     hooks on, and only that layer's attention tensors are read for the fused maps."""
-    from ..calibration import CalibrationEngine, StatsRequest
-    from ..conversion.layer_parts import attention_modules, module_of, read_part, stand_ins
-    from ..devices import resolve
+    from ...calibration import CalibrationEngine, StatsRequest
+    from ...devices import resolve
+    from ..layer_parts import attention_modules, module_of, read_part, stand_ins
 
     engine = CalibrationEngine(source, placement=placement or resolve("cpu", "float32"), progress=progress,
                                attn_implementation="eager")
