@@ -152,14 +152,6 @@ def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constant
 def full_rank(plan):
     """Every structured matrix of a compress plan at full rank (in place; returns the plan): the
     compressed model must then be the original function."""
-    from hf_symmetry.symmetry import structured as S
-
     for m in plan.matrices:
-        s = m.structure
-        if s.kind == "kron":
-            m.structure = S.Kron(s.shape, s.max_rank, s.a_shape)
-        elif s.kind == "gs":
-            m.structure = S.GS(s.shape, s.kl, s.kr, min(s.tile))
-        elif s.kind == "lowrank":
-            m.structure = S.LowRank(s.shape, min(s.shape))
+        m.structure = m.structure.at_full_rank()
     return plan

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from hf_symmetry.modeling.modeling_compressed_llama import OrthogonalSkip, cayley_decode, structured_linear
-from hf_symmetry.conversion.compress import module_tensors
 from hf_symmetry.symmetry import structured as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.symmetry.segments import Term, cayley_encode, objective, solve_segment, weighted_procrustes
@@ -79,7 +78,7 @@ def test_factorised_forward_equals_the_dense_reconstruction(name):
     f = st.project(W)
     module = structured_linear(N, M, {**st.spec(), "bias": True}).double()
     with torch.no_grad():
-        for k, v in module_tensors(st, f).items():
+        for k, v in st.module_tensors(f).items():
             getattr(module, k).copy_(v)
         module.bias.copy_(torch.arange(M, dtype=torch.float64))
     dense = st.dense(f)

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from .procrustes import orthogonal_procrustes
-from .structured import Dense, Factors, Gram, Structure, limit_threads, symmetric_eigh, weighted_error
+from .linalg import Gram, limit_threads, symmetric_eigh, weighted_error
+from .structured import Dense, Factors, Structure
 
 Tensor = torch.Tensor
 
@@ -123,7 +124,7 @@ class Term:
             else:  # a column weight is a row weight of the transpose
                 st, gram, tgt = self.structure.transpose(), Gram(matrix=Q.T @ self.col_gram @ Q), target.T
                 prev = None if self.factors is None else self.structure.transpose_factors(self.factors)
-            if st.kind == "lowrank":      # closed form: no starting point to choose
+            if not st.iterative:          # closed form (low rank): no starting point to choose
                 f = st.weighted(tgt, gram)
             else:
                 init = st.project(tgt)
@@ -162,9 +163,7 @@ class Term:
         """Rows free (the row factor is unconstrained: Kronecker with ``A_s`` of one row, GS with one row
         block, low rank) and more rows than columns: then the problem depends on M only through
         ``Mᵀ G M`` and M can be replaced by its ``[d, d]`` square root."""
-        s = self.structure
-        rows_free = (s.kind == "kron" and s.a_shape[0] == 1) or (s.kind == "gs" and s.kl == 1) or s.kind == "lowrank"
-        return rows_free and self.M.shape[0] > self.M.shape[1]
+        return self.structure.rows_free and self.M.shape[0] > self.M.shape[1]
 
     def reduced(self) -> tuple["Term", Tensor]:
         """``(term on M' = (Mᵀ G M)^{1/2}, R = M'⁺)``: the same objective for every Q and every factors
@@ -187,25 +186,15 @@ class Term:
         inv = torch.where(root > 1e-7 * root.max().clamp_min(1e-300), 1.0 / root, torch.zeros_like(root))
         M_red = (V * root) @ V.T
         R = (V * inv) @ V.T
-        d = self.M.shape[1]
-        st = self.structure
-        small = {"kron": lambda: type(st)((d, st.shape[1]), st.rank, st.a_shape),
-                 "gs": lambda: type(st)((d, st.shape[1]), st.kl, st.kr, st.rank),
-                 "lowrank": lambda: type(st)((d, st.shape[1]), st.rank)}[st.kind]()
-        red = Term(self.name, M_red, small, None, self.col_gram, self.weight)
+        red = Term(self.name, M_red, self.structure.with_rows(self.M.shape[1]), None, self.col_gram, self.weight)
         return red, R
 
     def lift(self, reduced: "Term", R: Tensor) -> None:
         """Factors of the full matrix from those of its reduction (the row factor times ``T = M R``,
         applied as ``M (R f)``)."""
-        f = reduced.factors
-        kind = self.structure.kind
-        if kind == "kron":
-            self.factors = (f[0], torch.einsum("ik,skj->sij", self.M, torch.einsum("kl,slj->skj", R, f[1])))
-        elif kind == "gs":
-            self.factors = ((self.M @ (R @ f[0][0]))[None], f[1])
-        else:
-            self.factors = (self.M @ (R @ f[0]), f[1])
+        s, (i, _) = self.structure, self.structure.row_factor
+        self.factors = tuple(s.map_rows(self.M, s.map_rows(R, f)) if j == i else f
+                             for j, f in enumerate(reduced.factors))
         self._summary = None          # made when an error is asked for (the reduced term's is the same)
 
 

@@ -12,7 +12,14 @@ and provides
   forms it — see ``hf_symmetry.modeling.modeling_compressed_llama``);
 * ``params()``: the parameter count from the factor shapes;
 * ``transpose()`` / ``transpose_factors``: the same class for ``Wᵀ``, so a column weight is handled
-  as a row weight of the transpose.
+  as a row weight of the transpose;
+* ``rows_free`` / ``with_rows`` / ``map_rows``: whether the factor holding the rows is unconstrained,
+  and then the same class on fewer rows and the map of that factor by a matrix on the left — what the
+  Gram reduction of a tall matrix and its lift back need (:meth:`..segments.Term.reduced`);
+* ``module_tensors(factors)``: the parameters of the matching module of the compressed model family;
+* ``sized(shape, keep)``: the member of the class keeping about ``keep`` of a dense matrix's parameters;
+* ``spec()`` / :func:`from_spec`: the config entry and back. ``kind``, the class's serialised name (a
+  config's ``"type"``, the ``--structure`` choice), is mapped to the class in :data:`CLASSES` only.
 
 Classes: :class:`Kron` (sum of Kronecker products, Van Loan rearrangement), :class:`GS`
 (block-diagonal · shuffle · block-diagonal, per-block truncated SVD), :class:`LowRank` and
@@ -20,169 +27,25 @@ Classes: :class:`Kron` (sum of Kronecker products, Van Loan rearrangement), :cla
 shrinks), see :mod:`hf_symmetry.conversion.compress`.
 
 Everything works in the dtype of its inputs (float64 for results; the segment solver may iterate in
-float32 and finish in float64, see :func:`..segments.solve_segment`).
+float32 and finish in float64, see :func:`..segments.solve_segment`). The dense linear algebra they
+use (SVD, eigendecompositions, :class:`Gram` row weights, PSD solves) is :mod:`.linalg`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+from .linalg import (Gram, limit_threads, psd_solve, svd, symmetric_eigh, truncated_svd,  # noqa: F401 (re-exported)
+                     weighted_error)
 
 Tensor = torch.Tensor
 Factors = tuple[Tensor, ...]
 
-_RCOND = 1e-12  # relative eigenvalue cut-off of the pseudo-inverses in the exact LS steps (float64)
-
-
-def _rcond(dtype: torch.dtype) -> float:
-    return _RCOND if dtype == torch.float64 else 1e-6
-
-
-@contextlib.contextmanager
-def limit_threads(n: int = 1):
-    """Run torch on ``n`` threads inside the block. The solver's matrices are small or medium
-    (at most ``d x d`` after the Gram reduction): there torch's thread pool is slower than one thread
-    for LAPACK decompositions, and on shared cores its spinning makes even small matmuls 10-100x slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def _host_lapack(A: Tensor) -> bool:
-    """Whether ``A`` is decomposed by SciPy's LAPACK (a CPU float32/float64 matrix, not a batch)."""
-    return A.device.type == "cpu" and A.dim() == 2 and A.dtype in (torch.float32, torch.float64) and A.numel() > 0
-
-
-def svd(A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``torch.linalg.svd(A, full_matrices=False)``. A CPU matrix goes to SciPy's LAPACK ``gesdd``,
-    measured on a 1536² float64 matrix (one thread) at a third of torch's transient memory (43 against
-    123 MB, outputs included) in the same time; batches and other devices stay on torch."""
-    if not _host_lapack(A):
-        with limit_threads():
-            return torch.linalg.svd(A, full_matrices=False)
-    import scipy.linalg
-
-    U, S, Vh = scipy.linalg.svd(A.detach().numpy(), full_matrices=False, check_finite=False, lapack_driver="gesdd")
-    return torch.from_numpy(U), torch.from_numpy(S), torch.from_numpy(Vh)
-
-
-def symmetric_eigh(A: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (ascending) and eigenvectors of the symmetric part ``(A + Aᵀ) / 2``: SciPy's LAPACK
-    ``syevd`` on the CPU (measured on 1536², one thread: 37 against torch's 58 MB transient, 0.73 against
-    0.89 s), torch's ``eigh`` elsewhere."""
-    S = (A + A.T) / 2
-    if not _host_lapack(S):
-        with limit_threads():
-            return torch.linalg.eigh(S)
-    import scipy.linalg
-
-    lam, V = scipy.linalg.eigh(S.numpy(), overwrite_a=True, check_finite=False, driver="evd")
-    return torch.from_numpy(lam), torch.from_numpy(V)
-
-
-# ---------------------------------------------------------------------------------------------
-# Row weights
-# ---------------------------------------------------------------------------------------------
-class Gram:
-    """A row weighting ``err(D) = ‖X D‖²_F = tr(Dᵀ G D)``, ``G = XᵀX``: a dense PSD matrix
-    (covariance of a layer's inputs) or a diagonal (token counts of an embedding)."""
-
-    def __init__(self, matrix: Tensor | None = None, diag: Tensor | None = None):
-        if (matrix is None) == (diag is None):
-            raise ValueError("Gram needs exactly one of matrix= or diag=")
-        self.matrix = matrix
-        self.diag = diag
-        if self.matrix is not None and (self.matrix.dim() != 2 or self.matrix.shape[0] != self.matrix.shape[1]):
-            raise ValueError(f"Gram matrix must be square, got {tuple(self.matrix.shape)}")
-
-    @classmethod
-    def identity(cls, m: int, dtype: torch.dtype = torch.float64) -> "Gram":
-        return cls(diag=torch.ones(m, dtype=dtype))
-
-    def to(self, dtype: torch.dtype) -> "Gram":
-        return Gram(matrix=self.matrix.to(dtype)) if self.diag is None else Gram(diag=self.diag.to(dtype))
-
-    @property
-    def size(self) -> int:
-        return (self.matrix if self.matrix is not None else self.diag).shape[0]
-
-    @property
-    def is_diag(self) -> bool:
-        return self.diag is not None
-
-    def apply(self, D: Tensor) -> Tensor:
-        """``G @ D`` for ``D`` of shape ``[m, ...]``."""
-        if self.diag is not None:
-            return self.diag.reshape(-1, *([1] * (D.dim() - 1))) * D
-        return (self.matrix @ D.reshape(D.shape[0], -1)).reshape(D.shape)
-
-    def error(self, D: Tensor) -> float:
-        return float((D * self.apply(D)).sum())
-
-    def dense(self) -> Tensor:
-        return torch.diag(self.diag) if self.diag is not None else self.matrix
-
-    def block(self, rows: slice) -> "Gram":
-        if self.diag is not None:
-            return Gram(diag=self.diag[rows])
-        return Gram(matrix=self.matrix[rows, rows])
-
-    def apply_cols(self, rows: slice, D: Tensor) -> Tensor:
-        """``G[:, rows] @ D`` (the change of ``G R`` when rows ``rows`` of ``R`` change by ``D``)."""
-        if self.diag is not None:
-            out = torch.zeros(self.size, D.shape[1], dtype=D.dtype, device=D.device)
-            out[rows] = self.diag[rows, None] * D
-            return out
-        return self.matrix[:, rows] @ D
-
-    def solve(self, rhs: Tensor) -> Tensor:
-        """A minimum-norm solution of ``G Z = rhs`` (rhs in the range of G)."""
-        if self.diag is not None:
-            d = self.diag
-            inv = torch.where(d > _rcond(d.dtype) * d.abs().max().clamp_min(1e-30), 1.0 / d, torch.zeros_like(d))
-            return inv[:, None] * rhs
-        return psd_solve(self.matrix, rhs)
-
-    def roots(self) -> tuple[Tensor, Tensor]:
-        """``(X, X⁺)`` with ``X = G^{1/2}`` symmetric (dense) — for the closed-form weighted low rank."""
-        if self.diag is not None:
-            s = self.diag.clamp_min(0).sqrt()
-            inv = torch.where(s > _rcond(s.dtype) ** 0.5 * s.max().clamp_min(1e-30), 1.0 / s, torch.zeros_like(s))
-            return torch.diag(s), torch.diag(inv)
-        lam, V = symmetric_eigh(self.matrix)
-        lam = lam.clamp_min(0)
-        s = lam.sqrt()
-        inv = torch.where(s > _rcond(s.dtype) ** 0.5 * s.max().clamp_min(1e-30), 1.0 / s, torch.zeros_like(s))
-        return (V * s) @ V.T, (V * inv) @ V.T
-
-    def rotated(self, Q: Tensor) -> "Gram":
-        """The Gram of the rotated inputs ``X Q``: ``Qᵀ G Q``."""
-        return Gram(matrix=Q.T @ self.dense() @ Q)
-
-
-def psd_solve(C: Tensor, D: Tensor) -> Tensor:
-    """``C⁺ D`` for symmetric PSD ``C`` (eigenvalues below ``1e-12 λ_max`` treated as zero): the
-    minimum-norm solution of normal equations, whose right-hand side is always in C's range."""
-    lam, V = symmetric_eigh(C)
-    cut = _rcond(C.dtype) * lam.abs().max().clamp_min(1e-30)
-    inv = torch.where(lam > cut, 1.0 / lam, torch.zeros_like(lam))
-    return V @ (inv[:, None] * (V.T @ D))
-
-
-def weighted_error(D: Tensor, gram: Gram | None = None) -> float:
-    """``‖D‖²_F`` or ``tr(Dᵀ G D)``."""
-    return float((D * D).sum()) if gram is None else gram.error(D)
-
-
-def truncated_svd(R: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The top ``r`` singular triplets of ``R`` (or of every matrix in a batch)."""
-    U, S, Vh = svd(R)
-    return U[..., :r], S[..., :r], Vh[..., :r, :]
+#: the Kronecker split ``A_s`` of ``1 x q`` tried for the hidden size (:meth:`Kron.plan_factor`)
+KRON_Q_CANDIDATES = (2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 18, 20, 24, 32, 48, 64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,12 +56,68 @@ def _check_divides(what: str, part: int, whole: int, matrix: tuple[int, int]) ->
         raise ValueError(f"{what} {part} does not divide {whole} (matrix {matrix[0]}x{matrix[1]})")
 
 
+def _divisors(n: int, candidates) -> list[int]:
+    return [q for q in candidates if q <= n and n % q == 0]
+
+
+class Structure:
+    """What every structure class answers; the classes are frozen dataclasses whose first field is
+    ``shape`` (``[m, n]``). Class attributes: ``kind`` (the serialised name), ``rotation_helps``
+    (whether an orthogonal change of basis of the columns can lower the error: not for low rank, the
+    rank of ``M Q`` is that of M), ``iterative`` (whether :meth:`weighted` iterates from a starting
+    point instead of being closed form), ``row_factor`` (``(index, dim)``: the factor holding the
+    rows and its row dimension, for the classes whose rows can be free) and ``sizing`` (the keyword
+    arguments of :meth:`sized` the class reads)."""
+    kind: ClassVar[str]
+    rotation_helps: ClassVar[bool] = True
+    iterative: ClassVar[bool] = False
+    row_factor: ClassVar[tuple[int, int] | None] = None
+    sizing: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def rows_free(self) -> bool:
+        """Whether the row factor is unconstrained (any matrix times it stays in the class): a tall
+        matrix's problem then depends on M only through ``Mᵀ G M``, and M can be replaced by its
+        ``[n, n]`` square root (:meth:`..segments.Term.reduced`), its row factor lifted back by
+        :meth:`map_rows`."""
+        return False
+
+    def with_rows(self, k: int) -> "Structure":
+        """The same structure for a ``[k, n]`` matrix (a rows-free class only)."""
+        raise TypeError(f"{type(self).__name__} {self.shape}: its rows are not free")
+
+    def map_rows(self, T: Tensor, f: Tensor) -> Tensor:
+        """``T`` (``[k', k]``) applied to the rows of the row factor ``f`` (a rows-free class only)."""
+        raise TypeError(f"{type(self).__name__} {self.shape}: its rows are not free")
+
+    @classmethod
+    def plan_factor(cls, d: int, keep: float, user: int | None) -> int | None:
+        """A split shared by every matrix of a plan, from the hidden size ``d`` (``None``: the class has
+        none)."""
+        return None
+
+
 @dataclass(frozen=True)
-class Dense:
-    """No structure (a matrix left as it is, e.g. V in the paper)."""
+class Dense(Structure):
+    """No structure (a matrix left as it is, e.g. V in the paper). Its rows are not free in the sense
+    of :attr:`Structure.rows_free`: a dense matrix is never fitted, so never reduced."""
     shape: tuple[int, int]
 
     kind = "dense"
+
+    @classmethod
+    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "Dense":
+        return cls(shape)
+
+    @classmethod
+    def sized(cls, shape: tuple[int, int], keep: float, **_) -> "Dense":
+        return cls(shape)
+
+    def at_full_rank(self) -> "Dense":
+        return self
+
+    def module_tensors(self, f: Factors) -> dict[str, Tensor]:
+        return {"weight": f[0]}
 
     def params(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -219,21 +138,48 @@ class Dense:
         return (f[0].T,)
 
     def spec(self) -> dict:
-        return {"type": "dense"}
+        return {"type": self.kind}
 
 
 @dataclass(frozen=True)
-class LowRank:
+class LowRank(Structure):
     """``W = U V``, ``U [m, r]``, ``V [r, n]``."""
     shape: tuple[int, int]
     rank: int
 
     kind = "lowrank"
+    rotation_helps = False
+    row_factor = (0, 0)
 
     def __post_init__(self):
         m, n = self.shape
         if not 1 <= self.rank <= min(m, n):
             raise ValueError(f"low rank {self.rank} must be in [1, {min(m, n)}] for a {m}x{n} matrix")
+
+    @classmethod
+    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "LowRank":
+        return cls(shape, int(spec["rank"]))
+
+    @classmethod
+    def sized(cls, shape: tuple[int, int], keep: float, **_) -> "LowRank":
+        k, d = shape
+        return cls((k, d), min(max(1, round(keep * k * d / (k + d))), min(k, d)))
+
+    def at_full_rank(self) -> "LowRank":
+        return LowRank(self.shape, min(self.shape))
+
+    @property
+    def rows_free(self) -> bool:
+        return True
+
+    def with_rows(self, k: int) -> "LowRank":
+        return LowRank((k, self.shape[1]), self.rank)
+
+    def map_rows(self, T: Tensor, f: Tensor) -> Tensor:
+        return T @ f
+
+    def module_tensors(self, f: Factors) -> dict[str, Tensor]:
+        return {"lr_u": f[0], "lr_v": f[1]}
 
     def params(self) -> int:
         return self.rank * (self.shape[0] + self.shape[1])
@@ -262,11 +208,11 @@ class LowRank:
         return f[1].T, f[0].T
 
     def spec(self) -> dict:
-        return {"type": "lowrank", "rank": self.rank}
+        return {"type": self.kind, "rank": self.rank}
 
 
 @dataclass(frozen=True)
-class Kron:
+class Kron(Structure):
     """``W = Σ_{s<r} A_s ⊗ B_s`` with ``A_s [m1, n1]``, ``B_s [m2, n2]``, ``m = m1 m2``, ``n = n1 n2``
     (``(A ⊗ B)[i1 m2 + i2, j1 n2 + j2] = A[i1, j1] B[i2, j2]``). Factors ``A [r, m1, n1]``,
     ``B [r, m2, n2]``; parameters ``r (m1 n1 + m2 n2)``."""
@@ -275,6 +221,9 @@ class Kron:
     a_shape: tuple[int, int]
 
     kind = "kron"
+    iterative = True
+    row_factor = (1, 1)
+    sizing = ("factor",)
 
     def __post_init__(self):
         m, n = self.shape
@@ -284,6 +233,51 @@ class Kron:
         if not 1 <= self.rank <= self.max_rank:
             raise ValueError(f"Kronecker rank {self.rank} must be in [1, {self.max_rank}] for factors "
                              f"{self.a_shape} ⊗ {self.b_shape}")
+
+    @classmethod
+    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "Kron":
+        return cls(shape, int(spec["rank"]), tuple(spec["a_shape"]))
+
+    @classmethod
+    def sized(cls, shape: tuple[int, int], keep: float, *, factor: int, **_) -> "Kron":
+        """``A_s`` of ``1 x factor`` (the plan's shared split, :meth:`plan_factor`), rank from ``keep``."""
+        k, d = shape
+        q = factor
+        r = min(q, max(1, round(keep * k * d / (q + k * d / q))))
+        return cls((k, d), r, (1, q))
+
+    @classmethod
+    def plan_factor(cls, d: int, keep: float, user: int | None) -> int:
+        """The ``q`` of ``A_s [1, q]`` for every matrix of a plan on hidden size ``d``: ``user``'s when
+        given (it must divide d), else the candidate whose rank rounds closest to ``keep``."""
+        if user is not None:
+            if d % user:
+                raise ValueError(f"Kronecker factor {user} does not divide the hidden size {d}: factor shapes must "
+                                 f"divide the matrix (try one of {_divisors(d, range(2, 65))})")
+            return user
+        options = _divisors(d, [q for q in KRON_Q_CANDIDATES if q <= max(2, d // 4)])  # A stays the small factor
+        if not options:
+            raise ValueError(f"no Kronecker factor in {KRON_Q_CANDIDATES} divides the hidden size {d}")
+        scored = [(abs(max(1, round(keep * q)) / q - keep), q) for q in options]
+        good = [q for err, q in scored if err <= 0.01]
+        return good[0] if good else min(scored)[1]
+
+    def at_full_rank(self) -> "Kron":
+        return Kron(self.shape, self.max_rank, self.a_shape)
+
+    @property
+    def rows_free(self) -> bool:
+        """``A_s`` of one row: the rows live in the ``B_s`` only."""
+        return self.a_shape[0] == 1
+
+    def with_rows(self, k: int) -> "Kron":
+        return Kron((k, self.shape[1]), self.rank, self.a_shape)
+
+    def map_rows(self, T: Tensor, f: Tensor) -> Tensor:
+        return torch.einsum("ik,skj->sij", T, f)
+
+    def module_tensors(self, f: Factors) -> dict[str, Tensor]:
+        return {"kron_a": f[0].permute(1, 0, 2), "kron_b": f[1].permute(1, 0, 2)}
 
     @property
     def b_shape(self) -> tuple[int, int]:
@@ -363,11 +357,11 @@ class Kron:
         return f[0].transpose(1, 2), f[1].transpose(1, 2)
 
     def spec(self) -> dict:
-        return {"type": "kron", "rank": self.rank, "a_shape": list(self.a_shape)}
+        return {"type": self.kind, "rank": self.rank, "a_shape": list(self.a_shape)}
 
 
 @dataclass(frozen=True)
-class GS:
+class GS(Structure):
     """Group-and-shuffle ``W = L · P · R`` (Gorbunov et al. 2024; Monarch-like): ``R`` block-diagonal
     with ``kr`` blocks ``[kl·b, n/kr]``, ``P`` the shuffle that routes ``b`` channels from every R-block
     to every L-block, ``L`` block-diagonal with ``kl`` blocks ``[m/kl, kr·b]``. Equivalently, block
@@ -380,6 +374,9 @@ class GS:
     rank: int  # b, the rank of every tile
 
     kind = "gs"
+    iterative = True
+    row_factor = (0, 1)
+    sizing = ("blocks",)
 
     def __post_init__(self):
         m, n = self.shape
@@ -388,6 +385,43 @@ class GS:
         if not 1 <= self.rank <= min(m // self.kl, n // self.kr):
             raise ValueError(f"GS tile rank {self.rank} must be in [1, {min(m // self.kl, n // self.kr)}] "
                              f"for {self.kl}x{self.kr} tiles of a {m}x{n} matrix")
+
+    @classmethod
+    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "GS":
+        kl, kr = spec["blocks"]
+        return cls(shape, int(kl), int(kr), int(spec["rank"]))
+
+    @classmethod
+    def sized(cls, shape: tuple[int, int], keep: float, *, blocks: tuple[int, int] | None = None,
+              embedding: bool = False, name: str = "", **_) -> "GS":
+        """Tiles ``blocks`` (default: 4, 2 or 1 per side, whichever divides), one row block for an
+        embedding or head (its rows free); the tile rank from ``keep``."""
+        k, d = shape
+        if blocks is None:
+            blocks = (next(x for x in (4, 2, 1) if k % x == 0), next(x for x in (4, 2, 1) if d % x == 0))
+        kl, kr = (1, blocks[1]) if embedding else tuple(blocks)
+        if k % kl or d % kr:
+            raise ValueError(f"GS blocks ({kl}, {kr}) do not divide {name} ({k}x{d} with the residual dimension on "
+                             "the columns): factor shapes must divide the matrix")
+        b = round(keep * k * d / (kr * k + kl * d))
+        return cls((k, d), kl, kr, min(max(1, b), k // kl, d // kr))
+
+    def at_full_rank(self) -> "GS":
+        return GS(self.shape, self.kl, self.kr, min(self.tile))
+
+    @property
+    def rows_free(self) -> bool:
+        """One row block: the left factor ``L [1, m, kr b]`` is unconstrained."""
+        return self.kl == 1
+
+    def with_rows(self, k: int) -> "GS":
+        return GS((k, self.shape[1]), self.kl, self.kr, self.rank)
+
+    def map_rows(self, T: Tensor, f: Tensor) -> Tensor:
+        return (T @ f[0])[None]
+
+    def module_tensors(self, f: Factors) -> dict[str, Tensor]:
+        return {"gs_left": f[0], "gs_right": f[1]}
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -462,26 +496,20 @@ class GS:
         return f[1].transpose(1, 2).contiguous(), f[0].transpose(1, 2).contiguous()
 
     def spec(self) -> dict:
-        return {"type": "gs", "blocks": [self.kl, self.kr], "rank": self.rank}
+        return {"type": self.kind, "blocks": [self.kl, self.kr], "rank": self.rank}
 
 
-Structure = Dense | LowRank | Kron | GS
-KINDS = ("dense", "lowrank", "kron", "gs")
+#: the structure classes by their serialised name (``kind``): the one place a name maps to a class
+CLASSES: dict[str, type[Structure]] = {cls.kind: cls for cls in (Dense, LowRank, Kron, GS)}
+KINDS = tuple(CLASSES)
 
 
 def from_spec(spec: dict, shape: tuple[int, int]) -> Structure:
     """The structure a config entry (``{"type": ..., ...}``) describes for an ``[out, in]`` matrix."""
-    kind = spec.get("type")
-    if kind == "dense":
-        return Dense(shape)
-    if kind == "lowrank":
-        return LowRank(shape, int(spec["rank"]))
-    if kind == "kron":
-        return Kron(shape, int(spec["rank"]), tuple(spec["a_shape"]))
-    if kind == "gs":
-        kl, kr = spec["blocks"]
-        return GS(shape, int(kl), int(kr), int(spec["rank"]))
-    raise ValueError(f"unknown structure type {kind!r}; choose one of {', '.join(KINDS)}")
+    cls = CLASSES.get(spec.get("type"))
+    if cls is None:
+        raise ValueError(f"unknown structure type {spec.get('type')!r}; choose one of {', '.join(KINDS)}")
+    return cls.from_spec(spec, shape)
 
 
 def error(structure: Structure, W: Tensor, f: Factors, gram: Gram | None = None) -> float:

@@ -29,7 +29,7 @@ import torch
 
 from ...symmetry import structured as st
 from .options import CompressOptions
-from .plan import Entry, choose_kron_factor, in_policy, structure_for
+from .plan import Entry, in_policy, shared_factor, structure_for
 
 #: sizes at which sensitivity is measured, and the finer grid the allocator chooses from
 MEASURED = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
@@ -62,13 +62,12 @@ def group_entries(entries: list[Entry], options: CompressOptions) -> dict[str, l
 
 
 def _structures(es: list[Entry], options: CompressOptions, kron_q: int | None, keep: float) -> list[st.Structure]:
-    return [structure_for(options.structure, e.name, *e.shape, keep, options, kron_q, e.canon in ("embed", "lm_head"))
+    return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head"))
             for e in es]
 
 
 def kron_factor(entries: list[Entry], options: CompressOptions, kappa: float) -> int | None:
-    d = entries[0].shape[1]
-    return choose_kron_factor(d, kappa, options.kron_factor) if options.structure == "kron" else None
+    return shared_factor(options, entries[0].shape[1], kappa)
 
 
 def build_groups(entries: list[Entry], options: CompressOptions, kron_q: int | None,
@@ -205,7 +204,7 @@ def measure_sensitivity(source, config: dict, adapter, entries: list[Entry], opt
     from ...calibration import calibration_batches as batches
 
     groups = group_entries(entries, options)
-    if options.structure == "kron" and kron_q is None:
+    if kron_q is None:
         kron_q = kron_factor(entries, options, 1 - options.ratio)
     curves: dict[str, list[tuple[float, float]]] = {}
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)

@@ -200,22 +200,11 @@ def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: b
     return [dict(layer) for layer in layers], actions.fold_final_norm(g), gamma
 
 
-def module_tensors(structure: st.Structure, factors: st.Factors) -> Tensors:
-    """Factors (math layout, :mod:`..symmetry.structured`) -> the parameters of the matching module of
-    ``modeling_compressed_llama`` (``[out, in]`` orientation)."""
-    if structure.kind == "dense":
-        return {"weight": factors[0]}
-    if structure.kind == "lowrank":
-        return {"lr_u": factors[0], "lr_v": factors[1]}
-    if structure.kind == "kron":
-        return {"kron_a": factors[0].permute(1, 0, 2), "kron_b": factors[1].permute(1, 0, 2)}
-    if structure.kind == "gs":
-        return {"gs_left": factors[0], "gs_right": factors[1]}
-    raise AssertionError(structure.kind)
-
-
-def _module_factors(m: MatrixPlan, factors: st.Factors) -> st.Factors:
-    return factors if m.module_structure is m.structure else m.structure.transpose_factors(factors)
+def module_tensors(m: MatrixPlan, factors: st.Factors) -> Tensors:
+    """Matrix ``m``'s factors (M orientation) -> the parameters of its module of
+    ``modeling_compressed_llama`` (``[out, in]`` orientation: :meth:`.Structure.module_tensors`)."""
+    f = factors if m.module_structure is m.structure else m.structure.transpose_factors(factors)
+    return m.module_structure.module_tensors(f)
 
 
 def _rotated_rows(globals_, key: str, Q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -268,7 +257,7 @@ class Assembler:
     def _global(self, m: MatrixPlan, key: str, Qs, factors: dict, consume: bool) -> Tensors:
         if m.compressed:
             f = factors.pop(m.name) if consume else factors[m.name]
-            return module_tensors(m.module_structure, _module_factors(m, f))
+            return module_tensors(m, f)
         return {"weight": _rotated_rows(self.globals, key, self._basis(Qs, m.segment), self.dtype)}
 
     def embed(self, Qs, factors: dict, consume: bool = False) -> None:
@@ -283,7 +272,7 @@ class Assembler:
         Q = self._basis(Qs, m.segment)
         if m.compressed:
             f = factors.pop(m.name) if consume else factors[m.name]
-            tensors = module_tensors(m.module_structure, _module_factors(m, f))
+            tensors = module_tensors(m, f)
         else:
             w = W[f"{m.canon}.weight"]
             tensors = {"weight": w @ Q if m.role == "reader" else Q.T @ w}
@@ -306,7 +295,7 @@ class Assembler:
                 self.put(prefix + path, {"weight": W[f"{canon}.weight"]})
         dr = plan.residual
         for name, (a, b) in (("attn_skip", (2 * i, 2 * i + 1)), ("mlp_skip", (2 * i + 1, 2 * i + 2))):
-            _put_skip(self.put, prefix + name, plan.skip, Qs[a][:, :dr].T @ Qs[b][:, :dr])
+            _SKIP_TENSORS[plan.skip](self.put, prefix + name, Qs[a][:, :dr].T @ Qs[b][:, :dr])
         self.layer_map.add(i, Qs[2 * i + 2], plan.width(2 * i + 2))   # layer i writes segment 2i + 2
         self.done.add(i)
 
@@ -364,19 +353,21 @@ def assemble(plan: Plan, layers: list[Tensors], globals_: Tensors, gamma: torch.
     return Assembler(plan, layers, globals_, gamma, dtype, sink).finish(res, progress)
 
 
-def _put_skip(put, prefix: str, kind: str, S: torch.Tensor) -> None:
-    if kind == "none":
-        return
-    if kind == "dense":
-        put(prefix, {"weight": S.T})
-        return
-    from ...modeling.modeling_compressed_llama import cayley_decode
-
+def _orthogonal_skip(put, prefix: str, S: torch.Tensor) -> None:
+    """An orthogonal skip matrix, stored by its Cayley encoding (checked to decode to ``S``)."""
     k, signs = cayley_encode(S)
-    err = (cayley_decode(k, signs) - S).abs().max().item()
+    err = (family.cayley_decode(k, signs) - S).abs().max().item()
     if err > 1e-8:
         raise RuntimeError(f"{prefix}: Cayley encoding of the skip rotation is inaccurate ({err:.1e})")
     put(prefix, {"skip_k": k, "skip_signs": signs})
+
+
+#: how a skip connection's matrix ``S`` is written, by the plan's ``skip`` (the config's ``skip_connections``)
+_SKIP_TENSORS = {
+    "none": lambda put, prefix, S: None,
+    "dense": lambda put, prefix, S: put(prefix, {"weight": S.T}),
+    "orthogonal": _orthogonal_skip,
+}
 
 
 def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_config=None) -> dict:

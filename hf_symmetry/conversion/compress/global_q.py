@@ -59,7 +59,7 @@ class _Spill:
 def _warm_started(t: Term) -> bool:
     """Whether ``t``'s fit starts from its previous factors (weighted Kronecker/GS: alternating least
     squares; low rank and unweighted fits are closed form)."""
-    return not t.is_dense and t.structure.kind != "lowrank" and (t.row_gram is not None or t.col_gram is not None)
+    return not t.is_dense and t.structure.iterative and (t.row_gram is not None or t.col_gram is not None)
 
 
 class GlobalSolve:

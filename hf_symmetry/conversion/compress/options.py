@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ...symmetry import structured as st
+
+#: ``--structure``: a structure class by its name (:data:`...symmetry.structured.CLASSES`), or SliceGPT
 STRUCTURES = ("kron", "gs", "lowrank", "slice")
+#: the option that sets each sizing argument of a structure class (:attr:`...structured.Structure.sizing`)
+_SIZING_OPTIONS = {"factor": "kron_factor", "blocks": "gs_blocks"}
 STAGES = ("none", "f", "w")
 Q_MODES = ("segment", "global")
 PRESETS = ("procrustesgpt-llama",)
@@ -110,7 +115,7 @@ class CompressOptions:
     def sequential_applies(self) -> bool:
         if self.slicing:
             return self.q_mode == "segment"
-        return self.stage == "w" and (self.q_mode == "segment" or self.structure == "lowrank")
+        return self.stage == "w" and (self.q_mode == "segment" or not self.structure_class.rotation_helps)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "CompressOptions":
@@ -127,6 +132,16 @@ class CompressOptions:
 
     # ------------------------------------------------------------------ what the flags mean
     @property
+    def structure_class(self) -> type[st.Structure] | None:
+        """The structure class of the compressed matrices (``None`` for SliceGPT, whose matrices stay
+        dense and narrower)."""
+        if self.slicing:
+            return None
+        if self.structure not in st.CLASSES:
+            raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURES)}")
+        return st.CLASSES[self.structure]
+
+    @property
     def slicing(self) -> bool:
         """SliceGPT: PCA rotations, then the residual stream sliced."""
         return self.structure == "slice"
@@ -135,7 +150,7 @@ class CompressOptions:
     def rotates(self) -> bool:
         """Whether any rotation is sought: never for low rank (the rank of M Q is that of M, also in the
         weighted norms), never at stage ``none``; always for SliceGPT (its PCA)."""
-        return self.slicing or (self.structure != "lowrank" and self.stage != "none")
+        return self.slicing or (self.structure_class.rotation_helps and self.stage != "none")
 
     @property
     def segment_rotations(self) -> bool:
@@ -197,10 +212,10 @@ class CompressOptions:
     def label(self) -> str:
         """How the method is named in output, reports and cards."""
         if self.slicing:
-            kind = "global PCA" if self.q_mode == "global" else "PCA per segment"
-            return f"SliceGPT ({kind}{', sequential' if self.sequential else ''})"
+            basis = "global PCA" if self.q_mode == "global" else "PCA per segment"
+            return f"SliceGPT ({basis}{', sequential' if self.sequential else ''})"
         extra = ", sequential" if self.sequential else ""
-        if self.structure == "lowrank":
+        if not self.structure_class.rotation_helps:     # (low rank: no rotation, so no q mode)
             return f"ProcrustesGPT (lowrank, stage {self.stage}{extra})"
         return f"ProcrustesGPT ({self.structure}, stage {self.stage}, {self.q_mode} Q{extra})"
 
@@ -211,10 +226,7 @@ class CompressOptions:
             keys += ["sequential"]
         else:
             keys += ["stage", "dense_modules"]
-            if self.structure == "kron":
-                keys.append("kron_factor")
-            if self.structure == "gs":
-                keys.append("gs_blocks")
+            keys += [_SIZING_OPTIONS[s] for s in self.structure_class.sizing]
             if self.rotates and self.stage in ("f", "w"):
                 keys += ["f_iters", "tol"]
             if self.weighted:

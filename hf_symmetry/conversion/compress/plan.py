@@ -20,9 +20,6 @@ from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
 from .options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 
-_KRON_Q_CANDIDATES = (2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 18, 20, 24, 32, 48, 64)
-
-
 @dataclass
 class MatrixPlan:
     """One matrix as the solver sees it: ``M [k, d]`` with the residual dimension on its columns
@@ -91,61 +88,21 @@ def check_family(config: dict, keys: list[str]) -> Adapter:
 # ---------------------------------------------------------------------------------------------
 # structure sizes
 # ---------------------------------------------------------------------------------------------
-def _divisors(n: int, candidates) -> list[int]:
-    return [q for q in candidates if q <= n and n % q == 0]
+def shared_factor(options: CompressOptions, d: int, kappa: float) -> int | None:
+    """The split every matrix of a plan shares (the Kronecker ``q``, :meth:`.Structure.plan_factor`;
+    ``None`` for the other classes and SliceGPT)."""
+    cls = options.structure_class
+    return None if cls is None else cls.plan_factor(d, kappa, options.kron_factor)
 
 
-def _kron_for(k: int, d: int, kappa: float, q: int) -> st.Kron:
-    r = min(q, max(1, round(kappa * k * d / (q + k * d / q))))
-    return st.Kron((k, d), r, (1, q))
-
-
-def choose_kron_factor(d: int, kappa: float, user: int | None) -> int:
-    if user is not None:
-        if d % user:
-            raise ValueError(f"Kronecker factor {user} does not divide the hidden size {d}: factor shapes must "
-                             f"divide the matrix (try one of {_divisors(d, range(2, 65))})")
-        return user
-    options = _divisors(d, [q for q in _KRON_Q_CANDIDATES if q <= max(2, d // 4)])  # A stays the small factor
-    if not options:
-        raise ValueError(f"no Kronecker factor in {_KRON_Q_CANDIDATES} divides the hidden size {d}")
-    scored = [(abs(max(1, round(kappa * q)) / q - kappa), q) for q in options]
-    good = [q for err, q in scored if err <= 0.01]
-    return good[0] if good else min(scored)[1]
-
-
-def _gs_for(k: int, d: int, kappa: float, blocks: tuple[int, int], name: str) -> st.GS:
-    kl, kr = blocks
-    if k % kl or d % kr:
-        raise ValueError(f"GS blocks ({kl}, {kr}) do not divide {name} ({k}x{d} with the residual dimension on the "
-                         "columns): factor shapes must divide the matrix")
-    b = round(kappa * k * d / (kr * k + kl * d))
-    return st.GS((k, d), kl, kr, min(max(1, b), k // kl, d // kr))
-
-
-def _default_gs_blocks(k: int, d: int) -> tuple[int, int]:
-    kl = next(x for x in (4, 2, 1) if k % x == 0)
-    kr = next(x for x in (4, 2, 1) if d % x == 0)
-    return kl, kr
-
-
-def structure_for(kind: str, name: str, k: int, d: int, kappa: float, options: CompressOptions,
-                  kron_q: int | None, embedding: bool) -> st.Structure:
-    """The structure of ``kind`` on ``M [k, d]`` keeping about ``kappa`` of its parameters (``kappa >= 1``:
-    dense)."""
+def structure_for(options: CompressOptions, name: str, k: int, d: int, kappa: float, factor: int | None,
+                  embedding: bool) -> st.Structure:
+    """The structure of ``options.structure`` on ``M [k, d]`` keeping about ``kappa`` of its parameters
+    (``kappa >= 1``: dense); ``factor``: the plan's :func:`shared_factor`."""
     if kappa >= 1.0:
         return st.Dense((k, d))
-    if kind == "kron":
-        return _kron_for(k, d, kappa, kron_q)
-    if kind == "lowrank":
-        return st.LowRank((k, d), min(max(1, round(kappa * k * d / (k + d))), min(k, d)))
-    if kind == "gs":
-        if options.gs_blocks is not None:
-            blocks = (1, options.gs_blocks[1]) if embedding else tuple(options.gs_blocks)
-        else:
-            blocks = (1, _default_gs_blocks(k, d)[1]) if embedding else _default_gs_blocks(k, d)
-        return _gs_for(k, d, kappa, blocks, name)
-    raise AssertionError(kind)
+    return options.structure_class.sized((k, d), kappa, factor=factor, blocks=options.gs_blocks,
+                                         embedding=embedding, name=name)
 
 
 def _matrix_shapes(adapter: Adapter, config: dict) -> dict[str, tuple[int, int]]:
@@ -213,7 +170,7 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     gamma_is_one = final_gamma is None or bool(torch.all(final_gamma == 1))
     carried = 2 * n_layers * adapter.layout.head_dim if adapter.layout.qk_norm else 0   # q_norm, k_norm γ
 
-    widths = None
+    widths = kron_q = None
     if options.slicing:
         if keep is None:
             residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total - carried)
@@ -238,12 +195,11 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
                 raise ValueError(f"ratio {options.ratio} cannot be met: the skip/head matrices alone need "
                                  f"{overhead:,} parameters of the {(1 - options.ratio) * p_compressed:,.0f} left; "
                                  "use a smaller ratio or --q-mode global")
-        kron_q = choose_kron_factor(d, kappa, options.kron_factor) if options.structure == "kron" else None
+        kron_q = shared_factor(options, d, kappa)
         structures = {}
         for e in entries:
             k_e = kappa if keep is None else keep.get(e.name, kappa)
-            structures[e.name] = (structure_for(options.structure, e.name, *e.shape, k_e, options, kron_q,
-                                                e.canon in ("embed", "lm_head"))
+            structures[e.name] = (structure_for(options, e.name, *e.shape, k_e, kron_q, e.canon in ("embed", "lm_head"))
                                   if in_policy(e.canon, options) else st.Dense(e.shape))
     matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
     plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices,
@@ -263,7 +219,7 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     if options.matrix_keep is None and abs(achieved - options.ratio) > options.tolerance:
         raise ValueError(f"no {options.structure} configuration meets ratio {options.ratio:g} within "
                          f"{options.tolerance:g} (nearest: {achieved:.4f})" +
-                         ("; try another --kron-factor" if options.structure == "kron" else ""))
+                         ("; try another --kron-factor" if kron_q is not None else ""))
     return plan
 
 

@@ -71,9 +71,7 @@ class _TallTerm:
         """A vocabulary-sized matrix whose row factor is free: low rank, GS with one row block (the
         embeddings' GS blocks), Kronecker with ``A_s`` of one row (the plan's Kronecker shapes)."""
         s = m.structure
-        rows_free = (s.kind == "lowrank" or (s.kind == "gs" and s.kl == 1)
-                     or (s.kind == "kron" and s.a_shape[0] == 1))
-        return m.canon in ("embed", "lm_head") and rows_free and s.shape[0] > s.shape[1]
+        return m.canon in ("embed", "lm_head") and s.rows_free and s.shape[0] > s.shape[1]
 
     def lift(self, Q: torch.Tensor) -> tuple[st.Factors, float]:
         """The full matrix's factors and its relative error ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``:
@@ -84,27 +82,17 @@ class _TallTerm:
         is written (the output's shard writer streams it), so it is never in memory whole (220 MB in
         float32 for a 49152 × 1117 factor)."""
         term = self.term
-        f0, f1 = term.factors
-        kind = term.structure.kind
+        s, (row, dim) = term.structure, term.structure.row_factor
         n, _ = self._blocks()
-        if kind == "kron":      # (A, B): the row factors B_s [vocab, n2] = M (R B'_s), stacked [r, vocab, n2]
-            RB = torch.einsum("kl,slj->skj", self.R, f1)
+        RF = s.map_rows(self.R, term.factors[row])
 
-            def blocks():
-                for _, B in self._blocks()[1]:
-                    yield torch.einsum("ik,skj->sij", B, RB)
+        def blocks():
+            for _, B in self._blocks()[1]:
+                yield s.map_rows(B, RF)
 
-            factors = (f0.cpu(), RowBlocks((f1.shape[0], n, f1.shape[2]), self.row_dtype, blocks, row_dim=1))
-        else:                   # low rank (U, V), GS ([1, d, c] left factor, right factor)
-            Rf = self.R @ (f0[0] if kind == "gs" else f0)
-
-            def blocks():
-                for _, B in self._blocks()[1]:
-                    U = B @ Rf
-                    yield U[None] if kind == "gs" else U
-
-            shape = (1, n, Rf.shape[1]) if kind == "gs" else (n, Rf.shape[1])
-            factors = (RowBlocks(shape, self.row_dtype, blocks, row_dim=len(shape) - 2), f1.cpu())
+        shape = tuple(RF.shape[:dim]) + (n,) + tuple(RF.shape[dim + 1:])
+        factors = tuple(RowBlocks(shape, self.row_dtype, blocks, row_dim=dim) if j == row else f.cpu()
+                        for j, f in enumerate(term.factors))
         D = Q.to(self.R) - self.R @ term.structure.dense(term.factors)
         err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
                     torch.sqrt(self.plain.trace()).clamp_min(1e-300))

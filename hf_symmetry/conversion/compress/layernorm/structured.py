@@ -27,7 +27,7 @@ from ....symmetry import structured as st
 from ...stream import TensorSource, partition_keys
 from ..assemble import FoldedLayers, assemble
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
-from ..plan import MatrixPlan, Plan, accounting, choose_kron_factor, in_policy, rotation_overhead, source_numels, \
+from ..plan import MatrixPlan, Plan, accounting, in_policy, rotation_overhead, shared_factor, source_numels, \
     structure_for
 from .centred import CentredSource
 
@@ -66,10 +66,10 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
                          f"positions{', skip rotations' if skip != 'none' else ''}) already needs {fixed:,} of "
                          f"{target:,.0f} parameters; use a smaller ratio" +
                          (" or --q-mode global" if skip != "none" else ""))
-    kron_q = choose_kron_factor(d, kappa, options.kron_factor) if options.structure == "kron" else None
+    kron_q = shared_factor(options, d, kappa)
     matrices = []
     for name, c, i, role, seg, shape, bias in entries:
-        s = (structure_for(options.structure, name, *shape, kappa, options, kron_q, c in ("embed", "lm_head"))
+        s = (structure_for(options, name, *shape, kappa, kron_q, c in ("embed", "lm_head"))
              if in_policy(c, options) else st.Dense(shape))
         matrices.append(MatrixPlan(name, c, i, role, seg, s, bias))
     plan = Plan(adapter.family, d, d, L, False, skip, "separate", matrices)
@@ -84,7 +84,7 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
     if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.tolerance:
         raise ValueError(f"no {options.structure} configuration meets ratio {options.ratio:g} within "
                          f"{options.tolerance:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
-                         + ("; try another --kron-factor" if options.structure == "kron" else ""))
+                         + ("; try another --kron-factor" if kron_q is not None else ""))
     return plan
 
 
