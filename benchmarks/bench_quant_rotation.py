@@ -44,17 +44,48 @@ VARIANTS = {
                                           learn_iterations=6),
     "for-quantization-learned-hqq3g64": dict(residual="hadamard", for_quantization=True, learn="hqq3g64",
                                              learn_iterations=4),
+    # activation-aware exact scales (quant_scales), searched against the quantizer they are evaluated
+    # with ("@"), on 2048 tokens of britannica-calib: no residual rotation (the massive activations
+    # stay in their few columns), with or without the per-head V/O Hadamards, and after the Hadamard
+    "scales": dict(residual="none", for_quantization=True, vo_hadamard=False, scales="@"),
+    "scales-vo": dict(residual="none", for_quantization=True, vo_hadamard=True, scales="@"),
+    "hadamard-scales": dict(residual="hadamard", for_quantization=True, scales="@"),
 }
+CALIBRATION = ("britannica-calib", 2048)
 QUANTIZERS = ("Q4_0", "hqq3g64-rtn", "Q4_1", "hqq4g64-rtn", "hqq3g128-rtn", "MXFP4")
 
 
-def build(variant: str, model, config: dict):
+_STATS: dict = {}
+
+
+def calibration_stats(model, config: dict):
+    """The calibration engine's per-layer second moments, once per process."""
+    if "stats" not in _STATS:
+        from transformers import AutoTokenizer
+
+        from hf_symmetry.calibration.data import calibration_ids
+        from hf_symmetry.conversion.quant_scales import layer_stats
+        from hf_symmetry.conversion.stream import DictSource
+
+        tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        ids = calibration_ids(tok, *CALIBRATION)
+        t = time.perf_counter()
+        _STATS["stats"] = layer_stats(DictSource(model.state_dict()), config, ids)
+        print(f"calibration statistics: {ids.numel()} tokens, {time.perf_counter() - t:.1f} s", flush=True)
+    return _STATS["stats"]
+
+
+def build(variant: str, model, config: dict, quantizer: str | None = None):
     from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
     from hf_symmetry.evaluation.compare import model_from_state_dict
 
     spec = VARIANTS[variant]
     if spec is None:
         return copy.deepcopy(model), 0.0
+    calibration = None
+    if spec.get("scales") == "@":
+        calibration = calibration_stats(model, config)
+        spec = {**spec, "scales": quantizer}
     t = time.perf_counter()
     if spec.get("hold_out") == "massive":
         from transformers import AutoTokenizer
@@ -68,7 +99,7 @@ def build(variant: str, model, config: dict):
         held = massive_channels(model, calib)
         print(f"held out of the rotation: channels {held}", flush=True)
         spec = {**spec, "hold_out": held}
-    sd, cfg = rotate_state_dict(model.state_dict(), config, RotateOptions(seed=0, **spec))
+    sd, cfg = rotate_state_dict(model.state_dict(), config, RotateOptions(seed=0, **spec), calibration=calibration)
     seconds = time.perf_counter() - t
     return model_from_state_dict(cfg, sd), seconds
 
@@ -98,24 +129,37 @@ def main() -> None:
     ids = tokenize_text(tok, read_text(resolve_text(args.text)), max_tokens=args.tokens)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
+    results.update(title="Rotations and exact scalings for low-bit weight quantization (issue 29)",
+                   machine=f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 2 (shared VM)",
+                   date=time.strftime("%Y-%m-%d", time.gmtime()),
+                   command="OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_quant_rotation.py "
+                           "[--model DIR --label L] --variants ... --quantizers ...")
     label = args.label or args.model
     entry = results.setdefault(label, {"text": args.text, "tokens": int(ids.numel()), "variants": {}})
     entry["machine"] = f"{platform.machine()}, {torch.get_num_threads()} threads"
     ref_logits = model_output(model, ids[:512])
     for variant in args.variants:
-        m, seconds = build(variant, model, model.config.to_dict())
+        per_quantizer = VARIANTS[variant] is not None and VARIANTS[variant].get("scales") == "@"
         row = entry["variants"].setdefault(variant, {})
-        row["convert_seconds"] = round(seconds, 1)
-        row["max_abs_dlogit_float32"] = (model_output(m, ids[:512]) - ref_logits).abs().max().item()
-        row["float"] = perplexity(m, ids, progress=False).perplexity
-        print(f"{variant}: float ppl {row['float']:.3f}, max |Δlogit| {row['max_abs_dlogit_float32']:.2e}, "
-              f"conversion {seconds:.1f} s", flush=True)
+        m = None
         for q in args.quantizers:
+            if m is None or per_quantizer:
+                m, seconds = build(variant, model, model.config.to_dict(), q)
+                dlogit = (model_output(m, ids[:512]) - ref_logits).abs().max().item()
+                if "float" not in row or not per_quantizer:
+                    row["float"] = perplexity(m, ids, progress=False).perplexity
+                    row["convert_seconds"] = round(seconds, 1)
+                    row["max_abs_dlogit_float32"] = dlogit
+                print(f"{variant} ({q if per_quantizer else 'any quantizer'}): float ppl {row['float']:.3f}, "
+                      f"max |Δlogit| {dlogit:.2e}, conversion {seconds:.1f} s", flush=True)
             mq = copy.deepcopy(m)
             stats = quantize_model_(mq, q)
             ppl = perplexity(mq, ids, progress=False).perplexity
             row[q] = {"perplexity": ppl, "relative_weight_error": stats["relative_error"],
                       "bits_per_weight": bits_per_weight(q)}
+            if per_quantizer:
+                row[q].update(scales_searched_against=q, convert_seconds=round(seconds, 1),
+                              max_abs_dlogit_float32=dlogit)
             print(f"  {q}: ppl {ppl:.3f} (relative weight error {stats['relative_error']:.4f})", flush=True)
             del mq
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,15 @@ def register(sub) -> None:
     p.add_argument("--hold-out", default="", metavar="I,J,...",
                    help="with --for-quantization: residual channels the Hadamard leaves alone (e.g. the "
                         "massive-activation channels; the remaining width needs a Hadamard construction)")
+    p.add_argument("--scales", metavar="QTYPE", default=None,
+                   help="with --for-quantization: choose the exact norm->readers, V->O and up->down scales from "
+                        "calibration activations by AWQ's search against this quantizer (replaces the max-abs "
+                        "balancing; with --residual none the norms keep their weights, rescaled)")
+    p.add_argument("--calibration-text", default="britannica-calib",
+                   help="with --scales: calibration text file or embedded name (default: britannica-calib)")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="with --scales: tokens (default: 2048)")
+    p.add_argument("--vo-hadamard", action=__import__("argparse").BooleanOptionalAction, default=True,
+                   help="with --for-quantization: per-head V/O Hadamard rotations (default: on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_verify_args(p, "the original")
@@ -55,12 +64,14 @@ def run(args) -> int:
     start = time.perf_counter()
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
-    if args.learn and not args.for_quantization:
-        raise SystemExit("--learn needs --for-quantization")
+    if (args.learn or args.scales) and not args.for_quantization:
+        raise SystemExit("--learn and --scales need --for-quantization")
     options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
                             seed=args.seed, for_quantization=args.for_quantization, learn=args.learn,
                             learn_iterations=args.learn_iterations, balance_alpha=args.balance_alpha,
-                            hold_out=tuple(int(c) for c in args.hold_out.split(",") if c.strip()))
+                            hold_out=tuple(int(c) for c in args.hold_out.split(",") if c.strip()),
+                            scales=args.scales, calibration_text=args.calibration_text,
+                            calibration_tokens=args.calibration_tokens, vo_hadamard=args.vo_hadamard)
     report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
                                max_shard_size=args.max_shard_size, progress=not args.quiet)
     lines = [f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",

@@ -150,15 +150,24 @@ def head_hadamards(layout: HeadLayout, seed: int, layer: int) -> list[torch.Tens
 
 
 def transform_layer(i: int, layer: Tensors, layout: HeadLayout, Q, seed: int = 0, vo_hadamard: bool = True,
-                    balance: QuantBalance = QuantBalance()) -> Tensors:
+                    balance: QuantBalance = QuantBalance(), stats: Tensors | None = None,
+                    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    scale_log: dict | None = None) -> Tensors:
     """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
-    ``Q`` (None: no residual rotation, norms stay unfolded and are not rebalanced), Hadamard the
-    V/O heads, then balance the exact column scales."""
+    ``Q`` (None: no residual rotation, norms stay unfolded), Hadamard the V/O heads, then set the
+    exact column scales: searched against ``quantize`` on the calibration second moments ``stats``
+    (:mod:`.quant_scales`, AWQ's criterion) when given, else the data-free max-abs balancing."""
     layer = dict(layer)
+    gammas = (layer["attn_norm.weight"], layer["ffn_norm.weight"])
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
-    if vo_hadamard:
-        layer = actions.rotate_vo(layer, layout, head_hadamards(layout, seed, i))
+    vo = head_hadamards(layout, seed, i) if vo_hadamard else None
+    if vo is not None:
+        layer = actions.rotate_vo(layer, layout, vo)
+    if stats is not None:
+        from .quant_scales import apply_scales, to_layer_basis
+
+        return apply_scales(layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log)
     if balance.vo:
         layer = balance_vo(layer, layout, balance.alpha)
     if balance.ffn:

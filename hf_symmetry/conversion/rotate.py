@@ -49,6 +49,12 @@ class RotateOptions:
     learn_iterations: int = 8
     balance_alpha: float = 1.0
     hold_out: tuple[int, ...] = ()      # residual channels the Hadamard leaves alone (massive activations)
+    # activation-aware exact scales (AWQ's search, :mod:`.quant_scales`) against this quantizer, on the
+    # calibration engine's second moments of ``calibration_tokens`` tokens of ``calibration_text``
+    scales: str | None = None
+    calibration_text: str = "britannica-calib"
+    calibration_tokens: int = 2048
+    vo_hadamard: bool = True            # --for-quantization: per-head V/O Hadamards
 
     @property
     def rotate_qk(self) -> bool:
@@ -60,7 +66,8 @@ class RotateOptions:
 
     def symmetries(self) -> list[str]:
         if self.for_quantization:
-            return (["residual_rotation"] if self.residual != "none" else []) + ["vo_rotation", "vo_scaling"]
+            return ((["residual_rotation"] if self.residual != "none" else []) + (["vo_rotation"] if self.vo_hadamard else [])
+                    + ["vo_scaling"])
         wanted = []
         if self.residual != "none":
             wanted.append("residual_rotation")
@@ -105,14 +112,21 @@ def _log_uniform(gen, n: int) -> torch.Tensor:
 
 
 def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOptions,
-                    Q: torch.Tensor | None) -> Tensors:
+                    Q: torch.Tensor | None, stats: list[Tensors] | None = None) -> Tensors:
     """Every per-layer action of ``options``, drawn from layer ``i``'s own random streams."""
     L, seed = adapter.layout, options.seed
     if options.for_quantization:
         from .quant_rotation import QuantBalance
         from .quant_rotation import transform_layer as quant_layer
 
-        return quant_layer(i, layer, L, Q, seed=seed, balance=QuantBalance(alpha=options.balance_alpha))
+        quantize = None
+        if options.scales:
+            from ..evaluation.weight_quant import roundtrip
+
+            quantize = lambda A: roundtrip(A, options.scales)   # noqa: E731
+        return quant_layer(i, layer, L, Q, seed=seed, vo_hadamard=options.vo_hadamard,
+                           balance=QuantBalance(alpha=options.balance_alpha),
+                           stats=stats[i] if stats is not None else None, quantize=quantize)
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
     if options.rotate_qk:
@@ -244,7 +258,8 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
             groups.hadamard_factors(adapter.hidden)  # raises a clear error if no construction exists
 
 
-def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, progress: bool) -> tuple[dict, bool]:
+def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, progress: bool,
+            calibration=None) -> tuple[dict, bool]:
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
     plan_checks(adapter, options, keys)
@@ -256,10 +271,17 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
             from .quant_rotation import learn_checkpoint_rotation
 
             Q = learn_checkpoint_rotation(source, adapter, options, Q, progress)
+    stats = None
+    if options.for_quantization and options.scales:
+        from .quant_scales import layer_stats
+
+        if calibration is None:
+            raise ValueError("--scales needs calibration: token ids, or the layer statistics of quant_scales.layer_stats")
+        stats = calibration if isinstance(calibration, list) else layer_stats(source, config, calibration, progress)
     if centres_layer_norms(adapter, options):
         return _rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
     transform_checkpoint(source, adapter, sink,
-                         layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q),
+                         layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q, stats),
                          globals_fn=lambda g: transform_globals(g, adapter, Q), progress=progress, desc="rotate",
                          globals_dtype=None, give_layers=True)
     new_config = dict(config)
@@ -295,11 +317,12 @@ def _rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: d
 
 
 def rotate_state_dict(state_dict: Tensors, config, options: RotateOptions = RotateOptions(),
-                      progress: bool = False) -> tuple[Tensors, dict]:
-    """In-memory rotation: returns (new state dict, new config dict)."""
+                      progress: bool = False, calibration=None) -> tuple[Tensors, dict]:
+    """In-memory rotation: returns (new state dict, new config dict). ``calibration`` (with
+    ``options.scales``): calibration token ids, or precomputed :func:`.quant_scales.layer_stats`."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     sink = DictSink()
-    new_config, _ = _rotate(DictSource(state_dict), config, options, sink, progress)
+    new_config, _ = _rotate(DictSource(state_dict), config, options, sink, progress, calibration)
     return dict(sink), new_config
 
 
@@ -319,7 +342,15 @@ def rotate_checkpoint(src: str | Path, out: str | Path, options: RotateOptions =
     adapter = Adapter.from_config(reader.config, reader.keys())  # unsupported families fail before any output
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "rotate"})
-        new_config, untied = _rotate(reader, reader.config, options, writer, progress)
+        calibration = None
+        if options.for_quantization and options.scales:
+            from transformers import AutoTokenizer
+
+            from ..calibration.data import calibration_ids
+
+            calibration = calibration_ids(AutoTokenizer.from_pretrained(src), options.calibration_text,
+                                          options.calibration_tokens)
+        new_config, untied = _rotate(reader, reader.config, options, writer, progress, calibration)
         writer.close()
         write_config(tmp, new_config)
         if centres_layer_norms(adapter, options):

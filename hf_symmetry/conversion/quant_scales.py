@@ -1,0 +1,148 @@
+"""Activation-aware exact scalings for weight-only quantization (``rotate --for-quantization --scales QTYPE``).
+
+AWQ's idea, made exact and fused into the stock checkpoint. A weight-only quantizer's output error on a
+linear layer is ``X ΔWᵀ``; with ``H = E[xᵀx]`` the input's second moment its mean square is
+``tr(ΔW H ΔWᵀ)``. Three exact per-channel scalings move precision between input channels:
+
+* **norm → readers:** ``RMSNorm(x)·w`` read by ``W`` equals ``RMSNorm(x)·(w/s)`` read by ``W diag(s)``
+  (q, k, v share the attention norm; gate, up the FFN norm), for any non-zero ``s``;
+* **up → down:** ``silu(gate)·up`` is linear in ``up``: ``up -> diag(1/s) up``, ``down -> down diag(s)``;
+* **V → O**, per channel of a KV group: ``V rows / s``, the O columns of every query head of the group
+  ``* s`` (exact with GQA: the group's heads share the factor).
+
+Scaling column ``j`` of ``W`` by ``s_j`` and its input by ``1/s_j`` leaves the float product unchanged but
+changes what the quantizer rounds: the error becomes ``tr(ΔW' diag(1/s) H diag(1/s) ΔW'ᵀ)`` with
+``ΔW' = q(W diag(s)) − W diag(s)``. Channels that carry large activations get larger weights, hence a
+smaller relative rounding error where it is amplified most. As in AWQ, ``s = rms(x)^α`` (normalised
+to geometric mean 1) and ``α`` is chosen from a grid by that error under the *actual* quantizer's
+dequantized weights; ``α = 0`` (no scaling) is on the grid, so the chosen scale never increases the
+layer's calibration error. The statistics are the calibration engine's second moments
+(:mod:`hf_symmetry.calibration`), transformed into whatever basis the layer is in after the residual
+and V/O rotations of :mod:`.quant_rotation`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..symmetry import actions
+from ..symmetry.layout import HeadLayout
+
+Tensors = dict[str, torch.Tensor]
+Quantizer = Callable[[torch.Tensor], torch.Tensor]
+
+GRID = tuple(i / 10 for i in range(11))
+SITES = ("attn_in", "ffn_in", "o_in", "down_in")
+
+
+def layer_stats(source, config: dict, ids: torch.Tensor, progress: bool = False, seq_len: int = 512) -> list[Tensors]:
+    """Per decoder layer, ``E[xᵀx]`` (float64) of the inputs of q/k/v (the attention norm's output, γ
+    included), gate/up, o and down, over the calibration token ids ``ids`` (float32 forward)."""
+    from ..calibration.data import token_batches
+    from ..calibration.engine import CalibrationEngine
+    from ..calibration.statistics import StatsRequest
+
+    engine = CalibrationEngine(source, config=config, progress=progress)
+    result = engine.collect(token_batches(ids, seq_len), StatsRequest(grams=SITES))
+    return [{site: s.grams[site] / result.tokens for site in SITES} for s in result.layers]
+
+
+def _normalised(c: torch.Tensor, alpha: float) -> torch.Tensor:
+    c = torch.where(c > 0, c, torch.ones_like(c)).to(torch.float64)
+    s = c.pow(alpha)
+    return s / s.log().mean().exp()
+
+
+def scale_error(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, quantize: Quantizer) -> float:
+    """``tr(ΔW' diag(1/s) H diag(1/s) ΔW'ᵀ)``, ``ΔW' = q(W diag(s)) − W diag(s)``: the mean square output
+    error of the scaled layer under ``quantize`` for inputs of second moment ``H`` (float32 arithmetic)."""
+    s32 = s.to(torch.float32)
+    A = W.to(torch.float32) * s32[None, :]
+    E = (quantize(A).to(torch.float32) - A) / s32[None, :]
+    return ((E @ H.to(torch.float32)) * E).sum().item()
+
+
+def search_scales(W: torch.Tensor, H: torch.Tensor, quantize: Quantizer, grid=GRID,
+                  tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+    """AWQ's grid search: ``s = rms^α`` (``rms_j = √H_jj``, passed through ``tie`` where channels must
+    share one factor), ``α`` minimising :func:`scale_error`. Returns ``s`` (float64) and the errors."""
+    rms = H.diagonal().to(torch.float64).clamp_min(0).sqrt()
+    if tie is not None:
+        rms = tie(rms)
+    errors = {}
+    best = (float("inf"), None, None)
+    for a in grid:
+        s = _normalised(rms, a)
+        err = scale_error(W, H, s, quantize)
+        errors[a] = err
+        if err < best[0]:
+            best = (err, a, s)
+    return best[2], {"alpha": best[1], "error": best[0], "unscaled": errors.get(0.0, float("nan"))}
+
+
+def scale_norm_readers(layer: Tensors, norm: str, readers: tuple[str, ...], s: torch.Tensor) -> Tensors:
+    """``norm.weight / s`` and every reader ``W diag(s)``: exact for any non-zero ``s``."""
+    if (s == 0).any():
+        raise actions.NotASymmetry("norm scales must be non-zero")
+    out = dict(layer)
+    out[f"{norm}.weight"] = out[f"{norm}.weight"] / s.to(out[f"{norm}.weight"].dtype)
+    for n in readers:
+        if f"{n}.weight" in out:
+            out[f"{n}.weight"] = out[f"{n}.weight"] * s.to(out[f"{n}.weight"].dtype)[None, :]
+    return out
+
+
+def _group_tie(layout: HeadLayout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """O's columns: one factor per channel of a KV group (RMS over the group's query heads), expanded back."""
+    def tie(rms: torch.Tensor) -> torch.Tensor:
+        g = rms.reshape(layout.n_kv_heads, layout.group_size, layout.head_dim).pow(2).mean(dim=1).sqrt()
+        return g[:, None, :].expand(-1, layout.group_size, -1).reshape(-1)
+    return tie
+
+
+def _cat(layer: Tensors, names) -> torch.Tensor:
+    return torch.cat([layer[f"{n}.weight"] for n in names if f"{n}.weight" in layer])
+
+
+def apply_scales(layer: Tensors, layout: HeadLayout, H: Tensors, quantize: Quantizer, grid=GRID,
+                 log: dict | None = None) -> Tensors:
+    """Search and apply the four exact scalings of one layer: V → O and up → down first (they rescale
+    reader *rows* of the attention and FFN groups, which a row-grouped quantizer does not see), then
+    attention norm → q, k, v and FFN norm → gate, up. ``H``: the layer's input second moments *in the
+    layer's current basis*, keys of :data:`SITES`."""
+    from .quant_rotation import scale_ffn_channels, scale_vo_channels
+
+    out = dict(layer)
+    s, info = search_scales(out["o.weight"], H["o_in"], quantize, grid, tie=_group_tie(layout))
+    per_kv = s.reshape(layout.n_kv_heads, layout.group_size, layout.head_dim)[:, 0].reshape(-1)
+    out = scale_vo_channels(out, layout, per_kv)
+    report = {"o": info}
+    s, report["down"] = search_scales(out["down.weight"], H["down_in"], quantize, grid)
+    out = scale_ffn_channels(out, 1.0 / s)
+    for norm, readers, site in (("attn_norm", ("q", "k", "v"), "attn_in"), ("ffn_norm", ("gate", "up"), "ffn_in")):
+        s, report[norm] = search_scales(_cat(out, readers), H[site], quantize, grid)
+        out = scale_norm_readers(out, norm, readers, s)
+    if log is not None:
+        log.update(report)
+    return out
+
+
+def to_layer_basis(H: Tensors, gammas: tuple[torch.Tensor, torch.Tensor] | None, Q, vo: list[torch.Tensor] | None,
+                   layout: HeadLayout) -> Tensors:
+    """The second moments of the original model in the basis of a ``--for-quantization`` layer: with a
+    residual rotation ``Q`` (norms folded), the readers see ``RMSNorm(x)/γ · Q``; with V/O rotations
+    ``R_g`` (``W_O -> W_O R``), o's input becomes ``x R`` per head."""
+    out = dict(H)
+    if Q is not None:
+        Qd = (Q.dense() if hasattr(Q, "dense") else Q).to(torch.float64)
+        for site, g in zip(("attn_in", "ffn_in"), gammas):
+            g = g.to(torch.float64)
+            if (g == 0).any():
+                raise ValueError("activation-aware scales with a residual rotation need non-zero norm weights")
+            out[site] = Qd.T @ (H[site] / g[:, None] / g[None, :]) @ Qd
+    if vo is not None:
+        R = torch.block_diag(*[vo[layout.kv_group(h)] for h in range(layout.n_heads)]).to(torch.float64)
+        out["o_in"] = R.T @ H["o_in"] @ R
+    return out

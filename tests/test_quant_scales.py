@@ -1,0 +1,117 @@
+"""Activation-aware exact scalings of ``rotate --for-quantization --scales QTYPE`` (issue 29): exact in
+float with and without residual/V-O rotations, statistics carried into the right basis, and a search
+that never loses to no scaling and finds the outlier channel of a planted case."""
+
+import pytest
+import torch
+
+from hf_symmetry.architectures import Adapter
+from hf_symmetry.conversion import quant_rotation as qr
+from hf_symmetry.conversion import quant_scales as qs
+from hf_symmetry.conversion.rotate import RotateOptions, residual_rotation, rotate_state_dict
+from hf_symmetry.conversion.stream import DictSource
+from hf_symmetry.evaluation.compare import model_from_state_dict
+from hf_symmetry.evaluation.weight_quant import roundtrip
+from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+
+
+def _q4_0(A):
+    return roundtrip(A, "Q4_0").to(A.dtype)
+
+
+def _model(family="llama"):
+    model = tiny_model(family, **SHAPE)
+    with torch.no_grad():   # an outlier input channel, as real models have: the search must react to it
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(torch.linspace(0.5, 1.5, 64, dtype=torch.float64))
+            layer.input_layernorm.weight[3] *= 20
+            layer.post_attention_layernorm.weight[11] *= 20
+    return model
+
+
+def _calibration(model):
+    return torch.randint(0, model.config.vocab_size, (192,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("residual,vo", [("none", False), ("none", True), ("hadamard", True)])
+def test_scaled_checkpoint_is_exact_in_float64(family, residual, vo, exact_rmsnorm):
+    model = _model(family)
+    ids = input_ids(model.config.vocab_size)
+    options = RotateOptions(residual=residual, for_quantization=True, scales="Q4_0", vo_hadamard=vo, seed=2)
+    sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=_calibration(model))
+    rotated = model_from_state_dict(cfg, sd, dtype=torch.float64)
+    assert (outputs(model, ids) - outputs(rotated, ids)).abs().max().item() <= 1e-9
+    before = model.state_dict()
+    for name in ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj"):
+        key = f"model.layers.0.{name}.weight"
+        assert (sd[key] - before[key]).abs().max() > 1e-6, key   # the search really scaled every group
+
+
+def test_negative_control_uncompensated_norm_scale_changes_the_logits(exact_rmsnorm):
+    model = _model()
+    ids = input_ids(model.config.vocab_size)
+    options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False)
+    sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=_calibration(model))
+    key = "model.layers.1.input_layernorm.weight"
+    sd[key] = model.state_dict()[key].clone()   # the readers keep their scaled columns
+    broken = model_from_state_dict(cfg, sd, dtype=torch.float64)
+    assert (outputs(model, ids) - outputs(broken, ids)).abs().max().item() > 1e-3
+
+
+def test_statistics_follow_the_rotations_into_the_layer_basis(exact_rmsnorm):
+    """The second moments ``to_layer_basis`` derives from the original model equal those measured on the
+    rotated (Hadamard residual + V/O, unscaled: balance_alpha 0) checkpoint itself."""
+    model = _model()
+    cfg = model.config.to_dict()
+    calib = _calibration(model)
+    options = RotateOptions(residual="hadamard", for_quantization=True, balance_alpha=0.0, seed=4)
+    sd, new_cfg = rotate_state_dict(model.state_dict(), cfg, options)
+    original = qs.layer_stats(DictSource({k: v.double() for k, v in model.state_dict().items()}), cfg, calib)
+    measured = qs.layer_stats(DictSource(sd), new_cfg, calib)
+    adapter = Adapter.from_config(cfg, list(model.state_dict()))
+    Q = residual_rotation(options, adapter.hidden)
+    for i in range(adapter.n_layers):
+        layer = adapter.read_layer(i, {k: v for k, v in model.state_dict().items() if adapter.layer_of(k) == i})
+        derived = qs.to_layer_basis(original[i], (layer["attn_norm.weight"], layer["ffn_norm.weight"]), Q,
+                                    qr.head_hadamards(adapter.layout, options.seed, i), adapter.layout)
+        for site in qs.SITES:
+            scale = measured[i][site].abs().max()
+            assert (derived[site] - measured[i][site]).abs().max() <= 1e-4 * scale, (i, site)
+        # negative control: without the V/O rotation, o's input statistics do not match
+        plain = qs.to_layer_basis(original[i], (layer["attn_norm.weight"], layer["ffn_norm.weight"]), Q, None,
+                                  adapter.layout)
+        assert (plain["o_in"] - measured[i]["o_in"]).abs().max() > 1e-2 * measured[i]["o_in"].abs().max()
+
+
+def test_search_never_loses_to_no_scaling_and_protects_the_outlier_channel():
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 128, generator=g, dtype=torch.float64)
+    X = torch.randn(4096, 128, generator=g, dtype=torch.float64)
+    X[:, 7] *= 30.0                        # one channel carries 30x the activation
+    H = X.T @ X / X.shape[0]
+    s, info = qs.search_scales(W, H, _q4_0)
+    assert info["error"] <= info["unscaled"]
+    assert info["alpha"] > 0 and info["error"] < 0.5 * info["unscaled"]
+    assert s.argmax().item() == 7          # the outlier's column is the one scaled up
+    assert qs.scale_error(W, H, s, _q4_0) == pytest.approx(info["error"])
+    # isotropic activations: nothing to gain, and the search keeps (nearly) no scaling
+    _, flat = qs.search_scales(W, torch.eye(128, dtype=torch.float64), _q4_0)
+    assert flat["error"] <= flat["unscaled"]
+
+
+def test_gqa_vo_scale_is_shared_by_the_query_heads_of_a_group(exact_rmsnorm):
+    model = _model()
+    sd0 = model.state_dict()
+    adapter = Adapter.from_config(model.config.to_dict(), list(sd0))
+    stats = qs.layer_stats(DictSource(sd0), model.config.to_dict(), _calibration(model))
+    layer = adapter.read_layer(0, {k: v for k, v in sd0.items() if adapter.layer_of(k) == 0})
+    out = qs.apply_scales(layer, adapter.layout, stats[0], _q4_0)
+    L = adapter.layout
+    ratio = (out["o.weight"] / layer["o.weight"])[0].reshape(L.n_kv_heads, L.group_size, L.head_dim)
+    assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-12)
+    # V's rows carry the inverse factors (column 0 also carries the attention norm's reader scale)
+    v_ratio = (layer["v.weight"] / out["v.weight"])[:, 0].reshape(L.n_kv_heads, L.head_dim) / ratio[:, 0]
+    assert torch.allclose(v_ratio, v_ratio[0, 0].expand_as(v_ratio), rtol=1e-12)
