@@ -60,7 +60,7 @@ def segment_problems(segments: list[tuple[str, int]], calib_tokens: int, damping
     missing = [s for s, path in paths.items() if not path.is_file()]
     if missing:
         from hf_symmetry.assets import smollm2_dir, text_path
-        from hf_symmetry.calibration import CalibrationEngine, StatsRequest, calibration_batches
+        from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
         from hf_symmetry.checkpoint import CheckpointReader
         from hf_symmetry.conversion import compress as C
         from hf_symmetry.evaluation.compare import load_tokenizer
@@ -74,7 +74,7 @@ def segment_problems(segments: list[tuple[str, int]], calib_tokens: int, damping
         # the second moments compress's one-pass calibration uses, on the layers these segments touch only
         needed = sorted({i for kind, layer in missing for i in ((layer - 1, layer) if kind == "attn" else (layer,))})
         result = CalibrationEngine(reader, reader.config).collect(
-            calibration_batches(ids, 512),
+            token_batches(ids, 512),
             StatsRequest(grams=("normed:layer_in", "normed:ffn_norm_in", "o_in", "down_in")), layers=needed)
         moment = lambda i, site: result.layers[i].grams[site] / result.tokens  # noqa: E731
         layers, _, _ = C.read_folded(reader, adapter, keys, adapter.tied_embeddings)

@@ -243,14 +243,14 @@ def child_engine(args) -> None:
     out = work / "results" / args.version
     meta: dict = {"models": {}}
     try:
-        from hf_symmetry.calibration import CalibrationEngine, StatsRequest, calibration_batches
+        from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
         from hf_symmetry.devices import resolve
     except Exception as e:   # noqa: BLE001
         meta["import_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
         (out / "engine.json").write_text(json.dumps(meta, indent=1))
         return
     ids = torch.tensor(json.loads((work / "ids.json").read_text())["calibration"])
-    batches = calibration_batches(ids, 24, batch_size=2)
+    batches = token_batches(ids, 24, batch_size=2)
     for name in ENGINE_MODELS:
         rec: dict = {"ok": False}
         meta["models"][name] = rec

@@ -87,9 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # only the main process judges OUT: the others may start after it has begun writing there
     if is_main_process() and out.is_dir() and any(out.iterdir()) and not args.resume:
         fail(f"--out {out} is not empty; pass --resume to continue its run or choose another folder")
-    from hf_symmetry.training.arch_configs import parse_size
+    from hf_symmetry.training.arch_configs import parse_parameter_count
     try:
-        args.params_count = parse_size(args.params)
+        args.params_count = parse_parameter_count(args.params)
     except ValueError as e:
         fail(f"--params: {e}")
     from hf_symmetry.training import per_device_batch

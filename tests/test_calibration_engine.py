@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.calibration import CalibrationEngine, StatsRequest, calibration_batches
+from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
 from hf_symmetry.calibration.statistics import rms_normalised
 from hf_symmetry.conversion.stream import DictSource
 from hf_symmetry.devices import resolve
@@ -73,7 +73,7 @@ def _hooked(model, adapter, batches, sites=IN_SITES):
 @pytest.mark.parametrize("family", TINY_FAMILIES + NEW_FAMILIES)
 def test_engine_statistics_equal_hooks_on_the_whole_model(family, tmp_path):
     model = _saved(family, tmp_path)
-    batches = calibration_batches(input_ids(length=40, batch=2).reshape(-1), 24, batch_size=2)
+    batches = token_batches(input_ids(length=40, batch=2).reshape(-1), 24, batch_size=2)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     sites = tuple(s for s in IN_SITES + ("q_out", "k_out", "v_out") if s in engine.adapter.site_modules())
     request = StatsRequest(grams=sites + ("layer_in", "layer_out", "normed:layer_in"), sums=sites + ("layer_in",))
@@ -91,7 +91,7 @@ def test_engine_statistics_equal_hooks_on_the_whole_model(family, tmp_path):
 
 def test_final_statistics_are_what_the_lm_head_reads(tmp_path):
     model = _saved("qwen2", tmp_path)
-    batches = calibration_batches(input_ids(length=40, batch=2).reshape(-1), 20, batch_size=3)
+    batches = token_batches(input_ids(length=40, batch=2).reshape(-1), 20, batch_size=3)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     got = engine.collect(batches, StatsRequest(), final=StatsRequest(grams=("head_in", "final_in"))).final
     ref = {}
@@ -110,7 +110,7 @@ def test_final_statistics_are_what_the_lm_head_reads(tmp_path):
 
 def test_sequential_with_nothing_converted_equals_one_pass(tmp_path):
     _saved("llama", tmp_path)
-    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 32)
+    batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 32)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     request = StatsRequest(grams=("attn_in", "normed:ffn_norm_in"), sums=("down_in",))
     one_pass = engine.collect(batches, request)
@@ -133,7 +133,7 @@ def test_sequential_statistics_come_from_the_converted_model(tmp_path):
     import copy
 
     model = _saved("llama", tmp_path)
-    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
+    batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
 
     def convert(step):
@@ -157,7 +157,7 @@ def test_sequential_statistics_come_from_the_converted_model(tmp_path):
 
 def test_step_collect_measures_a_partly_converted_layer(tmp_path):
     model = _saved("llama", tmp_path)
-    batches = calibration_batches(input_ids(length=24, batch=2).reshape(-1), 24)
+    batches = token_batches(input_ids(length=24, batch=2).reshape(-1), 24)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     run = engine.start(batches)
     step = next(run.layers(StatsRequest(grams=("down_in",))))
@@ -179,7 +179,7 @@ def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tm
     import copy
 
     _saved("llama", tmp_path)
-    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
+    batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     request = StatsRequest(grams=("down_in",), cross=(("down_in", "layer_out"), ("o_in", "ffn_norm_in"),
                                                       ("normed:ffn_norm_in", "normed:ffn_norm_in")),
@@ -221,7 +221,7 @@ def test_replaced_run_skips_the_original_layer_on_the_converted_stream(tmp_path)
     import copy
 
     _saved("llama", tmp_path)
-    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
+    batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     first = StatsRequest(grams=("normed:layer_in",))
     streams, grams = [], []
@@ -256,7 +256,7 @@ def test_engine_reads_one_layer_at_a_time(tmp_path):
             return super().get(names)
 
     engine = CalibrationEngine(Spy(sd), model.config.to_dict(), placement=F64, progress=False)
-    engine.collect(calibration_batches(input_ids(length=24).reshape(-1), 24), StatsRequest(grams=("attn_in",)))
+    engine.collect(token_batches(input_ids(length=24).reshape(-1), 24), StatsRequest(grams=("attn_in",)))
     read = []
     for names in asked:
         layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
@@ -271,17 +271,17 @@ def test_engine_reads_one_layer_at_a_time(tmp_path):
 
 def test_migrated_collectors_equal_hooks(tmp_path):
     """to-tpa's, FaRR's and RegMean's statistics, now from the engine, equal the whole-model hooks."""
-    from hf_symmetry.conversion.calibration import gram_matrices
+    from hf_symmetry.conversion.merge_statistics import gram_matrices
     from hf_symmetry.conversion.farr import attention_input_moments
     from hf_symmetry.conversion.to_tpa import attention_input_grams
 
     model = _saved("llama", tmp_path)
     ids = input_ids(length=50, batch=1).reshape(-1)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
-    ref = _hooked(model, engine.adapter, calibration_batches(ids, 20))
+    ref = _hooked(model, engine.adapter, token_batches(ids, 20))
     tpa = attention_input_grams(tmp_path, ids, window=20, progress=False, placement=F64)
     moments = attention_input_moments(tmp_path, ids, window=20, placement=F64)
-    grams = gram_matrices(tmp_path, None, calibration_batches(ids, 20), progress=False)
+    grams = gram_matrices(tmp_path, None, token_batches(ids, 20), progress=False)
     for i in range(2):
         G, s = ref[(i, "attn_in")], ref[(i, "attn_in", "sum")]
         assert _close(tpa[i][:48, :48], G) and _close(tpa[i][:48, 48], s) and tpa[i][48, 48] == 50
@@ -326,7 +326,7 @@ def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family
 
 def test_bfloat16_calibration_is_close_to_float32(tmp_path):
     tiny_model("llama", dtype=torch.float32).save_pretrained(tmp_path)
-    batches = calibration_batches(input_ids(length=48, batch=1).reshape(-1), 48)
+    batches = token_batches(input_ids(length=48, batch=1).reshape(-1), 48)
     req = StatsRequest(grams=("attn_in",))
     f32 = CalibrationEngine(tmp_path, placement=resolve("cpu", "float32"), progress=False).collect(batches, req)
     bf16 = CalibrationEngine(tmp_path, placement=resolve("cpu", "bfloat16"), progress=False).collect(batches, req)
@@ -340,7 +340,7 @@ def test_cuda_statistics_equal_cpu(tmp_path, exact_rmsnorm):
     # float64 on both devices: transformers' RMSNorm computes in float32 (exact_rmsnorm keeps float64),
     # and its float32 rotary tables are computed on the host by the engine (engine._rotary_on_host)
     _saved("qwen2", tmp_path)
-    batches = calibration_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
+    batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     req = StatsRequest(grams=("attn_in", "down_in"), sums=("o_in",))
     cpu = CalibrationEngine(tmp_path, placement=F64, progress=False).collect(batches, req)
     gpu = CalibrationEngine(tmp_path, placement=resolve("cuda", torch.float64), progress=False).collect(batches, req)
@@ -424,13 +424,13 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
     """On SmolLM2 the engine (one layer at a time from the checkpoint) gives to-tpa, FaRR and RegMean
     the statistics the whole-model hook collectors gave, and the same converted tensors."""
     from hf_symmetry.architectures import Adapter
-    from hf_symmetry.conversion.calibration import gram_matrices
+    from hf_symmetry.conversion.merge_statistics import gram_matrices
     from hf_symmetry.conversion.farr import attention_input_moments
     from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_checkpoint_to_tpa, convert_model_to_tpa
 
     model, ids = smol["model"], smol["ids"]
     adapter = Adapter.from_config(model.config.to_dict(), list(model.state_dict()))
-    batches = calibration_batches(ids, 512)   # to-tpa's and FaRR's windows: here one of 320 tokens
+    batches = token_batches(ids, 512)   # to-tpa's and FaRR's windows: here one of 320 tokens
     ref = _hooked(model, adapter, batches, ("attn_in", "o_in", "ffn_in", "down_in"))
     tpa = attention_input_grams(smol["dir"], ids, progress=False)
     moments = attention_input_moments(smol["dir"], ids)

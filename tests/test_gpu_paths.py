@@ -154,7 +154,7 @@ class _Placed:
 
 def test_fisher_pass_hands_its_token_ids_through_the_helper(monkeypatch):
     """Failure 2 of the first GPU run: ``fisher_diagonal`` gave a dispatched model CPU token ids."""
-    from hf_symmetry.conversion.calibration import fisher_diagonal
+    from hf_symmetry.conversion.merge_statistics import fisher_diagonal
 
     model = tiny_model("llama", dtype=torch.float32)
     placed = _Placed(monkeypatch, model)
@@ -198,12 +198,12 @@ def test_layout_checks_run_the_output_projection_through_the_helper_and_check_on
 
 
 def test_the_engine_embeds_through_the_helper(monkeypatch, tmp_path):
-    from hf_symmetry.calibration import CalibrationEngine, StatsRequest, calibration_batches
+    from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
 
     tiny_model("llama").save_pretrained(tmp_path)
     engine = CalibrationEngine(tmp_path, placement=devices.resolve("cpu", torch.float64), progress=False)
     placed = _Placed(monkeypatch, engine.skeleton())
-    engine.collect(calibration_batches(input_ids(length=24, batch=2).reshape(-1), 12, batch_size=2),
+    engine.collect(token_batches(input_ids(length=24, batch=2).reshape(-1), 12, batch_size=2),
                    StatsRequest(grams=("attn_in",)))
     placed.check()
 
@@ -246,11 +246,11 @@ def test_float64_calibration_on_a_device_computes_only_the_rotary_tables_in_floa
     tables with host tensors (the same bits on every device): any other float32 step fails this test."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hf_symmetry.calibration import CalibrationEngine, StatsRequest, calibration_batches
+    from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
     from hf_symmetry.calibration.engine import CalibrationEngine as Engine
 
     tiny_model("qwen2").save_pretrained(tmp_path)
-    batches = calibration_batches(input_ids(length=24, batch=2).reshape(-1), 12, batch_size=2)
+    batches = token_batches(input_ids(length=24, batch=2).reshape(-1), 12, batch_size=2)
     request = StatsRequest(grams=("attn_in", "down_in", "o_in"), sums=("o_in",))
     F64 = devices.resolve("cpu", torch.float64)
     reference = CalibrationEngine(tmp_path, placement=F64, progress=False).collect(batches, request)
@@ -314,7 +314,7 @@ def test_a_run_told_to_use_the_cpu_trains_in_float32_even_beside_a_gpu(monkeypat
 @pytest.mark.cuda
 @CUDA
 def test_cuda_fisher_and_layerwise_layout_check_run_on_the_gpu(tmp_path):
-    from hf_symmetry.conversion.calibration import fisher_diagonal
+    from hf_symmetry.conversion.merge_statistics import fisher_diagonal
     from hf_symmetry.conversion.farr.fused_check import check_fused_layout_layerwise
 
     dev = devices.resolve_device("auto")

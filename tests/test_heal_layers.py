@@ -111,9 +111,9 @@ def test_full_width_slicing_has_zero_layer_loss_and_a_wrong_rotation_does_not(ro
     assert _loss(sliced, root / "teacher", LayerMap.identity(4, 32)) > 0.3
     assert _loss(sliced, root / "teacher", permute=True) > 0.05
     # the map is no parameter: the card and report count the weights only
-    from hf_symmetry.hub.cards import count_parameters
+    from hf_symmetry.hub.cards import count_stored_parameters
     model = _load(sliced)
-    assert count_parameters(sliced) == sum(p.numel() for p in model.parameters())
+    assert count_stored_parameters(sliced) == sum(p.numel() for p in model.parameters())
 
 
 def test_per_segment_rotations_map_each_layer_through_its_own_segment(root):

@@ -147,10 +147,10 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
     merge_state_dicts([anchor, source], s_model.config, _recipe("regmean", match=options), calibration_ids=CALIB)
     # Grams recomputed on the matched models, in the order the pipeline visits linear layers
     from hf_symmetry.architectures import Adapter
-    from hf_symmetry.calibration import calibration_batches
-    from hf_symmetry.conversion.calibration import gram_matrices
+    from hf_symmetry.calibration import token_batches
+    from hf_symmetry.conversion.merge_statistics import gram_matrices
 
-    batches = calibration_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
+    batches = token_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
     recomputed = []
     for sd, cfg in ((folded.state_dict, folded.config), (matched.state_dict, matched.config)):
         m = model_from_state_dict(cfg, sd, torch.float64)
@@ -186,7 +186,7 @@ def _whole_model_grams(model, batches) -> dict:
 def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_reference(monkeypatch):
     """RegMean measures each layer's Grams inside the merge pass (one layer at a time); the merged
     tensors equal RegMean with Grams from hooks on the whole models."""
-    from hf_symmetry.calibration import calibration_batches
+    from hf_symmetry.calibration import token_batches
 
     models = [tiny_model("llama", seed=0, tie_word_embeddings=False), tiny_model("llama", seed=7, tie_word_embeddings=False)]
     sds = [_sd(m) for m in models]
@@ -204,7 +204,7 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
     assert [i for i, _ in seen] == list(range(n_layers))       # one layer's statistics per merge step
     assert all(k.startswith(f"layers.{i}.") for i, keys in seen for ks in keys for k in ks)
 
-    batches = calibration_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
+    batches = token_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
     grams = [_whole_model_grams(m, batches) for m in models]
     linear = {n for n, mod in models[0].named_modules() if isinstance(mod, torch.nn.Linear)}
     assert "lm_head" in linear
@@ -419,7 +419,7 @@ def test_fisher_merge_spills_matched_inputs_and_fishers_to_disk_and_equals_the_i
 def test_fisher_merge_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
     """Fisher's backward pass needs the whole model: when weights, gradients and Fisher exceed the free
     memory of the GPUs and the host, the merge is refused in one line before matching or loading anything."""
-    from hf_symmetry.conversion import calibration as stats
+    from hf_symmetry.conversion import merge_statistics as stats
 
     model = tiny_model("llama", dtype=torch.float32)
     monkeypatch.setattr(stats, "_available_memory", lambda: {"cpu": 10_000})

@@ -7,9 +7,9 @@
   the chosen device, with a sequential mode (:class:`LayerStep`).
 """
 
-from .data import calibration_batches, calibration_ids, token_counts
+from .data import calibration_ids, token_batches, token_counts
 from .engine import CalibrationEngine, CalibrationResult, CalibrationRun, LayerStep
 from .statistics import FINAL_SITES, LAYER_SITES, LayerStats, StatsRequest
 
 __all__ = ["CalibrationEngine", "CalibrationResult", "CalibrationRun", "LayerStep", "LayerStats", "StatsRequest",
-           "LAYER_SITES", "FINAL_SITES", "calibration_batches", "calibration_ids", "token_counts"]
+           "LAYER_SITES", "FINAL_SITES", "token_batches", "calibration_ids", "token_counts"]

@@ -19,7 +19,7 @@ def calibration_ids(tokenizer, text: str | Path, tokens: int) -> torch.Tensor:
     return tokenize_text(tokenizer, read_text(resolve_text(text)), max_tokens=tokens)
 
 
-def calibration_batches(ids: torch.Tensor, seq_len: int = 512, batch_size: int = 1,
+def token_batches(ids: torch.Tensor, seq_len: int = 512, batch_size: int = 1,
                         keep_partial: bool = True) -> list[torch.Tensor]:
     """Cut a 1-D token stream into consecutive sequences of ``seq_len`` tokens, grouped into
     ``[batch, seq_len]`` batches of at most ``batch_size`` sequences.

@@ -32,7 +32,7 @@ carried alongside, for cross moments against the original (``StatsRequest.cross`
 Typical use::
 
     engine = CalibrationEngine("path/to/model", placement=devices.resolve("auto", "float32"))
-    result = engine.collect(calibration_batches(ids, 512), StatsRequest(grams=("attn_in",)))
+    result = engine.collect(token_batches(ids, 512), StatsRequest(grams=("attn_in",)))
     result.layers[3].grams["attn_in"]          # Σ xᵀx of layer 3's attention input, float64
 
     run = engine.start(batches, carry_original=True)
@@ -291,7 +291,7 @@ class CalibrationEngine:
 
     # ------------------------------------------------------------------ running
     def start(self, batches: list[torch.Tensor], carry_original: bool = False) -> "CalibrationRun":
-        """Embed ``batches`` (``[batch, seq]`` token ids, :func:`~hf_symmetry.calibration.data.calibration_batches`)
+        """Embed ``batches`` (``[batch, seq]`` token ids, :func:`~hf_symmetry.calibration.data.token_batches`)
         with the model's own forward, recording each layer's arguments; returns the run, positioned
         before layer 0."""
         if not batches:

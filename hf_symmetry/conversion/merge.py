@@ -19,7 +19,7 @@ on the inputs as given, and carried exactly through the match (``Ráµ€GR``, ``Páµ
 :meth:`MatchSolution.transform_grams`); the globals (LM head: the Gram of the final norm's output)
 are merged after the last layer. Fisher needs a full backward pass, so it holds each *matched*
 model (a diagonal Fisher does not transform under rotations) placed by accelerate
-(:func:`hf_symmetry.conversion.calibration.fisher_model`).
+(:func:`hf_symmetry.conversion.merge_statistics.fisher_model`).
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from tqdm.auto import tqdm
 
 from ..architectures import Adapter
 from ..assets import resolve_model, resolve_text
+from ..calibration import token_batches
 from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                           parse_size, write_config)
+from ..devices import linalg_device
 from ..hub.cards import hub_id_of, public_model_labels, update_card, write_card
 from ..text import public_text_label
-from ..calibration import calibration_batches
-from ..devices import linalg_device
-from .calibration import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
 from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
                     vocabulary_fingerprint, with_lm_head)
 from .merge_methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
+from .merge_statistics import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
 from .merge_stream import GRAM_OF, LayerGrams, stream_merge
 from .recipe import DATA_METHODS, EvaluationSpec, MergeRecipe, ModelEntry, recipe_from_dict
 from .rotate import RotateOptions, plan_checks
@@ -325,7 +325,7 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
         raise ValueError(f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
                          "base models have none (use average or regmean)")
     if recipe.method in DATA_METHODS:
-        batches = calibration_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size,
+        batches = token_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size,
                                       keep_partial=False)
     if recipe.method == "fisher":   # a backward pass needs the whole model: refuse what cannot fit, before any work
         check_fisher_memory(sources[0].shapes(), statistics_dtype(sources[0]), placement)

@@ -130,7 +130,7 @@ class LayerGrams:
                  placement=None, progress: bool = True, spill: Path | None = None):
         from ..calibration import CalibrationEngine, StatsRequest
         from ..devices import linalg_device, resolve
-        from .calibration import statistics_dtype
+        from .merge_statistics import statistics_dtype
 
         return_large_blocks_at_once()   # freed per-batch temporaries leave at once (calibration.memory)
         # one sequence per forward: the Grams are sums over tokens (the same for any grouping, to

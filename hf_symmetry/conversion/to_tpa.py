@@ -160,14 +160,14 @@ def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress:
     device and calibration dtype (:func:`hf_symmetry.devices.resolve`; default CPU float32).
     ``lazy``: an iterator that calibrates layer ``i`` only when its Gram is asked for, so a caller
     that converts each layer before asking for the next holds one Gram at a time (a list otherwise)."""
-    from ..calibration import CalibrationEngine, StatsRequest, calibration_batches
+    from ..calibration import CalibrationEngine, StatsRequest, token_batches
 
     if isinstance(model, (str, Path)):
         engine = CalibrationEngine(model, placement=placement, progress=progress)
     else:
         engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
                                    progress=progress)
-    run = engine.start(calibration_batches(ids, window))
+    run = engine.start(token_batches(ids, window))
 
     def grams():
         # each layer's statistics are dropped once augmented (collect() would keep every layer's

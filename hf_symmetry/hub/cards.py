@@ -218,7 +218,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
 _INDEX_DTYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")   # index buffers (BERT's position_ids), not parameters
 
 
-def count_parameters(folder: str | os.PathLike) -> int:
+def count_stored_parameters(folder: str | os.PathLike) -> int:
     """The parameter count every report and card uses: floating-point tensors stored in the
     folder's safetensors, each counted once (a tied LM head is not stored)."""
     return _parameter_count(Path(folder))[0]

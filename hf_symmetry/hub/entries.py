@@ -89,9 +89,10 @@ def lm_eval_results(folder, tasks, task_dir=None, limit: int | None = None) -> l
     return lm_eval_card_entries(run_lm_eval(folder, tasks, task_dir=task_dir, limit=limit, trust_remote_code=trust))
 
 
-def verify_and_record_folder(original: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike = DEFAULT_TEXT,
-                             tokens: int = LOGIT_TOKENS, ppl_tokens: int = PPL.tokens, device: str | None = "auto",
-                             progress: bool = True, extra: dict | None = None) -> Verification:
+def verify_and_record_folder(original: str | os.PathLike, out: str | os.PathLike,
+                             text: str | os.PathLike = DEFAULT_TEXT, tokens: int = LOGIT_TOKENS,
+                             ppl_tokens: int = PPL.tokens, device: str | None = "auto", progress: bool = True,
+                             extra: dict | None = None) -> Verification:
     """:func:`verify` a written folder against its original and record the figures in its model
     card (exactness and the perplexity entry); what every conversion command runs after writing."""
     v = verify(original, out, text=text, tokens=tokens, ppl_tokens=ppl_tokens, device=device, progress=progress)

@@ -37,11 +37,11 @@ GQA_KV_HEADS = 2
 TPA_RANKS = (6, 2, 2)
 MLA_ROPE_DIM = 32
 
-__all__ = ["ARCHS", "ArchConfigs", "equal_size_configs", "parse_size", "count_parameters", "kv_cache_elements",
-           "build_model"]
+__all__ = ["ARCHS", "ArchConfigs", "equal_size_configs", "parse_parameter_count", "count_non_embedding_parameters",
+           "kv_cache_elements", "build_model"]
 
 
-def parse_size(text: str | int | float) -> int:
+def parse_parameter_count(text: str | int | float) -> int:
     """``"20M"``, ``"1.5B"``, ``"800k"`` or a plain number -> an integer parameter count."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
@@ -181,14 +181,16 @@ def build_model(config, attn_implementation: str | None = None):
     """A freshly initialised causal LM for any of the four configurations (T6 through hf_symmetry)."""
     from transformers import AutoModelForCausalLM
 
+    from ..modeling.configuration_tpa import TPAConfig
+
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if config.model_type == "hf_symmetry_tpa":
+    if isinstance(config, TPAConfig):
         from ..modeling.modeling_tpa import TPAForCausalLM
         return TPAForCausalLM._from_config(config, **kw)
     return AutoModelForCausalLM.from_config(config, **kw)
 
 
-def count_parameters(config) -> int:
+def count_non_embedding_parameters(config) -> int:
     """Parameters without embeddings (input embedding and a tied/untied output head excluded), counted
     on the instantiated model on the meta device."""
     with torch.device("meta"):
@@ -203,8 +205,10 @@ def count_parameters(config) -> int:
 def kv_cache_elements(config, per_layer: bool = False) -> int:
     """Elements cached per token (all layers unless ``per_layer``): MHA/GQA ``2 · kv_heads · d_h``,
     MLA its KV latent plus RoPE key ``d_c + d_h^R``, T6 ``(R_K + R_V)(h + d_h)``."""
+    from ..modeling.configuration_tpa import TPAConfig
+
     mt = config.model_type
-    if mt == "hf_symmetry_tpa":
+    if isinstance(config, TPAConfig):
         per = config.kv_cache_elements_per_token(per_layer=True)
     elif mt == "deepseek_v3":
         per = config.kv_lora_rank + config.qk_rope_head_dim
@@ -228,7 +232,7 @@ def equal_size_configs(params, vocab_size: int, *, archs=ARCHS, hidden_size: int
         token_ids: ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` for every config.
     Raises ``ValueError`` when an architecture cannot be built at this size or misses the tolerance.
     """
-    target = parse_size(params)
+    target = parse_parameter_count(params)
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise ValueError(f"unknown architecture(s) {bad}; choose from {', '.join(ARCHS)}")
@@ -241,7 +245,7 @@ def equal_size_configs(params, vocab_size: int, *, archs=ARCHS, hidden_size: int
     configs, counts = {}, {}
     for arch in dict.fromkeys(("mha", *archs)):
         cfg = make_config(arch, d, layers, vocab_size, max_position_embeddings, rope_theta, **token_ids)
-        configs[arch], counts[arch] = cfg, count_parameters(cfg)
+        configs[arch], counts[arch] = cfg, count_non_embedding_parameters(cfg)
     for arch, n in counts.items():
         dev = abs(n - counts["mha"]) / counts["mha"]
         if dev > tolerance:

@@ -201,7 +201,7 @@ def measure_sensitivity(source, config: dict, adapter, entries: list[Entry], opt
     """Per group: ``[(fraction of parameters kept, relative output error)]`` at the sizes of
     :data:`MEASURED` (see the module docstring)."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import calibration_batches as batches
+    from ...calibration import token_batches as batches
 
     groups = group_entries(entries, options)
     if kron_q is None:

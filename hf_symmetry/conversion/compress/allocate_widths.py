@@ -115,7 +115,7 @@ def measure_slice_sensitivity(source, config: dict, adapter, Q: torch.Tensor, st
     layer's residual update) gives widths that beat one uniform width: a direction dropped at one
     segment is gone from every later one, which no layer-local error sees."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import calibration_batches as batches
+    from ...calibration import token_batches as batches
 
     d = Q.shape[0]
     widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]

@@ -48,8 +48,8 @@ class CalibrationStats:
 
 def calibration_batches(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     """Consecutive chunks of ``seq_len`` tokens (the last one may be shorter, never below 2): the 1-D
-    view of :func:`hf_symmetry.calibration.data.calibration_batches`, which the engine runs."""
-    from ...calibration import calibration_batches as batches
+    view of :func:`hf_symmetry.calibration.data.token_batches`, which the engine runs."""
+    from ...calibration import token_batches as batches
 
     return [b.reshape(-1) for b in batches(ids, seq_len)]
 
@@ -69,7 +69,7 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
     (``stats.stream_sum``, all one global PCA needs: one ``d × d`` matrix whatever the depth) instead of
     every segment's (``stats.stream``)."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import calibration_batches as batches
+    from ...calibration import token_batches as batches
 
     vocab = int(config["vocab_size"])
     stats = CalibrationStats(0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab])
@@ -149,7 +149,7 @@ def one_pass_on_demand(source, config: dict, ids: torch.Tensor, seq_len: int, pl
     moments among them), not every layer's. The values are those of :func:`collect_statistics` bit for
     bit (the output stream of layer i is the input stream of layer i + 1 and, after the last, the final one)."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import calibration_batches as batches
+    from ...calibration import token_batches as batches
 
     vocab = int(config["vocab_size"])
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
@@ -269,7 +269,7 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     the fully replaced layer's outputs are handed on. Segment 0 (the embedding and layer 0's q/k/v) is
     measured on the embeddings, and the compressed embedding's rows then enter layer 0."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import calibration_batches as batches
+    from ...calibration import token_batches as batches
     from ...calibration.engine import Activations
     from ...calibration.statistics import base_site
     from ...symmetry import actions
@@ -461,7 +461,7 @@ def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int,
     one pass of the original model."""
     from ...architectures import Adapter
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import calibration_batches as batches
+    from ...calibration import token_batches as batches
 
     adapter = Adapter.from_config(config, source.keys())
     attention = adapter.spec.attention.o.rsplit(".", 1)[0]

@@ -70,7 +70,7 @@ def calibrated_analysis(model, ids: torch.Tensor, paths: tuple[str, ...], placem
     reduction pass. Nothing but the spectra outlives a layer.
 
     ``model``: an HF model folder, a tensor source with its ``config``, or an in-memory model."""
-    from ...calibration import StatsRequest, calibration_batches
+    from ...calibration import StatsRequest, token_batches
     from ...devices import linalg_device
 
     engine = _engine(model, config, placement, progress)
@@ -79,7 +79,7 @@ def calibrated_analysis(model, ids: torch.Tensor, paths: tuple[str, ...], placem
     adapter = engine.adapter
     _, per_layer, _ = partition_keys(adapter, engine.keys)
     window = min(window, engine.config.get("max_position_embeddings") or window)
-    run = engine.start(calibration_batches(ids, window))
+    run = engine.start(token_batches(ids, window))
     shapes = engine.source.shapes()
     out = []
     for step in run.layers(StatsRequest(grams=("v_in",), sums=("v_in",))):
@@ -117,9 +117,9 @@ def attention_input_moments(model, ids: torch.Tensor, window: int = 512, placeme
     ``model``: an HF model folder (the calibration engine reads one layer at a time; the model is
     never loaded whole), a tensor source with its ``config``, or an in-memory model.
     ``placement``: device and calibration dtype (:func:`hf_symmetry.devices.resolve`)."""
-    from ...calibration import StatsRequest, calibration_batches
+    from ...calibration import StatsRequest, token_batches
 
     engine = _engine(model, config, placement, progress)
     window = min(window, engine.config.get("max_position_embeddings") or window)
-    result = engine.collect(calibration_batches(ids, window), StatsRequest(grams=("v_in",), sums=("v_in",)))
+    result = engine.collect(token_batches(ids, window), StatsRequest(grams=("v_in",), sums=("v_in",)))
     return {i: (s.second_moment("v_in"), s.mean("v_in")) for i, s in enumerate(result.layers)}

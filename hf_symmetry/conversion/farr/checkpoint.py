@@ -14,7 +14,7 @@ from ...architectures import Adapter
 from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
                            parse_size)
 from ...evaluation.compare import write_json
-from ...hub.cards import count_parameters, public_report, write_card
+from ...hub.cards import count_stored_parameters, public_report, write_card
 from ...modeling import configuration_farr, modeling_farr
 from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis
@@ -74,8 +74,8 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
         LayerMap.identity(farr_config.num_hidden_layers, farr_config.hidden_size, "farr").save(tmp)
         copy_side_files(reader.path, tmp)
         report.source, report.output = str(src), str(out)
-        report.params_before = count_parameters(reader.path)   # the count every card and report uses
-        report.params_after = count_parameters(tmp)
+        report.params_before = count_stored_parameters(reader.path)   # the count every card and report uses
+        report.params_after = count_stored_parameters(tmp)
         report.seconds = time.perf_counter() - start
         write_json(tmp / REPORT_FILE, public_report(report.as_dict()))
         plots = [write_rank_heatmap(tmp, analysis, reader.config, reader.keys(), report, Path(src).name)]

@@ -109,8 +109,8 @@ def qk_layers(adapter: Adapter) -> list[int]:
 
 def farr_classes(farr_config) -> dict[str, type]:
     return {
-        "hf_symmetry_farr_llama": {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
-                                   "AutoModel": modeling_farr.FarrLlamaModel},
-        "hf_symmetry_farr_bert": {"AutoModel": modeling_farr.FarrBertModel},
-        "hf_symmetry_farr_roberta": {"AutoModel": modeling_farr.FarrRobertaModel},
+        configuration_farr.FarrLlamaConfig.model_type: {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
+                                                        "AutoModel": modeling_farr.FarrLlamaModel},
+        configuration_farr.FarrBertConfig.model_type: {"AutoModel": modeling_farr.FarrBertModel},
+        configuration_farr.FarrRobertaConfig.model_type: {"AutoModel": modeling_farr.FarrRobertaModel},
     }[farr_config.model_type]

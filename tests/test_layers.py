@@ -1,0 +1,242 @@
+"""The layer order of the package, stated once (:data:`LAYERS`, shown in docs/internals.md) and
+enforced on every import, those inside functions too (parsed with ``ast``, nothing is imported):
+
+* a module may import from its own layer or the layers below it, never from one above;
+* the packages may not import each other in a cycle (within a layer too);
+* a private name (``_x``) is not imported from another module, except the ones in
+  :data:`PRIVATE_IMPORTS`, a list that may only shrink (a stale entry fails too).
+
+Each check has a negative control: planted sources fed to the same functions make it fail."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hf_symmetry"
+
+#: bottom to top; a package is a top-level module or sub-package of ``hf_symmetry`` (``hf_symmetry``
+#: itself is the root ``__init__``); ``conversion`` has one package per conversion that has grown one
+LAYERS: list[tuple[str, tuple[str, ...], str]] = [
+    ("modeling", ("modeling",),
+     "hf_symmetry's own model families: standalone remote-code files, they import nothing of the package"),
+    ("foundations", ("hf_symmetry", "devices", "assets", "checkpoint", "text"),
+     "the root (version, registration), devices, offline assets, safetensors I/O, text reading and naming"),
+    ("symmetry", ("symmetry",), "the group actions and linear algebra on canonical layers"),
+    ("architectures", ("architectures",), "per-family specs and the adapter to the canonical form"),
+    ("calibration", ("calibration",), "the layer-wise calibration engine and its batches"),
+    ("evaluation", ("evaluation",), "loading, comparing, perplexity, verification, lm-eval, plots"),
+    ("hub", ("hub",), "model cards, their evaluation entries, the pre-push check and the push"),
+    ("conversion", ("conversion", "conversion.compress", "conversion.farr"),
+     "the conversions, on the shared streaming loop (`conversion.stream`)"),
+    ("training", ("training",), "training, distillation and `heal` (recovery fine-tuning of a converted model)"),
+    ("commands", ("commands", "cli", "__main__", "testing"), "the command line, and the test helpers"),
+]
+
+#: (importing module, imported module, name), under ``hf_symmetry.``: private names still imported
+#: across modules. May only shrink: remove an entry when its import goes (a stale entry fails).
+PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
+
+#: (importing package, imported package): upward imports left in code another piece of work owns,
+#: each with its reason. May only shrink, like :data:`PRIVATE_IMPORTS`.
+UPWARD_IMPORTS: dict[tuple[str, str], str] = {}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[str, str | None, int]]:
+    """Every import of ``module``'s source, module level or nested: (absolute module imported,
+    name imported from it or None, line)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found += [(target, a.name, node.lineno) for a in node.names]
+    return found
+
+
+def package_of(module: str, top: str = "hf_symmetry") -> str | None:
+    """The package (a key of the layer table) ``module`` belongs to; None outside ``top``."""
+    parts = module.split(".")
+    if parts[0] != top:
+        return None
+    if len(parts) == 1:
+        return top
+    name = parts[1]
+    if name == "conversion" and len(parts) > 2 and f"conversion.{parts[2]}" in _PACKAGES:
+        return f"conversion.{parts[2]}"
+    return name
+
+
+_PACKAGES = {p for _, packages, _ in LAYERS for p in packages}
+LAYER_OF = {p: i for i, (_, packages, _) in enumerate(LAYERS) for p in packages}
+
+
+def graph(sources: dict[str, tuple[str, bool]], top: str = "hf_symmetry"):
+    """From ``{module: (source, is_package)}``: the list of imports between package modules as
+    (module, imported module, name, line)."""
+    edges = []
+    for module, (source, is_package) in sources.items():
+        for target, name, line in imports_of(source, module, is_package):
+            if package_of(target, top) is not None:
+                if name is not None and f"{target}.{name}" in sources:
+                    target, name = f"{target}.{name}", None   # `from . import submodule`
+                edges.append((module, target, name, line))
+    return edges
+
+
+def upward_imports(edges, top: str = "hf_symmetry") -> list[str]:
+    out = []
+    for module, target, name, line in edges:
+        a, b = package_of(module, top), package_of(target, top)
+        if a not in LAYER_OF or b not in LAYER_OF:
+            out.append(f"{module}:{line}: package {a if a not in LAYER_OF else b} is in no layer")
+        elif LAYER_OF[b] > LAYER_OF[a] and (a, b) not in UPWARD_IMPORTS:
+            out.append(f"{module}:{line} ({LAYERS[LAYER_OF[a]][0]}) imports {target} ({LAYERS[LAYER_OF[b]][0]})")
+    return out
+
+
+def package_cycles(edges, top: str = "hf_symmetry") -> list[list[str]]:
+    """Strongly connected sets of more than one package (Tarjan)."""
+    succ: dict[str, set[str]] = {}
+    for module, target, _, _ in edges:
+        a, b = package_of(module, top), package_of(target, top)
+        if a != b and b != top:   # every module imports the root package anyway
+            succ.setdefault(a, set()).add(b)
+            succ.setdefault(b, set())
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(succ[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_imports(edges, top: str = "hf_symmetry") -> set[tuple[str, str, str]]:
+    """(importing module, imported module, private name), both modules named under ``top.``."""
+    def short(module):
+        return module.removeprefix(top + ".")
+
+    return {(short(m), short(t), n) for m, t, n, _ in edges
+            if n and n.startswith("_") and not n.startswith("__") and t != m}
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    return {_module_name(p, PACKAGE): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
+            for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_table() -> str:
+    rows = ["| layer | packages | what it holds |", "|---|---|---|"]
+    for i, (name, packages, what) in enumerate(LAYERS):
+        rows.append(f"| {i} {name} | {', '.join(f'`{p}`' for p in packages)} | {what} |")
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------- the package
+
+
+def test_every_package_sits_in_a_layer():
+    packages = {package_of(m) for m in package_sources()}
+    assert packages <= _PACKAGES, f"packages in no layer of LAYERS: {sorted(packages - _PACKAGES)}"
+    assert not _PACKAGES - packages, f"LAYERS names packages that do not exist: {sorted(_PACKAGES - packages)}"
+
+
+def test_no_import_runs_up_the_layers():
+    edges = graph(package_sources())
+    assert not upward_imports(edges), "imports up the layer order:\n" + "\n".join(upward_imports(edges))
+    used = {(package_of(m), package_of(t)) for m, t, _, _ in edges}
+    assert not set(UPWARD_IMPORTS) - used, f"fixed: remove from UPWARD_IMPORTS: {sorted(set(UPWARD_IMPORTS) - used)}"
+
+
+def test_no_cycle_between_packages():
+    assert package_cycles(graph(package_sources())) == []
+
+
+def test_private_names_stay_in_their_module():
+    found = private_imports(graph(package_sources()))
+    new = sorted(found - PRIVATE_IMPORTS)
+    assert not new, f"private names imported across modules (make them public or keep them home): {new}"
+    stale = sorted(PRIVATE_IMPORTS - found)
+    assert not stale, f"fixed: remove from PRIVATE_IMPORTS: {stale}"
+
+
+def test_docs_show_the_layer_table_the_test_checks():
+    internals = (ROOT / "docs" / "internals.md").read_text(encoding="utf-8")
+    assert layer_table() in internals, "docs/internals.md must show this table:\n" + layer_table()
+    for _, packages, _ in LAYERS:
+        for p in packages:
+            if (PACKAGE / p.replace(".", "/")).is_dir():
+                assert re.search(rf"`{re.escape(p.replace('.', '/'))}/`", internals), \
+                    f"docs/internals.md has no paragraph on `{p.replace('.', '/')}/`"
+
+
+# --------------------------------------------------------------------------- negative controls
+
+
+def _planted(modules: dict[str, str], packages: tuple[str, ...] = ()) -> dict[str, tuple[str, bool]]:
+    return {m: (src, m in packages) for m, src in modules.items()}
+
+
+def test_a_planted_upward_import_fails():
+    sources = _planted({"hf_symmetry.devices": "import torch\n",
+                        "hf_symmetry.hub.cards": "from ..devices import to_model\n",
+                        "hf_symmetry.symmetry.fused": "def f():\n    from ..hub.cards import write_card\n"})
+    found = upward_imports(graph(sources))
+    assert len(found) == 1 and "hf_symmetry.symmetry.fused:2" in found[0], found
+    # a package's __init__ resolves relative imports against itself
+    sources = _planted({"hf_symmetry.evaluation": "from ..conversion import stream\n"},
+                       packages=("hf_symmetry.evaluation",))
+    assert [e[1] for e in graph(sources)] == ["hf_symmetry.conversion"]
+    assert len(upward_imports(graph(sources))) == 1
+
+
+def test_a_planted_cycle_fails():
+    sources = _planted({"hf_symmetry.evaluation.bridge": "from ..hub.cards import perplexity_result\n",
+                        "hf_symmetry.hub.push": "def f():\n    import hf_symmetry.evaluation.bridge\n"})
+    assert package_cycles(graph(sources)) == [["evaluation", "hub"]]
+    sources = _planted({"hf_symmetry.conversion.compress.solve": "from ..farr import reduce\n",
+                        "hf_symmetry.conversion.farr.reduce": "from ..compress.solve import x\n"})
+    assert package_cycles(graph(sources)) == [["conversion.compress", "conversion.farr"]]
+    assert package_cycles(graph(_planted({"hf_symmetry.hub.push": "from ..evaluation import bridge\n"}))) == []
+
+
+def test_a_planted_private_import_fails():
+    sources = _planted({"hf_symmetry.conversion.merge": "from .rotate import _centre_layer, public\n"
+                                                       "from .. import __version__\n"})
+    assert private_imports(graph(sources)) == {("conversion.merge", "conversion.rotate", "_centre_layer")}
