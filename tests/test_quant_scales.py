@@ -115,3 +115,29 @@ def test_gqa_vo_scale_is_shared_by_the_query_heads_of_a_group(exact_rmsnorm):
     # V's rows carry the inverse factors (column 0 also carries the attention norm's reader scale)
     v_ratio = (layer["v.weight"] / out["v.weight"])[:, 0].reshape(L.n_kv_heads, L.head_dim) / ratio[:, 0]
     assert torch.allclose(v_ratio, v_ratio[0, 0].expand_as(v_ratio), rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2_dir, smollm2, eval_ids, tmp_path):
+    """The winning preset (no residual rotation, activation-aware scales) through the CLI, on real text."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from hf_symmetry import cli
+    from hf_symmetry.evaluation.compare import model_output
+
+    out = tmp_path / "smollm2-s"
+    assert cli.main(["rotate", str(smollm2_dir), str(out), "--for-quantization", "--residual", "none",
+                     "--no-vo-hadamard", "--scales", "hqq4g64-rtn", "--calibration-tokens", "256",
+                     "--no-verify", "--quiet"]) == 0
+    scaled = AutoModelForCausalLM.from_pretrained(out).eval()   # plain transformers, no remote code
+    assert type(scaled) is LlamaForCausalLM
+    ref = model_output(smollm2, eval_ids)
+    delta = (ref - model_output(scaled, eval_ids)).abs().max().item()
+    print(f"SmolLM2 --for-quantization --residual none --scales: max |Δlogit| = {delta:.2e} (float32)")
+    assert delta <= 1e-4
+    # negative control: the rescaled norm weight is what compensates the readers' scaled columns
+    original = smollm2.model.layers[5].input_layernorm.weight
+    assert not torch.allclose(scaled.model.layers[5].input_layernorm.weight, original)
+    with torch.no_grad():
+        scaled.model.layers[5].input_layernorm.weight.copy_(original)
+    assert (ref - model_output(scaled, eval_ids)).abs().max().item() > 1e-1
