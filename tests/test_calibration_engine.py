@@ -297,8 +297,8 @@ def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family
     kept in files for the second pass): the same tensors and ranks as FaRR on the whole set of
     input moments, and the files are gone afterwards."""
     from hf_symmetry.checkpoint import CheckpointReader
-    from hf_symmetry.conversion.farr import (FarrOptions, LayerWeights, _farr, attention_input_moments,
-                                             calibrated_analysis, farr_state_dict)
+    from hf_symmetry.conversion.farr import (FarrOptions, LayerWeights, attention_input_moments, calibrated_analysis,
+                                             farr_state_dict, run_farr)
     from hf_symmetry.conversion.stream import DictSink
 
     model = _saved(family, tmp_path / "m")
@@ -313,7 +313,7 @@ def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family
     assert (store[0].root_aug is not None) == qk   # the query side's metric only where the score map is cut
     reader = CheckpointReader(tmp_path / "m")
     sink = DictSink()
-    _, report, _ = _farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis)
+    _, report, _ = run_farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis)
     store.close()
     assert not (tmp_path / "spill").exists()
     assert report.ranks == want_report.ranks and report.kept_energy == want_report.kept_energy
@@ -355,7 +355,7 @@ def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     """FaRR (calibrated, window 20) of the tiny float64 Llama in ``folder`` and a RegMean merge of two
     tiny Llamas, both calibrated on 60 tokens in windows of 20 on ``placement``: their output tensors."""
     from hf_symmetry.checkpoint import CheckpointReader
-    from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, _farr, calibrated_analysis
+    from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, calibrated_analysis, run_farr
     from hf_symmetry.conversion.merge import run_merge
     from hf_symmetry.conversion.recipe import recipe_from_dict
     from hf_symmetry.conversion.stream import DictSink
@@ -366,7 +366,7 @@ def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     store = LayerWeights()
     analysis = calibrated_analysis(folder, ids, options.paths, placement, store=store, window=20)
     sink = DictSink()
-    _farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis, device=placement.device)
+    run_farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis, device=placement.device)
     merged = DictSink()
     # the recipe's calibration window, like FaRR's, fits the 60 tokens (its default is 256)
     recipe = recipe_from_dict({"merge_method": "regmean", "models": ["a", "b"], "calibration": {"seq_len": 20}})

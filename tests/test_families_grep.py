@@ -32,8 +32,9 @@ NOT_YET: dict[str, str] = {
 
 def _own_model_types() -> set[str]:
     """The model_type of every configuration class in ``hf_symmetry.modeling``."""
-    import hf_symmetry.modeling as modeling
     from transformers import PretrainedConfig
+
+    from hf_symmetry import modeling
 
     own = set()
     for info in pkgutil.iter_modules(modeling.__path__):

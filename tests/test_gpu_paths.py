@@ -35,7 +35,7 @@ def test_a_resolved_cuda_device_always_carries_its_index(monkeypatch):
     assert devices.resolve_device("cuda:0") == torch.device("cuda", 0)
     with pytest.raises(devices.DeviceError, match="only 2 CUDA device"):
         devices.resolve_device("cuda:2")
-    from hf_symmetry.evaluation.verification import resolve_device as for_verification
+    from hf_symmetry.evaluation.verification import device_map_spec as for_verification
 
     assert for_verification("auto") == "auto" and for_verification("cuda") == "cuda:1"
 

@@ -80,7 +80,7 @@ def check_verify_args(args, tokenizer_from=None) -> None:
     alias) whose tokenizer the verification will use; a folder without one is refused here, rather
     than after the conversion has written its output."""
     from ..assets import resolve_model, resolve_text
-    from ..evaluation.verification import resolve_device
+    from ..evaluation.verification import device_map_spec
 
     if getattr(args, "no_verify", False):
         return
@@ -88,7 +88,7 @@ def check_verify_args(args, tokenizer_from=None) -> None:
         raise ValueError(f"--tokens must be at least 2 and --ppl-tokens 0 or at least 2; got {args.tokens} and "
                          f"{args.ppl_tokens}")
     resolve_text(args.text)
-    resolve_device(getattr(args, "device", "auto"))
+    device_map_spec(getattr(args, "device", "auto"))
     if tokenizer_from is not None:
         folder = resolve_model(tokenizer_from)
         if not any((folder / f).is_file() for f in TOKENIZER_FILES):

@@ -44,9 +44,9 @@ def register(sub) -> None:
 
 def _check_args(args) -> list[str] | None:
     """Refuse bad combinations before loading anything (an unusable --device among them)."""
-    from ..evaluation.verification import resolve_device
+    from ..evaluation.verification import device_map_spec
 
-    resolve_device(args.device)
+    device_map_spec(args.device)
     tasks = parse_tasks(args.tasks) if args.tasks else None
     if tasks:
         from ..evaluation.bridge import require_lm_eval

@@ -28,9 +28,10 @@ from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, windows
 DEFAULT_TEXT = "britannica-eval"
 
 
-def resolve_device(device: str | None) -> str:
-    """``auto`` (or None) stays ``auto`` (accelerate's device map); anything else must name a
-    device this machine has (:func:`hf_symmetry.devices.resolve_device`)."""
+def device_map_spec(device: str | None) -> str:
+    """Where verification loads a model: ``auto`` (or None) stays ``auto`` (accelerate's device map
+    over the GPUs, the CPU and disk); anything else must name a device this machine has
+    (:func:`hf_symmetry.devices.resolve_device`, where ``auto`` means one device)."""
     from ..devices import resolve_device as checked
 
     if device is None or str(device).strip().lower() == "auto":
@@ -67,7 +68,7 @@ def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: t
     path = resolve_model(path)
     trust = bool(trust_remote_code)   # hf_symmetry's own families are registered and need no remote code
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    device = resolve_device(device)
+    device = device_map_spec(device)
     cls = auto_class(config)
     kwargs = dict(dtype=dtype, trust_remote_code=trust)
     if device == "auto":
