@@ -207,7 +207,7 @@ def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_
     n_text_seqs = args.tokens // args.seq_len
     samples = 0
     if spec.get("samples"):
-        samples = max(args.batch_size, round(args.samples_fraction * n_text_seqs / (1 - args.samples_fraction)))
+        samples = max(args.batch_size, round(args.samples_fraction * n_text_seqs))   # heal reads the rest as text
     options = HealOptions(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
                           grad_accum=args.grad_accum, lora_rank=spec.get("lora_rank", args.lora_rank), full=full,
                           lr=args.full_lr if full else args.lr, lm_weight=args.lm_weight, teacher_samples=samples,

@@ -56,6 +56,9 @@ def register(sub) -> None:
                         "(layer_map.safetensors: identity for TPA/FaRR, the residual rotation cut to the kept width for "
                         "compress), relative squared error per position, weighted by W (default: 0, logits only); "
                         "a student without a map is distilled on the logits only")
+    p.add_argument("--logit-chunk", type=int, default=2048, metavar="N",
+                   help="form the student's and teacher's logits, the KL and the LM loss N positions at a time "
+                        "(no [batch, seq, vocab] logits; same loss and gradients); 0: all at once (default: 2048)")
     p.add_argument("--eval-steps", type=int, default=None, help="held-out KD loss every N steps (default: at the end)")
     p.add_argument("--save-steps", type=int, default=None, help="checkpoint every N steps (default: every 10%% of the steps, at most every 25)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run kept in OUT.heal-run/")
@@ -86,7 +89,7 @@ def run(args) -> int:
                           warmup_steps=args.warmup_steps, temperature=args.temperature, lm_weight=args.lm_weight,
                           teacher_cache=args.teacher_cache, cache_k=args.cache_k,
                           teacher_samples=args.teacher_samples, layer_loss_weight=args.layer_loss_weight,
-                          eval_steps=args.eval_steps,
+                          logit_chunk=args.logit_chunk, eval_steps=args.eval_steps,
                           save_steps=args.save_steps, seed=args.seed)
     eval_texts = [] if (args.no_verify or args.eval_tokens == 0) else (args.eval_text or ["britannica-eval"])
     r = heal_checkpoint(args.model, args.out, args.teacher, args.text, options, overwrite=args.overwrite,

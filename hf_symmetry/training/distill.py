@@ -50,9 +50,21 @@ import torch.nn.functional as F
 
 from ..modeling import cache_field
 
-__all__ = ["DistillationLoss", "kd_kl", "topk_kl", "check_same_tokenizer", "build_teacher_cache",
-           "load_teacher_cache", "teacher_samples", "cached_teacher_samples", "teacher_fingerprint", "mean_kl",
-           "decoder_layers", "layer_outputs", "layer_state_loss"]
+__all__ = [
+    "DistillationLoss",
+    "build_teacher_cache",
+    "cached_teacher_samples",
+    "check_same_tokenizer",
+    "decoder_layers",
+    "kd_kl",
+    "layer_outputs",
+    "layer_state_loss",
+    "load_teacher_cache",
+    "mean_kl",
+    "teacher_fingerprint",
+    "teacher_samples",
+    "topk_kl",
+]
 
 
 def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -132,8 +144,10 @@ class DistillationLoss:
     teacher_device: str | torch.device | None = None
     layer_map: object | None = None
     layer_weight: float = 0.0
+    chunk_tokens: int | None = 2048       # positions per chunk of the logits (.logit_loss); 0/None: all at once
 
     def __post_init__(self):
+        self._plain_heads, self._head_params = {}, {}
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0.0 <= self.lm_weight <= 1.0:
@@ -167,8 +181,25 @@ class DistillationLoss:
     def teacher_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.teacher_forward(input_ids)[0]
 
+    def _plain(self, model: torch.nn.Module, ids: torch.Tensor) -> bool:
+        """Whether the chunked path applies to ``model`` (its logits are its head's output; checked once)."""
+        from .logit_loss import head_is_plain
+
+        key = id(model)
+        if key not in self._plain_heads:
+            was = model.training
+            model.eval()
+            try:
+                self._plain_heads[key] = head_is_plain(model, ids)
+            finally:
+                model.train(was)
+        return self._plain_heads[key]
+
     def __call__(self, model, inputs: dict):
         ids = inputs["input_ids"]
+        cached = "teacher_topk_values" in inputs
+        if self.chunk_tokens and self._plain(model, ids) and (cached or self._plain(self.teacher, ids)):
+            return self._chunked(model, inputs)
         layers = self.uses_layers
         if layers:
             with layer_outputs(model) as student_states:
@@ -177,7 +208,7 @@ class DistillationLoss:
             out = model(input_ids=ids, use_cache=False)
         logits = out.logits
         teacher_states = None
-        if "teacher_topk_values" in inputs:
+        if cached:
             kd = topk_kl(logits, inputs["teacher_topk_values"], inputs["teacher_topk_indices"], self.temperature)
             if layers:
                 teacher_states = self.teacher_forward(ids, states=True)[1]
@@ -188,14 +219,57 @@ class DistillationLoss:
         loss = kd
         if self.lm_weight > 0:
             labels = inputs.get("labels", ids)
-            lm = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+            dt = torch.promote_types(logits.dtype, torch.float32)     # float32, or float64 if the logits are
+            lm = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dt), labels[:, 1:].flatten())
             parts["lm_part"] = lm.detach().item()
             loss = (1 - self.lm_weight) * kd + self.lm_weight * lm
-        if layers:
+        return self._add_layers(loss, parts, student_states if layers else None, teacher_states)
+
+    def _add_layers(self, loss, parts: dict, student_states, teacher_states):
+        if student_states is not None:
             ls = layer_state_loss(student_states, teacher_states, self.layer_map)
             parts["layer_part"] = ls.detach().item()
             loss = loss + self.layer_weight * ls
         return loss, parts
+
+    def _chunked(self, model, inputs: dict):
+        """The same loss with the heads applied ``chunk_tokens`` positions at a time
+        (:mod:`.logit_loss`): no ``[B, L, V]`` logits of either model."""
+        from contextlib import ExitStack
+
+        from ..devices import to_model
+        from .logit_loss import chunked_logit_loss, final_hidden, output_head
+
+        ids = inputs["input_ids"]
+        layers = self.uses_layers
+        with ExitStack() as stack:
+            student_states = stack.enter_context(layer_outputs(model)) if layers else None
+            cap = stack.enter_context(final_hidden(model))
+            model(input_ids=ids, use_cache=False)
+        hidden, teacher_states = cap.hidden, None
+        if "teacher_topk_values" in inputs:
+            teacher = ("topk", inputs["teacher_topk_values"], inputs["teacher_topk_indices"])
+            if layers:
+                teacher_states = self.teacher_forward(ids, states=True)[1]
+        else:
+            dev = torch.device(self.teacher_device) if self.teacher_device is not None else ids.device
+            if next(self.teacher.parameters()).device != dev:
+                self.teacher.to(dev)
+            with torch.no_grad(), ExitStack() as stack:
+                hs = stack.enter_context(layer_outputs(self.teacher)) if layers else None
+                tcap = stack.enter_context(final_hidden(self.teacher))
+                self.teacher(input_ids=to_model(ids, self.teacher), use_cache=False)
+            teacher = ("hidden", tcap.hidden, output_head(self.teacher))
+            if layers:
+                teacher_states = [h.to(ids.device) for h in hs]
+        head = output_head(model)
+        if id(model) not in self._head_params:
+            self._head_params[id(model)] = head.trainable_parameters(model, hidden[:1, :1])
+        loss, kd, lm = chunked_logit_loss(hidden, head, teacher, inputs.get("labels", ids),
+                                          temperature=self.temperature, lm_weight=self.lm_weight,
+                                          chunk_tokens=self.chunk_tokens, head_params=self._head_params[id(model)])
+        parts = {"kd_part": kd, **({"lm_part": lm} if lm is not None else {})}
+        return self._add_layers(loss, parts, student_states, teacher_states)
 
 
 @torch.no_grad()

@@ -64,6 +64,7 @@ class HealOptions:
     cache_k: int = 64
     teacher_samples: int = 0
     layer_loss_weight: float = 0.0          # weight of the per-layer state loss (layer map); 0: logits only
+    logit_chunk: int = 2048                 # positions whose logits are formed at once (training.logit_loss); 0: all
     validation_fraction: float = 0.05
     eval_steps: int | None = None
     save_steps: int | None = None           # None: every 10 % of the steps, at most every 25 steps
@@ -72,6 +73,10 @@ class HealOptions:
     @property
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else (2e-5 if self.full else 2e-4)
+
+    def text_tokens(self) -> int:
+        """Tokens of the user's text read for training: the budget less the teacher samples' share."""
+        return max(self.seq_len, self.tokens - self.teacher_samples * self.seq_len)
 
     def steps(self) -> int:
         return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
@@ -94,6 +99,8 @@ class HealOptions:
             raise ValueError(f"--lm-weight must be in [0, 1], got {self.lm_weight}")
         if self.teacher_samples < 0 or self.cache_k < 1:
             raise ValueError("--teacher-samples must be >= 0 and --cache-k >= 1")
+        if self.logit_chunk < 0:
+            raise ValueError(f"--logit-chunk must be >= 0 (0: all positions at once), got {self.logit_chunk}")
         if not (self.layer_loss_weight >= 0 and math.isfinite(self.layer_loss_weight)):
             raise ValueError(f"--layer-loss-weight must be finite and >= 0, got {self.layer_loss_weight}")
 
@@ -257,7 +264,7 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     per_device = per_device_batch(options.batch_size, options.grad_accum)
     plan = None if options.full else lora_plan(_skeleton(src), options.lora_rank)   # rank check, no weights read
     data = build_datasets(tok, text_paths, options.seq_len, options.validation_fraction,
-                          max_train_tokens=options.tokens, seed=options.seed)
+                          max_train_tokens=options.text_tokens(), seed=options.seed)
     layer_map, layer_targets = None, "off"
     if options.layer_loss_weight > 0:
         layer_map = read_layer_map(src)
@@ -329,7 +336,8 @@ def heal_checkpoint(converted, out, teacher, texts, options: HealOptions, *, ove
     # with layer targets the teacher runs alongside even with --teacher-cache (its states are not cached)
     loss = DistillationLoss(None if options.teacher_cache and layer_map is None else tmodel, options.temperature,
                             options.lm_weight, teacher_device=tdev, layer_map=layer_map,
-                            layer_weight=options.layer_loss_weight if layer_map is not None else 0.0)
+                            layer_weight=options.layer_loss_weight if layer_map is not None else 0.0,
+                            chunk_tokens=options.logit_chunk or None)
     steps = options.steps()
     settings = TrainSettings(
         output_dir=str(run), max_steps=steps, per_device_batch_size=per_device,
