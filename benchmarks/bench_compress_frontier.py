@@ -147,7 +147,7 @@ def slice_relative_errors(reader, state_norms: dict, cfg: dict) -> dict:
     """SliceGPT's counterpart of the structured rows' relative errors: ``‖M − M P‖ / ‖M‖`` for every
     sliced matrix (norms folded; the rotation keeps norms, so it is ``√(1 − ‖M Q_w‖² / ‖M‖²)``)."""
     from hf_symmetry.conversion import compress as C
-    from hf_symmetry.conversion.compress.assemble import read_folded
+    from hf_symmetry.conversion.compress.folded import read_folded
     from hf_symmetry.conversion.compress.options import LAYER_MODULES
 
     adapter = C.check_family(reader.config, reader.keys())
@@ -185,7 +185,7 @@ def segment_objectives(args) -> dict:
     from hf_symmetry.assets import smollm2_dir, text_path
     from hf_symmetry.checkpoint import CheckpointReader
     from hf_symmetry.conversion import compress as C
-    from hf_symmetry.conversion.compress.calibration import pca
+    from hf_symmetry.conversion.compress.pca import pca
     from hf_symmetry.evaluation.compare import load_tokenizer
     from hf_symmetry.text import read_text, tokenize_text
     from hf_symmetry.symmetry.segments import solve_segment

@@ -176,7 +176,7 @@ def test_slice_widths_move_to_a_sensitive_layer(smollm2_shapes):
 def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     """On a real forward (the engine, tiny Llama): narrower widths give larger layer output errors;
     the sliced layer at full width is the layer itself (error 0)."""
-    from hf_symmetry.conversion.compress.calibration import pca
+    from hf_symmetry.conversion.compress.pca import pca
 
     model = tiny_model("llama", dtype=torch.float32)
     config = model.config.to_dict()

@@ -7,14 +7,13 @@ each alternation instead of holding them."""
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.conversion.compress.pipeline import one_pass_statistics
+from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.symmetry.segments import solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
 
@@ -41,7 +40,7 @@ def _held(plan, layers, globals_, stats, stage, options, iters):
     terms = [t for seg, _ in segments for t in seg]
     res = solve_segment(terms, torch.eye(plan.hidden, dtype=torch.float64), iters, options.als_iters,
                         options.wopp_iters, dtype=getattr(torch, options.solver_dtype), keep_weights=False,
-                        **SV._stopping(options, stage))
+                        **options.stopping(stage))
     factors, rel = {}, {}
     SV._keep(terms, res.Q, factors, rel)
     return res.Q, factors, res.trace
@@ -110,7 +109,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
     """Stage W with one rotation per segment (not sequential) measures each layer's moments when the
     solver first reads them and drops them once their segment is solved: the output is that of the
     statistics taken all up front, bit for bit, and at most one layer's FFN input moments are held."""
-    from hf_symmetry.conversion.compress import calibration as CAL
+    from hf_symmetry.conversion.compress import moments as MO
     from hf_symmetry.conversion.compress.pipeline import compress_tensors
 
     model = tiny_model("llama", num_hidden_layers=3)
@@ -127,7 +126,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
     ref, _, _ = compress_tensors(src, config, options, calib_ids=calib, stats=eager, progress=False)
 
     held = []
-    real = CAL.one_pass_on_demand
+    real = MO.one_pass_on_demand
 
     def watched(*a, **k):
         stats = real(*a, **k)
@@ -139,7 +138,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         stats.release_segment = release_segment
         return stats
 
-    monkeypatch.setattr(sys.modules["hf_symmetry.conversion.compress.pipeline"], "one_pass_on_demand", watched)
+    monkeypatch.setattr(MO, "one_pass_on_demand", watched)
     out, _, report = compress_tensors(src, config, options, calib_ids=calib, progress=False)
     assert len(held) == 2 * model.config.num_hidden_layers + 1     # every segment released once solved
     assert max(held) == 1                                          # one layer's FFN moments at a time

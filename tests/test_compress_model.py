@@ -208,7 +208,7 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
                for i, layer in enumerate(compressed.model.layers)
                for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))]
     with torch.no_grad():
-        for batch in C.calibration_batches(calib, 40):
+        for batch in C.token_sequences(calib, 40):
             compressed(input_ids=batch[None])
     for h in handles:
         h.remove()
@@ -243,17 +243,17 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
 
 
 def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False, reader_map=None):
-    """``_matched`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
+    """``matched_target`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
     from the statistics alone (nothing consumed, nothing damped in place): the target and a writer's
     damped moments."""
-    solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
+    targets_mod = importlib.import_module("hf_symmetry.conversion.compress.targets")
     if m.role == "reader":
         G, Cx = stats.normed[m.segment], stats.normed_cross[m.segment]
-        ridge = solve_mod._damped(G, damping) - G
+        ridge = targets_mod.damped(G, damping) - G
         return torch.linalg.solve(G + ridge, (Cx + ridge) @ M.T).T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
     G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
-    ridge = solve_mod._damped(G, damping) - G
+    ridge = targets_mod.damped(G, damping) - G
     out = torch.linalg.solve(G + ridge, T + ridge @ M)
     return out, (out.T @ (G + ridge) @ out if rows_gram else G + ridge)
 
@@ -274,7 +274,7 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     options = C.CompressOptions(structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1,
                                 w_iters=1, tolerance=0.1)
     reader = CheckpointReader(tiny_dir)
-    assert solve_mod._TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
+    assert solve_mod.TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
     C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calib, progress=False)
     ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=options.calib_tokens)
     state, _, _ = C.compress_tensors(reader, reader.config, options, calib_ids=ids, dtype=torch.float32,
@@ -287,10 +287,10 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
 
 
 def _whole_reader_moments(segment, stats, damping, device, matched):
-    """``_consume_reader_moments`` as a dense-ridge computation that leaves the statistics in place."""
-    solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
+    """``consume_reader_moments`` as a dense-ridge computation that leaves the statistics in place."""
+    targets_mod = importlib.import_module("hf_symmetry.conversion.compress.targets")
     G = stats.normed[segment]
-    ridge = solve_mod._damped(G, damping) - G
+    ridge = targets_mod.damped(G, damping) - G
     A = torch.linalg.solve(G + ridge, stats.normed_cross[segment] + ridge) if matched else None
     return G + ridge, A
 
@@ -303,7 +303,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     """What keeps low rank (and GS and Kronecker embeddings, whose rows are free) flat in depth changes
     no tensor: the
     embedding and an untied head solved on
-    their Grams accumulated a block of rows at a time and lifted block by block (``_TallTerm``; the
+    their Grams accumulated a block of rows at a time and lifted block by block (``TallTerm``; the
     head's matched target ``M Aᵀ`` applied per block, never read whole), the matched targets with the
     ridge on the diagonals and the writers' moments damped in place, and each part written as soon as its
     segments are solved (``Assembler.segment_done``) give the tensors (float64, to 1e-10) of the
@@ -311,7 +311,8 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     and lifted inside ``solve_segment``, a dense ridge, everything assembled at the end. Negative
     control: a 1 % change of the damping is seen at this tolerance."""
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
-    assemble_mod = importlib.import_module("hf_symmetry.conversion.compress.assemble")
+    folded_mod = importlib.import_module("hf_symmetry.conversion.compress.folded")
+    targets_mod = importlib.import_module("hf_symmetry.conversion.compress.targets")
     model = tiny_model("llama", tie_word_embeddings=tied)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
@@ -320,15 +321,15 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     # (GS at Q = I: with rotation steps the round-off of a Gram summed by blocks is amplified by the
     # rotation search's line search to ~1e-4 relative, the same objective reached by another path)
     ms = C.plan_for(_source(model), config, options)[0].by_name()
-    assert solve_mod._TallTerm.applies(ms["embed"])
-    assert tied or solve_mod._TallTerm.applies(ms["lm_head"])
-    whole_read = assemble_mod.FoldedGlobals.__getitem__
+    assert solve_mod.TallTerm.applies(ms["embed"])
+    assert tied or solve_mod.TallTerm.applies(ms["lm_head"])
+    whole_read = folded_mod.FoldedGlobals.__getitem__
 
     def no_whole_head(self, key):
         assert key != "lm_head.weight", "the head was read whole"
         return whole_read(self, key)
 
-    monkeypatch.setattr(assemble_mod.FoldedGlobals, "__getitem__", no_whole_head)
+    monkeypatch.setattr(folded_mod.FoldedGlobals, "__getitem__", no_whole_head)
     streamed, live = [], []
 
     def segment_done(self, k, Qs, f, _orig=C.Assembler.segment_done):
@@ -348,10 +349,10 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     assert streamed == list(range(2 * config["num_hidden_layers"] + 1))
     assert max(live) <= 3, live    # flat in depth: those of written layers released (segment 0 kept: tied head)
     with monkeypatch.context() as mp:
-        mp.setattr(assemble_mod.FoldedGlobals, "__getitem__", whole_read)
-        mp.setattr(solve_mod._TallTerm, "applies", staticmethod(lambda m: False))
-        mp.setattr(solve_mod, "_matched", _whole_matched)
-        mp.setattr(solve_mod, "_consume_reader_moments", _whole_reader_moments)
+        mp.setattr(folded_mod.FoldedGlobals, "__getitem__", whole_read)
+        mp.setattr(solve_mod.TallTerm, "applies", staticmethod(lambda m: False))
+        mp.setattr(targets_mod, "matched_target", _whole_matched)
+        mp.setattr(targets_mod, "consume_reader_moments", _whole_reader_moments)
         mp.setattr(C.Assembler, "segment_done", lambda self, k, Qs, f: None)
         whole, whole_report = run()
         other, _ = run(damping=0.0101)
@@ -381,7 +382,7 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
         setattr(stats, key + "_target", [Xh.T @ (X @ M + D) / n])
     m = C.MatrixPlan("m", canon, 0, "reader" if reader else "writer", 0, S.Dense((k, d)))
     G0 = G.clone()
-    got, metric = C._matched(m, M, stats, damping=0.05, consume=True)
+    got, metric = C.matched_target(m, M, stats, damping=0.05, consume=True)
     if reader:
         assert metric is None and stats.normed == [G] and torch.equal(G, G0)   # shared by the segment's readers
     else:   # a writer's statistics are consumed and its moments damped in place: they are its row metric
@@ -395,10 +396,10 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
     if not reader:    # a reducible writer's target by an in-place Cholesky solve, and only Mᵀ Gd M of its weight
         Gd = G0 + 0.05 * G0.diagonal().mean() * torch.eye(k, dtype=torch.float64)
         fresh = lambda G: C.CalibrationStats(n, torch.ones(3), **{key: [G], key + "_target": [Xh.T @ (X @ M + D) / n]})  # noqa: E731
-        got2, P = C._matched(m, M, fresh(G0.clone()), damping=0.05, consume=True, rows_gram=True)
+        got2, P = C.matched_target(m, M, fresh(G0.clone()), damping=0.05, consume=True, rows_gram=True)
         assert torch.allclose(got2, want, atol=1e-10) and torch.allclose(P, want.T @ Gd @ want, atol=1e-10)
         with pytest.raises(ValueError, match="not positive definite"):
-            C._matched(m, M, fresh(-G0.clone()), damping=0.05, consume=True, rows_gram=True)
+            C.matched_target(m, M, fresh(-G0.clone()), damping=0.05, consume=True, rows_gram=True)
 
 
 @pytest.mark.parametrize("kwargs", [dict(stage="f"), dict(q_mode="global"), dict(structure="slice")])

@@ -82,7 +82,7 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
         handles.append(layer.post_attention_layernorm.register_forward_pre_hook(hook(2 * i + 1)))
     handles.append(sliced.model.norm.register_forward_pre_hook(hook(2 * len(sliced.model.layers))))
     with torch.no_grad():
-        for batch in C.calibration_batches(calib, 40):
+        for batch in C.token_sequences(calib, 40):
             sliced(input_ids=batch[None])
     for h in handles:
         h.remove()
@@ -158,9 +158,9 @@ def _widths_model(model, widths, placement=None):
     compressed, counted = C.build_model(state, cfg, torch.float64)
     stats = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
                                  placement=_float64())
-    from hf_symmetry.conversion.compress.solve import _pca_rotations
+    from hf_symmetry.conversion.compress.pca import pca_rotations
 
-    Q = _pca_rotations(stats, len(widths), "global")[0]
+    Q = pca_rotations(stats, len(widths), "global")[0]
     return compressed, cfg, report, counted, Q
 
 
@@ -272,8 +272,7 @@ def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
     that running sum (one ``d × d`` matrix whatever the depth) instead of every segment's moment. It is
     the same sum, added in the same order, so the rotation is bit for bit the one of the per-segment
     moments. Negative control: the unnormalised sum gives another basis."""
-    from hf_symmetry.conversion.compress.calibration import pca
-    from hf_symmetry.conversion.compress.solve import _pca_rotations
+    from hf_symmetry.conversion.compress.pca import pca, pca_rotations
 
     assert C.CompressOptions(structure="slice").stream_sum
     assert not C.CompressOptions(structure="slice", allocation="sensitivity").stream_sum   # needs segments 0, 2L
@@ -288,8 +287,8 @@ def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
     n_seg = 2 * config["num_hidden_layers"] + 1
     assert summed.stream is None and len(each.stream) == n_seg and summed.tokens == each.tokens
     assert torch.equal(summed.stream_sum, sum(C_ / C_.trace().clamp_min(1e-300) for C_ in each.stream))
-    Q = _pca_rotations(summed, n_seg, "global")[0]
-    assert torch.equal(Q, _pca_rotations(each, n_seg, "global")[0])
+    Q = pca_rotations(summed, n_seg, "global")[0]
+    assert torch.equal(Q, pca_rotations(each, n_seg, "global")[0])
     w = config["hidden_size"] * 3 // 4
     kept = lambda B: B[:, :w] @ B[:, :w].T  # noqa: E731  (the kept subspace: signs of eigenvectors do not matter)
     assert _rel(kept(pca(sum(each.stream))), kept(Q)) > 1e-3

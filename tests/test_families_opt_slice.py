@@ -16,7 +16,8 @@ import hf_symmetry  # noqa: F401
 from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion.compress import CompressOptions, compress_model
-from hf_symmetry.conversion.compress.calibration import collect_statistics, pca
+from hf_symmetry.conversion.compress.moments import collect_statistics
+from hf_symmetry.conversion.compress.pca import pca
 from hf_symmetry.conversion.compress.layernorm import build, centred_rotation, compress_layer_norm_model, slice_tensors
 from hf_symmetry.conversion.stream import DictSink, DictSource
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM

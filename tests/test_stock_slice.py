@@ -15,8 +15,8 @@ import hf_symmetry  # noqa: F401
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import stock as S
-from hf_symmetry.conversion.compress.pipeline import one_pass_statistics
-from hf_symmetry.conversion.compress.solve import _pca_rotations
+from hf_symmetry.conversion.compress.moments import one_pass_statistics
+from hf_symmetry.conversion.compress.pca import pca_rotations
 from hf_symmetry.testing import input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0)
@@ -49,7 +49,7 @@ def _same_slice(model, width, calib, placement=None, **controls):
     """(stock model, its report, compressed-family model) at ``width`` from one measured rotation."""
     source, config = C.DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
     stats = one_pass_statistics(source, config, OPTIONS, calib, placement, progress=False)
-    Q = _pca_rotations(stats, 2 * config["num_hidden_layers"] + 1, "global")[0]
+    Q = pca_rotations(stats, 2 * config["num_hidden_layers"] + 1, "global")[0]
     stock, report = S.stock_slice_model(model, OPTIONS, calib, S.StockOptions(untie=True, round_to=1), width=width,
                                         rotation=Q, **controls)
     usource, uconfig = _untied_view(model)

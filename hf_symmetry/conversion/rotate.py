@@ -152,7 +152,7 @@ def centres_layer_norms(adapter: Adapter, options: RotateOptions) -> bool:
     return options.residual != "none" and adapter.spec.norm_kind == "layer"
 
 
-def _centre_layer(layer: Tensors) -> Tensors:
+def centre_layer(layer: Tensors) -> Tensors:
     """Centre the writers, fold each LayerNorm's γ and β into its readers, and drop the norms
     (they become weightless RMSNorms); every linear gets a bias (the RMS-decoder family has them)."""
     layer = actions.fold_layer_norms(actions.centre_writers(layer))
@@ -165,7 +165,7 @@ def _centre_layer(layer: Tensors) -> Tensors:
     return layer
 
 
-def _centre_globals(g: Tensors) -> Tensors:
+def centre_globals(g: Tensors) -> Tensors:
     """Untie the head (it reads the final norm, not the centred embedding), centre every embedding
     row, fold the final LayerNorm (γ and β) into the head, which gains a bias."""
     g = dict(g)
@@ -220,7 +220,7 @@ def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, p
     return out
 
 
-def _check_layer_norm_decoder(config: dict) -> None:
+def check_layer_norm_decoder(config: dict) -> None:
     if config.get("scale_attn_by_inverse_layer_idx") or config.get("scale_attn_weights") is False:
         raise ValueError("residual rotation of this GPT-2 checkpoint: its attention is not scaled by 1/√head_dim "
                          "(scale_attn_weights / scale_attn_by_inverse_layer_idx), which the RMS-decoder family assumes")
@@ -279,7 +279,7 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
             raise ValueError("--scales needs calibration: token ids, or the layer statistics of quant_scales.layer_stats")
         stats = calibration if isinstance(calibration, list) else layer_stats(source, config, calibration, progress)
     if centres_layer_norms(adapter, options):
-        return _rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
+        return rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
     transform_checkpoint(source, adapter, sink,
                          layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q, stats),
                          globals_fn=lambda g: transform_globals(g, adapter, Q), progress=progress, desc="rotate",
@@ -291,12 +291,12 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
     return new_config, untied
 
 
-def _rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: dict, options: RotateOptions,
+def rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: dict, options: RotateOptions,
                                Q: torch.Tensor, sink, progress: bool, desc: str = "rotate") -> dict:
     """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family. ``Q`` is
     ``[d, w]`` with orthonormal columns: ``w = d`` rotates exactly; ``w < d`` also slices the stream to
     its first ``w`` rotated coordinates (SliceGPT, :mod:`.compress.layernorm`)."""
-    _check_layer_norm_decoder(config)
+    check_layer_norm_decoder(config)
     # the output config needs two shapes: the FFN width (layer 0) and the position table's rows
     layer0 = adapter.read_layer(0, source.get([k for k in source.keys() if adapter.layer_of(k) == 0]))
     pos_keys = [f"{adapter.prefix}{name}.weight" for name in adapter.spec.pos_embed[:1]]   # none with rotary
@@ -304,13 +304,13 @@ def _rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: d
     new_config = rms_decoder_config(adapter, config, layer0["up.weight"].shape[0], rows, residual_size=Q.shape[1])
     del layer0
     def layer_fn(i, layer):
-        layer = transform_layer(i, _centre_layer(layer), adapter, options, Q)
+        layer = transform_layer(i, centre_layer(layer), adapter, options, Q)
         if adapter.layout.rope_layout == "interleaved":   # GPT-J: the family's RoPE pairs rotate-half
             layer = actions.interleaved_to_half(layer, adapter.layout)
         return layer
 
     transform_checkpoint(source, adapter, sink, layer_fn=layer_fn,
-                         globals_fn=lambda g: actions.rotate_residual_globals(_centre_globals(g), Q),
+                         globals_fn=lambda g: actions.rotate_residual_globals(centre_globals(g), Q),
                          progress=progress, desc=desc, globals_dtype=torch.float64,
                          writer=Adapter.from_config(new_config))
     return new_config

@@ -272,6 +272,12 @@ def _retract(Y: Tensor) -> Tensor:
     return q * torch.where(sign == 0, torch.ones_like(sign), sign)
 
 
+def over_relaxed(Q: Tensor, Q_prev: Tensor, beta: float) -> Tensor:
+    """``Q + β (Q − Q_prev)`` retracted onto O(d): a longer step along the last change of Q (the
+    over-relaxation of :func:`solve_segment`'s ``extrapolate``)."""
+    return _retract(Q + beta * (Q - Q_prev))
+
+
 def nearest_orthogonal(Y: Tensor) -> Tensor:
     """The orthogonal matrix nearest to ``Y`` (its polar factor ``U Vᵀ``), in float64: float32
     iterations' rotation made orthogonal to float64 round-off."""
@@ -441,7 +447,7 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
             # Over-relaxation (as line searches accelerate CP-ALS): try going further along the last
             # rotation step, Q + β (Q − Q_prev) retracted onto O(d); keep it only if its fitted objective is lower
             saved = [(t.factors, t._summary) for t in loop]
-            Qc = _retract(Qw + beta * (Qw - Q_prev))
+            Qc = over_relaxed(Qw, Q_prev, beta)
             for t in loop:
                 t.fit(Qc, als_iters)
             Jc = objective(loop, Qc)

@@ -9,39 +9,47 @@ The steps, one module each:
 - :mod:`.options` — :class:`CompressOptions`, and what its flag combinations mean (one place);
 - :mod:`.plan` — which matrices are compressed, into which structure and size, and the parameter
   accounting (equal ratios mean equal total parameter counts);
-- :mod:`.calibration` — the second moments the solvers weight by: one pass of the original model, or
+- :mod:`.moments` — the second moments the solvers weight by: one pass of the original model, or
   sequential (the partly compressed model, on the calibration engine's sequential mode);
-- :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity;
-- :mod:`.solve` — rotations (stage F / W, SliceGPT's PCA) and structured factors, segment by segment;
+- :mod:`.folded` — the source checkpoint with its norms folded, read one matrix (or block of rows) at a time;
+- :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity (:mod:`.allocate_widths`:
+  SliceGPT's per-segment widths);
+- :mod:`.solve` — rotations (stage F / W) and structured factors, segment by segment (the structures
+  themselves are :mod:`...symmetry.structured`'s classes);
+- :mod:`.pca` — SliceGPT's rotations, from one pass or sequential;
 - :mod:`.global_q` — one global rotation, the weights streamed from the checkpoint on each alternation;
 - :mod:`.targets` — the solvers' damped weights and sequential calibration's matched targets;
 - :mod:`.tall` — the embedding and an untied head, solved and written a block of rows at a time;
 - :mod:`.assemble` — the compressed model's tensors (written part by part as the solver finishes them) and config;
 - :mod:`.layernorm` — LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J): centred, then sliced (SliceGPT) or
   structured (the steps above on the centred model), written as the RMS-decoder family;
+- :mod:`.stock` — SliceGPT written as the source's own stock family, where it can be;
 - :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder);
+- :mod:`.report` — the report and the finishing of an output folder, shared by every route;
 - :mod:`.card` — the model card.
 """
 
 from __future__ import annotations
 
 from ..stream import DictSource, TensorSource
-from .assemble import (Assembler, FoldedGlobals, FoldedLayers, assemble, build_model, compressed_config,
-                       config_object, module_tensors, read_folded)
-from .calibration import (CalibrationInput, CalibrationStats, SlicedLayer, calibration_batches, collect_statistics,
-                          sequential_stream_pca, sequential_weighted)
+from .assemble import Assembler, assemble, build_model, compressed_config, config_object, module_tensors
+from .folded import FoldedGlobals, FoldedLayers, read_folded
+from .moments import (CalibrationInput, CalibrationStats, collect_statistics, one_pass_statistics,
+                      sequential_weighted, token_sequences)
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
-from .pipeline import (REPORT_FILE, CompressReport, compress_checkpoint, compress_model, compress_tensors,
-                       record_verification)
-from .plan import (MatrixPlan, Plan, check_family, plan_compression, plan_for,
-                   source_numels)
+from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
+from .pipeline import compress_checkpoint, compress_model, compress_tensors
+from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
+from .report import REPORT_FILE, CompressReport, record_verification
 from .solve import SolveResult, solve
-from .targets import _matched
+from .targets import matched_target
 
 __all__ = [
-    "ALLOCATIONS", "DictSource", "TensorSource", "Assembler", "FoldedGlobals", "FoldedLayers", "assemble", "build_model", "compressed_config", "config_object", "module_tensors",
-    "read_folded", "CalibrationInput", "CalibrationStats", "SlicedLayer", "sequential_stream_pca", "sequential_weighted", "calibration_batches", "collect_statistics", "LAYER_MODULES",
-    "PRESETS", "Q_MODES", "STAGES", "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport",
-    "compress_checkpoint", "compress_model", "compress_tensors", "record_verification", "MatrixPlan", "Plan",
-    "check_family", "plan_compression", "plan_for", "source_numels", "SolveResult", "solve", "_matched",
+    "ALLOCATIONS", "DictSource", "TensorSource", "Assembler", "FoldedGlobals", "FoldedLayers", "assemble",
+    "build_model", "compressed_config", "config_object", "module_tensors", "read_folded", "CalibrationInput",
+    "CalibrationStats", "SlicedLayer", "sequential_stream_pca", "sequential_weighted", "token_sequences",
+    "collect_statistics", "one_pass_statistics", "pca_rotations", "LAYER_MODULES", "PRESETS", "Q_MODES", "STAGES",
+    "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport", "compress_checkpoint", "compress_model",
+    "compress_tensors", "record_verification", "MatrixPlan", "Plan", "check_family", "plan_compression", "plan_for",
+    "source_numels", "SolveResult", "solve", "matched_target",
 ]

@@ -191,7 +191,8 @@ def adapter_path(adapter, canonical_path: str) -> str:
     return table[proj]
 
 
-def _trace(t: torch.Tensor) -> float:
+def trace_of(t: torch.Tensor) -> float:
+    """The trace of a square matrix, as a Python float."""
     return float(t.diagonal().sum())
 
 
@@ -216,16 +217,16 @@ def measure_sensitivity(source, config: dict, adapter, entries: list[Entry], opt
         if not es:
             return None
         s = step.stats
-        update = _trace(s.grams["layer_out"]) - 2 * _trace(s.joint[("layer_in", "layer_out")]) + \
-            _trace(s.grams["layer_in"])
+        update = trace_of(s.grams["layer_out"]) - 2 * trace_of(s.joint[("layer_in", "layer_out")]) + \
+            trace_of(s.grams["layer_in"])
         dense = sum(e.shape[0] * e.shape[1] for e in es)
         curve = []
         for keep in MEASURED:
             params = sum(x.params() for x in _structures(es, options, kron_q, keep))
             got = step.collect(compressed_request, module=_compressed_layer(step.module, es, options, kron_q, keep,
                                                                           adapter))
-            err = _trace(got.grams["layer_out"]) - 2 * _trace(got.cross[("layer_out", "layer_out")]) + \
-                _trace(s.grams["layer_out"])
+            err = trace_of(got.grams["layer_out"]) - 2 * trace_of(got.cross[("layer_out", "layer_out")]) + \
+                trace_of(s.grams["layer_out"])
             curve.append((params / dense, max(err, 0.0) / max(update, 1e-300)))
         curves[name] = curve
         return None
@@ -262,16 +263,11 @@ def budget_of(uniform) -> int:
 
 
 def allocate_for(source, config: dict, options: CompressOptions, uniform, ids: torch.Tensor,
-                 token_counts: torch.Tensor | None = None, placement=None, progress: bool = True, stats=None):
+                 token_counts: torch.Tensor | None = None, placement=None, progress: bool = True):
     """``(keep map, report)``: measure each group's sensitivity and allocate the budget of the
-    ``uniform`` plan (same ratio, same rotations and skips) between the groups. SliceGPT: per-segment
-    widths (:func:`.allocate_widths.allocate_slice_for`; ``stats``: the one-pass stream moments, measured if absent)."""
+    ``uniform`` plan (same ratio, same rotations and skips) between the groups (SliceGPT's widths:
+    :func:`.allocate_widths.allocate_slice_for`)."""
     from .plan import check_family, matrix_entries
-
-    if options.slicing:
-        from .allocate_widths import allocate_slice_for
-
-        return allocate_slice_for(source, config, options, uniform, ids, stats, placement, progress)
 
     adapter = check_family(config, source.keys())
     entries = matrix_entries(config, source.keys(), adapter)

@@ -13,7 +13,7 @@ import copy
 import numpy as np
 import torch
 
-from .allocate import Choice, Group, _trace, adapter_path, allocate
+from .allocate import Choice, Group, adapter_path, allocate, trace_of
 from .options import CompressOptions
 from .plan import Entry
 
@@ -125,11 +125,11 @@ def measure_slice_sensitivity(source, config: dict, adapter, Q: torch.Tensor, st
     projections = {w: (Q[:, :w] @ Q[:, :w].T).to(device=engine.device, dtype=engine.dtype) for w in widths}
 
     def on_layer(step):
-        energy = _trace(step.stats.grams["layer_out"])
+        energy = trace_of(step.stats.grams["layer_out"])
         curve = []
         for w in widths:
             got = step.collect(request, module=_sliced_layer(step.module, adapter, projections[w]))
-            err = _trace(got.grams["layer_out"]) - 2 * _trace(got.cross[("layer_out", "layer_out")]) + energy
+            err = trace_of(got.grams["layer_out"]) - 2 * trace_of(got.cross[("layer_out", "layer_out")]) + energy
             curve.append((w / d, max(err, 0.0) / max(energy, 1e-300)))
         curves[f"layers.{step.index}"] = curve
         return None
@@ -237,7 +237,8 @@ def allocate_slice_for(source, config: dict, options: CompressOptions, uniform, 
     """``(keep map, report)`` for SliceGPT with one global PCA: the global rotation from ``stats``
     (one-pass stream moments, as the solve takes it), each group's sensitivity measured at several
     widths, then per-segment widths at the uniform plan's total (``keep``: ``segment{k}`` → width / d)."""
-    from .calibration import collect_statistics, pca
+    from .moments import collect_statistics
+    from .pca import pca
     from .plan import check_family, matrix_entries
 
     adapter = check_family(config, source.keys())

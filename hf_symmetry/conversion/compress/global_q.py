@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ...symmetry.segments import (Summary, Term, _retract, balance, nearest_orthogonal, weighted_procrustes,
+from ...symmetry.segments import (Summary, Term, balance, nearest_orthogonal, over_relaxed, weighted_procrustes,
                                   work_term)
 
 Tensor = torch.Tensor
@@ -130,9 +130,7 @@ class GlobalSolve:
         :meth:`finish` at the final Q (``final=False``: the factors are not wanted, e.g. stage F's
         before stage W; the trace then ends with the objective after the last rotation step).
         Returns (Q, objective trace)."""
-        from .solve import _stopping
-
-        rule = _stopping(self.options, self.stage)
+        rule = self.options.stopping(self.stage)
         dtype = getattr(torch, self.options.solver_dtype)
         fast = dtype != torch.float64 and iters > 0
         loop_dtype = dtype if fast else torch.float64
@@ -153,7 +151,7 @@ class GlobalSolve:
                 S = self.sweep(Qw, loop_dtype, warm, new)
                 if rule["extrapolate"] and Q_prev is not None:
                     # over-relaxation, as solve_segment: kept only if its fitted objective is lower
-                    Qc = _retract(Qw + beta * (Qw - Q_prev))
+                    Qc = over_relaxed(Qw, Q_prev, beta)
                     cand = spill()
                     Sc = self.sweep(Qc, loop_dtype, new, cand)
                     if Sc.J < S.J:

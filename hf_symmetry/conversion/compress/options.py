@@ -174,7 +174,7 @@ class CompressOptions:
     @property
     def statistics_on_demand(self) -> bool:
         """Whether the one-pass statistics are measured as the per-segment solve reaches each segment
-        (:func:`.calibration.one_pass_on_demand`: about one layer's moments held) instead of all before
+        (:func:`.moments.one_pass_on_demand`: about one layer's moments held) instead of all before
         it: stage W with one rotation per segment, not sequential, uniform sizes (the sensitivity
         allocation and one global rotation read every segment's moments)."""
         return self.want_normed and not self.want_stream and self.q_mode == "segment" and self.allocation == "uniform"
@@ -244,6 +244,12 @@ class CompressOptions:
             v = getattr(self, k)
             out[k] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
         return out
+
+    def stopping(self, stage: str = "w") -> dict:
+        """Stage F/W's stopping rule and acceleration (:func:`...symmetry.segments.solve_segment`'s
+        keywords): both stages stop by ``tol``; stage W over-relaxes Q between alternations
+        (``extrapolate``)."""
+        return {"tol": self.tol, "wopp_tol": self.wopp_tol, "extrapolate": self.extrapolate and stage == "w"}
 
     def as_dict(self) -> dict:
         return asdict(self)

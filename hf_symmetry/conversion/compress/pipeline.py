@@ -1,78 +1,31 @@
-"""Entry points: the whole pipeline on tensors, on a loaded model, and on a checkpoint folder."""
+"""Entry points: the whole pipeline on tensors, on a loaded model, and on a checkpoint folder (which
+hands the stock SliceGPT output to :mod:`.stock` and LayerNorm decoders to :mod:`.layernorm`)."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
-                           parse_size)
-from ...hub.cards import public_report
+from ...checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
 from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
-from .assemble import Assembler, build_model, compressed_config, config_object, read_folded
-from .calibration import (CalibrationInput, CalibrationStats, collect_statistics, one_pass_on_demand,
-                          sequential_stream_pca)
-from .layernorm import through_rms_decoder
+from .allocate import allocate_for
+from .allocate_widths import allocate_slice_for
+from .assemble import Assembler, build_model, compressed_config, config_object
+from .folded import read_folded
+from .layernorm import compress_layer_norm_checkpoint, compress_layer_norm_model, through_rms_decoder
+from .moments import (CalibrationInput, CalibrationStats, one_pass_statistics, read_calibration,
+                      require_calibration)
 from .options import CompressOptions
+from .pca import sequential_stream_pca
 from .plan import Plan, check_family, plan_for
+from .report import CompressReport, finish_folder, summarise_traces
 from .solve import solve
+from .stock import compress_stock_checkpoint, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
-REPORT_FILE = "compression_report.json"
-
-
-@dataclass
-class CompressReport:
-    source: str
-    output: str | None
-    family: str
-    options: dict
-    accounting: dict
-    relative_errors: dict
-    objective: dict                  # per solved problem: first and last objective value, steps
-    calibration_tokens: int = 0
-    seconds: dict = field(default_factory=dict)
-    perplexity: dict = field(default_factory=dict)
-    method: str = ""
-
-    def as_dict(self) -> dict:
-        from dataclasses import asdict
-
-        return asdict(self)
-
-
-def _summarise(traces: dict) -> dict:
-    return {k: {"first": v[0], "last": v[-1], "steps": len(v)} for k, v in traces.items() if v}
-
-
-def _require_calibration(options: CompressOptions, calib_ids: torch.Tensor | None) -> None:
-    if calib_ids is None or calib_ids.numel() < 2:
-        what = "sequential calibration" if options.sequential else "this compression"
-        raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
-
-
-def one_pass_statistics(source: TensorSource, config: dict, options: CompressOptions,
-                        calib_ids: torch.Tensor | None, placement=None, progress: bool = True,
-                        on_demand: bool = False) -> CalibrationStats | None:
-    """The statistics of one pass of the original model that ``options`` needs (token counts only
-    where it needs no activations; ``None`` where it needs no calibration), layer by layer from
-    ``source``. ``on_demand`` (for a solver that releases each segment's statistics once solved):
-    where :attr:`CompressOptions.statistics_on_demand`, measured as the solver first reads them."""
-    if not options.needs_calibration:
-        return None
-    _require_calibration(options, calib_ids)
-    if on_demand and options.statistics_on_demand:
-        return one_pass_on_demand(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
-                                  placement=placement, progress=progress)
-    return collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
-                              want_normed=options.want_normed, want_stream=options.want_stream,
-                              placement=placement, progress=progress, stream_sum=options.stream_sum)
 
 
 def compress_tensors(source: TensorSource, config: dict, options: CompressOptions,
@@ -97,13 +50,14 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         stats = one_pass_statistics(source, config, options, calib_ids, placement, progress, on_demand=True)
     times["calibration"] = time.perf_counter() - t0
     if options.allocation == "sensitivity" and plan.accounting.get("allocation") != "sensitivity":
-        from .allocate import allocate_for
-
-        _require_calibration(options, calib_ids)
+        require_calibration(options, calib_ids)
         t = time.perf_counter()
-        keep, allocation = allocate_for(source, config, options, plan, calib_ids[: options.calib_tokens],
-                                        stats.token_counts if stats is not None else None, placement, progress,
-                                        stats=stats)
+        ids = calib_ids[: options.calib_tokens]
+        if options.slicing:
+            keep, allocation = allocate_slice_for(source, config, options, plan, ids, stats, placement, progress)
+        else:
+            keep, allocation = allocate_for(source, config, options, plan, ids,
+                                            stats.token_counts if stats is not None else None, placement, progress)
         plan, _ = plan_for(source, config, options, keep=keep)
         plan.accounting["allocation_report"] = allocation
         times["allocation"] = time.perf_counter() - t
@@ -117,11 +71,11 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
     new_config = compressed_config(config, plan, options, hf_config)
     calib = None
     if options.solver == "pca-sequential":
-        _require_calibration(options, calib_ids)
+        require_calibration(options, calib_ids)
         rotations, stats = sequential_stream_pca(source, config, calib_ids[: options.calib_tokens],
                                                  options.calib_seq_len, plan.residual, placement, progress)
     elif options.sequential:
-        _require_calibration(options, calib_ids)
+        require_calibration(options, calib_ids)
         calib = CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement)
     from ...devices import linalg_device
 
@@ -137,7 +91,7 @@ def compress_tensors(source: TensorSource, config: dict, options: CompressOption
         sink.layer_map = assembler.layer_map.map     # written next to the weights (heal's layer targets)
     report = CompressReport(source="", output=None, family=plan.family, options=options.as_dict(),
                             accounting=plan.accounting, relative_errors=res.relative_errors,
-                            objective=_summarise(res.traces), calibration_tokens=stats.tokens if stats else 0,
+                            objective=summarise_traces(res.traces), calibration_tokens=stats.tokens if stats else 0,
                             seconds=times, method=options.label)
     return state, new_config, report
 
@@ -148,8 +102,6 @@ def compress_model(model, options: CompressOptions, calib_ids: torch.Tensor | No
     model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm`)."""
     options.validate()
     if through_rms_decoder(model.config):
-        from .layernorm import compress_layer_norm_model
-
         return compress_layer_norm_model(model, options, calib_ids, progress=progress, placement=placement)
     dtype = next(model.parameters()).dtype
     config = model.config.to_dict()
@@ -175,33 +127,17 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
     step (:func:`record_verification`), run on the written folder."""
     from transformers import AutoConfig
 
-    from ...evaluation.compare import load_tokenizer
-    from ...text import read_text, tokenize_text
-    from .card import write_card
-
     options.validate()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
     if stock is not None:
-        from .stock import compress_stock_checkpoint, why_not_stock
-
         if why_not_stock(reader.config, options, stock.untie) is None:
             return compress_stock_checkpoint(src, out, options, calib_text, stock, overwrite, progress, placement,
                                              max_shard_size)
     if through_rms_decoder(reader.config):    # LayerNorm decoders: via the RMS-decoder family
-        from .layernorm import compress_layer_norm_checkpoint
-
         return compress_layer_norm_checkpoint(reader, out, options, calib_text, overwrite, progress, placement)
     plan, adapter = plan_for(reader, reader.config, options)
-    calib = read_text(calib_text) if calib_text is not None else None  # an empty file fails here, before any load
-    if options.needs_calibration and calib is None:
-        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
-                         "embedded name)")
-    calib_ids = None
-    if options.needs_calibration:
-        calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
-        if calib_ids.numel() < 2:
-            raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+    calib_ids = read_calibration(src, calib_text, options)     # an empty file fails here, before any load
     hf_config = AutoConfig.from_pretrained(src)
     dtype = getattr(hf_config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -224,14 +160,7 @@ def compress_checkpoint(src: str | Path, out: str | Path, options: CompressOptio
         if getattr(sink, "layer_map", None) is not None:
             sink.layer_map.save(tmp)
         _save_config(new_config, dtype, tmp)
-        report.accounting["compressed_model_params_counted"] = counted
-        report.source, report.output = str(src), str(out)
-        copy_side_files(reader.path, tmp)
-        _write_report(tmp, report)
-        write_card(tmp, report, options)
-        for f in tmp.iterdir():          # like save_pretrained elsewhere: ordinary readable files
-            if f.is_file():
-                os.chmod(f, 0o644)
+        finish_folder(tmp, report, options, src, reader.path, out, counted)
     return report
 
 
@@ -249,23 +178,3 @@ def _save_config(config: dict, dtype: torch.dtype, folder: Path) -> None:
     skeleton.config.architectures = [type(skeleton).__name__]
     custom_object_save(skeleton, folder, config=skeleton.config)
     skeleton.config.save_pretrained(folder)
-
-
-def _write_report(folder: Path, report: CompressReport) -> None:
-    (Path(folder) / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
-
-
-def record_verification(folder: str | Path, report: CompressReport, options: CompressOptions, verification) -> None:
-    """Put the verification's perplexities (original and compressed, the shared definition) into the
-    report (``compression_report.json``) and the card of ``folder``, which the verification step then
-    completes with its own figures."""
-    from .card import write_card
-
-    v = verification
-    if v.perplexity_original is None or v.perplexity_converted is None:
-        return
-    report.perplexity = {"text": v.text, "tokens": v.ppl_tokens, "window": v.ppl_window, "stride": v.ppl_stride,
-                         "original": v.perplexity_original, "compressed": v.perplexity_converted}
-    folder = Path(folder)
-    _write_report(folder, report)
-    write_card(folder, report, options)

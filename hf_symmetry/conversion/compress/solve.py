@@ -15,11 +15,12 @@ from tqdm.auto import tqdm
 
 from ...symmetry import structured as st
 from ...symmetry.segments import Term, balance, solve_segment
-from .calibration import CalibrationInput, CalibrationStats, pca as _pca, sequential_weighted
+from . import targets
+from .moments import CalibrationInput, CalibrationStats, sequential_weighted
 from .options import CompressOptions
+from .pca import pca_rotations
 from .plan import MatrixPlan, Plan
-from .tall import _TallTerm
-from .targets import _consume_reader_moments, _damped, _matched, _reader_map
+from .tall import TallTerm
 
 Tensors = dict[str, torch.Tensor]
 
@@ -61,9 +62,9 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
                row_dtype=None, consume: bool = False):
     """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
     ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank, GS (one row block) or
-    Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced term (:class:`_TallTerm`, read a block of rows at a time; its row factor is
+    Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced term (:class:`TallTerm`, read a block of rows at a time; its row factor is
     lifted into ``row_dtype``, default float64). ``consume``: the writers' statistics are dropped from
-    ``stats`` once their terms are built (see :func:`_matched`)."""
+    ``stats`` once their terms are built (see :func:`.targets.matched_target`)."""
     token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
     weighted = stage == "w" and stats is not None and stats.normed is not None
     matched = weighted and stats.normed_cross is not None
@@ -73,12 +74,13 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
     def column_weight(segment: int) -> torch.Tensor:
         if segment not in reader_cov:
             if consume:    # the segment's readers' weight and map made at once, from its moments in place
-                reader_cov[segment], A = _consume_reader_moments(segment, stats, options.damping, device, matched)
+                reader_cov[segment], A = targets.consume_reader_moments(segment, stats, options.damping, device,
+                                                                        matched)
                 if A is not None:
                     reader_maps.clear()
                     reader_maps[segment] = A
             else:
-                reader_cov[segment] = _damped(stats.normed[segment].to(device), options.damping)
+                reader_cov[segment] = targets.damped(stats.normed[segment].to(device), options.damping)
         return reader_cov[segment]
 
     def reader_map(segment: int) -> torch.Tensor:
@@ -86,7 +88,7 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
             column_weight(segment)
         if segment not in reader_maps:
             reader_maps.clear()                    # segments come in order: one A held at a time
-            reader_maps[segment] = _reader_map(segment, stats, options.damping, device)
+            reader_maps[segment] = targets.segment_reader_map(segment, stats, options.damping, device)
         return reader_maps[segment]
 
     for m in plan.matrices:
@@ -95,26 +97,26 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
         # embedding (stages F, W) and head (stage F): weighted by the token counts on their rows
         token_rows = (m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None
                       and (m.canon == "embed" or stage == "f"))
-        if _TallTerm.applies(m):      # weighted as below; a head's matched target a block of rows at a time
+        if TallTerm.applies(m):      # weighted as below; a head's matched target a block of rows at a time
             head = m.canon == "lm_head"
             col = right = None
             if weighted and head:
                 col = column_weight(m.segment)
                 if matched:
                     right = reader_map(m.segment)
-            yield m, _TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype,
+            yield m, TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype,
                                right, col).take()
             continue
-        row_metric = None         # a writer's damped input moments: its row weight (and _matched's system)
+        row_metric = None         # a writer's damped input moments: its row weight (and matched_target's system)
         rows_gram = None          # ... or only Mᵀ G M of them (a reducible writer, its statistics consumed)
         if matched and m.canon != "embed":
             if consume and m.role == "writer" and _reducible(m):    # M handed over: freed once used
-                M, rows_gram = _matched(m, _matrix_of(m, layers, globals_).to(device), stats, options.damping,
-                                        consume=True, rows_gram=True)
+                M, rows_gram = targets.matched_target(m, _matrix_of(m, layers, globals_).to(device), stats,
+                                                      options.damping, consume=True, rows_gram=True)
             else:
                 M = _matrix_of(m, layers, globals_).to(device)
-                M, row_metric = _matched(m, M, stats, options.damping, consume=consume,
-                                         reader_map=reader_map(m.segment) if m.role == "reader" else None)
+                M, row_metric = targets.matched_target(m, M, stats, options.damping, consume=consume,
+                                                       reader_map=reader_map(m.segment) if m.role == "reader" else None)
         else:
             M = _matrix_of(m, layers, globals_).to(device)
             if weighted and m.canon in ("o", "down"):
@@ -122,7 +124,7 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
                 G = getattr(stats, key)[m.layer]
                 if consume:
                     getattr(stats, key)[m.layer] = None
-                row_metric = _damped(G.to(device), options.damping, in_place=consume)
+                row_metric = targets.damped(G.to(device), options.damping, in_place=consume)
                 del G
         term = Term(m.name, M, m.structure)
         del M
@@ -151,12 +153,6 @@ class SolveResult:
     traces: dict[str, list[float]]               # objective traces per solved problem
     relative_errors: dict[str, float]
     stats: CalibrationStats | None = None        # sequential calibration: the statistics it measured
-
-
-def _stopping(options: CompressOptions, stage: str = "w") -> dict:
-    """Stage F/W's stopping rule and acceleration (:func:`...symmetry.segments.solve_segment`): both
-    stages stop by ``tol``; stage W over-relaxes Q between alternations (``extrapolate``)."""
-    return {"tol": options.tol, "wopp_tol": options.wopp_tol, "extrapolate": options.extrapolate and stage == "w"}
 
 
 def _kept_rotation(Q: torch.Tensor, Q0: torch.Tensor, iters: int) -> torch.Tensor:
@@ -227,7 +223,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype,
                           consume=owned)[k]
         res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            keep_weights=False, **_stopping(options, stage))
+                            keep_weights=False, **options.stopping(stage))
         Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
         traces[f"segment{k}"] = res.trace
         if keep_factors:
@@ -272,9 +268,9 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
                       rel, device=None, keep_stats=True, on_segment=None, row_dtype=None):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
-    calibration engine (:func:`.calibration.sequential_weighted`), and its matrices are replaced there
+    calibration engine (:func:`.moments.sequential_weighted`), and its matrices are replaced there
     by their approximations once solved. ``match_original``: each matrix then targets the original
-    model's outputs and writers the original residual stream (:func:`_matched`), instead of the
+    model's outputs and writers the original residual stream (:func:`.targets.matched_target`), instead of the
     matrix's own outputs on X̂."""
     iters = options.w_iters if options.rotates else 0
     dtype = getattr(torch, options.solver_dtype)
@@ -309,7 +305,7 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
             balance(terms, readers)
             del readers
             res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                                keep_weights=False, **_stopping(options))
+                                keep_weights=False, **options.stopping())
             Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
             traces[f"segment{k}"] = res.trace
             _keep(terms, res.Q, factors, rel, row_dtype)
@@ -355,8 +351,8 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
         raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
     path = options.solver
     if path == "pca":
-        return SolveResult(_pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
-    if path == "pca-sequential":          # rotations measured by calibration.sequential_stream_pca
+        return SolveResult(pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
+    if path == "pca-sequential":          # rotations measured by pca.sequential_stream_pca
         if rotations is None:
             raise ValueError("sequential SliceGPT takes its rotations from sequential_stream_pca")
         return SolveResult(list(rotations), {}, {}, {}, stats)
@@ -388,15 +384,3 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
                                             **more)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
     return SolveResult(Qs, factors, traces, rel, seq)
-
-
-def _pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:
-    """SliceGPT: eigenvectors of the residual stream's second moment, largest first."""
-    if q_mode == "global":
-        total = stats.stream_sum if stats.stream_sum is not None else \
-            sum(C / C.trace().clamp_min(1e-300) for C in stats.stream)
-        Q = _pca(total)
-        return [Q] * n_seg
-    return [_pca(C) for C in stats.stream]
-
-

@@ -173,8 +173,9 @@ def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOpt
     overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``, principal directions
     first). ``constant`` / ``rescale_eps`` (for the negative controls only): leave the constant ``c``
     out of the readers, or keep ε as it was."""
-    from .pipeline import CompressReport, one_pass_statistics
-    from .solve import _pca_rotations
+    from .moments import one_pass_statistics
+    from .pca import pca_rotations
+    from .report import CompressReport
 
     options.validate()
     stock.validate()
@@ -202,7 +203,7 @@ def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOpt
     tokens = 0
     if rotation is None:
         stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
-        rotation, tokens = _pca_rotations(stats, 2 * L + 1, "global")[0], stats.tokens
+        rotation, tokens = pca_rotations(stats, 2 * L + 1, "global")[0], stats.tokens
         del stats
     t1 = time.perf_counter()
     Qw = rotation[:, :w].to(torch.float64).contiguous()
@@ -302,14 +303,10 @@ def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, st
                               max_shard_size: str | int = "2GB"):
     """:func:`.pipeline.compress_checkpoint` where :func:`why_not_stock` allows: ``out`` holds the
     source's own stock family at ``hidden_size = d′`` (no remote code), its report and card."""
-    import os
-
-    from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir,
-                               copy_side_files, parse_size, write_config)
-    from ...evaluation.compare import load_tokenizer
-    from ...text import read_text, tokenize_text
-    from .card import write_card
-    from .pipeline import _write_report
+    from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size,
+                               write_config)
+    from .moments import read_calibration
+    from .report import finish_folder
 
     options.validate()
     stock.validate()
@@ -320,13 +317,7 @@ def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, st
         raise ValueError(f"no stock output: {reason}")
     w, _ = plan_stock_width(reader, reader.config, options, stock)      # a bad --round-to fails here
     stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)   # so does its class
-    calib = read_text(calib_text) if calib_text is not None else None
-    if calib is None:
-        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
-                         "embedded name)")
-    calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
-    if calib_ids.numel() < 2:
-        raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+    calib_ids = read_calibration(src, calib_text, options)    # SliceGPT always calibrates
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "compress"})
         counted = 0
@@ -340,13 +331,6 @@ def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, st
         new_config, report = stock_slice_tensors(reader, reader.config, options, calib_ids, _Counting(), stock,
                                                  placement=placement, progress=progress)
         writer.close()
-        report.accounting["compressed_model_params_counted"] = counted
         write_config(tmp, new_config)
-        copy_side_files(reader.path, tmp)
-        report.source, report.output = str(src), str(out)
-        _write_report(tmp, report)
-        write_card(tmp, report, options)
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
+        finish_folder(tmp, report, options, src, reader.path, out, counted)
     return report

@@ -1,6 +1,6 @@
 """Vocabulary-sized matrices with free rows (a low-rank, GS or Kronecker embedding or untied head),
 solved on their ``d × d`` Gram accumulated a block of rows at a time and lifted into the output a
-block of rows at a time (:class:`_TallTerm`), so that neither the matrix nor its row factor is ever in
+block of rows at a time (:class:`TallTerm`), so that neither the matrix nor its row factor is ever in
 memory whole."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch
 from ...checkpoint import RowBlocks
 from ...symmetry import structured as st
 from ...symmetry.segments import Term
+from .folded import global_row_blocks, global_rows
 from .plan import MatrixPlan
 
 
-class _TallTerm:
+class TallTerm:
     """A vocabulary-sized matrix with free rows (a low-rank, GS or Kronecker embedding or untied head) and a row
     weighting or none, solved as :func:`solve_segment` solves it (on its ``[d, d]`` Gram root,
     :meth:`Term.reduced`), but read from the checkpoint a block of rows at a time: its Gram ``Mᵀ G M``
@@ -61,8 +62,6 @@ class _TallTerm:
         return B if self.right is None else B @ self.right.T
 
     def _blocks(self):
-        from .assemble import global_row_blocks
-
         n, blocks = global_row_blocks(self.globals, self.key)
         return n, ((i, self._map(B)) for i, B in blocks)
 
@@ -101,8 +100,6 @@ class _TallTerm:
     def rows(self, Q: torch.Tensor):
         """``idx -> Ŵ Qᵀ`` at the rows ``idx`` (any shape): the approximation the sequential calibration
         runs on, row by row as the whole ``dense(factors) Qᵀ`` would give it."""
-        from .assemble import global_rows
-
         term = self.term
         W_red = term.structure.dense(term.factors)       # Ŵ = M R Ŵ'
 

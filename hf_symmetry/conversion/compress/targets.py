@@ -1,15 +1,15 @@
 """Sequential calibration's targets and the solvers' weights, from the calibration statistics.
 
-The GPTQ-style dampening of every weighted problem (:func:`_damped`), and, when sequential calibration
+The GPTQ-style dampening of every weighted problem (:func:`damped`), and, when sequential calibration
 matches the original model, each matrix's target on the partly compressed model's inputs
-(:func:`_matched`): readers share one map A per segment (:func:`_reader_weights`), writers solve
+(:func:`matched_target`): readers share one map A per segment (:func:`_reader_weights`), writers solve
 their own damped system, in place where the statistics are consumed (:func:`_cholesky_in_place`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .calibration import CalibrationStats
+from .moments import CalibrationStats
 from .plan import MatrixPlan
 
 
@@ -18,7 +18,7 @@ def _ridge(G: torch.Tensor, damping: float) -> torch.Tensor:
     return damping * G.diagonal().mean().clamp_min(1e-12)
 
 
-def _damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Tensor:
+def damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Tensor:
     """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening); one
     copy of G with the diagonal added in place, or G itself changed (``in_place``: the caller owns G)."""
     out = G if in_place else G.clone()
@@ -26,16 +26,16 @@ def _damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Te
     return out
 
 
-def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
-             consume: bool = False, rows_gram: bool = False, reader_map: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def matched_target(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
+                   consume: bool = False, rows_gram: bool = False, reader_map: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
     model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
     side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
     ridge-regularised towards M itself, so that X̂ = X gives M back exactly. Readers:
-    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M`` (:func:`_reader_map`, or ``reader_map`` when the caller made it);
+    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M`` (:func:`segment_reader_map`, or ``reader_map`` when the caller made it);
     writers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``, from the target moment ``X̂ᵀ(X M + D)`` the calibration
-    measured (:class:`.calibration.CalibrationStats`) — then approximated in the metric X̂ᵀX̂ like any
+    measured (:class:`.moments.CalibrationStats`) — then approximated in the metric X̂ᵀX̂ like any
     stage W term. Returns the target and, for a writer, its damped moments ``X̂ᵀX̂ + δI`` (its row weight;
     ``None`` for a reader, whose segment shares one column weight).
     ``consume``: the caller owns the statistics and needs them no more: a writer's are dropped from
@@ -48,7 +48,7 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
     right-hand side solved in place (:func:`_cholesky_in_place`: no second ``[4d, 4d]`` matrix, no
     second target-sized one)."""
     if m.role == "reader":     # M Aᵀ (a segment's readers share its moments: nothing is consumed)
-        A = reader_map if reader_map is not None else _reader_map(m.segment, stats, damping, M.device)
+        A = reader_map if reader_map is not None else segment_reader_map(m.segment, stats, damping, M.device)
         return M @ A.T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
     G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
@@ -58,7 +58,7 @@ def _matched(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: f
     G = G.to(M.device)
     rhs = T.to(M.device, copy=not consume).add_(M, alpha=float(_ridge(G, damping)))
     del T
-    Gd = _damped(G, damping, in_place=consume)
+    Gd = damped(G, damping, in_place=consume)
     del G
     if not (consume and rows_gram):
         return torch.linalg.solve(Gd, rhs), Gd
@@ -97,7 +97,7 @@ def _reader_weights(segment: int, stats: CalibrationStats, damping: float, devic
                     consume: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Segment ``segment``'s column weight ``X̂ᵀX̂ + δI`` and (``matched``) its readers' map
     ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): the matched target of each of its readers ``M`` is
-    ``M Aᵀ`` (:func:`_matched`), so a vocabulary-sized head can be matched a block of rows at a time.
+    ``M Aᵀ`` (:func:`matched_target`), so a vocabulary-sized head can be matched a block of rows at a time.
     ``consume``: made in place from the normalised-stream moments, which are dropped from ``stats``
     (the caller owns them): two ``[d, d]`` matrices held through the segment instead of four."""
     G = stats.normed[segment].to(device)
@@ -105,7 +105,7 @@ def _reader_weights(segment: int, stats: CalibrationStats, damping: float, devic
     if matched:
         rhs = stats.normed_cross[segment].to(device=device, copy=not consume)
         rhs.diagonal().add_(_ridge(G, damping))
-    Gd = _damped(G, damping, in_place=consume)
+    Gd = damped(G, damping, in_place=consume)
     if consume:
         stats.normed[segment] = None
         if matched:
@@ -115,12 +115,12 @@ def _reader_weights(segment: int, stats: CalibrationStats, damping: float, devic
     return Gd, A
 
 
-def _reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
+def segment_reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
     """Segment ``segment``'s readers' map A (:func:`_reader_weights`), the statistics left as they are."""
     return _reader_weights(segment, stats, damping, device, matched=True, consume=False)[1]
 
 
-def _consume_reader_moments(segment: int, stats: CalibrationStats, damping: float, device,
+def consume_reader_moments(segment: int, stats: CalibrationStats, damping: float, device,
                             matched: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_reader_weights` consuming the segment's moments."""
     return _reader_weights(segment, stats, damping, device, matched, consume=True)

@@ -9,63 +9,27 @@ into its readers, which leaves the function unchanged and makes the stream rotat
 - :mod:`.slice` — SliceGPT: one global PCA of the centred stream, the stream sliced;
 - :mod:`.structured` — ProcrustesGPT (Kronecker sums, GS, low rank): the compressed family's plan,
   solvers and assembly on the centred model, biases and the position table kept dense;
-- here: the checks (before any work), the entry points on a loaded model and on a checkpoint folder.
+- :mod:`.checks` — what this route refuses, before any work;
+- here: the entry points on a loaded model and on a checkpoint folder.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from ....architectures import Adapter
-from ....architectures.capabilities import facts, require
-from ....checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files, \
-    write_config
+from ....checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, write_config
 from ...rotate import copy_remote_code
-from ...stream import DictSink, DictSource, partition_keys
+from ...stream import DictSink, DictSource
+from ..moments import read_calibration
 from ..options import CompressOptions
+from ..report import finish_folder
 from .centred import CentredSource
+from .checks import check, through_rms_decoder
 from .slice import centred_rotation, plan_width, sliced_params, slice_tensors
 from .structured import layer_norm_plan, plan_structured, structured_tensors
-
-
-def through_rms_decoder(config) -> bool:
-    """True for the decoders compressed here (LayerNorm, so not the compressed family)."""
-    f = facts(config)
-    return f.decoder and f.norm_kind == "layer"
-
-
-def check(adapter: Adapter, options: CompressOptions, keys: list[str]) -> None:
-    """Refuse, before any work, what this route cannot do, with the reason."""
-    require(adapter, "slicegpt" if options.slicing else "compress")
-    where = f"on a LayerNorm decoder ({adapter.family})"
-    if options.slicing:
-        if options.sequential:
-            raise ValueError(f"sequential SliceGPT {where} is not implemented: drop --sequential (one pass of the "
-                             "original model, one global PCA of the centred stream)")
-        if options.q_mode != "global":
-            raise ValueError(f"SliceGPT {where} writes the RMS-decoder family, which has one basis for the whole "
-                             "stream and no skip matrices: use --q-mode global (the default)")
-        if options.allocation != "uniform":
-            raise ValueError(f"SliceGPT {where} keeps one width for every segment: --allocation uniform")
-    else:
-        if options.sequential:
-            raise ValueError(f"sequential calibration {where} is not implemented (the layer-wise engine would "
-                             "replace the embedding without its position table): drop --sequential")
-        if options.allocation != "uniform":
-            raise ValueError(f"--allocation sensitivity {where} is not implemented: use --allocation uniform")
-        if facts(adapter).parallel_block:     # attention and FFN both read the layer input
-            if options.segment_rotations:
-                raise ValueError(f"one rotation per residual segment {where}: {adapter.family} runs attention and "
-                                 "FFN in parallel, so there is no segment between them: use --q-mode global")
-            if options.weighted:
-                raise ValueError(f"stage w {where}: {adapter.family} runs attention and FFN in parallel, and the "
-                                 "calibration statistics of stage w are taken per sequential segment: use --stage f")
-    _, _, rest = partition_keys(adapter, keys)
-    if rest:
-        raise ValueError(f"checkpoint has tensors compress does not know how to carry: {rest[:4]}")
 
 
 def build(state: dict, config: dict, dtype: torch.dtype):
@@ -113,11 +77,6 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
     """:func:`hf_symmetry.conversion.compress.compress_checkpoint` for LayerNorm decoders: every input
     checked before any work, the checkpoint read one layer at a time, ``out`` written atomically
     (weights, config, the RMS-decoder family's remote code, tokenizer, report, card)."""
-    from ....evaluation.compare import load_tokenizer
-    from ....text import read_text, tokenize_text
-    from ..card import write_card
-    from ..pipeline import _write_report
-
     options.validate()
     check_output_dir(out, overwrite)
     adapter = Adapter.from_config(reader.config, reader.keys())
@@ -126,15 +85,7 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
         plan_width(adapter, reader, reader.keys(), options)
     else:
         layer_norm_plan(reader, reader.config, options)
-    calib = read_text(calib_text) if calib_text is not None else None
-    calib_ids = None
-    if options.needs_calibration:
-        if calib is None:
-            raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
-                             "embedded name)")
-        calib_ids = tokenize_text(load_tokenizer(reader.path), calib, max_tokens=options.calib_tokens)
-        if calib_ids.numel() < 2:
-            raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+    calib_ids = read_calibration(reader.path, calib_text, options)
     dtype = reader.config.get("dtype") or reader.config.get("torch_dtype") or "float32"
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with atomic_output_dir(out, overwrite) as tmp:
@@ -150,16 +101,9 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
 
         new_config, report = _run(reader, reader.config, options, calib_ids, _Counting(), dtype, placement, progress)
         writer.close()
-        report.accounting["compressed_model_params_counted"] = counted
         write_config(tmp, new_config)
         copy_remote_code(tmp)
-        copy_side_files(reader.path, tmp)
-        report.source, report.output = str(reader.path), str(out)
-        _write_report(tmp, report)
-        write_card(tmp, report, options)
-        for f in tmp.iterdir():
-            if f.is_file():
-                os.chmod(f, 0o644)
+        finish_folder(tmp, report, options, reader.path, reader.path, out, counted)
     return report
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ....architectures import Adapter
-from ...rotate import _centre_globals, _centre_layer, _check_layer_norm_decoder, rms_decoder_config
+from ...rotate import centre_globals, centre_layer, check_layer_norm_decoder, rms_decoder_config
 from ...stream import partition_keys
 from ....symmetry import actions
 
@@ -25,7 +25,7 @@ class CentredSource:
 
     def __init__(self, source, config: dict):
         keys = source.keys()
-        _check_layer_norm_decoder(config)
+        check_layer_norm_decoder(config)
         self.source, self.adapter = source, Adapter.from_config(config, keys)
         self.global_keys, self.per_layer, rest = partition_keys(self.adapter, keys)
         if rest:
@@ -50,7 +50,7 @@ class CentredSource:
 
     def _canonical(self, i: int) -> Tensors:
         """Layer ``i`` centred and folded, canonical (float64)."""
-        canon = _centre_layer(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
+        canon = centre_layer(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
         if self.adapter.layout.rope_layout == "interleaved":   # GPT-J: the family pairs rotate-half
             canon = actions.interleaved_to_half(canon, self.adapter.layout)
         return canon
@@ -62,7 +62,7 @@ class CentredSource:
 
     def globals(self) -> Tensors:
         """The centred globals, canonical (``embed``, ``pos0``, ``lm_head`` weight and bias), float64."""
-        return _centre_globals(self.adapter.read_globals(self.source.get(self.global_keys)))
+        return centre_globals(self.adapter.read_globals(self.source.get(self.global_keys)))
 
     def get(self, names: list[str]) -> Tensors:
         out: Tensors = {}

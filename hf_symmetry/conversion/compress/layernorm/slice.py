@@ -23,11 +23,14 @@ import time
 import torch
 
 from ....architectures import Adapter
-from ...rotate import RotateOptions, _rotate_layer_norm_decoder
+from ...rotate import RotateOptions, rotate_layer_norm_decoder
 from ...stream import TensorSource, partition_keys
-from ..calibration import collect_statistics, pca
+from ..moments import collect_statistics, require_calibration
+from ..pca import pca
+from ..report import CompressReport
 from ..options import CompressOptions
 from ..plan import source_numels
+from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
 
@@ -96,9 +99,6 @@ def slice_tensors(source: TensorSource, config: dict, options: CompressOptions, 
                   progress: bool = True):
     """The whole route on tensors into ``sink``: (RMS-decoder config dict, report). ``width`` overrides
     the planned width (``d``: the exact, unsliced rotation); ``rotation`` the measured ``Q``."""
-    from ..pipeline import CompressReport, _require_calibration
-    from . import check
-
     t0 = time.perf_counter()
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
@@ -110,12 +110,12 @@ def slice_tensors(source: TensorSource, config: dict, options: CompressOptions, 
                                                                             adapter.n_layers, w))
     tokens = 0
     if rotation is None:
-        _require_calibration(options, calib_ids)
+        require_calibration(options, calib_ids)
         stats = collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
                                    want_normed=False, want_stream=True, placement=placement, progress=progress)
         rotation, tokens = centred_rotation(stats.stream), stats.tokens
     t1 = time.perf_counter()
-    new_config = _rotate_layer_norm_decoder(source, adapter, config, RotateOptions(heads="none", ffn=False),
+    new_config = rotate_layer_norm_decoder(source, adapter, config, RotateOptions(heads="none", ffn=False),
                                             rotation[:, :w].contiguous(), sink, progress, desc="slice")
     report = CompressReport(source="", output=None, family=adapter.family, options=options.as_dict(),
                             accounting=accounting, relative_errors={}, objective={}, calibration_tokens=tokens,

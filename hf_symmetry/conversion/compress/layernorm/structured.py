@@ -25,10 +25,15 @@ import torch
 from ....architectures import Adapter
 from ....symmetry import structured as st
 from ...stream import TensorSource, partition_keys
-from ..assemble import FoldedLayers, assemble
+from ....devices import linalg_device
+from ..assemble import assemble
+from ..folded import FoldedLayers
+from ..moments import one_pass_statistics
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 from ..plan import MatrixPlan, Plan, accounting, in_policy, rotation_overhead, shared_factor, source_numels, \
     structure_for
+from ..report import CompressReport, summarise_traces
+from ..solve import solve
 from .centred import CentredSource
 
 Tensors = dict[str, torch.Tensor]
@@ -116,10 +121,6 @@ def structured_tensors(source: TensorSource, config: dict, options: CompressOpti
     """The whole route on tensors into ``sink`` (called with each module's tensors): (RMS-decoder config
     dict, report). ``plan``, ``stats`` and ``rotations`` override the planned structures, the measured
     statistics and the starting rotations, as in :func:`..pipeline.compress_tensors`."""
-    from ....devices import linalg_device
-    from ..pipeline import CompressReport, _summarise, one_pass_statistics
-    from ..solve import solve
-
     times = {}
     t0 = time.perf_counter()
     centred = CentredSource(source, config)
@@ -149,7 +150,7 @@ def structured_tensors(source: TensorSource, config: dict, options: CompressOpti
     new_config = structured_config(centred, plan, options, config)
     report = CompressReport(source="", output=None, family=centred.adapter.family, options=options.as_dict(),
                             accounting=plan.accounting, relative_errors=res.relative_errors,
-                            objective=_summarise(res.traces), calibration_tokens=stats.tokens if stats else 0,
+                            objective=summarise_traces(res.traces), calibration_tokens=stats.tokens if stats else 0,
                             seconds=times, method=f"{options.label}, centred into the RMS-decoder family")
     return new_config, report
 

@@ -1,4 +1,4 @@
-"""Step 2, calibration: the second moments the solvers weight by.
+"""Step 2, calibration moments: the second moments the solvers weight by.
 
 One pass of the original model (:func:`collect_statistics`): per residual segment the covariance of the
 normalised stream (readers' inputs; rotating the model moves it to ``Qᵀ Σ Q`` exactly, so the "rotated,
@@ -10,8 +10,8 @@ Sequential calibration: segment k's statistics come instead from the model whose
 already compressed (as SliceGPT and GPTQ calibrate), both on the calibration engine's sequential mode
 (one decoder layer in memory). Stage W: :func:`sequential_weighted`, each layer run as the family's own
 module with its norms folded and its matrices replaced by their approximations; SliceGPT:
-:func:`sequential_stream_pca`, each decoder layer run as :class:`SlicedLayer` (the stream projected
-onto the kept directions)."""
+:func:`.pca.sequential_stream_pca`. Also here: the calibration text read into token ids (:func:`read_calibration`)
+and the one-pass statistics a set of options needs (:func:`one_pass_statistics`)."""
 
 from __future__ import annotations
 
@@ -46,12 +46,56 @@ class CalibrationStats:
     stream_sum: torch.Tensor | None = None
 
 
-def calibration_batches(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+def token_sequences(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     """Consecutive chunks of ``seq_len`` tokens (the last one may be shorter, never below 2): the 1-D
     view of :func:`hf_symmetry.calibration.data.token_batches`, which the engine runs."""
     from ...calibration import token_batches as batches
 
     return [b.reshape(-1) for b in batches(ids, seq_len)]
+
+
+def read_calibration(src, calib_text, options) -> torch.Tensor | None:
+    """The calibration text ``calib_text`` (a UTF-8 file or an embedded name) as token ids of the
+    tokenizer of the folder ``src``, at most ``options.calib_tokens``; ``None`` where ``options`` needs
+    no calibration. The text is read even then, so an empty file fails before any work."""
+    from ...evaluation.compare import load_tokenizer
+    from ...text import read_text, tokenize_text
+
+    calib = read_text(calib_text) if calib_text is not None else None
+    if options.needs_calibration and calib is None:
+        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
+                         "embedded name)")
+    if not options.needs_calibration:
+        return None
+    calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
+    if calib_ids.numel() < 2:
+        raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+    return calib_ids
+
+
+def require_calibration(options, calib_ids: torch.Tensor | None) -> None:
+    """Fail, with the reason, where ``options`` needs calibration tokens and ``calib_ids`` has fewer than two."""
+    if calib_ids is None or calib_ids.numel() < 2:
+        what = "sequential calibration" if options.sequential else "this compression"
+        raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
+
+
+def one_pass_statistics(source, config: dict, options, calib_ids: torch.Tensor | None, placement=None,
+                        progress: bool = True, on_demand: bool = False) -> CalibrationStats | None:
+    """The statistics of one pass of the original model that ``options`` (a :class:`.CompressOptions`)
+    needs (token counts only where it needs no activations; ``None`` where it needs no calibration),
+    layer by layer from ``source``. ``on_demand`` (for a solver that releases each segment's statistics
+    once solved): where :attr:`CompressOptions.statistics_on_demand`, measured as the solver first
+    reads them (:func:`one_pass_on_demand`)."""
+    if not options.needs_calibration:
+        return None
+    require_calibration(options, calib_ids)
+    if on_demand and options.statistics_on_demand:
+        return one_pass_on_demand(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
+                                  placement=placement, progress=progress)
+    return collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
+                              want_normed=options.want_normed, want_stream=options.want_stream,
+                              placement=placement, progress=progress, stream_sum=options.stream_sum)
 
 
 _ONE_PASS_SITES = {"normed": ("normed:layer_in", "normed:ffn_norm_in", "normed:final_in"),
@@ -77,10 +121,10 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
         stats.tokens = ids.numel()
         return stats
     layer_sites, final_sites = [], []
-    for want, kind in ((want_normed, "normed"), (want_stream, "stream")):
+    for want, stream in ((want_normed, "normed"), (want_stream, "stream")):
         if want:
-            layer_sites += _ONE_PASS_SITES[kind][:2]
-            final_sites.append(_ONE_PASS_SITES[kind][2])
+            layer_sites += _ONE_PASS_SITES[stream][:2]
+            final_sites.append(_ONE_PASS_SITES[stream][2])
     if want_normed:
         layer_sites += ["o_in", "down_in"]
         stats.normed, stats.attn_out, stats.mlp_hidden = [], [], []
@@ -226,16 +270,16 @@ def _request(sites: tuple[str, str, str, str], match_original: bool):
                         drift=((writer, after, before),))
 
 
-def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_kind: str,
+def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_moments: str,
             bias: torch.Tensor | None = None) -> None:
-    """Segment ``segment``'s statistics (``writer_kind``: ``attn_out`` or ``mlp_hidden``) from one
+    """Segment ``segment``'s statistics (``writer_moments``: ``attn_out`` or ``mlp_hidden``) from one
     :meth:`LayerStep.collect`, per token: the writer's inputs X̂ᵀX̂, the readers' normalised stream,
     and when matching the original model the readers' cross moments X̂ᵀX and the writer's target
     moment X̂ᵀ(H' − b − Ĥ) (``bias`` b: the writer's, which it keeps)."""
     writer, before, normed, after = sites
     n = got.tokens
     # in place (the sums are not needed again): no second copy of the FFN's [4d, 4d]-sized moments
-    getattr(stats, writer_kind)[layer] = got.grams.pop(writer).div_(n)
+    getattr(stats, writer_moments)[layer] = got.grams.pop(writer).div_(n)
     stats.normed[segment] = got.grams.pop(normed).div_(n)
     if stats.normed_cross is not None:
         stats.normed_cross[segment] = got.cross.pop((normed, normed)).div_(n)
@@ -243,7 +287,7 @@ def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, write
         total = got.sums.pop(writer)
         if bias is not None:
             target.sub_(torch.outer(total, bias.to(target)))
-        getattr(stats, writer_kind + "_target")[layer] = target.div_(n)
+        getattr(stats, writer_moments + "_target")[layer] = target.div_(n)
 
 
 def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, match_original: bool,
@@ -337,16 +381,16 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
                 _release(stats, 0, None, None)
         canon.update(pending)
         pending.clear()
-        for k, sites, kind in ((2 * i + 1, _ATTN_SITES, "attn_out"), (2 * i + 2, _FFN_SITES, "mlp_hidden")):
+        for k, sites, moments, bias in ((2 * i + 1, _ATTN_SITES, "attn_out", "o.bias"),
+                                        (2 * i + 2, _FFN_SITES, "mlp_hidden", "down.bias")):
             partial = module(i, like, canon)
             got = step.collect(_request(sites, match_original), module=partial)
             del partial
-            bias = "o.bias" if kind == "attn_out" else "down.bias"
-            _record(stats, got, sites, k, i, kind, bias=layer[bias] if bias in layer else None)
+            _record(stats, got, sites, k, i, moments, bias=layer[bias] if bias in layer else None)
             del got
             apply(solve_segment(k, stats), i, canon)
             if not keep:
-                _release(stats, k, i, kind)
+                _release(stats, k, i, moments)
         step.replace(module(i, like, canon))
     return stats
 
@@ -384,117 +428,12 @@ class _Overlay(Mapping):
         return key in self.layer
 
 
-def _release(stats: CalibrationStats, segment: int, layer: int | None, writer_kind: str | None) -> None:
+def _release(stats: CalibrationStats, segment: int, layer: int | None, writer_moments: str | None) -> None:
     """Drop segment ``segment``'s statistics (and its writer's, of ``layer``) once it is solved."""
     for name in ("normed", "normed_cross"):
         if getattr(stats, name) is not None:
             getattr(stats, name)[segment] = None
-    if writer_kind is not None:
-        for name in (writer_kind, writer_kind + "_target"):
+    if writer_moments is not None:
+        for name in (writer_moments, writer_moments + "_target"):
             if getattr(stats, name) is not None:
                 getattr(stats, name)[layer] = None
-
-
-# ---------------------------------------------------------------------------------------------
-# sequential SliceGPT on the calibration engine
-# ---------------------------------------------------------------------------------------------
-def _project(h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
-    if basis is None:
-        return h
-    B = basis.to(device=h.device, dtype=h.dtype)
-    return (h @ B) @ B.T
-
-
-class SlicedLayer(torch.nn.Module):
-    """A family's own decoder layer run as SliceGPT's sliced model runs it, in the original basis: the
-    incoming stream is projected onto the kept directions of its segment (``basis_in``, ``[d, d']``
-    orthonormal), and the stream after attention onto those of the next segment (``basis_mid``; ``None``:
-    not yet chosen, left unprojected). The output is the stream after the FFN *before* its own segment's
-    projection — what the next segment's PCA is taken of. The mid-layer projection is applied by a
-    forward hook on the attention module, which replaces the attention output ``a`` by
-    ``P(x̂ + a) − x̂`` so that the layer's own residual addition yields ``P(x̂ + a)``."""
-
-    def __init__(self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor | None,
-                 basis_mid: torch.Tensor | None):
-        super().__init__()
-        self.layer, self.basis_in, self.basis_mid = layer, basis_in, basis_mid
-        self._x = None
-        self._handle = layer.get_submodule(attention_path).register_forward_hook(self._mid)
-
-    def _mid(self, _module, _args, output):
-        if self.basis_mid is None:
-            return None
-        a = output[0] if isinstance(output, tuple) else output
-        a = _project(self._x + a, self.basis_mid) - self._x
-        return (a, *output[1:]) if isinstance(output, tuple) else a
-
-    @torch.no_grad()   # calibration only; without it the outputs would keep every layer's autograd graph
-    def forward(self, hidden_states, *args, **kwargs):
-        self._x = _project(hidden_states, self.basis_in)
-        try:
-            return self.layer(self._x, *args, **kwargs)
-        finally:
-            self._x = None
-
-    def get_submodule(self, target: str) -> torch.nn.Module:
-        """The wrapped layer's modules by their own paths (the engine hooks its sites on them)."""
-        return self.layer.get_submodule(target) if target else self
-
-    def close(self) -> None:
-        self._handle.remove()
-        self.layer = None
-
-
-def pca(C: torch.Tensor) -> torch.Tensor:
-    """Eigenvectors of a second moment, largest eigenvalue first."""
-    lam, V = torch.linalg.eigh((C + C.T) / 2)
-    return V[:, torch.argsort(lam, descending=True)]
-
-
-def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int, width: int, placement=None,
-                          progress: bool = True) -> tuple[list[torch.Tensor], CalibrationStats]:
-    """SliceGPT as its reference code calibrates, layer by layer on the calibration engine: segment k's
-    PCA is taken of the stream of the model whose segments before k are already sliced to ``width``
-    (each decoder layer runs as :class:`SlicedLayer`). Returns the rotations (one per residual segment)
-    and the stream second moments they were taken of (``stats.stream``, before each segment's own
-    projection). With ``width`` equal to the hidden size nothing is sliced: the statistics are those of
-    one pass of the original model."""
-    from ...architectures import Adapter
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-
-    adapter = Adapter.from_config(config, source.keys())
-    attention = adapter.spec.attention.o.rsplit(".", 1)[0]
-    vocab = int(config["vocab_size"])
-    n_seg = 2 * adapter.n_layers + 1
-    stats = CalibrationStats(0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
-                             stream=[None] * n_seg)
-    Qs: list[torch.Tensor | None] = [None] * n_seg
-    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-
-    used: list[SlicedLayer] = []     # replacements already run by the engine: unhook them (no cycles kept)
-
-    def on_layer(step):
-        while used:
-            used.pop().close()
-        i, n = step.index, step.stats.tokens
-        stats.stream[2 * i] = step.stats.grams["layer_in"] / n
-        Qs[2 * i] = pca(stats.stream[2 * i])
-        probe = SlicedLayer(step.module, attention, Qs[2 * i][:, :width], None)
-        try:
-            mid = step.collect(StatsRequest(grams=("ffn_norm_in",)), module=probe)
-        finally:
-            probe.close()
-        stats.stream[2 * i + 1] = mid.grams["ffn_norm_in"] / mid.tokens
-        Qs[2 * i + 1] = pca(stats.stream[2 * i + 1])
-        used.append(SlicedLayer(step.module, attention, Qs[2 * i][:, :width], Qs[2 * i + 1][:, :width]))
-        return used[-1]
-
-    result = engine.collect(batches(ids, seq_len), StatsRequest(grams=("layer_in",)),
-                            final=StatsRequest(grams=("final_in",)), on_layer=on_layer)
-    while used:
-        used.pop().close()
-    stats.tokens = result.tokens
-    stats.stream[-1] = result.final.grams["final_in"] / result.final.tokens
-    Qs[-1] = pca(stats.stream[-1])
-    return Qs, stats

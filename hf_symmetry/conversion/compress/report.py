@@ -1,0 +1,74 @@
+"""What every ``compress`` route ends with: the report (:class:`CompressReport`, ``compression_report.json``)
+and the finishing of an output folder (:func:`finish_folder`: side files, report, card), shared by the
+compressed family (:mod:`.pipeline`), the stock SliceGPT output (:mod:`.stock`) and the RMS-decoder
+family (:mod:`.layernorm`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ...checkpoint import copy_side_files
+from ...hub.cards import public_report
+from .card import write_card
+from .options import CompressOptions
+
+REPORT_FILE = "compression_report.json"
+
+
+@dataclass
+class CompressReport:
+    source: str
+    output: str | None
+    family: str
+    options: dict
+    accounting: dict
+    relative_errors: dict
+    objective: dict                  # per solved problem: first and last objective value, steps
+    calibration_tokens: int = 0
+    seconds: dict = field(default_factory=dict)
+    perplexity: dict = field(default_factory=dict)
+    method: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarise_traces(traces: dict) -> dict:
+    """Per solved problem, the first and last objective value and the number of steps."""
+    return {k: {"first": v[0], "last": v[-1], "steps": len(v)} for k, v in traces.items() if v}
+
+
+def write_report(folder: str | Path, report: CompressReport) -> None:
+    (Path(folder) / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
+
+
+def finish_folder(folder: Path, report: CompressReport, options: CompressOptions, source: str | Path,
+                  source_folder: str | Path, out: str | Path, counted: int) -> None:
+    """Complete an output folder whose weights and config are written: the parameters ``counted`` as
+    written, the source folder's side files (tokenizer, generation config), the report (naming
+    ``source`` and ``out``) and the card; every file made readable as ``save_pretrained`` leaves it."""
+    report.accounting["compressed_model_params_counted"] = counted
+    copy_side_files(source_folder, folder)
+    report.source, report.output = str(source), str(out)
+    write_report(folder, report)
+    write_card(folder, report, options)
+    for f in Path(folder).iterdir():
+        if f.is_file():
+            os.chmod(f, 0o644)
+
+
+def record_verification(folder: str | Path, report: CompressReport, options: CompressOptions, verification) -> None:
+    """Put the verification's perplexities (original and compressed, the shared definition) into the
+    report (``compression_report.json``) and the card of ``folder``, which the verification step then
+    completes with its own figures."""
+    v = verification
+    if v.perplexity_original is None or v.perplexity_converted is None:
+        return
+    report.perplexity = {"text": v.text, "tokens": v.ppl_tokens, "window": v.ppl_window, "stride": v.ppl_stride,
+                         "original": v.perplexity_original, "compressed": v.perplexity_converted}
+    folder = Path(folder)
+    write_report(folder, report)
+    write_card(folder, report, options)
