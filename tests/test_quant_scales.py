@@ -45,9 +45,24 @@ def test_scaled_checkpoint_is_exact_in_float64(family, residual, vo, exact_rmsno
     rotated = model_from_state_dict(cfg, sd, dtype=torch.float64)
     assert (outputs(model, ids) - outputs(rotated, ids)).abs().max().item() <= 1e-9
     before = model.state_dict()
-    for name in ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj"):
+    for name in ("input_layernorm", "post_attention_layernorm"):   # the planted outliers were scaled
         key = f"model.layers.0.{name}.weight"
-        assert (sd[key] - before[key]).abs().max() > 1e-6, key   # the search really scaled every group
+        assert (sd[key] - before[key]).abs().max() > 1e-6, key
+
+
+def test_power_of_two_scales_give_the_same_float32_logits_to_the_last_bit():
+    """Every factor is a power of two, so scaling only moves exponents: without rotations the scaled
+    float32 checkpoint's logits are bitwise the original's."""
+    model = _model().float()
+    ids = input_ids(model.config.vocab_size)
+    options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False)
+    sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=_calibration(model))
+    scaled = model_from_state_dict(cfg, sd, dtype=torch.float32)
+    assert torch.equal(outputs(model, ids), outputs(scaled, ids))
+    before = model.state_dict()
+    for key in ("model.layers.0.input_layernorm.weight", "model.layers.0.mlp.down_proj.weight"):
+        e = torch.log2(sd[key] / before[key])
+        assert torch.equal(e, e.round()) and e.abs().max() >= 1, key
 
 
 def test_negative_control_uncompensated_norm_scale_changes_the_logits(exact_rmsnorm):
@@ -108,9 +123,14 @@ def test_gqa_vo_scale_is_shared_by_the_query_heads_of_a_group(exact_rmsnorm):
     adapter = Adapter.from_config(model.config.to_dict(), list(sd0))
     stats = qs.layer_stats(DictSource(sd0), model.config.to_dict(), _calibration(model))
     layer = adapter.read_layer(0, {k: v for k, v in sd0.items() if adapter.layer_of(k) == 0})
-    out = qs.apply_scales(layer, adapter.layout, stats[0], _q4_0)
+    H = dict(stats[0])
+    boost = torch.ones(H["o_in"].shape[0], dtype=torch.float64)
+    boost[[5, 8 + 5, 16 + 2, 24 + 2]] = 30.0    # channels of both KV groups' heads carry 30x the activation
+    H["o_in"] = H["o_in"] * boost[:, None] * boost[None, :]
+    out = qs.apply_scales(layer, adapter.layout, H, _q4_0)
     L = adapter.layout
     ratio = (out["o.weight"] / layer["o.weight"])[0].reshape(L.n_kv_heads, L.group_size, L.head_dim)
+    assert not torch.allclose(ratio, torch.ones_like(ratio))
     assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-12)
     # V's rows carry the inverse factors (column 0 also carries the attention norm's reader scale)
     v_ratio = (layer["v.weight"] / out["v.weight"])[:, 0].reshape(L.n_kv_heads, L.head_dim) / ratio[:, 0]
@@ -134,7 +154,7 @@ def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2
     ref = model_output(smollm2, eval_ids)
     delta = (ref - model_output(scaled, eval_ids)).abs().max().item()
     print(f"SmolLM2 --for-quantization --residual none --scales: max |Δlogit| = {delta:.2e} (float32)")
-    assert delta <= 1e-4
+    assert delta == 0.0   # power-of-two scales only move exponents: the same logits to the last bit
     # negative control: the rescaled norm weight is what compensates the readers' scaled columns
     original = smollm2.model.layers[5].input_layernorm.weight
     assert not torch.allclose(scaled.model.layers[5].input_layernorm.weight, original)

@@ -65,9 +65,13 @@ def scale_error(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, quantize: Qua
 
 
 def search_scales(W: torch.Tensor, H: torch.Tensor, quantize: Quantizer, grid=GRID,
-                  tie: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+                  tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  pow2: bool = True) -> tuple[torch.Tensor, dict]:
     """AWQ's grid search: ``s = rms^α`` (``rms_j = √H_jj``, passed through ``tie`` where channels must
-    share one factor), ``α`` minimising :func:`scale_error`. Returns ``s`` (float64) and the errors."""
+    share one factor), ``α`` minimising :func:`scale_error`. Returns ``s`` (float64) and the errors.
+    ``pow2``: each factor rounded to a power of two, so that scaling is exact in every binary float
+    format (float32, bfloat16, float16: only exponents change) and the scaled checkpoint computes the
+    original's logits to the last bit, not just to float rounding."""
     rms = H.diagonal().to(torch.float64).clamp_min(0).sqrt()
     if tie is not None:
         rms = tie(rms)
@@ -75,6 +79,8 @@ def search_scales(W: torch.Tensor, H: torch.Tensor, quantize: Quantizer, grid=GR
     best = (float("inf"), None, None)
     for a in grid:
         s = _normalised(rms, a)
+        if pow2:
+            s = torch.exp2(torch.round(torch.log2(s)))
         err = scale_error(W, H, s, quantize)
         errors[a] = err
         if err < best[0]:
