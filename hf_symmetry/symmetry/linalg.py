@@ -1,12 +1,19 @@
 """The dense linear algebra of the structured solvers (:mod:`.structured`, :mod:`.segments`): SVD and
 symmetric eigendecompositions (SciPy's LAPACK for CPU matrices), the row weightings :class:`Gram`,
-pseudo-inverse solves of PSD normal equations, and the thread limit the small problems run under.
+pseudo-inverse solves of PSD normal equations (one matrix or a batch), and the thread limit the small
+problems run under.
+
+Where the factorisations run (:func:`factorisation_device`): on the matrix's own device, except small
+ones of a matrix on an accelerator, which run on the CPU (order at most :data:`HOST_LINALG_MAX`, set by
+``HF_SYMMETRY_HOST_LINALG_MAX``); the results go back to the matrix's device. The large work (Gram
+accumulation, layer forwards, big products) stays where the tensors are.
 
 Everything works in the dtype of its inputs (float64 for results)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -32,6 +39,28 @@ def limit_threads(n: int = 1):
         torch.set_num_threads(old)
 
 
+#: The largest order (``A.shape[-1]``) of a matrix on an accelerator whose dense factorisation
+#: (eigendecomposition, SVD) runs on the CPU instead, its results moved back; 0 keeps every one on the
+#: device. Default 128, by reasoning (no GPU was at hand to measure the device side): the CPU's
+#: one-thread float64 ``syevd`` took 0.1 ms at order 32, 1.5 ms at 128, 11 ms at 256 and 70 ms at 576
+#: (SVD about twice that; a loaded 2-core VM, ``benchmarks/results/small_linalg.json``), while a float64
+#: cuSOLVER call costs a few milliseconds of launches and a host synchronisation (its error check)
+#: whatever the order, so up to about 128 the host wins even with the two copies, and beyond a few
+#: hundred the device's flops do. Re-measure with ``benchmarks/bench_small_linalg.py`` on the GPU at
+#: hand and set ``HF_SYMMETRY_HOST_LINALG_MAX``.
+HOST_LINALG_MAX = int(os.environ.get("HF_SYMMETRY_HOST_LINALG_MAX", "128"))
+
+
+def factorisation_device(A: Tensor, host_max: int | None = None) -> torch.device:
+    """Where a dense factorisation of ``A`` (a matrix or a batch of them) runs: ``A``'s device, except
+    that a matrix of order at most ``host_max`` (default :data:`HOST_LINALG_MAX`) on an accelerator is
+    factorised on the CPU."""
+    limit = HOST_LINALG_MAX if host_max is None else host_max
+    if A.device.type == "cpu" or A.shape[-1] > limit:
+        return A.device
+    return torch.device("cpu")
+
+
 def _host_lapack(A: Tensor) -> bool:
     """Whether ``A`` is decomposed by SciPy's LAPACK (a CPU float32/float64 matrix, not a batch)."""
     return A.device.type == "cpu" and A.dim() == 2 and A.dtype in (torch.float32, torch.float64) and A.numel() > 0
@@ -40,7 +69,11 @@ def _host_lapack(A: Tensor) -> bool:
 def svd(A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.linalg.svd(A, full_matrices=False)``. A CPU matrix goes to SciPy's LAPACK ``gesdd``,
     measured on a 1536² float64 matrix (one thread) at a third of torch's transient memory (43 against
-    123 MB, outputs included) in the same time; batches and other devices stay on torch."""
+    123 MB, outputs included) in the same time; batches and other devices stay on torch. Where it runs:
+    :func:`factorisation_device`."""
+    where = factorisation_device(A)
+    if where != A.device:
+        return tuple(t.to(A.device) for t in svd(A.to(where)))
     if not _host_lapack(A):
         with limit_threads():
             return torch.linalg.svd(A, full_matrices=False)
@@ -53,8 +86,11 @@ def svd(A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def symmetric_eigh(A: Tensor) -> tuple[Tensor, Tensor]:
     """Eigenvalues (ascending) and eigenvectors of the symmetric part ``(A + Aᵀ) / 2``: SciPy's LAPACK
     ``syevd`` on the CPU (measured on 1536², one thread: 37 against torch's 58 MB transient, 0.73 against
-    0.89 s), torch's ``eigh`` elsewhere."""
-    S = (A + A.T) / 2
+    0.89 s), torch's ``eigh`` elsewhere (a batch: one batched call). Where it runs: :func:`factorisation_device`."""
+    where = factorisation_device(A)
+    if where != A.device:
+        return tuple(t.to(A.device) for t in symmetric_eigh(A.to(where)))
+    S = (A + A.mT) / 2
     if not _host_lapack(S):
         with limit_threads():
             return torch.linalg.eigh(S)
@@ -146,11 +182,12 @@ class Gram:
 
 def psd_solve(C: Tensor, D: Tensor) -> Tensor:
     """``C⁺ D`` for symmetric PSD ``C`` (eigenvalues below ``1e-12 λ_max`` treated as zero): the
-    minimum-norm solution of normal equations, whose right-hand side is always in C's range."""
+    minimum-norm solution of normal equations, whose right-hand side is always in C's range. ``C``
+    ``[..., n, n]`` and ``D`` ``[..., n, k]`` may be batches: one batched eigendecomposition solves them."""
     lam, V = symmetric_eigh(C)
-    cut = _rcond(C.dtype) * lam.abs().max().clamp_min(1e-30)
+    cut = _rcond(C.dtype) * lam.abs().amax(-1, keepdim=True).clamp_min(1e-30)
     inv = torch.where(lam > cut, 1.0 / lam, torch.zeros_like(lam))
-    return V @ (inv[:, None] * (V.T @ D))
+    return V @ (inv[..., :, None] * (V.mT @ D))
 
 
 def weighted_error(D: Tensor, gram: Gram | None = None) -> float:

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .procrustes import orthogonal_procrustes
-from .linalg import Gram, limit_threads, symmetric_eigh, weighted_error
+from .linalg import Gram, factorisation_device, limit_threads, symmetric_eigh, weighted_error
 from .structured import Dense, Factors, Structure
 
 Tensor = torch.Tensor
@@ -154,9 +154,13 @@ class Term:
             self._summary = (self.energy(), self.col_gram @ (self.M.T @ W_hat), W_hat.T @ W_hat)
 
     def error(self, Q: Tensor) -> float:
+        return float(self.error_tensor(Q))
+
+    def error_tensor(self, Q: Tensor) -> Tensor:
+        """:meth:`error` as a 0-d tensor on Q's device (no host synchronisation)."""
         c, K, H = self.summary()
-        e = c - 2 * float((Q * K).sum())
-        return e if H is None else e + float(((self.col_gram @ Q @ H) * Q).sum())
+        e = c - 2 * (Q * K).sum()
+        return e if H is None else e + ((self.col_gram @ Q @ H) * Q).sum()
 
     # ---- Gram reduction
     def reducible(self) -> bool:
@@ -199,7 +203,13 @@ class Term:
 
 
 def objective(terms: list[Term], Q: Tensor) -> float:
-    return sum(t.weight * t.error(Q) for t in terms if not t.is_dense)
+    """``Σ λ_t err_t(Q)`` over the compressed terms, summed on the device in term order and fetched
+    once (one host synchronisation per evaluation, not one per term)."""
+    total = 0
+    for t in terms:
+        if not t.is_dense:
+            total = total + t.weight * t.error_tensor(Q)
+    return total if isinstance(total, int) else float(total)
 
 
 def balance(terms: list[Term], readers: list[Term]) -> None:
@@ -260,8 +270,11 @@ def _linear_and_quadratic(terms: list[Term]) -> tuple[Tensor, list[tuple[Tensor,
 
 
 def _eigh(A: Tensor) -> tuple[Tensor, Tensor]:
+    """torch's ``eigh`` of the symmetric part, where :func:`.linalg.factorisation_device` places it."""
+    where = factorisation_device(A)
     with limit_threads():
-        return torch.linalg.eigh((A + A.T) / 2)
+        lam, V = torch.linalg.eigh(((A + A.T) / 2).to(where))
+    return lam.to(A.device), V.to(A.device)
 
 
 def _retract(Y: Tensor) -> Tensor:
@@ -480,12 +493,12 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
     # (no iterations: Q stays Q0 exactly, not its float32 rounding)
     for t in work:
         t.fit(Q, als_iters)
-    final = 0.0               # objective(work, Q), each term's summary dropped once counted
+    final = 0.0               # objective(work, Q), each term's summary dropped once counted (fetched once)
     for t in work:
         if not t.is_dense:
-            final += t.weight * t.error(Q)
+            final = final + t.weight * t.error_tensor(Q)
         t._summary = None
-    trace.append(final)
+    trace.append(float(final))
     for t, red, R in lifts:
         t.lift(red, R)
     return SegmentResult(Q, trace, alternations, converged)

@@ -463,6 +463,16 @@ class GS(Structure):
         return L, R
 
     def _solve_r(self, W: Tensor, gram: Gram, L: Tensor) -> Tensor:
+        """Every R block: block j's normal equations ``(Z_jᵀ G Z_j) R_j = Z_jᵀ G W_j``, ``Z_j [m, kl b]``
+        the block diagonal of L's j-th column blocks (what R_j feeds). On an accelerator the ``kr``
+        problems are solved as one batch (:meth:`_solve_r_batched`: one batched eigendecomposition, no
+        per-block launches); on the CPU one at a time, by SciPy's LAPACK (:meth:`_solve_r_blocks`: what
+        LAPACK does for a batch anyway, and the bits the outputs had before batching)."""
+        if W.device.type == "cpu":
+            return self._solve_r_blocks(W, gram, L)
+        return self._solve_r_batched(W, gram, L)
+
+    def _solve_r_blocks(self, W: Tensor, gram: Gram, L: Tensor) -> Tensor:
         kl, kr, b, (bl, br) = self.kl, self.kr, self.rank, self.tile
         L4 = L.reshape(kl, bl, kr, b)
         blocks = []
@@ -471,6 +481,18 @@ class GS(Structure):
             GZ = gram.apply(Z)
             blocks.append(psd_solve(Z.T @ GZ, GZ.T @ W[:, j * br:(j + 1) * br]))
         return torch.stack(blocks)
+
+    def _solve_r_batched(self, W: Tensor, gram: Gram, L: Tensor) -> Tensor:
+        kl, kr, b, (bl, br) = self.kl, self.kr, self.rank, self.tile
+        L4 = L.reshape(kl, bl, kr, b)
+        Z = L.new_zeros(kl, bl, kr, kl, b)                   # Z[i, p, j, i, c] = L4[i, p, j, c]
+        i = torch.arange(kl, device=L.device)
+        Z[i, :, :, i, :] = L4
+        Z = Z.reshape(kl * bl, kr, kl * b)                    # [m, kr, kl b]: Z_j for every j
+        GZ = gram.apply(Z)
+        C = torch.einsum("mjp,mjq->jpq", Z, GZ)
+        D = torch.einsum("mjp,mjc->jpc", GZ, W.reshape(kl * bl, kr, br))
+        return psd_solve(C, D)
 
     def _solve_l(self, W: Tensor, gram: Gram, L: Tensor, R: Tensor) -> Tensor:
         kl, kr, b, (bl, br) = self.kl, self.kr, self.rank, self.tile
