@@ -9,7 +9,10 @@ dequantized back into the HF model:
 
 SmolLM2's weights are themselves dequantized Q4_1 GGUF weights, so the unrotated model sits exactly
 on the Q4_1 grid; the other quantizers (other grids, block sizes and bit widths) control for that.
-A model trained here in float (``--model FOLDER``) would remove it; not run yet.
+A model trained here in float removes it: benchmarks/train_quant_control.py, then ``--model FOLDER
+--label control-llama-d256``. The ``scales`` variants (activation-aware exact scales,
+hf_symmetry.conversion.quant_scales) are built once per quantizer, searched against it on 2048 tokens
+of britannica-calib.
 
 Perplexity: the project's definition (hf_symmetry.evaluation.perplexity), 2048 tokens of
 ``hamlet`` (not used for anything else here; the learned rotation sees only weights).
