@@ -94,7 +94,8 @@ def _meta(data: object, key: str) -> str | None:
 
 
 def generic_tables(data: object, stem: str) -> dict[str, str]:
-    """Tables of any results file: its ``tables`` if it has them, else every run of records in it."""
+    """Tables of any results file: its ``tables`` if it has them, else every run of records in it (a list of
+    records, a mapping of records, or a mapping of values) and its top-level values."""
     if isinstance(data, dict) and isinstance(data.get("tables"), list):
         out = {}
         for i, table in enumerate(data["tables"]):
@@ -116,6 +117,9 @@ def generic_tables(data: object, stem: str) -> dict[str, str]:
             items = list(node.values())
             if len(items) > 1 and all(isinstance(x, dict) for x in items) and _mostly_scalar(items):
                 found.append((path, [{"": key, **value} for key, value in node.items()]))
+                return
+            if path and items and all(not isinstance(x, (dict, list)) for x in items):
+                found.append((path, [{"key": key, "value": value} for key, value in node.items()]))
                 return
             for key, value in node.items():
                 if key not in META_KEYS:
