@@ -51,11 +51,12 @@ def test_scaled_checkpoint_is_exact_in_float64(family, residual, vo, exact_rmsno
 
 
 def test_power_of_two_scales_give_the_same_float32_logits_to_the_last_bit():
-    """Every factor is a power of two, so scaling only moves exponents: without rotations the scaled
+    """``scales_pow2``: every factor is a power of two, so scaling only moves exponents: without rotations the scaled
     float32 checkpoint's logits are bitwise the original's."""
     model = _model().float()
     ids = input_ids(model.config.vocab_size)
-    options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False)
+    options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False,
+                            scales_pow2=True)
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=_calibration(model))
     scaled = model_from_state_dict(cfg, sd, dtype=torch.float32)
     assert torch.equal(outputs(model, ids), outputs(scaled, ids))
@@ -147,7 +148,7 @@ def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2
 
     out = tmp_path / "smollm2-s"
     assert cli.main(["rotate", str(smollm2_dir), str(out), "--for-quantization", "--residual", "none",
-                     "--no-vo-hadamard", "--scales", "hqq4g64-rtn", "--calibration-tokens", "256",
+                     "--no-vo-hadamard", "--scales", "hqq4g64-rtn", "--pow2-scales", "--calibration-tokens", "256",
                      "--no-verify", "--quiet"]) == 0
     scaled = AutoModelForCausalLM.from_pretrained(out).eval()   # plain transformers, no remote code
     assert type(scaled) is LlamaForCausalLM

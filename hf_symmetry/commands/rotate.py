@@ -50,6 +50,9 @@ def register(sub) -> None:
     p.add_argument("--calibration-text", default="britannica-calib",
                    help="with --scales: calibration text file or embedded name (default: britannica-calib)")
     p.add_argument("--calibration-tokens", type=int, default=2048, help="with --scales: tokens (default: 2048)")
+    p.add_argument("--pow2-scales", action="store_true",
+                   help="with --scales: round every factor to a power of two (only exponents change: the float "
+                        "logits stay bitwise equal; quantizes somewhat worse)")
     p.add_argument("--vo-hadamard", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="with --for-quantization: per-head V/O Hadamard rotations (default: on)")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +74,8 @@ def run(args) -> int:
                             learn_iterations=args.learn_iterations, balance_alpha=args.balance_alpha,
                             hold_out=tuple(int(c) for c in args.hold_out.split(",") if c.strip()),
                             scales=args.scales, calibration_text=args.calibration_text,
-                            calibration_tokens=args.calibration_tokens, vo_hadamard=args.vo_hadamard)
+                            calibration_tokens=args.calibration_tokens, vo_hadamard=args.vo_hadamard,
+                            scales_pow2=args.pow2_scales)
     report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
                                max_shard_size=args.max_shard_size, progress=not args.quiet)
     lines = [f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",

@@ -152,7 +152,7 @@ def head_hadamards(layout: HeadLayout, seed: int, layer: int) -> list[torch.Tens
 def transform_layer(i: int, layer: Tensors, layout: HeadLayout, Q, seed: int = 0, vo_hadamard: bool = True,
                     balance: QuantBalance = QuantBalance(), stats: Tensors | None = None,
                     quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                    scale_log: dict | None = None) -> Tensors:
+                    scale_log: dict | None = None, pow2: bool = False) -> Tensors:
     """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
     ``Q`` (None: no residual rotation, norms stay unfolded), Hadamard the V/O heads, then set the
     exact column scales: searched against ``quantize`` on the calibration second moments ``stats``
@@ -167,7 +167,8 @@ def transform_layer(i: int, layer: Tensors, layout: HeadLayout, Q, seed: int = 0
     if stats is not None:
         from .quant_scales import apply_scales, to_layer_basis
 
-        return apply_scales(layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log)
+        return apply_scales(layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log,
+                            pow2=pow2)
     if balance.vo:
         layer = balance_vo(layer, layout, balance.alpha)
     if balance.ffn:

@@ -55,6 +55,7 @@ class RotateOptions:
     calibration_text: str = "britannica-calib"
     calibration_tokens: int = 2048
     vo_hadamard: bool = True            # --for-quantization: per-head V/O Hadamards
+    scales_pow2: bool = False           # --scales rounded to powers of two (bitwise-exact float logits)
 
     @property
     def rotate_qk(self) -> bool:
@@ -126,7 +127,8 @@ def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOpt
             quantize = lambda A: roundtrip(A, options.scales)   # noqa: E731
         return quant_layer(i, layer, L, Q, seed=seed, vo_hadamard=options.vo_hadamard,
                            balance=QuantBalance(alpha=options.balance_alpha),
-                           stats=stats[i] if stats is not None else None, quantize=quantize)
+                           stats=stats[i] if stats is not None else None, quantize=quantize,
+                           pow2=options.scales_pow2)
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
     if options.rotate_qk:
