@@ -354,18 +354,39 @@ QUANT_NAMES = {
     "for-quantization": "`--for-quantization`",
     "for-quantization-learned-Q4_0": "`--for-quantization --learn Q4_0`",
     "for-quantization-no-residual": "no residual rotation (V/O + balancing only)",
+    "for-quantization-hold-out": "`--for-quantization --hold-out` (the massive channels)",
+    "scales": "`--for-quantization --residual none --no-vo-hadamard --scales Q` (activation-aware scales)",
+    "scales-pow2": "the same with `--pow2-scales`",
+    "hadamard-scales": "`--for-quantization --scales` (Hadamard + scales)",
 }
 
 
 def quant_rotation(data, results):
-    variants = data["smollm2"]["variants"]
-    schemes = [k for k, v in next(iter(variants.values())).items() if isinstance(v, dict)]
-    rows = [
-        [QUANT_NAMES.get(name, f"`{name}`"), sig(v.get("float"), 4)]
-        + [sig(v[s]["perplexity"], 4) if s in v else "—" for s in schemes]
-        for name, v in variants.items()
-    ]
-    return {"main": md_table(["variant", "float"] + schemes, rows)}
+    """One table per model (a top-level entry with ``variants``), and the goals."""
+    out = {}
+    for model, block in data.items():
+        if not isinstance(block, dict) or not isinstance(block.get("variants"), dict):
+            continue
+        variants = block["variants"]
+        schemes = []
+        for v in variants.values():
+            schemes += [k for k, x in v.items() if isinstance(x, dict) and k not in schemes]
+        rows = [
+            [QUANT_NAMES.get(name, f"`{name}`"), sig(v.get("float"), 4)]
+            + [sig(v[q]["perplexity"], 4) if q in v else "—" for q in schemes]
+            for name, v in variants.items()
+        ]
+        out[model] = md_table(["variant", "float"] + schemes, rows)
+    goals = data.get("goals", {})
+    rows = []
+    for model, goal in goals.items():
+        if isinstance(goal, dict):
+            rows += [[model, key, fmt(value)] for key, value in goal.items()]
+        else:
+            rows.append([model, "", fmt(goal)])
+    if rows:
+        out["goals"] = md_table(["model", "goal", "value"], rows)
+    return out
 
 
 def compat(data, results):
