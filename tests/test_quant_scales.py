@@ -148,7 +148,7 @@ def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2
 
     out = tmp_path / "smollm2-s"
     assert cli.main(["rotate", str(smollm2_dir), str(out), "--for-quantization", "--residual", "none",
-                     "--no-vo-hadamard", "--scales", "hqq4g64-rtn", "--pow2-scales", "--calibration-tokens", "256",
+                     "--no-vo-hadamard", "--scales", "Q4_0", "--pow2-scales", "--calibration-tokens", "256",
                      "--no-verify", "--quiet"]) == 0
     scaled = AutoModelForCausalLM.from_pretrained(out).eval()   # plain transformers, no remote code
     assert type(scaled) is LlamaForCausalLM
