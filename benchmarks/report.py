@@ -128,19 +128,32 @@ def generic_tables(data: object, stem: str) -> dict[str, str]:
     walk(data, "", 0)
     out = {}
     for path, records in found:
+        records = [_flatten(record) for record in records[:60]]
         columns: list[str] = []
         for record in records:
-            for key, value in record.items():
-                if key not in columns and not isinstance(value, (dict, list)):
-                    columns.append(key)
-        columns = columns[:12]
-        rows = [[fmt(record.get(col)) for col in columns] for record in records[:60]]
+            columns += [key for key, value in record.items() if key not in columns and value is not None]
+        columns = columns[:16]
+        rows = [[fmt(record.get(col)) for col in columns] for record in records]
         out[path or stem] = f"`{path or stem}`:\n\n" + md_table(columns, rows)
     if isinstance(data, dict):
         scalars = [(k, v) for k, v in data.items() if k not in META_KEYS and not isinstance(v, (dict, list))]
         if scalars:
             out["values"] = md_table(["key", "value"], [[k, fmt(v)] for k, v in scalars[:20]])
     return out
+
+
+def _flatten(record: dict) -> dict:
+    """A record's scalar fields, with one level of nested mappings of short values as ``key sub`` columns."""
+    flat = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            # numbers and short labels only: digests and notes inside a record would swamp the table
+            short = all(not isinstance(v, (dict, list)) and len(str(v)) <= 24 for v in value.values())
+            if short:
+                flat.update({f"{key} {k}": v for k, v in value.items()})
+        elif not isinstance(value, list):
+            flat[key] = value
+    return flat
 
 
 def _mostly_scalar(records: list[dict]) -> bool:
