@@ -55,9 +55,14 @@ def cached_stats(source, config, calib_ids, seq_len) -> C.CalibrationStats:
         t = load_file(str(path))
         n = sum(1 for k in t if k.startswith("normed."))
         L = sum(1 for k in t if k.startswith("attn_out."))
-        return C.CalibrationStats(int(t["tokens"].item()), t["token_counts"],
-                                  [t[f"normed.{k}"] for k in range(n)], [t[f"stream.{k}"] for k in range(n)],
-                                  [t[f"attn_out.{i}"] for i in range(L)], [t[f"mlp_hidden.{i}"] for i in range(L)])
+        return C.CalibrationStats(
+            int(t["tokens"].item()),
+            t["token_counts"],
+            [t[f"normed.{k}"] for k in range(n)],
+            [t[f"stream.{k}"] for k in range(n)],
+            [t[f"attn_out.{i}"] for i in range(L)],
+            [t[f"mlp_hidden.{i}"] for i in range(L)],
+        )
     stats = C.collect_statistics(source, config, calib_ids, seq_len, want_normed=True, want_stream=True)
     tensors = {"tokens": torch.tensor([stats.tokens]), "token_counts": stats.token_counts}
     for name in ("normed", "stream", "attn_out", "mlp_hidden"):
@@ -133,11 +138,19 @@ def layer_timings(plans: dict, tokens: tuple[int, ...], repeats: int) -> list[di
                 x = torch.randn(T, in_f)
                 t_dense = median_time(lambda: dense(x), repeats)
                 t_struct = median_time(lambda: layer(x), repeats)
-                rows.append({"structure": structure, "matrix": "lm_head (tied embedding)" if name == "embed" else name,
-                             "shape": [out_f, in_f], "spec": spec, "tokens": T,
-                             "params_ratio": m.structure.params() / (out_f * in_f),
-                             "dense_ms": 1000 * t_dense, "structured_ms": 1000 * t_struct,
-                             "speedup": t_dense / t_struct})
+                rows.append(
+                    {
+                        "structure": structure,
+                        "matrix": "lm_head (tied embedding)" if name == "embed" else name,
+                        "shape": [out_f, in_f],
+                        "spec": spec,
+                        "tokens": T,
+                        "params_ratio": m.structure.params() / (out_f * in_f),
+                        "dense_ms": 1000 * t_dense,
+                        "structured_ms": 1000 * t_struct,
+                        "speedup": t_dense / t_struct,
+                    }
+                )
     return rows
 
 
@@ -145,24 +158,51 @@ def layer_timings(plans: dict, tokens: tuple[int, ...], repeats: int) -> list[di
 def row_configs(f: int) -> list[dict]:
     """Cheap rows first, then the iterative ones (segment Q before global Q), so that a run cut short
     still has every method."""
-    rows = [dict(name="SliceGPT (per-segment PCA)", structure="slice", q_mode="segment"),
-            dict(name="SliceGPT (global PCA)", structure="slice", q_mode="global")]
+    rows = [
+        dict(name="SliceGPT (per-segment PCA)", structure="slice", q_mode="segment"),
+        dict(name="SliceGPT (global PCA)", structure="slice", q_mode="global"),
+    ]
     for structure in ("kron", "gs", "lowrank"):
-        rows.append(dict(name=f"{structure}: projection, no rotation", structure=structure, stage="none",
-                         q_mode="global"))
+        rows.append(
+            dict(name=f"{structure}: projection, no rotation", structure=structure, stage="none", q_mode="global")
+        )
     for stage in ("f", "w"):
-        rows.append(dict(name=f"lowrank: stage {stage.upper()}", structure="lowrank", stage=stage, q_mode="global",
-                         f_iters=f))
+        rows.append(
+            dict(name=f"lowrank: stage {stage.upper()}", structure="lowrank", stage=stage, q_mode="global", f_iters=f)
+        )
     for q_mode in ("segment", "global"):
         for structure in ("kron", "gs"):
             for stage in ("f", "w"):
-                rows.append(dict(name=f"{structure}: stage {stage.upper()}, {q_mode} Q", structure=structure,
-                                 stage=stage, q_mode=q_mode, f_iters=f))
-    for structure in ("gs", "kron"):   # stage W calibrated on the partly compressed model (sequential)
-        rows.append(dict(name=f"{structure}: stage W, segment Q, sequential", structure=structure, stage="w",
-                         q_mode="segment", f_iters=f, sequential=True))
-    rows.append(dict(name="lowrank: stage W, sequential", structure="lowrank", stage="w", q_mode="global", f_iters=f,
-                     sequential=True))
+                rows.append(
+                    dict(
+                        name=f"{structure}: stage {stage.upper()}, {q_mode} Q",
+                        structure=structure,
+                        stage=stage,
+                        q_mode=q_mode,
+                        f_iters=f,
+                    )
+                )
+    for structure in ("gs", "kron"):  # stage W calibrated on the partly compressed model (sequential)
+        rows.append(
+            dict(
+                name=f"{structure}: stage W, segment Q, sequential",
+                structure=structure,
+                stage="w",
+                q_mode="segment",
+                f_iters=f,
+                sequential=True,
+            )
+        )
+    rows.append(
+        dict(
+            name="lowrank: stage W, sequential",
+            structure="lowrank",
+            stage="w",
+            q_mode="global",
+            f_iters=f,
+            sequential=True,
+        )
+    )
     return rows
 
 
@@ -196,26 +236,35 @@ def main() -> None:
         return perplexity(m, eval_ids, window=512, stride=512, progress=False).perplexity
 
     if "dense" not in results["rows"] or args.force:
-        results["rows"]["dense"] = {"name": "dense", "perplexity": ppl(model),
-                                    "params": sum(p.numel() for p in model.parameters()),
-                                    "forward_ms": model_forward_ms(model, prefill, repeats)}
+        results["rows"]["dense"] = {
+            "name": "dense",
+            "perplexity": ppl(model),
+            "params": sum(p.numel() for p in model.parameters()),
+            "forward_ms": model_forward_ms(model, prefill, repeats),
+        }
     dense_ppl = results["rows"]["dense"]["perplexity"]
     dense_ms = results["rows"]["dense"]["forward_ms"]
     print(f"dense: perplexity {dense_ppl:.3f}, prefill {dense_ms:.0f} ms", flush=True)
 
     adapter = C.check_family(config, source.keys())
     stats = cached_stats(source, config, calib_ids, 512)
-    layers, globals_, gamma = C.read_folded(source, adapter, source.keys(), C.plan_for(
-        source, config, C.CompressOptions(stage="none"))[0].tied)
-    if not args.only and ("layer_timings" not in results or args.force):   # first: a cut run still has them
-        plans = {structure: C.plan_for(source, config, C.CompressOptions(structure=structure, stage="none",
-                                                                         ratio=args.ratio))[0]
-                 for structure in ("kron", "gs", "lowrank")}
+    layers, globals_, gamma = C.read_folded(
+        source, adapter, source.keys(), C.plan_for(source, config, C.CompressOptions(stage="none"))[0].tied
+    )
+    if not args.only and ("layer_timings" not in results or args.force):  # first: a cut run still has them
+        plans = {
+            structure: C.plan_for(
+                source, config, C.CompressOptions(structure=structure, stage="none", ratio=args.ratio)
+            )[0]
+            for structure in ("kron", "gs", "lowrank")
+        }
         results["layer_timings"] = layer_timings(plans, (512, 2048), repeats)
         write(results, args)
     for r in results.get("layer_timings", []):
-        print(f"{r['structure']:8s} {r['matrix']:24s} {r['tokens']:5d} tokens: dense {r['dense_ms']:.2f} ms, "
-              f"structured {r['structured_ms']:.2f} ms (x{r['speedup']:.2f} faster, {r['params_ratio']:.2f} params)")
+        print(
+            f"{r['structure']:8s} {r['matrix']:24s} {r['tokens']:5d} tokens: dense {r['dense_ms']:.2f} ms, "
+            f"structured {r['structured_ms']:.2f} ms (x{r['speedup']:.2f} faster, {r['params_ratio']:.2f} params)"
+        )
     f_iters = args.f_iters if args.f_iters is not None else (4 if args.quick else 10)
     for cfg in row_configs(f_iters):
         name = cfg["name"]
@@ -227,28 +276,38 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         key = f"{options.structure}_{options.q_mode}_f{options.f_iters}_c{calib_ids.numel()}_{options.solver_dtype}"
-        key += "" if args.ratio == 0.25 else f"_r{args.ratio:g}"   # the rotations depend on the structures
+        key += "" if args.ratio == 0.25 else f"_r{args.ratio:g}"  # the rotations depend on the structures
         rotations, solve_options = None, options
         if options.stage == "w" and options.structure != "lowrank":
-            rotations = load_rotations(key)     # start from the cached stage F solution
+            rotations = load_rotations(key)  # start from the cached stage F solution
             if rotations is not None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
         calib_in = C.CalibrationInput(source, config, calib_ids, 512) if options.sequential else None
         with S.limit_threads(1):
-            res = C.solve(plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, calib=calib_in)
+            res = C.solve(
+                plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, calib=calib_in
+            )
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0
         state = C.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
         compressed, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
         acc = plan.accounting
-        row = {"name": name, **cfg_without_name(cfg), "perplexity": ppl(compressed),
-               "params": counted, "ratio_over_compressed": acc["ratio_over_compressed"],
-               "ratio_over_model": acc["ratio_over_model"], "ratio_structures_only": acc["ratio_per_matrix_mean"],
-               "skip_params": acc["skip_params"], "head_mix_params": acc["head_mix_params"],
-               "residual_width": plan.residual, "solve_seconds": seconds,
-               "mean_relative_error": (statistics.mean(res.relative_errors.values()) if res.relative_errors else None),
-               "structures": {m.name: m.module_structure.spec() for m in plan.matrices if m.layer in (None, 0)}}
+        row = {
+            "name": name,
+            **cfg_without_name(cfg),
+            "perplexity": ppl(compressed),
+            "params": counted,
+            "ratio_over_compressed": acc["ratio_over_compressed"],
+            "ratio_over_model": acc["ratio_over_model"],
+            "ratio_structures_only": acc["ratio_per_matrix_mean"],
+            "skip_params": acc["skip_params"],
+            "head_mix_params": acc["head_mix_params"],
+            "residual_width": plan.residual,
+            "solve_seconds": seconds,
+            "mean_relative_error": (statistics.mean(res.relative_errors.values()) if res.relative_errors else None),
+            "structures": {m.name: m.module_structure.spec() for m in plan.matrices if m.layer in (None, 0)},
+        }
         if rotations is not None:
             f_row = results["rows"].get(name.replace("stage W", "stage F").replace(", sequential", ""), {})
             row["stage_f_seconds"] = f_row.get("solve_seconds")
@@ -256,12 +315,14 @@ def main() -> None:
         row["forward_ms"], row["dense_forward_ms"] = paired_forward_ms(compressed, model, prefill, repeats)
         row["forward_vs_dense"] = row["forward_ms"] / row["dense_forward_ms"]
         results["rows"][name] = row
-        print(f"{name}: ppl {row['perplexity']:.3f} (x{row['perplexity_vs_dense']:.2f}), params {counted:,} "
-              f"({row['ratio_over_compressed']:.3f} of compressed removed), solve {seconds:.0f} s, prefill "
-              f"{row['forward_ms']:.0f} ms (x{row['forward_vs_dense']:.2f})", flush=True)
+        print(
+            f"{name}: ppl {row['perplexity']:.3f} (x{row['perplexity_vs_dense']:.2f}), params {counted:,} "
+            f"({row['ratio_over_compressed']:.3f} of compressed removed), solve {seconds:.0f} s, prefill "
+            f"{row['forward_ms']:.0f} ms (x{row['forward_vs_dense']:.2f})",
+            flush=True,
+        )
         write(results, args)
         del compressed, state, res
-
 
 
 def cfg_without_name(cfg: dict) -> dict:
@@ -269,13 +330,25 @@ def cfg_without_name(cfg: dict) -> dict:
 
 
 def write(results: dict, args) -> None:
-    results["machine"] = {"cpu": _lscpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads(), "python": platform.python_version(),
-                          "load_average": os.getloadavg()}
-    results["settings"] = {"ratio": args.ratio, "calib_text": "britannica-calib", "calib_tokens": args.calib_tokens,
-                           "eval_text": "britannica-eval", "eval_tokens": args.eval_tokens,
-                           "perplexity_window": 512, "perplexity_stride": 512, "quick": args.quick,
-                           "f_iters": args.f_iters if args.f_iters is not None else (4 if args.quick else 10)}
+    results["machine"] = {
+        "cpu": _lscpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
+    results["settings"] = {
+        "ratio": args.ratio,
+        "calib_text": "britannica-calib",
+        "calib_tokens": args.calib_tokens,
+        "eval_text": "britannica-eval",
+        "eval_tokens": args.eval_tokens,
+        "perplexity_window": 512,
+        "perplexity_stride": 512,
+        "quick": args.quick,
+        "f_iters": args.f_iters if args.f_iters is not None else (4 if args.quick else 10),
+    }
     args.path.parent.mkdir(parents=True, exist_ok=True)
     args.path.write_text(json.dumps(results, indent=2) + "\n")
 

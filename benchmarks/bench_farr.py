@@ -36,8 +36,13 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from hf_symmetry.assets import minilm_dir, smollm2_dir, text_path  # noqa: E402
-from hf_symmetry.conversion.farr import (FarrOptions, attention_input_moments, build_farr_model,  # noqa: E402
-                                         farr_state_dict, spectra_report)
+from hf_symmetry.conversion.farr import (
+    FarrOptions,
+    attention_input_moments,
+    build_farr_model,  # noqa: E402
+    farr_state_dict,
+    spectra_report,
+)
 from hf_symmetry.conversion.stream import DictSource  # noqa: E402
 from hf_symmetry.evaluation.compare import load_model, load_tokenizer  # noqa: E402
 from hf_symmetry.evaluation.perplexity import perplexity  # noqa: E402
@@ -45,7 +50,7 @@ from hf_symmetry.text import read_text, tokenize_text  # noqa: E402
 from hf_symmetry.evaluation.spectra_plots import plot_rank_heatmaps  # noqa: E402
 
 RESULTS = HERE / "results"
-POINTS_CACHE = HERE / "_cache" / "farr_points.json"   # finished points, so an interrupted run resumes
+POINTS_CACHE = HERE / "_cache" / "farr_points.json"  # finished points, so an interrupted run resumes
 IMG = ROOT / "docs" / "img"
 TAUS = (0.99, 0.999, 0.9999)
 EVAL_TOKENS, WINDOW = 2048, 512
@@ -54,7 +59,7 @@ METHODS = {"farr": "fused", "trunc-V": "input", "trunc-O": "output"}
 
 
 def _ids(tokenizer, name: str, tokens: int) -> torch.Tensor:
-    return tokenize_text(tokenizer, read_text(text_path(name))[:tokens * 16], max_tokens=tokens)
+    return tokenize_text(tokenizer, read_text(text_path(name))[: tokens * 16], max_tokens=tokens)
 
 
 def _convert(model, options: FarrOptions, moments=None):
@@ -90,9 +95,12 @@ def _run_model(model, quality, paths: dict, budgets, moments, original: float, t
             continue
         row = {"point": label}
         reduced, rep = _convert(model, options)
-        row.update(kept_fraction=rep.touchable_kept_fraction, removed=rep.params_before - rep.params_after,
-                   removed_pct_model=100 * (rep.params_before - rep.params_after) / rep.params_before,
-                   ranks=rep.ranks)
+        row.update(
+            kept_fraction=rep.touchable_kept_fraction,
+            removed=rep.params_before - rep.params_after,
+            removed_pct_model=100 * (rep.params_before - rep.params_after) / rep.params_before,
+            ranks=rep.ranks,
+        )
         if all(r == rep.head_dim for ranks in rep.ranks.values() for r in ranks):
             # nothing truncated: every method is the original up to float round-off
             rows.append({**row, **{m: original for m in ("farr", "farr-cal", *list(METHODS)[1:])}, "full_rank": True})
@@ -102,15 +110,17 @@ def _run_model(model, quality, paths: dict, budgets, moments, original: float, t
         row["farr"] = quality(reduced)
         for name, basis in list(METHODS.items())[1:]:
             same = FarrOptions(tau=options.tau, params_fraction=options.params_fraction, basis=basis, **paths)
-            row[name] = quality(_convert(model, same)[0])   # same ranks as farr: same parameter count
+            row[name] = quality(_convert(model, same)[0])  # same ranks as farr: same parameter count
         cal_options = FarrOptions(params_fraction=min(1.0, rep.touchable_kept_fraction + 1e-12), **paths)
         cal, cal_rep = _convert(model, cal_options, moments)
         row["farr-cal"] = quality(cal)
         row["farr-cal_kept_fraction"] = cal_rep.touchable_kept_fraction
         rows.append(row)
         _remember(key, row)
-        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "ranks"}),
-              flush=True)
+        print(
+            json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "ranks"}),
+            flush=True,
+        )
     return rows
 
 
@@ -126,16 +136,26 @@ def bench_smollm2() -> dict:
     base = quality(model)
     print(f"SmolLM2 perplexity {base:.4f}", flush=True)
     rows = _run_model(model, quality, {"vo": True, "qk": False}, (0.95, 0.9, 0.8), moments, base, "smollm2|vo")
-    return {"model": str(src), "metric": f"perplexity, {ids.numel()} tokens of britannica-eval, windows of {WINDOW}",
-            "original": base, "params": sum(p.numel() for p in model.parameters()), "vo": rows}
+    return {
+        "model": str(src),
+        "metric": f"perplexity, {ids.numel()} tokens of britannica-eval, windows of {WINDOW}",
+        "original": base,
+        "params": sum(p.numel() for p in model.parameters()),
+        "vo": rows,
+    }
 
 
 def bench_minilm() -> dict:
     src = minilm_dir()
     model, tok = load_model(src), load_tokenizer(src)
     text = read_text(text_path("britannica-eval"))
-    batch = tok([text[i * 2000:(i + 1) * 2000] for i in range(8)], return_tensors="pt", truncation=True,
-                max_length=256, padding=True)
+    batch = tok(
+        [text[i * 2000 : (i + 1) * 2000] for i in range(8)],
+        return_tensors="pt",
+        truncation=True,
+        max_length=256,
+        padding=True,
+    )
     moments = attention_input_moments(model, _ids(tok, "britannica-calib", CALIB_TOKENS), window=256)
     with torch.no_grad():
         ref = model(**batch).last_hidden_state
@@ -146,9 +166,12 @@ def bench_minilm() -> dict:
         out = m(**batch).last_hidden_state
         return torch.nn.functional.cosine_similarity(out[mask], ref[mask], dim=-1).mean().item()
 
-    result = {"model": str(src), "metric": f"mean cosine of last hidden states to the original over {int(mask.sum())} "
-                                          "tokens (8 windows of britannica-eval)",
-              "params": sum(p.numel() for p in model.parameters())}
+    result = {
+        "model": str(src),
+        "metric": f"mean cosine of last hidden states to the original over {int(mask.sum())} "
+        "tokens (8 windows of britannica-eval)",
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     for key, paths in (("vo", {"vo": True, "qk": False}), ("qk+vo", {"vo": True, "qk": True})):
         print(f"MiniLM {key}", flush=True)
         result[key] = _run_model(model, quality, paths, (0.9, 0.75, 0.5), moments, 1.0, f"minilm|{key}")
@@ -160,11 +183,15 @@ def heatmaps() -> dict:
     out = {}
     for name, src in (("smollm2", smollm2_dir()), ("minilm", minilm_dir())):
         model = load_model(src)
-        report = spectra_report(DictSource(model.state_dict()), model.config.to_dict(), [0.99, 0.999], name=name,
-                                progress=False)
+        report = spectra_report(
+            DictSource(model.state_dict()), model.config.to_dict(), [0.99, 0.999], name=name, progress=False
+        )
         path = IMG / f"farr_spectra_{name}.png"
-        plot_rank_heatmaps(report, path, title=f"Effective rank of fused attention maps: {name} "
-                                               "(rows: heads / KV groups, columns: layers)")
+        plot_rank_heatmaps(
+            report,
+            path,
+            title=f"Effective rank of fused attention maps: {name} (rows: heads / KV groups, columns: layers)",
+        )
         out[name] = {"png": str(path.relative_to(ROOT)), "summary": report["summary"]}
     return out
 
@@ -175,9 +202,11 @@ def summary_plot(results: dict) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("SmolLM2-135M, V/O", results["smollm2"], "vo", "perplexity"),
-              ("MiniLM-L6, V/O", results["minilm"], "vo", "cosine to original"),
-              ("MiniLM-L6, Q/K + V/O", results["minilm"], "qk+vo", "cosine to original")]
+    panels = [
+        ("SmolLM2-135M, V/O", results["smollm2"], "vo", "perplexity"),
+        ("MiniLM-L6, V/O", results["minilm"], "vo", "cosine to original"),
+        ("MiniLM-L6, Q/K + V/O", results["minilm"], "qk+vo", "cosine to original"),
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (title, res, key, ylabel) in zip(axes, panels):
         rows = sorted(res[key], key=lambda r: r["removed"])
@@ -203,10 +232,19 @@ def main() -> None:
     start = time.perf_counter()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")), "")
-    results = {"machine": {"cpu": model_name, "cores": 2, "threads": torch.get_num_threads(),
-                           "python": platform.python_version(), "torch": torch.__version__,
-                           "date": datetime.date.today().isoformat()},
-               "heatmaps": heatmaps(), "smollm2": bench_smollm2(), "minilm": bench_minilm()}
+    results = {
+        "machine": {
+            "cpu": model_name,
+            "cores": 2,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+        },
+        "heatmaps": heatmaps(),
+        "smollm2": bench_smollm2(),
+        "minilm": bench_minilm(),
+    }
     results["plot"] = summary_plot(results)
     results["seconds"] = time.perf_counter() - start
     RESULTS.mkdir(exist_ok=True)

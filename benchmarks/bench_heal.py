@@ -111,14 +111,20 @@ def convert(name: str, work: Path, progress: bool, placement=None) -> Path:
         from hf_symmetry.assets import resolve_text
         from hf_symmetry.conversion.compress import CompressOptions, compress_checkpoint
 
-        compress_checkpoint(resolve_model("smollm2"), out, CompressOptions(structure="slice", q_mode="global",
-                                                                           ratio=0.25, calib_tokens=1024),
-                            resolve_text("britannica-calib"), progress=progress, placement=placement)
+        compress_checkpoint(
+            resolve_model("smollm2"),
+            out,
+            CompressOptions(structure="slice", q_mode="global", ratio=0.25, calib_tokens=1024),
+            resolve_text("britannica-calib"),
+            progress=progress,
+            placement=placement,
+        )
     elif name == "tpa22":
         from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa
 
-        convert_checkpoint_to_tpa("smollm2", out, k_rank=2, v_rank=2, calib="britannica-calib", progress=progress,
-                                  placement=placement)
+        convert_checkpoint_to_tpa(
+            "smollm2", out, k_rank=2, v_rank=2, calib="britannica-calib", progress=progress, placement=placement
+        )
     else:
         raise ValueError(f"unknown student {name!r}: slice25, tpa22, dense or NAME=FOLDER")
     print(f"converted {name} in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -159,8 +165,10 @@ def make_callback(ids_by_text, tokens_per_step, record, clock, steps=None):
             for t, ids in ids_by_text.items():
                 row[t] = perplexity(model, ids, progress=False).perplexity
         record.append(row)
-        print(f"  step {step} ({row['tokens']:,} tokens): " + ", ".join(f"{t} {row[t]:.2f}" for t in ids_by_text),
-              flush=True)
+        print(
+            f"  step {step} ({row['tokens']:,} tokens): " + ", ".join(f"{t} {row[t]:.2f}" for t in ids_by_text),
+            flush=True,
+        )
         model.train(was)
         clock.eval_cpu += time.process_time() - c0
         clock.eval_wall += time.perf_counter() - w0
@@ -195,8 +203,15 @@ def machine(device: str) -> dict:
     except OSError:
         pass
     import transformers
-    out = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "date": time.strftime("%Y-%m-%d", time.gmtime()), "device": device}
+
+    out = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": device,
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
     return out
@@ -210,13 +225,22 @@ def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_
     n_text_seqs = args.tokens // args.seq_len
     samples = 0
     if spec.get("samples"):
-        samples = max(args.batch_size, round(args.samples_fraction * n_text_seqs))   # heal reads the rest as text
-    options = HealOptions(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
-                          grad_accum=args.grad_accum, lora_rank=spec.get("lora_rank", args.lora_rank), full=full,
-                          lr=args.full_lr if full else args.lr, lm_weight=spec.get("lm_weight", args.lm_weight),
-                          teacher_samples=samples,
-                          layer_loss_weight=args.layer_loss_weight if spec.get("layers") else 0.0,
-                          validation_fraction=0.05, save_steps=10 ** 9, seed=args.seed)
+        samples = max(args.batch_size, round(args.samples_fraction * n_text_seqs))  # heal reads the rest as text
+    options = HealOptions(
+        tokens=args.tokens,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lora_rank=spec.get("lora_rank", args.lora_rank),
+        full=full,
+        lr=args.full_lr if full else args.lr,
+        lm_weight=spec.get("lm_weight", args.lm_weight),
+        teacher_samples=samples,
+        layer_loss_weight=args.layer_loss_weight if spec.get("layers") else 0.0,
+        validation_fraction=0.05,
+        save_steps=10**9,
+        seed=args.seed,
+    )
     out = Path(args.work) / "healed" / f"{model_name}-{recipe}"
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(out.with_name(out.name + ".heal-run"), ignore_errors=True)
@@ -224,71 +248,124 @@ def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_
     clock = Clock()
     steps = {int(x) for x in args.curve_steps.split(",")} if args.curve_steps else None
     cb = make_callback(ids, args.batch_size * args.seq_len, curve, clock, steps)
-    print(f"{model_name}/{recipe}: {options.steps()} steps of {args.batch_size}x{args.seq_len}"
-          + (f", {samples} teacher samples" if samples else ""), flush=True)
+    print(
+        f"{model_name}/{recipe}: {options.steps()} steps of {args.batch_size}x{args.seq_len}"
+        + (f", {samples} teacher samples" if samples else ""),
+        flush=True,
+    )
     t0, c0 = time.perf_counter(), time.process_time()
-    r = heal_checkpoint(folder, out, teacher_dir, train_texts, options, progress=False, device=args.device,
-                        eval_texts=None, heldout_kl_sequences=args.heldout_seqs, callbacks=[cb])
-    row = {"model": model_name, "recipe": recipe, "source": Path(folder).name, "model_type": r.model_type,
-           "curve": curve, "options": {k: v for k, v in options.as_dict().items()},
-           "train_tokens": r.train_tokens, "steps": r.steps, "teacher_samples": samples,
-           "teacher_samples_reused": r.teacher_samples_reused, "layer_targets": r.layer_targets,
-           "train_cpu_seconds": clock.cpu, "train_wall_seconds": clock.wall,
-           "tokens_per_wall_second": r.train_tokens / max(clock.wall, 1e-9),
-           "tokens_per_cpu_second": r.train_tokens / max(clock.cpu, 1e-9),
-           "eval_wall_seconds": clock.eval_wall, "wall_seconds": time.perf_counter() - t0,
-           "process_cpu_seconds": time.process_time() - c0,
-           "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20,
-           "heldout_kl_before": r.heldout_kl_before, "heldout_kl_after": r.heldout_kl_after,
-           "trainable_params": r.trainable_params}
+    r = heal_checkpoint(
+        folder,
+        out,
+        teacher_dir,
+        train_texts,
+        options,
+        progress=False,
+        device=args.device,
+        eval_texts=None,
+        heldout_kl_sequences=args.heldout_seqs,
+        callbacks=[cb],
+    )
+    row = {
+        "model": model_name,
+        "recipe": recipe,
+        "source": Path(folder).name,
+        "model_type": r.model_type,
+        "curve": curve,
+        "options": {k: v for k, v in options.as_dict().items()},
+        "train_tokens": r.train_tokens,
+        "steps": r.steps,
+        "teacher_samples": samples,
+        "teacher_samples_reused": r.teacher_samples_reused,
+        "layer_targets": r.layer_targets,
+        "train_cpu_seconds": clock.cpu,
+        "train_wall_seconds": clock.wall,
+        "tokens_per_wall_second": r.train_tokens / max(clock.wall, 1e-9),
+        "tokens_per_cpu_second": r.train_tokens / max(clock.cpu, 1e-9),
+        "eval_wall_seconds": clock.eval_wall,
+        "wall_seconds": time.perf_counter() - t0,
+        "process_cpu_seconds": time.process_time() - c0,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "heldout_kl_before": r.heldout_kl_before,
+        "heldout_kl_after": r.heldout_kl_after,
+        "trainable_params": r.trainable_params,
+    }
     if torch.cuda.is_available() and args.device.startswith("cuda"):
-        row["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        row["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
-    print(f"{model_name}/{recipe}: {row['tokens_per_wall_second']:.0f} tokens/s (training), run {row['wall_seconds']:.1f} s;"
-          f" held-out KL {r.heldout_kl_before:.4f} -> {r.heldout_kl_after:.4f}; layer targets: {r.layer_targets}",
-          flush=True)
+    print(
+        f"{model_name}/{recipe}: {row['tokens_per_wall_second']:.0f} tokens/s (training),"
+        f" run {row['wall_seconds']:.1f} s;"
+        f" held-out KL {r.heldout_kl_before:.4f} -> {r.heldout_kl_after:.4f}; layer targets: {r.layer_targets}",
+        flush=True,
+    )
     return row
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="slice25,tpa22,dense",
-                   help="comma-separated students: slice25, tpa22, dense, or NAME=FOLDER (default: all three)")
-    p.add_argument("--recipes", default="logits,layers,samples,layers+samples",
-                   help=f"comma-separated recipes of {', '.join(RECIPES)} (default: the first four)")
-    p.add_argument("--dense-recipes", default="logits",
-                   help="recipes run for the dense control (default: logits; the ratios use the same recipe "
-                        "where it was run, else logits)")
+    p.add_argument(
+        "--models",
+        default="slice25,tpa22,dense",
+        help="comma-separated students: slice25, tpa22, dense, or NAME=FOLDER (default: all three)",
+    )
+    p.add_argument(
+        "--recipes",
+        default="logits,layers,samples,layers+samples",
+        help=f"comma-separated recipes of {', '.join(RECIPES)} (default: the first four)",
+    )
+    p.add_argument(
+        "--dense-recipes",
+        default="logits",
+        help="recipes run for the dense control (default: logits; the ratios use the same recipe "
+        "where it was run, else logits)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--results", default=str(RESULTS), help="JSON written (merged with its earlier runs)")
     p.add_argument("--plot", default=str(PLOT), help="PNG written (perplexity against training tokens)")
     p.add_argument("--table", action="store_true", help="only print the table of --results and plot it")
-    p.add_argument("--text", action="append", default=None,
-                   help="training text(s) (default: the Gutenberg plays except hamlet)")
-    p.add_argument("--eval-texts", default=",".join(EVAL_TEXTS),
-                   help=f"comma-separated held-out texts (default: {','.join(EVAL_TEXTS)}; fewer: cheaper curves)")
+    p.add_argument(
+        "--text", action="append", default=None, help="training text(s) (default: the Gutenberg plays except hamlet)"
+    )
+    p.add_argument(
+        "--eval-texts",
+        default=",".join(EVAL_TEXTS),
+        help=f"comma-separated held-out texts (default: {','.join(EVAL_TEXTS)}; fewer: cheaper curves)",
+    )
     p.add_argument("--eval-tokens", type=int, default=2048, help="tokens of each held-out text (project PPL: 2048)")
-    p.add_argument("--tokens", type=int, default=2 ** 15, help="training tokens per run (up to 2^22 on a GPU)")
+    p.add_argument("--tokens", type=int, default=2**15, help="training tokens per run (up to 2^22 on a GPU)")
     p.add_argument("--seq-len", type=int, default=None, help="default: 512 on CUDA, 128 on CPU")
     p.add_argument("--batch-size", type=int, default=None, help="default: 16 on CUDA, 4 on CPU")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3, help="LoRA learning rate (default 1e-3, the issue's setting)")
     p.add_argument("--full-lr", type=float, default=5e-5, help="learning rate of the full recipe")
-    p.add_argument("--lm-weight", type=float, default=0.5,
-                   help="LM-loss share λ (default 0.5: with pure KD the dense control, its own teacher, would not move)")
+    p.add_argument(
+        "--lm-weight",
+        type=float,
+        default=0.5,
+        help="LM-loss share λ (default 0.5: with pure KD the dense control, its own teacher, would not move)",
+    )
     p.add_argument("--layer-loss-weight", type=float, default=1.0, help="weight of the layer-state loss (layers)")
-    p.add_argument("--samples-fraction", type=float, default=0.25,
-                   help="share of the training sequences sampled from the teacher (samples recipes)")
+    p.add_argument(
+        "--samples-fraction",
+        type=float,
+        default=0.25,
+        help="share of the training sequences sampled from the teacher (samples recipes)",
+    )
     p.add_argument("--work", default="/tmp/heal/bench", help="conversions, healed models, texts")
     p.add_argument("--heldout-seqs", type=int, default=8, help="held-out sequences for the KL figure")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="keep the healed folders")
-    p.add_argument("--curve-steps", default=None, metavar="S,S,...",
-                   help="optimizer steps at which perplexity is measured (default: every power of two; step 0 and "
-                        "the last step always)")
+    p.add_argument(
+        "--curve-steps",
+        default=None,
+        metavar="S,S,...",
+        help="optimizer steps at which perplexity is measured (default: every power of two; step 0 and "
+        "the last step always)",
+    )
     args = p.parse_args(argv)
     results_path = Path(args.results)
     if args.table:
@@ -328,21 +405,33 @@ def main(argv=None) -> int:
         with torch.no_grad():
             results["teacher"] = {t: perplexity(teacher, i, progress=False).perplexity for t, i in ids.items()}
         del teacher
-    results["settings"] = {"tokens": args.tokens, "seq_len": args.seq_len, "batch_size": args.batch_size,
-                           "grad_accum": args.grad_accum, "lora_rank": args.lora_rank, "lr": args.lr,
-                           "full_lr": args.full_lr, "lm_weight": args.lm_weight,
-                           "layer_loss_weight": args.layer_loss_weight, "samples_fraction": args.samples_fraction,
-                           "text": [Path(t).name for t in train_texts], "eval_texts": texts,
-                           "eval_tokens": args.eval_tokens, "window": PPL.window, "stride": PPL.stride,
-                           "seed": args.seed}
+    results["settings"] = {
+        "tokens": args.tokens,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "lora_rank": args.lora_rank,
+        "lr": args.lr,
+        "full_lr": args.full_lr,
+        "lm_weight": args.lm_weight,
+        "layer_loss_weight": args.layer_loss_weight,
+        "samples_fraction": args.samples_fraction,
+        "text": [Path(t).name for t in train_texts],
+        "eval_texts": texts,
+        "eval_tokens": args.eval_tokens,
+        "window": PPL.window,
+        "stride": PPL.stride,
+        "seed": args.seed,
+    }
     results["machine"] = machine(args.device)
     t_all = time.perf_counter()
     for model_name in [m for m in args.models.split(",") if m]:
         folder = convert(model_name, work, progress=False)
         name = model_name.split("=", 1)[0]
         for recipe in [r for r in (args.dense_recipes.split(",") if name == "dense" else recipes) if r]:
-            results["runs"][f"{name}/{recipe}"] = run_one(name, folder, recipe, args, ids, texts, train_texts,
-                                                          teacher_dir)
+            results["runs"][f"{name}/{recipe}"] = run_one(
+                name, folder, recipe, args, ids, texts, train_texts, teacher_dir
+            )
             results_path.parent.mkdir(parents=True, exist_ok=True)
             results_path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"all runs: {time.perf_counter() - t_all:.1f} s", flush=True)
@@ -360,8 +449,14 @@ def _control(results: dict, recipe: str) -> dict | None:
 
 def table(results: dict) -> str:
     texts = results["settings"]["eval_texts"]
-    head = ("| student | recipe | tokens | " + " | ".join(f"{t} before → after" for t in texts) + " | "
-            + " | ".join(f"× dense ({t})" for t in texts) + " | " + f"{texts[-1]} × logits recipe | tokens/s |")
+    head = (
+        "| student | recipe | tokens | "
+        + " | ".join(f"{t} before → after" for t in texts)
+        + " | "
+        + " | ".join(f"× dense ({t})" for t in texts)
+        + " | "
+        + f"{texts[-1]} × logits recipe | tokens/s |"
+    )
     lines = [head, "|" + "---|" * (4 + 2 * len(texts) + 1)]
     runs = results["runs"]
     for key, m in runs.items():
@@ -403,11 +498,18 @@ def plot(results: dict, path: Path = PLOT) -> None:
                     continue
                 xs = [c["tokens"] for c in m["curve"]]
                 dense = m["model"] == "dense"
-                ax.plot(xs, [c[text] for c in m["curve"]], marker="o", ms=3, color="k" if dense else colors[m["recipe"]],
-                        ls=":" if dense else "-", label=("dense control, " if dense else "") + m["recipe"])
+                ax.plot(
+                    xs,
+                    [c[text] for c in m["curve"]],
+                    marker="o",
+                    ms=3,
+                    color="k" if dense else colors[m["recipe"]],
+                    ls=":" if dense else "-",
+                    label=("dense control, " if dense else "") + m["recipe"],
+                )
             if "teacher" in results:
                 ax.axhline(results["teacher"][text], color="gray", ls="--", lw=1, label="dense SmolLM2 (teacher)")
-            ax.set_xscale("symlog", linthresh=s["batch_size"] * s["seq_len"])   # step 0 shown at 0
+            ax.set_xscale("symlog", linthresh=s["batch_size"] * s["seq_len"])  # step 0 shown at 0
             ax.set_yscale("log")
             ax.set_xlabel("training tokens")
             ax.set_ylabel("perplexity")
@@ -415,9 +517,12 @@ def plot(results: dict, path: Path = PLOT) -> None:
             ax.grid(alpha=0.3, which="both")
         row[0].legend(fontsize=7)
     mach = results.get("machine", {})
-    fig.suptitle(f"hf-symmetry heal recipes on SmolLM2-135M ({mach.get('gpu') or mach.get('device', '')}, "
-                 f"batch {s['batch_size']}×{s['seq_len']}, LoRA {s['lora_rank']}, lr {s['lr']:g}, "
-                 f"λ_LM {s['lm_weight']}, {mach.get('date', '')})", fontsize=10)
+    fig.suptitle(
+        f"hf-symmetry heal recipes on SmolLM2-135M ({mach.get('gpu') or mach.get('device', '')}, "
+        f"batch {s['batch_size']}×{s['seq_len']}, LoRA {s['lora_rank']}, lr {s['lr']:g}, "
+        f"λ_LM {s['lm_weight']}, {mach.get('date', '')})",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -41,7 +41,7 @@ def one(args) -> dict:
     student_dir, teacher_dir = resolve_model(args.student), resolve_model("smollm2")
     tok = load_tokenizer(teacher_dir)
     data = build_datasets(tok, training_plays(), args.seq_len, 0.05, max_train_tokens=args.batch * args.seq_len * 2)
-    ids = data.train.sequences[:args.batch].to(dev)
+    ids = data.train.sequences[: args.batch].to(dev)
     student = load_model(student_dir, dtype=torch.float32)
     model = apply_lora(student, lora_plan(student, 16)).to(dev).train()
     teacher = load_model(teacher_dir, dtype=torch.float32).to(dev)
@@ -61,17 +61,24 @@ def one(args) -> dict:
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
-        if step:                          # step 0: warm-up (and the one-off plain-head check)
+        if step:  # step 0: warm-up (and the one-off plain-head check)
             walls.append(time.perf_counter() - w0)
             cpus.append(time.process_time() - c0)
         losses.append(float(loss))
     n = args.batch * args.seq_len * args.steps
-    out = {"chunk_tokens": args.chunk, "tokens_per_step": args.batch * args.seq_len, "steps": args.steps,
-           "tokens_per_wall_second": n / sum(walls), "tokens_per_cpu_second": n / sum(cpus),
-           "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, "loss": losses[-1],
-           "device": str(dev), "threads": torch.get_num_threads()}
+    out = {
+        "chunk_tokens": args.chunk,
+        "tokens_per_step": args.batch * args.seq_len,
+        "steps": args.steps,
+        "tokens_per_wall_second": n / sum(walls),
+        "tokens_per_cpu_second": n / sum(cpus),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "loss": losses[-1],
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+    }
     if cuda:
-        out["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        out["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
         out["gpu"] = torch.cuda.get_device_name()
     return out
 
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     p.add_argument("--lm-weight", type=float, default=0.5)
     p.add_argument("--chunks", default="0,2048", help="chunk sizes to compare (0: unchunked)")
-    p.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)   # one setting, in this process
+    p.add_argument("--chunk", type=int, default=None, help=argparse.SUPPRESS)  # one setting, in this process
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     if args.chunk is not None:
@@ -98,9 +105,16 @@ def main(argv=None) -> int:
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(["python", "benchmarks/bench_heal_loss.py"]
-                                                                    + (argv or sys.argv[1:])), "rows": rows},
-                                              indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["python", "benchmarks/bench_heal_loss.py"] + (argv or sys.argv[1:])),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0
 
 

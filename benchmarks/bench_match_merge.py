@@ -52,8 +52,14 @@ def log(msg: str) -> None:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if line.startswith("Model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith("Model name")
+        ),
+        platform.processor(),
+    )
     return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__, "date": "2026-11-21"}
 
 
@@ -65,9 +71,19 @@ def ppl(model, ids: torch.Tensor, window: int, stride: int) -> float:
 
 
 TRAIN_TEXTS = ("britannica-calib", "hamlet", "lear", "tempest")
-TINY = dict(vocab_size=2048, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, intermediate_size=352, max_position_embeddings=256, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5)
+TINY = dict(
+    vocab_size=2048,
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=352,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-5,
+)
 
 
 def bpe_tokenizer(folder: Path):
@@ -79,8 +95,12 @@ def bpe_tokenizer(folder: Path):
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=TINY["vocab_size"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      special_tokens=["<|endoftext|>"], show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=TINY["vocab_size"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=["<|endoftext|>"],
+            show_progress=False,
+        )
         tok.train_from_iterator([read_text(text_path(n)) for n in TRAIN_TEXTS], trainer)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
         folder.mkdir(parents=True, exist_ok=True)
@@ -101,13 +121,14 @@ def train_tiny(folder: Path, tokenizer, seed: int, steps: int, batch: int = 8, s
     model = LlamaForCausalLM(LlamaConfig(**TINY, bos_token_id=0, eos_token_id=0))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
     gen = torch.Generator().manual_seed(seed)
     model.train()
     start = time.perf_counter()
     for step in range(steps):
         starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=gen)
-        x = torch.stack([ids[s:s + seq] for s in starts.tolist()])
+        x = torch.stack([ids[s : s + seq] for s in starts.tolist()])
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -121,8 +142,18 @@ def train_tiny(folder: Path, tokenizer, seed: int, steps: int, batch: int = 8, s
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".train-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "training.json").write_text(json.dumps({"seed": seed, "steps": steps, "batch": batch, "seq": seq,
-                                                   "texts": TRAIN_TEXTS, "seconds": time.perf_counter() - start}))
+    (tmp / "training.json").write_text(
+        json.dumps(
+            {
+                "seed": seed,
+                "steps": steps,
+                "batch": batch,
+                "seq": seq,
+                "texts": TRAIN_TEXTS,
+                "seconds": time.perf_counter() - start,
+            }
+        )
+    )
     tmp.replace(folder)
     return folder
 
@@ -136,9 +167,15 @@ def part_independent(quick: bool) -> dict:
     models = [load_model(f) for f in folders]
     sds = [m.state_dict() for m in models]
     config = models[0].config.to_dict()
-    out = {"model": {k: v for k, v in TINY.items() if k != "rope_parameters"}, "steps": steps,
-           "train_texts": list(TRAIN_TEXTS), "eval": {"text": "britannica-eval", "tokens": eval_ids.numel()},
-           "perplexity": {}, "distance": {}, "seconds": {}}
+    out = {
+        "model": {k: v for k, v in TINY.items() if k != "rope_parameters"},
+        "steps": steps,
+        "train_texts": list(TRAIN_TEXTS),
+        "eval": {"text": "britannica-eval", "tokens": eval_ids.numel()},
+        "perplexity": {},
+        "distance": {},
+        "seconds": {},
+    }
 
     def record(name: str, model) -> None:
         out["perplexity"][name] = ppl(model, eval_ids, 256, 128)
@@ -161,13 +198,19 @@ def part_independent(quick: bool) -> dict:
         m = match_state_dict(sds[0], sds[1], config, options)
         out["seconds"][name] = time.perf_counter() - start
         total = m.distances.summary()["total"]
-        out["distance"][name] = {"relative_before": total["relative_before"], "relative_after": total["relative_after"],
-                                 "reduction": total["reduction"]}
-        merged = merge_state_dicts(sds, config, {"merge_method": "average", "models": ["A", "B"],
-                                                 "match": vars(options)})
+        out["distance"][name] = {
+            "relative_before": total["relative_before"],
+            "relative_after": total["relative_after"],
+            "reduction": total["reduction"],
+        }
+        merged = merge_state_dicts(
+            sds, config, {"merge_method": "average", "models": ["A", "B"], "match": vars(options)}
+        )
         record(f"average, {name}", model_from_state_dict(merged.outcome.config, merged.state_dict))
-        log(f"    distance {total['relative_before']:.3f} -> {total['relative_after']:.3f} "
-            f"({100 * total['reduction']:.1f} % of the squared distance removed)")
+        log(
+            f"    distance {total['relative_before']:.3f} -> {total['relative_after']:.3f} "
+            f"({100 * total['reduction']:.1f} % of the squared distance removed)"
+        )
     # data-dependent merges of the same pair (calibration: training text, never the held-out text)
     calib = tokenize_text(tokenizer, read_text(text_path("britannica-calib")), 512 if quick else 4096)
     out["calibration_tokens"] = calib.numel()
@@ -199,8 +242,9 @@ def split_text(name: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def finetune_smollm2(folder: Path, text: str, steps: int, batch: int = 2, seq: int = 256, seed: int = 0,
-                     lr: float = 1e-4) -> Path:
+def finetune_smollm2(
+    folder: Path, text: str, steps: int, batch: int = 2, seq: int = 256, seed: int = 0, lr: float = 1e-4
+) -> Path:
     if (folder / "config.json").is_file():
         return folder
     base = smollm2_dir()
@@ -213,7 +257,7 @@ def finetune_smollm2(folder: Path, text: str, steps: int, batch: int = 2, seq: i
     start = time.perf_counter()
     for step in range(steps):
         starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=gen)
-        x = torch.stack([ids[s:s + seq] for s in starts.tolist()])
+        x = torch.stack([ids[s : s + seq] for s in starts.tolist()])
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
@@ -224,8 +268,9 @@ def finetune_smollm2(folder: Path, text: str, steps: int, batch: int = 2, seq: i
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".ft-"))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "training.json").write_text(json.dumps({"steps": steps, "batch": batch, "seq": seq, "lr": lr,
-                                                   "seconds": time.perf_counter() - start}))
+    (tmp / "training.json").write_text(
+        json.dumps({"steps": steps, "batch": batch, "seq": seq, "lr": lr, "seconds": time.perf_counter() - start})
+    )
     tmp.replace(folder)
     return folder
 
@@ -237,15 +282,21 @@ def part_finetune(quick: bool) -> dict:
     folders = {name: finetune_smollm2(root / name, texts[name][0], steps) for name in FT_TEXTS}
     tok = load_tokenizer(smollm2_dir())
     eval_ids = {name: tokenize_text(tok, held, 512 if quick else 1024) for name, (_, held) in texts.items()}
-    per_text = 256 if quick else 1024   # calibration: the start of each training text, whole sequences of 256
+    per_text = 256 if quick else 1024  # calibration: the start of each training text, whole sequences of 256
     calib = torch.cat([tokenize_text(tok, texts[n][0], per_text) for n in FT_TEXTS])
     base_model = load_model(smollm2_dir())
     base = base_model.state_dict()
     config = base_model.config.to_dict()
     sds = [load_model(folders[n]).state_dict() for n in FT_TEXTS]
-    out = {"steps": steps, "texts": {n: list(v) for n, v in FT_TEXTS.items()},
-           "eval_tokens": {n: ids.numel() for n, ids in eval_ids.items()}, "calibration_tokens": calib.numel(),
-           "perplexity": {}, "seconds": {}, "distance_reduction": {}}
+    out = {
+        "steps": steps,
+        "texts": {n: list(v) for n, v in FT_TEXTS.items()},
+        "eval_tokens": {n: ids.numel() for n, ids in eval_ids.items()},
+        "calibration_tokens": calib.numel(),
+        "perplexity": {},
+        "seconds": {},
+        "distance_reduction": {},
+    }
 
     def record(name: str, model) -> None:
         out["perplexity"][name] = {n: ppl(model, ids, 512, 256) for n, ids in eval_ids.items()}
@@ -258,8 +309,12 @@ def part_finetune(quick: bool) -> dict:
     methods = {"average": {}, "ties": {"parameters": {"density": 0.5}}, "fisher": {}, "regmean": {}}
     for method, extra in methods.items():
         for match in (False, True):
-            recipe = {"merge_method": method, "models": list(FT_TEXTS), **extra,
-                      "calibration": {"tokens": calib.numel()}}
+            recipe = {
+                "merge_method": method,
+                "models": list(FT_TEXTS),
+                **extra,
+                "calibration": {"tokens": calib.numel()},
+            }
             if match:
                 recipe["match"] = True
             base_sd = None
@@ -298,20 +353,35 @@ def part_time(quick: bool) -> dict:
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         tmp = Path(tmp)
         recipe = tmp / "linear.yaml"
-        recipe.write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32",
-                                          "models": [{"model": str(base), "parameters": {"weight": 1.0}},
-                                                     {"model": str(tuned), "parameters": {"weight": 1.0}}]}))
+        recipe.write_text(
+            yaml.safe_dump(
+                {
+                    "merge_method": "linear",
+                    "dtype": "float32",
+                    "models": [
+                        {"model": str(base), "parameters": {"weight": 1.0}},
+                        {"model": str(tuned), "parameters": {"weight": 1.0}},
+                    ],
+                }
+            )
+        )
         for run in range(1 if quick else 2):
             row = {}
-            for name, options in (("match", MatchOptions()), ("match + scaling + residual",
-                                                              MatchOptions(scaling=True, residual=True))):
+            for name, options in (
+                ("match", MatchOptions()),
+                ("match + scaling + residual", MatchOptions(scaling=True, residual=True)),
+            ):
                 start = time.perf_counter()
                 match_checkpoint(base, tuned, tmp / f"m{run}-{len(row)}", options, progress=False)
                 row[name] = time.perf_counter() - start
             if exe:
                 start = time.perf_counter()
-                res = subprocess.run([exe, str(recipe), str(tmp / f"mk{run}")], capture_output=True, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
+                res = subprocess.run(
+                    [exe, str(recipe), str(tmp / f"mk{run}")],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+                )
                 row["mergekit linear (subprocess)"] = time.perf_counter() - start
                 if res.returncode:
                     raise RuntimeError(res.stderr[-2000:])
@@ -320,8 +390,9 @@ def part_time(quick: bool) -> dict:
     if exe:
         best = {k: min(r[k] for r in out["runs"]) for k in out["runs"][0]}
         out["best_seconds"] = best
-        out["ratio_match_to_mergekit"] = {k: best[k] / best["mergekit linear (subprocess)"]
-                                          for k in best if k.startswith("match")}
+        out["ratio_match_to_mergekit"] = {
+            k: best[k] / best["mergekit linear (subprocess)"] for k in best if k.startswith("match")
+        }
     return out
 
 
@@ -346,7 +417,7 @@ def main() -> None:
         start = time.perf_counter()
         results[part] = PARTS[part](args.quick)
         results[part]["wall_seconds"] = time.perf_counter() - start
-        results[part]["machine"] = machine()   # parts may be re-run on their own, on another day
+        results[part]["machine"] = machine()  # parts may be re-run on their own, on another day
         if not args.quick:
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(results, indent=2) + "\n")

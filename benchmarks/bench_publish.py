@@ -34,8 +34,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def cpu_model() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                platform.processor())
+    return next(
+        (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+        platform.processor(),
+    )
 
 
 def rotated_folder() -> tuple[Path, float | None]:
@@ -67,14 +69,22 @@ def main() -> None:
     from hf_symmetry.hub.push import push_folder
 
     torch.set_num_threads(2)
-    res: dict = {"machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": os.getloadavg()},
-                 "date": "2026-11-21", "model": "SmolLM2-135M-Instruct (float32)"}
+    res: dict = {
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": os.getloadavg()},
+        "date": "2026-11-21",
+        "model": "SmolLM2-135M-Instruct (float32)",
+    }
     folder, rotate_s = rotated_folder()
     res["rotate_seconds_incl_verify"] = rotate_s
     card = ModelCard.load(folder / "README.md")
-    res["card"] = {"exactness": card.data.hf_symmetry["exactness"], "size": card.data.hf_symmetry["size"],
-                   "eval_results": [{"metric": r.metric_type, "value": r.metric_value, "dataset": r.dataset_name}
-                                    for r in card.data.eval_results or []]}
+    res["card"] = {
+        "exactness": card.data.hf_symmetry["exactness"],
+        "size": card.data.hf_symmetry["size"],
+        "eval_results": [
+            {"metric": r.metric_type, "value": r.metric_value, "dataset": r.dataset_name}
+            for r in card.data.eval_results or []
+        ],
+    }
 
     start = time.perf_counter()
     check = prepush_check(folder)
@@ -87,8 +97,13 @@ def main() -> None:
         start = time.perf_counter()
         pushed = push_folder(folder, "bench/smollm2-rotated", check=False, progress=False)
         push_s = time.perf_counter() - start
-        res["push"] = {"seconds": push_s, "files": pushed.files, "bytes": pushed.bytes,
-                       "mb_per_s": pushed.bytes / 1e6 / push_s, "commits": len(hub.repos["bench/smollm2-rotated"].commits)}
+        res["push"] = {
+            "seconds": push_s,
+            "files": pushed.files,
+            "bytes": pushed.bytes,
+            "mb_per_s": pushed.bytes / 1e6 / push_s,
+            "commits": len(hub.repos["bench/smollm2-rotated"].commits),
+        }
         print("push", res["push"], flush=True)
 
         ids = tokenize_text(load_tokenizer(folder), read_text(text_path("britannica-eval")), max_tokens=512)
@@ -99,11 +114,15 @@ def main() -> None:
         download_s = time.perf_counter() - start
         original = model_output(load_model(smollm2_dir()), ids)[0]
         local = model_output(load_model(folder), ids)[0]
-        res["download"] = {"seconds_incl_load_and_forward": download_s, "class": facts["class"],
-                           "hf_symmetry_importable": facts["hf_symmetry_importable"], "tokens": ids.numel(),
-                           "max_abs_dlogit_vs_original": (downloaded - original).abs().max().item(),
-                           "max_abs_dlogit_vs_local_folder": (downloaded - local).abs().max().item(),
-                           "card_max_abs_dlogit": card.data.hf_symmetry["exactness"]["max_abs_dlogit"]}
+        res["download"] = {
+            "seconds_incl_load_and_forward": download_s,
+            "class": facts["class"],
+            "hf_symmetry_importable": facts["hf_symmetry_importable"],
+            "tokens": ids.numel(),
+            "max_abs_dlogit_vs_original": (downloaded - original).abs().max().item(),
+            "max_abs_dlogit_vs_local_folder": (downloaded - local).abs().max().item(),
+            "card_max_abs_dlogit": card.data.hf_symmetry["exactness"]["max_abs_dlogit"],
+        }
         print("download", res["download"], flush=True)
 
     lm = {}
@@ -113,8 +132,9 @@ def main() -> None:
         entries = {e["metric_type"]: e["metric_value"] for e in lm_eval_card_entries(out)}
         lm[name] = {**entries, "seconds": time.perf_counter() - start, "items": args.limit}
         print("lm-eval", name, lm[name], flush=True)
-    lm["acc_ratio_rotated_over_original"] = (lm["rotated"]["acc"] / lm["original"]["acc"]
-                                             if lm["original"]["acc"] else None)
+    lm["acc_ratio_rotated_over_original"] = (
+        lm["rotated"]["acc"] / lm["original"]["acc"] if lm["original"]["acc"] else None
+    )
     res["lm_eval_smoke"] = lm
     res["ratios"] = {"check_over_push_seconds": res["prepush_check"]["seconds"] / push_s}
     RESULTS.mkdir(exist_ok=True)

@@ -4,7 +4,8 @@ residual rotation), every decoder-layer linear quantized weight-only by a real q
 dequantized back into the HF model:
 
 * GGUF Q4_0 / Q4_1 / MXFP4 (blocks of 32) through the ``gguf`` package's quantizers;
-* HQQ 4-bit and 3-bit (``hqq`` package, groups of 64 and 128; ``-rtn``: without HQQ's slow optimiser): ``gguf`` has no Python quantizer for
+* HQQ 4-bit and 3-bit (``hqq`` package, groups of 64 and 128; ``-rtn``: without HQQ's slow optimiser): ``gguf`` has no
+  Python quantizer for
   the k-quants (Q3_K, Q4_K: dequantize only), so HQQ supplies 3 bits.
 
 SmolLM2's weights are themselves dequantized Q4_1 GGUF weights, so the unrotated model sits exactly
@@ -43,10 +44,10 @@ VARIANTS = {
     "for-quantization-hold-out": dict(residual="hadamard", for_quantization=True, hold_out="massive"),
     "for-quantization-alpha0.5": dict(residual="hadamard", for_quantization=True, balance_alpha=0.5),
     "for-quantization-no-residual": dict(residual="none", for_quantization=True),
-    "for-quantization-learned-Q4_0": dict(residual="hadamard", for_quantization=True, learn="Q4_0",
-                                          learn_iterations=6),
-    "for-quantization-learned-hqq3g64": dict(residual="hadamard", for_quantization=True, learn="hqq3g64",
-                                             learn_iterations=4),
+    "for-quantization-learned-Q4_0": dict(residual="hadamard", for_quantization=True, learn="Q4_0", learn_iterations=6),
+    "for-quantization-learned-hqq3g64": dict(
+        residual="hadamard", for_quantization=True, learn="hqq3g64", learn_iterations=4
+    ),
     # activation-aware exact scales (quant_scales), searched against the quantizer they are evaluated
     # with ("@"), on 2048 tokens of britannica-calib: no residual rotation (the massive activations
     # stay in their few columns), with or without the per-head V/O Hadamards, and after the Hadamard
@@ -133,11 +134,13 @@ def main() -> None:
     ids = tokenize_text(tok, read_text(resolve_text(args.text)), max_tokens=args.tokens)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {}
-    results.update(title="Rotations and exact scalings for low-bit weight quantization (issue 29)",
-                   machine=f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 2 (shared VM)",
-                   date=time.strftime("%Y-%m-%d", time.gmtime()),
-                   command="OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_quant_rotation.py "
-                           "[--model DIR --label L] --variants ... --quantizers ...")
+    results.update(
+        title="Rotations and exact scalings for low-bit weight quantization (issue 29)",
+        machine=f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 2 (shared VM)",
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+        command="OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_quant_rotation.py "
+        "[--model DIR --label L] --variants ... --quantizers ...",
+    )
     label = args.label or args.model
     entry = results.setdefault(label, {"text": args.text, "tokens": int(ids.numel()), "variants": {}})
     entry["machine"] = f"{platform.machine()}, {torch.get_num_threads()} threads"
@@ -154,16 +157,23 @@ def main() -> None:
                     row["float"] = perplexity(m, ids, progress=False).perplexity
                     row["convert_seconds"] = round(seconds, 1)
                     row["max_abs_dlogit_float32"] = dlogit
-                print(f"{variant} ({q if per_quantizer else 'any quantizer'}): float ppl {row['float']:.3f}, "
-                      f"max |Δlogit| {dlogit:.2e}, conversion {seconds:.1f} s", flush=True)
+                print(
+                    f"{variant} ({q if per_quantizer else 'any quantizer'}): float ppl {row['float']:.3f}, "
+                    f"max |Δlogit| {dlogit:.2e}, conversion {seconds:.1f} s",
+                    flush=True,
+                )
             mq = copy.deepcopy(m)
             stats = quantize_model_(mq, q)
             ppl = perplexity(mq, ids, progress=False).perplexity
-            row[q] = {"perplexity": ppl, "relative_weight_error": stats["relative_error"],
-                      "bits_per_weight": bits_per_weight(q)}
+            row[q] = {
+                "perplexity": ppl,
+                "relative_weight_error": stats["relative_error"],
+                "bits_per_weight": bits_per_weight(q),
+            }
             if per_quantizer:
-                row[q].update(scales_searched_against=q, convert_seconds=round(seconds, 1),
-                              max_abs_dlogit_float32=dlogit)
+                row[q].update(
+                    scales_searched_against=q, convert_seconds=round(seconds, 1), max_abs_dlogit_float32=dlogit
+                )
             print(f"  {q}: ppl {ppl:.3f} (relative weight error {stats['relative_error']:.4f})", flush=True)
             del mq
             out.parent.mkdir(parents=True, exist_ok=True)

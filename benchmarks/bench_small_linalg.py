@@ -45,9 +45,12 @@ def run(device: str) -> list[dict]:
         batch = torch.stack([S] * 16)
         repeat = 5 if n >= 1024 else 20
         with limit_threads(1):
-            row = {"device": device, "n": n,
-                   "eigh_s": _time(lambda: symmetric_eigh(S), repeat, sync),
-                   "svd_s": _time(lambda: svd(A), repeat, sync)}
+            row = {
+                "device": device,
+                "n": n,
+                "eigh_s": _time(lambda: symmetric_eigh(S), repeat, sync),
+                "svd_s": _time(lambda: svd(A), repeat, sync),
+            }
             if n <= 256:
                 row["eigh_16_separate_s"] = _time(lambda: [torch.linalg.eigh(B) for B in batch], repeat, sync)
                 row["eigh_16_batched_s"] = _time(lambda: torch.linalg.eigh(batch), repeat, sync)
@@ -63,12 +66,15 @@ def main(argv=None) -> int:
     rows = run("cpu")
     if torch.cuda.is_available():
         rows += run("cuda:0")
-    result = {"title": "small float64 factorisations: CPU (one thread) and, where present, CUDA",
-              "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads "
-                         f"available, CUDA: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}",
-              "date": datetime.date.today().isoformat(),
-              "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small_linalg.py --out FILE",
-              "torch": torch.__version__, "rows": rows}
+    result = {
+        "title": "small float64 factorisations: CPU (one thread) and, where present, CUDA",
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads "
+        f"available, CUDA: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}",
+        "date": datetime.date.today().isoformat(),
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small_linalg.py --out FILE",
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

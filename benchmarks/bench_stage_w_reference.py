@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 CACHE = HERE / "_cache" / "stage_w"
 RESULTS = HERE / "results" / "stage_w_reference.json"
 
-RANK, FACTOR = 3, 4          # the paper's Llama configuration (configs/k_layers_llama2_7b.yaml): r=3, 4x1 / 1x4
+RANK, FACTOR = 3, 4  # the paper's Llama configuration (configs/k_layers_llama2_7b.yaml): r=3, 4x1 / 1x4
 
 
 # ----------------------------------------------------------------------------- the problem
@@ -75,7 +75,9 @@ def segment_problems(segments: list[tuple[str, int]], calib_tokens: int, damping
         needed = sorted({i for kind, layer in missing for i in ((layer - 1, layer) if kind == "attn" else (layer,))})
         result = CalibrationEngine(reader, reader.config).collect(
             token_batches(ids, 512),
-            StatsRequest(grams=("normed:layer_in", "normed:ffn_norm_in", "o_in", "down_in")), layers=needed)
+            StatsRequest(grams=("normed:layer_in", "normed:ffn_norm_in", "o_in", "down_in")),
+            layers=needed,
+        )
         moment = lambda i, site: result.layers[i].grams[site] / result.tokens  # noqa: E731
         layers, _, _ = C.read_folded(reader, adapter, keys, adapter.tied_embeddings)
         for kind, layer in missing:
@@ -154,18 +156,23 @@ def score(p: dict, Q: torch.Tensor, approx: dict) -> dict:
             w_norm = float(torch.linalg.matrix_norm(Xout @ M))
             w_err_norm = float(torch.linalg.matrix_norm(E))
         elif role == "reader":
-            if name not in approx:      # dense (V): exact at every Q, and left out of the reference's loss
+            if name not in approx:  # dense (V): exact at every Q, and left out of the reference's loss
                 continue
             r_energy_norms.append(float(torch.linalg.matrix_norm(Xin @ M.T)))
-            E = Xin @ (M.T - Q @ approx[name].T)           # ‖X_in (W_in − Q Ŵ_in)‖, W_in = Mᵀ [d, out]
+            E = Xin @ (M.T - Q @ approx[name].T)  # ‖X_in (W_in − Q Ŵ_in)‖, W_in = Mᵀ [d, out]
             r_err += float((E * E).sum())
             r_energy += float(((Xin @ M.T) ** 2).sum())
             r_norms += float(torch.linalg.matrix_norm(E))
     lam = w_energy / r_energy
-    alpha = sum(r_energy_norms) / len(r_energy_norms) / w_norm    # the reference's balancing (wopp.py)
-    return {"paper_objective": w_err + lam * r_err, "writer_error": w_err, "reader_error": r_err, "lambda": lam,
-            "relative": (w_err + lam * r_err) / (w_energy + lam * r_energy),
-            "reference_loss": alpha * w_err_norm + r_norms}
+    alpha = sum(r_energy_norms) / len(r_energy_norms) / w_norm  # the reference's balancing (wopp.py)
+    return {
+        "paper_objective": w_err + lam * r_err,
+        "writer_error": w_err,
+        "reader_error": r_err,
+        "lambda": lam,
+        "relative": (w_err + lam * r_err) / (w_energy + lam * r_energy),
+        "reference_loss": alpha * w_err_norm + r_norms,
+    }
 
 
 # ----------------------------------------------------------------------------- our side
@@ -185,14 +192,21 @@ def run_ours(p: dict, Q_F: torch.Tensor, **kwargs) -> dict:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     approx = {t.name: t.structure.dense(t.factors) for t in terms if not t.is_dense}
     out = score(p, res.Q, approx)
-    out.update(seconds=seconds, cpu_seconds=cpu, alternations=res.alternations, converged=res.converged,
-               trace=res.trace, trace_first=res.trace[0],
-               trace_last=res.trace[-1], settings={k: str(v) for k, v in kwargs.items()})
+    out.update(
+        seconds=seconds,
+        cpu_seconds=cpu,
+        alternations=res.alternations,
+        converged=res.converged,
+        trace=res.trace,
+        trace_first=res.trace[0],
+        trace_last=res.trace[-1],
+        settings={k: str(v) for k, v in kwargs.items()},
+    )
     return out
 
 
 # ----------------------------------------------------------------------------- the reference's side
-DRIVER = r'''
+DRIVER = r"""
 import json, sys, time, types
 import torch
 from safetensors.torch import load_file, save_file
@@ -225,17 +239,18 @@ out = {"Q": Qt.T.contiguous(), "Wout": kron_merge(Wout_appr)[0].contiguous()}
 out.update({f"Win.{i}": w.contiguous() for i, w in enumerate(kron_merge(Win_appr))})
 save_file(out, sys.argv[3])
 print("SECONDS", seconds, cpu)
-'''
+"""
 
 
-def run_reference(p: dict, Q_F: torch.Tensor, reference: Path, extra_path: str | None, gd_iters: int,
-                  timeout: float) -> dict:
+def run_reference(
+    p: dict, Q_F: torch.Tensor, reference: Path, extra_path: str | None, gd_iters: int, timeout: float
+) -> dict:
     """The reference's ``weighted_procrustes_als`` on the segment rotated by ``Q_F`` (its convention:
     ``Wout [in, d]``, ``Win [d, out]``, ``X`` the covariance square roots), in a subprocess."""
     readers = [(k.partition(".")[2], M) for k, M in p.items() if k.startswith("reader.")]
-    (wname, Wout), = [(k.partition(".")[2], M) for k, M in p.items() if k.startswith("writer.")]
+    ((wname, Wout),) = [(k.partition(".")[2], M) for k, M in p.items() if k.startswith("writer.")]
     Xout = sqrtm_psd(p["writer_gram"])
-    Xin_rot = sqrtm_psd(Q_F.T @ p["reader_cov"] @ Q_F)          # the rotated stream's covariance root
+    Xin_rot = sqrtm_psd(Q_F.T @ p["reader_cov"] @ Q_F)  # the rotated stream's covariance root
     tensors = {"Wout": Wout @ Q_F, "Xout": Xout, "Xout_inv": torch.linalg.inv(p["writer_gram"]), "Xin": Xin_rot}
     params_in = []
     for i, (name, M) in enumerate(readers):
@@ -243,41 +258,64 @@ def run_reference(p: dict, Q_F: torch.Tensor, reference: Path, extra_path: str |
         params_in.append({"r": 1, "m1": 1, "n1": 1} if name == "v" else {"r": RANK, "m1": FACTOR, "n1": 1})
     # the reference's pipeline drops V (the last reader, kept dense) from the attention segments' rotation
     # loss (compression_pipeline.py passes cut_values=True to the attention blocks, False to the FFN ones)
-    spec = {"als_iters": 1, "gd_iters": gd_iters, "approx_iters": 1, "n_in": len(readers),
-            "cut_values": readers[-1][0] == "v",
-            "params_out": [{"r": RANK, "m1": 1, "n1": FACTOR}], "params_in": params_in}
+    spec = {
+        "als_iters": 1,
+        "gd_iters": gd_iters,
+        "approx_iters": 1,
+        "n_in": len(readers),
+        "cut_values": readers[-1][0] == "v",
+        "params_out": [{"r": RANK, "m1": 1, "n1": FACTOR}],
+        "params_in": params_in,
+    }
     with tempfile.TemporaryDirectory(prefix="stage_w_ref_") as tmp:
         inp, outp, drv = Path(tmp) / "in.safetensors", Path(tmp) / "out.safetensors", Path(tmp) / "driver.py"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(inp))
         drv.write_text(DRIVER)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(reference)] + ([extra_path] if extra_path else [])))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(reference)] + ([extra_path] if extra_path else [])),
+        )
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(drv), str(reference), str(inp), str(outp), json.dumps(spec)],
-                              env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        proc = subprocess.run(
+            [sys.executable, str(drv), str(reference), str(inp), str(outp), json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tmp,
+        )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"reference run failed:\n{proc.stderr[-3000:]}")
         res = load_file(str(outp))
-    seconds, cpu = map(float, next(l.split()[1:] for l in proc.stdout.splitlines() if l.startswith("SECONDS")))
-    errs = [l for l in proc.stdout.splitlines() if l.startswith("weighted procrustes errs")]
+    seconds, cpu = map(float, next(ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("SECONDS")))
+    errs = [ln for ln in proc.stdout.splitlines() if ln.startswith("weighted procrustes errs")]
     Q = Q_F @ res["Q"].to(torch.float64)
     approx = {wname: res["Wout"].to(torch.float64)}
     for i, (name, _) in enumerate(readers):
         if name != "v":
             approx[name] = res[f"Win.{i}"].to(torch.float64).T
     out = score(p, Q, approx)
-    out.update(seconds=seconds, cpu_seconds=cpu, subprocess_wall_seconds=wall, gd_iters=gd_iters,
-               orthogonality=float((res["Q"].double().T @ res["Q"].double() - torch.eye(Q.shape[0],
-                                    dtype=torch.float64)).abs().max()),
-               own_log=errs[-1] if errs else None)
+    out.update(
+        seconds=seconds,
+        cpu_seconds=cpu,
+        subprocess_wall_seconds=wall,
+        gd_iters=gd_iters,
+        orthogonality=float(
+            (res["Q"].double().T @ res["Q"].double() - torch.eye(Q.shape[0], dtype=torch.float64)).abs().max()
+        ),
+        own_log=errs[-1] if errs else None,
+    )
     return out
 
 
 def reference_commit(reference: Path) -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(reference), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(reference), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -299,16 +337,32 @@ def main() -> None:
         ap.error(f"--reference {args.reference} has no procrustes/wopp.py (a ProcrustesGPT checkout is expected)")
     torch.set_num_threads(1)
     results = json.loads(args.results.read_text()) if args.results.is_file() else {}
-    results["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
-                          "cpus": os.cpu_count(), "threads": 1, "torch": torch.__version__}
+    results["machine"] = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "threads": 1,
+        "torch": torch.__version__,
+    }
     results["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    results["setup"] = {"structure": f"Kronecker rank {RANK}, factor {FACTOR} on the residual side, V dense",
-                        "calib_tokens": args.calib_tokens, "stage_f_iters": args.f_iters, "damping": 0.01}
+    results["setup"] = {
+        "structure": f"Kronecker rank {RANK}, factor {FACTOR} on the residual side, V dense",
+        "calib_tokens": args.calib_tokens,
+        "stage_f_iters": args.f_iters,
+        "damping": 0.01,
+    }
     if args.reference is not None:
-        results["reference"] = {"path_name": args.reference.name,
-                                "commit": args.reference_commit or reference_commit(args.reference),
-                                "settings": {"als_iters": 1, "gd_iters": args.gd_iters, "approx_iters": 1,
-                                             "use_cg": True, "dtype": "float32"}}
+        results["reference"] = {
+            "path_name": args.reference.name,
+            "commit": args.reference_commit or reference_commit(args.reference),
+            "settings": {
+                "als_iters": 1,
+                "gd_iters": args.gd_iters,
+                "approx_iters": 1,
+                "use_cg": True,
+                "dtype": "float32",
+            },
+        }
     rows = results.setdefault("segments", {})
     wanted = []
     for seg in args.segments.split(","):
@@ -325,11 +379,13 @@ def main() -> None:
         # compress's previous stage W: one alternation (CompressOptions w_iters=1, als_iters=5, wopp_iters=50)
         row["ours_one_alternation"] = run_ours(p, Q_F, iters=1, als_iters=5, wopp_iters=50, dtype=torch.float32)
         # to convergence: stop when an alternation lowers the objective by less than 0.1 %
-        row["ours_converged"] = run_ours(p, Q_F, iters=50, als_iters=3, wopp_iters=30, dtype=torch.float32,
-                                         tol=1e-3, extrapolate=True)
+        row["ours_converged"] = run_ours(
+            p, Q_F, iters=50, als_iters=3, wopp_iters=30, dtype=torch.float32, tol=1e-3, extrapolate=True
+        )
         if args.reference is not None:
-            row[f"reference_{args.gd_iters}"] = run_reference(p, Q_F, args.reference, args.reference_pythonpath,
-                                                               args.gd_iters, args.timeout)
+            row[f"reference_{args.gd_iters}"] = run_reference(
+                p, Q_F, args.reference, args.reference_pythonpath, args.gd_iters, args.timeout
+            )
         print(seg, json.dumps(row, indent=1))
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=2) + "\n")

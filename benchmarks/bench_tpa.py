@@ -55,14 +55,30 @@ def build_models():
     from hf_symmetry import TPAConfig, TPAForCausalLM
 
     def llama(n_kv, ffn):
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=H, num_key_value_heads=n_kv,
-                          head_dim=DH, intermediate_size=ffn, num_hidden_layers=LAYERS, tie_word_embeddings=True,
-                          max_position_embeddings=40000)
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            num_attention_heads=H,
+            num_key_value_heads=n_kv,
+            head_dim=DH,
+            intermediate_size=ffn,
+            num_hidden_layers=LAYERS,
+            tie_word_embeddings=True,
+            max_position_embeddings=40000,
+        )
         return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
     def tpa(ffn, **kw):
-        cfg = TPAConfig(vocab_size=VOCAB, hidden_size=D, num_attention_heads=H, head_dim=DH, intermediate_size=ffn,
-                        num_hidden_layers=LAYERS, max_position_embeddings=40000, **kw)
+        cfg = TPAConfig(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            num_attention_heads=H,
+            head_dim=DH,
+            intermediate_size=ffn,
+            num_hidden_layers=LAYERS,
+            max_position_embeddings=40000,
+            **kw,
+        )
         return TPAForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
     def params(m):
@@ -92,8 +108,10 @@ def cache_bytes(cache) -> int:
 
     if isinstance(cache, TPACache):
         return cache.cached_bytes()
-    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-               for layer in cache.layers)
+    return sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
 
 
 @torch.no_grad()
@@ -106,10 +124,14 @@ def kv_cache_sizes(models) -> dict:
             measured[n] = cache_bytes(model(ids, use_cache=True).past_key_values)
         slope = (measured[1024] - measured[64]) / (1024 - 64)
         const = measured[64] - 64 * slope
-        out[name] = {"bytes_per_token": slope, "bytes_per_token_per_layer": slope / LAYERS,
-                     "constant_bytes": const, "measured_bytes": {str(k): v for k, v in measured.items()},
-                     "total_bytes": {"1k": measured[1024], "8k": slope * 8192 + const, "32k": slope * 32768 + const},
-                     "dtype": "float32"}
+        out[name] = {
+            "bytes_per_token": slope,
+            "bytes_per_token_per_layer": slope / LAYERS,
+            "constant_bytes": const,
+            "measured_bytes": {str(k): v for k, v in measured.items()},
+            "total_bytes": {"1k": measured[1024], "8k": slope * 8192 + const, "32k": slope * 32768 + const},
+            "dtype": "float32",
+        }
     return out
 
 
@@ -157,8 +179,9 @@ def decode_latency(models, contexts, rounds: int, steps: int) -> dict:
                 cache = caches[name]
                 t0 = time.perf_counter()
                 for s in range(steps):
-                    model(input_ids=token, past_key_values=cache, position_ids=torch.tensor([[ctx + s]]),
-                          use_cache=True)
+                    model(
+                        input_ids=token, past_key_values=cache, position_ids=torch.tensor([[ctx + s]]), use_cache=True
+                    )
                 dt = (time.perf_counter() - t0) / steps
                 cache.crop(-steps)
                 if rnd:
@@ -167,10 +190,16 @@ def decode_latency(models, contexts, rounds: int, steps: int) -> dict:
         best = {n: min(t) for n, t in times.items()}
         base = best["Llama MHA (8 KV heads)"]
         base_med = statistics.median(times["Llama MHA (8 KV heads)"])
-        result[str(ctx)] = {n: {"ms_per_token": 1e3 * t, "vs_mha": t / base,
-                                "median_ms_per_token": 1e3 * statistics.median(times[n]),
-                                "median_vs_mha": statistics.median(times[n]) / base_med,
-                                "rounds_ms": [1e3 * x for x in times[n]]} for n, t in best.items()}
+        result[str(ctx)] = {
+            n: {
+                "ms_per_token": 1e3 * t,
+                "vs_mha": t / base,
+                "median_ms_per_token": 1e3 * statistics.median(times[n]),
+                "median_vs_mha": statistics.median(times[n]) / base_med,
+                "rounds_ms": [1e3 * x for x in times[n]],
+            }
+            for n, t in best.items()
+        }
     return result
 
 
@@ -194,29 +223,49 @@ def smollm2_rank_curve(eval_tokens: int, calib_tokens: int, ranks) -> dict:
     ppl = lambda m: perplexity(m, ids, window=window, stride=window, progress=False).perplexity  # noqa: E731
     cfg = model.config
     n_kv, dh, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-    rows = [{"k_rank": n_kv, "v_rank": n_kv, "variant": "source (Llama GQA)", "perplexity": ppl(model),
-             "cache_elements_per_token": 2 * n_kv * dh * L}]
+    rows = [
+        {
+            "k_rank": n_kv,
+            "v_rank": n_kv,
+            "variant": "source (Llama GQA)",
+            "perplexity": ppl(model),
+            "cache_elements_per_token": 2 * n_kv * dh * L,
+        }
+    ]
     t0 = time.time()
     grams = attention_input_grams(model, calib, progress=False)
     calib_seconds = time.time() - t0
     for rk, rv in ranks:
-        for calibrate in ((False,) if (rk, rv) == (n_kv, n_kv) else (False, True)):
+        for calibrate in (False,) if (rk, rv) == (n_kv, n_kv) else (False, True):
             t0 = time.time()
-            tpa, rep = convert_model_to_tpa(model, k_rank=rk, v_rank=rv, calib_grams=grams, calibrate=calibrate,
-                                            progress=False)
+            tpa, rep = convert_model_to_tpa(
+                model, k_rank=rk, v_rank=rv, calib_grams=grams, calibrate=calibrate, progress=False
+            )
             seconds = time.time() - t0
-            rows.append({"k_rank": rk, "v_rank": rv,
-                         "variant": "exact" if rep.exact else ("calibrated" if calibrate else "head-mode SVD"),
-                         "perplexity": ppl(tpa), "cache_elements_per_token": rep.cache_elements_per_token_tpa,
-                         "mean_k_activation_rel_err": statistics.mean(e.k_activation_rel_err for e in rep.layers),
-                         "mean_v_activation_rel_err": statistics.mean(e.v_activation_rel_err for e in rep.layers),
-                         "mean_k_weight_rel_err": statistics.mean(e.k_weight_rel_err for e in rep.layers),
-                         "mean_v_weight_rel_err": statistics.mean(e.v_weight_rel_err for e in rep.layers),
-                         "convert_seconds": seconds})
+            rows.append(
+                {
+                    "k_rank": rk,
+                    "v_rank": rv,
+                    "variant": "exact" if rep.exact else ("calibrated" if calibrate else "head-mode SVD"),
+                    "perplexity": ppl(tpa),
+                    "cache_elements_per_token": rep.cache_elements_per_token_tpa,
+                    "mean_k_activation_rel_err": statistics.mean(e.k_activation_rel_err for e in rep.layers),
+                    "mean_v_activation_rel_err": statistics.mean(e.v_activation_rel_err for e in rep.layers),
+                    "mean_k_weight_rel_err": statistics.mean(e.k_weight_rel_err for e in rep.layers),
+                    "mean_v_weight_rel_err": statistics.mean(e.v_weight_rel_err for e in rep.layers),
+                    "convert_seconds": seconds,
+                }
+            )
             del tpa
-    return {"eval_text": "britannica-eval", "eval_tokens": int(ids.numel()), "window": window,
-            "calib_text": "britannica-calib", "calib_tokens": int(calib.numel()),
-            "calibration_forward_seconds": calib_seconds, "rows": rows}
+    return {
+        "eval_text": "britannica-eval",
+        "eval_tokens": int(ids.numel()),
+        "window": window,
+        "calib_text": "britannica-calib",
+        "calib_tokens": int(calib.numel()),
+        "calibration_forward_seconds": calib_seconds,
+        "rows": rows,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,37 +277,60 @@ def fmt_bytes(b: float) -> str:
 
 
 def markdown(res: dict) -> str:
-    out = [f"Machine: {res['machine']['cpu']}, {res['machine']['threads']} torch threads; "
-           f"torch {res['machine']['torch']}, transformers {res['machine']['transformers']}; {res['date']}.", ""]
-    out += [f"### KV cache (float32; d={D}, h={H}, d_h={DH}, {LAYERS} layers, equal parameter counts)", "",
-            "| model | params | bytes/token (all layers) | 1k tokens | 8k tokens | 32k tokens | vs MHA |",
-            "|---|---|---|---|---|---|---|"]
+    out = [
+        f"Machine: {res['machine']['cpu']}, {res['machine']['threads']} torch threads; "
+        f"torch {res['machine']['torch']}, transformers {res['machine']['transformers']}; {res['date']}.",
+        "",
+    ]
+    out += [
+        f"### KV cache (float32; d={D}, h={H}, d_h={DH}, {LAYERS} layers, equal parameter counts)",
+        "",
+        "| model | params | bytes/token (all layers) | 1k tokens | 8k tokens | 32k tokens | vs MHA |",
+        "|---|---|---|---|---|---|---|",
+    ]
     mha = res["kv_cache"]["Llama MHA (8 KV heads)"]["bytes_per_token"]
     for name, r in res["kv_cache"].items():
         t = r["total_bytes"]
-        out.append(f"| {name} | {res['params'][name] / 1e6:.2f} M | {r['bytes_per_token']:.0f} | {fmt_bytes(t['1k'])} | "
-                   f"{fmt_bytes(t['8k'])} | {fmt_bytes(t['32k'])} | {r['bytes_per_token'] / mha:.3f} |")
-    out += ["", "### Decode latency per token (batch 1, ms, best of the interleaved rounds; ratio to MHA in parentheses)",
-            ""]
+        out.append(
+            f"| {name} | {res['params'][name] / 1e6:.2f} M | {r['bytes_per_token']:.0f} | {fmt_bytes(t['1k'])} | "
+            f"{fmt_bytes(t['8k'])} | {fmt_bytes(t['32k'])} | {r['bytes_per_token'] / mha:.3f} |"
+        )
+    out += [
+        "",
+        "### Decode latency per token (batch 1, ms, best of the interleaved rounds; ratio to MHA in parentheses)",
+        "",
+    ]
     ctxs = list(res["decode_latency"])
     names = list(res["decode_latency"][ctxs[0]])
     out += ["| model | " + " | ".join(f"context {c}" for c in ctxs) + " |", "|---|" + "---|" * len(ctxs)]
     for n in names:
-        cells = [f"{res['decode_latency'][c][n]['ms_per_token']:.2f} ({res['decode_latency'][c][n]['vs_mha']:.2f}x)"
-                 for c in ctxs]
+        cells = [
+            f"{res['decode_latency'][c][n]['ms_per_token']:.2f} ({res['decode_latency'][c][n]['vs_mha']:.2f}x)"
+            for c in ctxs
+        ]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     if "smollm2_rank_curve" in res:
         s = res["smollm2_rank_curve"]
-        out += ["", f"### SmolLM2-135M → TPA: perplexity vs K/V rank ({s['eval_tokens']} tokens of {s['eval_text']}, "
-                    f"window {s['window']}; calibration: {s['calib_tokens']} tokens of {s['calib_text']})", "",
-                "| R_K | R_V | variant | cache elements/token (30 layers) | vs source | perplexity | "
-                "mean rel. act. error K / V |", "|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"### SmolLM2-135M → TPA: perplexity vs K/V rank ({s['eval_tokens']} tokens of {s['eval_text']}, "
+            f"window {s['window']}; calibration: {s['calib_tokens']} tokens of {s['calib_text']})",
+            "",
+            "| R_K | R_V | variant | cache elements/token (30 layers) | vs source | perplexity | "
+            "mean rel. act. error K / V |",
+            "|---|---|---|---|---|---|---|",
+        ]
         src = s["rows"][0]["cache_elements_per_token"]
         for r in s["rows"]:
-            err = (f"{r['mean_k_activation_rel_err']:.3f} / {r['mean_v_activation_rel_err']:.3f}"
-                   if "mean_k_activation_rel_err" in r else "")
-            out.append(f"| {r['k_rank']} | {r['v_rank']} | {r['variant']} | {r['cache_elements_per_token']} | "
-                       f"{r['cache_elements_per_token'] / src:.2f} | {r['perplexity']:.2f} | {err} |")
+            err = (
+                f"{r['mean_k_activation_rel_err']:.3f} / {r['mean_v_activation_rel_err']:.3f}"
+                if "mean_k_activation_rel_err" in r
+                else ""
+            )
+            out.append(
+                f"| {r['k_rank']} | {r['v_rank']} | {r['variant']} | {r['cache_elements_per_token']} | "
+                f"{r['cache_elements_per_token'] / src:.2f} | {r['perplexity']:.2f} | {err} |"
+            )
     return "\n".join(out)
 
 
@@ -267,8 +339,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer rounds/contexts and no SmolLM2 curve")
     p.add_argument("--contexts", default="256,1024,4096")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on a shared 2-core machine 2 threads oversubscribe)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine 2 threads oversubscribe)",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--eval-tokens", type=int, default=1024)
     p.add_argument("--calib-tokens", type=int, default=2048)
@@ -279,11 +355,18 @@ def main(argv=None) -> int:
 
     import hf_symmetry  # noqa: F401
 
-    res = {"date": datetime.date.today().isoformat(),
-           "machine": {"cpu": cpu_name(), "cores": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
-                       "torch": torch.__version__, "transformers": transformers.__version__,
-                       "python": platform.python_version()},
-           "setup": {"d_model": D, "heads": H, "head_dim": DH, "layers": LAYERS, "vocab": VOCAB}}
+    res = {
+        "date": datetime.date.today().isoformat(),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": __import__("os").cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "setup": {"d_model": D, "heads": H, "head_dim": DH, "layers": LAYERS, "vocab": VOCAB},
+    }
     t0 = time.time()
     models, params = build_models()
     res["params"] = params
@@ -292,9 +375,11 @@ def main(argv=None) -> int:
     if args.quick:
         contexts, args.rounds = contexts[:2], 2
     res["decode_latency"] = decode_latency(models, contexts, args.rounds, args.steps)
-    res["decode_latency_method"] = (f"{args.rounds} interleaved rounds of {args.steps} decode steps per model "
-                                    "(after one warm-up round); ms_per_token = best round, median_* = median round; "
-                                    "caches pre-filled with random tensors of the context length")
+    res["decode_latency_method"] = (
+        f"{args.rounds} interleaved rounds of {args.steps} decode steps per model "
+        "(after one warm-up round); ms_per_token = best round, median_* = median round; "
+        "caches pre-filled with random tensors of the context length"
+    )
     del models
     if not (args.quick or args.no_smollm2):
         n_kv = 3

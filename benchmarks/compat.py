@@ -71,8 +71,12 @@ def _key(v: str) -> tuple:
 
 def released_versions() -> list[str]:
     """Released (non-yanked, final) transformers versions on the package registry, oldest first."""
-    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "transformers",
-                          "--disable-pip-version-check"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "transformers", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("Available versions:"))
     vs = [v.strip() for v in line.split(":", 1)[1].split(",")]
     return sorted((v for v in vs if all(p.isdigit() for p in v.split("."))), key=_key)
@@ -96,27 +100,39 @@ def build(work: Path) -> None:
     for family in ("tpa", "compressed", "farr"):
         tiny(family, vocab=VOCAB, init_std=0.2).save_pretrained(models / family)
     tiny_model("opt", dtype=torch.float32).save_pretrained(models / "opt")
-    rotate_checkpoint(models / "opt", models / "rms_decoder",
-                      RotateOptions(residual="hadamard", heads="none", ffn=False), progress=False)
+    rotate_checkpoint(
+        models / "opt",
+        models / "rms_decoder",
+        RotateOptions(residual="hadamard", heads="none", ffn=False),
+        progress=False,
+    )
     tiny_model("llama", dtype=torch.float32).save_pretrained(models / "llama")
     rotate_checkpoint(models / "llama", models / "llama_rotated", RotateOptions(), progress=False)
-    ids = {"logits": input_ids(VOCAB, batch=2, length=24, seed=0).tolist(),
-           "calibration": input_ids(VOCAB, batch=1, length=96, seed=1).reshape(-1).tolist()}
+    ids = {
+        "logits": input_ids(VOCAB, batch=2, length=24, seed=0).tolist(),
+        "calibration": input_ids(VOCAB, batch=1, length=96, seed=1).reshape(-1).tolist(),
+    }
     (work / "ids.json").write_text(json.dumps(ids))
 
 
 # ------------------------------------------------------------------------------------------ 2. venvs
 def _purelib(python: Path) -> str:
-    return subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 def make_venv(work: Path, version: str) -> tuple[Path, str]:
     """A venv with transformers==version over this environment's site-packages; (python, its purelib)."""
     venv = work / f"venv-{version}"
     python = venv / "bin" / "python"
-    check = ("import sys, torch, transformers; assert transformers.__version__ == sys.argv[1], "
-             "transformers.__version__; print(transformers.__version__, torch.__version__)")
+    check = (
+        "import sys, torch, transformers; assert transformers.__version__ == sys.argv[1], "
+        "transformers.__version__; print(transformers.__version__, torch.__version__)"
+    )
     if python.exists() and subprocess.run([str(python), "-c", check, version], capture_output=True).returncode == 0:
         return python, _purelib(python)
     if venv.exists():
@@ -126,8 +142,10 @@ def make_venv(work: Path, version: str) -> tuple[Path, str]:
     site = _purelib(python)
     Path(site, "_hf_symmetry_compat.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     # pip never uninstalls what lies outside the venv: this environment's packages are left as they are
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    f"transformers=={version}"], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", f"transformers=={version}"],
+        check=True,
+    )
     run = subprocess.run([str(python), "-c", check, version], capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"venv for {version} is not usable: {run.stderr[-1500:]}")
@@ -136,9 +154,15 @@ def make_venv(work: Path, version: str) -> tuple[Path, str]:
 
 def _child_env(work: Path, version: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_HOME=str(work / "hf_home"), HF_MODULES_CACHE=str(work / f"hf_modules-{version}"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONNOUSERSITE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        HF_HOME=str(work / "hf_home"),
+        HF_MODULES_CACHE=str(work / f"hf_modules-{version}"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONNOUSERSITE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -151,15 +175,33 @@ def run_version(work: Path, version: str, keep_venv: bool = True) -> dict:
     t0 = time.perf_counter()
     try:
         python, site = make_venv(work, version)
-    except Exception as e:   # noqa: BLE001  (an install that fails is a result too)
+    except Exception as e:  # noqa: BLE001  (an install that fails is a result too)
         return {"version": version, "install_error": f"{type(e).__name__}: {e}"}
     summary = {"version": version, "install_s": round(time.perf_counter() - t0, 1)}
     main_site = sysconfig.get_paths()["purelib"]
     for child in ("load", "engine"):
         t0 = time.perf_counter()
-        run = subprocess.run([str(python), "-S", __file__, "--child", child, "--work", str(work), "--version", version,
-                              "--sites", site, main_site], env=_child_env(work, version), capture_output=True,
-                             text=True, timeout=900, cwd=work)
+        run = subprocess.run(
+            [
+                str(python),
+                "-S",
+                __file__,
+                "--child",
+                child,
+                "--work",
+                str(work),
+                "--version",
+                version,
+                "--sites",
+                site,
+                main_site,
+            ],
+            env=_child_env(work, version),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=work,
+        )
         summary[f"{child}_s"] = round(time.perf_counter() - t0, 1)
         if run.returncode:
             summary[f"{child}_error"] = run.stderr.strip()[-3000:]
@@ -209,24 +251,32 @@ def child_load(args) -> None:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                model = AutoModelForCausalLM.from_pretrained(work / "models" / family, trust_remote_code=True,
-                                                             dtype=torch.float32).eval()
+                model = AutoModelForCausalLM.from_pretrained(
+                    work / "models" / family, trust_remote_code=True, dtype=torch.float32
+                ).eval()
                 rec.update(loaded=True, cls=f"{type(model).__module__}.{type(model).__name__}")
                 with torch.no_grad():
                     fwd = model(input_ids=ids, attention_mask=mask, use_cache=True)
-                    cache = next((getattr(fwd, f) for f in ("cache", "past_key_values")
-                                  if getattr(fwd, f, None) is not None), None)
+                    cache = next(
+                        (getattr(fwd, f) for f in ("cache", "past_key_values") if getattr(fwd, f, None) is not None),
+                        None,
+                    )
                     rec["cache"] = None if cache is None else type(cache).__name__
                     save_file({"logits": fwd.logits.float().contiguous()}, out / f"{family}.safetensors")
                     # exactly NEW_TOKENS tokens: no stop at an end-of-sequence token
                     model.generation_config.eos_token_id = None
                     kw = dict(attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-                    rec["tokens"] = model.generate(ids, use_cache=True, **kw)[:, ids.shape[1]:].tolist()
-                    rec["tokens_no_cache"] = model.generate(ids, use_cache=False, **kw)[:, ids.shape[1]:].tolist()
-            rec["deprecations"] = sorted({f"{Path(w.filename).name}:{w.lineno}: {w.category.__name__}: {w.message}"
-                                          for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))
-                                          and Path(w.filename).name.startswith(("modeling_", "configuration_"))})
-        except Exception as e:   # noqa: BLE001  (recorded, compared, reported)
+                    rec["tokens"] = model.generate(ids, use_cache=True, **kw)[:, ids.shape[1] :].tolist()
+                    rec["tokens_no_cache"] = model.generate(ids, use_cache=False, **kw)[:, ids.shape[1] :].tolist()
+            rec["deprecations"] = sorted(
+                {
+                    f"{Path(w.filename).name}:{w.lineno}: {w.category.__name__}: {w.message}"
+                    for w in caught
+                    if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                    and Path(w.filename).name.startswith(("modeling_", "configuration_"))
+                }
+            )
+        except Exception as e:  # noqa: BLE001  (recorded, compared, reported)
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
             rec["traceback"] = traceback.format_exc()[-3000:]
     (out / "load.json").write_text(json.dumps(meta, indent=1))
@@ -245,7 +295,7 @@ def child_engine(args) -> None:
     try:
         from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
         from hf_symmetry.devices import resolve
-    except Exception as e:   # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         meta["import_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
         (out / "engine.json").write_text(json.dumps(meta, indent=1))
         return
@@ -257,7 +307,9 @@ def child_engine(args) -> None:
         try:
             engine = CalibrationEngine(work / "models" / name, placement=resolve("cpu", "float32"), progress=False)
             sites = tuple(engine.adapter.site_modules())
-            request = StatsRequest(grams=sites + ("layer_in", "layer_out", "normed:layer_in"), sums=sites + ("layer_in",))
+            request = StatsRequest(
+                grams=sites + ("layer_in", "layer_out", "normed:layer_in"), sums=sites + ("layer_in",)
+            )
             final = StatsRequest(grams=("final_in", "head_in"), sums=("head_in",))
             result = engine.collect(batches, request, final=final)
             tensors = {}
@@ -269,7 +321,7 @@ def child_engine(args) -> None:
                 rec.setdefault("tokens", []).append(stats.tokens)
             save_file(tensors, out / f"engine-{name}.safetensors")
             rec.update(ok=True, statistics=len(tensors))
-        except Exception as e:   # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {e}"[:2000]
             rec["traceback"] = traceback.format_exc()[-3000:]
     (out / "engine.json").write_text(json.dumps(meta, indent=1))
@@ -297,8 +349,12 @@ def compare(work: Path, version: str, ref: str, summary: dict) -> dict:
     for family in FAMILIES:
         ra = (load_a or {}).get("families", {}).get(family, {})
         rb = (load_b or {}).get("families", {}).get(family, {})
-        fig: dict = {"loads": bool(ra.get("loaded")), "class": ra.get("cls"),
-                     "cache": ra.get("cache"), "deprecations": ra.get("deprecations", [])}
+        fig: dict = {
+            "loads": bool(ra.get("loaded")),
+            "class": ra.get("cls"),
+            "cache": ra.get("cache"),
+            "deprecations": ra.get("deprecations", []),
+        }
         row["families"][family] = fig
         if "error" in ra or not ra:
             fig["error"] = ra.get("error", "no result")
@@ -307,7 +363,10 @@ def compare(work: Path, version: str, ref: str, summary: dict) -> dict:
         if "error" in rb or not rb:
             row["failures"].append(f"{family}: no reference result under {ref}")
             continue
-        la, lb = load_file(a_dir / f"{family}.safetensors")["logits"], load_file(b_dir / f"{family}.safetensors")["logits"]
+        la, lb = (
+            load_file(a_dir / f"{family}.safetensors")["logits"],
+            load_file(b_dir / f"{family}.safetensors")["logits"],
+        )
         fig["max_abs_dlogit"] = (la.double() - lb.double()).abs().max().item() if la.shape == lb.shape else float("inf")
         fig["logit_scale"] = lb.abs().max().item()
         fig["tokens"] = ra["tokens"]
@@ -320,7 +379,9 @@ def compare(work: Path, version: str, ref: str, summary: dict) -> dict:
         if not fig["tokens_equal"]:
             row["failures"].append(f"{family}: greedy tokens {ra['tokens']} != {rb['tokens']} under {ref}")
         if not fig["cache_equals_no_cache"]:
-            row["failures"].append(f"{family}: generation with the cache {ra['tokens']} != without {ra['tokens_no_cache']}")
+            row["failures"].append(
+                f"{family}: generation with the cache {ra['tokens']} != without {ra['tokens_no_cache']}"
+            )
         if fig["cache"] is None:
             row["failures"].append(f"{family}: forward(use_cache=True) returned no cache")
     if eng_a and eng_a.get("import_error"):
@@ -343,8 +404,9 @@ def compare(work: Path, version: str, ref: str, summary: dict) -> dict:
         if set(sa) != set(sb) or ra.get("tokens") != rb.get("tokens"):
             fig["max_rel_diff"] = float("inf")
         else:
-            fig["max_rel_diff"] = max(((sa[k] - sb[k]).abs().max() / sb[k].abs().max().clamp_min(1e-30)).item()
-                                      for k in sb)
+            fig["max_rel_diff"] = max(
+                ((sa[k] - sb[k]).abs().max() / sb[k].abs().max().clamp_min(1e-30)).item() for k in sb
+            )
         fig["statistics"] = len(sb)
         if fig["max_rel_diff"] > TOL:
             row["failures"].append(f"engine/{name}: statistics differ, max relative {fig['max_rel_diff']:.3g}")
@@ -372,8 +434,13 @@ def table(rows: list[dict], ref: str) -> str:
     """One row per version: max |Δlogit| per family (``tokens≠``: greedy tokens differ from the reference's;
     ``cache≠``: generation with the cache differs from without), the engine's max relative difference."""
     head = ["transformers"] + list(FAMILIES) + [f"engine {m}" for m in ENGINE_MODELS] + ["passes"]
-    lines = [[r["version"]] + [_cell(r, ref, family=f) for f in FAMILIES] + [_cell(r, ref, engine=m) for m in ENGINE_MODELS]
-             + ["yes" if r["passes"] else "NO"] for r in rows]
+    lines = [
+        [r["version"]]
+        + [_cell(r, ref, family=f) for f in FAMILIES]
+        + [_cell(r, ref, engine=m) for m in ENGINE_MODELS]
+        + ["yes" if r["passes"] else "NO"]
+        for r in rows
+    ]
     widths = [max(len(str(x[i])) for x in [head] + lines) for i in range(len(head))]
     fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(c) for c in lines])
@@ -381,15 +448,30 @@ def table(rows: list[dict], ref: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", nargs="+", help=f"transformers versions (default: {OLDEST_SUPPORTED} and the newest "
-                   "on the registry); the last is the reference")
+    p.add_argument(
+        "--versions",
+        nargs="+",
+        help=f"transformers versions (default: {OLDEST_SUPPORTED} and the newest "
+        "on the registry); the last is the reference",
+    )
     p.add_argument("--work", default="/tmp/hf_symmetry_compat", help="work dir (folders, venvs, results)")
-    p.add_argument("--bisect", action="store_true", help="if the oldest version fails, bisect the released versions "
-                   "up to the newest for the oldest that passes")
-    p.add_argument("--sweep", action="store_true", help="also every minor release between the oldest and the newest "
-                   "version (its newest patch)")
-    p.add_argument("--expect-fail", nargs="*", default=[], metavar="VERSION", help="older versions run as a negative "
-                   "control: each must fail the check (what broke is recorded)")
+    p.add_argument(
+        "--bisect",
+        action="store_true",
+        help="if the oldest version fails, bisect the released versions up to the newest for the oldest that passes",
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also every minor release between the oldest and the newest version (its newest patch)",
+    )
+    p.add_argument(
+        "--expect-fail",
+        nargs="*",
+        default=[],
+        metavar="VERSION",
+        help="older versions run as a negative control: each must fail the check (what broke is recorded)",
+    )
     p.add_argument("--keep-venvs", action="store_true", help="keep the venvs (a rerun reuses them)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--child", choices=("load", "engine"), help=argparse.SUPPRESS)
@@ -413,7 +495,7 @@ def main(argv=None) -> int:
         minors: dict = {}
         for v in released:
             if _key(versions[0]) < _key(v) < _key(ref):
-                minors[_key(v)[:2]] = v   # oldest first: the newest patch wins
+                minors[_key(v)[:2]] = v  # oldest first: the newest patch wins
         versions = sorted(dict.fromkeys(versions + list(minors.values())), key=_key)
     expect_fail = sorted(dict.fromkeys(args.expect_fail), key=_key)
     start = time.perf_counter()
@@ -430,19 +512,24 @@ def main(argv=None) -> int:
     bisect: dict | None = None
     if args.bisect and not rows[0]["passes"] and rows[-1]["passes"]:
         cands = [v for v in released if _key(versions[0]) < _key(v) < _key(ref)]
-        lo, hi = -1, len(cands)        # cands[lo] fails (or the oldest), cands[hi] passes (or the reference)
+        lo, hi = -1, len(cands)  # cands[lo] fails (or the oldest), cands[hi] passes (or the reference)
         tried = {}
         while hi - lo > 1:
             mid = (lo + hi) // 2
             v = cands[mid]
             print(f"bisect: transformers {v} ...", flush=True)
             tried[v] = compare(work, v, ref, run_version(work, v, args.keep_venvs))
-            print(f"  {'passes' if tried[v]['passes'] else 'fails: ' + '; '.join(tried[v]['failures'])[:600]}",
-                  flush=True)
+            print(
+                f"  {'passes' if tried[v]['passes'] else 'fails: ' + '; '.join(tried[v]['failures'])[:600]}", flush=True
+            )
             lo, hi = (lo, mid) if tried[v]["passes"] else (mid, hi)
         oldest = cands[hi] if hi < len(cands) else ref
-        bisect = {"candidates": cands, "oldest_passing": oldest,
-                  "newest_failing": cands[lo] if lo >= 0 else versions[0], "tried": tried}
+        bisect = {
+            "candidates": cands,
+            "oldest_passing": oldest,
+            "newest_failing": cands[lo] if lo >= 0 else versions[0],
+            "tried": tried,
+        }
         if oldest in tried:
             rows.insert(-1, tried[oldest])
     print(table(controls + rows, ref))
@@ -450,22 +537,37 @@ def main(argv=None) -> int:
         for f in r["failures"]:
             print(f"  {r['version']}: {f}")
     if bisect:
-        print(f"bisect: the oldest passing version is {bisect['oldest_passing']} "
-              f"(newest failing: {bisect['newest_failing']})")
+        print(
+            f"bisect: the oldest passing version is {bisect['oldest_passing']} "
+            f"(newest failing: {bisect['newest_failing']})"
+        )
         for v, r in bisect["tried"].items():
             print(f"  {v}: {'passes' if r['passes'] else 'fails: ' + '; '.join(r['failures'])[:800]}")
     report = {
-        "versions": versions, "reference": ref, "tolerance": TOL, "new_tokens": NEW_TOKENS,
+        "versions": versions,
+        "reference": ref,
+        "tolerance": TOL,
+        "new_tokens": NEW_TOKENS,
         "built_with": {"transformers": transformers.__version__, "torch": torch.__version__},
-        "machine": f"{platform.machine()} CPU, 1 thread per child, shared 2-core VM, Python {platform.python_version()}",
-        "date": datetime.date.today().isoformat(), "seconds": round(time.perf_counter() - start),
-        "results": rows, "bisect": bisect, "expected_failures": controls,
+        "machine": f"{platform.machine()} CPU, 1 thread per child, shared 2-core VM,"
+        f" Python {platform.python_version()}",
+        "date": datetime.date.today().isoformat(),
+        "seconds": round(time.perf_counter() - start),
+        "results": rows,
+        "bisect": bisect,
+        "expected_failures": controls,
         "table": table(controls + rows, ref),
         # every requested version passes: from the oldest; else the bisect's answer
-        "supported_range": ([versions[0], ref] if all(r["passes"] for r in rows) else
-                            [bisect["oldest_passing"], ref] if bisect else None),
-        "passes": (all(r["passes"] for r in rows if r["version"] in versions)
-                   and not any(r["passes"] for r in controls)),
+        "supported_range": (
+            [versions[0], ref]
+            if all(r["passes"] for r in rows)
+            else [bisect["oldest_passing"], ref]
+            if bisect
+            else None
+        ),
+        "passes": (
+            all(r["passes"] for r in rows if r["version"] in versions) and not any(r["passes"] for r in controls)
+        ),
     }
     for r in controls:
         if r["passes"]:

@@ -71,8 +71,8 @@ def _digest(path: Path) -> str:
     if path.suffix != ".safetensors":
         return hashlib.sha256(raw).hexdigest()
     n = int.from_bytes(raw[:8], "little")
-    header = json.dumps(json.loads(raw[8:8 + n]), sort_keys=True).encode()
-    return hashlib.sha256(header + raw[8 + n:]).hexdigest()
+    header = json.dumps(json.loads(raw[8 : 8 + n]), sort_keys=True).encode()
+    return hashlib.sha256(header + raw[8 + n :]).hexdigest()
 
 
 def _hashes(out: Path) -> dict:
@@ -84,7 +84,7 @@ def run(workdir: str, only: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     results = {}
-    root = Path(workdir)          # a fixed path: the layer map's metadata names the source folder
+    root = Path(workdir)  # a fixed path: the layer map's metadata names the source folder
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     if True:
@@ -96,8 +96,11 @@ def run(workdir: str, only: list[str] | None = None) -> dict:
             src, out = _folder(root, family, overrides), root / name
             t0 = time.perf_counter()
             rc = main(["compress", str(src), str(out), "--calib", str(calib), *COMMON, *flags])
-            results[name] = {"rc": rc, "seconds": round(time.perf_counter() - t0, 2),
-                             "files": _hashes(out) if rc == 0 else {}}
+            results[name] = {
+                "rc": rc,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "files": _hashes(out) if rc == 0 else {},
+            }
             print(f"{name}: rc {rc}, {results[name]['seconds']} s", file=sys.stderr)
     return results
 
@@ -107,8 +110,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the hashes to this JSON file")
     p.add_argument("--check", help="compare with the hashes in this JSON file (exit 1 on any difference)")
     p.add_argument("--only", nargs="*", help="case names to run")
-    p.add_argument("--workdir", default="/tmp/hf_symmetry_compress_hashes",
-                   help="scratch folder (emptied first; keep it fixed between the runs compared)")
+    p.add_argument(
+        "--workdir",
+        default="/tmp/hf_symmetry_compress_hashes",
+        help="scratch folder (emptied first; keep it fixed between the runs compared)",
+    )
     args = p.parse_args(argv)
     results = run(args.workdir, args.only)
     if args.out:

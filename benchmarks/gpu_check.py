@@ -42,23 +42,59 @@ JOBS = ("rotate", "slice", "lowrank", "tpa", "heal")
 def job_args(job: str, out: Path, opts, student: str) -> list[str]:
     """The hf-symmetry arguments of ``job`` writing ``out`` (``--device`` is added per side)."""
     calib = ["--calib", opts.calib, "--calib-tokens", str(opts.calib_tokens)]
-    verify = (["--text", opts.text, "--tokens", str(opts.verify_tokens), "--ppl-tokens", str(opts.ppl_tokens)]
-              if opts.verify_tokens else ["--no-verify"])
+    verify = (
+        ["--text", opts.text, "--tokens", str(opts.verify_tokens), "--ppl-tokens", str(opts.ppl_tokens)]
+        if opts.verify_tokens
+        else ["--no-verify"]
+    )
     if job == "rotate":
         # the conversion streams on the host; with no verification the device would do nothing
-        return ["rotate", "default", str(out), "--text", opts.text, "--tokens", str(max(opts.verify_tokens, 64)),
-                "--ppl-tokens", str(opts.ppl_tokens)]
+        return [
+            "rotate",
+            "default",
+            str(out),
+            "--text",
+            opts.text,
+            "--tokens",
+            str(max(opts.verify_tokens, 64)),
+            "--ppl-tokens",
+            str(opts.ppl_tokens),
+        ]
     if job == "slice":
         return ["compress", "default", str(out), "--structure", "slice", "--ratio", "0.25", *calib, *verify]
     if job == "lowrank":
-        return ["compress", "default", str(out), "--structure", "lowrank", "--sequential", "--ratio", "0.25",
-                *calib, *opts.lowrank_args.split(), *verify]
+        return [
+            "compress",
+            "default",
+            str(out),
+            "--structure",
+            "lowrank",
+            "--sequential",
+            "--ratio",
+            "0.25",
+            *calib,
+            *opts.lowrank_args.split(),
+            *verify,
+        ]
     if job == "tpa":
         return ["to-tpa", "default", str(out), "--k-rank", "2", "--v-rank", "2", *calib, *verify]
     if job == "heal":
-        return ["heal", student, str(out), "--teacher", "default", "--text", opts.calib,
-                "--tokens", str(opts.heal_tokens), "--seq-len", str(opts.heal_seq_len),
-                "--batch-size", str(opts.heal_batch), "--no-verify"]
+        return [
+            "heal",
+            student,
+            str(out),
+            "--teacher",
+            "default",
+            "--text",
+            opts.calib,
+            "--tokens",
+            str(opts.heal_tokens),
+            "--seq-len",
+            str(opts.heal_seq_len),
+            "--batch-size",
+            str(opts.heal_batch),
+            "--no-verify",
+        ]
     raise ValueError(f"unknown job {job!r}: choose from {', '.join(JOBS)}")
 
 
@@ -103,8 +139,15 @@ def compare(a_dir: Path, b_dir: Path) -> dict:
         worst_abs = max(worst_abs, d)
         if rel > worst_rel:
             worst_rel, worst_key = rel, k
-    return {"tensors_cpu": len(a), "tensors_gpu": len(b), "shared": len(shared), "max_abs_diff": worst_abs,
-            "max_rel_diff": worst_rel, "worst_tensor": worst_key, "shape_mismatch": shape_mismatch[:5]}
+    return {
+        "tensors_cpu": len(a),
+        "tensors_gpu": len(b),
+        "shared": len(shared),
+        "max_abs_diff": worst_abs,
+        "max_rel_diff": worst_rel,
+        "worst_tensor": worst_key,
+        "shape_mismatch": shape_mismatch[:5],
+    }
 
 
 def table(rows: list[dict], cpu: str, gpu: str) -> str:
@@ -114,10 +157,29 @@ def table(rows: list[dict], cpu: str, gpu: str) -> str:
         c, g, d = r["cpu"], r["gpu"], r.get("diff") or {}
         fail = lambda s: f"rc {s['rc']}" if s["rc"] else f"{s['wall_s']:.1f}"  # noqa: E731
         ratio = f"{c['wall_s'] / g['wall_s']:.2f}" if not (c["rc"] or g["rc"]) and g["wall_s"] > 0 else "-"
-        shared = (f"{d['shared']}" + ("" if d["tensors_cpu"] == d["tensors_gpu"] == d["shared"] else
-                                      f" ({d['tensors_cpu']}/{d['tensors_gpu']})")) if d else "-"
-        lines.append((r["job"], fail(c), fail(g), ratio, f"{d['max_abs_diff']:.3g}" if d else "-",
-                      f"{d['max_rel_diff']:.3g}" if d else "-", shared))
+        shared = (
+            (
+                f"{d['shared']}"
+                + (
+                    ""
+                    if d["tensors_cpu"] == d["tensors_gpu"] == d["shared"]
+                    else f" ({d['tensors_cpu']}/{d['tensors_gpu']})"
+                )
+            )
+            if d
+            else "-"
+        )
+        lines.append(
+            (
+                r["job"],
+                fail(c),
+                fail(g),
+                ratio,
+                f"{d['max_abs_diff']:.3g}" if d else "-",
+                f"{d['max_rel_diff']:.3g}" if d else "-",
+                shared,
+            )
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda row: "| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths)) + " |"  # noqa: E731
     return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
@@ -127,7 +189,8 @@ LINALG_SHAPES = ((64, 64), (192, 192), (576, 576), (1536, 576))
 
 
 def time_linalg(devices: tuple[str, str], shapes=LINALG_SHAPES, batch: int = 1, repeat: int = 5) -> list[dict]:
-    """Seconds (``a``: ``devices[0]``, ``b``: ``devices[1]``) per float64 ``eigh`` (of the Gram of each shape's columns), ``svd`` and ``qr`` of each shape
+    """Seconds (``a``: ``devices[0]``, ``b``: ``devices[1]``) per float64 ``eigh`` (of the Gram of each shape's
+    columns), ``svd`` and ``qr`` of each shape
     (``batch`` > 1: one batched call over that many matrices) on both devices, median of ``repeat``: the
     small dense factorisations the compress solver makes by the thousand, to place by measurement."""
     import statistics
@@ -138,13 +201,15 @@ def time_linalg(devices: tuple[str, str], shapes=LINALG_SHAPES, batch: int = 1, 
     for m, n in shapes:
         g = torch.Generator().manual_seed(0)
         A = torch.randn(batch, m, n, generator=g, dtype=torch.float64)
-        for kind, fn, make in (("eigh", torch.linalg.eigh, lambda X: X.mT @ X),
-                               ("svd", lambda X: torch.linalg.svd(X, full_matrices=False), lambda X: X),
-                               ("qr", torch.linalg.qr, lambda X: X)):
+        for kind, fn, make in (
+            ("eigh", torch.linalg.eigh, lambda X: X.mT @ X),
+            ("svd", lambda X: torch.linalg.svd(X, full_matrices=False), lambda X: X),
+            ("qr", torch.linalg.qr, lambda X: X),
+        ):
             row = {"kind": kind, "shape": f"{batch}x{m}x{n}" if batch > 1 else f"{m}x{n}"}
             for side, dev in zip(("a", "b"), devices):
                 X = make(A.to(dev))
-                fn(X)                                    # warm-up (library handles, kernels)
+                fn(X)  # warm-up (library handles, kernels)
                 times = []
                 for _ in range(repeat):
                     if X.device.type == "cuda":
@@ -173,27 +238,40 @@ def environment(gpu: str) -> dict:
     import torch
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "cuda": torch.version.cuda, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     if torch.cuda.is_available() and gpu.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(torch.device(gpu) if ":" in gpu else None)
     return env
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, from {', '.join(JOBS)} (default: all)")
     p.add_argument("--cpu-device", default="cpu", help="the reference side's --device (default: cpu)")
     p.add_argument("--gpu-device", default="cuda", help="the other side's --device (default: cuda)")
     p.add_argument("--calib", default="britannica-calib", help="calibration (and heal training) text")
     p.add_argument("--text", default="britannica-eval", help="verification text (rotate; others with --verify-tokens)")
-    p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens of compress/to-tpa (default 2048)")
+    p.add_argument(
+        "--calib-tokens", type=int, default=2048, help="calibration tokens of compress/to-tpa (default 2048)"
+    )
     p.add_argument("--lowrank-args", default="", help="extra flags of the lowrank job, e.g. '--w-iters 2'")
-    p.add_argument("--verify-tokens", type=int, default=0,
-                   help="logit tokens verified after compress/to-tpa (default 0: --no-verify; rotate always verifies, "
-                        "at least 64)")
+    p.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=0,
+        help="logit tokens verified after compress/to-tpa (default 0: --no-verify; rotate always verifies, "
+        "at least 64)",
+    )
     p.add_argument("--ppl-tokens", type=int, default=0, help="perplexity tokens of the verification (default 0: skip)")
     p.add_argument("--heal-tokens", type=int, default=16384, help="heal's training tokens (default 16384)")
     p.add_argument("--heal-seq-len", type=int, default=256)
@@ -202,9 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="where outputs and logs go (default: a temporary folder, removed)")
     p.add_argument("--keep", action="store_true", help="keep the output folders")
     p.add_argument("--out", default=None, help="write the rows and the environment as JSON here")
-    p.add_argument("--linalg", action="store_true",
-                   help="also time float64 eigh/svd/qr of the solver's sizes on both devices (one call each, and "
-                        "batched by --linalg-batch), in a second table")
+    p.add_argument(
+        "--linalg",
+        action="store_true",
+        help="also time float64 eigh/svd/qr of the solver's sizes on both devices (one call each, and "
+        "batched by --linalg-batch), in a second table",
+    )
     p.add_argument("--linalg-batch", type=int, default=9, help="batch of the batched timings (default 9: heads)")
     opts = p.parse_args(argv)
     jobs = [j.strip() for j in opts.jobs.split(",") if j.strip()]
@@ -212,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown job(s) {', '.join(bad)}: choose from {', '.join(JOBS)}")
 
-    from hf_symmetry.assets import resolve_text, smollm2_dir   # nothing downloads: the cache must hold them
+    from hf_symmetry.assets import resolve_text, smollm2_dir  # nothing downloads: the cache must hold them
 
     model = smollm2_dir()
     for t in {opts.calib, opts.text}:
@@ -220,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     own = opts.workdir is None
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"SmolLM2: {model}\nwork: {work}\njobs: {', '.join(jobs)}; {opts.cpu_device} vs {opts.gpu_device}",
-          flush=True)
+    print(
+        f"SmolLM2: {model}\nwork: {work}\njobs: {', '.join(jobs)}; {opts.cpu_device} vs {opts.gpu_device}", flush=True
+    )
     rows = []
     student = "default"
     try:
@@ -232,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[side] = run_side(job_args(job, out, opts, student), dev, work / f"{job}-{side}.log", opts.timeout)
                 status = f"rc {row[side]['rc']}: {row[side]['error']}" if row[side]["rc"] else "ok"
                 print(f"  {job} on {dev}: {row[side]['wall_s']:.1f} s, {status}", flush=True)
-                if row[side]["rc"]:   # the log goes with a temporary work folder: show its end now
+                if row[side]["rc"]:  # the log goes with a temporary work folder: show its end now
                     lines = [ln for ln in Path(row[side]["log"]).read_text(errors="replace").splitlines() if ln.strip()]
                     print("    " + "\n    ".join(lines[-15:]), flush=True)
             if not (row["cpu"]["rc"] or row["gpu"]["rc"]):
@@ -249,8 +331,18 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(linalg_table(linalg, pair))
         if opts.out:
-            Path(opts.out).write_text(json.dumps({"environment": environment(opts.gpu_device), "options": vars(opts),
-                                                  "rows": rows, "linalg": linalg}, indent=2) + "\n")
+            Path(opts.out).write_text(
+                json.dumps(
+                    {
+                        "environment": environment(opts.gpu_device),
+                        "options": vars(opts),
+                        "rows": rows,
+                        "linalg": linalg,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
     finally:
         if own and not opts.keep:
             shutil.rmtree(work, ignore_errors=True)

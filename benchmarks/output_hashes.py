@@ -33,15 +33,64 @@ CASES = [
     ("rotate-gpt2", False, ["rotate", "{src-gpt2}", "{out}", "--seed", "3", *NV]),
     ("rotate-llama-quant", False, ["rotate", "{src-llama}", "{out}", "--for-quantization", "--seed", "3", *NV]),
     ("match-llama", False, ["match", "{src-llama}", "{src-llama-b}", "{out}", "--residual", *NV]),
-    ("merge-average-matched", False, ["merge", "{src-llama}", "{src-llama-b}", "{out}", "--method", "average",
-                                      "--match", *NV]),
-    ("merge-fisher", False, ["merge", "{src-llama}", "{src-llama-b}", "{out}", "--method", "fisher",
-                             "--calib-text", "{calib}", "--calib-tokens", "256", *NV]),
-    ("to-tpa-llama", False, ["to-tpa", "{src-llama}", "{out}", "--k-rank", "2", "--v-rank", "2", "--calib",
-                             "{calib}", "--calib-tokens", "256", *NV]),
+    (
+        "merge-average-matched",
+        False,
+        ["merge", "{src-llama}", "{src-llama-b}", "{out}", "--method", "average", "--match", *NV],
+    ),
+    (
+        "merge-fisher",
+        False,
+        [
+            "merge",
+            "{src-llama}",
+            "{src-llama-b}",
+            "{out}",
+            "--method",
+            "fisher",
+            "--calib-text",
+            "{calib}",
+            "--calib-tokens",
+            "256",
+            *NV,
+        ],
+    ),
+    (
+        "to-tpa-llama",
+        False,
+        [
+            "to-tpa",
+            "{src-llama}",
+            "{out}",
+            "--k-rank",
+            "2",
+            "--v-rank",
+            "2",
+            "--calib",
+            "{calib}",
+            "--calib-tokens",
+            "256",
+            *NV,
+        ],
+    ),
     ("farr-llama", False, ["farr", "{src-llama}", "{out}", "--tau", "0.9", "--vo", *NV]),
-    ("farr-llama-calibrated", False, ["farr", "{src-llama}", "{out}", "--params-fraction", "0.8", "--vo",
-                                      "--calibrate", "{calib}", "--calib-tokens", "256", *NV]),
+    (
+        "farr-llama-calibrated",
+        False,
+        [
+            "farr",
+            "{src-llama}",
+            "{out}",
+            "--params-fraction",
+            "0.8",
+            "--vo",
+            "--calibrate",
+            "{calib}",
+            "--calib-tokens",
+            "256",
+            *NV,
+        ],
+    ),
     ("export-gguf-llama", True, ["export-gguf", "{src-llama}", "{out}", "--type", "q8_0", "--quiet"]),
 ]
 
@@ -64,7 +113,7 @@ def run(workdir: str, only: list[str] | None = None) -> dict:
     from hf_symmetry.cli import main
 
     torch.set_num_threads(1)
-    root = Path(workdir)          # a fixed path: metadata may name the source folder
+    root = Path(workdir)  # a fixed path: metadata may name the source folder
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     calib = root / "calib.txt"
@@ -91,8 +140,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the hashes to this JSON file")
     p.add_argument("--check", help="compare with the hashes in this JSON file (exit 1 on any difference)")
     p.add_argument("--only", nargs="*", help="case names to run")
-    p.add_argument("--workdir", default="/tmp/hf_symmetry_output_hashes",
-                   help="scratch folder (emptied first; keep it fixed between the runs compared)")
+    p.add_argument(
+        "--workdir",
+        default="/tmp/hf_symmetry_output_hashes",
+        help="scratch folder (emptied first; keep it fixed between the runs compared)",
+    )
     args = p.parse_args(argv)
     results = run(args.workdir, args.only)
     if args.out:

@@ -4,7 +4,8 @@ SmolLM2 is a dequantized Q4_1 GGUF, which favours the unrotated model).
 
 LlamaForCausalLM, 4 layers, hidden 256, FFN 768, 4 heads of 64 (2 KV heads), tied embeddings, and a
 4096-token BPE tokenizer retrained from SmolLM2's on the training texts (SmolLM2's 49 152-token head
-would cost 10x the whole decoder on two CPU cores); trained from seed 0 with AdamW on the embedded Shakespeare plays (every play except
+would cost 10x the whole decoder on two CPU cores); trained from seed 0 with AdamW on the embedded Shakespeare plays
+(every play except
 the two Hamlet files, which are the benchmark's held-out text) and britannica-calib, sequences of 128
 tokens. Deterministic for a given machine and thread count (one thread by default).
 
@@ -55,21 +56,33 @@ def main() -> None:
     for t in texts:
         ids += tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     ids = torch.tensor(ids, dtype=torch.long)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = LlamaForCausalLM(cfg).float().train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
+    )
     gen = torch.Generator().manual_seed(0)
     n = ids.numel() - args.seq - 1
     t0 = time.perf_counter()
     for step in range(args.steps):
         starts = torch.randint(0, n, (args.batch,), generator=gen)
-        batch = torch.stack([ids[s:s + args.seq + 1] for s in starts.tolist()])
+        batch = torch.stack([ids[s : s + args.seq + 1] for s in starts.tolist()])
         loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -82,9 +95,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    (out / "training.json").write_text(json.dumps({**vars(args), "corpus_tokens": int(ids.numel()),
-                                                   "final_loss": loss.item(),
-                                                   "seconds": time.perf_counter() - t0}, indent=2) + "\n")
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                **vars(args),
+                "corpus_tokens": int(ids.numel()),
+                "final_loss": loss.item(),
+                "seconds": time.perf_counter() - t0,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"saved {out}")
 
 

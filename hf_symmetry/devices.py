@@ -35,6 +35,7 @@ class DeviceError(ValueError):
 @dataclass(frozen=True)
 class Placement:
     """A checked device and the dtype calibration activations and layer weights use on it."""
+
     device: torch.device
     dtype: torch.dtype
 
@@ -55,14 +56,18 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     m = re.fullmatch(r"cuda(?::(\d+))?", spec)
     if m:
         if not torch.cuda.is_available():
-            raise DeviceError(f"--device {spec}: CUDA is not available here (torch {torch.__version__}"
-                              f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu or auto")
+            raise DeviceError(
+                f"--device {spec}: CUDA is not available here (torch {torch.__version__}"
+                f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu or auto"
+            )
         if m.group(1) is None:
             return _current_cuda()
         index = int(m.group(1))
         if index >= torch.cuda.device_count():
-            raise DeviceError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible "
-                              f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+            raise DeviceError(
+                f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
+            )
         return torch.device("cuda", index)
     if spec == "mps":
         if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
@@ -90,8 +95,10 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     if dtype not in _ALL_DTYPES.values():
         raise DeviceError(f"unsupported calibration dtype {name}: choose {', '.join(CALIB_DTYPES)}")
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise DeviceError(f"--calib-dtype bfloat16: {torch.cuda.get_device_name(device)} cannot compute in "
-                          "bfloat16; use --calib-dtype float32")
+        raise DeviceError(
+            f"--calib-dtype bfloat16: {torch.cuda.get_device_name(device)} cannot compute in "
+            "bfloat16; use --calib-dtype float32"
+        )
     if device.type == "mps" and dtype == torch.float64:
         raise DeviceError("MPS cannot compute in float64; use float32 or another device")
     try:
@@ -141,8 +148,9 @@ def module_device(module: torch.nn.Module) -> torch.device:
     if t.device.type == "meta":
         hook = getattr(owner, "_hf_hook", None)
         dev = getattr(hook, "execution_device", None)
-        return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}") if dev is not None \
-            else torch.device("cpu")
+        return (
+            torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}") if dev is not None else torch.device("cpu")
+        )
     return t.device
 
 
@@ -183,8 +191,14 @@ def _precision_switches() -> list:
     b = torch.backends
     found = []
     mkldnn = getattr(b, "mkldnn", None)
-    for owner in (b.cuda.matmul, getattr(b.cudnn, "conv", None), getattr(b.cudnn, "rnn", None),
-                  getattr(mkldnn, "matmul", None), getattr(mkldnn, "conv", None), getattr(mkldnn, "rnn", None)):
+    for owner in (
+        b.cuda.matmul,
+        getattr(b.cudnn, "conv", None),
+        getattr(b.cudnn, "rnn", None),
+        getattr(mkldnn, "matmul", None),
+        getattr(mkldnn, "conv", None),
+        getattr(mkldnn, "rnn", None),
+    ):
         if owner is not None and hasattr(owner, "fp32_precision"):
             found.append(owner)
     return found
@@ -194,8 +208,11 @@ def _precision_state():
     new = _precision_switches()
     if new:
         return "new", [(o, o.fp32_precision) for o in new]
-    return "legacy", (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-                      torch.get_float32_matmul_precision())
+    return "legacy", (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
 
 
 def _set_ieee() -> None:

@@ -18,55 +18,133 @@ ALL_TINY_FAMILIES = TINY_FAMILIES + NEW_TINY_FAMILIES
 def tiny_config(family: str, **overrides):
     import transformers as T
 
-    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-                  intermediate_size=80)
+    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80)
     if family in ("llama", "mistral", "smollm3", "qwen2", "qwen3"):
-        cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "smollm3": T.SmolLM3Config,
-               "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config}[family]
-        kw = dict(common, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                  tie_word_embeddings=family in ("llama", "qwen3"),
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cls = {
+            "llama": T.LlamaConfig,
+            "mistral": T.MistralConfig,
+            "smollm3": T.SmolLM3Config,
+            "qwen2": T.Qwen2Config,
+            "qwen3": T.Qwen3Config,
+        }[family]
+        kw = dict(
+            common,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            tie_word_embeddings=family in ("llama", "qwen3"),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
         if family == "mistral":
             kw["sliding_window"] = None
-        if family == "smollm3":   # layer 1 is NoPE (SmolLM3 itself: every 4th layer)
-            kw.update(no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=None, bos_token_id=0,
-                      eos_token_id=0)
+        if family == "smollm3":  # layer 1 is NoPE (SmolLM3 itself: every 4th layer)
+            kw.update(
+                no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=None, bos_token_id=0, eos_token_id=0
+            )
         cfg = cls(**{**kw, **overrides})
     elif family == "gpt2":
-        cfg = T.GPT2Config(vocab_size=97, n_embd=48, n_layer=2, n_head=6, n_positions=128, n_inner=80,
-                           bos_token_id=0, eos_token_id=0, **overrides)
+        cfg = T.GPT2Config(
+            vocab_size=97,
+            n_embd=48,
+            n_layer=2,
+            n_head=6,
+            n_positions=128,
+            n_inner=80,
+            bos_token_id=0,
+            eos_token_id=0,
+            **overrides,
+        )
     elif family == "opt":
-        cfg = T.OPTConfig(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, ffn_dim=80,
-                          max_position_embeddings=128, word_embed_proj_dim=48, bos_token_id=0, eos_token_id=0,
-                          pad_token_id=1, **overrides)
+        cfg = T.OPTConfig(
+            vocab_size=97,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            ffn_dim=80,
+            max_position_embeddings=128,
+            word_embed_proj_dim=48,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+            **overrides,
+        )
     elif family == "gptj":  # interleaved, partial rotary: 6 of 8 head dims
-        cfg = T.GPTJConfig(vocab_size=97, n_embd=48, n_layer=2, n_head=6, rotary_dim=6, n_inner=80, n_positions=128,
-                           bos_token_id=0, eos_token_id=0, **overrides)
-    elif family in ("gemma2", "gemma3"):   # layer 0 sliding (window 8 < sequence), layer 1 global
+        cfg = T.GPTJConfig(
+            vocab_size=97,
+            n_embd=48,
+            n_layer=2,
+            n_head=6,
+            rotary_dim=6,
+            n_inner=80,
+            n_positions=128,
+            bos_token_id=0,
+            eos_token_id=0,
+            **overrides,
+        )
+    elif family in ("gemma2", "gemma3"):  # layer 0 sliding (window 8 < sequence), layer 1 global
         cls = T.Gemma2Config if family == "gemma2" else T.Gemma3TextConfig
-        kw = dict(common, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, sliding_window=8,
-                  query_pre_attn_scalar=8, layer_types=["sliding_attention", "full_attention"],
-                  hidden_activation="gelu_pytorch_tanh", pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        kw = dict(
+            common,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=128,
+            sliding_window=8,
+            query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"],
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         if family == "gemma2":
             kw.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
         else:
-            kw.update(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+            kw.update(
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                }
+            )
         cfg = cls(**{**kw, **overrides})
-    elif family == "phi3":   # partial rotary as in Phi-4-mini: 6 of 8 head dims
-        cfg = T.Phi3Config(**{**common, "num_key_value_heads": 2, "max_position_embeddings": 128,
-                              "original_max_position_embeddings": 128, "pad_token_id": 0, "bos_token_id": 0,
-                              "eos_token_id": 0, "tie_word_embeddings": True,
-                              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                  "partial_rotary_factor": 0.75}, **overrides})
+    elif family == "phi3":  # partial rotary as in Phi-4-mini: 6 of 8 head dims
+        cfg = T.Phi3Config(
+            **{
+                **common,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+                "original_max_position_embeddings": 128,
+                "pad_token_id": 0,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+                "tie_word_embeddings": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                **overrides,
+            }
+        )
     elif family == "olmo2":
-        cfg = T.Olmo2Config(**{**common, "num_key_value_heads": 2, "max_position_embeddings": 128,
-                               "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
-                               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **overrides})
-    elif family == "gpt_neox":   # rotary on 4 of 8 head dims, parallel block, untied head
-        cfg = T.GPTNeoXConfig(**{**common, "max_position_embeddings": 128, "bos_token_id": 0, "eos_token_id": 0,
-                                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                     "partial_rotary_factor": 0.5}, **overrides})
+        cfg = T.Olmo2Config(
+            **{
+                **common,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+                "pad_token_id": 0,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                **overrides,
+            }
+        )
+    elif family == "gpt_neox":  # rotary on 4 of 8 head dims, parallel block, untied head
+        cfg = T.GPTNeoXConfig(
+            **{
+                **common,
+                "max_position_embeddings": 128,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                **overrides,
+            }
+        )
     elif family in ("bert", "roberta"):
         cls = T.BertConfig if family == "bert" else T.RobertaConfig
         cfg = cls(**{**common, "max_position_embeddings": 130, "pad_token_id": 1, **overrides})
@@ -135,12 +213,24 @@ def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constant
 
     workdir = Path(workdir)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HOME=str(workdir / "hf_home"), HF_MODULES_CACHE=str(workdir / "hf_modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    header = "".join(f"{k} = {v!r}\n" for k, v in {"SITE_PACKAGES": sysconfig.get_paths()["purelib"],
-                                                   **constants}.items())
-    run = subprocess.run([sys.executable, "-S", "-c", header + _REMOTE_PREAMBLE + script], cwd=workdir, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    env.update(
+        HF_HOME=str(workdir / "hf_home"),
+        HF_MODULES_CACHE=str(workdir / "hf_modules"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    header = "".join(
+        f"{k} = {v!r}\n" for k, v in {"SITE_PACKAGES": sysconfig.get_paths()["purelib"], **constants}.items()
+    )
+    run = subprocess.run(
+        [sys.executable, "-S", "-c", header + _REMOTE_PREAMBLE + script],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     lines = run.stdout.strip().splitlines()
     try:

@@ -27,7 +27,7 @@ def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.
     if max_tokens:
         text = _prefix_with_tokens(tokenizer, text, max_tokens)
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()   # the max-length warning is about model inputs, not these ids
+    transformers.logging.set_verbosity_error()  # the max-length warning is about model inputs, not these ids
     try:
         ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     finally:
@@ -42,7 +42,7 @@ def _prefix_with_tokens(tokenizer, text: str, max_tokens: int) -> str:
     chars = 8 * max_tokens
     while chars < len(text):
         cut = text.rfind(" ", 0, chars)
-        prefix = text[:cut if cut > chars // 2 else chars]
+        prefix = text[: cut if cut > chars // 2 else chars]
         if len(tokenizer(prefix, add_special_tokens=False, verbose=False)["input_ids"]) > max_tokens:
             return prefix
         chars *= 2

@@ -47,8 +47,13 @@ def exact_rmsnorm(monkeypatch):
     from transformers.models.qwen3 import modeling_qwen3
     from transformers.models.smollm3 import modeling_smollm3
 
-    for cls in (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
-                modeling_qwen3.Qwen3RMSNorm, modeling_smollm3.SmolLM3RMSNorm):
+    for cls in (
+        modeling_llama.LlamaRMSNorm,
+        modeling_mistral.MistralRMSNorm,
+        modeling_qwen2.Qwen2RMSNorm,
+        modeling_qwen3.Qwen3RMSNorm,
+        modeling_smollm3.SmolLM3RMSNorm,
+    ):
         monkeypatch.setattr(cls, "forward", _exact_rmsnorm_forward)
 
 

@@ -191,8 +191,9 @@ class FakeHub:
         repo_id = f"{payload.get('organization') or 'user'}/{payload['name']}"
         with self.lock:
             if repo_id in self.repos:
-                return self._reply(h, 409, {"error": "You already created this model repo",
-                                            "url": f"{self.url}/{repo_id}"})
+                return self._reply(
+                    h, 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}
+                )
             self.repos[repo_id] = Repo(repo_id, payload.get("visibility") == "private" or bool(payload.get("private")))
         self._reply(h, 200, {"url": f"{self.url}/{repo_id}", "name": repo_id})
 
@@ -222,9 +223,19 @@ class FakeHub:
             return
         if rev not in (None, "main", r.sha):
             return self._error(h, 404, "Invalid rev id", "RevisionNotFound")
-        self._reply(h, 200, {"id": repo, "modelId": repo, "sha": r.sha, "private": r.private,
-                             "siblings": [{"rfilename": f} for f in sorted(r.files)], "tags": [],
-                             "lastModified": "2026-11-21T00:00:00.000Z"})
+        self._reply(
+            h,
+            200,
+            {
+                "id": repo,
+                "modelId": repo,
+                "sha": r.sha,
+                "private": r.private,
+                "siblings": [{"rfilename": f} for f in sorted(r.files)],
+                "tags": [],
+                "lastModified": "2026-11-21T00:00:00.000Z",
+            },
+        )
 
     def _preupload(self, h, repo, rev, head=False):
         payload = json.loads(self._body(h))
@@ -233,9 +244,15 @@ class FakeHub:
         r = self.repos.get(repo)
         if r is None:
             return self._error(h, 404, "Repository not found", "RepoNotFound")
-        files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                  "oid": _sha1(b"blob", r.files[f["path"]]) if f["path"] in r.files else None}
-                 for f in payload["files"]]
+        files = [
+            {
+                "path": f["path"],
+                "uploadMode": "regular",
+                "shouldIgnore": False,
+                "oid": _sha1(b"blob", r.files[f["path"]]) if f["path"] in r.files else None,
+            }
+            for f in payload["files"]
+        ]
         self._reply(h, 200, {"files": files, "commitOid": r.sha})
 
     def _commit(self, h, repo, rev, head=False):
@@ -256,29 +273,50 @@ class FakeHub:
             elif item["key"] == "file":
                 files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
             elif item["key"] in ("deletedFile", "deletedFolder"):
-                files = {k: v for k, v in files.items() if k != item["value"]["path"]
-                         and not k.startswith(item["value"]["path"].rstrip("/") + "/")}
+                files = {
+                    k: v
+                    for k, v in files.items()
+                    if k != item["value"]["path"] and not k.startswith(item["value"]["path"].rstrip("/") + "/")
+                }
             else:  # lfsFile would need an LFS store: this hub always asked for regular uploads
                 return self._error(h, 400, f"fake hub: unsupported commit operation {item['key']}")
         oid = _sha1(r.sha.encode(), message.encode(), *[k.encode() + v for k, v in sorted(files.items())])
         with self.lock:
             r.commits.append(Commit(oid, message, files))
-        self._reply(h, 200, {"commitUrl": f"{self.url}/{repo}/commit/{oid}", "commitOid": oid,
-                             "pullRequestUrl": None, "success": True})
+        self._reply(
+            h,
+            200,
+            {"commitUrl": f"{self.url}/{repo}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None, "success": True},
+        )
 
     def _list_commits(self, h, repo, rev, head=False):
         r = self._repo_for_read(h, repo)
         if r is not None:
-            self._reply(h, 200, [{"id": c.oid, "title": c.message, "message": c.message, "authors": [],
-                                  "date": "2026-11-21T00:00:00.000Z"} for c in reversed(r.commits)])
+            self._reply(
+                h,
+                200,
+                [
+                    {
+                        "id": c.oid,
+                        "title": c.message,
+                        "message": c.message,
+                        "authors": [],
+                        "date": "2026-11-21T00:00:00.000Z",
+                    }
+                    for c in reversed(r.commits)
+                ],
+            )
 
     def _tree(self, h, repo, rev, sub=None, head=False):
         r = self._repo_for_read(h, repo)
         if r is None:
             return
         prefix = (sub or "").strip("/")
-        entries = [{"type": "file", "path": p, "size": len(b), "oid": _sha1(b"blob", b)} for p, b in sorted(r.files.items())
-                   if not prefix or p.startswith(prefix + "/")]
+        entries = [
+            {"type": "file", "path": p, "size": len(b), "oid": _sha1(b"blob", b)}
+            for p, b in sorted(r.files.items())
+            if not prefix or p.startswith(prefix + "/")
+        ]
         if prefix and not entries:
             return self._error(h, 404, f"{prefix} does not exist on main", "EntryNotFound")
         self._reply(h, 200, entries)
@@ -292,5 +330,14 @@ class FakeHub:
         if file not in r.files:
             return self._error(h, 404, "Entry not found", "EntryNotFound", head=head, extra={"X-Repo-Commit": r.sha})
         content = r.files[file]
-        self._reply(h, 200, content, {"X-Repo-Commit": r.sha, "ETag": f'"{_sha1(b"blob", content)}"',
-                                      "Content-Type": "application/octet-stream"}, head=head)
+        self._reply(
+            h,
+            200,
+            content,
+            {
+                "X-Repo-Commit": r.sha,
+                "ETag": f'"{_sha1(b"blob", content)}"',
+                "Content-Type": "application/octet-stream",
+            },
+            head=head,
+        )

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.training.arch_configs import (ARCHS, build_model, count_non_embedding_parameters, equal_size_configs,
-                                               kv_cache_elements, parse_parameter_count)
+from hf_symmetry.training.arch_configs import (
+    ARCHS,
+    build_model,
+    count_non_embedding_parameters,
+    equal_size_configs,
+    kv_cache_elements,
+    parse_parameter_count,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -28,7 +34,10 @@ def test_counts_agree_within_one_percent(size):
         assert count_non_embedding_parameters(cfg) == plan.parameters[arch]
         # same depth, width and FFN everywhere; d_h = 64 as in the paper
         assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (
-            plan.num_hidden_layers, plan.hidden_size, plan.configs["mha"].intermediate_size)
+            plan.num_hidden_layers,
+            plan.hidden_size,
+            plan.configs["mha"].intermediate_size,
+        )
         assert cfg.tie_word_embeddings
     assert abs(ref - parse_parameter_count(size)) / parse_parameter_count(size) < 0.3
     c = plan.configs

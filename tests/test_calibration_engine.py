@@ -52,14 +52,20 @@ def _hooked(model, adapter, batches, sites=IN_SITES):
         layer = model.get_submodule(adapter.layer_prefix(i).rstrip("."))
         handles.append(layer.register_forward_pre_hook(pre((i, "layer_in"))))
         handles.append(layer.register_forward_hook(post((i, "layer_out"))))
-        handles.append(layer.register_forward_pre_hook(
-            lambda _m, args, i=i: add((i, "normed:layer_in"), rms_normalised(args[0], adapter.eps))))
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda _m, args, i=i: add((i, "normed:layer_in"), rms_normalised(args[0], adapter.eps))
+            )
+        )
         for site in sites:
             if site in modules:
                 path, where = modules[site]
                 m = layer.get_submodule(path)
-                handles.append(m.register_forward_pre_hook(pre((i, site))) if where == "in"
-                               else m.register_forward_hook(post((i, site))))
+                handles.append(
+                    m.register_forward_pre_hook(pre((i, site)))
+                    if where == "in"
+                    else m.register_forward_hook(post((i, site)))
+                )
     try:
         with torch.no_grad():
             for b in batches:
@@ -95,10 +101,16 @@ def test_final_statistics_are_what_the_lm_head_reads(tmp_path):
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
     got = engine.collect(batches, StatsRequest(), final=StatsRequest(grams=("head_in", "final_in"))).final
     ref = {}
-    hooks = [model.lm_head.register_forward_pre_hook(lambda _m, a: ref.__setitem__("head", ref.get("head", 0) + (
-        a[0].reshape(-1, 48).T @ a[0].reshape(-1, 48)))),
-        model.model.norm.register_forward_pre_hook(lambda _m, a: ref.__setitem__("final", ref.get("final", 0) + (
-            a[0].reshape(-1, 48).T @ a[0].reshape(-1, 48))))]
+    hooks = [
+        model.lm_head.register_forward_pre_hook(
+            lambda _m, a: ref.__setitem__("head", ref.get("head", 0) + (a[0].reshape(-1, 48).T @ a[0].reshape(-1, 48)))
+        ),
+        model.model.norm.register_forward_pre_hook(
+            lambda _m, a: ref.__setitem__(
+                "final", ref.get("final", 0) + (a[0].reshape(-1, 48).T @ a[0].reshape(-1, 48))
+            )
+        ),
+    ]
     with torch.no_grad():
         for b in batches:
             model(input_ids=b)
@@ -115,8 +127,12 @@ def test_sequential_with_nothing_converted_equals_one_pass(tmp_path):
     request = StatsRequest(grams=("attn_in", "normed:ffn_norm_in"), sums=("down_in",))
     one_pass = engine.collect(batches, request)
     seen = []
-    sequential = engine.collect(batches, request | StatsRequest(cross=(("attn_in", "attn_in"),)),
-                                on_layer=lambda step: seen.append(step.index) or step.module, carry_original=True)
+    sequential = engine.collect(
+        batches,
+        request | StatsRequest(cross=(("attn_in", "attn_in"),)),
+        on_layer=lambda step: seen.append(step.index) or step.module,
+        carry_original=True,
+    )
     assert seen == [0, 1]
     for a, b in zip(one_pass.layers, sequential.layers):
         assert a.tokens == b.tokens == 96
@@ -142,15 +158,19 @@ def test_sequential_statistics_come_from_the_converted_model(tmp_path):
             new.mlp.down_proj.weight.mul_(0.5)
         return new if step.index == 0 else None
 
-    result = engine.collect(batches, StatsRequest(grams=("attn_in",), cross=(("attn_in", "attn_in"),)),
-                            on_layer=convert, carry_original=True)
+    result = engine.collect(
+        batches,
+        StatsRequest(grams=("attn_in",), cross=(("attn_in", "attn_in"),)),
+        on_layer=convert,
+        carry_original=True,
+    )
     original = _hooked(model, engine.adapter, batches, ("attn_in",))
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
     converted = _hooked(model, engine.adapter, batches, ("attn_in",))
-    assert _close(result.layers[0].grams["attn_in"], original[(0, "attn_in")])     # layer 0 sees the original
-    assert _close(result.layers[1].grams["attn_in"], converted[(1, "attn_in")])    # layer 1 the converted
-    assert not _close(converted[(1, "attn_in")], original[(1, "attn_in")], 1e-3)    # negative control
+    assert _close(result.layers[0].grams["attn_in"], original[(0, "attn_in")])  # layer 0 sees the original
+    assert _close(result.layers[1].grams["attn_in"], converted[(1, "attn_in")])  # layer 1 the converted
+    assert not _close(converted[(1, "attn_in")], original[(1, "attn_in")], 1e-3)  # negative control
     cross = result.layers[1].cross[("attn_in", "attn_in")]
     assert not _close(cross, original[(1, "attn_in")], 1e-3) and not _close(cross, converted[(1, "attn_in")], 1e-3)
 
@@ -162,7 +182,7 @@ def test_step_collect_measures_a_partly_converted_layer(tmp_path):
     run = engine.start(batches)
     step = next(run.layers(StatsRequest(grams=("down_in",))))
     with torch.no_grad():
-        step.module.mlp.up_proj.weight.mul_(2.0)   # a partial conversion of this very layer
+        step.module.mlp.up_proj.weight.mul_(2.0)  # a partial conversion of this very layer
     again = step.collect(StatsRequest(grams=("down_in",)))
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(2.0)
@@ -181,9 +201,12 @@ def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tm
     _saved("llama", tmp_path)
     batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     engine = CalibrationEngine(tmp_path, placement=F64, progress=False)
-    request = StatsRequest(grams=("down_in",), cross=(("down_in", "layer_out"), ("o_in", "ffn_norm_in"),
-                                                      ("normed:ffn_norm_in", "normed:ffn_norm_in")),
-                           joint=(("down_in", "ffn_norm_in"),), drift=(("down_in", "layer_out", "ffn_norm_in"),))
+    request = StatsRequest(
+        grams=("down_in",),
+        cross=(("down_in", "layer_out"), ("o_in", "ffn_norm_in"), ("normed:ffn_norm_in", "normed:ffn_norm_in")),
+        joint=(("down_in", "ffn_norm_in"),),
+        drift=(("down_in", "layer_out", "ffn_norm_in"),),
+    )
     for keep in (("ffn_norm_in",), ()):
         run = engine.start(batches, carry_original=True)
         for step in run.layers(StatsRequest(), keep_original=keep):
@@ -211,7 +234,7 @@ def test_released_step_collects_cross_statistics_from_the_kept_original_sites(tm
             with pytest.raises(RuntimeError, match="layer_in"):
                 step.collect(StatsRequest(cross=(("normed:layer_in", "normed:layer_in"),)), module=partial)
             if step.index == 0:
-                step.replace(partial)     # layer 1 then runs on a drifted stream
+                step.replace(partial)  # layer 1 then runs on a drifted stream
 
 
 def test_replaced_run_skips_the_original_layer_on_the_converted_stream(tmp_path):
@@ -261,10 +284,10 @@ def test_engine_reads_one_layer_at_a_time(tmp_path):
     for names in asked:
         layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
         assert len(layers) <= 1
-        if layers:   # one tensor at a time: the stored copy lives only until it is cast
+        if layers:  # one tensor at a time: the stored copy lives only until it is cast
             assert len(names) == 1
             read += names
-    assert sorted(read) == sorted(k for k in sd if k.startswith("model.layers."))   # each layer's, once
+    assert sorted(read) == sorted(k for k in sd if k.startswith("model.layers."))  # each layer's, once
     assert ["model.embed_tokens.weight"] in asked
     assert not any("lm_head.weight" in names for names in asked)
 
@@ -297,8 +320,14 @@ def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family
     kept in files for the second pass): the same tensors and ranks as FaRR on the whole set of
     input moments, and the files are gone afterwards."""
     from hf_symmetry.checkpoint import CheckpointReader
-    from hf_symmetry.conversion.farr import (FarrOptions, LayerWeights, attention_input_moments, calibrated_analysis,
-                                             farr_state_dict, run_farr)
+    from hf_symmetry.conversion.farr import (
+        FarrOptions,
+        LayerWeights,
+        attention_input_moments,
+        calibrated_analysis,
+        farr_state_dict,
+        run_farr,
+    )
     from hf_symmetry.conversion.stream import DictSink
 
     model = _saved(family, tmp_path / "m")
@@ -310,14 +339,14 @@ def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family
     store = LayerWeights(tmp_path / "spill")
     analysis = calibrated_analysis(tmp_path / "m", ids, options.paths, F64, store=store, window=20)
     assert len(list((tmp_path / "spill").glob("*.safetensors"))) == model.config.num_hidden_layers == len(store)
-    assert (store[0].root_aug is not None) == qk   # the query side's metric only where the score map is cut
+    assert (store[0].root_aug is not None) == qk  # the query side's metric only where the score map is cut
     reader = CheckpointReader(tmp_path / "m")
     sink = DictSink()
     _, report, _ = run_farr(reader, reader.config, options, sink, False, weights=store, analysis=analysis)
     store.close()
     assert not (tmp_path / "spill").exists()
     assert report.ranks == want_report.ranks and report.kept_energy == want_report.kept_energy
-    assert min(report.ranks["vo"]) < model.config.head_dim   # something was cut
+    assert min(report.ranks["vo"]) < model.config.head_dim  # something was cut
     got = dict(sink)
     assert set(got) == set(want) - {"lm_head.weight"} or set(got) == set(want)
     for k in got:
@@ -345,7 +374,7 @@ def test_cuda_statistics_equal_cpu(tmp_path, exact_rmsnorm):
     cpu = CalibrationEngine(tmp_path, placement=F64, progress=False).collect(batches, req)
     gpu = CalibrationEngine(tmp_path, placement=resolve("cuda", torch.float64), progress=False).collect(batches, req)
     for a, b in zip(cpu.layers, gpu.layers):
-        assert b.grams["attn_in"].device.type == "cpu"   # statistics come back to the host
+        assert b.grams["attn_in"].device.type == "cpu"  # statistics come back to the host
         for site in req.grams:
             assert _close(a.grams[site], b.grams[site], 1e-9)
         assert _close(a.sums["o_in"], b.sums["o_in"], 1e-9)
@@ -370,9 +399,16 @@ def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     merged = DictSink()
     # the recipe's calibration window, like FaRR's, fits the 60 tokens (its default is 256)
     recipe = recipe_from_dict({"merge_method": "regmean", "models": ["a", "b"], "calibration": {"seq_len": 20}})
-    run_merge([DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
-              [tiny_model("llama").config.to_dict()] * 2, ["a", "b"], recipe, merged,
-              calibration_ids=ids, progress=False, placement=placement)
+    run_merge(
+        [DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
+        [tiny_model("llama").config.to_dict()] * 2,
+        ["a", "b"],
+        recipe,
+        merged,
+        calibration_ids=ids,
+        progress=False,
+        placement=placement,
+    )
     return dict(sink), dict(merged)
 
 
@@ -382,7 +418,7 @@ def test_farr_and_regmean_calibrate_on_the_cuda_test_window(tmp_path, exact_rmsn
     _saved("llama", tmp_path / "m")
     farr, merged = _farr_and_regmean(tmp_path / "m", F64)
     assert farr and merged and all(t.device.type == "cpu" for t in (*farr.values(), *merged.values()))
-    assert set(tiny_model("llama").state_dict()) - {"lm_head.weight"} <= set(merged)   # (a tied head is not written)
+    assert set(tiny_model("llama").state_dict()) - {"lm_head.weight"} <= set(merged)  # (a tied head is not written)
 
 
 @pytest.mark.cuda
@@ -391,8 +427,10 @@ def test_cuda_farr_and_regmean_equal_cpu(tmp_path, exact_rmsnorm):
     """FaRR's eigendecompositions and SVDs and RegMean's Grams and solves on the GPU (float64) give the
     CPU's tensors, back on the CPU."""
     _saved("llama", tmp_path / "m")
-    out = {name: _farr_and_regmean(tmp_path / "m", placement)
-           for name, placement in (("cpu", F64), ("cuda", resolve("cuda", torch.float64)))}
+    out = {
+        name: _farr_and_regmean(tmp_path / "m", placement)
+        for name, placement in (("cpu", F64), ("cuda", resolve("cuda", torch.float64)))
+    }
     for cpu, gpu in zip(out["cpu"], out["cuda"]):
         for k in cpu:
             assert gpu[k].device.type == "cpu" and _close(gpu[k], cpu[k], 1e-9), k
@@ -430,7 +468,7 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
 
     model, ids = smol["model"], smol["ids"]
     adapter = Adapter.from_config(model.config.to_dict(), list(model.state_dict()))
-    batches = token_batches(ids, 512)   # to-tpa's and FaRR's windows: here one of 320 tokens
+    batches = token_batches(ids, 512)  # to-tpa's and FaRR's windows: here one of 320 tokens
     ref = _hooked(model, adapter, batches, ("attn_in", "o_in", "ffn_in", "down_in"))
     tpa = attention_input_grams(smol["dir"], ids, progress=False)
     moments = attention_input_moments(smol["dir"], ids)
@@ -451,8 +489,9 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
         G, s = ref[(i, "attn_in")], ref[(i, "attn_in", "sum")]
         aug.append(torch.cat([torch.cat([G, s[:, None]], 1), torch.cat([s, torch.tensor([float(n)])])[None]], 0))
     before, _ = convert_model_to_tpa(model, k_rank=1, v_rank=2, calib_grams=aug, progress=False)
-    report = convert_checkpoint_to_tpa(smol["dir"], tmp_path / "tpa", k_rank=1, v_rank=2, calib="britannica-calib",
-                                       calib_tokens=320, progress=False)
+    report = convert_checkpoint_to_tpa(
+        smol["dir"], tmp_path / "tpa", k_rank=1, v_rank=2, calib="britannica-calib", calib_tokens=320, progress=False
+    )
     assert report.calibrated and report.calib_tokens == 320
     after = load_file(tmp_path / "tpa" / "model.safetensors")
     sd = before.state_dict()

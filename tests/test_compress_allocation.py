@@ -30,9 +30,18 @@ def smollm2_shapes():
     """SmolLM2-135M's config and tensor names (a meta-device model: no weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                      rope_theta=100000.0, rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     config = cfg.to_dict()
@@ -43,8 +52,9 @@ def smollm2_shapes():
 
 def _uniform(smollm2_shapes, structure, ratio=0.25, embeddings=True):
     config, keys, dense_total = smollm2_shapes
-    options = C.CompressOptions(structure=structure, ratio=ratio, stage="w", allocation="sensitivity",
-                                compress_embeddings=embeddings)
+    options = C.CompressOptions(
+        structure=structure, ratio=ratio, stage="w", allocation="sensitivity", compress_embeddings=embeddings
+    )
     plan = C.plan_compression(config, keys, dense_total, None, options)
     entries = matrix_entries(config, keys, check_family(config, keys))
     return options, plan, entries
@@ -65,8 +75,9 @@ def _allocated(options, plan, entries, curves):
     return groups, chosen
 
 
-@pytest.mark.parametrize("structure, embeddings", [("lowrank", False), ("gs", False), ("kron", False),
-                                                   ("lowrank", True)])
+@pytest.mark.parametrize(
+    "structure, embeddings", [("lowrank", False), ("gs", False), ("kron", False), ("lowrank", True)]
+)
 def test_allocation_meets_the_budget_and_is_uniform_for_equal_sensitivity(smollm2_shapes, structure, embeddings):
     """Equal curves for all groups: the decoder layers get equal sizes (to one step of the grid); with
     the embedding compressed too, the budget is still met to 0.1 % of the model."""
@@ -80,7 +91,7 @@ def test_allocation_meets_the_budget_and_is_uniform_for_equal_sensitivity(smollm
     layer_params = [chosen[f"layers.{i}"].params for i in range(30)]
     g = next(g for g in groups if g.name == "layers.0")
     i = next(j for j, c in enumerate(g.choices) if c.params == chosen["layers.0"].params)
-    step = max(b.params - a.params for a, b in zip(g.choices[max(i - 2, 0):i + 3], g.choices[max(i - 1, 1):i + 3]))
+    step = max(b.params - a.params for a, b in zip(g.choices[max(i - 2, 0) : i + 3], g.choices[max(i - 1, 1) : i + 3]))
     assert max(layer_params) - min(layer_params) <= step, (layer_params, step)
 
 
@@ -99,7 +110,7 @@ def test_allocator_may_keep_a_layer_dense_and_refuses_an_impossible_budget():
     cheap = A.Group("a", ["a"], [A.Choice(0.1, 10, 1.0), A.Choice(0.5, 50, 0.6), A.Choice(1.0, 100, 0.0)])
     flat = A.Group("b", ["b"], [A.Choice(0.1, 10, 0.2), A.Choice(0.5, 50, 0.19), A.Choice(1.0, 100, 0.0)])
     chosen = A.allocate([cheap, flat], 110)
-    assert chosen["a"].keep == 1.0 and chosen["b"].keep == 0.1      # dense where it pays, by the same rule
+    assert chosen["a"].keep == 1.0 and chosen["b"].keep == 0.1  # dense where it pays, by the same rule
     with pytest.raises(ValueError, match="below the smallest allocation"):
         A.allocate([cheap, flat], 15)
 
@@ -140,10 +151,13 @@ def _slice_widths(smollm2_shapes, scale=None):
     options = C.CompressOptions(structure="slice", ratio=0.25, allocation="sensitivity")
     uniform = C.plan_compression(config, keys, dense_total, None, options)
     entries = matrix_entries(config, keys, check_family(config, keys))
-    curves = {name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in W.MEASURED_WIDTHS]
-              for name in W.slice_groups(30)}
-    widths, _, _ = W.allocate_slice(entries, 30, 576, True, uniform.accounting["target_params"], curves,
-                                    uniform.residual)
+    curves = {
+        name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in W.MEASURED_WIDTHS]
+        for name in W.slice_groups(30)
+    }
+    widths, _, _ = W.allocate_slice(
+        entries, 30, 576, True, uniform.accounting["target_params"], curves, uniform.residual
+    )
     keep = {f"segment{k}": w / 576 for k, w in enumerate(widths)}
     return uniform, C.plan_compression(config, keys, dense_total, None, options, keep=keep), widths
 
@@ -157,7 +171,7 @@ def test_slice_widths_meet_the_budget_and_are_uniform_for_equal_sensitivity(smol
     # instead of the next layer's q/k/v; the embedding for its 49152 rows): equal widths, to one grid step
     layer_widths = widths[1:-2]
     assert max(layer_widths) - min(layer_widths) <= 8, widths
-    assert widths[0] < min(layer_widths)                      # the embedding's width is 85x as expensive
+    assert widths[0] < min(layer_widths)  # the embedding's width is 85x as expensive
     assert allocated.residual_sizes == widths
 
 
@@ -200,15 +214,16 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
         return out[0] if isinstance(out, tuple) else out
 
     with torch.no_grad():
-        assert torch.allclose(first(full(x, position_embeddings=pos)), first(layer(x, position_embeddings=pos)),
-                              atol=1e-6)
+        assert torch.allclose(
+            first(full(x, position_embeddings=pos)), first(layer(x, position_embeddings=pos)), atol=1e-6
+        )
 
 
 # ----------------------------------------------------------------------------- preset
 def test_procrustesgpt_llama_preset_is_the_papers_configuration():
     """Embedding and head dense, V dense, q/k/o/gate/up/down at 75 % each; parameters removed are
     reported over the whole model."""
-    model = tiny_model("qwen2", dtype=torch.float32)      # untied head: it stays dense too
+    model = tiny_model("qwen2", dtype=torch.float32)  # untied head: it stays dense too
     options = C.CompressOptions.preset("procrustesgpt-llama", structure="lowrank", stage="none")
     assert not options.compress_embeddings and options.dense_modules == ("v",) and options.matrix_keep == 0.75
     plan, _ = C.plan_for(_source(model), model.config.to_dict(), options)
@@ -220,7 +235,7 @@ def test_procrustesgpt_llama_preset_is_the_papers_configuration():
     acc = plan.accounting
     assert acc["ratio_over_model"] == pytest.approx(1 - acc["compressed_model_params"] / dense)
     assert acc["target_ratio"] is None
-    assert acc["target_params"] == acc["compressed_model_params"]     # what an allocation of the preset must meet
+    assert acc["target_params"] == acc["compressed_model_params"]  # what an allocation of the preset must meet
     assert "matrix_keep" in options.applicable() and "ratio" not in options.applicable()
 
 
@@ -249,21 +264,27 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     root = tmp_path / "out"
     common = ["--calib", str(calib), "--calib-seq-len", "64", "--f-iters", "1", "--quiet"]
-    runs = {"preset": ["--preset", "procrustesgpt-llama", "--structure", "gs", "--stage", "f"],
-            "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"],
-            "slice-sensitivity": ["--structure", "slice", "--allocation", "sensitivity", "--ratio", "0.3"]}
+    runs = {
+        "preset": ["--preset", "procrustesgpt-llama", "--structure", "gs", "--stage", "f"],
+        "lowrank-sensitivity": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.3"],
+        "slice-sensitivity": ["--structure", "slice", "--allocation", "sensitivity", "--ratio", "0.3"],
+    }
     for name, flags in runs.items():
         assert main(["compress", str(tiny_dir), str(root / name), *flags, *common]) == 0, name
     assert "--ratio does not apply" not in capsys.readouterr().err
-    assert main(["compress", str(tiny_dir), str(root / "bad"), "--preset", "procrustesgpt-llama", "--ratio", "0.3",
-                 *common]) == 2
+    assert (
+        main(
+            ["compress", str(tiny_dir), str(root / "bad"), "--preset", "procrustesgpt-llama", "--ratio", "0.3", *common]
+        )
+        == 2
+    )
     assert "--ratio does not apply" in capsys.readouterr().err and not (root / "bad").exists()
     acc = json.loads((root / "lowrank-sensitivity" / "compression_report.json").read_text())["accounting"]
     assert acc["allocation"] == "sensitivity" and set(acc["allocation_report"]["groups"]) >= {"layers.0", "layers.1"}
     assert acc["compressed_model_params"] == acc["compressed_model_params_counted"]
     assert acc["allocation_report"]["allocated"] <= acc["allocation_report"]["budget"]
     widths = json.loads((root / "slice-sensitivity" / "config.json").read_text())["residual_sizes"]
-    assert len(set(widths)) > 1, widths                 # the remote-code load below sees varying widths
+    assert len(set(widths)) > 1, widths  # the remote-code load below sees varying widths
     sliced = json.loads((root / "slice-sensitivity" / "compression_report.json").read_text())["accounting"]
     assert sliced["compressed_model_params"] == sliced["compressed_model_params_counted"]
     assert sliced["allocation_report"]["widths"] == widths
@@ -275,8 +296,15 @@ def test_preset_and_allocations_load_as_remote_code_without_hf_symmetry(tiny_dir
     ids = input_ids(batch=1, length=12)[0]
     save_file({"ids": ids.contiguous()}, str(tmp_path / "ids.safetensors"))
     out = str(tmp_path / "logits")
-    meta = run_without_hf_symmetry(ISOLATED_LOADER, tmp_path, timeout=600, FOLDER=str(root), NAMES=list(runs),
-                                   IDS=str(tmp_path / "ids.safetensors"), OUTPUT=out)
+    meta = run_without_hf_symmetry(
+        ISOLATED_LOADER,
+        tmp_path,
+        timeout=600,
+        FOLDER=str(root),
+        NAMES=list(runs),
+        IDS=str(tmp_path / "ids.safetensors"),
+        OUTPUT=out,
+    )
     assert meta["imported"] is False
     for name in runs:
         assert meta[name].startswith("transformers_modules."), name

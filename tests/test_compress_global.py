@@ -17,15 +17,25 @@ from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.symmetry.segments import solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
 
-SV = importlib.import_module("hf_symmetry.conversion.compress.solve")   # the module (the package exports solve())
+SV = importlib.import_module("hf_symmetry.conversion.compress.solve")  # the module (the package exports solve())
 
 
 def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama"):
     model = tiny_model(family)
     config = model.config.to_dict()
-    options = C.CompressOptions(structure=structure, ratio=0.3, stage=stage, q_mode="global", f_iters=3,
-                                w_iters=3, als_iters=2, wopp_iters=10, tolerance=1.0, solver_dtype=solver_dtype,
-                                calib_seq_len=40)
+    options = C.CompressOptions(
+        structure=structure,
+        ratio=0.3,
+        stage=stage,
+        q_mode="global",
+        f_iters=3,
+        w_iters=3,
+        als_iters=2,
+        wopp_iters=10,
+        tolerance=1.0,
+        solver_dtype=solver_dtype,
+        calib_seq_len=40,
+    )
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     plan, adapter = C.plan_for(src, config, options)
     calib = input_ids(batch=1, length=120, seed=5)[0]
@@ -38,9 +48,16 @@ def _held(plan, layers, globals_, stats, stage, options, iters):
     """The whole problem in memory, solved at once (the reference)."""
     segments = SV._terms(plan, layers, globals_, stats, stage, options)
     terms = [t for seg, _ in segments for t in seg]
-    res = solve_segment(terms, torch.eye(plan.hidden, dtype=torch.float64), iters, options.als_iters,
-                        options.wopp_iters, dtype=getattr(torch, options.solver_dtype), keep_weights=False,
-                        **options.stopping(stage))
+    res = solve_segment(
+        terms,
+        torch.eye(plan.hidden, dtype=torch.float64),
+        iters,
+        options.als_iters,
+        options.wopp_iters,
+        dtype=getattr(torch, options.solver_dtype),
+        keep_weights=False,
+        **options.stopping(stage),
+    )
     factors, rel = {}, {}
     SV._keep(terms, res.Q, factors, rel)
     return res.Q, factors, res.trace
@@ -57,13 +74,25 @@ def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure
     src.get = lambda names: (reads.extend(names), get(names))[1]
     factors, rel = {}, {}
     segments_done = []
-    Qs, traces = SV._solve_stage(plan, layers, globals_, stats, stage, options,
-                                 [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments, iters, "t", False,
-                                 factors, rel, on_segment=lambda k, Qs, f: segments_done.append(k))
-    assert segments_done == list(range(plan.n_segments))       # each segment handed on once final
+    Qs, traces = SV._solve_stage(
+        plan,
+        layers,
+        globals_,
+        stats,
+        stage,
+        options,
+        [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
+        iters,
+        "t",
+        False,
+        factors,
+        rel,
+        on_segment=lambda k, Qs, f: segments_done.append(k),
+    )
+    assert segments_done == list(range(plan.n_segments))  # each segment handed on once final
     assert torch.allclose(Qs[0], Q_ref, atol=1e-9, rtol=0)
     if iters:
-        assert not torch.allclose(Q_ref, torch.eye(plan.hidden, dtype=torch.float64), atol=1e-3)   # it did rotate
+        assert not torch.allclose(Q_ref, torch.eye(plan.hidden, dtype=torch.float64), atol=1e-3)  # it did rotate
     assert set(factors) == set(f_ref)
     for name, f in f_ref.items():
         for a, b in zip(factors[name], f):
@@ -85,9 +114,20 @@ def test_streamed_global_solve_in_float32_iterations_matches_closely():
     plan, layers, globals_, stats, options, src = _setup("kron", "w", "float32")
     Q_ref, f_ref, trace_ref = _held(plan, layers, globals_, stats, "w", options, options.w_iters)
     factors, rel = {}, {}
-    Qs, traces = SV._solve_stage(plan, layers, globals_, stats, "w", options,
-                                 [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments, options.w_iters,
-                                 "t", False, factors, rel)
+    Qs, traces = SV._solve_stage(
+        plan,
+        layers,
+        globals_,
+        stats,
+        "w",
+        options,
+        [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
+        options.w_iters,
+        "t",
+        False,
+        factors,
+        rel,
+    )
     assert float((Qs[0] - Q_ref).abs().max()) < 1e-4
     assert traces["global"][-1] == pytest.approx(trace_ref[-1], rel=1e-4)
 
@@ -100,7 +140,7 @@ def test_global_stage_f_before_stage_w_keeps_no_factors(monkeypatch):
     monkeypatch.setattr(SV, "_keep", lambda terms, *a, **k: (kept.extend(t.name for t in terms), real(terms, *a, **k)))
     res = SV.solve(plan, layers, globals_, stats, options, progress=False)
     compressed = [m.name for m in plan.matrices if m.compressed]
-    assert sorted(kept) == sorted(compressed)          # once each: stage W's, none of stage F's
+    assert sorted(kept) == sorted(compressed)  # once each: stage W's, none of stage F's
     assert set(res.factors) == set(compressed)
 
 
@@ -114,8 +154,17 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
 
     model = tiny_model("llama", num_hidden_layers=3)
     config = model.config.to_dict()
-    options = C.CompressOptions(structure="kron", ratio=0.3, stage="w", f_iters=2, w_iters=2, als_iters=2,
-                                wopp_iters=5, tolerance=1.0, calib_seq_len=40)
+    options = C.CompressOptions(
+        structure="kron",
+        ratio=0.3,
+        stage="w",
+        f_iters=2,
+        w_iters=2,
+        als_iters=2,
+        wopp_iters=5,
+        tolerance=1.0,
+        calib_seq_len=40,
+    )
     assert options.statistics_on_demand
     assert not C.CompressOptions(structure="kron", q_mode="global").statistics_on_demand
     assert not C.CompressOptions(structure="kron", sequential=True).statistics_on_demand
@@ -135,13 +184,14 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         def release_segment(j):
             held.append(sum(x is not None for x in stats.mlp_hidden.items))
             release(j)
+
         stats.release_segment = release_segment
         return stats
 
     monkeypatch.setattr(MO, "one_pass_on_demand", watched)
     out, _, report = compress_tensors(src, config, options, calib_ids=calib, progress=False)
-    assert len(held) == 2 * model.config.num_hidden_layers + 1     # every segment released once solved
-    assert max(held) == 1                                          # one layer's FFN moments at a time
+    assert len(held) == 2 * model.config.num_hidden_layers + 1  # every segment released once solved
+    assert max(held) == 1  # one layer's FFN moments at a time
     assert report.calibration_tokens == eager.tokens
     assert set(out) == set(ref)
     for k in ref:

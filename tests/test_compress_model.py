@@ -40,8 +40,9 @@ def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=tor
     else:
         Qs = [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg
     counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))  # stage F's token weights
-    state, cfg, _ = C.compress_tensors(src, config, options, dtype=dtype, progress=False, plan=plan,
-                                       hf_config=model.config, rotations=Qs, stats=counts)
+    state, cfg, _ = C.compress_tensors(
+        src, config, options, dtype=dtype, progress=False, plan=plan, hf_config=model.config, rotations=Qs, stats=counts
+    )
     return C.build_model(state, cfg, dtype)[0], cfg
 
 
@@ -76,8 +77,9 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     plan.residual = plan.hidden
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
-    state, cfg, _ = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
-                                       progress=False, plan=plan, hf_config=model.config)
+    state, cfg, _ = C.compress_tensors(
+        src, config, options, calib_ids=calib, dtype=torch.float64, progress=False, plan=plan, hf_config=model.config
+    )
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ids = input_ids()
     assert (outputs(compressed, ids) - outputs(model, ids)).abs().max().item() <= 1e-9
@@ -109,16 +111,22 @@ def _walk(model, calib, replace=lambda k, seq: []):
     in place of the segment solves; also the one-pass statistics of the original model."""
     config = model.config.to_dict()
     placement = _placement64()
-    seq = C.sequential_weighted(C.CalibrationInput(_source(model), config, calib, 40, placement),
-                                torch.ones(config["vocab_size"], dtype=torch.float64), True, replace,
-                                progress=False)
-    ref = C.collect_statistics(_source(model), config, calib, 40, want_normed=True, want_stream=False,
-                               placement=placement, progress=False)
+    seq = C.sequential_weighted(
+        C.CalibrationInput(_source(model), config, calib, 40, placement),
+        torch.ones(config["vocab_size"], dtype=torch.float64),
+        True,
+        replace,
+        progress=False,
+    )
+    ref = C.collect_statistics(
+        _source(model), config, calib, 40, want_normed=True, want_stream=False, placement=placement, progress=False
+    )
     return seq, ref
 
 
-@pytest.mark.parametrize("family,kwargs", [("llama", {}), ("qwen2", {}),
-                                           ("llama", dict(attention_bias=True, mlp_bias=True))])
+@pytest.mark.parametrize(
+    "family,kwargs", [("llama", {}), ("qwen2", {}), ("llama", dict(attention_bias=True, mlp_bias=True))]
+)
 def test_sequential_walk_of_the_uncompressed_model_measures_the_one_pass_statistics(family, kwargs, exact_rmsnorm):
     """Nothing replaced: the calibration engine's sequential mode, each layer run as the family's own
     module with its norms folded (RoPE, GQA, biases, ragged batches 40+40+30), gives the statistics of
@@ -135,8 +143,8 @@ def test_sequential_walk_of_the_uncompressed_model_measures_the_one_pass_statist
         for a, b in zip(getattr(seq, name), getattr(ref, name)):
             assert _rel(a, b) < 1e-10, name
     for a, b in zip(seq.normed_cross, ref.normed):
-        assert _rel(a, b) < 1e-10                   # the original model alongside: the same activations
-    _assert_targets_are_own_outputs(model, seq)    # ... and the same residual stream
+        assert _rel(a, b) < 1e-10  # the original model alongside: the same activations
+    _assert_targets_are_own_outputs(model, seq)  # ... and the same residual stream
 
 
 def _writers(model, i):
@@ -173,9 +181,9 @@ def test_sequential_walk_measures_the_model_with_replaced_matrices(exact_rmsnorm
 
     seq, ref = _walk(model, calib, replace)
     assert _rel(seq.normed[0], ref.normed[0]) < 1e-10
-    assert _rel(seq.attn_out[0], ref.attn_out[0]) > 1e-2          # q scaled: other attention patterns
+    assert _rel(seq.attn_out[0], ref.attn_out[0]) > 1e-2  # q scaled: other attention patterns
     assert _rel(seq.normed[1], ref.normed[1]) > 1e-2
-    assert _rel(seq.normed[2], ref.normed[2]) > 1e-2              # o negated from segment 1 on
+    assert _rel(seq.normed[2], ref.normed[2]) > 1e-2  # o negated from segment 1 on
     # the targets are the original model's outputs (and stream), no longer the partly replaced model's own
     o, down = (w.weight.detach().T.double() for w in _writers(model, 0).values())
     assert _rel(seq.attn_out_target[0], seq.attn_out[0] @ o) > 1e-2
@@ -187,26 +195,41 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
     have exactly the second moments the solve used — and not those of the original model."""
     model = tiny_model("llama")
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="gs", ratio=0.25, stage="w", sequential=True, f_iters=1, w_iters=2, als_iters=2,
-                                wopp_iters=10, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(
+        structure="gs",
+        ratio=0.25,
+        stage="w",
+        sequential=True,
+        f_iters=1,
+        w_iters=2,
+        als_iters=2,
+        wopp_iters=10,
+        calib_seq_len=40,
+        tolerance=1.0,
+    )
     plan, adapter, layers, globals_, gamma, calib_input = _walk_setup(model, options, calib, 40)
-    one_pass = C.collect_statistics(_source(model), model.config.to_dict(), calib, 40, want_normed=True,
-                                   want_stream=False, progress=False)
+    one_pass = C.collect_statistics(
+        _source(model), model.config.to_dict(), calib, 40, want_normed=True, want_stream=False, progress=False
+    )
     res = C.solve(plan, layers, globals_, one_pass, options, progress=False, calib=calib_input)
     state = C.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
-    compressed = C.build_model(state, C.compressed_config(model.config.to_dict(), plan, options, model.config),
-                               torch.float64)[0]
+    compressed = C.build_model(
+        state, C.compressed_config(model.config.to_dict(), plan, options, model.config), torch.float64
+    )[0]
     acc = {}
 
     def hook(key):
         def fn(_module, args):
             x = args[0].reshape(-1, args[0].shape[-1])
             acc[key] = acc.get(key, 0) + x.T @ x
+
         return fn
 
-    handles = [getattr(layer, part).get_submodule(proj).register_forward_pre_hook(hook((i, proj)))
-               for i, layer in enumerate(compressed.model.layers)
-               for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))]
+    handles = [
+        getattr(layer, part).get_submodule(proj).register_forward_pre_hook(hook((i, proj)))
+        for i, layer in enumerate(compressed.model.layers)
+        for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))
+    ]
     with torch.no_grad():
         for batch in C.token_sequences(calib, 40):
             compressed(input_ids=batch[None])
@@ -226,16 +249,37 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
     model = tiny_model("llama")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure=structure, ratio=0.25, stage="w", sequential=True, match_original=match,
-                                f_iters=1, w_iters=2, als_iters=2, wopp_iters=10, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(
+        structure=structure,
+        ratio=0.25,
+        stage="w",
+        sequential=True,
+        match_original=match,
+        f_iters=1,
+        w_iters=2,
+        als_iters=2,
+        wopp_iters=10,
+        calib_seq_len=40,
+        tolerance=1.0,
+    )
     src = _source(model)
     plan = _full_rank(C.plan_for(src, config, options)[0])
     Qs = [haar_orthogonal(plan.hidden, rng(0, k)) for k in range(2 * plan.n_layers + 1)]
-    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
-                                            progress=False, plan=plan, hf_config=model.config,
-                                            rotations=Qs if structure == "gs" else None, placement=_placement64())
-    assert report.options["sequential"] and any(k.startswith("W/segment") or k.startswith("segment")
-                                                for k in report.objective)
+    state, cfg, report = C.compress_tensors(
+        src,
+        config,
+        options,
+        calib_ids=calib,
+        dtype=torch.float64,
+        progress=False,
+        plan=plan,
+        hf_config=model.config,
+        rotations=Qs if structure == "gs" else None,
+        placement=_placement64(),
+    )
+    assert report.options["sequential"] and any(
+        k.startswith("W/segment") or k.startswith("segment") for k in report.objective
+    )
     ids = input_ids()
     ref = outputs(model, ids)
     err = (outputs(C.build_model(state, cfg, torch.float64)[0], ids) - ref).abs().max() / ref.abs().max()
@@ -271,14 +315,14 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(300)))
-    options = C.CompressOptions(structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1,
-                                w_iters=1, tolerance=0.1)
+    options = C.CompressOptions(
+        structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1, w_iters=1, tolerance=0.1
+    )
     reader = CheckpointReader(tiny_dir)
     assert solve_mod.TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
     C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calib, progress=False)
     ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=options.calib_tokens)
-    state, _, _ = C.compress_tensors(reader, reader.config, options, calib_ids=ids, dtype=torch.float32,
-                                     progress=False)
+    state, _, _ = C.compress_tensors(reader, reader.config, options, calib_ids=ids, dtype=torch.float32, progress=False)
     written = CheckpointReader(tmp_path / "out")
     row_factor = {"lowrank": "lr_u", "gs": "gs_left", "kron": "kron_b"}[structure]
     assert set(written.keys()) == set(state) and any(k.endswith(row_factor) and "embed" in k for k in state)
@@ -298,8 +342,7 @@ def _whole_reader_moments(segment, stats, damping, device, matched):
 @pytest.mark.parametrize("structure", ["lowrank", "gs", "kron"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("sequential", [False, True])
-def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied, structure, monkeypatch,
-                                                               exact_rmsnorm):
+def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied, structure, monkeypatch, exact_rmsnorm):
     """What keeps low rank (and GS and Kronecker embeddings, whose rows are free) flat in depth changes
     no tensor: the
     embedding and an untied head solved on
@@ -316,8 +359,16 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     model = tiny_model("llama", tie_word_embeddings=tied)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure=structure, ratio=0.25, stage="w", sequential=sequential,
-                                calib_seq_len=40, tolerance=1.0, f_iters=0, w_iters=0)
+    options = C.CompressOptions(
+        structure=structure,
+        ratio=0.25,
+        stage="w",
+        sequential=sequential,
+        calib_seq_len=40,
+        tolerance=1.0,
+        f_iters=0,
+        w_iters=0,
+    )
     # (GS at Q = I: with rotation steps the round-off of a Gram summed by blocks is amplified by the
     # rotation search's line search to ~1e-4 relative, the same objective reached by another path)
     ms = C.plan_for(_source(model), config, options)[0].by_name()
@@ -335,19 +386,26 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     def segment_done(self, k, Qs, f, _orig=C.Assembler.segment_done):
         streamed.append(k)
         _orig(self, k, Qs, f)
-        live.append(sum(Q is not None for Q in Qs))     # rotations still held once segment k is written
+        live.append(sum(Q is not None for Q in Qs))  # rotations still held once segment k is written
 
     monkeypatch.setattr(C.Assembler, "segment_done", segment_done)
 
     def run(**changes):
-        state, _, report = C.compress_tensors(_source(model), config, options.with_(**changes), calib_ids=calib,
-                                              dtype=torch.float64, progress=False, hf_config=model.config,
-                                              placement=_placement64())
+        state, _, report = C.compress_tensors(
+            _source(model),
+            config,
+            options.with_(**changes),
+            calib_ids=calib,
+            dtype=torch.float64,
+            progress=False,
+            hf_config=model.config,
+            placement=_placement64(),
+        )
         return state, report
 
     new, report = run()
     assert streamed == list(range(2 * config["num_hidden_layers"] + 1))
-    assert max(live) <= 3, live    # flat in depth: those of written layers released (segment 0 kept: tied head)
+    assert max(live) <= 3, live  # flat in depth: those of written layers released (segment 0 kept: tied head)
     with monkeypatch.context() as mp:
         mp.setattr(folded_mod.FoldedGlobals, "__getitem__", whole_read)
         mp.setattr(solve_mod.TallTerm, "applies", staticmethod(lambda m: False))
@@ -384,8 +442,8 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
     G0 = G.clone()
     got, metric = C.matched_target(m, M, stats, damping=0.05, consume=True)
     if reader:
-        assert metric is None and stats.normed == [G] and torch.equal(G, G0)   # shared by the segment's readers
-    else:   # a writer's statistics are consumed and its moments damped in place: they are its row metric
+        assert metric is None and stats.normed == [G] and torch.equal(G, G0)  # shared by the segment's readers
+    else:  # a writer's statistics are consumed and its moments damped in place: they are its row metric
         assert getattr(stats, key) == [None] and getattr(stats, key + "_target") == [None]
         assert metric is G and torch.allclose(metric, G0 + 0.05 * G0.diagonal().mean() * torch.eye(k), atol=1e-15)
     lam = (n * 0.05 * G0.diagonal().mean()).sqrt()
@@ -393,7 +451,7 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
     target, prior = (X @ M.T, M.T) if reader else (X @ M + D, M)
     want = torch.linalg.lstsq(A, torch.cat([target, lam * prior])).solution
     assert torch.allclose(got, want.T if reader else want, atol=1e-10)
-    if not reader:    # a reducible writer's target by an in-place Cholesky solve, and only Mᵀ Gd M of its weight
+    if not reader:  # a reducible writer's target by an in-place Cholesky solve, and only Mᵀ Gd M of its weight
         Gd = G0 + 0.05 * G0.diagonal().mean() * torch.eye(k, dtype=torch.float64)
         fresh = lambda G: C.CalibrationStats(n, torch.ones(3), **{key: [G], key + "_target": [Xh.T @ (X @ M + D) / n]})  # noqa: E731
         got2, P = C.matched_target(m, M, fresh(G0.clone()), damping=0.05, consume=True, rows_gram=True)
@@ -416,8 +474,18 @@ def test_equal_ratios_give_equal_model_sizes(q_mode):
     ids = input_ids(batch=1, length=10)
     totals = {}
     for structure in ("kron", "gs", "lowrank", "slice"):
-        options = C.CompressOptions(structure=structure, ratio=0.3, stage="w", q_mode=q_mode, f_iters=1,
-                                    w_iters=2, als_iters=2, calib_seq_len=40, tolerance=0.05, wopp_iters=10)
+        options = C.CompressOptions(
+            structure=structure,
+            ratio=0.3,
+            stage="w",
+            q_mode=q_mode,
+            f_iters=1,
+            w_iters=2,
+            als_iters=2,
+            calib_seq_len=40,
+            tolerance=0.05,
+            wopp_iters=10,
+        )
         compressed, report = C.compress_model(model, options, calib_ids=calib)
         acc = report.accounting
         # parameter counts from the module shapes agree with the plan
@@ -436,7 +504,7 @@ def test_ratio_is_reported_per_matrix_and_over_the_model():
     compressed, report = C.compress_model(model, options)
     acc = report.accounting
     per = acc["per_matrix"]
-    assert per["layers.0.v_proj"]["ratio"] == 0                     # V stays dense, as in the paper
+    assert per["layers.0.v_proj"]["ratio"] == 0  # V stays dense, as in the paper
     assert all(0.2 < per[f"layers.0.{m}"]["ratio"] < 0.3 for m in ("q_proj", "o_proj", "down_proj"))
     assert sum(p.numel() for p in compressed.parameters()) == acc["compressed_model_params"]
     dense = sum(p.numel() for p in model.parameters())
@@ -446,14 +514,17 @@ def test_ratio_is_reported_per_matrix_and_over_the_model():
 
 
 # ----------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(ratio=0.995), "cannot be met|meets ratio"),
-    (dict(ratio=1.5), "ratio must be in"),
-    (dict(ratio=0.0), "ratio must be in"),
-    (dict(structure="kron", kron_factor=5), "does not divide"),
-    (dict(structure="gs", gs_blocks=(5, 4)), "do not divide"),
-    (dict(structure="tucker"), "unknown structure"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(ratio=0.995), "cannot be met|meets ratio"),
+        (dict(ratio=1.5), "ratio must be in"),
+        (dict(ratio=0.0), "ratio must be in"),
+        (dict(structure="kron", kron_factor=5), "does not divide"),
+        (dict(structure="gs", gs_blocks=(5, 4)), "do not divide"),
+        (dict(structure="tucker"), "unknown structure"),
+    ],
+)
 def test_impossible_requests_are_refused_by_the_plan(kwargs, match):
     model = tiny_model("llama", dtype=torch.float32)
     options = C.CompressOptions(**{"stage": "none", **kwargs})
@@ -461,10 +532,10 @@ def test_impossible_requests_are_refused_by_the_plan(kwargs, match):
         C.plan_for(_source(model), model.config.to_dict(), options)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "smollm3"])   # smollm3: NoPE layers (qwen3: supported)
+@pytest.mark.parametrize("family", ["gpt2", "bert", "smollm3"])  # smollm3: NoPE layers (qwen3: supported)
 def test_unsupported_families_are_refused(family):
     model = tiny_model(family, dtype=torch.float32)
-    with pytest.raises(ValueError, match="compress: "):   # the capability's structural reason
+    with pytest.raises(ValueError, match="compress: "):  # the capability's structural reason
         C.plan_for(_source(model), model.config.to_dict(), C.CompressOptions(stage="none"))
 
 
@@ -497,9 +568,34 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     out = tmp_path / "kron"
-    assert main(["compress", str(tiny_dir), str(out), "--structure", "kron", "--ratio", "0.25", "--stage", "w",
-                 "--f-iters", "2", "--w-iters", "2", "--calib", str(calib), "--calib-seq-len", "64", "--quiet", "--no-verify",
-                 "--json", str(tmp_path / "summary.json")]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(tiny_dir),
+                str(out),
+                "--structure",
+                "kron",
+                "--ratio",
+                "0.25",
+                "--stage",
+                "w",
+                "--f-iters",
+                "2",
+                "--w-iters",
+                "2",
+                "--calib",
+                str(calib),
+                "--calib-seq-len",
+                "64",
+                "--quiet",
+                "--no-verify",
+                "--json",
+                str(tmp_path / "summary.json"),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "removed from the model" in text
     cfg = json.loads((out / "config.json").read_text())
@@ -510,8 +606,10 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     assert report["accounting"]["compressed_model_params"] == report["accounting"]["compressed_model_params_counted"]
     assert (out / "README.md").is_file()
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
-    assert sum(p.numel() for p in model.parameters()) + 2 * 2 * cfg["hidden_size"] == \
-        report["accounting"]["compressed_model_params"]    # + the skip signs (buffers)
+    assert (
+        sum(p.numel() for p in model.parameters()) + 2 * 2 * cfg["hidden_size"]
+        == report["accounting"]["compressed_model_params"]
+    )  # + the skip signs (buffers)
     ids = input_ids(batch=1, length=8)
     assert model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape == (1, 11)
     # refusing to overwrite
@@ -519,9 +617,15 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     assert "not empty" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--structure", "kron", "--sequential"], ["--structure", "gs", "--ratio", "0.29"],
-                                   ["--structure", "lowrank", "--sequential"],
-                                   ["--structure", "slice", "--q-mode", "segment", "--sequential"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--structure", "kron", "--sequential"],
+        ["--structure", "gs", "--ratio", "0.29"],
+        ["--structure", "lowrank", "--sequential"],
+        ["--structure", "slice", "--q-mode", "segment", "--sequential"],
+    ],
+)
 def test_compress_never_loads_the_whole_source_model(flags, tiny_dir, tmp_path, capsys, monkeypatch):
     """Calibration (one pass or sequential), solve and assembly read the checkpoint layer by layer: no
     model class is ever instantiated from the source folder (``from_pretrained`` fails here); the
@@ -531,8 +635,23 @@ def test_compress_never_loads_the_whole_source_model(flags, tiny_dir, tmp_path, 
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     out = tmp_path / "out"
-    common = [str(tiny_dir), str(out), "--stage", "w", "--f-iters", "1", "--w-iters", "2", "--calib", str(calib),
-              "--calib-seq-len", "64", "--quiet", "--no-verify", *flags]
+    common = [
+        str(tiny_dir),
+        str(out),
+        "--stage",
+        "w",
+        "--f-iters",
+        "1",
+        "--w-iters",
+        "2",
+        "--calib",
+        str(calib),
+        "--calib-seq-len",
+        "64",
+        "--quiet",
+        "--no-verify",
+        *flags,
+    ]
     if "--sequential" in flags and "kron" in flags:
         assert main(["compress", *common, "--q-mode", "global"]) == 2
         assert "sequential calibration applies" in capsys.readouterr().err and not out.exists()
@@ -547,7 +666,7 @@ def test_compress_never_loads_the_whole_source_model(flags, tiny_dir, tmp_path, 
     if "--sequential" in flags and "slice" not in flags:
         assert report["options"]["match_original"]
         assert any(k.startswith(("W/segment", "segment")) for k in report["objective"])
-    with pytest.raises(AssertionError, match="loaded a whole model"):     # the patch does catch a load
+    with pytest.raises(AssertionError, match="loaded a whole model"):  # the patch does catch a load
         transformers.AutoModelForCausalLM.from_pretrained(tiny_dir)
 
 
@@ -566,29 +685,67 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
     pushed = []
 
     def fake_push(folder, repo_id, private=False, progress=True):
-        card = ModelCard.load(os.path.join(folder, "README.md"))      # the card is there before the push
+        card = ModelCard.load(os.path.join(folder, "README.md"))  # the card is there before the push
         pushed.append((str(folder), repo_id, private, card.data.hf_symmetry["kind"]))
-        return SimpleNamespace(files=["README.md"], bytes=1, commit_url=f"https://hub/{repo_id}/commit/1",
-                               as_dict=lambda: {"repo_id": repo_id})
+        return SimpleNamespace(
+            files=["README.md"],
+            bytes=1,
+            commit_url=f"https://hub/{repo_id}/commit/1",
+            as_dict=lambda: {"repo_id": repo_id},
+        )
 
-    monkeypatch.setattr(hub_push, "resolve_token", lambda token=None: "token")   # no token nor network in tests
+    monkeypatch.setattr(hub_push, "resolve_token", lambda token=None: "token")  # no token nor network in tests
     monkeypatch.setattr(hub_push, "check_online", lambda: None)
     monkeypatch.setattr(hub_push, "push_folder", fake_push)
     calib, held = tmp_path / "calib.txt", tmp_path / "eval.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     held.write_text(" ".join(str((11 * i + 5) % 97) for i in range(300)))
     out = tmp_path / "kron-global"
-    assert main(["compress", str(tiny_dir), str(out), "--structure", "kron", "--ratio", "0.28", "--stage", "f", "--q-mode", "global",
-                 "--f-iters", "1", "--w-iters", "2", "--calib", str(calib), "--calib-seq-len", "64", "--text", str(held),
-                 "--tokens", "16", "--ppl-tokens", "256", "--quiet", "--push-to-hub", "user/compressed", "--private",
-                 "--json", str(tmp_path / "summary.json")]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(tiny_dir),
+                str(out),
+                "--structure",
+                "kron",
+                "--ratio",
+                "0.28",
+                "--stage",
+                "f",
+                "--q-mode",
+                "global",
+                "--f-iters",
+                "1",
+                "--w-iters",
+                "2",
+                "--calib",
+                str(calib),
+                "--calib-seq-len",
+                "64",
+                "--text",
+                str(held),
+                "--tokens",
+                "16",
+                "--ppl-tokens",
+                "256",
+                "--quiet",
+                "--push-to-hub",
+                "user/compressed",
+                "--private",
+                "--json",
+                str(tmp_path / "summary.json"),
+            ]
+        )
+        == 0
+    )
     assert pushed == [(str(out), "user/compressed", True, "compress")]
     assert json.loads((tmp_path / "summary.json").read_text())["push"] == {"repo_id": "user/compressed"}
-    assert all(p.is_file() for p in out.iterdir())      # the global solve's spill folder is gone
+    assert all(p.is_file() for p in out.iterdir())  # the global solve's spill folder is gone
 
     report = json.loads((out / "compression_report.json").read_text())
-    assert str(tmp_path) not in (out / "compression_report.json").read_text()   # published: no local paths
-    assert report["source"].startswith(tiny_dir.name)       # a local input is named by its folder
+    assert str(tmp_path) not in (out / "compression_report.json").read_text()  # published: no local paths
+    assert report["source"].startswith(tiny_dir.name)  # a local input is named by its folder
     acc, pp = report["accounting"], report["perplexity"]
     card = ModelCard.load(out / "README.md")
     assert "hf_symmetry-compress" in card.data.tags
@@ -597,7 +754,7 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
     assert meta["extra"]["ratio_over_model"] == acc["ratio_over_model"]
     text = card.text
     readme = (out / "README.md").read_text()
-    assert str(tiny_dir) not in readme and str(held) not in readme      # local paths stay private
+    assert str(tiny_dir) not in readme and str(held) not in readme  # local paths stay private
     assert "structure: **kron**" in text and "stage: **f**" in text and "q-mode: **global**" in text
     assert f"**{100 * acc['ratio_over_compressed']:.1f}%** of the compressed matrices' parameters" in text
     assert f"**{100 * acc['ratio_over_model']:.1f}%** of the whole model" in text
@@ -650,8 +807,9 @@ def test_compressed_smollm2_loads_as_remote_code_without_hf_symmetry(smollm2_ful
     ids = eval_ids[:128]
     save_file({"ids": ids.contiguous()}, str(tmp_path / "ids.safetensors"))
     out = str(tmp_path / "logits.safetensors")
-    meta = run_without_hf_symmetry(ISOLATED_LOADER, tmp_path, timeout=600, FOLDER=str(folder),
-                                   IDS=str(tmp_path / "ids.safetensors"), OUTPUT=out)
+    meta = run_without_hf_symmetry(
+        ISOLATED_LOADER, tmp_path, timeout=600, FOLDER=str(folder), IDS=str(tmp_path / "ids.safetensors"), OUTPUT=out
+    )
     assert meta["imported"] is False and meta["module"].startswith("transformers_modules.")
     # The in-process reference loads the same folder through hf_symmetry's registered classes, on one
     # thread like the subprocess, so both run the same kernels in the same order.
@@ -712,8 +870,9 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     monkeypatch.setattr(solve_module, "solve_segment", spy)
     model = tiny_model("llama", dtype=torch.float32)
     calib = input_ids(batch=1, length=120, seed=5)[0]
-    options = C.CompressOptions(structure="gs", ratio=0.3, stage="w", f_iters=3, calib_seq_len=40, tolerance=0.05,
-                                als_iters=2, wopp_iters=10)
+    options = C.CompressOptions(
+        structure="gs", ratio=0.3, stage="w", f_iters=3, calib_seq_len=40, tolerance=0.05, als_iters=2, wopp_iters=10
+    )
     assert (options.w_iters, options.tol, options.extrapolate) == (50, 1e-3, True)
     C.compress_model(model, options, calib_ids=calib)
     n_seg = 2 * model.config.num_hidden_layers + 1
@@ -721,20 +880,31 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     assert len(stage_w) == n_seg
     assert all(c[:3] == (3, 1e-3, False) for c in stage_f)
     assert all(c[:3] == (50, 1e-3, True) for c in stage_w)
-    assert any(c[4] and 1 <= c[3] < 50 for c in stage_w), stage_w     # stopped by the rule, not the cap
+    assert any(c[4] and 1 <= c[3] < 50 for c in stage_w), stage_w  # stopped by the rule, not the cap
     params = options.applicable()
     assert params["w_iters"] == 50 and params["tol"] == 1e-3 and params["extrapolate"] is True
 
     parser = build_parser()
     args = parser.parse_args(["compress", "m", "out", "--structure", "gs"])
     assert (args.w_iters, args.tol, args.extrapolate) == (50, 1e-3, True)
-    old = options_from_args(parser.parse_args(["compress", "m", "out", "--structure", "gs", "--w-iters", "1",
-                                               "--tol", "0", "--no-extrapolate"]))
+    old = options_from_args(
+        parser.parse_args(
+            ["compress", "m", "out", "--structure", "gs", "--w-iters", "1", "--tol", "0", "--no-extrapolate"]
+        )
+    )
     assert (old.w_iters, old.tol, old.extrapolate) == (1, 0.0, False)
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("qwen2", torch.float64), ("qwen3", torch.bfloat16),
-                                          ("gemma2", torch.bfloat16), ("phi3", torch.float32)])
+@pytest.mark.parametrize(
+    "family,dtype",
+    [
+        ("llama", torch.float32),
+        ("qwen2", torch.float64),
+        ("qwen3", torch.bfloat16),
+        ("gemma2", torch.bfloat16),
+        ("phi3", torch.float32),
+    ],
+)
 def test_lazy_folded_layers_fold_each_matrix_as_the_whole_layer_fold(family, dtype):
     """The solvers' layers are kept in their checkpoint dtype and each matrix is folded in float64 when
     read (:class:`FoldedLayer`): every tensor equals, bit for bit, the whole layer read in float64 and
@@ -757,10 +927,10 @@ def test_lazy_folded_layers_fold_each_matrix_as_the_whole_layer_fold(family, dty
         for k, t in whole.items():
             got = layer[k]
             assert got.dtype == torch.float64 and torch.equal(got, t), (family, i, k)
-        assert layer["q.weight"].data_ptr() != layer["q.weight"].data_ptr()      # a fresh copy per read
-        assert all(t.dtype == torch.float64 for t in layer.norms.values())   # only the norms are kept
-    assert lazy.reads == adapter.n_layers and len(lazy._cache) == 1            # one layer kept
-    if family == "gemma2":          # negative control: γ − 1 restored in bfloat16 is not γ
+        assert layer["q.weight"].data_ptr() != layer["q.weight"].data_ptr()  # a fresh copy per read
+        assert all(t.dtype == torch.float64 for t in layer.norms.values())  # only the norms are kept
+    assert lazy.reads == adapter.n_layers and len(lazy._cache) == 1  # one layer kept
+    if family == "gemma2":  # negative control: γ − 1 restored in bfloat16 is not γ
         raw = adapter.read_layer(0, src.get(per_layer[0]), dtype=None)
         rough = actions.fold_layer_norms({k: v.to(torch.float64) for k, v in raw.items()})
         assert not torch.equal(rough["q.weight"], lazy[0]["q.weight"])
@@ -775,7 +945,7 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     the readers' normalised-stream moments, consumed once their shared column weight and map are made."""
     import copy
 
-    S = importlib.import_module("hf_symmetry.conversion.compress.solve")   # the module (the package exports solve())
+    S = importlib.import_module("hf_symmetry.conversion.compress.solve")  # the module (the package exports solve())
     model = tiny_model("llama")
     calib = input_ids(batch=1, length=110, seed=3)[0]
     config, src = model.config.to_dict(), _source(model)
@@ -783,7 +953,7 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     plan, adapter = C.plan_for(src, config, options)
     layers, globals_, _ = C.read_folded(src, adapter, src.keys(), plan.tied)
     seq, _ = _walk(model, calib)
-    for k in (1, 2):                                # layer 0's attention (o) and FFN (down) segments
+    for k in (1, 2):  # layer 0's attention (o) and FFN (down) segments
         kept, eaten = copy.deepcopy(seq), copy.deepcopy(seq)
         a, _ = S._terms(plan, layers, globals_, kept, "w", options, only=k)[k]
         b, _ = S._terms(plan, layers, globals_, eaten, "w", options, only=k, consume=True)[k]
@@ -795,7 +965,7 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
                 assert _rel(tb.col_gram, ta.col_gram) == 0, ta.name
             if ta.row_gram is not None and tb.row_gram is not None:
                 assert _rel(tb.row_gram.matrix, ta.row_gram.matrix) == 0
-            elif ta.row_gram is not None:   # a reducible writer keeps only Mᵀ G M: the same reduced problem
+            elif ta.row_gram is not None:  # a reducible writer keeps only Mᵀ G M: the same reduced problem
                 assert tb.reducible() and tb.energy() == pytest.approx(ta.energy(), rel=1e-12)
                 (ra, _), (rb, _) = ta.reduced(), tb.reduced()
                 assert _rel(rb.M, ra.M) < 1e-10, ta.name

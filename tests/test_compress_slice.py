@@ -32,8 +32,16 @@ def test_slice_defaults_to_one_global_pca_and_its_card_lists_only_its_settings()
     assert options.q_mode == "global" and options.label == "SliceGPT (global PCA)"
     assert C.CompressOptions(structure="kron").q_mode == "segment"
     settings = options.applicable()
-    for absent in ("stage", "f_iters", "w_iters", "als_iters", "wopp_iters", "kron_factor", "gs_blocks",
-                   "match_original"):
+    for absent in (
+        "stage",
+        "f_iters",
+        "w_iters",
+        "als_iters",
+        "wopp_iters",
+        "kron_factor",
+        "gs_blocks",
+        "match_original",
+    ):
         assert absent not in settings, absent
     assert {"structure", "ratio", "q_mode", "calib_tokens"} <= set(settings)
     gs = C.CompressOptions(structure="gs", stage="w").applicable()
@@ -47,8 +55,9 @@ def test_sequential_slicing_with_nothing_sliced_measures_the_one_pass_statistics
     model = tiny_model(family)
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=110, seed=3)[0]
-    ref = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
-                               placement=_float64())
+    ref = C.collect_statistics(
+        src, config, calib, 40, want_normed=False, want_stream=True, progress=False, placement=_float64()
+    )
     Qs, seq = C.sequential_stream_pca(src, config, calib, 40, config["hidden_size"], _float64(), progress=False)
     assert len(Qs) == len(seq.stream) == 2 * config["num_hidden_layers"] + 1 and seq.tokens == ref.tokens
     for a, b in zip(seq.stream, ref.stream):
@@ -61,10 +70,19 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
     model = tiny_model("llama")
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40,
-                                tolerance=1.0)
-    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
-                                            progress=False, hf_config=model.config, placement=_float64())
+    options = C.CompressOptions(
+        structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40, tolerance=1.0
+    )
+    state, cfg, report = C.compress_tensors(
+        src,
+        config,
+        options,
+        calib_ids=calib,
+        dtype=torch.float64,
+        progress=False,
+        hf_config=model.config,
+        placement=_float64(),
+    )
     sliced = C.build_model(state, cfg, torch.float64)[0]
     dr = cfg["residual_size"]
     Qs, seq = C.sequential_stream_pca(src, config, calib, 40, dr, _float64(), progress=False)
@@ -74,6 +92,7 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
         def fn(_module, args):
             x = args[0].reshape(-1, args[0].shape[-1])
             acc[k] = acc.get(k, 0) + x.T @ x
+
         return fn
 
     handles = []
@@ -93,7 +112,7 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
         # the compressed model's stream (basis Q_k, sliced) is the projection of what the PCA was taken of
         assert _rel(Qk.T @ seq.stream[k] @ Qk, measured) < 1e-9, k
         if k > 0:
-            assert _rel(seq.stream[k], one_pass.stream[k]) > 1e-3, k       # not the original's
+            assert _rel(seq.stream[k], one_pass.stream[k]) > 1e-3, k  # not the original's
 
 
 def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
@@ -106,8 +125,17 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
     plan.residual = plan.hidden
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
-    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
-                                            progress=False, plan=plan, hf_config=model.config, placement=_float64())
+    state, cfg, report = C.compress_tensors(
+        src,
+        config,
+        options,
+        calib_ids=calib,
+        dtype=torch.float64,
+        progress=False,
+        plan=plan,
+        hf_config=model.config,
+        placement=_float64(),
+    )
     assert report.method == "SliceGPT (PCA per segment, sequential)"
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ids = input_ids()
@@ -130,8 +158,21 @@ def test_cli_sequential_slicegpt_card_and_device_refusal(tiny_dir, tmp_path, cap
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     out = tmp_path / "slice"
-    args = ["compress", str(tiny_dir), str(out), "--structure", "slice", "--q-mode", "segment", "--sequential",
-            "--calib", str(calib), "--calib-seq-len", "64", "--quiet"]
+    args = [
+        "compress",
+        str(tiny_dir),
+        str(out),
+        "--structure",
+        "slice",
+        "--q-mode",
+        "segment",
+        "--sequential",
+        "--calib",
+        str(calib),
+        "--calib-seq-len",
+        "64",
+        "--quiet",
+    ]
     if not torch.cuda.is_available():
         assert main([*args, "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -153,11 +194,21 @@ def _widths_model(model, widths, placement=None):
     calib = input_ids(batch=1, length=120, seed=3)[0]
     options = C.CompressOptions(structure="slice", calib_seq_len=40, tolerance=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": w / d for k, w in enumerate(widths)})[0]
-    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
-                                            progress=False, plan=plan, hf_config=model.config, placement=_float64())
+    state, cfg, report = C.compress_tensors(
+        src,
+        config,
+        options,
+        calib_ids=calib,
+        dtype=torch.float64,
+        progress=False,
+        plan=plan,
+        hf_config=model.config,
+        placement=_float64(),
+    )
     compressed, counted = C.build_model(state, cfg, torch.float64)
-    stats = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
-                                 placement=_float64())
+    stats = C.collect_statistics(
+        src, config, calib, 40, want_normed=False, want_stream=True, progress=False, placement=_float64()
+    )
     from hf_symmetry.conversion.compress.pca import pca_rotations
 
     Q = pca_rotations(stats, len(widths), "global")[0]
@@ -171,6 +222,7 @@ def _projected_original(model, Q, widths):
     P = [Q[:, :w] @ Q[:, :w].T for w in widths]
     saved, handles = {}, []
     for i, layer in enumerate(model.model.layers):
+
         def pre(_m, args, kwargs, i=i):
             x = args[0] if args else kwargs["hidden_states"]
             x = x @ P[2 * i]
@@ -189,10 +241,12 @@ def _projected_original(model, Q, widths):
             h = saved["h"]
             return (h + m) @ P[2 * i + 2] - h
 
-        handles += [layer.register_forward_pre_hook(pre, with_kwargs=True),
-                    layer.self_attn.register_forward_hook(attn),
-                    layer.post_attention_layernorm.register_forward_pre_hook(mid),
-                    layer.mlp.register_forward_hook(mlp)]
+        handles += [
+            layer.register_forward_pre_hook(pre, with_kwargs=True),
+            layer.self_attn.register_forward_hook(attn),
+            layer.post_attention_layernorm.register_forward_pre_hook(mid),
+            layer.mlp.register_forward_hook(mlp),
+        ]
     # the tied head reads the embedding matrix as sliced to the first segment's width
     handles.append(model.lm_head.register_forward_pre_hook(lambda _m, args: (args[0] @ P[0],)))
     return handles
@@ -206,9 +260,18 @@ def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
     calib = input_ids(batch=1, length=120, seed=3)[0]
     options = C.CompressOptions(structure="slice", calib_seq_len=40, tolerance=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": 1.0 for k in range(2 * L + 1)})[0]
-    plan.residual_sizes = [d] * (2 * L + 1)                  # force the per-segment path
-    state, cfg, _ = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64, progress=False,
-                                       plan=plan, hf_config=model.config, placement=_float64())
+    plan.residual_sizes = [d] * (2 * L + 1)  # force the per-segment path
+    state, cfg, _ = C.compress_tensors(
+        src,
+        config,
+        options,
+        calib_ids=calib,
+        dtype=torch.float64,
+        progress=False,
+        plan=plan,
+        hf_config=model.config,
+        placement=_float64(),
+    )
     assert cfg["residual_sizes"] == [d] * (2 * L + 1)
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ids = input_ids()
@@ -238,7 +301,7 @@ def test_per_segment_widths_slice_and_pad_the_stream_as_one_basis_demands(exact_
             h.remove()
     assert (got - ref).abs().max().item() <= 1e-9
     wrong = list(widths)
-    wrong[2] = widths[2] - 4                                     # one segment narrower: no longer the model
+    wrong[2] = widths[2] - 4  # one segment narrower: no longer the model
     handles = _projected_original(model, Q, wrong)
     try:
         other = outputs(model, ids)
@@ -246,7 +309,7 @@ def test_per_segment_widths_slice_and_pad_the_stream_as_one_basis_demands(exact_
         for h in handles:
             h.remove()
     assert (got - other).abs().max().item() > 1e-3
-    assert (got - outputs(model, ids)).abs().max().item() > 1e-3     # and slicing did something
+    assert (got - outputs(model, ids)).abs().max().item() > 1e-3  # and slicing did something
 
 
 def test_uniform_configs_keep_loading_and_bad_widths_are_refused():
@@ -258,11 +321,13 @@ def test_uniform_configs_keep_loading_and_bad_widths_are_refused():
     assert "residual_sizes" not in uniform.to_diff_dict() or uniform.to_diff_dict()["residual_sizes"] is None
     varied = CompressedLlamaConfig(**base, residual_sizes=[8, 12, 16, 4, 8], lm_head="tied_mixed")
     assert varied.residual_size == 16 and varied.segment_width(3) == 4
-    for bad, match in (({"residual_sizes": [8, 12, 16, 4]}, "must be 5 widths"),
-                       ({"residual_sizes": [8, 12, 17, 4, 8]}, "hidden_size=16"),
-                       ({"residual_sizes": [8, 12, 16, 4, 8], "residual_size": 12}, "largest"),
-                       ({"residual_sizes": [8, 12, 16, 4, 8], "skip_connections": "dense"}, "skip_connections"),
-                       ({"residual_sizes": [8, 12, 16, 4, 12], "lm_head": "tied"}, "tied head")):
+    for bad, match in (
+        ({"residual_sizes": [8, 12, 16, 4]}, "must be 5 widths"),
+        ({"residual_sizes": [8, 12, 17, 4, 8]}, "hidden_size=16"),
+        ({"residual_sizes": [8, 12, 16, 4, 8], "residual_size": 12}, "largest"),
+        ({"residual_sizes": [8, 12, 16, 4, 8], "skip_connections": "dense"}, "skip_connections"),
+        ({"residual_sizes": [8, 12, 16, 4, 12], "lm_head": "tied"}, "tied head"),
+    ):
         with pytest.raises(ValueError, match=match):
             CompressedLlamaConfig(**base, **{"lm_head": "tied_mixed", **bad})
 
@@ -275,15 +340,25 @@ def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
     from hf_symmetry.conversion.compress.pca import pca, pca_rotations
 
     assert C.CompressOptions(structure="slice").stream_sum
-    assert not C.CompressOptions(structure="slice", allocation="sensitivity").stream_sum   # needs segments 0, 2L
+    assert not C.CompressOptions(structure="slice", allocation="sensitivity").stream_sum  # needs segments 0, 2L
     assert not C.CompressOptions(structure="slice", q_mode="segment").stream_sum
     model = tiny_model("llama")
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    each = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
-                                placement=_float64())
-    summed = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False,
-                                  placement=_float64(), stream_sum=True)
+    each = C.collect_statistics(
+        src, config, calib, 40, want_normed=False, want_stream=True, progress=False, placement=_float64()
+    )
+    summed = C.collect_statistics(
+        src,
+        config,
+        calib,
+        40,
+        want_normed=False,
+        want_stream=True,
+        progress=False,
+        placement=_float64(),
+        stream_sum=True,
+    )
     n_seg = 2 * config["num_hidden_layers"] + 1
     assert summed.stream is None and len(each.stream) == n_seg and summed.tokens == each.tokens
     assert torch.equal(summed.stream_sum, sum(C_ / C_.trace().clamp_min(1e-300) for C_ in each.stream))

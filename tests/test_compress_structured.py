@@ -11,12 +11,12 @@ from hf_symmetry.modeling.modeling_compressed_llama import OrthogonalSkip, cayle
 from hf_symmetry.symmetry import structured as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.symmetry.segments import Term, cayley_encode, objective, solve_segment, weighted_procrustes
-from hf_symmetry.symmetry.structured import weighted_error
+from hf_symmetry.symmetry.linalg import weighted_error
 
 M, N = 24, 36
 STRUCTURES = {
-    "kron_row": S.Kron((M, N), 2, (1, 4)),      # reader layout: A is 1 x q
-    "kron_col": S.Kron((M, N), 2, (6, 1)),      # writer layout: A is q x 1
+    "kron_row": S.Kron((M, N), 2, (1, 4)),  # reader layout: A is 1 x q
+    "kron_col": S.Kron((M, N), 2, (6, 1)),  # writer layout: A is q x 1
     "kron_general": S.Kron((M, N), 3, (4, 3)),
     "gs": S.GS((M, N), 3, 4, 2),
     "gs_embedding": S.GS((M, N), 1, 4, 3),
@@ -42,22 +42,22 @@ def test_kronecker_error_is_the_tail_of_the_rearranged_singular_values(name):
     st, W = STRUCTURES[name], _W()
     f = st.project(W)
     sv = torch.linalg.svdvals(st.rearrange(W))
-    assert S.error(st, W, f) == pytest.approx(float((sv[st.rank:] ** 2).sum()), rel=1e-10)
+    assert S.error(st, W, f) == pytest.approx(float((sv[st.rank :] ** 2).sum()), rel=1e-10)
     # the rearrangement really turns Σ A⊗B into Σ vec(A) vec(B)ᵀ (rank r): a rank-r+1 tail is nonzero
-    assert float((sv[st.rank:] ** 2).sum()) > 1.0
+    assert float((sv[st.rank :] ** 2).sum()) > 1.0
 
 
 @pytest.mark.parametrize("name", ["gs", "gs_embedding"])
 def test_gs_error_is_the_sum_of_the_tile_tails(name):
     st, W = STRUCTURES[name], _W()
-    sv = torch.linalg.svdvals(st.tiles(W))                    # [kl, kr, min tile]
-    assert S.error(st, W, st.project(W)) == pytest.approx(float((sv[..., st.rank:] ** 2).sum()), rel=1e-10)
+    sv = torch.linalg.svdvals(st.tiles(W))  # [kl, kr, min tile]
+    assert S.error(st, W, st.project(W)) == pytest.approx(float((sv[..., st.rank :] ** 2).sum()), rel=1e-10)
 
 
 def test_lowrank_error_is_eckart_young():
     st, W = STRUCTURES["lowrank"], _W()
     sv = torch.linalg.svdvals(W)
-    assert S.error(st, W, st.project(W)) == pytest.approx(float((sv[st.rank:] ** 2).sum()), rel=1e-10)
+    assert S.error(st, W, st.project(W)) == pytest.approx(float((sv[st.rank :] ** 2).sum()), rel=1e-10)
 
 
 @pytest.mark.parametrize("name", list(STRUCTURES))
@@ -86,7 +86,7 @@ def test_factorised_forward_equals_the_dense_reconstruction(name):
     assert (module(x) - (x @ dense.T + module.bias)).abs().max() < 1e-12
     assert (module.dense_weight() - dense).abs().max() < 1e-13
     ids = torch.tensor([[0, 7, M - 1], [3, 3, 11]])
-    assert (module.rows(ids) - dense[ids]).abs().max() < 1e-13     # embedding lookups
+    assert (module.rows(ids) - dense[ids]).abs().max() < 1e-13  # embedding lookups
     # parameter counts come from the factor shapes, and match the class's formula
     assert sum(p.numel() for n, p in module.named_parameters() if n != "bias") == st.params() < M * N
     # negative control: the module really uses its factors
@@ -115,7 +115,7 @@ def test_weighted_als_is_monotone_and_beats_the_frobenius_projection(name, kind)
         f = st.weighted(W, gram, init=f, iters=1)
         errors.append(S.error(st, W, f, gram))
     assert all(b <= a * (1 + 1e-10) for a, b in zip(errors, errors[1:])), errors
-    assert errors[-1] < errors[0] * 0.999          # the weight matters, and ALS uses it
+    assert errors[-1] < errors[0] * 0.999  # the weight matters, and ALS uses it
 
 
 @pytest.mark.parametrize("name", list(STRUCTURES))
@@ -141,8 +141,11 @@ def test_column_weights_go_through_the_transpose():
 def _segment(stage: str, struct="kron", d=24, seed=0):
     """A toy segment: two writers ([in, d]) and two readers ([out, d])."""
     g = torch.Generator().manual_seed(seed)
-    make = {"kron": lambda k: S.Kron((k, d), 2, (1, 4)), "gs": lambda k: S.GS((k, d), 2, 4, 2),
-            "lowrank": lambda k: S.LowRank((k, d), 6)}[struct]
+    make = {
+        "kron": lambda k: S.Kron((k, d), 2, (1, 4)),
+        "gs": lambda k: S.GS((k, d), 2, 4, 2),
+        "lowrank": lambda k: S.LowRank((k, d), 6),
+    }[struct]
     # a shared low-dimensional structure that a rotation can expose
     basis = torch.randn(d, d, dtype=torch.float64, generator=g)
     terms, readers = [], []
@@ -153,14 +156,16 @@ def _segment(stage: str, struct="kron", d=24, seed=0):
             if role == "writer":
                 t.row_gram = _gram(seed=len(terms) + 3, m=k)
             else:
-                X = torch.randn(4 * d, d, dtype=torch.float64, generator=g) * torch.linspace(0.2, 2, d, dtype=torch.float64)
+                X = torch.randn(4 * d, d, dtype=torch.float64, generator=g) * torch.linspace(
+                    0.2, 2, d, dtype=torch.float64
+                )
                 t.col_gram = X.T @ X
         terms.append(t)
         if role == "reader":
             readers.append(t)
     if stage == "w":
         for t in readers[1:]:
-            t.col_gram = readers[0].col_gram      # one segment: its readers share the stream covariance
+            t.col_gram = readers[0].col_gram  # one segment: its readers share the stream covariance
     return terms
 
 
@@ -171,7 +176,7 @@ def test_stage_f_is_monotone_keeps_q_orthogonal_and_helps(struct):
     res = solve_segment(terms, eye, iters=8)
     assert all(b <= a * (1 + 1e-10) for a, b in zip(res.trace, res.trace[1:])), res.trace
     assert (res.Q.T @ res.Q - eye).abs().max() <= 1e-5
-    assert res.trace[-1] < 0.9 * res.trace[0]        # the rotation makes the weights more compressible
+    assert res.trace[-1] < 0.9 * res.trace[0]  # the rotation makes the weights more compressible
 
 
 @pytest.mark.parametrize("stage", ["f", "w"])
@@ -209,7 +214,7 @@ def test_float32_iterations_match_float64(stage, struct):
     terms = _segment(stage, struct)
     solve_segment(terms, eye, dtype=torch.float32, **kwargs)
     assert all(f.dtype == torch.float64 for t in terms for f in t.factors)
-    Q0 = haar_orthogonal(24, rng(5))                  # no iterations: Q0 itself, not its float32 rounding
+    Q0 = haar_orthogonal(24, rng(5))  # no iterations: Q0 itself, not its float32 rounding
     assert torch.equal(solve_segment(_segment(stage, struct), Q0, iters=0, dtype=torch.float32).Q, Q0)
 
 
@@ -242,18 +247,22 @@ def test_gram_reduction_of_tall_terms_is_exact(stage, struct):
     eye = torch.eye(d, dtype=torch.float64)
     a = solve_segment(full, eye, iters=3, als_iters=2, wopp_iters=20, reduce=False)
     b = solve_segment(red, eye, iters=3, als_iters=2, wopp_iters=20, reduce=True)
-    assert objective(red, b.Q) == pytest.approx(b.trace[-1], rel=1e-9)     # lifted = reduced objective
+    assert objective(red, b.Q) == pytest.approx(b.trace[-1], rel=1e-9)  # lifted = reduced objective
     for tf, tr in zip(full, red):
         assert tr.factors[0].shape == tf.factors[0].shape and tr.factors[1].shape == tf.factors[1].shape
         D = tr.M @ b.Q - tr.structure.dense(tr.factors)
-        direct = weighted_error(D, tr.row_gram) if tr.col_gram is None else float(((D @ b.Q.T) @ tr.col_gram * (D @ b.Q.T)).sum())
+        direct = (
+            weighted_error(D, tr.row_gram)
+            if tr.col_gram is None
+            else float(((D @ b.Q.T) @ tr.col_gram * (D @ b.Q.T)).sum())
+        )
         assert tr.error(b.Q) == pytest.approx(direct, rel=1e-8)
     if stage == "f":
         assert b.trace == pytest.approx(a.trace, rel=1e-8)
         assert (a.Q - b.Q).abs().max() < 1e-6
         for tf, tr in zip(full, red):
             assert (tf.structure.dense(tf.factors) - tr.structure.dense(tr.factors)).abs().max() < 1e-6
-    else:   # different ALS starting points, so different (non-convex) paths: the same optimum to 0.1 %
+    else:  # different ALS starting points, so different (non-convex) paths: the same optimum to 0.1 %
         assert b.trace[-1] <= a.trace[-1] * (1 + 1e-3)
 
 
@@ -303,7 +312,7 @@ def test_cayley_storage_round_trips(case):
     k, signs = cayley_encode(Q)
     assert k.numel() == d * (d - 1) // 2 and signs.numel() == d
     assert (cayley_decode(k, signs) - Q).abs().max() < 1e-12
-    assert (cayley_decode(k.float(), signs.float()).double() - Q).abs().max() < 1e-5   # float32 storage
+    assert (cayley_decode(k.float(), signs.float()).double() - Q).abs().max() < 1e-5  # float32 storage
 
 
 def test_orthogonal_skip_is_computed_once_and_refreshed_when_its_parameters_change(monkeypatch):
@@ -324,6 +333,6 @@ def test_orthogonal_skip_is_computed_once_and_refreshed_when_its_parameters_chan
         assert (skip(x) - x @ Q).abs().max() < 1e-12
     assert len(calls) == 1
     with torch.no_grad():
-        skip.skip_k.zero_()                       # now S = diag(signs)
+        skip.skip_k.zero_()  # now S = diag(signs)
     assert (skip(x) - x * signs).abs().max() < 1e-12
     assert len(calls) == 2

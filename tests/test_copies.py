@@ -34,7 +34,7 @@ def test_there_are_marked_copies():
 @pytest.mark.parametrize("file,target", _markers())
 def test_every_copied_from_marker_names_an_existing_transformers_object(file, target):
     parts = target.split(".")
-    for cut in range(len(parts), 0, -1):   # longest importable module prefix, then attributes
+    for cut in range(len(parts), 0, -1):  # longest importable module prefix, then attributes
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
@@ -51,8 +51,11 @@ HF_MARKER = re.compile(r"#\s*Copied from (hf_symmetry\.modeling\.[\w.]+)\n(?:@.*
 
 def _hf_symmetry_copies() -> list[tuple[str, str, str]]:
     """(file, marked source, name defined right after the marker) of every block copied between families."""
-    return [(path.name, target, name) for path in sorted(MODELING.glob("modeling_*.py"))
-            for target, name in HF_MARKER.findall(path.read_text())]
+    return [
+        (path.name, target, name)
+        for path in sorted(MODELING.glob("modeling_*.py"))
+        for target, name in HF_MARKER.findall(path.read_text())
+    ]
 
 
 def test_the_rms_decoder_family_carries_marked_copies_of_the_structured_linears():

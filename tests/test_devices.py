@@ -21,12 +21,19 @@ def test_auto_is_cuda_when_present_else_cpu():
     assert resolve("cpu", "float32").label == "cpu (float32)"
 
 
-@pytest.mark.parametrize("device, dtype, message", [
-    ("tpu", "float32", "unknown device 'tpu'"),
-    ("cuda:x", "float32", "unknown device"),
-    ("cpu", "float16", "unknown calibration dtype 'float16'"),
-] + ([("cuda", "float32", "CUDA is not available"), ("cuda:1", "float32", "CUDA is not available")]
-     if not torch.cuda.is_available() else [("cuda:99", "float32", "CUDA device")]))
+@pytest.mark.parametrize(
+    "device, dtype, message",
+    [
+        ("tpu", "float32", "unknown device 'tpu'"),
+        ("cuda:x", "float32", "unknown device"),
+        ("cpu", "float16", "unknown calibration dtype 'float16'"),
+    ]
+    + (
+        [("cuda", "float32", "CUDA is not available"), ("cuda:1", "float32", "CUDA is not available")]
+        if not torch.cuda.is_available()
+        else [("cuda:99", "float32", "CUDA device")]
+    ),
+)
 def test_bad_devices_and_dtypes_are_refused(device, dtype, message):
     with pytest.raises(DeviceError, match=message):
         resolve(device, dtype)
@@ -38,13 +45,25 @@ def test_mps_absent_is_refused():
         resolve("mps")
 
 
-@pytest.mark.parametrize("argv", [
-    ["to-tpa", "{model}", "{out}", "--k-rank", "1", "--calib", "britannica-calib", "--device", "tpu"],
-    ["farr", "{model}", "{out}", "--tau", "0.9", "--calibrate", "britannica-calib", "--device", "cuda:7"
-     if not torch.cuda.is_available() else "cuda:99"],
-    ["spectra", "{model}", "{out}", "--calibrate", "britannica-calib", "--calib-dtype", "float16"],
-    ["merge", "--method", "regmean", "{model}", "{model}", "{out}", "--device", "quantum"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["to-tpa", "{model}", "{out}", "--k-rank", "1", "--calib", "britannica-calib", "--device", "tpu"],
+        [
+            "farr",
+            "{model}",
+            "{out}",
+            "--tau",
+            "0.9",
+            "--calibrate",
+            "britannica-calib",
+            "--device",
+            "cuda:7" if not torch.cuda.is_available() else "cuda:99",
+        ],
+        ["spectra", "{model}", "{out}", "--calibrate", "britannica-calib", "--calib-dtype", "float16"],
+        ["merge", "--method", "regmean", "{model}", "{model}", "{out}", "--device", "quantum"],
+    ],
+)
 def test_cli_refuses_a_bad_device_with_one_line_and_writes_nothing(argv, tmp_path, capsys):
     from hf_symmetry.cli import main
     from hf_symmetry.testing import tiny_model
@@ -56,11 +75,11 @@ def test_cli_refuses_a_bad_device_with_one_line_and_writes_nothing(argv, tmp_pat
     capsys.readouterr()
     try:
         code = main(argv)
-    except SystemExit as exc:   # argparse's own refusals (a --calib-dtype outside its choices)
+    except SystemExit as exc:  # argparse's own refusals (a --calib-dtype outside its choices)
         code = exc.code
     assert code not in (0, None)
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and ("device" in errors[0] or "dtype" in errors[0]), errors   # argparse adds usage
+    assert len(errors) == 1 and ("device" in errors[0] or "dtype" in errors[0]), errors  # argparse adds usage
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
@@ -83,7 +102,7 @@ def test_a_run_killed_by_sigkill_leaves_out_untouched_and_the_next_run_cleans_up
     assert partial.is_dir() and partial.name.startswith(f".OUT.partial-{proc.pid}-")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not out.exists() and partial.is_dir()          # killed: OUT untouched, the partial folder left
+    assert not out.exists() and partial.is_dir()  # killed: OUT untouched, the partial folder left
     # a live run's partial folder must survive the cleanup (here: this test's own pid)
     live = tmp_path / f".OUT.partial-{os.getpid()}-live"
     live.mkdir()

@@ -27,7 +27,7 @@ def test_each_token_scored_once(n, window, stride):
     model = _Recorder(vocab=11)
     ids = torch.arange(n) % 11
     r = perplexity(model, ids, window=window, stride=stride, progress=False)
-    assert r.tokens == n and r.predicted == n - 1   # n tokens read, the first is context only
+    assert r.tokens == n and r.predicted == n - 1  # n tokens read, the first is context only
     assert math.isclose(r.perplexity, 11.0, rel_tol=1e-6)
     assert model.windows[-1][-1] == ids[-1].item()
     assert all(len(w) <= window for w in model.windows)

@@ -29,7 +29,7 @@ def _rms_1p(self, x):
 def _eager(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
     from transformers.models.gemma2.modeling_gemma2 import repeat_kv
 
-    scaling = module.head_dim ** -0.5 if scaling is None else scaling
+    scaling = module.head_dim**-0.5 if scaling is None else scaling
     k, v = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
     w = torch.matmul(query, k.transpose(2, 3)) * scaling
     if softcap is not None:
@@ -73,8 +73,9 @@ def _apply(model, layer_fn, globals_fn=lambda g: g):
     sd = model.state_dict()
     adapter = Adapter.from_config(model.config.to_dict(), list(sd))
     sink = DictSink()
-    transform_checkpoint(DictSource(sd), adapter, sink, lambda i, layer: layer_fn(adapter, layer), globals_fn,
-                         progress=False)
+    transform_checkpoint(
+        DictSource(sd), adapter, sink, lambda i, layer: layer_fn(adapter, layer), globals_fn, progress=False
+    )
     return _reload(model, dict(sink), model.config.to_dict())
 
 
@@ -90,7 +91,7 @@ SINGLE = {
 # --------------------------------------------------------------------------- the table is the truth
 
 
-@pytest.mark.parametrize("family", NEW_TINY_FAMILIES)   # the older ones: tests/test_symmetries.py
+@pytest.mark.parametrize("family", NEW_TINY_FAMILIES)  # the older ones: tests/test_symmetries.py
 @pytest.mark.parametrize("what", list(SINGLE))
 def test_every_allowed_symmetry_is_exact_and_every_refusal_names_its_reason(family, what, exact):
     model = tiny_model(family)
@@ -101,7 +102,7 @@ def test_every_allowed_symmetry_is_exact_and_every_refusal_names_its_reason(fami
         assert why in str(err.value)
         return
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, SINGLE[what])
-    if cfg.get("model_type") != model.config.model_type:     # LayerNorm decoders become a new family
+    if cfg.get("model_type") != model.config.model_type:  # LayerNorm decoders become a new family
         pytest.skip("covered by tests/test_families_rms_decoder.py")
     rotated = _reload(model, sd, cfg)
     assert _delta(model, rotated) <= 1e-9
@@ -113,11 +114,15 @@ def test_every_allowed_symmetry_is_exact_and_every_refusal_names_its_reason(fami
 def test_all_allowed_symmetries_together_on_new_families(family, exact):
     model = tiny_model(family)
     cfg = model.config
-    options = RotateOptions(residual="hadamard" if allows(cfg, "residual_rotation") else "none",
-                            heads="random" if allows(cfg, "qk_rotation") else "vo",
-                            scaling=allows(cfg, "scaling"), ffn=True, seed=3)
+    options = RotateOptions(
+        residual="hadamard" if allows(cfg, "residual_rotation") else "none",
+        heads="random" if allows(cfg, "qk_rotation") else "vo",
+        scaling=allows(cfg, "scaling"),
+        ffn=True,
+        seed=3,
+    )
     sd, new_cfg = rotate_state_dict(model.state_dict(), cfg, options)
-    if new_cfg["model_type"] != cfg.model_type:   # a LayerNorm decoder (GPT-NeoX), centred into the RMS-decoder family
+    if new_cfg["model_type"] != cfg.model_type:  # a LayerNorm decoder (GPT-NeoX), centred into the RMS-decoder family
         from hf_symmetry.modeling.configuration_rms_decoder import RMSDecoderConfig
         from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 
@@ -161,10 +166,13 @@ def test_capability_messages_name_the_structure():
         reason(cfg, "rotate_everything")
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("mistral", dict(sliding_window=8)),                                              # every layer
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 only
-])
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("mistral", dict(sliding_window=8)),  # every layer
+        ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 only
+    ],
+)
 def test_farr_keeps_per_layer_sliding_windows_exactly(family, overrides, exact):
     """FaRR's decoder family has per-layer sliding windows: a sliding-window source converts
     exactly (lossless ranks), and the windows really act (the full-attention twin differs)."""
@@ -184,7 +192,7 @@ def test_sliding_window_is_read_once_and_the_same_from_objects_and_dicts():
     cases = [
         (T.MistralConfig(num_hidden_layers=3), (4096, 4096, 4096)),
         (T.MistralConfig(num_hidden_layers=3, sliding_window=None), (None, None, None)),
-        (T.Qwen2Config(num_hidden_layers=3), (None, None, None)),   # use_sliding_window=False
+        (T.Qwen2Config(num_hidden_layers=3), (None, None, None)),  # use_sliding_window=False
         (T.Qwen2Config(num_hidden_layers=3, use_sliding_window=True, max_window_layers=1), (None, 4096, 4096)),
         (T.Gemma2Config(num_hidden_layers=4), (4096, None, 4096, None)),
         (T.Phi3Config(num_hidden_layers=2), (None, None)),
@@ -193,7 +201,7 @@ def test_sliding_window_is_read_once_and_the_same_from_objects_and_dicts():
     for cfg, expected in cases:
         assert sliding_window_layers(cfg) == expected, cfg.model_type
         assert sliding_window_layers(cfg.to_dict()) == expected, cfg.model_type
-        raw = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}   # an older config.json
+        raw = {k: v for k, v in cfg.to_dict().items() if k != "layer_types"}  # an older config.json
         assert sliding_window_layers(raw) == expected, cfg.model_type
 
 
@@ -204,10 +212,11 @@ def _force_residual(model, Q, fold_inputs: bool):
     """Rotate the residual stream as if it were a symmetry: fold the input norms (where they
     are the sublayers' inputs) and the final norm, then rotate readers, writers, embeddings and
     head, leaving any norm on a sublayer's output alone."""
+
     def layer_fn(adapter, layer):
         if fold_inputs:
             layer = actions.fold_layer_norms(layer)
-        else:   # OLMo 2's canonical norms are the output norms: pretend they were folded
+        else:  # OLMo 2's canonical norms are the output norms: pretend they were folded
             layer = dict(layer)
             saved = {k: layer[k] for k in ("attn_norm.weight", "ffn_norm.weight")}
             layer.update({k: torch.ones_like(v) for k, v in saved.items()})
@@ -227,8 +236,9 @@ def _force_residual(model, Q, fold_inputs: bool):
     sd = model.state_dict()
     adapter = Adapter.from_config(model.config.to_dict(), list(sd))
     sink = DictSink()
-    transform_checkpoint(DictSource(sd), adapter, sink, lambda i, layer: layer_fn(adapter, layer), globals_fn,
-                         progress=False)
+    transform_checkpoint(
+        DictSource(sd), adapter, sink, lambda i, layer: layer_fn(adapter, layer), globals_fn, progress=False
+    )
     cfg = {**model.config.to_dict(), "tie_word_embeddings": False}
     return _reload(model, dict(sink), cfg)
 
@@ -238,9 +248,9 @@ def test_residual_rotation_through_output_norms_changes_the_function(family, fol
     model = tiny_model(family)
     hidden = model.config.hidden_size
     identity = _force_residual(model, torch.eye(hidden, dtype=torch.float64), fold_inputs)
-    assert _delta(model, identity) <= 1e-9            # the forced path itself is exact ...
+    assert _delta(model, identity) <= 1e-9  # the forced path itself is exact ...
     Q = groups.haar_orthogonal(hidden, groups.rng(1))
-    assert _delta(model, _force_residual(model, Q, fold_inputs)) > 1e-3   # ... the rotation is not
+    assert _delta(model, _force_residual(model, Q, fold_inputs)) > 1e-3  # ... the rotation is not
     with pytest.raises(UnsupportedSymmetry, match="normalises each sublayer's output"):
         rotate_state_dict(model.state_dict(), model.config, RotateOptions(residual="random", heads="vo"))
 
@@ -250,7 +260,7 @@ def test_residual_rotation_of_layernorm_without_centring_changes_the_function(ex
     (LayerNorm subtracts the mean, which a rotation does not commute with)."""
     model = tiny_model("gpt_neox")
     hidden = model.config.hidden_size
-    with torch.no_grad():   # GPT-NeoX's head has no bias to take the final LayerNorm's β
+    with torch.no_grad():  # GPT-NeoX's head has no bias to take the final LayerNorm's β
         model.gpt_neox.final_layer_norm.bias.zero_()
 
     def forced(Q):
@@ -261,6 +271,7 @@ def test_residual_rotation_of_layernorm_without_centring_changes_the_function(ex
             g = actions.fold_final_norm(dict(g))
             assert not g.pop("lm_head.bias").any()
             return actions.rotate_residual_globals(g, Q)
+
         return _apply(model, layer_fn, globals_fn)
 
     assert _delta(model, forced(torch.eye(hidden, dtype=torch.float64))) <= 1e-9
@@ -276,8 +287,9 @@ def test_qk_rotation_and_scaling_under_qk_norm_change_the_function(family, exact
 
     def rot(adapter, layer):
         L = adapter.layout
-        return actions.rotate_qk(layer, L, [groups.random_rope_commutant(L, groups.rng(4, g))
-                                            for g in range(L.n_kv_heads)], check=False)
+        return actions.rotate_qk(
+            layer, L, [groups.random_rope_commutant(L, groups.rng(4, g)) for g in range(L.n_kv_heads)], check=False
+        )
 
     def scale(adapter, layer):
         # QK-norm divides the scale out again, up to its ε: a scale small enough to meet ε shows it
@@ -318,13 +330,18 @@ def test_gpt_neox_fused_qkv_is_per_head_and_block_reading_breaks_vo_rotation(exa
 
     def vo(adapter, layer):
         L = adapter.layout
-        return actions.rotate_vo(layer, L, [groups.haar_orthogonal(L.head_dim, groups.rng(6, g))
-                                            for g in range(L.n_kv_heads)])
+        return actions.rotate_vo(
+            layer, L, [groups.haar_orthogonal(L.head_dim, groups.rng(6, g)) for g in range(L.n_kv_heads)]
+        )
 
     assert _delta(model, _apply(model, vo)) <= 1e-9
     adapter = Adapter.from_config(model.config.to_dict(), list(sd))
-    wrong = dataclasses.replace(adapter, spec=dataclasses.replace(
-        adapter.spec, attention=dataclasses.replace(adapter.spec.attention, qkv_layout="blocks")))
+    wrong = dataclasses.replace(
+        adapter,
+        spec=dataclasses.replace(
+            adapter.spec, attention=dataclasses.replace(adapter.spec.attention, qkv_layout="blocks")
+        ),
+    )
     sink = DictSink()
     transform_checkpoint(DictSource(sd), wrong, sink, lambda i, layer: vo(wrong, layer), lambda g: g, progress=False)
     assert _delta(model, _reload(model, dict(sink), model.config.to_dict())) > 1e-3
@@ -338,9 +355,10 @@ def test_gemma_one_plus_gamma_norms_round_trip_exactly():
     layer = adapter.read_layer(0, sd)
     assert torch.allclose(layer["attn_norm.weight"], 1.0 + sd["model.layers.0.input_layernorm.weight"])
     back = adapter.write_layer(0, layer, sd)
-    assert torch.allclose(back["model.layers.0.input_layernorm.weight"], sd["model.layers.0.input_layernorm.weight"],
-                          rtol=0, atol=1e-15)
-    bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}   # (w + 1) - 1 is exact for bfloat16 w
+    assert torch.allclose(
+        back["model.layers.0.input_layernorm.weight"], sd["model.layers.0.input_layernorm.weight"], rtol=0, atol=1e-15
+    )
+    bf16 = {k: v.to(torch.bfloat16) for k, v in sd.items()}  # (w + 1) - 1 is exact for bfloat16 w
     back = adapter.write_layer(0, adapter.read_layer(0, bf16), bf16)
     assert torch.equal(back["model.layers.0.input_layernorm.weight"], bf16["model.layers.0.input_layernorm.weight"])
 
@@ -395,6 +413,6 @@ def test_compress_runs_exactly_on_phi3_whose_capability_allows_it(exact):
     from test_compress_model import _exact_compression
 
     model = tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    assert allows(model.config, "compress") and not allows(tiny_config("phi3"), "compress")   # partial rotary: no
+    assert allows(model.config, "compress") and not allows(tiny_config("phi3"), "compress")  # partial rotary: no
     compressed, _ = _exact_compression(model, "kron")
     assert _delta(model, compressed) <= 1e-9

@@ -22,11 +22,11 @@ EXEMPT = {
 # stale entry: the list only shrinks).
 NOT_YET: dict[str, str] = {
     "conversion/compress/assemble.py": "writes the compressed family's model_type as a string (compress/ is being "
-                                       "redesigned, issue 31 item 2)",
+    "redesigned, issue 31 item 2)",
     "conversion/compress/layernorm/slice.py": "names the RMS-decoder output family by its model_type (idem)",
     "conversion/compress/layernorm/structured.py": "names the RMS-decoder output family by its model_type (idem)",
     "evaluation/weight_quant.py": "falls back to `model.model.layers` when a model has no get_decoder() "
-                                  "(the quantization work owns this file)",
+    "(the quantization work owns this file)",
 }
 
 
@@ -40,8 +40,11 @@ def _own_model_types() -> set[str]:
     for info in pkgutil.iter_modules(modeling.__path__):
         if info.name.startswith("configuration_"):
             module = importlib.import_module(f"{modeling.__name__}.{info.name}")
-            own |= {v.model_type for v in vars(module).values()
-                    if isinstance(v, type) and issubclass(v, PretrainedConfig) and getattr(v, "model_type", "")}
+            own |= {
+                v.model_type
+                for v in vars(module).values()
+                if isinstance(v, type) and issubclass(v, PretrainedConfig) and getattr(v, "model_type", "")
+            }
     return own
 
 
@@ -62,8 +65,12 @@ def _offences(path: Path) -> list[str]:
                 found.append(f"line {node.lineno}: module path {node.value!r}")
         elif isinstance(node, ast.Attribute) and node.attr in ("self_attn", "mlp", "embed_tokens"):
             found.append(f"line {node.lineno}: module attribute .{node.attr}")
-        elif isinstance(node, ast.Attribute) and node.attr == "layers" and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "model":
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "layers"
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "model"
+        ):
             found.append(f"line {node.lineno}: module attribute .model.layers")
     return found
 
@@ -85,17 +92,25 @@ def test_no_module_outside_architectures_names_a_model_type_or_a_module_path():
 
 def test_the_scan_covers_every_module_outside_the_homes():
     scanned = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
-    assert {"cli.py", "devices.py", "training/heal.py", "hub/cards.py", "evaluation/compare.py",
-            "conversion/rotate.py"} <= scanned
+    assert {
+        "cli.py",
+        "devices.py",
+        "training/heal.py",
+        "hub/cards.py",
+        "evaluation/compare.py",
+        "conversion/rotate.py",
+    } <= scanned
     assert set(EXEMPT) <= scanned
 
 
 def test_the_check_catches_what_it_claims_to(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('if config["model_type"] == "mistral":\n    x = "model.layers.0.self_attn.q_proj"\n'
-                   'y = model.model.layers[0].self_attn\nz = f"transformer.h.{i}.attn"\n')
+    bad.write_text(
+        'if config["model_type"] == "mistral":\n    x = "model.layers.0.self_attn.q_proj"\n'
+        'y = model.model.layers[0].self_attn\nz = f"transformer.h.{i}.attn"\n'
+    )
     found = _offences(bad)
     assert len(found) == 5, found
-    own = tmp_path / "own.py"   # hf_symmetry's own families count too (the heal bug: a hand-written list)
+    own = tmp_path / "own.py"  # hf_symmetry's own families count too (the heal bug: a hand-written list)
     own.write_text('CAUSAL = ("hf_symmetry_tpa", "hf_symmetry_compressed_llama")\nSMOKE = "hf_symmetry_smoke"\n')
     assert len(_offences(own)) == 2, _offences(own)

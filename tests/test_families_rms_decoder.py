@@ -27,8 +27,13 @@ def _as_rms_decoder(state_dict, config: dict):
     return model
 
 
-LAYER_NORM_DECODERS = {"opt": {}, "gpt2": {}, "gpt_neox": {}, "gpt_neox-sequential": {"use_parallel_residual": False},
-                       "gptj": {}}
+LAYER_NORM_DECODERS = {
+    "opt": {},
+    "gpt2": {},
+    "gpt_neox": {},
+    "gpt_neox-sequential": {"use_parallel_residual": False},
+    "gptj": {},
+}
 
 
 @pytest.mark.parametrize("family", list(LAYER_NORM_DECODERS))
@@ -112,11 +117,17 @@ def test_layer_norm_decoders_that_the_family_cannot_express_are_refused():
     for family in ("gptj", "gpt_neox", "opt", "gpt2"):
         assert reason(tiny_config(family), "residual_rotation") is None
     with pytest.raises(UnsupportedSymmetry, match="post-LN"):
-        rotate_state_dict(tiny_model("opt", do_layer_norm_before=False).state_dict(),
-                          tiny_config("opt", do_layer_norm_before=False), ALL)
+        rotate_state_dict(
+            tiny_model("opt", do_layer_norm_before=False).state_dict(),
+            tiny_config("opt", do_layer_norm_before=False),
+            ALL,
+        )
     with pytest.raises(ValueError, match="scale_attn"):
-        rotate_state_dict(tiny_model("gpt2", scale_attn_by_inverse_layer_idx=True).state_dict(),
-                          tiny_config("gpt2", scale_attn_by_inverse_layer_idx=True), ALL)
+        rotate_state_dict(
+            tiny_model("gpt2", scale_attn_by_inverse_layer_idx=True).state_dict(),
+            tiny_config("gpt2", scale_attn_by_inverse_layer_idx=True),
+            ALL,
+        )
 
 
 def test_the_rms_decoder_family_rotates_again_exactly():
@@ -168,7 +179,7 @@ def test_rotated_checkpoint_loads_with_remote_code_and_generates(tmp_path):
         assert {"config.json", "configuration_rms_decoder.py", "modeling_rms_decoder.py"} <= files
         config = json.loads((out / "config.json").read_text())
         assert config["model_type"] == "hf_symmetry_rms_decoder" and "AutoModelForCausalLM" in config["auto_map"]
-        native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()   # registered by hf_symmetry
+        native = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()  # registered by hf_symmetry
         assert (outputs(model, ids) - outputs(native, ids)).abs().max().item() <= 1e-9
         expected[family] = outputs(model, ids).contiguous()
         with torch.no_grad():

@@ -13,8 +13,15 @@ from safetensors.torch import save_file
 
 from hf_symmetry import cli
 from hf_symmetry.architectures import Adapter
-from hf_symmetry.conversion.farr import (FarrOptions, analyze, farr_checkpoint, farr_model, farr_state_dict,
-                                         plan_ranks, prepare_layer)
+from hf_symmetry.conversion.farr import (
+    FarrOptions,
+    analyze,
+    farr_checkpoint,
+    farr_model,
+    farr_state_dict,
+    plan_ranks,
+    prepare_layer,
+)
 from hf_symmetry.conversion.stream import DictSource, partition_keys
 from hf_symmetry.conversion.farr.fused_check import check_fused_layout
 from hf_symmetry.modeling.configuration_farr import qk_parameters, vo_parameters
@@ -37,7 +44,10 @@ def _canonical_layer(model, i: int = 0):
 # ---------------------------------------------------------------------- math
 def test_fused_svd_is_the_svd_of_the_product():
     gen = torch.Generator().manual_seed(0)
-    A, B = torch.randn(30, 6, generator=gen, dtype=torch.float64), torch.randn(6, 20, generator=gen, dtype=torch.float64)
+    A, B = (
+        torch.randn(30, 6, generator=gen, dtype=torch.float64),
+        torch.randn(6, 20, generator=gen, dtype=torch.float64),
+    )
     svd = fused.fused_svd(fused.FusedPair(A, B, 3))
     assert torch.allclose(svd.S, torch.linalg.svdvals(A @ B)[:6], atol=1e-12)
     assert torch.allclose(svd.U * svd.S @ svd.Vh, A @ B, atol=1e-12)
@@ -48,11 +58,11 @@ def test_fused_svd_is_the_svd_of_the_product():
 
 
 def test_energy_effective_and_stable_rank():
-    S = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)   # energies 9, 4, 1, 0 of 14
+    S = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)  # energies 9, 4, 1, 0 of 14
     assert fused.effective_rank(S, 9 / 14) == 1
     assert fused.effective_rank(S, 0.9) == 2
     assert fused.effective_rank(S, 0.99) == 3
-    assert fused.effective_rank(S, 1.0) == 3          # τ = 1 is the numerical rank, not the shape
+    assert fused.effective_rank(S, 1.0) == 3  # τ = 1 is the numerical rank, not the shape
     assert fused.kept_energy(S, 2) == pytest.approx(13 / 14)
     assert fused.stable_rank(S) == pytest.approx(14 / 9)
     assert fused.effective_rank(torch.zeros(4, dtype=torch.float64), 0.9) == 0
@@ -71,8 +81,8 @@ def test_alignment_is_one_for_aligned_factors_and_smaller_otherwise():
     Q1, _ = torch.linalg.qr(torch.randn(12, 4, generator=gen, dtype=torch.float64))
     Q2, _ = torch.linalg.qr(torch.randn(10, 4, generator=gen, dtype=torch.float64))
     s = torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64)
-    aligned = fused.FusedPair(Q1 * s, s[:, None] * Q2.T, 1)                 # same inner basis, same order
-    anti = fused.FusedPair(Q1 * s, s.flip(0)[:, None] * Q2.T, 1)            # largest meets smallest
+    aligned = fused.FusedPair(Q1 * s, s[:, None] * Q2.T, 1)  # same inner basis, same order
+    anti = fused.FusedPair(Q1 * s, s.flip(0)[:, None] * Q2.T, 1)  # largest meets smallest
     assert fused.alignment(aligned) == pytest.approx(1.0)
     assert fused.alignment(anti) == pytest.approx(float((s * s.flip(0)).pow(2).sum() / s.pow(4).sum()))
     assert fused.alignment(anti) < 0.5
@@ -91,14 +101,20 @@ def test_relative_error_of_each_truncated_map_is_one_minus_kept_energy(family, p
         M_r = fused.group_pairs(new, small, path)[g].fused()
         rel = float((M - M_r).pow(2).sum() / M.pow(2).sum())
         assert rel == pytest.approx(1 - red.kept_energy[g], abs=1e-12)
-        assert red.kept_energy[g] == pytest.approx(fused.kept_energy(fused.fused_svd(fused.group_pairs(layer, L, path)[g]).S, rank))
+        assert red.kept_energy[g] == pytest.approx(
+            fused.kept_energy(fused.fused_svd(fused.group_pairs(layer, L, path)[g]).S, rank)
+        )
     if rank == L.head_dim:
         assert all(k == pytest.approx(1.0) for k in red.kept_energy)
 
 
-_KEYS = {"llama": ("model.layers.{}.self_attn.", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-         "bert": ("encoder.layer.{}.attention.", {"q": "self.query", "k": "self.key", "v": "self.value",
-                                                   "o": "output.dense"})}
+_KEYS = {
+    "llama": ("model.layers.{}.self_attn.", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+    "bert": (
+        "encoder.layer.{}.attention.",
+        {"q": "self.query", "k": "self.key", "v": "self.value", "o": "output.dense"},
+    ),
+}
 
 
 def _reduced_layer(model, family: str, i: int) -> dict:
@@ -112,16 +128,22 @@ def _reduced_layer(model, family: str, i: int) -> dict:
             key = prefix.format(i) + f"{name}.{kind}"
             if key in sd:
                 out[f"{short}.{kind}"] = sd[key]
-    if family in DECODERS:   # data-free FaRR folds γ before truncating, so the FaRR model's norms are 1
+    if family in DECODERS:  # data-free FaRR folds γ before truncating, so the FaRR model's norms are 1
         gamma = sd[f"model.layers.{i}.input_layernorm.weight"]
         assert torch.equal(gamma, torch.ones_like(gamma))
     return out
 
 
-@pytest.mark.parametrize("family,options", [
-    ("llama", FarrOptions(tau=0.9)), ("qwen2", FarrOptions(params_fraction=0.7)),
-    ("bert", FarrOptions(tau=0.9, qk=True)), ("roberta", FarrOptions(params_fraction=0.6, qk=True)),
-    ("smollm3", FarrOptions(tau=0.9, qk=True))])
+@pytest.mark.parametrize(
+    "family,options",
+    [
+        ("llama", FarrOptions(tau=0.9)),
+        ("qwen2", FarrOptions(params_fraction=0.7)),
+        ("bert", FarrOptions(tau=0.9, qk=True)),
+        ("roberta", FarrOptions(params_fraction=0.6, qk=True)),
+        ("smollm3", FarrOptions(tau=0.9, qk=True)),
+    ],
+)
 def test_reported_kept_energy_is_one_minus_the_written_models_relative_error(family, options):
     """End to end: the maps of the model FaRR wrote (read from its state dict) differ from the
     source's fused maps by exactly 1 − the kept energy the report states, group by group."""
@@ -133,7 +155,7 @@ def test_reported_kept_energy_is_one_minus_the_written_models_relative_error(fam
         assert len(per_layer) == model.config.num_hidden_layers
         for i, kept in enumerate(per_layer):
             L = adapter.layer_layout(i)
-            if path == "qk" and L.rotary_dim:   # RoPE layers keep the score path whole
+            if path == "qk" and L.rotary_dim:  # RoPE layers keep the score path whole
                 assert kept is None and report.ranks["qk"][i] == L.head_dim
                 continue
             source, _ = _canonical_layer(model, i)
@@ -151,7 +173,7 @@ def test_reported_kept_energy_is_one_minus_the_written_models_relative_error(fam
 
 
 def test_value_bias_folds_into_output_bias_and_key_bias_needs_no_rope():
-    layer, adapter = _canonical_layer(tiny_model("qwen2"))   # q/k/v biases, RoPE
+    layer, adapter = _canonical_layer(tiny_model("qwen2"))  # q/k/v biases, RoPE
     folded = fused.fold_value_bias(layer, adapter.layout)
     assert "v.bias" not in folded and "o.bias" in folded
     with pytest.raises(NotASymmetry, match="RoPE"):
@@ -166,7 +188,7 @@ def test_dropping_the_key_bias_is_exact_without_rope_but_not_with_it():
         for layer in bert.encoder.layer:
             layer.attention.self.key.bias.zero_()
     assert (outputs(bert, ids) - ref).abs().max() < 1e-12
-    qwen = tiny_model("qwen2")   # negative control: under RoPE q·R(Δ)b_K depends on the key position
+    qwen = tiny_model("qwen2")  # negative control: under RoPE q·R(Δ)b_K depends on the key position
     ref = outputs(qwen, ids)
     with torch.no_grad():
         for layer in qwen.model.layers:
@@ -175,8 +197,9 @@ def test_dropping_the_key_bias_is_exact_without_rope_but_not_with_it():
 
 
 # ---------------------------------------------------------------------- models
-@pytest.mark.parametrize("family,qk", [(f, False) for f in DECODERS + ENCODERS]
-                         + [(f, True) for f in ENCODERS + ("smollm3",)])
+@pytest.mark.parametrize(
+    "family,qk", [(f, False) for f in DECODERS + ENCODERS] + [(f, True) for f in ENCODERS + ("smollm3",)]
+)
 def test_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
     model, ids = tiny_model(family), input_ids()
     reduced, report = farr_model(model, FarrOptions(tau=1.0, qk=qk))
@@ -187,8 +210,9 @@ def test_full_rank_reproduces_the_original(family, qk, exact_rmsnorm):
     assert (outputs(model, ids) - outputs(cut, ids)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family,qk", [("llama", False), ("qwen2", False), ("qwen3", False), ("bert", True),
-                                       ("smollm3", True)])
+@pytest.mark.parametrize(
+    "family,qk", [("llama", False), ("qwen2", False), ("qwen3", False), ("bert", True), ("smollm3", True)]
+)
 def test_parameter_count_matches_formula_and_numel(family, qk):
     model = tiny_model(family)
     reduced, report = farr_model(model, FarrOptions(tau=0.95, qk=qk))
@@ -198,21 +222,25 @@ def test_parameter_count_matches_formula_and_numel(family, qk):
     d, h = cfg.hidden_size, cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", h)
     for i, layer in enumerate(layers):
-        mods = ([layer.self_attn] if family in DECODERS else [layer.attention.self, layer.attention.output.dense])
+        mods = [layer.self_attn] if family in DECODERS else [layer.attention.self, layer.attention.output.dense]
         numel = sum(p.numel() for m in mods for p in m.parameters())
         assert numel == cfg.attention_parameters(i)
         q_bias = family in ("qwen2", "bert")
         qk_dim = report.ranks["qk"][i] if qk else 8
-        expected = (qk_parameters(d, h, kv, qk_dim, q_bias, q_bias and family not in ENCODERS, family == "qwen3")
-                    + vo_parameters(d, h, kv, report.ranks["vo"][i], o_bias=family in ("qwen2", "bert")))
+        expected = qk_parameters(
+            d, h, kv, qk_dim, q_bias, q_bias and family not in ENCODERS, family == "qwen3"
+        ) + vo_parameters(d, h, kv, report.ranks["vo"][i], o_bias=family in ("qwen2", "bert"))
         assert numel == expected
     total = sum(p.numel() for p in reduced.parameters())
     assert report.params_after == total
     assert report.params_before == sum(p.numel() for p in model.parameters())
     touched = sum(cfg.attention_parameters(i) for i in range(cfg.num_hidden_layers))
     nope = [i for i in range(len(layers)) if family in ENCODERS or not getattr(cfg, "uses_rope")(i)]
-    untouched_qk = sum(qk_parameters(d, h, kv, 8, family in ("qwen2", "bert"), family in ("qwen2",),
-                                     family == "qwen3") for i in range(len(layers)) if not (qk and i in nope))
+    untouched_qk = sum(
+        qk_parameters(d, h, kv, 8, family in ("qwen2", "bert"), family in ("qwen2",), family == "qwen3")
+        for i in range(len(layers))
+        if not (qk and i in nope)
+    )
     assert report.touchable_params_after == touched - untouched_qk
 
 
@@ -222,7 +250,7 @@ def test_budget_spends_the_fraction_and_shrinks_monotonically():
     _, _, tight = farr_state_dict(model.state_dict(), model.config, FarrOptions(params_fraction=0.5, qk=True))
     for rep, frac in ((loose, 0.8), (tight, 0.5)):
         assert rep.touchable_kept_fraction <= frac
-        assert rep.touchable_kept_fraction > frac - 0.06   # within about one rank increment
+        assert rep.touchable_kept_fraction > frac - 0.06  # within about one rank increment
     for p in ("vo", "qk"):
         assert all(a <= b for a, b in zip(tight.ranks[p], loose.ranks[p]))
 
@@ -248,7 +276,7 @@ def test_qk_reduction_is_refused_where_the_score_map_cannot_be_fused(family, rea
 
 def test_unsupported_family_and_options_are_refused():
     gpt2 = tiny_model("gpt2")
-    with pytest.raises(ValueError, match="FaRR V/O: gpt2 uses LayerNorm"):   # the capability's reason
+    with pytest.raises(ValueError, match="FaRR V/O: gpt2 uses LayerNorm"):  # the capability's reason
         farr_state_dict(gpt2.state_dict(), gpt2.config, FarrOptions(tau=0.99))
     with pytest.raises(ValueError, match="exactly one"):
         FarrOptions(tau=0.9, params_fraction=0.9).validate()
@@ -279,7 +307,7 @@ def test_fused_maps_reproduce_each_heads_contribution(family):
     check = check_fused_layout(model, input_ids(batch=1)[0], tolerance=1e-6)
     assert check.passed, check.as_dict()
     assert (check.qk_max_abs_error is not None) == (family in ("bert", "gpt2", "opt", "smollm3"))
-    if family == "smollm3":   # the score path is checked on the NoPE layer only
+    if family == "smollm3":  # the score path is checked on the NoPE layer only
         assert ["qk_max_abs_error" in e for e in check.per_layer] == [False, True]
 
 
@@ -315,8 +343,11 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
 
     ids = input_ids(batch=1)
     expected = {"ids": ids}
-    for family, auto, qk in (("llama", AutoModelForCausalLM, False), ("smollm3", AutoModelForCausalLM, True),
-                             ("bert", AutoModel, True)):
+    for family, auto, qk in (
+        ("llama", AutoModelForCausalLM, False),
+        ("smollm3", AutoModelForCausalLM, True),
+        ("bert", AutoModel, True),
+    ):
         src = tmp_path / f"src-{family}"
         tiny_model(family).save_pretrained(src)
         out = tmp_path / "farr" / family
@@ -326,7 +357,7 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
         config = json.loads((out / "config.json").read_text())
         assert config["model_type"].startswith("hf_symmetry_farr_") and "AutoConfig" in config["auto_map"]
         assert config["v_head_dims"] == report.ranks["vo"]
-        native = auto.from_pretrained(out).eval()              # registered by importing hf_symmetry
+        native = auto.from_pretrained(out).eval()  # registered by importing hf_symmetry
         remote = auto.from_pretrained(out, trust_remote_code=True).eval()
         assert (outputs(native, ids) - outputs(remote, ids)).abs().max() == 0
         # the reduced weights really are smaller, and no value bias came back through the stream
@@ -340,8 +371,13 @@ def test_saved_models_reload_with_and_without_remote_code(tmp_path):
     assert max(r[1] for r in result.values()) < 1e-12
 
 
-@pytest.mark.parametrize("family,options,auto", [("llama", FarrOptions(tau=0.9), "AutoModelForCausalLM"),
-                                                  ("bert", FarrOptions(params_fraction=0.8, qk=True), "AutoModel")])
+@pytest.mark.parametrize(
+    "family,options,auto",
+    [
+        ("llama", FarrOptions(tau=0.9), "AutoModelForCausalLM"),
+        ("bert", FarrOptions(params_fraction=0.8, qk=True), "AutoModel"),
+    ],
+)
 def test_model_card_carries_the_rank_heatmap(tmp_path, family, options, auto):
     from huggingface_hub import ModelCard
 
@@ -351,7 +387,7 @@ def test_model_card_carries_the_rank_heatmap(tmp_path, family, options, auto):
     report = farr_checkpoint(src, out, options, progress=False)
     png = out / "effective_rank.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    card = ModelCard.load(out / "README.md")   # the YAML header parses
+    card = ModelCard.load(out / "README.md")  # the YAML header parses
     assert card.data.library_name == "transformers" and "hf_symmetry-farr" in card.data.tags
     assert "![" in card.text and "](effective_rank.png)" in card.text
     record = json.loads((out / "hf_symmetry_card.json").read_text())
@@ -366,15 +402,24 @@ def test_model_card_carries_the_rank_heatmap(tmp_path, family, options, auto):
 
 
 def _v_weight(family: str) -> str:
-    return "model.layers.0.self_attn.v_proj.weight" if family in DECODERS else "encoder.layer.0.attention.self.value.weight"
+    return (
+        "model.layers.0.self_attn.v_proj.weight"
+        if family in DECODERS
+        else "encoder.layer.0.attention.self.value.weight"
+    )
 
 
 def test_cli_refuses_bad_input_before_writing_anything(tmp_path, capsys):
     src = tmp_path / "src"
     tiny_model("llama").save_pretrained(src)
     out = tmp_path / "out"
-    for bad in (["--tau", "0"], ["--tau", "1.5"], ["--params-fraction", "0"], ["--params-fraction", "0.01"],
-                ["--tau", "0.9", "--qk"]):
+    for bad in (
+        ["--tau", "0"],
+        ["--tau", "1.5"],
+        ["--params-fraction", "0"],
+        ["--params-fraction", "0.01"],
+        ["--tau", "0.9", "--qk"],
+    ):
         assert cli.main(["farr", str(src), str(out), *bad, "--no-verify", "--quiet"]) == 2, bad
         assert not out.exists()
     err = capsys.readouterr().err
@@ -407,7 +452,7 @@ def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys, family):
     # the summary agrees with what farr did at the same τ
     farr_report = json.loads((out / "farr_report.json").read_text())
     assert report["summary"]["vo"]["0.9"]["layer_ranks"] == farr_report["ranks"]["vo"]
-    if family == "smollm3":   # the RoPE layer 0 keeps its query/key heads; spectra says why it has none
+    if family == "smollm3":  # the RoPE layer 0 keeps its query/key heads; spectra says why it has none
         assert report["qk"]["layers"] == [1] and "NoPE layers [1] only" in text
         assert report["summary"]["qk"]["0.9"]["layer_ranks"][1] == farr_report["ranks"]["qk"][1]
         assert farr_report["ranks"]["qk"][0] == 8 and farr_report["kept_energy"]["qk"][0] is None
@@ -431,8 +476,10 @@ def test_analysis_folds_pre_norm_gamma_but_not_post_ln(exact_rmsnorm):
     sd = llama.state_dict()
     adapter = Adapter.from_config(llama.config.to_dict(), list(sd))
     folded = analyze(DictSource(sd), adapter, ("vo",), progress=False)[0].spectra["vo"][0].S
-    W_V = sd["model.layers.0.self_attn.v_proj.weight"].double()[:8] * sd["model.layers.0.input_layernorm.weight"].double()
-    W_O = torch.cat([sd["model.layers.0.self_attn.o_proj.weight"].double()[:, h * 8:(h + 1) * 8] for h in range(3)])
+    W_V = (
+        sd["model.layers.0.self_attn.v_proj.weight"].double()[:8] * sd["model.layers.0.input_layernorm.weight"].double()
+    )
+    W_O = torch.cat([sd["model.layers.0.self_attn.o_proj.weight"].double()[:, h * 8 : (h + 1) * 8] for h in range(3)])
     assert torch.allclose(folded, torch.linalg.svdvals(W_O @ W_V)[:8], atol=1e-10)
     bert = tiny_model("bert")
     layer, _ = _canonical_layer(bert)
@@ -478,7 +525,7 @@ def test_weighted_truncation_error_is_one_minus_kept_and_beats_data_free_on_the_
         rel = float((pw.fused() - pw_r.fused()).pow(2).sum() / pw.fused().pow(2).sum())
         assert rel == pytest.approx(1 - red.kept_energy[g], abs=1e-9)
 
-        def data_error(new):   # error of the map on the actual inputs (both sides for scores)
+        def data_error(new):  # error of the map on the actual inputs (both sides for scores)
             M = fused.group_pairs(layer, L, path)[g]
             N = fused.group_pairs(new, small, path)[g]
             m = M.A.shape[0] // M.blocks
@@ -487,6 +534,7 @@ def test_weighted_truncation_error_is_one_minus_kept_and_beats_data_free_on_the_
                 D = M.block(j) @ M.B - N.block(j) @ N.B
                 err += float(((X @ D.T) if path == "vo" else (X1[:, :m] @ D @ X.T)).pow(2).sum())
             return err
+
         assert data_error(cal) <= data_error(free) * (1 + 1e-9)
 
 
@@ -497,29 +545,33 @@ def test_calibrated_full_rank_reproduces_the_original(family, qk, exact_rmsnorm)
     assert report.calibration == {"tokens": 60}
     assert all(r == 8 for ranks in report.ranks.values() for r in ranks)
     assert (outputs(model, ids) - outputs(reduced, ids)).abs().max() < 1e-8
-    if family in DECODERS:   # γ is folded after the calibrated truncation: stock norm weights of 1
-        assert torch.equal(reduced.model.layers[0].input_layernorm.weight,
-                           torch.ones_like(reduced.model.layers[0].input_layernorm.weight))
+    if family in DECODERS:  # γ is folded after the calibrated truncation: stock norm weights of 1
+        assert torch.equal(
+            reduced.model.layers[0].input_layernorm.weight,
+            torch.ones_like(reduced.model.layers[0].input_layernorm.weight),
+        )
 
 
 def test_reduced_decoder_generates_with_cache_and_attention_backends_agree():
     model = tiny_model("llama")
     reduced, report = farr_model(model, FarrOptions(tau=0.8))
-    assert min(report.ranks["vo"]) < 8   # value heads narrower than query/key heads
+    assert min(report.ranks["vo"]) < 8  # value heads narrower than query/key heads
     ids = input_ids(batch=1, length=10)
     sdpa = outputs(reduced, ids)
     reduced.set_attn_implementation("eager")
-    assert (outputs(reduced, ids) - sdpa).abs().max() < 1e-5   # eager softmax runs in float32
+    assert (outputs(reduced, ids) - sdpa).abs().max() < 1e-5  # eager softmax runs in float32
     reduced.set_attn_implementation("sdpa")
     with torch.no_grad():
         gen = reduced.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         # cached decoding equals recomputing the whole prefix each step
-        full = reduced(gen[:, :-1]).logits[0, ids.shape[1] - 1:].argmax(-1)
-    assert torch.equal(full, gen[0, ids.shape[1]:])
+        full = reduced(gen[:, :-1]).logits[0, ids.shape[1] - 1 :].argmax(-1)
+    assert torch.equal(full, gen[0, ids.shape[1] :])
     same, _ = farr_model(model, FarrOptions(tau=1.0))
     with torch.no_grad():
-        assert torch.equal(same.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
-                           model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+        assert torch.equal(
+            same.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+            model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0),
+        )
 
 
 # ---------------------------------------------------------------------- NoPE layers (SmolLM3)
@@ -541,8 +593,8 @@ def test_qk_reduction_touches_only_nope_layers_and_the_model_stays_consistent(ex
     ids = input_ids(batch=1, length=10)
     with torch.no_grad():
         gen = reduced.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        full = reduced(gen[:, :-1]).logits[0, ids.shape[1] - 1:].argmax(-1)
-    assert torch.equal(full, gen[0, ids.shape[1]:])
+        full = reduced(gen[:, :-1]).logits[0, ids.shape[1] - 1 :].argmax(-1)
+    assert torch.equal(full, gen[0, ids.shape[1] :])
     # negative control: the full-rank FaRR model is the original; RoPE on its NoPE layer is not
     same, _ = farr_model(model, FarrOptions(tau=1.0, qk=True))
     assert (outputs(same, ids) - outputs(model, ids)).abs().max() < 1e-10
@@ -572,20 +624,35 @@ def _whole_layer_farr(model, options: FarrOptions, ranks: dict, moments=None) ->
     adapter = Adapter.from_config(config, list(sd))
     target = farr_target(adapter, config, list(sd), options)
     global_keys, per_layer, rest = partition_keys(adapter, list(sd))
-    out = {k: sd[k] for k in global_keys + rest}   # e.g. BERT's pooler passes through
+    out = {k: sd[k] for k in global_keys + rest}  # e.g. BERT's pooler passes through
     for i in range(adapter.n_layers):
         raw = {k: sd[k] for k in per_layer[i]}
         w = fused.InputWeights.from_moments(*moments[i], augmented=options.qk) if moments else None
-        new, _ = reduce_layer(adapter.read_layer(i, raw), adapter, target, options,
-                              {p: ranks[p][i] for p in options.paths}, w, adapter.layer_layout(i))
+        new, _ = reduce_layer(
+            adapter.read_layer(i, raw),
+            adapter,
+            target,
+            options,
+            {p: ranks[p][i] for p in options.paths},
+            w,
+            adapter.layer_layout(i),
+        )
         out.update(adapter.write_layer(i, new, raw))
     return out
 
 
-@pytest.mark.parametrize("family,dtype,calibrated", [("llama", torch.float32, True), ("qwen2", torch.bfloat16, False),
-                                                     ("qwen2", torch.float32, True), ("bert", torch.float32, False)])
-def test_reduction_pass_reads_the_ffn_one_module_at_a_time_and_writes_the_same_tensors(tmp_path, family, dtype,
-                                                                                       calibrated):
+@pytest.mark.parametrize(
+    "family,dtype,calibrated",
+    [
+        ("llama", torch.float32, True),
+        ("qwen2", torch.bfloat16, False),
+        ("qwen2", torch.float32, True),
+        ("bert", torch.float32, False),
+    ],
+)
+def test_reduction_pass_reads_the_ffn_one_module_at_a_time_and_writes_the_same_tensors(
+    tmp_path, family, dtype, calibrated
+):
     """The reduction pass reads the attention and norms in float64 and the FFN one module at a time in
     its own dtype (gate/up get the pre-norm's γ folded a block of rows at a time): exactly the tensors of
     the whole-layer float64 pass, from a checkpoint or in memory. Negative controls: the γ fold is there
@@ -598,26 +665,37 @@ def test_reduction_pass_reads_the_ffn_one_module_at_a_time_and_writes_the_same_t
     moments = None
     if calibrated:
         sd = model.state_dict()
-        got, _, report = farr_state_dict(sd, model.config,
-                                         options, moments=(moments := attention_input_moments(
-                                             model, input_ids(batch=1, length=60, seed=3)[0])))
+        got, _, report = farr_state_dict(
+            sd,
+            model.config,
+            options,
+            moments=(moments := attention_input_moments(model, input_ids(batch=1, length=60, seed=3)[0])),
+        )
     else:
         model.save_pretrained(tmp_path / "src")
         report = farr_checkpoint(tmp_path / "src", tmp_path / "out", options, progress=False, max_shard_size=20_000)
-        from hf_symmetry.conversion.layer_map import MAP_FILE   # heal's layer map, not weights
+        from hf_symmetry.conversion.layer_map import MAP_FILE  # heal's layer map, not weights
 
-        got = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) if f.name != MAP_FILE
-               for k, v in load_file(f).items()}
+        got = {
+            k: v
+            for f in sorted((tmp_path / "out").glob("*.safetensors"))
+            if f.name != MAP_FILE
+            for k, v in load_file(f).items()
+        }
     want = _whole_layer_farr(model, options, report.ranks, moments)
     assert set(got) == set(want)
     assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
-    if family != "bert":   # pre-norm: γ folded into gate/up, down passed through
+    if family != "bert":  # pre-norm: γ folded into gate/up, down passed through
         sd = model.state_dict()
         assert not torch.equal(got["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.gate_proj.weight"])
         assert torch.equal(got["model.layers.0.mlp.down_proj.weight"], sd["model.layers.0.mlp.down_proj.weight"])
     # the other metric (data-free <-> calibrated) at the same ranks: other tensors
-    other = _whole_layer_farr(model, options, report.ranks,
-                              None if calibrated else attention_input_moments(model, input_ids(batch=1, length=60)[0]))
+    other = _whole_layer_farr(
+        model,
+        options,
+        report.ranks,
+        None if calibrated else attention_input_moments(model, input_ids(batch=1, length=60)[0]),
+    )
     assert not all(torch.equal(got[k], other[k]) for k in want)
 
 

@@ -25,8 +25,9 @@ def minilm_ids(minilm_dir):
     from hf_symmetry.assets import text_path
 
     tok = AutoTokenizer.from_pretrained(minilm_dir)
-    return tok(text_path("britannica-eval").read_text()[:4000], return_tensors="pt", truncation=True,
-               max_length=256)["input_ids"][0]
+    return tok(text_path("britannica-eval").read_text()[:4000], return_tensors="pt", truncation=True, max_length=256)[
+        "input_ids"
+    ][0]
 
 
 def test_smollm2_full_rank_reproduces_logits_and_truncation_changes_them(smollm2, eval_ids):
@@ -39,14 +40,14 @@ def test_smollm2_full_rank_reproduces_logits_and_truncation_changes_them(smollm2
     # negative control: dropping the weakest fused direction of one KV group in one layer is visible
     o_proj = full.model.layers[5].self_attn.o_proj
     with torch.no_grad():
-        o_proj.weight[:, 63] = 0.0   # column 63 of head 0 = the group's 64th singular direction
+        o_proj.weight[:, 63] = 0.0  # column 63 of head 0 = the group's 64th singular direction
     assert (ref[:, :128] - model_output(full, eval_ids[:128])).abs().max().item() > 1e-2
 
 
 def test_smollm2_layout_check_and_qk_refusal(smollm2, eval_ids):
     check = check_fused_layout(smollm2, eval_ids[:64], tolerance=1e-4)
     print(f"SmolLM2 layout check: per head {check.vo_max_rel_error:.1e}, total {check.total_max_rel_error:.1e}")
-    assert check.passed and check.qk_max_abs_error is None   # full RoPE: no score map to check
+    assert check.passed and check.qk_max_abs_error is None  # full RoPE: no score map to check
     with pytest.raises(ValueError, match="RoPE"):
         farr_model(smollm2, FarrOptions(tau=0.999, qk=True))
 
@@ -58,7 +59,7 @@ def test_minilm_full_rank_qk_and_vo_reproduces_hidden_states(minilm, minilm_ids)
     delta = (ref - model_output(full, minilm_ids)).abs().max().item()
     print(f"MiniLM FaRR (QK+VO) at full rank: max |Δhidden| = {delta:.2e} over {minilm_ids.numel()} tokens")
     assert delta <= 1e-3
-    cut, _ = farr_model(minilm, FarrOptions(params_fraction=0.9, qk=True))   # negative control
+    cut, _ = farr_model(minilm, FarrOptions(params_fraction=0.9, qk=True))  # negative control
     assert (ref - model_output(cut, minilm_ids)).abs().max().item() > 1e-2
 
 
@@ -74,8 +75,26 @@ def test_minilm_calibrated_cli_writes_a_remote_code_encoder(tmp_path, capsys, mi
     from hf_symmetry import cli
 
     out = tmp_path / "minilm-farr"
-    assert cli.main(["farr", "minilm", str(out), "--params-fraction", "0.9", "--qk", "--calibrate", "britannica-calib",
-                     "--calib-tokens", "512", "--tokens", "128", "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "farr",
+                "minilm",
+                str(out),
+                "--params-fraction",
+                "0.9",
+                "--qk",
+                "--calibrate",
+                "britannica-calib",
+                "--calib-tokens",
+                "512",
+                "--tokens",
+                "128",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "calibrated on 512 tokens" in text and "mean cosine of last hidden states" in text
     reduced = AutoModel.from_pretrained(out, trust_remote_code=True).eval()

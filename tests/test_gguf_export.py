@@ -23,20 +23,41 @@ def bpe_llama(tmp_path_factory):
     from hf_symmetry.testing import tiny_model
 
     folder = tmp_path_factory.mktemp("bpe_llama") / "model"
-    tiny_model("llama", dtype=torch.float32, vocab_size=49152, hidden_size=96, intermediate_size=128,
-               tie_word_embeddings=False).save_pretrained(folder)
+    tiny_model(
+        "llama", dtype=torch.float32, vocab_size=49152, hidden_size=96, intermediate_size=128, tie_word_embeddings=False
+    ).save_pretrained(folder)
     AutoTokenizer.from_pretrained(smollm2_dir()).save_pretrained(folder)
     return folder
 
 
 def _slice(src, out, round_to):
-    assert main(["compress", str(src), str(out), "--structure", "slice", "--calib", "britannica-calib",
-                 "--calib-tokens", "1024", "--round-to", str(round_to), "--no-verify", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(src),
+                str(out),
+                "--structure",
+                "slice",
+                "--calib",
+                "britannica-calib",
+                "--calib-tokens",
+                "1024",
+                "--round-to",
+                str(round_to),
+                "--no-verify",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     return json.loads((out / "config.json").read_text())
 
 
-@pytest.mark.parametrize("round_to,cls,read_by", [(48, "LlamaForCausalLM", "from_pretrained"),
-                                                  (32, "MistralForCausalLM", "load_gguf_checkpoint")])
+@pytest.mark.parametrize(
+    "round_to,cls,read_by",
+    [(48, "LlamaForCausalLM", "from_pretrained"), (32, "MistralForCausalLM", "load_gguf_checkpoint")],
+)
 def test_stock_slice_round_trips_through_gguf(bpe_llama, tmp_path, round_to, cls, read_by, capsys):
     """Width 48 (a multiple of the 6 heads: a Llama, which transformers builds from the file alone) and
     64 (not: a Mistral, filled through transformers' GGUF reader): float32 GGUF gives the folder's logits
@@ -46,14 +67,30 @@ def test_stock_slice_round_trips_through_gguf(bpe_llama, tmp_path, round_to, cls
     config = _slice(bpe_llama, out, round_to)
     assert config["architectures"] == [cls] and config["hidden_size"] % round_to == 0
     f32 = tmp_path / "sliced-f32.gguf"
-    assert main(["export-gguf", str(out), str(f32), "--type", "f32", "--check", "--new-tokens", "12", "--quiet",
-                 "--json-out", str(tmp_path / "f32.json")]) == 0
+    assert (
+        main(
+            [
+                "export-gguf",
+                str(out),
+                str(f32),
+                "--type",
+                "f32",
+                "--check",
+                "--new-tokens",
+                "12",
+                "--quiet",
+                "--json-out",
+                str(tmp_path / "f32.json"),
+            ]
+        )
+        == 0
+    )
     assert "greedy text equal" in capsys.readouterr().out
     check = json.loads((tmp_path / "f32.json").read_text())["check"]
     assert check["same_text"] and check["max_abs_dlogit"] < 1e-5 and check["class"] == cls
     assert check["read_by"].startswith(read_by) and check["same_tokenization"] is True
     report = G.export_gguf(out, tmp_path / "sliced-q8.gguf", type="q8_0", progress=False)
-    assert report.tensor_types.get("Q8_0", 0) > 0 and report.tensor_types["F32"] == 2 * 2 + 1    # norms: float32
+    assert report.tensor_types.get("Q8_0", 0) > 0 and report.tensor_types["F32"] == 2 * 2 + 1  # norms: float32
     q8 = G.round_trip(out, tmp_path / "sliced-q8.gguf", new_tokens=4)
     assert 0 < q8["max_abs_dlogit"] < 0.25 * q8["max_abs_logit"]
 
@@ -72,13 +109,14 @@ def test_rotated_output_round_trips_and_the_rope_permutation_matters(bpe_llama, 
 
 
 def test_export_refuses_what_gguf_cannot_hold(bpe_llama, tmp_path, capsys):
-    out = tmp_path / "mixed"      # a tied head kept in the compressed (remote-code) family
+    out = tmp_path / "mixed"  # a tied head kept in the compressed (remote-code) family
     from hf_symmetry.testing import tiny_model
 
     src = tmp_path / "tied"
     tiny_model("llama", dtype=torch.float32).save_pretrained(src)
-    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
-                                                 "model_type": "hf_symmetry_compressed_llama"}))
+    (src / "config.json").write_text(
+        json.dumps({**json.loads((src / "config.json").read_text()), "model_type": "hf_symmetry_compressed_llama"})
+    )
     assert main(["export-gguf", str(src), str(tmp_path / "x.gguf")]) == 2
     assert "remote-code family has no GGUF architecture" in capsys.readouterr().err
     assert main(["export-gguf", str(bpe_llama), str(out)]) == 2
@@ -88,6 +126,6 @@ def test_export_refuses_what_gguf_cannot_hold(bpe_llama, tmp_path, capsys):
 
 def test_permutation_is_llama_cpps():
     """Per head, rows (j, j + d_h/2) of the HF layout become rows (2j, 2j + 1)."""
-    W = torch.arange(2 * 8, dtype=torch.float32)[:, None]        # 2 heads of 8 rows
+    W = torch.arange(2 * 8, dtype=torch.float32)[:, None]  # 2 heads of 8 rows
     P = G.permute_rope_rows(W, 2)[:, 0].tolist()
     assert P == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]

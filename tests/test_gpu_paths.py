@@ -17,7 +17,9 @@ import torch
 from hf_symmetry import devices
 from hf_symmetry.testing import input_ids, tiny_model
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
+)
 
 
 # ------------------------------------------------------------------------------------ devices
@@ -66,8 +68,16 @@ def test_heal_hands_torch_cuda_set_device_an_indexed_device(monkeypatch, tmp_pat
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     options = HealOptions(tokens=8 * 32 * 2, seq_len=32, batch_size=8, lora_rank=2, validation_fraction=0.1)
     with pytest.raises(Stop):
-        heal_checkpoint(tmp_path / "student", tmp_path / "out", tmp_path / "teacher", [tmp_path / "train.txt"],
-                        options, progress=False, device="auto", eval_texts=None)
+        heal_checkpoint(
+            tmp_path / "student",
+            tmp_path / "out",
+            tmp_path / "teacher",
+            [tmp_path / "train.txt"],
+            options,
+            progress=False,
+            device="auto",
+            eval_texts=None,
+        )
     assert seen and isinstance(seen[0], torch.device) and seen[0].index == 0
 
 
@@ -81,7 +91,7 @@ def test_every_command_that_loads_a_model_has_the_one_device_flag():
         action = sub.choices[name]._option_string_actions.get("--device")
         assert action is not None and action.default == "auto", name
         helps[name] = action.help.split(";")[0]
-    assert len(set(helps.values())) == 1, helps   # one definition, one meaning of auto
+    assert len(set(helps.values())) == 1, helps  # one definition, one meaning of auto
 
 
 def test_eval_takes_device_and_refuses_a_missing_one_before_loading(tiny_dir, tmp_path, capsys):
@@ -93,10 +103,30 @@ def test_eval_takes_device_and_refuses_a_missing_one_before_loading(tiny_dir, tm
     text.write_text(" ".join(str(i % 97) for i in range(300)))
     outs = {}
     for dev in ("cpu", "auto"):
-        assert main(["eval", str(tiny_dir), "--text", str(text), "--max-tokens", "200", "--window", "64",
-                     "--stride", "32", "--device", dev, "--quiet", "--json", str(tmp_path / f"{dev}.json")]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(tiny_dir),
+                    "--text",
+                    str(text),
+                    "--max-tokens",
+                    "200",
+                    "--window",
+                    "64",
+                    "--stride",
+                    "32",
+                    "--device",
+                    dev,
+                    "--quiet",
+                    "--json",
+                    str(tmp_path / f"{dev}.json"),
+                ]
+            )
+            == 0
+        )
         outs[dev] = json.loads((tmp_path / f"{dev}.json").read_text())["perplexity"]
-    assert outs["auto"] == pytest.approx(outs["cpu"], rel=1e-5)   # float32 on another device when CUDA is visible
+    assert outs["auto"] == pytest.approx(outs["cpu"], rel=1e-5)  # float32 on another device when CUDA is visible
     capsys.readouterr()
     assert main(["eval", str(tiny_dir), "--text", str(text), "--device", "cuda:7", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -108,19 +138,20 @@ def test_module_device_is_the_input_embedding_s_or_the_offload_hook_s():
     model = tiny_model("llama", dtype=torch.float32)
     assert devices.module_device(model) == torch.device("cpu")
     assert devices.module_device(model.model.layers[0].self_attn.o_proj) == torch.device("cpu")
-    assert devices.module_device(torch.nn.ReLU()) == torch.device("cpu")   # nothing to go by
+    assert devices.module_device(torch.nn.ReLU()) == torch.device("cpu")  # nothing to go by
 
     class Hook:
         execution_device = 0
+
     emb = model.get_input_embeddings()
-    emb.weight = torch.nn.Parameter(torch.empty_like(emb.weight, device="meta"))   # offloaded
+    emb.weight = torch.nn.Parameter(torch.empty_like(emb.weight, device="meta"))  # offloaded
     assert devices.module_device(model) == torch.device("cpu")
     emb._hf_hook = Hook()
     assert devices.module_device(model) == torch.device("cuda", 0)
     ids = torch.arange(4)
-    assert devices.to_model(ids, torch.nn.Linear(2, 2)) is ids                  # already there: no copy
+    assert devices.to_model(ids, torch.nn.Linear(2, 2)) is ids  # already there: no copy
     assert devices.to_model(torch.ones(2), torch.nn.Linear(2, 2).double(), torch.float64).dtype == torch.float64
-    assert devices.to_model(ids, torch.nn.Linear(2, 2), torch.float64).dtype == torch.long   # ids keep theirs
+    assert devices.to_model(ids, torch.nn.Linear(2, 2), torch.float64).dtype == torch.long  # ids keep theirs
 
 
 class _Placed:
@@ -203,8 +234,9 @@ def test_the_engine_embeds_through_the_helper(monkeypatch, tmp_path):
     tiny_model("llama").save_pretrained(tmp_path)
     engine = CalibrationEngine(tmp_path, placement=devices.resolve("cpu", torch.float64), progress=False)
     placed = _Placed(monkeypatch, engine.skeleton())
-    engine.collect(token_batches(input_ids(length=24, batch=2).reshape(-1), 12, batch_size=2),
-                   StatsRequest(grams=("attn_in",)))
+    engine.collect(
+        token_batches(input_ids(length=24, batch=2).reshape(-1), 12, batch_size=2), StatsRequest(grams=("attn_in",))
+    )
     placed.check()
 
 
@@ -239,7 +271,8 @@ def test_exact_float64_turns_tf32_and_autocast_off_and_restores_them():
 
 
 def test_float64_calibration_on_a_device_computes_only_the_rotary_tables_in_float32_and_on_the_host(
-        monkeypatch, tmp_path, exact_rmsnorm):
+    monkeypatch, tmp_path, exact_rmsnorm
+):
     """Failure 4: float64 statistics on CUDA differed from the CPU's by more than 1e-9. transformers'
     RMSNorm (kept float64 here by ``exact_rmsnorm``) and rotary tables compute in float32, and float32
     cos/sin differ between the CPU and CUDA. With the placement a device, the engine computes the rotary
@@ -262,24 +295,25 @@ def test_float64_calibration_on_a_device_computes_only_the_rotary_tables_in_floa
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             outs = out if isinstance(out, (tuple, list)) else (out,)
-            if stack and any(isinstance(o, torch.Tensor) and o.dtype == torch.float32 for o in outs):   # in a forward
+            if stack and any(isinstance(o, torch.Tensor) and o.dtype == torch.float32 for o in outs):  # in a forward
                 float32_ops.append((str(func), tuple(stack)))
             return out
 
     pre = torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda m, a: stack.append(type(m).__name__ + ("@host" if "forward" in m.__dict__ else "")))
+        lambda m, a: stack.append(type(m).__name__ + ("@host" if "forward" in m.__dict__ else ""))
+    )
     post = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: (stack.pop(), None)[1])
-    monkeypatch.setattr(Engine, "exact", property(lambda self: True))   # as with a CUDA placement
+    monkeypatch.setattr(Engine, "exact", property(lambda self: True))  # as with a CUDA placement
     try:
         with Record():
             got = CalibrationEngine(tmp_path, placement=F64, progress=False).collect(batches, request)
     finally:
         pre.remove()
         post.remove()
-    assert float32_ops   # the rotary tables
+    assert float32_ops  # the rotary tables
     for op, where in float32_ops:
         assert where and where[-1].endswith("RotaryEmbedding@host"), (op, where)
-    for a, b in zip(reference.layers, got.layers):   # the same bits
+    for a, b in zip(reference.layers, got.layers):  # the same bits
         for site in request.grams:
             assert torch.equal(a.grams[site], b.grams[site])
 
@@ -293,7 +327,7 @@ def test_svd_factors_have_one_sign_whatever_the_backend_picks():
     svd = fused.fused_svd(fused.FusedPair(A, B, 3))
     assert torch.allclose(svd.U @ torch.diag(svd.S) @ svd.Vh, A @ B, atol=1e-12)
     flips = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
-    U, Vh = fused.canonical_signs(svd.U * flips, svd.Vh * flips[:, None])   # what another backend may return
+    U, Vh = fused.canonical_signs(svd.U * flips, svd.Vh * flips[:, None])  # what another backend may return
     assert torch.equal(U, svd.U) and torch.equal(Vh, svd.Vh)
     assert (svd.U.gather(0, svd.U.abs().argmax(0)[None]) > 0).all()
 
@@ -339,8 +373,26 @@ def test_cuda_eval_and_verification_place_their_inputs_on_the_model(tiny_dir, tm
     text = tmp_path / "t.txt"
     text.write_text(" ".join(str(i % 97) for i in range(300)))
     for dev in ("auto", "cuda", "cpu"):
-        assert main(["eval", str(tiny_dir), "--text", str(text), "--max-tokens", "200", "--window", "64",
-                     "--stride", "32", "--device", dev, "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(tiny_dir),
+                    "--text",
+                    str(text),
+                    "--max-tokens",
+                    "200",
+                    "--window",
+                    "64",
+                    "--stride",
+                    "32",
+                    "--device",
+                    dev,
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
 
 
 # ------------------------------------------------------------------------ the solver's host synchronisations
@@ -362,7 +414,7 @@ def _descent_one_sync_per_scalar(value_and_grad, X0, lipschitz, iters, tol):
     values = [f]
     for it in range(iters):
         g2 = float((xi * xi).sum())
-        if g2 <= tol ** 2 * max(g0, 1e-300):
+        if g2 <= tol**2 * max(g0, 1e-300):
             break
         t = tau
         for _ in range(50):
@@ -376,7 +428,9 @@ def _descent_one_sync_per_scalar(value_and_grad, X0, lipschitz, iters, tol):
         xin = riemannian(Xn, Gn)
         s, y = Xn - X, xin - xi
         sy = float((s * y).sum())
-        tau = (float((s * s).sum()) / sy if it % 2 == 0 else sy / max(float((y * y).sum()), 1e-300)) if sy > 0 else 2 * t
+        tau = (
+            (float((s * s).sum()) / sy if it % 2 == 0 else sy / max(float((y * y).sum()), 1e-300)) if sy > 0 else 2 * t
+        )
         weight_next = 0.85 * weight + 1.0
         ref = (0.85 * weight * ref + fn) / weight_next
         weight = weight_next
@@ -420,9 +474,30 @@ def test_cuda_heal_runs_with_the_default_device(tmp_path):
         tiny_heal("llama", len(tok), seed=seed, tokenizer=tok).save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
     (tmp_path / "train.txt").write_text(resolve_text("britannica-calib").read_text(encoding="utf-8")[:8000])
-    assert main(["heal", str(tmp_path / "student"), str(tmp_path / "out"), "--teacher", str(tmp_path / "teacher"),
-                 "--text", str(tmp_path / "train.txt"), "--tokens", str(8 * 32 * 2), "--seq-len", "32",
-                 "--batch-size", "8", "--lora-rank", "2", "--no-verify", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "heal",
+                str(tmp_path / "student"),
+                str(tmp_path / "out"),
+                "--teacher",
+                str(tmp_path / "teacher"),
+                "--text",
+                str(tmp_path / "train.txt"),
+                "--tokens",
+                str(8 * 32 * 2),
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "8",
+                "--lora-rank",
+                "2",
+                "--no-verify",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     import json
 
     report = json.loads((tmp_path / "out" / "heal_report.json").read_text())

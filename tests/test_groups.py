@@ -26,7 +26,7 @@ def test_random_hadamard_orthogonal_and_seeded():
     assert torch.allclose(Q1.T @ Q1, torch.eye(576, dtype=torch.float64), atol=1e-12)
     assert torch.equal(Q1, groups.random_hadamard(576, groups.rng(0, 0)).dense())
     assert not torch.equal(Q1, groups.random_hadamard(576, groups.rng(1, 0)).dense())
-    assert torch.allclose(Q1.abs(), torch.full_like(Q1, 576 ** -0.5))  # spreads every direction evenly
+    assert torch.allclose(Q1.abs(), torch.full_like(Q1, 576**-0.5))  # spreads every direction evenly
 
 
 @pytest.mark.parametrize("n", [2, 48, 576, 1024])
@@ -34,8 +34,11 @@ def test_factored_hadamard_products_equal_dense_products(n):
     """The Kronecker-factored fast path computes exactly the dense W Q and Qᵀ W."""
     Q = groups.random_hadamard(n, groups.rng(5))
     D = Q.dense()
-    W, V, b = (torch.randn(7, n, dtype=torch.float64), torch.randn(n, 3, dtype=torch.float64),
-               torch.randn(n, dtype=torch.float64))
+    W, V, b = (
+        torch.randn(7, n, dtype=torch.float64),
+        torch.randn(n, 3, dtype=torch.float64),
+        torch.randn(n, dtype=torch.float64),
+    )
     assert torch.allclose(W @ Q, W @ D, atol=1e-12)
     assert torch.allclose(Q.T @ V, D.T @ V, atol=1e-12)
     assert torch.allclose(Q.T @ b, D.T @ b, atol=1e-12)
@@ -62,9 +65,13 @@ def _rope(x, pos, layout, theta=10000.0):
     return out
 
 
-LAYOUTS = [HeadLayout(1, 1, 8, 8, "rotate_half"), HeadLayout(1, 1, 8, 8, "interleaved"),
-           HeadLayout(1, 1, 10, 4, "rotate_half"), HeadLayout(1, 1, 10, 6, "interleaved"),
-           HeadLayout(1, 1, 6, 0, "none")]
+LAYOUTS = [
+    HeadLayout(1, 1, 8, 8, "rotate_half"),
+    HeadLayout(1, 1, 8, 8, "interleaved"),
+    HeadLayout(1, 1, 10, 4, "rotate_half"),
+    HeadLayout(1, 1, 10, 6, "interleaved"),
+    HeadLayout(1, 1, 6, 0, "none"),
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda L: f"{L.rope_layout}-{L.rotary_dim}of{L.head_dim}")
@@ -81,8 +88,10 @@ def test_commutant_preserves_rope_scores(layout):
 
 def _rope_score_change(R, layout):
     q, k = torch.randn(layout.head_dim, dtype=torch.float64), torch.randn(layout.head_dim, dtype=torch.float64)
-    return max(abs(_rope(q, m, layout) @ _rope(k, n, layout) - _rope(R.T @ q, m, layout) @ _rope(R.T @ k, n, layout))
-               for m, n in [(0, 5), (7, 2), (31, 3)])
+    return max(
+        abs(_rope(q, m, layout) @ _rope(k, n, layout) - _rope(R.T @ q, m, layout) @ _rope(R.T @ k, n, layout))
+        for m, n in [(0, 5), (7, 2), (31, 3)]
+    )
 
 
 def test_non_commutants_are_detected_and_change_scores():

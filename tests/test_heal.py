@@ -46,14 +46,26 @@ def folders(tmp_path_factory, tok):
 
 
 def _opts(**kw) -> HealOptions:
-    base = dict(tokens=8 * SEQ * 8, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100)
+    base = dict(
+        tokens=8 * SEQ * 8, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100
+    )
     return HealOptions(**{**base, **kw})
 
 
 def _heal(folders, family, out, **kw):
     extra = {k: kw.pop(k) for k in ("resume", "callbacks", "save_adapter") if k in kw}
-    return heal_checkpoint(folders / family, out, folders / "teacher", [folders / "train.txt"], _opts(**kw),
-                           progress=False, device="cpu", eval_texts=None, heldout_kl_sequences=8, **extra)
+    return heal_checkpoint(
+        folders / family,
+        out,
+        folders / "teacher",
+        [folders / "train.txt"],
+        _opts(**kw),
+        progress=False,
+        device="cpu",
+        eval_texts=None,
+        heldout_kl_sequences=8,
+        **extra,
+    )
 
 
 def _weights(folder) -> dict:
@@ -75,7 +87,7 @@ def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path, exact_rms
     with torch.no_grad():
         base = model(input_ids=ids).logits.clone()
     plan = lora_plan(model, 4)
-    if family == "compressed":   # every structured factor kind is adapted, none is skipped
+    if family == "compressed":  # every structured factor kind is adapted, none is skipped
         kinds = {n.rsplit(".", 1)[-1] for n in plan.target_parameters}
         assert {"kron_a", "kron_b", "lr_u", "lr_v", "gs_left", "gs_right", "weight"} <= kinds
         assert not plan.target_modules
@@ -88,7 +100,7 @@ def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path, exact_rms
                 # zlib.crc32, not hash(): Python salts string hashes per process
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(zlib.crc32(n.encode())))
         unmerged = peft_model(input_ids=ids).logits.clone()
-    assert (unmerged - base).abs().max() > 1e-3          # the adapters do change the model
+    assert (unmerged - base).abs().max() > 1e-3  # the adapters do change the model
     merged = peft_model.merge_and_unload()
     assert type(merged).__name__ == type(tiny(family, 97)).__name__
     with torch.no_grad():
@@ -103,9 +115,12 @@ def test_merged_model_equals_the_unmerged_peft_model(family, tmp_path, exact_rms
 # One healing run per family, each also exercising one option (shared by the tests below):
 # stock Llama by full fine-tuning; TPA from a top-k teacher cache plus teacher samples, saving the
 # adapter; compressed with checkpoints every 2 steps (the reference for resuming); FaRR plain LoRA.
-RUN_OPTIONS = {"llama": dict(full=True, lr=3e-3),
-               "tpa": dict(teacher_cache=True, cache_k=64, teacher_samples=4, save_adapter=True),
-               "compressed": dict(save_steps=2), "farr": {}}
+RUN_OPTIONS = {
+    "llama": dict(full=True, lr=3e-3),
+    "tpa": dict(teacher_cache=True, cache_k=64, teacher_samples=4, save_adapter=True),
+    "compressed": dict(save_steps=2),
+    "farr": {},
+}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +132,7 @@ def healed(folders, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"healed-{family}") / "out"
             runs[family] = (_heal(folders, family, out, **RUN_OPTIONS[family]), out)
         return runs[family]
+
     return get
 
 
@@ -127,7 +143,7 @@ def test_a_few_steps_lower_the_heldout_kl_to_the_teacher(folders, healed, family
     assert r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == json.loads((folders / family / "config.json").read_text())["model_type"]
-    if family != "llama":   # custom family: remote code travels with the folder
+    if family != "llama":  # custom family: remote code travels with the folder
         code = cfg["auto_map"]["AutoModelForCausalLM"].split(".")[0] + ".py"
         assert (out / code).read_text() == (folders / family / code).read_text()
     assert not run_dir_for(out).exists()
@@ -180,21 +196,56 @@ def test_interrupted_run_resumed_equals_uninterrupted(folders, healed, tmp_path)
 
 
 def test_two_processes_give_the_weights_of_one_process(folders, tmp_path):
-    args = ["heal", str(folders / "tpa"), None, "--teacher", str(folders / "teacher"), "--text",
-            str(folders / "train.txt"), "--tokens", str(4 * SEQ * 4), "--seq-len", str(SEQ), "--batch-size", "4",
-            "--lora-rank", "4", "--lr", "3e-2", "--no-verify", "--quiet", "--device", "cpu"]
+    args = [
+        "heal",
+        str(folders / "tpa"),
+        None,
+        "--teacher",
+        str(folders / "teacher"),
+        "--text",
+        str(folders / "train.txt"),
+        "--tokens",
+        str(4 * SEQ * 4),
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        "4",
+        "--lora-rank",
+        "4",
+        "--lr",
+        "3e-2",
+        "--no-verify",
+        "--quiet",
+        "--device",
+        "cpu",
+    ]
     one = [a if a is not None else str(tmp_path / "one") for a in args]
     assert cli(one) == 0
     two = [a if a is not None else str(tmp_path / "two") for a in args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     import socket
 
-    with socket.socket() as s:      # a free port: other runs may use torchrun's default
+    with socket.socket() as s:  # a free port: other runs may use torchrun's default
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(port), "-m", "hf_symmetry", *two], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "-m",
+            "hf_symmetry",
+            *two,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((tmp_path / "two" / "heal_report.json").read_text())
     assert report["processes"] == 2
@@ -209,9 +260,22 @@ def test_two_processes_give_the_weights_of_one_process(folders, tmp_path):
 # ----------------------------------------------------------------------------- bad input
 def _bad(folders, tmp_path, capsys, *extra, student="llama", teacher="teacher", text=None):
     out = tmp_path / "out"
-    argv = ["heal", str(folders / student), str(out), "--teacher", str(folders / teacher if teacher in
-            ("teacher", "other-vocab") else teacher), "--text", str(text or folders / "train.txt"),
-            "--seq-len", str(SEQ), "--no-verify", "--quiet", "--device", "cpu", *extra]
+    argv = [
+        "heal",
+        str(folders / student),
+        str(out),
+        "--teacher",
+        str(folders / teacher if teacher in ("teacher", "other-vocab") else teacher),
+        "--text",
+        str(text or folders / "train.txt"),
+        "--seq-len",
+        str(SEQ),
+        "--no-verify",
+        "--quiet",
+        "--device",
+        "cpu",
+        *extra,
+    ]
     before = set(tmp_path.iterdir())
     capsys.readouterr()
     assert cli(argv) == 2
@@ -239,8 +303,9 @@ def test_unsupported_student_is_refused(folders, tmp_path, capsys):
     from transformers import BertConfig, BertModel
 
     bert = tmp_path / "bert"
-    BertModel(BertConfig(vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=32)).save_pretrained(bert)
+    BertModel(
+        BertConfig(vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    ).save_pretrained(bert)
     byte_tokenizer().save_pretrained(bert)
     err, new = _bad(folders, tmp_path, capsys, student=str(bert))
     assert "unsupported student" in err and new == set()
@@ -268,8 +333,24 @@ def test_existing_output_folder_is_refused(folders, tmp_path, capsys):
 def test_too_few_perplexity_tokens_are_refused_before_training(folders, tmp_path, capsys):
     text = str(folders / "train.txt")
     out = tmp_path / "out"
-    argv = ["heal", str(folders / "llama"), str(out), "--teacher", str(folders / "teacher"), "--text", text,
-            "--seq-len", str(SEQ), "--quiet", "--device", "cpu", "--eval-text", text, "--ppl-tokens", "1"]
+    argv = [
+        "heal",
+        str(folders / "llama"),
+        str(out),
+        "--teacher",
+        str(folders / "teacher"),
+        "--text",
+        text,
+        "--seq-len",
+        str(SEQ),
+        "--quiet",
+        "--device",
+        "cpu",
+        "--eval-text",
+        text,
+        "--ppl-tokens",
+        "1",
+    ]
     capsys.readouterr()
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -299,14 +380,33 @@ def test_a_rotated_layer_norm_decoder_heals(folders, tmp_path, tok):
 
     src = tmp_path / "opt"
     torch.manual_seed(7)
-    OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             ffn_dim=64, max_position_embeddings=256, word_embed_proj_dim=32, pad_token_id=1,
-                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(src)
+    OPTForCausalLM(
+        OPTConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            ffn_dim=64,
+            max_position_embeddings=256,
+            word_embed_proj_dim=32,
+            pad_token_id=1,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(src)
     tok.save_pretrained(src)
     student = tmp_path / "opt-rotated"
     rotate_checkpoint(src, student, RotateOptions(residual="hadamard", heads="none", ffn=False), progress=False)
     assert check_student(student)["model_type"] == "hf_symmetry_rms_decoder"
-    r = heal_checkpoint(student, tmp_path / "out", folders / "teacher", [folders / "train.txt"],
-                        _opts(full=True, lr=3e-3), progress=False, device="cpu", eval_texts=None,
-                        heldout_kl_sequences=8)
+    r = heal_checkpoint(
+        student,
+        tmp_path / "out",
+        folders / "teacher",
+        [folders / "train.txt"],
+        _opts(full=True, lr=3e-3),
+        progress=False,
+        device="cpu",
+        eval_texts=None,
+        heldout_kl_sequences=8,
+    )
     assert r.steps == 8 and r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)

@@ -42,18 +42,18 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_ones(family, lm_weight, 
     student, teacher = _models(family)
     ids = _ids()
     labels = ids.clone()
-    labels[0, 7] = -100                        # a position without a target counts in neither
+    labels[0, 7] = -100  # a position without a target counts in neither
     inputs = {"input_ids": ids, "labels": labels}
     whole = DistillationLoss(teacher, temperature, lm_weight, chunk_tokens=None)
-    chunked = DistillationLoss(teacher, temperature, lm_weight, chunk_tokens=7)   # 80 positions: 11 uneven chunks
+    chunked = DistillationLoss(teacher, temperature, lm_weight, chunk_tokens=7)  # 80 positions: 11 uneven chunks
     l0, p0, g0 = _loss_and_grads(student, whole, inputs)
     l1, p1, g1 = _loss_and_grads(student, chunked, inputs)
-    assert chunked._plain_heads and all(chunked._plain_heads.values())        # the chunked path ran
+    assert chunked._plain_heads and all(chunked._plain_heads.values())  # the chunked path ran
     assert torch.allclose(l1, l0, rtol=1e-12, atol=0)
     assert abs(p1["kd_part"] - p0["kd_part"]) < 1e-12 * abs(p0["kd_part"])
     if lm_weight:
         assert abs(p1["lm_part"] - p0["lm_part"]) < 1e-12 * abs(p0["lm_part"])
-    assert g0.keys() == g1.keys() and chunked._head_params[id(student)]      # the head's weights train too
+    assert g0.keys() == g1.keys() and chunked._head_params[id(student)]  # the head's weights train too
     for n in g0:
         assert torch.allclose(g1[n], g0[n], rtol=1e-9, atol=1e-13), n
     # negative control: another teacher gives a clearly different loss and head gradient
@@ -88,16 +88,19 @@ def test_no_vocabulary_sized_tensor_of_all_positions_is_kept_for_backward():
         def pack(t):
             sizes.append(t.numel())
             return t
+
         rows = []
-        handle = student.get_output_embeddings().register_forward_hook(lambda m, a, o: rows.append(a[0].reshape(-1, a[0].shape[-1]).shape[0]))
+        handle = student.get_output_embeddings().register_forward_hook(
+            lambda m, a, o: rows.append(a[0].reshape(-1, a[0].shape[-1]).shape[0])
+        )
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss, _ = DistillationLoss(teacher, 1.0, 0.5, chunk_tokens=chunk)(student, {"input_ids": ids})
         handle.remove()
         loss.backward()
-        return max(sizes), max(rows[1:] if chunk else rows)     # rows[0]: the one-off plain-head check
+        return max(sizes), max(rows[1:] if chunk else rows)  # rows[0]: the one-off plain-head check
 
     n_v = B * L * VOCAB
-    assert largest_saved(None)[0] >= n_v                         # the control: unchunked keeps the logits
+    assert largest_saved(None)[0] >= n_v  # the control: unchunked keeps the logits
     saved, rows = largest_saved(8)
     # the largest kept: the head weight's gradient [V, d] (and nothing of the B·L positions times V)
     assert saved <= VOCAB * student.config.hidden_size < n_v / 2 and rows <= 8
@@ -107,7 +110,7 @@ def test_a_head_followed_by_scaling_keeps_the_unchunked_path():
     student, teacher = _models("llama")
     ids = _ids()
 
-    class Scaled(torch.nn.Module):                   # logits = 2 · head(h): not the head's output
+    class Scaled(torch.nn.Module):  # logits = 2 · head(h): not the head's output
         def __init__(self, m):
             super().__init__()
             self.m = m
@@ -139,8 +142,9 @@ def test_final_hidden_restores_the_head_and_direct_use_matches():
     assert student.get_output_embeddings() is module and cap.hidden.shape == (B, L, student.config.hidden_size)
     with final_hidden(teacher) as tcap:
         teacher(input_ids=ids)
-    loss, kd, lm = chunked_logit_loss(cap.hidden, head, ("hidden", tcap.hidden, output_head(teacher)), ids,
-                                      lm_weight=0.0, chunk_tokens=13)
+    loss, kd, lm = chunked_logit_loss(
+        cap.hidden, head, ("hidden", tcap.hidden, output_head(teacher)), ids, lm_weight=0.0, chunk_tokens=13
+    )
     ref, _ = DistillationLoss(teacher, 1.0, 0.0, chunk_tokens=None)(student, {"input_ids": ids})
     assert torch.allclose(loss, ref, rtol=1e-12) and lm is None and abs(kd - float(ref)) < 1e-12 * float(ref)
     with pytest.raises(ValueError, match="chunk_tokens"):
@@ -157,6 +161,7 @@ def test_cli_passes_the_logit_chunk_and_a_negative_one_is_refused(monkeypatch):
     def fake(model, out, teacher, texts, options, **kw):
         seen["options"] = options
         raise ValueError("stop here")
+
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
     assert cli(["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--logit-chunk", "512", "--quiet"]) == 2
     assert seen["options"].logit_chunk == 512 and HealOptions().logit_chunk == 2048
@@ -169,4 +174,4 @@ def test_teacher_samples_take_their_share_of_the_token_budget():
 
     o = HealOptions(tokens=4096, seq_len=128, teacher_samples=8)
     assert o.text_tokens() == 4096 - 8 * 128 and o.steps() == HealOptions(tokens=4096, seq_len=128).steps()
-    assert HealOptions(tokens=256, seq_len=128, teacher_samples=8).text_tokens() == 128   # at least one sequence
+    assert HealOptions(tokens=256, seq_len=128, teacher_samples=8).text_tokens() == 128  # at least one sequence

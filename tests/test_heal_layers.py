@@ -31,11 +31,17 @@ def root(tmp_path_factory):
     import transformers as T
 
     from heal_models import COMMON
+
     torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=len(tok), **{**COMMON, "num_hidden_layers": 4}, initializer_range=0.1,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = T.LlamaConfig(
+        vocab_size=len(tok),
+        **{**COMMON, "num_hidden_layers": 4},
+        initializer_range=0.1,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     teacher = T.LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():     # non-trivial norms: folding them is part of what the map must get right
+    with torch.no_grad():  # non-trivial norms: folding them is part of what the map must get right
         for n, p in teacher.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
@@ -78,11 +84,15 @@ def sliced(root):
 
     out = root / "slice-full"
     full_width = plan_module.plan_slice
-    with pytest.MonkeyPatch.context() as mp:    # SliceGPT at full width: its PCA rotation alone, exact
-        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10 ** 12))
-        compress_checkpoint(root / "teacher", out, CompressOptions(structure="slice", ratio=0.01, tolerance=1.0,
-                                                                   calib_tokens=2048, calib_seq_len=64),
-                            root / "train.txt", progress=False)
+    with pytest.MonkeyPatch.context() as mp:  # SliceGPT at full width: its PCA rotation alone, exact
+        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10**12))
+        compress_checkpoint(
+            root / "teacher",
+            out,
+            CompressOptions(structure="slice", ratio=0.01, tolerance=1.0, calib_tokens=2048, calib_seq_len=64),
+            root / "train.txt",
+            progress=False,
+        )
     return out
 
 
@@ -99,10 +109,10 @@ def tpa(root):
 def test_full_width_slicing_has_zero_layer_loss_and_a_wrong_rotation_does_not(root, sliced):
     m = read_layer_map(sliced)
     assert m.kind == "rotation" and m.num_layers == 4 and m.hidden_size == 32
-    assert len(m.bases) == 1 and set(m.layer_width) == {32}          # one global Q, full width
+    assert len(m.bases) == 1 and set(m.layer_width) == {32}  # one global Q, full width
     Q = m.bases[0].double()
     assert torch.allclose(Q.T @ Q, torch.eye(32, dtype=torch.float64), atol=1e-5)
-    assert not torch.allclose(Q.abs(), torch.eye(32, dtype=torch.float64), atol=0.1)   # a real rotation
+    assert not torch.allclose(Q.abs(), torch.eye(32, dtype=torch.float64), atol=0.1)  # a real rotation
     assert _loss(sliced, root / "teacher") < 1e-10
     # negative controls: another rotation, and the right map on the wrong layers
     other = torch.linalg.qr(torch.randn(32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64))[0]
@@ -112,6 +122,7 @@ def test_full_width_slicing_has_zero_layer_loss_and_a_wrong_rotation_does_not(ro
     assert _loss(sliced, root / "teacher", permute=True) > 0.05
     # the map is no parameter: the card and report count the weights only
     from hf_symmetry.hub.cards import count_stored_parameters
+
     model = _load(sliced)
     assert count_stored_parameters(sliced) == sum(p.numel() for p in model.parameters())
 
@@ -125,14 +136,20 @@ def test_per_segment_rotations_map_each_layer_through_its_own_segment(root):
     out = root / "slice-segments"
     full_width = plan_module.plan_slice
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10 ** 12))
-        compress_checkpoint(root / "teacher", out, CompressOptions(structure="slice", q_mode="segment", ratio=0.01,
-                                                                   tolerance=1.0, calib_tokens=2048, calib_seq_len=64),
-                            root / "train.txt", progress=False)
+        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10**12))
+        compress_checkpoint(
+            root / "teacher",
+            out,
+            CompressOptions(
+                structure="slice", q_mode="segment", ratio=0.01, tolerance=1.0, calib_tokens=2048, calib_seq_len=64
+            ),
+            root / "train.txt",
+            progress=False,
+        )
     m = read_layer_map(out)
     assert len(m.bases) == 4 and m.layer_basis == [0, 1, 2, 3]
     assert _loss(out, root / "teacher") < 1e-10
-    shifted = LayerMap("rotation", 32, [1, 2, 3, 0], m.layer_width, m.bases)     # a neighbour's rotation
+    shifted = LayerMap("rotation", 32, [1, 2, 3, 0], m.layer_width, m.bases)  # a neighbour's rotation
     assert _loss(out, root / "teacher", shifted) > 0.3
 
 
@@ -157,9 +174,13 @@ def test_a_lossy_slice_records_its_narrower_width(root):
     from hf_symmetry.conversion.compress import CompressOptions, compress_checkpoint
 
     out = root / "slice-25"
-    compress_checkpoint(root / "teacher", out, CompressOptions(structure="slice", ratio=0.25, tolerance=1.0,
-                                                               calib_tokens=2048, calib_seq_len=64),
-                        root / "train.txt", progress=False)
+    compress_checkpoint(
+        root / "teacher",
+        out,
+        CompressOptions(structure="slice", ratio=0.25, tolerance=1.0, calib_tokens=2048, calib_seq_len=64),
+        root / "train.txt",
+        progress=False,
+    )
     m = read_layer_map(out)
     w = m.layer_width[0]
     assert w < 32 and m.bases[0].shape == (32, w)
@@ -171,10 +192,20 @@ def test_a_lossy_slice_records_its_narrower_width(root):
 def _heal(root, student, out, **kw):
     from hf_symmetry.training.heal import HealOptions, heal_checkpoint
 
-    opts = dict(tokens=8 * SEQ * 4, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1,
-                save_steps=100)
-    return heal_checkpoint(student, out, root / "teacher", [root / "train.txt"], HealOptions(**{**opts, **kw}),
-                           progress=False, device="cpu", eval_texts=None, heldout_kl_sequences=4)
+    opts = dict(
+        tokens=8 * SEQ * 4, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100
+    )
+    return heal_checkpoint(
+        student,
+        out,
+        root / "teacher",
+        [root / "train.txt"],
+        HealOptions(**{**opts, **kw}),
+        progress=False,
+        device="cpu",
+        eval_texts=None,
+        heldout_kl_sequences=4,
+    )
 
 
 def test_heal_distils_the_layer_states_through_the_map(root, tmp_path):
@@ -186,7 +217,7 @@ def test_heal_distils_the_layer_states_through_the_map(root, tmp_path):
     before = _loss(student, root / "teacher")
     r = _heal(root, student, tmp_path / "out", layer_loss_weight=1.0)
     assert r.layer_targets == "identity"
-    assert (tmp_path / "out" / MAP_FILE).is_file()          # the healed model keeps its map
+    assert (tmp_path / "out" / MAP_FILE).is_file()  # the healed model keeps its map
     assert _loss(tmp_path / "out", root / "teacher") < before
     assert r.heldout_kl_after < r.heldout_kl_before
 
@@ -236,24 +267,29 @@ def test_teacher_samples_are_deterministic_cached_reused_and_invalidated(root, t
 
     folder = tmp_path / "teacher"
     import shutil
+
     shutil.copytree(root / "teacher", folder)
     cache = tmp_path / "cache"
-    s1, p1, reused1 = cached_teacher_samples(teacher, tok, folder, 5, 12, seed=7, device="cpu", batch_size=2,
-                                             cache=cache, progress=False)
+    s1, p1, reused1 = cached_teacher_samples(
+        teacher, tok, folder, 5, 12, seed=7, device="cpu", batch_size=2, cache=cache, progress=False
+    )
     assert not reused1 and p1.is_file() and torch.equal(s1, a)
-    s2, p2, reused2 = cached_teacher_samples(teacher, tok, folder, 5, 12, seed=7, device="cpu", batch_size=2,
-                                             cache=cache, progress=False)
+    s2, p2, reused2 = cached_teacher_samples(
+        teacher, tok, folder, 5, 12, seed=7, device="cpu", batch_size=2, cache=cache, progress=False
+    )
     assert reused2 and p2 == p1 and torch.equal(s2, s1)
     # another seed is another file; a changed teacher (new weights file) samples anew
-    _, p3, reused3 = cached_teacher_samples(teacher, tok, folder, 5, 12, seed=8, device="cpu", batch_size=2,
-                                            cache=cache, progress=False)
+    _, p3, reused3 = cached_teacher_samples(
+        teacher, tok, folder, 5, 12, seed=8, device="cpu", batch_size=2, cache=cache, progress=False
+    )
     assert not reused3 and p3 != p1
     changed = _load(folder)
     with torch.no_grad():
         changed.lm_head.weight.mul_(3.0)
     changed.save_pretrained(folder)
-    s4, p4, reused4 = cached_teacher_samples(changed.float(), tok, folder, 5, 12, seed=7, device="cpu",
-                                             batch_size=2, cache=cache, progress=False)
+    s4, p4, reused4 = cached_teacher_samples(
+        changed.float(), tok, folder, 5, 12, seed=7, device="cpu", batch_size=2, cache=cache, progress=False
+    )
     assert not reused4 and p4 != p1 and p1.is_file()
     assert len(list(cache.glob("*.safetensors"))) == 3 and not list(cache.glob(".*"))
 
@@ -275,7 +311,25 @@ def test_cli_passes_the_layer_loss_weight(monkeypatch):
     def fake(model, out, teacher, texts, options, **kw):
         seen["options"] = options
         raise ValueError("stop here")
+
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
-    assert cli(["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--layer-loss-weight", "0.5",
-                "--teacher-samples", "3", "--quiet"]) == 2
+    assert (
+        cli(
+            [
+                "heal",
+                "in",
+                "out",
+                "--teacher",
+                "t",
+                "--text",
+                "x.txt",
+                "--layer-loss-weight",
+                "0.5",
+                "--teacher-samples",
+                "3",
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     assert seen["options"].layer_loss_weight == 0.5 and seen["options"].teacher_samples == 3

@@ -20,17 +20,26 @@ PACKAGE = ROOT / "hf_symmetry"
 #: bottom to top; a package is a top-level module or sub-package of ``hf_symmetry`` (``hf_symmetry``
 #: itself is the root ``__init__``); ``conversion`` has one package per conversion that has grown one
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
-    ("modeling", ("modeling",),
-     "hf_symmetry's own model families: standalone remote-code files, they import nothing of the package"),
-    ("foundations", ("hf_symmetry", "devices", "assets", "checkpoint", "text"),
-     "the root (version, registration), devices, offline assets, safetensors I/O, text reading and naming"),
+    (
+        "modeling",
+        ("modeling",),
+        "hf_symmetry's own model families: standalone remote-code files, they import nothing of the package",
+    ),
+    (
+        "foundations",
+        ("hf_symmetry", "devices", "assets", "checkpoint", "text"),
+        "the root (version, registration), devices, offline assets, safetensors I/O, text reading and naming",
+    ),
     ("symmetry", ("symmetry",), "the group actions and linear algebra on canonical layers"),
     ("architectures", ("architectures",), "per-family specs and the adapter to the canonical form"),
     ("calibration", ("calibration",), "the layer-wise calibration engine and its batches"),
     ("evaluation", ("evaluation",), "loading, comparing, perplexity, verification, lm-eval, plots"),
     ("hub", ("hub",), "model cards, their evaluation entries, the pre-push check and the push"),
-    ("conversion", ("conversion", "conversion.compress", "conversion.farr"),
-     "the conversions, on the shared streaming loop (`conversion.stream`)"),
+    (
+        "conversion",
+        ("conversion", "conversion.compress", "conversion.farr"),
+        "the conversions, on the shared streaming loop (`conversion.stream`)",
+    ),
     ("training", ("training",), "training, distillation and `heal` (recovery fine-tuning of a converted model)"),
     ("commands", ("commands", "cli", "__main__", "testing"), "the command line, and the test helpers"),
 ]
@@ -61,7 +70,7 @@ def imports_of(source: str, module: str, is_package: bool) -> list[tuple[str, st
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -94,7 +103,7 @@ def graph(sources: dict[str, tuple[str, bool]], top: str = "hf_symmetry"):
         for target, name, line in imports_of(source, module, is_package):
             if package_of(target, top) is not None:
                 if name is not None and f"{target}.{name}" in sources:
-                    target, name = f"{target}.{name}", None   # `from . import submodule`
+                    target, name = f"{target}.{name}", None  # `from . import submodule`
                 edges.append((module, target, name, line))
     return edges
 
@@ -115,7 +124,7 @@ def package_cycles(edges, top: str = "hf_symmetry") -> list[list[str]]:
     succ: dict[str, set[str]] = {}
     for module, target, _, _ in edges:
         a, b = package_of(module, top), package_of(target, top)
-        if a != b and b != top:   # every module imports the root package anyway
+        if a != b and b != top:  # every module imports the root package anyway
             succ.setdefault(a, set()).add(b)
             succ.setdefault(b, set())
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -149,16 +158,20 @@ def package_cycles(edges, top: str = "hf_symmetry") -> list[list[str]]:
 
 def private_imports(edges, top: str = "hf_symmetry") -> set[tuple[str, str, str]]:
     """(importing module, imported module, private name), both modules named under ``top.``."""
+
     def short(module):
         return module.removeprefix(top + ".")
 
-    return {(short(m), short(t), n) for m, t, n, _ in edges
-            if n and n.startswith("_") and not n.startswith("__") and t != m}
+    return {
+        (short(m), short(t), n) for m, t, n, _ in edges if n and n.startswith("_") and not n.startswith("__") and t != m
+    }
 
 
 def package_sources() -> dict[str, tuple[str, bool]]:
-    return {_module_name(p, PACKAGE): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
-            for p in sorted(PACKAGE.rglob("*.py"))}
+    return {
+        _module_name(p, PACKAGE): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
+        for p in sorted(PACKAGE.rglob("*.py"))
+    }
 
 
 def layer_table() -> str:
@@ -208,8 +221,9 @@ def test_docs_show_the_layer_table_the_test_checks():
     for _, packages, _ in LAYERS:
         for p in packages:
             if (PACKAGE / p.replace(".", "/")).is_dir():
-                assert re.search(rf"`{re.escape(p.replace('.', '/'))}/`", internals), \
+                assert re.search(rf"`{re.escape(p.replace('.', '/'))}/`", internals), (
                     f"docs/internals.md has no paragraph on `{p.replace('.', '/')}/`"
+                )
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -220,29 +234,43 @@ def _planted(modules: dict[str, str], packages: tuple[str, ...] = ()) -> dict[st
 
 
 def test_a_planted_upward_import_fails():
-    sources = _planted({"hf_symmetry.devices": "import torch\n",
-                        "hf_symmetry.hub.cards": "from ..devices import to_model\n",
-                        "hf_symmetry.symmetry.fused": "def f():\n    from ..hub.cards import write_card\n"})
+    sources = _planted(
+        {
+            "hf_symmetry.devices": "import torch\n",
+            "hf_symmetry.hub.cards": "from ..devices import to_model\n",
+            "hf_symmetry.symmetry.fused": "def f():\n    from ..hub.cards import write_card\n",
+        }
+    )
     found = upward_imports(graph(sources))
     assert len(found) == 1 and "hf_symmetry.symmetry.fused:2" in found[0], found
     # a package's __init__ resolves relative imports against itself
-    sources = _planted({"hf_symmetry.evaluation": "from ..conversion import stream\n"},
-                       packages=("hf_symmetry.evaluation",))
+    sources = _planted(
+        {"hf_symmetry.evaluation": "from ..conversion import stream\n"}, packages=("hf_symmetry.evaluation",)
+    )
     assert [e[1] for e in graph(sources)] == ["hf_symmetry.conversion"]
     assert len(upward_imports(graph(sources))) == 1
 
 
 def test_a_planted_cycle_fails():
-    sources = _planted({"hf_symmetry.evaluation.bridge": "from ..hub.cards import perplexity_result\n",
-                        "hf_symmetry.hub.push": "def f():\n    import hf_symmetry.evaluation.bridge\n"})
+    sources = _planted(
+        {
+            "hf_symmetry.evaluation.bridge": "from ..hub.cards import perplexity_result\n",
+            "hf_symmetry.hub.push": "def f():\n    import hf_symmetry.evaluation.bridge\n",
+        }
+    )
     assert package_cycles(graph(sources)) == [["evaluation", "hub"]]
-    sources = _planted({"hf_symmetry.conversion.compress.solve": "from ..farr import reduce\n",
-                        "hf_symmetry.conversion.farr.reduce": "from ..compress.solve import x\n"})
+    sources = _planted(
+        {
+            "hf_symmetry.conversion.compress.solve": "from ..farr import reduce\n",
+            "hf_symmetry.conversion.farr.reduce": "from ..compress.solve import x\n",
+        }
+    )
     assert package_cycles(graph(sources)) == [["conversion.compress", "conversion.farr"]]
     assert package_cycles(graph(_planted({"hf_symmetry.hub.push": "from ..evaluation import bridge\n"}))) == []
 
 
 def test_a_planted_private_import_fails():
-    sources = _planted({"hf_symmetry.conversion.merge": "from .rotate import _centre_layer, public\n"
-                                                       "from .. import __version__\n"})
+    sources = _planted(
+        {"hf_symmetry.conversion.merge": "from .rotate import _centre_layer, public\nfrom .. import __version__\n"}
+    )
     assert private_imports(graph(sources)) == {("conversion.merge", "conversion.rotate", "_centre_layer")}

@@ -9,13 +9,16 @@ import torch
 from hf_symmetry.architectures import Adapter, UnsupportedSymmetry
 from hf_symmetry.cli import main
 from hf_symmetry.conversion.merge_statistics import gram_matrices
-from hf_symmetry.conversion.match import (MatchOptions, fold_state_dict, match_state_dict,
-                                          squared_distances)
+from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict, squared_distances
 from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
 from hf_symmetry.evaluation.compare import model_from_state_dict
 from hf_symmetry.symmetry import HeadLayout, actions, groups
-from hf_symmetry.symmetry.procrustes import (commutant_procrustes, match_permutation, orthogonal_procrustes,
-                                             quartic_scale)
+from hf_symmetry.symmetry.procrustes import (
+    commutant_procrustes,
+    match_permutation,
+    orthogonal_procrustes,
+    quartic_scale,
+)
 from hf_symmetry.testing import input_ids, outputs, tiny_model
 
 ALL = MatchOptions(scaling=True)
@@ -53,25 +56,29 @@ def test_orthogonal_procrustes_is_the_global_optimum():
     R = orthogonal_procrustes(M)
     assert torch.allclose(R.T @ R, torch.eye(7, dtype=torch.float64), atol=1e-12)
     best = torch.trace(R.T @ M)
-    assert abs(best - torch.linalg.svdvals(M).sum()) < 1e-10          # tr(RᵀM) reaches Σσ
+    assert abs(best - torch.linalg.svdvals(M).sum()) < 1e-10  # tr(RᵀM) reaches Σσ
     for _ in range(20):  # random orthogonals, including reflections, never do better
         Q = groups.haar_orthogonal(7, groups.rng(0, _))
         assert torch.trace(Q.T @ M) <= best + 1e-12
 
 
-@pytest.mark.parametrize("layout", [
-    HeadLayout(4, 2, 8, rotary_dim=8, rope_layout="rotate_half"),
-    HeadLayout(4, 2, 8, rotary_dim=8, rope_layout="interleaved"),
-    HeadLayout(4, 4, 12, rotary_dim=8, rope_layout="rotate_half"),   # partial rotary: 4 free dims
-    HeadLayout(4, 4, 6),                                              # no RoPE: all of O(6)
-], ids=["rotate_half", "interleaved", "partial", "nope"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        HeadLayout(4, 2, 8, rotary_dim=8, rope_layout="rotate_half"),
+        HeadLayout(4, 2, 8, rotary_dim=8, rope_layout="interleaved"),
+        HeadLayout(4, 4, 12, rotary_dim=8, rope_layout="rotate_half"),  # partial rotary: 4 free dims
+        HeadLayout(4, 4, 6),  # no RoPE: all of O(6)
+    ],
+    ids=["rotate_half", "interleaved", "partial", "nope"],
+)
 def test_commutant_procrustes_recovers_a_planted_element_and_stays_in_the_group(layout):
     gen = torch.Generator().manual_seed(1)
     W = torch.randn(layout.head_dim, 40, generator=gen, dtype=torch.float64)
     R0 = groups.random_rope_commutant(layout, groups.rng(3))
-    R = commutant_procrustes((R0.T @ W) @ W.T, layout)      # source = R0ᵀ W, anchor = W
+    R = commutant_procrustes((R0.T @ W) @ W.T, layout)  # source = R0ᵀ W, anchor = W
     assert groups.rope_commutant_violation(R, layout) < 1e-12
-    assert (R.T @ R0.T @ W - W).abs().max() < 1e-12          # recovers R = R0ᵀ exactly
+    assert (R.T @ R0.T @ W - W).abs().max() < 1e-12  # recovers R = R0ᵀ exactly
     # a generic M: the solution beats nearby group elements (expm of the group's Lie algebra)
     M = torch.randn(layout.head_dim, layout.head_dim, generator=gen, dtype=torch.float64)
     R = commutant_procrustes(M, layout)
@@ -98,7 +105,7 @@ def test_quartic_scale_recovers_planted_scale_and_is_the_minimum():
     gen = torch.Generator().manual_seed(2)
     X, Y = torch.randn(30, generator=gen, dtype=torch.float64), torch.randn(20, generator=gen, dtype=torch.float64)
     for a0 in (0.3, 1.0, 2.7, -1.5):
-        Xs, Ys = X / a0, Y * a0      # source = anchor moved by 1/a0: the best a is a0
+        Xs, Ys = X / a0, Y * a0  # source = anchor moved by 1/a0: the best a is a0
         a = quartic_scale(Xs @ Xs, Xs @ X, Ys @ Ys, Ys @ Y)
         assert abs(a - a0) < 1e-12
     Xs, Ys = X + 0.5 * torch.randn(30, generator=gen, dtype=torch.float64), 2 * Y
@@ -106,6 +113,7 @@ def test_quartic_scale_recovers_planted_scale_and_is_the_minimum():
 
     def f(t):
         return ((t * Xs - X).pow(2).sum() + (Ys / t - Y).pow(2).sum()).item()
+
     grid = torch.linspace(-4, 4, 8001, dtype=torch.float64)
     assert f(a) <= min(f(t.item()) for t in grid if abs(t) > 1e-3) + 1e-12
 
@@ -114,7 +122,7 @@ def test_match_permutation_recovers_planted_permutation():
     gen = torch.Generator().manual_seed(3)
     A = torch.randn(50, 30, generator=gen, dtype=torch.float64)
     perm0 = torch.randperm(50, generator=gen)
-    S = A[torch.argsort(perm0)]                   # source neuron perm0[j] is anchor neuron j
+    S = A[torch.argsort(perm0)]  # source neuron perm0[j] is anchor neuron j
     perm = match_permutation(A @ S.T)
     assert torch.equal(S[perm], A) and torch.equal(perm, perm0)
 
@@ -131,8 +139,9 @@ PLANTED = [
 ]
 
 
-@pytest.mark.parametrize("family,planted,options", PLANTED,
-                         ids=["llama-residual", "qwen2-residual", "llama-heads", "gpt2", "bert"])
+@pytest.mark.parametrize(
+    "family,planted,options", PLANTED, ids=["llama-residual", "qwen2-residual", "llama-heads", "gpt2", "bert"]
+)
 def test_planted_transform_is_recovered_and_the_average_is_the_anchor(family, planted, options, exact_rmsnorm):
     model = tiny_model(family)
     anchor = _sd(model)
@@ -149,7 +158,7 @@ def test_planted_transform_is_recovered_and_the_average_is_the_anchor(family, pl
     matched_avg = _model(result.config, _average(reference, result.state_dict))
     assert (outputs(matched_avg, ids) - target).abs().max() < 1e-9
     plain_avg = _model(source_cfg, _average(anchor, source))
-    assert (outputs(plain_avg, ids) - target).abs().max() > 0.1   # without matching: measurably worse
+    assert (outputs(plain_avg, ids) - target).abs().max() > 0.1  # without matching: measurably worse
     # and the matched source still computes the source's function
     assert (outputs(_model(result.config, result.state_dict), ids) - target).abs().max() < 1e-9
 
@@ -165,9 +174,15 @@ def test_matched_source_keeps_its_function_for_an_independent_model(exact_rmsnor
 # --------------------------------------------------------------------------- optimality
 
 
-OPTIONS = {"heads": MatchOptions(ffn=False), "heads+ffn": MatchOptions(), "scaling": ALL,
-           "residual": ALL_RESIDUAL, "residual-refined": MatchOptions(scaling=True, residual=True, residual_iters=2),
-           "qk-only": MatchOptions(heads="qk", ffn=False), "vo-only": MatchOptions(heads="vo", ffn=False)}
+OPTIONS = {
+    "heads": MatchOptions(ffn=False),
+    "heads+ffn": MatchOptions(),
+    "scaling": ALL,
+    "residual": ALL_RESIDUAL,
+    "residual-refined": MatchOptions(scaling=True, residual=True, residual_iters=2),
+    "qk-only": MatchOptions(heads="qk", ffn=False),
+    "vo-only": MatchOptions(heads="vo", ffn=False),
+}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "bert"])
@@ -202,7 +217,7 @@ def test_small_perturbations_of_the_solution_never_improve_the_objective():
             assert squared_distances(a, actions.rotate_qk(m, L, qk))["qk"] >= base["qk"] - 1e-12
             assert squared_distances(a, actions.rotate_vo(m, L, vo))["vo"] >= base["vo"] - 1e-12
         n = a["up.weight"].shape[0]
-        for i, j in [(0, 1), (3, n - 1), (10, 20)]:   # swapping two neurons never helps
+        for i, j in [(0, 1), (3, n - 1), (10, 20)]:  # swapping two neurons never helps
             perm = torch.arange(n)
             perm[[i, j]] = perm[[j, i]]
             assert squared_distances(a, actions.permute_ffn(m, perm))["ffn"] >= base["ffn"] - 1e-12
@@ -225,8 +240,9 @@ def test_small_perturbations_of_the_solution_never_improve_the_objective():
         assert squared_distances(a_glob, moved, is_global=True)["embeddings"] >= base - 1e-12
 
 
-@pytest.mark.parametrize("family,options", [("llama", ALL_RESIDUAL), ("qwen2", ALL_RESIDUAL), ("gpt2", ALL),
-                                            ("bert", ALL)])
+@pytest.mark.parametrize(
+    "family,options", [("llama", ALL_RESIDUAL), ("qwen2", ALL_RESIDUAL), ("gpt2", ALL), ("bert", ALL)]
+)
 def test_matching_a_model_to_itself_returns_identities(family, options):
     model = tiny_model(family)
     sd = _sd(model)
@@ -252,8 +268,9 @@ def test_grams_before_matching_transform_exactly_into_grams_after(exact_rmsnorm)
     cfg = s_model.config.to_dict()
     ad = Adapter.from_config(cfg, list(_sd(s_model)))
     before = gram_matrices(s_model, ad, batches, progress=False)
-    assert set(before) == {"head_in"} | {f"layers.{i}.{n}" for i in range(2)
-                                         for n in ("attn_in", "o_in", "ffn_in", "down_in")}
+    assert set(before) == {"head_in"} | {
+        f"layers.{i}.{n}" for i in range(2) for n in ("attn_in", "o_in", "ffn_in", "down_in")
+    }
     r = match_state_dict(_sd(a_model), _sd(s_model), cfg, MatchOptions(scaling=True, residual=True))
     matched = _model(r.config, r.state_dict)
     after = gram_matrices(matched, Adapter.from_config(r.config, list(r.state_dict)), batches, progress=False)
@@ -261,7 +278,7 @@ def test_grams_before_matching_transform_exactly_into_grams_after(exact_rmsnorm)
     for key in after:
         scale = after[key].abs().max()
         assert (moved[key] - after[key]).abs().max() <= 1e-12 * scale, key
-        assert (before[key] - after[key]).abs().max() > 1e-3 * scale, key   # untransformed Grams are wrong
+        assert (before[key] - after[key]).abs().max() > 1e-3 * scale, key  # untransformed Grams are wrong
 
 
 # --------------------------------------------------------------------------- refusals and CLI
@@ -274,11 +291,15 @@ def _save(model, folder, tokenizer_vocab: dict | None = None):
     return folder
 
 
-@pytest.mark.parametrize("other,message", [
-    (lambda: tiny_model("gpt2"), "is a gpt2 model but"),
-    (lambda: tiny_model("llama", intermediate_size=96), "intermediate_size"),
-    (lambda: tiny_model("llama", vocab_size=101), "vocab_size"),
-], ids=["family", "shape", "vocab-size"])
+@pytest.mark.parametrize(
+    "other,message",
+    [
+        (lambda: tiny_model("gpt2"), "is a gpt2 model but"),
+        (lambda: tiny_model("llama", intermediate_size=96), "intermediate_size"),
+        (lambda: tiny_model("llama", vocab_size=101), "vocab_size"),
+    ],
+    ids=["family", "shape", "vocab-size"],
+)
 def test_incompatible_models_are_refused_before_any_work(tmp_path, capsys, other, message):
     a = _save(tiny_model("llama"), tmp_path / "a")
     b = _save(other(), tmp_path / "b")
@@ -308,19 +329,34 @@ def test_match_cli_writes_a_stock_folder_with_a_card(tmp_path, capsys):
     a = _save(tiny_model("llama"), tmp_path / "anchor")
     b = _save(tiny_model("llama", seed=9), tmp_path / "source")
     out = tmp_path / "matched"
-    assert main(["match", str(a), str(b), str(out), "--residual", "--scaling", "--quiet", "--no-verify",
-                 "--json", str(tmp_path / "r.json")]) == 0
+    assert (
+        main(
+            [
+                "match",
+                str(a),
+                str(b),
+                str(out),
+                "--residual",
+                "--scaling",
+                "--quiet",
+                "--no-verify",
+                "--json",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "matched llama model" in text and "total" in text
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["distances"]["total"]["after"] < report["distances"]["total"]["before"]
     src = AutoModelForCausalLM.from_pretrained(b, dtype=torch.float64)
     got = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
-    assert got.config.tie_word_embeddings is False   # the final norm folded into lm_head
+    assert got.config.tie_word_embeddings is False  # the final norm folded into lm_head
     ids = input_ids()
-    assert (outputs(src, ids) - outputs(got, ids)).abs().max() < 1e-4   # float32 checkpoint
+    assert (outputs(src, ids) - outputs(got, ids)).abs().max() < 1e-4  # float32 checkpoint
     card = ModelCard.load(out / "README.md")
-    assert card.data.base_model is None          # no Hub ancestor; local paths stay private
+    assert card.data.base_model is None  # no Hub ancestor; local paths stay private
     assert card.data.hf_symmetry["extra"]["anchor"] == "anchor" and card.data.hf_symmetry["extra"]["source"] == "source"
     assert str(tmp_path) not in (out / "README.md").read_text()
     assert "qk_rotation" in card.data.hf_symmetry["extra"]["symmetries"]

@@ -22,8 +22,11 @@ def _relative(a: dict, b: dict) -> float:
 def _first_layers(model, n: int) -> tuple[dict, dict]:
     """SmolLM2's embeddings, final norm and first ``n`` decoder layers (real weights), float64."""
     keep = {f"model.layers.{i}." for i in range(n)}
-    sd = {k: v.double() for k, v in model.state_dict().items()
-          if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)}
+    sd = {
+        k: v.double()
+        for k, v in model.state_dict().items()
+        if not k.startswith("model.layers.") or any(k.startswith(p) for p in keep)
+    }
     return sd, {**model.config.to_dict(), "num_hidden_layers": n}
 
 
@@ -35,7 +38,7 @@ def test_smollm2_planted_transform_is_recovered_and_the_average_is_smollm2(smoll
     ids = eval_ids[:256]
     target = model_output(model_from_state_dict(config, anchor), ids)
     plain = model_from_state_dict(source_cfg, {k: (anchor[k] + source[k]) / 2 for k in source})
-    assert (model_output(plain, ids) - target).abs().max() > 1.0   # without matching: a different model
+    assert (model_output(plain, ids) - target).abs().max() > 1.0  # without matching: a different model
     del plain
 
     result = match_state_dict(anchor, source, source_cfg, EVERYTHING, anchor_config=config)
@@ -45,7 +48,7 @@ def test_smollm2_planted_transform_is_recovered_and_the_average_is_smollm2(smoll
     assert result.distances.summary()["total"]["relative_after"] <= 1e-8
     average = {k: (frame.state_dict[k] + result.state_dict[k]) / 2 for k in frame.state_dict}
     del frame, result
-    merged = model_from_state_dict(source_cfg, average)            # float32, like the anchor
+    merged = model_from_state_dict(source_cfg, average)  # float32, like the anchor
     assert (model_output(merged, ids) - target).abs().max() <= 1e-3
 
 
@@ -53,8 +56,11 @@ def test_smollm2_matched_finetune_keeps_its_logits(smollm2, eval_ids):
     gen = torch.Generator().manual_seed(0)
     anchor = smollm2.state_dict()
     # a stand-in for a fine-tune: SmolLM2 plus small noise, then moved by a planted symmetry
-    tuned = {k: v + 0.02 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v.clone()
-             for k, v in anchor.items() if k != "lm_head.weight"}   # tied: the head is the embedding
+    tuned = {
+        k: v + 0.02 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v.clone()
+        for k, v in anchor.items()
+        if k != "lm_head.weight"
+    }  # tied: the head is the embedding
     config = smollm2.config.to_dict()
     source, source_cfg = rotate_state_dict(tuned, config, RotateOptions(residual="hadamard", scaling=True, seed=3))
     result = match_state_dict(anchor, source, source_cfg, EVERYTHING, anchor_config=config)
@@ -64,7 +70,7 @@ def test_smollm2_matched_finetune_keeps_its_logits(smollm2, eval_ids):
     matched = model_from_state_dict(result.config, result.state_dict)
     assert (model_output(matched, ids) - model_output(tuned_model, ids)).abs().max() <= 1e-3
     total = result.distances.summary()["total"]
-    assert total["relative_before"] > 1.0 and total["relative_after"] < 0.05   # back at the noise level
+    assert total["relative_before"] > 1.0 and total["relative_after"] < 0.05  # back at the noise level
 
 
 def test_minilm_planted_transform_is_recovered_and_the_average_is_minilm(minilm_dir):

@@ -48,9 +48,13 @@ def test_weighted_average_and_task_arithmetic_by_hand():
     assert torch.equal(weighted_average([a, b], [1, 3], normalize=False), T([10.0, 20.0], dtype=torch.float64))
     base, t1, t2 = T([1.0, 2.0, 3.0]), T([2.0, 2.0, 5.0]), T([0.0, 3.0, 3.0])
     # deltas [1, 0, 2] and [-1, 1, 0]; weighted sum [0.5, 0.5, 2]; λ = 0.5
-    assert torch.allclose(task_arithmetic(base, [t1, t2], [1.0, 0.5], lam=0.5), T([1.25, 2.25, 4.0], dtype=torch.float64))
-    assert torch.allclose(task_arithmetic(base, [t1, t2], [1.0, 0.5], lam=0.5, normalize=True),
-                          T([1 + 0.25 / 1.5, 2 + 0.25 / 1.5, 3 + 1 / 1.5], dtype=torch.float64))
+    assert torch.allclose(
+        task_arithmetic(base, [t1, t2], [1.0, 0.5], lam=0.5), T([1.25, 2.25, 4.0], dtype=torch.float64)
+    )
+    assert torch.allclose(
+        task_arithmetic(base, [t1, t2], [1.0, 0.5], lam=0.5, normalize=True),
+        T([1 + 0.25 / 1.5, 2 + 0.25 / 1.5, 3 + 1 / 1.5], dtype=torch.float64),
+    )
 
 
 def test_ties_by_hand():
@@ -63,8 +67,10 @@ def test_ties_by_hand():
     # weights [1, 2, 1]: weighted sum [3, -3.5, -2, 8], same signs, weighted means unchanged
     assert torch.equal(ties(base, [t1, t2, t3], [1, 2, 1], [0.5] * 3), expected)
     # without normalising: the weighted sums of agreeing entries; λ scales the result
-    assert torch.equal(ties(base, [t1, t2, t3], [1, 2, 1], [0.5] * 3, lam=2.0, normalize=False),
-                       2 * T([3.0, -5.0, -4.0, 8.0], dtype=torch.float64))
+    assert torch.equal(
+        ties(base, [t1, t2, t3], [1, 2, 1], [0.5] * 3, lam=2.0, normalize=False),
+        2 * T([3.0, -5.0, -4.0, 8.0], dtype=torch.float64),
+    )
     # density 1: sign election only
     assert torch.equal(ties(base, [t1, t2], [1, 1], [1, 1]), T([3.0, -1.75, 1.5, 2.25], dtype=torch.float64))
 
@@ -99,10 +105,16 @@ def test_merging_identical_models_returns_that_model(method):
     assert _close(sd, merged.state_dict, 1e-10)
 
 
-@pytest.mark.parametrize("method,extra", [
-    ("average", {}), ("regmean", {}), ("fisher", {}),
-    ("ties", {"parameters": {"density": 0.5}}), ("task_arithmetic", {"parameters": {"lambda": 0.7}}),
-])
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        ("average", {}),
+        ("regmean", {}),
+        ("fisher", {}),
+        ("ties", {"parameters": {"density": 0.5}}),
+        ("task_arithmetic", {"parameters": {"lambda": 0.7}}),
+    ],
+)
 def test_merging_a_planted_pair_after_matching_returns_the_anchor(method, extra, exact_rmsnorm):
     model = tiny_model("llama")
     anchor = _sd(model)
@@ -129,16 +141,19 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
 
     seen = []
     real_fisher = merge_module.fisher_diagonal
-    monkeypatch.setattr(merge_module, "fisher_diagonal",
-                        lambda model, *a, **k: seen.append(model.state_dict()) or real_fisher(model, *a, **k))
+    monkeypatch.setattr(
+        merge_module,
+        "fisher_diagonal",
+        lambda model, *a, **k: seen.append(model.state_dict()) or real_fisher(model, *a, **k),
+    )
     merge_state_dicts([anchor, source], s_model.config, _recipe("fisher", match=options), calibration_ids=CALIB)
     assert _close(seen[0], folded.state_dict, 1e-12) and _close(seen[1], matched.state_dict, 1e-12)
-    assert not _close(seen[1], {k: v for k, v in source.items()}, 1e-3)     # not the unmatched source
+    assert not _close(seen[1], {k: v for k, v in source.items()}, 1e-3)  # not the unmatched source
 
     grams = []
     real_group = merge_stream.regmean_group
 
-    def spy(models, *a, **k):   # the Grams each merged linear group gets (cloned: the solver consumes them)
+    def spy(models, *a, **k):  # the Grams each merged linear group gets (cloned: the solver consumes them)
         taken = []
         grams.append(taken)
         return real_group(((taken.append(G.clone()) or G, W) for G, W in models), *a, **k)
@@ -150,12 +165,12 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
     from hf_symmetry.calibration import token_batches
     from hf_symmetry.conversion.merge_statistics import gram_matrices
 
-    batches = token_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
+    batches = token_batches(CALIB, 256, 4, keep_partial=False)  # the recipe's default batching
     recomputed = []
     for sd, cfg in ((folded.state_dict, folded.config), (matched.state_dict, matched.config)):
         m = model_from_state_dict(cfg, sd, torch.float64)
         recomputed.append(gram_matrices(m, Adapter.from_config(cfg, list(sd)), batches, progress=False))
-    down = [G for G in grams if G[0].shape[0] == 80]   # down_proj inputs (intermediate 80), layers 0 and 1
+    down = [G for G in grams if G[0].shape[0] == 80]  # down_proj inputs (intermediate 80), layers 0 and 1
     for i, G in enumerate(down):
         for j in range(2):
             want = recomputed[j][f"layers.{i}.down_in"]
@@ -170,6 +185,7 @@ def _whole_model_grams(model, batches) -> dict:
         def pre(_module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
             grams[name] = grams.get(name, 0) + x.T @ x
+
         return pre
 
     for name, module in model.named_modules():
@@ -188,7 +204,10 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
     tensors equal RegMean with Grams from hooks on the whole models."""
     from hf_symmetry.calibration import token_batches
 
-    models = [tiny_model("llama", seed=0, tie_word_embeddings=False), tiny_model("llama", seed=7, tie_word_embeddings=False)]
+    models = [
+        tiny_model("llama", seed=0, tie_word_embeddings=False),
+        tiny_model("llama", seed=7, tie_word_embeddings=False),
+    ]
     sds = [_sd(m) for m in models]
     seen = []
     real_layer = merge_module.LayerGrams.layer
@@ -201,10 +220,10 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
     monkeypatch.setattr(merge_module.LayerGrams, "layer", spy)
     merged = merge_state_dicts(sds, models[0].config, _recipe("regmean"), calibration_ids=CALIB).state_dict
     n_layers = models[0].config.num_hidden_layers
-    assert [i for i, _ in seen] == list(range(n_layers))       # one layer's statistics per merge step
+    assert [i for i, _ in seen] == list(range(n_layers))  # one layer's statistics per merge step
     assert all(k.startswith(f"layers.{i}.") for i, keys in seen for ks in keys for k in ks)
 
-    batches = token_batches(CALIB, 256, 4, keep_partial=False)   # the recipe's default batching
+    batches = token_batches(CALIB, 256, 4, keep_partial=False)  # the recipe's default batching
     grams = [_whole_model_grams(m, batches) for m in models]
     linear = {n for n, mod in models[0].named_modules() if isinstance(mod, torch.nn.Linear)}
     assert "lm_head" in linear
@@ -217,8 +236,10 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
             want = (sds[0][key] + sds[1][key]) / 2
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
     assert worst < 1e-10
-    average = merge_state_dicts(sds, models[0].config, _recipe("average")).state_dict   # negative control
-    assert (average["model.layers.0.mlp.down_proj.weight"] - merged["model.layers.0.mlp.down_proj.weight"]).abs().max() > 1e-2
+    average = merge_state_dicts(sds, models[0].config, _recipe("average")).state_dict  # negative control
+    assert (
+        average["model.layers.0.mlp.down_proj.weight"] - merged["model.layers.0.mlp.down_proj.weight"]
+    ).abs().max() > 1e-2
 
 
 def test_three_models_anchor_nearest_the_mean_and_the_others_matched():
@@ -238,20 +259,25 @@ def test_three_models_anchor_nearest_the_mean_and_the_others_matched():
 # --------------------------------------------------------------------------- recipes and refusals
 
 
-@pytest.mark.parametrize("raw,message", [
-    ({"merge_method": "slerp", "models": ["a", "b"]}, "unknown merge method 'slerp'"),
-    ({"merge_method": "ties", "models": ["a", "b"]}, "needs base_model"),
-    ({"merge_method": "task_arithmetic", "models": ["a", "b"]}, "needs base_model"),
-    ({"merge_method": "average", "models": ["a"]}, "at least two models"),
-    ({"merge_method": "average", "models": ["a", "b"], "tokenizer_source": "a"}, "unknown key 'tokenizer_source'"),
-    ({"merge_method": "average", "models": ["a", "b"], "parameters": {"density": 0.5}}, "ties only"),
-    ({"merge_method": "regmean", "models": ["a", "b"], "parameters": {"alpha": 2}}, "alpha must be in"),
-    ({"merge_method": "ties", "base_model": "c", "models": [{"model": "a", "parameters": {"density": 0}}, "b"]},
-     "density"),
-    ({"merge_method": "average", "models": ["a", "b"], "match": {"residual": "yes"}}, "match.residual"),
-    ({"merge_method": "average", "models": ["a", "b"], "anchor": "z"}, "anchor 'z'"),
-    ({"merge_method": "regmean", "models": ["a", "b"], "calibration": False}, "needs calibration"),
-])
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ({"merge_method": "slerp", "models": ["a", "b"]}, "unknown merge method 'slerp'"),
+        ({"merge_method": "ties", "models": ["a", "b"]}, "needs base_model"),
+        ({"merge_method": "task_arithmetic", "models": ["a", "b"]}, "needs base_model"),
+        ({"merge_method": "average", "models": ["a"]}, "at least two models"),
+        ({"merge_method": "average", "models": ["a", "b"], "tokenizer_source": "a"}, "unknown key 'tokenizer_source'"),
+        ({"merge_method": "average", "models": ["a", "b"], "parameters": {"density": 0.5}}, "ties only"),
+        ({"merge_method": "regmean", "models": ["a", "b"], "parameters": {"alpha": 2}}, "alpha must be in"),
+        (
+            {"merge_method": "ties", "base_model": "c", "models": [{"model": "a", "parameters": {"density": 0}}, "b"]},
+            "density",
+        ),
+        ({"merge_method": "average", "models": ["a", "b"], "match": {"residual": "yes"}}, "match.residual"),
+        ({"merge_method": "average", "models": ["a", "b"], "anchor": "z"}, "anchor 'z'"),
+        ({"merge_method": "regmean", "models": ["a", "b"], "calibration": False}, "needs calibration"),
+    ],
+)
 def test_bad_recipes_are_refused_with_one_clear_line(raw, message):
     with pytest.raises(ValueError, match=message):
         recipe_from_dict(raw)
@@ -298,11 +324,12 @@ def test_incompatible_inputs_are_refused_before_any_work(tmp_path, capsys):
     g = _save(tiny_model("gpt2"), tmp_path / "g")
     capsys.readouterr()
     assert main(["merge", "--method", "fisher", str(g), str(g), str(tmp_path / "out"), "--quiet"]) == 2
-    assert "tokenizer" in capsys.readouterr().err   # fisher needs calibration text, i.e. a tokenizer
+    assert "tokenizer" in capsys.readouterr().err  # fisher needs calibration text, i.e. a tokenizer
     bert = _save(tiny_model("bert"), tmp_path / "bert")
     with pytest.raises(ValueError, match="language-model head"):
-        merge_state_dicts([_sd(tiny_model("bert"))] * 2, tiny_model("bert").config, _recipe("fisher"),
-                          calibration_ids=CALIB)
+        merge_state_dicts(
+            [_sd(tiny_model("bert"))] * 2, tiny_model("bert").config, _recipe("fisher"), calibration_ids=CALIB
+        )
     assert bert.exists()
 
 
@@ -314,15 +341,24 @@ def test_recipe_cli_streams_a_matched_merge_into_a_stock_folder_with_a_card(tmp_
     paths = [_save(m, tmp_path / f"m{j}") for j, m in enumerate(models)]
     _word_tokenizer(paths[0])
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "merge_method": "ties", "base_model": "m0",
-        "models": [{"model": "m1", "parameters": {"weight": 1.0, "density": 0.6}},
-                   {"model": "m2", "parameters": {"weight": 0.5}}],
-        "parameters": {"density": 0.8, "lambda": 0.9},
-        "match": {"residual": True, "scaling": True}, "evaluation": {"tokens": 300}}))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "ties",
+                "base_model": "m0",
+                "models": [
+                    {"model": "m1", "parameters": {"weight": 1.0, "density": 0.6}},
+                    {"model": "m2", "parameters": {"weight": 0.5}},
+                ],
+                "parameters": {"density": 0.8, "lambda": 0.9},
+                "match": {"residual": True, "scaling": True},
+                "evaluation": {"tokens": 300},
+            }
+        )
+    )
     out = tmp_path / "merged"
     assert main(["merge", str(recipe), str(out), "--quiet", "--max-shard-size", "60KB"]) == 0
-    assert (out / "model.safetensors.index.json").is_file()          # streamed into several shards
+    assert (out / "model.safetensors.index.json").is_file()  # streamed into several shards
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     # the same merge in memory
     r = load_recipe(recipe)
@@ -332,7 +368,7 @@ def test_recipe_cli_streams_a_matched_merge_into_a_stock_folder_with_a_card(tmp_
     got = loaded.state_dict()
     assert _close({k: v for k, v in want.state_dict.items() if k in got}, got, 1e-5)
     card = ModelCard.load(out / "README.md")
-    assert card.data.base_model is None     # no input has a Hub ancestor; paths stay private
+    assert card.data.base_model is None  # no input has a Hub ancestor; paths stay private
     assert card.data.hf_symmetry["inputs"] == ["m1", "m2", "m0"]
     assert card.data.hf_symmetry["method"] == "merge/ties"
     assert "hf_symmetry-merge" in card.data.tags
@@ -345,7 +381,7 @@ def test_recipe_cli_streams_a_matched_merge_into_a_stock_folder_with_a_card(tmp_
     assert "| **this merge** |" in card.text and "| `m2` |" in card.text
     assert (out / "tokenizer.json").is_file()
     capsys.readouterr()
-    assert main(["merge", str(recipe), str(out), "--quiet"]) == 2           # non-empty OUT
+    assert main(["merge", str(recipe), str(out), "--quiet"]) == 2  # non-empty OUT
     assert "not empty" in capsys.readouterr().err
 
 
@@ -365,13 +401,23 @@ def test_mergekit_linear_merge_of_anchor_and_matched_source_equals_our_average(t
     s = _save(tiny_model("llama", seed=6), tmp_path / "source")
     assert main(["match", str(a), str(s), str(tmp_path / "matched"), "--scaling", "--quiet", "--no-verify"]) == 0
     recipe = tmp_path / "linear.yaml"
-    recipe.write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32",
-                                      "models": [{"model": str(a), "parameters": {"weight": 1.0}},
-                                                 {"model": str(tmp_path / "matched"), "parameters": {"weight": 1.0}}]}))
-    res = subprocess.run([_mergekit_yaml(), str(recipe), str(tmp_path / "mk")], capture_output=True, text=True,
-                         timeout=300)
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "linear",
+                "dtype": "float32",
+                "models": [
+                    {"model": str(a), "parameters": {"weight": 1.0}},
+                    {"model": str(tmp_path / "matched"), "parameters": {"weight": 1.0}},
+                ],
+            }
+        )
+    )
+    res = subprocess.run(
+        [_mergekit_yaml(), str(recipe), str(tmp_path / "mk")], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
-    assert main(["merge", str(recipe), str(tmp_path / "ours"), "--quiet"]) == 0   # the same recipe file
+    assert main(["merge", str(recipe), str(tmp_path / "ours"), "--quiet"]) == 0  # the same recipe file
     theirs, ours = load_file(tmp_path / "mk" / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
     assert set(theirs) == set(ours)
     for k in ours:
@@ -379,8 +425,9 @@ def test_mergekit_linear_merge_of_anchor_and_matched_source_equals_our_average(t
     # and the matched average is closer to the anchor than the plain one
     anchor, source = load_file(a / "model.safetensors"), load_file(s / "model.safetensors")
     plain = {k: (anchor[k] + source[k]) / 2 for k in anchor}
-    assert sum((ours[k] - anchor[k]).pow(2).sum() for k in ours) < sum((plain[k] - anchor[k]).pow(2).sum()
-                                                                        for k in ours)
+    assert sum((ours[k] - anchor[k]).pow(2).sum() for k in ours) < sum(
+        (plain[k] - anchor[k]).pow(2).sum() for k in ours
+    )
     assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "llama"
 
 
@@ -397,11 +444,18 @@ def test_fisher_merge_spills_matched_inputs_and_fishers_to_disk_and_equals_the_i
     _word_tokenizer(paths[0])
     spilled = []
     real_write = merge_module._Spill.write
-    monkeypatch.setattr(merge_module._Spill, "write",
-                        lambda self, name, fill: spilled.append((self.folder is not None, name)) or
-                        real_write(self, name, fill))
-    raw = {"merge_method": "fisher", "models": [str(p) for p in paths], "match": {"residual": True},
-           "calibration": {"tokens": 256}, "evaluation": False}
+    monkeypatch.setattr(
+        merge_module._Spill,
+        "write",
+        lambda self, name, fill: spilled.append((self.folder is not None, name)) or real_write(self, name, fill),
+    )
+    raw = {
+        "merge_method": "fisher",
+        "models": [str(p) for p in paths],
+        "match": {"residual": True},
+        "calibration": {"tokens": 256},
+        "evaluation": False,
+    }
     merge_checkpoints(recipe_from_dict(raw), tmp_path / "out", progress=False)
     assert spilled == [(True, "matched-0"), (True, "matched-1"), (True, "fisher-0"), (True, "fisher-1")]
     assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
@@ -411,8 +465,9 @@ def test_fisher_merge_spills_matched_inputs_and_fishers_to_disk_and_equals_the_i
     from hf_symmetry.evaluation.compare import load_tokenizer
 
     ids = calibration_ids(load_tokenizer(paths[0]), "britannica-calib", 256)
-    want = merge_state_dicts([_sd(m) for m in models], models[0].config, recipe_from_dict(raw),
-                             calibration_ids=ids).state_dict
+    want = merge_state_dicts(
+        [_sd(m) for m in models], models[0].config, recipe_from_dict(raw), calibration_ids=ids
+    ).state_dict
     assert _close({k: v for k, v in want.items() if k in got}, got, 1e-5)
 
 
@@ -425,13 +480,16 @@ def test_fisher_merge_that_cannot_fit_is_refused_before_any_work(tmp_path, monke
     monkeypatch.setattr(stats, "_available_memory", lambda: {"cpu": 10_000})
     monkeypatch.setattr(merge_module, "run_pair", lambda *a, **k: pytest.fail("matching started"))
     with pytest.raises(stats.FisherMemoryError, match="Fisher merging needs about .* GB .* only 0.0 GB is free") as exc:
-        merge_state_dicts([_sd(model)] * 2, model.config, _recipe("fisher", match={"residual": True}),
-                          calibration_ids=CALIB)
-    assert "\n" not in str(exc.value) and isinstance(exc.value, ValueError)   # the CLI prints it as one line
+        merge_state_dicts(
+            [_sd(model)] * 2, model.config, _recipe("fisher", match={"residual": True}), calibration_ids=CALIB
+        )
+    assert "\n" not in str(exc.value) and isinstance(exc.value, ValueError)  # the CLI prints it as one line
     path = _save(model, tmp_path / "m")
     _word_tokenizer(path)
-    assert main(["merge", "--method", "fisher", str(path), str(path), str(tmp_path / "out"), "--quiet",
-                 "--no-verify"]) == 2
+    assert (
+        main(["merge", "--method", "fisher", str(path), str(path), str(tmp_path / "out"), "--quiet", "--no-verify"])
+        == 2
+    )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
@@ -466,8 +524,8 @@ def test_regmean_group_and_row_block_solver_equal_the_textbook_formula():
     head = [torch.randn(97, 24, generator=gen) for _ in range(3)]
     want = _textbook_regmean(head, grams, mw, alpha)
     solver = RegMeanSolver(grams, mw, alpha)
-    assert torch.equal(solver.solve(head), want)                                      # one block
-    blocks = torch.cat([solver.solve([h[r:r + 10] for h in head]) for r in range(0, 97, 10)])
+    assert torch.equal(solver.solve(head), want)  # one block
+    blocks = torch.cat([solver.solve([h[r : r + 10] for h in head]) for r in range(0, 97, 10)])
     assert (blocks - want).abs().max() <= 1e-12 * want.abs().max()
     assert (_textbook_regmean(head, grams, mw, 1.0) - want).abs().max() > 1e-3 * want.abs().max()  # control
 
@@ -487,7 +545,7 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
     models = [tiny_model("llama", seed=s, tie_word_embeddings=False) for s in (0, 7)]
     paths = []
     for j, m in enumerate(models):
-        m.save_pretrained(tmp_path / f"m{j}")   # float64, so the comparison is exact
+        m.save_pretrained(tmp_path / f"m{j}")  # float64, so the comparison is exact
         paths.append(tmp_path / f"m{j}")
     _word_tokenizer(paths[0])
     spilled = []
@@ -498,14 +556,22 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
         return real_init(self, grams, folder, *args, **kwargs)
 
     monkeypatch.setattr(merge_stream.LayerGramSet, "__init__", spy)
-    monkeypatch.setattr(merge_stream, "BLOCK_ELEMENTS", 10 * models[0].config.hidden_size)   # 10 rows a block
-    monkeypatch.setattr(merge_methods, "GRAM_BLOCK_ELEMENTS", 500)   # a Gram read 6-10 rows at a time
+    monkeypatch.setattr(merge_stream, "BLOCK_ELEMENTS", 10 * models[0].config.hidden_size)  # 10 rows a block
+    monkeypatch.setattr(merge_methods, "GRAM_BLOCK_ELEMENTS", 500)  # a Gram read 6-10 rows at a time
     reads = []
     real_rows = merge_stream.StoredGram.rows
-    monkeypatch.setattr(merge_stream.StoredGram, "rows",
-                        lambda self, start, stop: reads.append((stop - start, self.shape[0])) or real_rows(self, start, stop))
-    raw = {"merge_method": "regmean", "models": [str(p) for p in paths], "evaluation": False,
-           "calibration": {"tokens": 600}, **({"match": match} if match is not None else {})}
+    monkeypatch.setattr(
+        merge_stream.StoredGram,
+        "rows",
+        lambda self, start, stop: reads.append((stop - start, self.shape[0])) or real_rows(self, start, stop),
+    )
+    raw = {
+        "merge_method": "regmean",
+        "models": [str(p) for p in paths],
+        "evaluation": False,
+        "calibration": {"tokens": 600},
+        **({"match": match} if match is not None else {}),
+    }
     report = merge_module.merge_checkpoints(recipe_from_dict(raw), tmp_path / "out", progress=False)
     got = {}
     for f in (tmp_path / "out").glob("*.safetensors"):
@@ -513,20 +579,20 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
     assert not (tmp_path / "out" / ".merge-work").exists()
     # every input's Grams waited in files while the next input's layer ran and the layer was merged
     assert spilled.count(True) == models[0].config.num_hidden_layers * 2
-    if match is None:   # the solver read them back a block of rows at a time, never whole
+    if match is None:  # the solver read them back a block of rows at a time, never whole
         assert reads and max(rows for rows, _ in reads) <= 10 and all(rows < n for rows, n in reads)
-    else:               # matched: each Gram is carried into the anchor's frame whole
+    else:  # matched: each Gram is carried into the anchor's frame whole
         assert not reads
 
     ids = tokenize_text(load_tokenizer(paths[0]), read_text(resolve_text("britannica-calib")), 600)
     want = merge_state_dicts([_sd(m) for m in models], models[0].config, recipe_from_dict(raw), calibration_ids=ids)
     assert set(got) == set(want.state_dict)
     for key, w in want.state_dict.items():
-        if key == "lm_head.weight":    # solved in row blocks: the same to rounding
+        if key == "lm_head.weight":  # solved in row blocks: the same to rounding
             assert (got[key] - w).abs().max() <= 1e-12 * w.abs().max()
         else:
             assert torch.equal(got[key], w), key
-    if match is not None:   # the embeddings' distances summed block by block
+    if match is not None:  # the embeddings' distances summed block by block
         for name, d in want.outcome.distances.items():
             for kind in ("before", "after"):
                 assert report.distances[name]["total"][kind] == pytest.approx(d["total"][kind], rel=1e-10)

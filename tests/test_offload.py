@@ -41,7 +41,7 @@ def _on_disk(model) -> list[str]:
 def test_the_auto_map_spans_cpu_and_disk_and_measures_what_the_whole_model_does(folder, half_the_cpu, tmp_path):
     whole = verification.load_for_eval(folder, device="cpu")
     spread = verification.load_for_eval(folder, device="auto", offload_folder=tmp_path / "offload")
-    assert _on_disk(spread), spread.hf_device_map            # the budget forced part of it to disk
+    assert _on_disk(spread), spread.hf_device_map  # the budget forced part of it to disk
     assert not _on_disk(whole)
     assert any(p.device.type == "meta" for p in spread.parameters())
     ids = torch.randint(0, whole.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
@@ -50,7 +50,8 @@ def test_the_auto_map_spans_cpu_and_disk_and_measures_what_the_whole_model_does(
     assert kind_a == kind_b == "logits" and a.abs().max() > 0
     assert torch.allclose(a, b, atol=1e-5, rtol=0)
     assert perplexity(whole, ids, 16, 8, progress=False).perplexity == pytest.approx(
-        perplexity(spread, ids, 16, 8, progress=False).perplexity, rel=1e-5)
+        perplexity(spread, ids, 16, 8, progress=False).perplexity, rel=1e-5
+    )
 
 
 def test_verify_a_folder_against_itself_through_the_offloaded_map(folder, half_the_cpu, tmp_path):

@@ -37,10 +37,10 @@ def test_smoke_task_is_arc_easy_format_built_from_local_text(tmp_path):
     for item in items:
         assert item["choices"]["label"] == ["A", "B", "C", "D"] and len(set(item["choices"]["text"])) == 4
         answer = item["choices"]["text"][item["choices"]["label"].index(item["answerKey"])]
-        assert f"{item['question']} {answer}" in source            # the key is the true continuation
+        assert f"{item['question']} {answer}" in source  # the key is the true continuation
         wrong = [t for t in item["choices"]["text"] if t != answer]
         assert all(f"{item['question']} {t}" not in source for t in wrong)
-    assert sorted({i["answerKey"] for i in items}) != ["A"]         # the key is not always in one place
+    assert sorted({i["answerKey"] for i in items}) != ["A"]  # the key is not always in one place
     yaml_text = (task_dir / f"{SMOKE_TASK}.yaml").read_text()
     assert "not a benchmark" in yaml_text and "NOT ARC-Easy" in yaml_text
 
@@ -51,14 +51,36 @@ def test_eval_perplexity_goes_into_the_card_unchanged(lm_folder, tmp_path):
     text = tmp_path / "prose.txt"
     text.write_text(" ".join(read_text(text_path("britannica-eval")).split()[:300]))
     out = tmp_path / "eval.json"
-    assert main(["eval", str(folder), "--text", str(text), "--window", "64", "--stride", "32", "--update-card",
-                 "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(folder),
+                "--text",
+                str(text),
+                "--window",
+                "64",
+                "--stride",
+                "32",
+                "--update-card",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     summary = json.loads(out.read_text())
     (result,) = card_eval_results(folder)
     assert result.metric_type == "perplexity" and result.metric_value == summary["perplexity"]
-    assert result.dataset_args == {"text": "prose.txt", "window": 64, "stride": 32, "tokens": summary["tokens"],
-                                   "max_tokens": 2048,   # the bounded default
-                                   "text_sha256": result.dataset_args["text_sha256"]}
+    assert result.dataset_args == {
+        "text": "prose.txt",
+        "window": 64,
+        "stride": 32,
+        "tokens": summary["tokens"],
+        "max_tokens": 2048,  # the bounded default
+        "text_sha256": result.dataset_args["text_sha256"],
+    }
 
 
 def test_bad_eval_arguments_are_refused_before_loading(lm_folder, tmp_path, capsys):
@@ -74,8 +96,25 @@ def test_lm_eval_scores_go_into_the_card_unchanged(lm_folder, tmp_path):
     shutil.copytree(lm_folder, folder)
     tasks = write_smoke_task(tmp_path / "tasks", "britannica-eval", n=8)
     out = tmp_path / "eval.json"
-    assert main(["eval", str(folder), "--tasks", SMOKE_TASK, "--task-dir", str(tasks), "--limit", "6",
-                 "--update-card", "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(folder),
+                "--tasks",
+                SMOKE_TASK,
+                "--task-dir",
+                str(tasks),
+                "--limit",
+                "6",
+                "--update-card",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     produced = json.loads(out.read_text())["lm_eval"][SMOKE_TASK]
     card = {r.metric_type: r for r in card_eval_results(folder)}
     assert set(card) == {"acc", "acc_norm"}

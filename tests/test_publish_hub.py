@@ -40,40 +40,88 @@ def tiny_tpa(**overrides):
     from hf_symmetry.modeling.configuration_tpa import TPAConfig
     from hf_symmetry.modeling.modeling_tpa import TPAForCausalLM
 
-    return TPAForCausalLM(TPAConfig(**{**dict(vocab_size=V, hidden_size=30, num_attention_heads=3, head_dim=6,
-                                              num_hidden_layers=2, q_rank=5, k_rank=3, v_rank=2, intermediate_size=40,
-                                              max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
-                                              eos_token_id=2), **overrides}))
+    return TPAForCausalLM(
+        TPAConfig(
+            **{
+                **dict(
+                    vocab_size=V,
+                    hidden_size=30,
+                    num_attention_heads=3,
+                    head_dim=6,
+                    num_hidden_layers=2,
+                    q_rank=5,
+                    k_rank=3,
+                    v_rank=2,
+                    intermediate_size=40,
+                    max_position_embeddings=128,
+                    pad_token_id=0,
+                    bos_token_id=1,
+                    eos_token_id=2,
+                ),
+                **overrides,
+            }
+        )
+    )
 
 
 def tiny_farr_llama():
     from hf_symmetry.modeling.configuration_farr import FarrLlamaConfig
     from hf_symmetry.modeling.modeling_farr import FarrLlamaForCausalLM
 
-    return FarrLlamaForCausalLM(FarrLlamaConfig(vocab_size=V, hidden_size=32, num_attention_heads=4,
-                                                num_key_value_heads=2, num_hidden_layers=2, intermediate_size=40,
-                                                max_position_embeddings=128, v_head_dims=[5, 3], o_bias=True))
+    return FarrLlamaForCausalLM(
+        FarrLlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=40,
+            max_position_embeddings=128,
+            v_head_dims=[5, 3],
+            o_bias=True,
+        )
+    )
 
 
 def tiny_farr_bert():
     from hf_symmetry.modeling.configuration_farr import FarrBertConfig
     from hf_symmetry.modeling.modeling_farr import FarrBertModel
 
-    return FarrBertModel(FarrBertConfig(vocab_size=V, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-                                        intermediate_size=40, max_position_embeddings=64, qk_head_dims=[6, 8],
-                                        v_head_dims=[5, 3]), add_pooling_layer=False)
+    return FarrBertModel(
+        FarrBertConfig(
+            vocab_size=V,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            qk_head_dims=[6, 8],
+            v_head_dims=[5, 3],
+        ),
+        add_pooling_layer=False,
+    )
 
 
 def tiny_compressed_llama():
     from hf_symmetry.modeling.configuration_compressed_llama import LAYER_MODULES, CompressedLlamaConfig
     from hf_symmetry.modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 
-    low = {m: ({"type": "lowrank", "rank": 4} if m in ("q_proj", "up_proj") else {"type": "dense"})
-           for m in LAYER_MODULES}
-    return CompressedLlamaForCausalLM(CompressedLlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, skip_connections="orthogonal",
-        layer_structures=[low, low]))
+    low = {
+        m: ({"type": "lowrank", "rank": 4} if m in ("q_proj", "up_proj") else {"type": "dense"}) for m in LAYER_MODULES
+    }
+    return CompressedLlamaForCausalLM(
+        CompressedLlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            skip_connections="orthogonal",
+            layer_structures=[low, low],
+        )
+    )
 
 
 def rotated_llama(tmp_path, rotated_dir):
@@ -85,12 +133,14 @@ def rotated_llama(tmp_path, rotated_dir):
 
 def saved(factory, kind="generic"):
     """Folder builder for a model factory: save_pretrained plus a card."""
+
     def build(tmp_path, rotated_dir=None):
         model = _randomize(factory())
         out = tmp_path / "model"
         model.save_pretrained(out)
         write_card(out, kind, {"title": "tiny", "summary": "A tiny random model for the publishing tests."})
         return out
+
     return build
 
 
@@ -98,7 +148,7 @@ FAMILIES = {
     "rotated-llama": rotated_llama,
     "tpa": saved(tiny_tpa),
     "farr-llama": saved(tiny_farr_llama),
-    "farr-bert": saved(tiny_farr_bert),                  # an encoder: AutoModel, hidden states
+    "farr-bert": saved(tiny_farr_bert),  # an encoder: AutoModel, hidden states
     "compressed-llama": saved(tiny_compressed_llama),
 }
 
@@ -149,8 +199,25 @@ def rotated_push(server, smollm2_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         server.repos.clear()
         _go_online(mp, server, tmp)
-        assert main(["rotate", str(base), str(tmp / "rotated"), "--quiet", "--tokens", "64", "--ppl-tokens", "128",
-                     "--push-to-hub", "user/rotated-cli", "--json", str(tmp / "rotate.json")]) == 0
+        assert (
+            main(
+                [
+                    "rotate",
+                    str(base),
+                    str(tmp / "rotated"),
+                    "--quiet",
+                    "--tokens",
+                    "64",
+                    "--ppl-tokens",
+                    "128",
+                    "--push-to-hub",
+                    "user/rotated-cli",
+                    "--json",
+                    str(tmp / "rotate.json"),
+                ]
+            )
+            == 0
+        )
         repo = server.repos["user/rotated-cli"]
     return tmp / "rotated", json.loads((tmp / "rotate.json").read_text()), repo
 
@@ -164,11 +231,13 @@ def test_rotate_with_push_to_hub_checks_then_publishes(rotated_push):
     folder, summary, repo = rotated_push
     push = summary["push"]
     assert push["repo_id"] == "user/rotated-cli" and len(repo.commits) == 1 and push["commit_oid"] == repo.sha
-    assert set(repo.files) == set(push["files"]) and repo.files["model.safetensors"] == \
-        (folder / "model.safetensors").read_bytes()
+    assert (
+        set(repo.files) == set(push["files"])
+        and repo.files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    )
     check = push["check"]
-    assert check["max_abs_diff"] == 0.0 and check["tokenizer"]                  # same code, same weights
-    (ppl,) = check["perplexities"]                                              # the card's figure, recomputed
+    assert check["max_abs_diff"] == 0.0 and check["tokenizer"]  # same code, same weights
+    (ppl,) = check["perplexities"]  # the card's figure, recomputed
     assert ppl["text"] == "britannica-eval" and ppl["recorded"] == summary["verification"]["perplexity_converted"]
     assert ppl["rel_diff"] <= 1e-6
 
@@ -196,12 +265,18 @@ def published(server, rotated_dir, tmp_path_factory):
             config = json.loads((folder / "config.json").read_text())
             ids = torch.randint(3, min(config["vocab_size"], 1000), (1, 20), generator=torch.Generator().manual_seed(1))
             recorded = _logits(load_model(folder), ids)
-            other = _logits(_randomize(load_model(folder), seed=7), ids)      # negative control: another model
+            other = _logits(_randomize(load_model(folder), seed=7), ids)  # negative control: another model
             # the isolated load check is the loader used below; it has its own tests
             result = push_folder(folder, f"user/{family}", check=False, progress=False)
-            shutil.rmtree(folder)                                             # only the Hub has it now
-            rows[family] = dict(config=config, ids=ids, recorded=recorded, other=other, result=result,
-                                repo=server.repos[f"user/{family}"])
+            shutil.rmtree(folder)  # only the Hub has it now
+            rows[family] = dict(
+                config=config,
+                ids=ids,
+                recorded=recorded,
+                other=other,
+                result=result,
+                repo=server.repos[f"user/{family}"],
+            )
         server.requests.clear()
         work = tmp / "download"
         work.mkdir()
@@ -219,11 +294,11 @@ def test_push_then_from_pretrained_gives_the_recorded_logits(family, published):
     rows, requests = published
     row = rows[family]
     repo, result, config = row["repo"], row["result"], row["config"]
-    assert len(repo.commits) == 1 and result.commit_oid == repo.sha          # one commit, all files
+    assert len(repo.commits) == 1 and result.commit_oid == repo.sha  # one commit, all files
     assert set(repo.files) == set(result.files)
     assert {"config.json", "model.safetensors", "README.md"} <= set(repo.files)
-    assert "hf_symmetry_card.json" not in repo.files                          # local record stays local
-    for ref in (config.get("auto_map") or {}).values():                       # the remote code travels
+    assert "hf_symmetry_card.json" not in repo.files  # local record stays local
+    for ref in (config.get("auto_map") or {}).values():  # the remote code travels
         assert f"{ref.rsplit('.', 1)[0]}.py" in repo.files
 
     assert ("GET", f"/user/{family}/resolve/{repo.sha}/model.safetensors") in requests
@@ -242,7 +317,7 @@ def test_rotated_card_on_the_hub_round_trips(hub, tmp_path, rotated_dir):
     record = json.loads((folder / "hf_symmetry_card.json").read_text())["data"]
     push_folder(folder, "user/rot-card", private=True, check=False, progress=False)
     assert hub.repos["user/rot-card"].private
-    with pytest.raises(Exception, match="Repository Not Found|RepoNotFound|404"):   # private: no token, no card
+    with pytest.raises(Exception, match="Repository Not Found|RepoNotFound|404"):  # private: no token, no card
         hf_hub_download("user/rot-card", "README.md", cache_dir=str(tmp_path / "anon"), token=False)
     readme = hf_hub_download("user/rot-card", "README.md", cache_dir=str(tmp_path / "c"))
     card = ModelCard.load(readme)
@@ -252,7 +327,7 @@ def test_rotated_card_on_the_hub_round_trips(hub, tmp_path, rotated_dir):
     assert name == "user/rot-card"
     (ppl,) = results
     assert ppl.metric_type == "perplexity" and ppl.metric_value == record["exactness"]["perplexity_converted"]
-    assert str(tmp_path) not in card.content                                   # no local paths published
+    assert str(tmp_path) not in card.content  # no local paths published
 
 
 # -------------------------------------------------------------------------------- refusals
@@ -261,10 +336,10 @@ def test_refused_commit_publishes_nothing(hub, tmp_path, rotated_dir):
     hub.refuse_commits = True
     with pytest.raises(ValueError, match="refused the commit.*nothing was published"):
         push_folder(folder, "user/refused", check=False, progress=False)
-    assert "user/refused" not in hub.repos                      # the repo this push created is gone again
+    assert "user/refused" not in hub.repos  # the repo this push created is gone again
     assert any(p.endswith("/commit/main") for _, p in hub.requests)
 
-    hub.refuse_commits = False                                  # an existing repo keeps its history untouched
+    hub.refuse_commits = False  # an existing repo keeps its history untouched
     push_folder(folder, "user/refused", check=False, progress=False)
     first = hub.repos["user/refused"].sha
     hub.refuse_commits = True
@@ -282,7 +357,7 @@ def test_missing_token_fails_before_any_work(hub, monkeypatch, tmp_path, rotated
     with pytest.raises(ValueError, match="no Hugging Face token"):
         push_folder(folder, "user/x", progress=False)
     assert hub.requests == [] and hub.repos == {}
-    assert (folder / "README.md").read_text() == before          # not even the card was touched
+    assert (folder / "README.md").read_text() == before  # not even the card was touched
     # a conversion with --push-to-hub refuses while parsing, before converting anything
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as exc:
@@ -325,15 +400,17 @@ def test_eval_results_from_push_land_in_the_card(hub, tmp_path, rotated_dir):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "push.json"
     # (the load check, which recomputes recorded perplexities, has its own tests above and below)
-    assert main(["push", str(folder), "user/evald", "--eval-text", str(text), "--no-check", "--quiet",
-                 "--json", str(out)]) == 0
+    assert (
+        main(["push", str(folder), "user/evald", "--eval-text", str(text), "--no-check", "--quiet", "--json", str(out)])
+        == 0
+    )
     pushed = json.loads(out.read_text())
     (entry,) = pushed["eval_results"]
     card = ModelCard.load(hf_hub_download("user/evald", "README.md", cache_dir=str(tmp_path / "c")))
     on_hub = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
     assert on_hub[("sample.txt (local text)", "perplexity")] == entry["metric_value"]
-    assert len(on_hub) == 2                                      # plus the verification perplexity
-    assert card_eval_results(folder)[-1].metric_value == entry["metric_value"]   # the local card too
+    assert len(on_hub) == 2  # plus the verification perplexity
+    assert card_eval_results(folder)[-1].metric_value == entry["metric_value"]  # the local card too
 
 
 def test_check_refuses_a_card_whose_figures_do_not_reproduce(hub, tmp_path, rotated_dir):

@@ -27,8 +27,8 @@ def test_for_quantization_is_exact_in_float64(family, residual, exact_rmsnorm):
     before = model.state_dict()
     for name in ("self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
         key = f"model.layers.1.{name}.weight"
-        assert (sd[key] - before[key]).abs().max() > 1e-3, key   # every balanced weight really moved
-    if residual != "none":   # the norm weights are kept, as the balancing scales of the rotated basis
+        assert (sd[key] - before[key]).abs().max() > 1e-3, key  # every balanced weight really moved
+    if residual != "none":  # the norm weights are kept, as the balancing scales of the rotated basis
         w = sd["model.layers.0.input_layernorm.weight"]
         assert not torch.allclose(w, torch.ones_like(w))
 
@@ -41,8 +41,13 @@ def test_balanced_columns_have_equal_max_abs(exact_rmsnorm):
     gate_up = torch.cat([sd[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")])
     cfg = model.config
     # O's columns share one scale per channel of a KV group: equal over the group's heads' maximum
-    o = sd[f"{p}self_attn.o_proj.weight"].abs().amax(dim=0).reshape(
-        cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, -1).amax(dim=1)
+    o = (
+        sd[f"{p}self_attn.o_proj.weight"]
+        .abs()
+        .amax(dim=0)
+        .reshape(cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, -1)
+        .amax(dim=1)
+    )
     for c in (qkv.abs().amax(dim=0), gate_up.abs().amax(dim=0), sd[f"{p}mlp.down_proj.weight"].abs().amax(dim=0), o):
         assert (c.max() / c.min()).item() == pytest.approx(1.0, abs=1e-9)
 
@@ -62,17 +67,30 @@ def test_negative_controls_change_the_logits(exact_rmsnorm):
         sd = model.state_dict()
         adapter = Adapter.from_config(model.config.to_dict(), list(sd))
         sink = DictSink()
-        transform_checkpoint(DictSource(sd), adapter, sink, layer_fn=lambda i, layer: fn(layer),
-                             globals_fn=lambda g: g, progress=False)
-        return (outputs(model_from_state_dict(model.config.to_dict(), dict(sink), dtype=torch.float64), ids)
-                - ref).abs().max().item()
+        transform_checkpoint(
+            DictSource(sd), adapter, sink, layer_fn=lambda i, layer: fn(layer), globals_fn=lambda g: g, progress=False
+        )
+        return (
+            (outputs(model_from_state_dict(model.config.to_dict(), dict(sink), dtype=torch.float64), ids) - ref)
+            .abs()
+            .max()
+            .item()
+        )
 
-    assert patched(lambda L: qr.scale_ffn_channels(L, s)) <= 1e-9                         # up ↔ down: exact
-    gate_scaled = lambda L: {**L, "gate.weight": L["gate.weight"] * s[:, None], "down.weight": L["down.weight"] / s}
-    assert patched(gate_scaled) > 1e-3                                                  # gate ↔ down: not
-    uncompensated = lambda L: {**L, "attn_norm.weight": qr.balance_norms(
-        {k: v for k, v in L.items()} | {"attn_norm.weight": torch.ones_like(L["attn_norm.weight"]),
-                                        "ffn_norm.weight": torch.ones_like(L["ffn_norm.weight"])})["attn_norm.weight"]}
+    assert patched(lambda L: qr.scale_ffn_channels(L, s)) <= 1e-9  # up ↔ down: exact
+
+    def gate_scaled(L):
+        return {**L, "gate.weight": L["gate.weight"] * s[:, None], "down.weight": L["down.weight"] / s}
+
+    assert patched(gate_scaled) > 1e-3  # gate ↔ down: not
+
+    def uncompensated(L):
+        ones = {
+            "attn_norm.weight": torch.ones_like(L["attn_norm.weight"]),
+            "ffn_norm.weight": torch.ones_like(L["ffn_norm.weight"]),
+        }
+        return {**L, "attn_norm.weight": qr.balance_norms(dict(L) | ones)["attn_norm.weight"]}
+
     assert patched(uncompensated) > 1e-3
 
 
@@ -90,7 +108,7 @@ def _grid(m: int, n: int, g: torch.Generator) -> torch.Tensor:
     block's scale is exactly 2^-7)."""
     G = torch.randint(-7, 8, (m, n), generator=g).double()
     G.view(m, n // 32, 32).scatter_(2, torch.randint(0, 32, (m, n // 32, 1), generator=g), -8.0)
-    return G * 2.0 ** -7
+    return G * 2.0**-7
 
 
 def _planted(m: int = 128, n: int = 64, angle: float = 0.005, seed: int = 0):
@@ -114,8 +132,10 @@ def test_learned_rotation_finds_the_planted_grid_basis():
         identity = qr.rotation_error(readers, writers, eye, _q4_0)
         Q, history = qr.learn_rotation(readers, writers, _q4_0, [eye], iterations=15)
         learned = min(history)
-        print(f"planted Q4_0 error ({len(readers)} reader, {len(writers)} writer): known {known:.2e}, "
-              f"learned {learned:.2e}, identity {identity:.2e}, random Hadamard {hadamard:.2e}")
+        print(
+            f"planted Q4_0 error ({len(readers)} reader, {len(writers)} writer): known {known:.2e}, "
+            f"learned {learned:.2e}, identity {identity:.2e}, random Hadamard {hadamard:.2e}"
+        )
         assert learned <= known + 1e-9
         assert learned < 1e-3 * hadamard
         assert (Q.T @ Q - eye).abs().max() < 1e-12
@@ -123,8 +143,9 @@ def test_learned_rotation_finds_the_planted_grid_basis():
 
 
 def test_learned_checkpoint_rotation_is_exact_and_no_worse_than_its_hadamard_start(exact_rmsnorm):
-    model = tiny_model("llama", hidden_size=64, intermediate_size=64, num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=8)
+    model = tiny_model(
+        "llama", hidden_size=64, intermediate_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=8
+    )
     ids = input_ids(model.config.vocab_size)
     options = RotateOptions(residual="hadamard", for_quantization=True, learn="Q4_0", learn_iterations=3, seed=1)
     rotated, _, _ = _rotated(model, options)
@@ -158,7 +179,7 @@ def test_smollm2_for_quantization_is_a_stock_llama_with_the_same_logits(smollm2_
 
     out = tmp_path / "smollm2-q"
     assert cli.main(["rotate", str(smollm2_dir), str(out), "--for-quantization", "--no-verify", "--quiet"]) == 0
-    rotated = AutoModelForCausalLM.from_pretrained(out).eval()   # plain transformers, no remote code
+    rotated = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no remote code
     assert type(rotated) is LlamaForCausalLM
     ref = model_output(smollm2, eval_ids)
     delta = (ref - model_output(rotated, eval_ids)).abs().max().item()
@@ -173,7 +194,7 @@ def test_smollm2_for_quantization_is_a_stock_llama_with_the_same_logits(smollm2_
 
 
 def test_hold_out_keeps_the_massive_channels_coordinate_aligned(exact_rmsnorm):
-    held = (0, 5, 9, 17)   # 48 - 4 = 44: Paley I
+    held = (0, 5, 9, 17)  # 48 - 4 = 44: Paley I
     Q = qr.hadamard_except(48, held, groups.rng(0, 0))
     assert (Q.T @ Q - torch.eye(48, dtype=torch.float64)).abs().max() < 1e-12
     assert torch.equal(Q[list(held)][:, list(held)], torch.eye(4, dtype=torch.float64))

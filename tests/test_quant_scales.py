@@ -23,7 +23,7 @@ def _q4_0(A):
 
 def _model(family="llama"):
     model = tiny_model(family, **SHAPE)
-    with torch.no_grad():   # an outlier input channel, as real models have: the search must react to it
+    with torch.no_grad():  # an outlier input channel, as real models have: the search must react to it
         for layer in model.model.layers:
             layer.input_layernorm.weight.mul_(torch.linspace(0.5, 1.5, 64, dtype=torch.float64))
             layer.input_layernorm.weight[3] *= 20
@@ -45,7 +45,7 @@ def test_scaled_checkpoint_is_exact_in_float64(family, residual, vo, exact_rmsno
     rotated = model_from_state_dict(cfg, sd, dtype=torch.float64)
     assert (outputs(model, ids) - outputs(rotated, ids)).abs().max().item() <= 1e-9
     before = model.state_dict()
-    for name in ("input_layernorm", "post_attention_layernorm"):   # the planted outliers were scaled
+    for name in ("input_layernorm", "post_attention_layernorm"):  # the planted outliers were scaled
         key = f"model.layers.0.{name}.weight"
         assert (sd[key] - before[key]).abs().max() > 1e-6, key
 
@@ -55,8 +55,7 @@ def test_power_of_two_scales_give_the_same_float32_logits_to_the_last_bit():
     float32 checkpoint's logits are bitwise the original's."""
     model = _model().float()
     ids = input_ids(model.config.vocab_size)
-    options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False,
-                            scales_pow2=True)
+    options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False, scales_pow2=True)
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=_calibration(model))
     scaled = model_from_state_dict(cfg, sd, dtype=torch.float32)
     assert torch.equal(outputs(model, ids), outputs(scaled, ids))
@@ -72,7 +71,7 @@ def test_negative_control_uncompensated_norm_scale_changes_the_logits(exact_rmsn
     options = RotateOptions(residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False)
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=_calibration(model))
     key = "model.layers.1.input_layernorm.weight"
-    sd[key] = model.state_dict()[key].clone()   # the readers keep their scaled columns
+    sd[key] = model.state_dict()[key].clone()  # the readers keep their scaled columns
     broken = model_from_state_dict(cfg, sd, dtype=torch.float64)
     assert (outputs(model, ids) - outputs(broken, ids)).abs().max().item() > 1e-3
 
@@ -91,14 +90,20 @@ def test_statistics_follow_the_rotations_into_the_layer_basis(exact_rmsnorm):
     Q = residual_rotation(options, adapter.hidden)
     for i in range(adapter.n_layers):
         layer = adapter.read_layer(i, {k: v for k, v in model.state_dict().items() if adapter.layer_of(k) == i})
-        derived = qs.to_layer_basis(original[i], (layer["attn_norm.weight"], layer["ffn_norm.weight"]), Q,
-                                    qr.head_hadamards(adapter.layout, options.seed, i), adapter.layout)
+        derived = qs.to_layer_basis(
+            original[i],
+            (layer["attn_norm.weight"], layer["ffn_norm.weight"]),
+            Q,
+            qr.head_hadamards(adapter.layout, options.seed, i),
+            adapter.layout,
+        )
         for site in qs.SITES:
             scale = measured[i][site].abs().max()
             assert (derived[site] - measured[i][site]).abs().max() <= 1e-4 * scale, (i, site)
         # negative control: without the V/O rotation, o's input statistics do not match
-        plain = qs.to_layer_basis(original[i], (layer["attn_norm.weight"], layer["ffn_norm.weight"]), Q, None,
-                                  adapter.layout)
+        plain = qs.to_layer_basis(
+            original[i], (layer["attn_norm.weight"], layer["ffn_norm.weight"]), Q, None, adapter.layout
+        )
         assert (plain["o_in"] - measured[i]["o_in"]).abs().max() > 1e-2 * measured[i]["o_in"].abs().max()
 
 
@@ -106,12 +111,12 @@ def test_search_never_loses_to_no_scaling_and_protects_the_outlier_channel():
     g = torch.Generator().manual_seed(0)
     W = torch.randn(64, 128, generator=g, dtype=torch.float64)
     X = torch.randn(4096, 128, generator=g, dtype=torch.float64)
-    X[:, 7] *= 30.0                        # one channel carries 30x the activation
+    X[:, 7] *= 30.0  # one channel carries 30x the activation
     H = X.T @ X / X.shape[0]
     s, info = qs.search_scales(W, H, _q4_0)
     assert info["error"] <= info["unscaled"]
     assert info["alpha"] > 0 and info["error"] < 0.5 * info["unscaled"]
-    assert s.argmax().item() == 7          # the outlier's column is the one scaled up
+    assert s.argmax().item() == 7  # the outlier's column is the one scaled up
     assert qs.scale_error(W, H, s, _q4_0) == pytest.approx(info["error"])
     # isotropic activations: nothing to gain, and the search keeps (nearly) no scaling
     _, flat = qs.search_scales(W, torch.eye(128, dtype=torch.float64), _q4_0)
@@ -126,7 +131,7 @@ def test_gqa_vo_scale_is_shared_by_the_query_heads_of_a_group(exact_rmsnorm):
     layer = adapter.read_layer(0, {k: v for k, v in sd0.items() if adapter.layer_of(k) == 0})
     H = dict(stats[0])
     boost = torch.ones(H["o_in"].shape[0], dtype=torch.float64)
-    boost[[5, 8 + 5, 16 + 2, 24 + 2]] = 30.0    # channels of both KV groups' heads carry 30x the activation
+    boost[[5, 8 + 5, 16 + 2, 24 + 2]] = 30.0  # channels of both KV groups' heads carry 30x the activation
     H["o_in"] = H["o_in"] * boost[:, None] * boost[None, :]
     out = qs.apply_scales(layer, adapter.layout, H, _q4_0)
     L = adapter.layout
@@ -147,15 +152,33 @@ def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2
     from hf_symmetry.evaluation.compare import model_output
 
     out = tmp_path / "smollm2-s"
-    assert cli.main(["rotate", str(smollm2_dir), str(out), "--for-quantization", "--residual", "none",
-                     "--no-vo-hadamard", "--scales", "Q4_0", "--pow2-scales", "--calibration-tokens", "256",
-                     "--no-verify", "--quiet"]) == 0
-    scaled = AutoModelForCausalLM.from_pretrained(out).eval()   # plain transformers, no remote code
+    assert (
+        cli.main(
+            [
+                "rotate",
+                str(smollm2_dir),
+                str(out),
+                "--for-quantization",
+                "--residual",
+                "none",
+                "--no-vo-hadamard",
+                "--scales",
+                "Q4_0",
+                "--pow2-scales",
+                "--calibration-tokens",
+                "256",
+                "--no-verify",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    scaled = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no remote code
     assert type(scaled) is LlamaForCausalLM
     ref = model_output(smollm2, eval_ids)
     delta = (ref - model_output(scaled, eval_ids)).abs().max().item()
     print(f"SmolLM2 --for-quantization --residual none --scales: max |Δlogit| = {delta:.2e} (float32)")
-    assert delta == 0.0   # power-of-two scales only move exponents: the same logits to the last bit
+    assert delta == 0.0  # power-of-two scales only move exponents: the same logits to the last bit
     # negative control: the rescaled norm weight is what compensates the readers' scaled columns
     original = smollm2.model.layers[5].input_layernorm.weight
     assert not torch.allclose(scaled.model.layers[5].input_layernorm.weight, original)

@@ -25,7 +25,7 @@ CLASS_PREFIXES = ("TPA", "Farr", "CompressedLlama", "RMSDecoder")
 
 
 def _saved(family: str, folder: Path) -> Path:
-    if family == "rms_decoder":   # what `rotate --residual` writes for a LayerNorm decoder (OPT)
+    if family == "rms_decoder":  # what `rotate --residual` writes for a LayerNorm decoder (OPT)
         src = folder.parent / f"{folder.name}-src"
         tiny_model("opt", dtype=torch.float32).save_pretrained(src)
         rotate_checkpoint(src, folder, RotateOptions(residual="hadamard", heads="none", ffn=False), progress=False)
@@ -56,9 +56,12 @@ def _deprecations(folder: Path) -> list[str]:
             assert getattr(out, cache_field()) is not None
             generated = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert generated.shape == (1, 12)
-    return [f"{Path(w.filename).name}:{w.lineno}: {w.category.__name__}: {w.message}" for w in caught
-            if issubclass(w.category, (FutureWarning, DeprecationWarning))
-            and (Path(w.filename).name in FLAT_FILES or any(c in str(w.message) for c in CLASS_PREFIXES))]
+    return [
+        f"{Path(w.filename).name}:{w.lineno}: {w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (FutureWarning, DeprecationWarning))
+        and (Path(w.filename).name in FLAT_FILES or any(c in str(w.message) for c in CLASS_PREFIXES))
+    ]
 
 
 @pytest.mark.parametrize("family", ["tpa", "compressed", "farr", "rms_decoder"])
@@ -67,8 +70,11 @@ def test_remote_code_runs_without_deprecation_warnings(family, tmp_path):
     assert not found, "\n".join(found)
 
 
-@pytest.mark.skipif(cache_field() != "cache", reason="the installed transformers still names the cache "
-                    "`past_key_values` (before 5.24): the old keyword is not deprecated there")
+@pytest.mark.skipif(
+    cache_field() != "cache",
+    reason="the installed transformers still names the cache "
+    "`past_key_values` (before 5.24): the old keyword is not deprecated there",
+)
 def test_the_check_catches_a_module_that_calls_a_deprecated_signature(tmp_path):
     """Negative control: the same family with ``create_causal_mask`` called by its pre-5.24 keyword."""
     folder = _saved("rms_decoder", tmp_path / "good")
@@ -77,8 +83,12 @@ def test_the_check_catches_a_module_that_calls_a_deprecated_signature(tmp_path):
     code = (bad / "modeling_rms_decoder.py").read_text()
     call = "create_causal_mask(self.config, inputs_embeds, attention_mask, cache, mask_positions)"
     assert call in code
-    (bad / "modeling_rms_decoder.py").write_text(code.replace(
-        call, "create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, "
-              "past_key_values=cache, position_ids=mask_positions)"))
+    (bad / "modeling_rms_decoder.py").write_text(
+        code.replace(
+            call,
+            "create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, "
+            "past_key_values=cache, position_ids=mask_positions)",
+        )
+    )
     found = _deprecations(bad)
     assert found and all("modeling_rms_decoder.py" in f for f in found), found

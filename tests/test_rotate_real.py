@@ -23,21 +23,41 @@ def test_smollm2_per_head_symmetries_reach_float32_floor(smollm2, eval_ids):
     delta = (model_output(smollm2, eval_ids) - model_output(_load_into(smollm2, sd, cfg), eval_ids)).abs().max().item()
     print(f"SmolLM2 per-head + FFN + scaling: max |Δlogit| = {delta:.2e} over {eval_ids.numel()} tokens")
     assert delta <= 1e-3
-    assert not torch.equal(sd["model.layers.3.self_attn.k_proj.weight"],
-                           smollm2.state_dict()["model.layers.3.self_attn.k_proj.weight"])
+    assert not torch.equal(
+        sd["model.layers.3.self_attn.k_proj.weight"], smollm2.state_dict()["model.layers.3.self_attn.k_proj.weight"]
+    )
 
 
-def test_smollm2_rotated_by_cli_is_a_stock_llama_with_same_outputs(smollm2_dir, smollm2, smollm2_tokenizer,
-                                                                 eval_ids, tmp_path, capsys):
+def test_smollm2_rotated_by_cli_is_a_stock_llama_with_same_outputs(
+    smollm2_dir, smollm2, smollm2_tokenizer, eval_ids, tmp_path, capsys
+):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     out = tmp_path / "smollm2-rotated"
-    assert cli.main(["rotate", str(smollm2_dir), str(out), "--residual", "hadamard", "--heads", "random",
-                     "--seed", "0", "--no-verify", "--quiet"]) == 0
+    assert (
+        cli.main(
+            [
+                "rotate",
+                str(smollm2_dir),
+                str(out),
+                "--residual",
+                "hadamard",
+                "--heads",
+                "random",
+                "--seed",
+                "0",
+                "--no-verify",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     rotated = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no remote code
     assert type(rotated) is LlamaForCausalLM
     assert not rotated.config.tie_word_embeddings
-    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for n, m in rotated.named_modules() if n.endswith("norm"))
+    assert all(
+        torch.equal(m.weight, torch.ones_like(m.weight)) for n, m in rotated.named_modules() if n.endswith("norm")
+    )
     delta = (model_output(smollm2, eval_ids) - model_output(rotated, eval_ids)).abs().max().item()
     print(f"SmolLM2 residual Hadamard + heads + FFN: max |Δlogit| = {delta:.2e} over {eval_ids.numel()} tokens")
     assert delta <= 1e-3
@@ -54,7 +74,12 @@ def test_smollm2_rotated_by_cli_is_a_stock_llama_with_same_outputs(smollm2_dir, 
 
     # the verify command agrees, end to end
     capsys.readouterr()
-    assert cli.main(["verify", str(smollm2_dir), str(out), "--tokens", "128", "--ppl-tokens", "300", "--tolerance", "1e-3"]) == 0
+    assert (
+        cli.main(
+            ["verify", str(smollm2_dir), str(out), "--tokens", "128", "--ppl-tokens", "300", "--tolerance", "1e-3"]
+        )
+        == 0
+    )
     assert "max |Δlogit|" in capsys.readouterr().out
 
 

@@ -30,11 +30,14 @@ def test_batched_gs_r_step_equals_the_per_block_solves(shape, kl, kr, b, weight)
     g = torch.Generator().manual_seed(1)
     st = S.GS(shape, kl, kr, b)
     W = torch.randn(*shape, generator=g, dtype=torch.float64)
-    gram = S.Gram(matrix=_psd(shape[0], seed=2)) if weight == "dense" else \
-        S.Gram(diag=torch.rand(shape[0], generator=g, dtype=torch.float64) + 0.1)
+    gram = (
+        S.Gram(matrix=_psd(shape[0], seed=2))
+        if weight == "dense"
+        else S.Gram(diag=torch.rand(shape[0], generator=g, dtype=torch.float64) + 0.1)
+    )
     L, _ = st.project(W)
     got, ref = st._solve_r_batched(W, gram, L), _per_block_r(st, W, gram, L)
-    assert torch.equal(st._solve_r(W, gram, L), ref)           # a CPU matrix takes the per-block path
+    assert torch.equal(st._solve_r(W, gram, L), ref)  # a CPU matrix takes the per-block path
     assert got.shape == ref.shape
     assert (got - ref).abs().max() <= 1e-10 * ref.abs().max()
     # negative control: the blocks solved against another block's columns of W differ
@@ -51,8 +54,8 @@ def test_batched_psd_solve_equals_each_problem_rank_deficient_ones_included():
     got = S.psd_solve(C, D)
     ref = torch.stack([S.psd_solve(C[i], D[i]) for i in range(len(C))])
     assert (got - ref).abs().max() <= 1e-10 * ref.abs().max()
-    assert (C @ got - D).abs().max() <= 1e-9 * D.abs().max()                 # solves each system
-    assert (got[1:] - ref[:-1]).abs().max() > 1e-3 * ref.abs().max()          # (problems are not interchangeable)
+    assert (C @ got - D).abs().max() <= 1e-9 * D.abs().max()  # solves each system
+    assert (got[1:] - ref[:-1]).abs().max() > 1e-3 * ref.abs().max()  # (problems are not interchangeable)
 
 
 def test_the_objective_is_fetched_once_with_the_per_term_sums_bits():
@@ -60,16 +63,27 @@ def test_the_objective_is_fetched_once_with_the_per_term_sums_bits():
     d = 12
     Q = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0]
     Sigma = _psd(d, seed=7)
-    terms = [Term("a", torch.randn(20, d, generator=g, dtype=torch.float64), S.LowRank((20, d), 3),
-                  row_gram=S.Gram(matrix=_psd(20, seed=8))),
-             Term("b", torch.randn(16, d, generator=g, dtype=torch.float64), S.Kron((16, d), 2, (2, 3)),
-                  col_gram=Sigma, weight=0.37),
-             Term("v", torch.randn(8, d, generator=g, dtype=torch.float64), S.Dense((8, d)))]
+    terms = [
+        Term(
+            "a",
+            torch.randn(20, d, generator=g, dtype=torch.float64),
+            S.LowRank((20, d), 3),
+            row_gram=S.Gram(matrix=_psd(20, seed=8)),
+        ),
+        Term(
+            "b",
+            torch.randn(16, d, generator=g, dtype=torch.float64),
+            S.Kron((16, d), 2, (2, 3)),
+            col_gram=Sigma,
+            weight=0.37,
+        ),
+        Term("v", torch.randn(8, d, generator=g, dtype=torch.float64), S.Dense((8, d))),
+    ]
     for t in terms:
         t.fit(Q, als_iters=2)
-    per_term = sum(t.weight * t.error(Q) for t in terms if not t.is_dense)    # the previous definition
+    per_term = sum(t.weight * t.error(Q) for t in terms if not t.is_dense)  # the previous definition
     assert objective(terms, Q) == per_term
-    assert objective(terms[:1], Q) != per_term                                 # (each term counts)
+    assert objective(terms[:1], Q) != per_term  # (each term counts)
     assert objective(terms[2:], Q) == 0
 
 

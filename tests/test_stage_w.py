@@ -9,7 +9,7 @@ import torch
 
 from hf_symmetry.symmetry import structured as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.symmetry.structured import limit_threads
+from hf_symmetry.symmetry.linalg import limit_threads
 from hf_symmetry.symmetry.segments import Term, balance, objective, solve_segment, weighted_procrustes
 
 D = 24
@@ -39,8 +39,12 @@ def _segment(mats: dict[str, torch.Tensor], structures: dict[str, S.Structure]) 
 
 
 def _structures(rank: int = 2) -> dict[str, S.Structure]:
-    return {"o": S.Kron((32, D), rank, (1, 4)), "gate": S.Kron((40, D), rank, (1, 4)),
-            "up": S.Kron((48, D), rank, (1, 4)), "v": S.Dense((16, D))}
+    return {
+        "o": S.Kron((32, D), rank, (1, 4)),
+        "gate": S.Kron((40, D), rank, (1, 4)),
+        "up": S.Kron((48, D), rank, (1, 4)),
+        "v": S.Dense((16, D)),
+    }
 
 
 def _random_mats(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -59,14 +63,22 @@ def _relative_decreases(res) -> list[float]:
 def test_objective_is_non_increasing_and_stops_by_its_rule(dtype, extrapolate):
     eye = torch.eye(D, dtype=torch.float64)
     tol, cap = 1e-3, 200
-    res = solve_segment(_segment(_random_mats(), _structures()), eye, iters=cap, als_iters=2, wopp_iters=30,
-                        dtype=dtype, tol=tol, extrapolate=extrapolate)
+    res = solve_segment(
+        _segment(_random_mats(), _structures()),
+        eye,
+        iters=cap,
+        als_iters=2,
+        wopp_iters=30,
+        dtype=dtype,
+        tol=tol,
+        extrapolate=extrapolate,
+    )
     slack = 1e-10 if dtype == torch.float64 else 1e-5
     assert all(b <= a * (1 + slack) for a, b in zip(res.trace, res.trace[1:])), res.trace
     assert res.converged and 2 <= res.alternations < cap
     steps = _relative_decreases(res)
     assert len(steps) == res.alternations
-    assert steps[-1] <= tol and all(s > tol for s in steps[:-1]), steps     # it stopped at the first small step
+    assert steps[-1] <= tol and all(s > tol for s in steps[:-1]), steps  # it stopped at the first small step
     assert res.trace[-1] < 0.8 * res.trace[0]
     assert (res.Q.T @ res.Q - eye).abs().max() <= 1e-10
 
@@ -75,16 +87,14 @@ def test_zero_tolerance_keeps_the_fixed_count():
     eye = torch.eye(D, dtype=torch.float64)
     res = solve_segment(_segment(_random_mats(), _structures()), eye, iters=3, als_iters=2, wopp_iters=10)
     assert res.alternations == 3 and not res.converged and len(res.trace) == 2 * 3 + 1
-    loose = solve_segment(_segment(_random_mats(), _structures()), eye, iters=3, als_iters=2, wopp_iters=10,
-                          tol=0.99)
-    assert loose.alternations == 1 and loose.converged        # any decrease below 99 % stops it at once
+    loose = solve_segment(_segment(_random_mats(), _structures()), eye, iters=3, als_iters=2, wopp_iters=10, tol=0.99)
+    assert loose.alternations == 1 and loose.converged  # any decrease below 99 % stops it at once
 
 
 def test_running_to_convergence_beats_one_alternation():
     eye = torch.eye(D, dtype=torch.float64)
     one = solve_segment(_segment(_random_mats(1), _structures()), eye, iters=1, als_iters=2, wopp_iters=30)
-    conv = solve_segment(_segment(_random_mats(1), _structures()), eye, iters=100, als_iters=2, wopp_iters=30,
-                         tol=1e-4)
+    conv = solve_segment(_segment(_random_mats(1), _structures()), eye, iters=100, als_iters=2, wopp_iters=30, tol=1e-4)
     assert conv.trace[-1] < 0.95 * one.trace[-1]
 
 
@@ -106,15 +116,16 @@ def test_planted_rotation_is_recovered():
     eye = torch.eye(D, dtype=torch.float64)
     res = solve_segment(terms, eye, iters=100, als_iters=3, wopp_iters=50, tol=1e-9, extrapolate=True)
     energy = sum(t.weight * t.energy() for t in terms if not t.is_dense)
-    assert res.trace[0] > 1e-3 * energy                      # the start is far from the optimum ...
-    assert res.trace[-1] <= 1e-5 * energy, res.trace[-1] / energy   # ... which it reaches
+    assert res.trace[0] > 1e-3 * energy  # the start is far from the optimum ...
+    assert res.trace[-1] <= 1e-5 * energy, res.trace[-1] / energy  # ... which it reaches
     assert objective(terms, res.Q) == pytest.approx(res.trace[-1], rel=1e-9)
     for t in terms:
-        if not t.is_dense:            # M Q is (to 1 %) in the class: the rotation is found, up to the class's
-            W = t.M @ res.Q           # own symmetries (e.g. Q* (I ⊗ R) for a 1 x q Kronecker factor)
+        if not t.is_dense:  # M Q is (to 1 %) in the class: the rotation is found, up to the class's
+            W = t.M @ res.Q  # own symmetries (e.g. Q* (I ⊗ R) for a 1 x q Kronecker factor)
             assert torch.linalg.matrix_norm(W - t.structure.dense(t.factors)) <= 1e-2 * torch.linalg.matrix_norm(W)
-            assert torch.linalg.matrix_norm(W - t.structure.dense(t.structure.project(W))) \
-                <= 1e-2 * torch.linalg.matrix_norm(W)
+            assert torch.linalg.matrix_norm(
+                W - t.structure.dense(t.structure.project(W))
+            ) <= 1e-2 * torch.linalg.matrix_norm(W)
 
 
 def test_single_pair_rotation_step_matches_the_general_solver():

@@ -50,13 +50,15 @@ def _same_slice(model, width, calib, placement=None, **controls):
     source, config = C.DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
     stats = one_pass_statistics(source, config, OPTIONS, calib, placement, progress=False)
     Q = pca_rotations(stats, 2 * config["num_hidden_layers"] + 1, "global")[0]
-    stock, report = S.stock_slice_model(model, OPTIONS, calib, S.StockOptions(untie=True, round_to=1), width=width,
-                                        rotation=Q, **controls)
+    stock, report = S.stock_slice_model(
+        model, OPTIONS, calib, S.StockOptions(untie=True, round_to=1), width=width, rotation=Q, **controls
+    )
     usource, uconfig = _untied_view(model)
     plan = S.compressed_plan_at(usource, uconfig, OPTIONS, width)
     dtype = next(model.parameters()).dtype
-    state, new_config, _ = C.compress_tensors(usource, uconfig, OPTIONS, calib, dtype=dtype, progress=False,
-                                              plan=plan, stats=stats)
+    state, new_config, _ = C.compress_tensors(
+        usource, uconfig, OPTIONS, calib, dtype=dtype, progress=False, plan=plan, stats=stats
+    )
     compressed, _ = C.build_model(state, new_config, dtype)
     return stock, report, compressed
 
@@ -67,9 +69,17 @@ def _float64():
     return resolve("cpu", "float64")
 
 
-@pytest.mark.parametrize("family,width,cls", [("llama", 36, "LlamaForCausalLM"), ("llama", 32, "MistralForCausalLM"),
-                                              ("qwen2", 32, "Qwen2ForCausalLM"), ("qwen3", 30, "Qwen3ForCausalLM"),
-                                              ("mistral", 40, "MistralForCausalLM"), ("phi3", 32, "Phi3ForCausalLM")])
+@pytest.mark.parametrize(
+    "family,width,cls",
+    [
+        ("llama", 36, "LlamaForCausalLM"),
+        ("llama", 32, "MistralForCausalLM"),
+        ("qwen2", 32, "Qwen2ForCausalLM"),
+        ("qwen3", 30, "Qwen3ForCausalLM"),
+        ("mistral", 40, "MistralForCausalLM"),
+        ("phi3", 32, "Phi3ForCausalLM"),
+    ],
+)
 def test_stock_slice_gives_the_compressed_familys_logits(family, width, cls, exact_norms):
     """Tied (llama, qwen3: untied here) and untied sources, biases (qwen2), QK-norm (qwen3: q and k carry
     c²), fused projections (phi3); a Llama width that is not a multiple of its heads is a Mistral."""
@@ -80,8 +90,11 @@ def test_stock_slice_gives_the_compressed_familys_logits(family, width, cls, exa
     d = model.config.hidden_size
     assert report.accounting["norm_constant"] == pytest.approx(math.sqrt(d / width))
     assert stock.config.rms_norm_eps == pytest.approx(model.config.rms_norm_eps * d / width)
-    assert all(torch.equal(p, torch.ones_like(p)) for n, p in stock.named_parameters()
-               if n.endswith("layernorm.weight") or n == "model.norm.weight")
+    assert all(
+        torch.equal(p, torch.ones_like(p))
+        for n, p in stock.named_parameters()
+        if n.endswith("layernorm.weight") or n == "model.norm.weight"
+    )
     ids = input_ids()
     ref = outputs(compressed, ids)
     assert (outputs(stock, ids) - ref).abs().max() < 1e-10
@@ -142,8 +155,26 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
 
     src, calib = _folder(tmp_path, "qwen2", hidden_size=96), _calib(tmp_path)
     out = tmp_path / "out"
-    assert main(["compress", str(src), str(out), "--structure", "slice", "--calib", str(calib), "--calib-seq-len",
-                 "64", "--round-to", "8", "--no-verify", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(src),
+                str(out),
+                "--structure",
+                "slice",
+                "--calib",
+                str(calib),
+                "--calib-seq-len",
+                "64",
+                "--round-to",
+                "8",
+                "--no-verify",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "output: stock Qwen2ForCausalLM (no remote code)" in text and "multiple of 8" in text
     config = json.loads((out / "config.json").read_text())
@@ -165,8 +196,9 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
     options = OPTIONS.with_(calib_seq_len=64)
     source, cfg = _untied_view(model)
     stats = one_pass_statistics(source, cfg, options, calib_ids, None, progress=False)
-    state, new_config, _ = C.compress_tensors(source, cfg, options, calib_ids, progress=False, stats=stats,
-                                              plan=S.compressed_plan_at(source, cfg, options, w))
+    state, new_config, _ = C.compress_tensors(
+        source, cfg, options, calib_ids, progress=False, stats=stats, plan=S.compressed_plan_at(source, cfg, options, w)
+    )
     compressed, _ = C.build_model(state, new_config)
     ref = outputs(compressed, ids)
     assert (torch.tensor(got["logits"]) - ref).abs().max() < 1e-4 * ref.abs().max()
@@ -196,8 +228,9 @@ def test_round_to_and_the_untie_cost_are_reported(tmp_path, capsys):
         assert "auto_map" not in json.loads((out / "config.json").read_text())
     # the untied head is paid for: at the same ratio the stock width is narrower than the tied, mixed one's
     tied_mix = json.loads((tmp_path / "tied" / "compression_report.json").read_text())["accounting"]["head_mix_params"]
-    assert json.loads((tmp_path / "untied8" / "compression_report.json").read_text())["accounting"]["residual"] \
-        < math.isqrt(tied_mix)
+    assert json.loads((tmp_path / "untied8" / "compression_report.json").read_text())["accounting"][
+        "residual"
+    ] < math.isqrt(tied_mix)
     assert main(["compress", str(src), str(tmp_path / "bad"), *common, "--untie", "--round-to", "128"]) == 2
     assert "--round-to 128 exceeds the hidden size 96" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

@@ -47,8 +47,9 @@ def test_sharded_checkpoint_rotates_like_the_in_memory_path(tiny_llama_dir, tmp_
     rotate_checkpoint(tiny_llama_dir, out, OPTIONS, max_shard_size="30KB", progress=False)
     assert len(list(out.glob("model-*.safetensors"))) > 1
     streamed = _tensors(out)
-    in_memory, config = rotate_state_dict(_tensors(tiny_llama_dir), json.loads((tiny_llama_dir / "config.json").read_text()),
-                                          OPTIONS)
+    in_memory, config = rotate_state_dict(
+        _tensors(tiny_llama_dir), json.loads((tiny_llama_dir / "config.json").read_text()), OPTIONS
+    )
     assert streamed.keys() == in_memory.keys()
     for k in streamed:
         assert torch.equal(streamed[k], in_memory[k]), k
@@ -113,7 +114,7 @@ def test_low_precision_globals_are_rounded_once(tmp_path):
 
     model = tiny_model("llama", dtype=torch.float32)
     with torch.no_grad():
-        model.model.norm.weight.uniform_(0.5, 1.5)          # a final norm that really folds
+        model.model.norm.weight.uniform_(0.5, 1.5)  # a final norm that really folds
     model = model.to(torch.bfloat16)
     src = tmp_path / "bf16"
     model.save_pretrained(src)
@@ -140,7 +141,7 @@ def test_actions_copy_plain_dicts_and_update_given_ones_in_place():
     before = {k: v.clone() for k, v in layer.items()}
     perm = torch.tensor([2, 0, 1, 5, 4, 3])
     out = actions.permute_ffn(layer, perm)
-    assert out is not layer and all(torch.equal(layer[k], before[k]) for k in layer)   # the caller's dict is intact
+    assert out is not layer and all(torch.equal(layer[k], before[k]) for k in layer)  # the caller's dict is intact
     given = actions.OwnedTensors(layer)
     same = actions.permute_ffn(given, perm)
     assert same is given and torch.equal(given["up.weight"], before["up.weight"][perm])
@@ -154,12 +155,17 @@ def test_writer_output_is_valid_safetensors(tmp_path, monkeypatch, reserve):
     from safetensors.torch import load_file
 
     monkeypatch.setattr(ShardedWriter, "HEADER_RESERVE", reserve)
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.randn(4).to(torch.bfloat16),
-               "d": torch.tensor(2.5, dtype=torch.float64), "e": torch.tensor([True, False])}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7),
+        "c": torch.randn(4).to(torch.bfloat16),
+        "d": torch.tensor(2.5, dtype=torch.float64),
+        "e": torch.tensor([True, False]),
+    }
     writer = ShardedWriter(tmp_path, max_shard_bytes=10**6, metadata={"k": "v"})
     writer.add(tensors)
     assert writer.close() == ["model.safetensors"]
-    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]   # no spool files left
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no spool files left
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         assert f.metadata() == {"format": "pt", "k": "v"}
         for k, v in tensors.items():
@@ -179,7 +185,7 @@ def test_writer_streams_row_blocks(tmp_path):
     from hf_symmetry.checkpoint import RowBlocks
 
     W = torch.randn(10, 3, dtype=torch.float64)
-    lazy = RowBlocks((10, 3), torch.float64, lambda: (W[i:i + 4] for i in range(0, 10, 4))).to(torch.float32)
+    lazy = RowBlocks((10, 3), torch.float64, lambda: (W[i : i + 4] for i in range(0, 10, 4))).to(torch.float32)
     writer = ShardedWriter(tmp_path)
     writer.add({"a": torch.ones(2), "u": lazy, "z": torch.zeros(3)})
     writer.close()
@@ -198,7 +204,7 @@ def test_row_blocks_along_another_dimension_and_permuted(tmp_path):
     from hf_symmetry.checkpoint import RowBlocks
 
     B = torch.randn(3, 10, 2, dtype=torch.float64)
-    math = RowBlocks(B.shape, torch.float64, lambda: (B[:, i:i + 4] for i in range(0, 10, 4)), row_dim=1)
+    math = RowBlocks(B.shape, torch.float64, lambda: (B[:, i : i + 4] for i in range(0, 10, 4)), row_dim=1)
     module = math.permute(1, 0, 2)
     assert not math.streamable and module.streamable and module.row_dim == 0 and module.shape == (10, 3, 2)
     assert torch.equal(math.materialise(), B) and torch.equal(module.materialise(), B.permute(1, 0, 2))
@@ -210,6 +216,7 @@ def test_row_blocks_along_another_dimension_and_permuted(tmp_path):
 
 
 # ----------------------------------------------------------------------------- CLI errors
+
 
 def _cli(capsys, *argv) -> tuple[int, str]:
     capsys.readouterr()  # drop whatever the fixtures printed

@@ -14,7 +14,7 @@ RMS_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3")
 
 
 def _reload(model, state_dict, config: dict):
-    if config["model_type"] != model.config.model_type:   # LayerNorm decoders become the RMS-decoder family
+    if config["model_type"] != model.config.model_type:  # LayerNorm decoders become the RMS-decoder family
         import transformers
 
         new = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
@@ -39,8 +39,9 @@ def _apply(model, layer_fn):
     sd = model.state_dict()
     adapter = Adapter.from_config(model.config.to_dict(), list(sd))
     sink = DictSink()
-    transform_checkpoint(DictSource(sd), adapter, sink, lambda i, layer: layer_fn(adapter, layer),
-                         lambda g: g, progress=False)
+    transform_checkpoint(
+        DictSource(sd), adapter, sink, lambda i, layer: layer_fn(adapter, layer), lambda g: g, progress=False
+    )
     return _reload(model, dict(sink), model.config.to_dict())
 
 
@@ -81,14 +82,19 @@ def test_each_symmetry_alone_preserves_function(family, name, exact_rmsnorm):
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_all_symmetries_together_preserve_function(family, exact_rmsnorm):
     model = tiny_model(family)
-    options = RotateOptions(residual="hadamard" if family in RMS_FAMILIES else "none",
-                            heads="vo" if family == "qwen3" else "random", ffn=True, scaling=family != "qwen3",
-                            seed=7)
+    options = RotateOptions(
+        residual="hadamard" if family in RMS_FAMILIES else "none",
+        heads="vo" if family == "qwen3" else "random",
+        ffn=True,
+        scaling=family != "qwen3",
+        seed=7,
+    )
     assert _max_delta(model, options) <= 1e-9
     # and the weights really changed
     sd, _ = rotate_state_dict(model.state_dict(), model.config, options)
-    changed = [k for k, v in model.state_dict().items() if k in sd and v.shape == sd[k].shape
-               and not torch.allclose(v, sd[k])]
+    changed = [
+        k for k, v in model.state_dict().items() if k in sd and v.shape == sd[k].shape and not torch.allclose(v, sd[k])
+    ]
     assert len(changed) >= len(sd) // 3
 
 
@@ -101,9 +107,12 @@ def test_generic_orthogonal_on_rope_dims_breaks_the_model_and_is_refused(exact_r
     model = tiny_model("llama")
 
     def generic(adapter, layer, check=False):
-        return actions.rotate_qk(layer, adapter.layout,
-                                 _random_rotations(adapter, lambda L, g: groups.haar_orthogonal(L.head_dim, g)),
-                                 check=check)
+        return actions.rotate_qk(
+            layer,
+            adapter.layout,
+            _random_rotations(adapter, lambda L, g: groups.haar_orthogonal(L.head_dim, g)),
+            check=check,
+        )
 
     assert _delta(model, _apply(model, generic)) > 1e-3
     with pytest.raises(NotASymmetry, match="does not commute with RoPE"):
@@ -125,14 +134,16 @@ def test_nope_layer_takes_any_orthogonal_qk_map_and_rope_layer_does_not(exact_rm
             L = adapter.layer_layout(i)
             Rs = [groups.haar_orthogonal(L.head_dim, groups.rng(3, g)) for g in range(L.n_kv_heads)]
             return actions.rotate_qk(layer, L, Rs, check=check)
+
         sink = DictSink()
         transform_checkpoint(DictSource(sd), adapter, sink, layer_fn, lambda g: g, progress=False)
         return _reload(model, dict(sink), model.config.to_dict())
 
     nope = generic_on(1, check=True)
     assert _delta(model, nope) <= 1e-9
-    assert not torch.allclose(nope.state_dict()["model.layers.1.self_attn.q_proj.weight"],
-                              sd["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.allclose(
+        nope.state_dict()["model.layers.1.self_attn.q_proj.weight"], sd["model.layers.1.self_attn.q_proj.weight"]
+    )
     with pytest.raises(NotASymmetry, match="does not commute with RoPE"):
         generic_on(0, check=True)
     assert _delta(model, generic_on(0, check=False)) > 1e-3
@@ -144,9 +155,12 @@ def test_wrong_pairing_layout_breaks_the_model(family, wrong_layout, exact_rmsno
 
     def interleaved_commutant(adapter, layer):
         wrong = HeadLayout(**{**adapter.layout.__dict__, "rope_layout": wrong_layout})
-        return actions.rotate_qk(layer, adapter.layout,
-                                 _random_rotations(adapter, lambda L, g: groups.random_rope_commutant(wrong, g)),
-                                 check=False)
+        return actions.rotate_qk(
+            layer,
+            adapter.layout,
+            _random_rotations(adapter, lambda L, g: groups.random_rope_commutant(wrong, g)),
+            check=False,
+        )
 
     assert _delta(model, _apply(model, interleaved_commutant)) > 1e-3
 
@@ -170,8 +184,9 @@ def test_qk_rotation_under_qk_norm_is_refused_and_would_break_the_model(exact_rm
     model = tiny_model("qwen3")
 
     def commutant_rotation(adapter, layer, check):
-        return actions.rotate_qk(layer, adapter.layout,
-                                 _random_rotations(adapter, groups.random_rope_commutant), check=check)
+        return actions.rotate_qk(
+            layer, adapter.layout, _random_rotations(adapter, groups.random_rope_commutant), check=check
+        )
 
     with pytest.raises(NotASymmetry, match="QK-norm"):
         _apply(model, lambda a, layer: commutant_rotation(a, layer, True))

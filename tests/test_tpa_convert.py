@@ -15,7 +15,6 @@ from hf_symmetry.conversion.to_tpa import convert_model_to_tpa
 from hf_symmetry.modeling.modeling_tpa import TPACache, TPAForCausalLM
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _single_torch_thread():
     """One intra-op thread for these tests: on the shared 2-core machine two threads oversubscribe the
@@ -30,13 +29,28 @@ def tiny_source(family: str, n_kv: int = 2, heads: int = 6, dtype=torch.float32,
     """A tiny random Llama/Mistral/Qwen2 (Qwen2 has q/k/v biases) with O(1) weights and γ ≠ 1."""
     import transformers as T
 
-    cls, ccls = {"llama": (T.LlamaForCausalLM, T.LlamaConfig), "mistral": (T.MistralForCausalLM, T.MistralConfig),
-                 "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config)}[family]
+    cls, ccls = {
+        "llama": (T.LlamaForCausalLM, T.LlamaConfig),
+        "mistral": (T.MistralForCausalLM, T.MistralConfig),
+        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config),
+    }[family]
     extra = {"sliding_window": None} if family == "mistral" else {}
-    cfg = ccls(vocab_size=vocab, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=heads,
-               num_key_value_heads=n_kv, head_dim=8, max_position_embeddings=128,
-               tie_word_embeddings=family == "llama", pad_token_id=0, bos_token_id=1, eos_token_id=2,
-               rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **extra)
+    cfg = ccls(
+        vocab_size=vocab,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=n_kv,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=family == "llama",
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        **extra,
+    )
     torch.manual_seed(seed)
     model = cls(cfg)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -130,8 +144,17 @@ def test_bad_requests_are_refused():
             convert_model_to_tpa(src, progress=False, **bad)
     import transformers as T
 
-    qwen3 = T.Qwen3ForCausalLM(T.Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
-                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    qwen3 = T.Qwen3ForCausalLM(
+        T.Qwen3Config(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     # QK-norm: full rank is exact (tests/test_families_qwen3.py); mixing key heads is refused with the reason
     with pytest.raises(ValueError, match="to-tpa below full key rank: qwen3 applies QK-norm per head"):
         convert_model_to_tpa(qwen3, k_rank=1, progress=False)
@@ -161,8 +184,9 @@ def test_cli_writes_a_loadable_folder_and_refuses_non_empty_out(tmp_path, capsys
     # a non-empty OUT is refused without --overwrite (one-line error, exit 2), replaced with it
     assert main(["to-tpa", str(tmp_path / "src"), str(out), "--no-verify", "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err
-    assert main(["to-tpa", str(tmp_path / "src"), str(out), "--no-verify", "--quiet", "--overwrite",
-                 "--k-rank", "1"]) == 0
+    assert (
+        main(["to-tpa", str(tmp_path / "src"), str(out), "--no-verify", "--quiet", "--overwrite", "--k-rank", "1"]) == 0
+    )
     assert json.loads((out / "config.json").read_text())["k_rank"] == 1
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left behind
     assert main(["to-tpa", str(tmp_path / "src"), str(tmp_path / "o2"), "--k-rank", "5", "--no-verify"]) == 2
@@ -282,8 +306,9 @@ def test_checkpoint_conversion_passes_unchanged_matrices_through_and_writes_the_
 
     model = (tiny_model("phi3") if family == "phi3" else tiny_source(family, n_kv=3)).to(dtype).eval()
     model.save_pretrained(tmp_path / "src")
-    convert_checkpoint_to_tpa(tmp_path / "src", tmp_path / "tpa", k_rank=1, v_rank=2, progress=False,
-                              max_shard_size=20_000)   # several shards
+    convert_checkpoint_to_tpa(
+        tmp_path / "src", tmp_path / "tpa", k_rank=1, v_rank=2, progress=False, max_shard_size=20_000
+    )  # several shards
     got = _written(tmp_path / "tpa")
     want = _whole_layer_reference(model, 1, 2)
     assert set(got) == set(want) - {"lm_head.weight"} or set(got) == set(want)
@@ -292,8 +317,7 @@ def test_checkpoint_conversion_passes_unchanged_matrices_through_and_writes_the_
     assert not all(torch.equal(got[k], other[k]) for k in got)
 
 
-@pytest.mark.slow   # SmolLM2's tokenizer (the model is built once from its GGUF)
-
+@pytest.mark.slow  # SmolLM2's tokenizer (the model is built once from its GGUF)
 def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_grams(tmp_path):
     """Calibrated: the streamed conversion (the engine's Gram of layer i computed just before layer i
     is converted, the engine's layer let go first) writes exactly the tensors of the whole-layer
@@ -305,12 +329,19 @@ def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_
     from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_checkpoint_to_tpa
     from transformers import AutoTokenizer
 
-    model = tiny_source("llama", n_kv=3, vocab=49152)   # SmolLM2's tokenizer
+    model = tiny_source("llama", n_kv=3, vocab=49152)  # SmolLM2's tokenizer
     model.save_pretrained(tmp_path / "src")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(smollm2_dir() / name, tmp_path / "src" / name)
-    report = convert_checkpoint_to_tpa(tmp_path / "src", tmp_path / "tpa", k_rank=1, v_rank=1,
-                                       calib="britannica-calib", calib_tokens=96, progress=False)
+    report = convert_checkpoint_to_tpa(
+        tmp_path / "src",
+        tmp_path / "tpa",
+        k_rank=1,
+        v_rank=1,
+        calib="britannica-calib",
+        calib_tokens=96,
+        progress=False,
+    )
     assert report.calibrated and report.calib_tokens == 96
     ids = calibration_ids(AutoTokenizer.from_pretrained(tmp_path / "src"), "britannica-calib", 96)
     got = _written(tmp_path / "tpa")

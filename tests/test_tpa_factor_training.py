@@ -12,17 +12,33 @@ import torch
 from hf_symmetry import TPAConfig, TPAForCausalLM
 
 V = 53
-BASE = dict(vocab_size=V, hidden_size=24, num_attention_heads=3, head_dim=6, num_hidden_layers=2, q_rank=5,
-            k_rank=3, v_rank=2, intermediate_size=32, max_position_embeddings=64, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=24,
+    num_attention_heads=3,
+    head_dim=6,
+    num_hidden_layers=2,
+    q_rank=5,
+    k_rank=3,
+    v_rank=2,
+    intermediate_size=32,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 VARIANTS = {
     "contextual": {},
     "noncontextual": dict(contextual_a=False),
     "kv_only": dict(q_rank=None),
     "kv_only_noncontextual": dict(q_rank=None, contextual_a=False),
-    "bias_partial_rope": dict(attention_bias=True, attention_out_bias=True, head_dim=8, q_rank=2,
-                              rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                                               "partial_rotary_factor": 0.5}),
+    "bias_partial_rope": dict(
+        attention_bias=True,
+        attention_out_bias=True,
+        head_dim=8,
+        q_rank=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+    ),
 }
 ROUTES = [("p", "factor"), ("p", "v"), ("q", "factor"), ("q", "v"), ("k", "factor")]
 
@@ -127,8 +143,16 @@ def test_auto_plan_uses_factor_space_where_it_is_cheaper():
     """T6 shapes (paper small: 34 heads, d_h 64, R = 6/2/2): decoding and short chunks against a long
     cache run from the factors; whole-sequence prefill/training materialises (cheaper in wall time here:
     its score route is one large matrix multiply, see ``route_costs``)."""
-    cfg = TPAConfig(vocab_size=V, hidden_size=64, num_attention_heads=34, head_dim=64, num_hidden_layers=1,
-                    q_rank=6, k_rank=2, v_rank=2)
+    cfg = TPAConfig(
+        vocab_size=V,
+        hidden_size=64,
+        num_attention_heads=34,
+        head_dim=64,
+        num_hidden_layers=1,
+        q_rank=6,
+        k_rank=2,
+        v_rank=2,
+    )
     attn = TPAForCausalLM(cfg).model.layers[0].self_attn
     assert attn.attention_plan(1, 4096)[1] == "factor" and attn.attention_plan(1, 4096)[0] in ("p", "q")
     assert attn.use_factor_path(16, 4096)

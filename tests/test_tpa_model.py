@@ -14,23 +14,37 @@ import torch
 import hf_symmetry
 from hf_symmetry import TPAConfig, TPAForCausalLM, TPAModel
 from hf_symmetry.testing import run_without_hf_symmetry
-from hf_symmetry.modeling.modeling_tpa import (TPACache, TPAFactorLinear, _compose, apply_rotary,
-                                               eager_attention_forward)
+from hf_symmetry.modeling.modeling_tpa import TPACache, TPAFactorLinear, _compose, apply_rotary, eager_attention_forward
 
 V = 61
-BASE = dict(vocab_size=V, hidden_size=30, num_attention_heads=3, head_dim=6, num_hidden_layers=2, q_rank=5,
-            k_rank=5, v_rank=4, intermediate_size=40, max_position_embeddings=256, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=30,
+    num_attention_heads=3,
+    head_dim=6,
+    num_hidden_layers=2,
+    q_rank=5,
+    k_rank=5,
+    v_rank=4,
+    intermediate_size=40,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 VARIANTS = {
     "contextual": {},
     "noncontextual": dict(contextual_a=False),
     "kv_only": dict(q_rank=None),
     "kv_only_noncontextual": dict(q_rank=None, contextual_a=False, k_rank=2, v_rank=3),
-    "bias_partial_rope": dict(attention_bias=True, attention_out_bias=True, head_dim=8, q_rank=2,
-                              rope_parameters={"rope_type": "default", "rope_theta": 500.0,
-                                               "partial_rotary_factor": 0.5}),
+    "bias_partial_rope": dict(
+        attention_bias=True,
+        attention_out_bias=True,
+        head_dim=8,
+        q_rank=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+    ),
 }
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,14 +89,24 @@ def set_path(model, path):
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad, match", [
-    (dict(k_rank=0), "k_rank"), (dict(v_rank=-2), "v_rank"), (dict(q_rank=0), "q_rank"),
-    (dict(hidden_size=30, num_attention_heads=4, head_dim=None), "not divisible"),
-    (dict(head_dim=7), "RoPE dimension must be even"),
-    (dict(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.375}),
-     "RoPE dimension must be even"),
-    (dict(tpa_decode_path="fast"), "tpa_decode_path"), (dict(num_attention_heads=0), "num_attention_heads"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(k_rank=0), "k_rank"),
+        (dict(v_rank=-2), "v_rank"),
+        (dict(q_rank=0), "q_rank"),
+        (dict(hidden_size=30, num_attention_heads=4, head_dim=None), "not divisible"),
+        (dict(head_dim=7), "RoPE dimension must be even"),
+        (
+            dict(
+                head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.375}
+            ),
+            "RoPE dimension must be even",
+        ),
+        (dict(tpa_decode_path="fast"), "tpa_decode_path"),
+        (dict(num_attention_heads=0), "num_attention_heads"),
+    ],
+)
 def test_bad_config_is_refused_at_construction(bad, match):
     with pytest.raises(ValueError, match=match):
         TPAConfig(**{**BASE, **bad})
@@ -112,8 +136,9 @@ def test_auto_classes_registered():
 
 
 def test_init_follows_paper_xavier_per_rank():
-    cfg = TPAConfig(vocab_size=50, hidden_size=96, num_attention_heads=4, q_rank=6, k_rank=2, v_rank=2,
-                    num_hidden_layers=1)
+    cfg = TPAConfig(
+        vocab_size=50, hidden_size=96, num_attention_heads=4, q_rank=6, k_rank=2, v_rank=2, num_hidden_layers=1
+    )
     torch.manual_seed(0)
     attn = TPAForCausalLM(cfg).model.layers[0].self_attn
     for lin, width in ((attn.q_a_proj, 4), (attn.k_a_proj, 4), (attn.q_b_proj, 24), (attn.v_b_proj, 24)):
@@ -137,7 +162,7 @@ def test_incremental_decoding_equals_full_forward(variant, path, attn):
         cache = TPACache(model.config)
         parts = [model(ids[:, :5], past_key_values=cache, use_cache=True).logits]
         for t in range(5, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
             assert out.past_key_values is cache
             parts.append(out.logits)
     assert cache.get_seq_length() == ids.shape[1]
@@ -153,7 +178,7 @@ def test_chunked_prefill_equals_full_forward(variant):
         full = model(ids).logits
         cache, parts, start = TPACache(model.config), [], 0
         for size in (4, 3, 1, 6):
-            parts.append(model(ids[:, start:start + size], past_key_values=cache).logits)
+            parts.append(model(ids[:, start : start + size], past_key_values=cache).logits)
             start += size
     assert (torch.cat(parts, 1) - full).abs().max().item() <= 1e-4
 
@@ -178,8 +203,8 @@ def _pad_left(seqs, pad=0):
     ids = torch.full((len(seqs), T), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, T - len(s):] = s
-        mask[i, T - len(s):] = 1
+        ids[i, T - len(s) :] = s
+        mask[i, T - len(s) :] = 1
     return ids, mask
 
 
@@ -202,13 +227,13 @@ def test_left_padded_batch_prefill_and_decode_match_single_sequences(attn, path)
             pos = pos[:, -1:] + 1
             batched.append(model(nxt, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1])
         for i, s in enumerate(seqs):
-            single = model(ids[i:i + 1, -(len(s) + steps):]).logits[0]
-            real = model(ids[i:i + 1, ids.shape[1] - len(s) - steps:ids.shape[1] - steps]).logits[0]
+            single = model(ids[i : i + 1, -(len(s) + steps) :]).logits[0]
+            real = model(ids[i : i + 1, ids.shape[1] - len(s) - steps : ids.shape[1] - steps]).logits[0]
             # prefill: every real position of the padded row matches the unpadded sequence
-            assert (out.logits[i, -len(s):] - real).abs().max().item() <= 1e-4
+            assert (out.logits[i, -len(s) :] - real).abs().max().item() <= 1e-4
             # decoding steps match the unpadded full forward
             dec = torch.stack([b[i] for b in batched])
-            assert (dec - single[len(s) - 1:]).abs().max().item() <= 1e-4
+            assert (dec - single[len(s) - 1 :]).abs().max().item() <= 1e-4
 
 
 def test_generate_with_and_without_cache_greedy_beam_sampling():
@@ -223,9 +248,10 @@ def test_generate_with_and_without_cache_greedy_beam_sampling():
         # each row equals generating it alone, without padding
         for i in range(3):
             n = int(mask[i].sum())
-            alone = model.generate(ids[i:i + 1, -n:], do_sample=False, max_new_tokens=6, pad_token_id=0,
-                                   eos_token_id=None)
-            assert torch.equal(alone[0, n:], greedy_c[i, ids.shape[1]:])
+            alone = model.generate(
+                ids[i : i + 1, -n:], do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None
+            )
+            assert torch.equal(alone[0, n:], greedy_c[i, ids.shape[1] :])
         beam_c = model.generate(ids, num_beams=3, do_sample=False, use_cache=True, **common)
         beam_n = model.generate(ids, num_beams=3, do_sample=False, use_cache=False, **common)
         assert torch.equal(beam_c, beam_n)
@@ -238,8 +264,9 @@ def test_generate_with_and_without_cache_greedy_beam_sampling():
 
 def test_generate_uses_the_factorised_cache():
     model = make_model("kv_only_noncontextual")
-    out = model.generate(ids_batch(b=1, t=5), max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-                         pad_token_id=0)
+    out = model.generate(
+        ids_batch(b=1, t=5), max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0
+    )
     assert isinstance(out.past_key_values, TPACache)
     layer = out.past_key_values.layers[0]
     assert layer.keys.shape == (1, 7, 2, 6) and layer.values.shape == (1, 7, 3, 6)
@@ -297,8 +324,17 @@ def test_a_non_factorised_cache_is_refused_once_filled():
 # Factor-space attention
 # ---------------------------------------------------------------------------------------------
 def _attn_module(q_rank, contextual, h=3, dh=6, rk=5, rv=5):
-    cfg = TPAConfig(**{**BASE, "num_attention_heads": h, "head_dim": dh, "q_rank": q_rank, "k_rank": rk,
-                       "v_rank": rv, "contextual_a": contextual})
+    cfg = TPAConfig(
+        **{
+            **BASE,
+            "num_attention_heads": h,
+            "head_dim": dh,
+            "q_rank": q_rank,
+            "k_rank": rk,
+            "v_rank": rv,
+            "contextual_a": contextual,
+        }
+    )
     return TPAForCausalLM(cfg).model.layers[0].self_attn.double()
 
 
@@ -313,8 +349,11 @@ def test_factor_space_attention_equals_materialized(q_rank, contextual, mask_kin
     B, S = 2, 7
     g = torch.Generator().manual_seed(T + 10 * (q_rank or 0) + contextual)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    f = {"q": r(B, T, h, dh)} if q_rank is None else {"a_q": r(B, T, rq, h) if contextual else r(rq, h),
-                                                      "b_q": r(B, T, rq, dh)}
+    f = (
+        {"q": r(B, T, h, dh)}
+        if q_rank is None
+        else {"a_q": r(B, T, rq, h) if contextual else r(rq, h), "b_q": r(B, T, rq, dh)}
+    )
     a_k = r(B, S, rk, h) if contextual else r(rk, h)
     a_v = r(B, S, rv, h) if contextual else r(rv, h)
     b_k, b_v = r(B, S, rk, dh), r(B, S, rv, dh)
@@ -327,8 +366,9 @@ def test_factor_space_attention_equals_materialized(q_rank, contextual, mask_kin
         float_mask = torch.zeros(B, 1, T, S, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
         mask = keep if mask_kind == "bool" else float_mask
     q = f["q"].transpose(1, 2) if q_rank is None else _compose(f["a_q"], f["b_q"], rq)
-    ref, ref_w = eager_attention_forward(attn, q, _compose(a_k, b_k, rk), _compose(a_v, b_v, rv), float_mask,
-                                         scaling=dh ** -0.5)
+    ref, ref_w = eager_attention_forward(
+        attn, q, _compose(a_k, b_k, rk), _compose(a_v, b_v, rv), float_mask, scaling=dh**-0.5
+    )
     routes = ["q"] if q_rank is None else ["q", "p"]
     for route in routes:
         out, w = attn.factor_attention(f, a_k, b_k, a_v, b_v, mask, output_attentions=True, route=route)
@@ -337,8 +377,23 @@ def test_factor_space_attention_equals_materialized(q_rank, contextual, mask_kin
 
 
 def test_auto_path_picks_factor_space_for_decoding_only():
-    attn = TPAForCausalLM(TPAConfig(**{**BASE, "num_attention_heads": 8, "head_dim": 64, "hidden_size": 64,
-                                       "q_rank": 6, "k_rank": 2, "v_rank": 2})).model.layers[0].self_attn
+    attn = (
+        TPAForCausalLM(
+            TPAConfig(
+                **{
+                    **BASE,
+                    "num_attention_heads": 8,
+                    "head_dim": 64,
+                    "hidden_size": 64,
+                    "q_rank": 6,
+                    "k_rank": 2,
+                    "v_rank": 2,
+                }
+            )
+        )
+        .model.layers[0]
+        .self_attn
+    )
     assert attn.use_factor_path(1, 4096) and not attn.use_factor_path(512, 512)
     attn.config.tpa_decode_path = "materialize"
     assert not attn.use_factor_path(1, 4096)
@@ -353,11 +408,13 @@ def test_rotating_b_then_forming_k_equals_forming_k_then_rotating():
     model = make_model("contextual", dtype=torch.float64)
     B, T, R, h, dh = 2, 9, 5, 3, 6
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(B, T, R, h, generator=g, dtype=torch.float64), torch.randn(B, T, R, dh, generator=g,
-                                                                                   dtype=torch.float64)
+    a, b = (
+        torch.randn(B, T, R, h, generator=g, dtype=torch.float64),
+        torch.randn(B, T, R, dh, generator=g, dtype=torch.float64),
+    )
     pos = torch.arange(T).unsqueeze(0) + 17
     cos, sin = model.model.rotary_emb(b, pos)
-    k_then_rot = apply_rotary(_compose(a, b, R).transpose(1, 2), cos, sin)          # [B,T,h,dh]
+    k_then_rot = apply_rotary(_compose(a, b, R).transpose(1, 2), cos, sin)  # [B,T,h,dh]
     rot_then_k = _compose(a, apply_rotary(b, cos, sin), R).transpose(1, 2)
     assert (k_then_rot - rot_then_k).abs().max().item() < 1e-12
     # and the rotation is HF's rotate_half convention with HF's sign
@@ -411,8 +468,10 @@ def test_save_load_roundtrip_and_remote_code_without_hf_symmetry(tmp_path):
     model.save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "hf_symmetry_tpa"
-    assert cfg["auto_map"] == {"AutoConfig": "configuration_tpa.TPAConfig",
-                               "AutoModelForCausalLM": "modeling_tpa.TPAForCausalLM"}
+    assert cfg["auto_map"] == {
+        "AutoConfig": "configuration_tpa.TPAConfig",
+        "AutoModelForCausalLM": "modeling_tpa.TPAForCausalLM",
+    }
     assert (folder / "configuration_tpa.py").is_file() and (folder / "modeling_tpa.py").is_file()
     ids = ids_batch(b=1, t=7)
     with torch.no_grad():
@@ -429,7 +488,7 @@ def test_save_load_roundtrip_and_remote_code_without_hf_symmetry(tmp_path):
     # with trust_remote_code, in a Python where hf_symmetry cannot be imported
     got = run_without_hf_symmetry(ISOLATED_LOADER, tmp_path, FOLDER=str(folder), IDS=ids.tolist())
     assert got["module"].startswith("transformers_modules.") and got["cache"] == "TPACache"
-    assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-5   # float32, another process
+    assert (torch.tensor(got["logits"]) - ref).abs().max().item() <= 1e-5  # float32, another process
     assert got["gen"] == ref_gen.tolist()
     assert (tmp_path / "hf_modules" / "transformers_modules").is_dir()
 
@@ -478,8 +537,16 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_tiny_t6_trains_with_the_hf_trainer(tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    cfg = TPAConfig(vocab_size=32, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, q_rank=4,
-                    k_rank=2, v_rank=2, max_position_embeddings=64)
+    cfg = TPAConfig(
+        vocab_size=32,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        q_rank=4,
+        k_rank=2,
+        v_rank=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = TPAForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
@@ -503,9 +570,19 @@ def test_tiny_t6_trains_with_the_hf_trainer(tmp_path):
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=20, per_device_train_batch_size=16,
-                             learning_rate=1e-2, report_to=[], save_strategy="no", logging_steps=10,
-                             use_cpu=True, disable_tqdm=True, seed=0, **{ckpt: True})
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=20,
+        per_device_train_batch_size=16,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        **{ckpt: True},
+    )
     Trainer(model=model, args=args, train_dataset=DS()).train()
     after = loss()
     assert after < 0.7 * before, (before, after)

@@ -22,8 +22,22 @@ pytestmark = pytest.mark.slow  # SmolLM2's tokenizer (a real-model asset); the t
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_clm.py"
-SMALL = ["--hidden-size", "192", "--layers", "1", "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3",
-         "--validation-fraction", "0.2", "--quiet", "--cpu"]
+SMALL = [
+    "--hidden-size",
+    "192",
+    "--layers",
+    "1",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--lr",
+    "3e-3",
+    "--validation-fraction",
+    "0.2",
+    "--quiet",
+    "--cpu",
+]
 
 
 def _load_script():
@@ -58,8 +72,20 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _run(corpus, out, arch="t6", steps=6, *extra, callbacks=()):
-    argv = ["--arch", arch, "--params", "1M", "--text", str(corpus), "--max-steps", str(steps), "--out", str(out),
-            *SMALL, *extra]
+    argv = [
+        "--arch",
+        arch,
+        "--params",
+        "1M",
+        "--text",
+        str(corpus),
+        "--max-steps",
+        str(steps),
+        "--out",
+        str(out),
+        *SMALL,
+        *extra,
+    ]
     return _load_script().main(argv, callbacks=callbacks)
 
 
@@ -93,9 +119,25 @@ def test_two_processes_give_the_weights_of_one_process(corpus, tmp_path):
     args = ["--arch", "mla", "--params", "1M", "--text", str(corpus), "--max-steps", "3", *SMALL]
     assert _load_script().main(args + ["--out", str(tmp_path / "one")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29531", str(SCRIPT), *args, "--out", str(tmp_path / "two")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29531",
+            str(SCRIPT),
+            *args,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "train_results.json").read_text())
     two = json.loads((tmp_path / "two" / "train_results.json").read_text())

@@ -22,8 +22,10 @@ from hf_symmetry.hub.cards import fmt_number
 from hf_symmetry.testing import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-TEXT = ("The play opens with a storm at sea, and the island is the scene of the whole action. " * 40
-        + "Prospero was the rightful duke of Milan, and his brother took the dukedom from him. " * 40)
+TEXT = (
+    "The play opens with a storm at sea, and the island is the scene of the whole action. " * 40
+    + "Prospero was the rightful duke of Milan, and his brother took the dukedom from him. " * 40
+)
 VERIFY = ["--tokens", "24", "--ppl-tokens", "80", "--quiet"]
 
 
@@ -123,18 +125,68 @@ def converted(inputs, tmp_path_factory):
     folder = outs / "merge"
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["merge", "--method", "average", "--match", str(inputs["a"]), str(inputs["b"]), str(folder),
-                     "--text", str(inputs["text"]), "--ppl-tokens", "80", "--quiet"]) == 0
+        assert (
+            main(
+                [
+                    "merge",
+                    "--method",
+                    "average",
+                    "--match",
+                    str(inputs["a"]),
+                    str(inputs["b"]),
+                    str(folder),
+                    "--text",
+                    str(inputs["text"]),
+                    "--ppl-tokens",
+                    "80",
+                    "--quiet",
+                ]
+            )
+            == 0
+        )
     done["merge"] = (buf.getvalue(), folder)
     # compress verifies like the conversions above; heal takes its own evaluation flags (--eval-text); the
     # card must be as clean
     text = str(inputs["text"])
     for name, argv in {
-        "compress": ["compress", str(inputs["a"]), str(outs / "compress"), "--structure", "slice", "--calib", text,
-                     "--calib-tokens", "160", "--calib-seq-len", "16", "--text", text, *VERIFY],
-        "heal": ["heal", str(outs / "compress"), str(outs / "heal"), "--teacher", str(inputs["a"]), "--text", text,
-                 "--tokens", "256", "--seq-len", "16", "--batch-size", "4", "--lora-rank", "2",
-                 "--eval-text", text, "--eval-tokens", "80", "--quiet"],
+        "compress": [
+            "compress",
+            str(inputs["a"]),
+            str(outs / "compress"),
+            "--structure",
+            "slice",
+            "--calib",
+            text,
+            "--calib-tokens",
+            "160",
+            "--calib-seq-len",
+            "16",
+            "--text",
+            text,
+            *VERIFY,
+        ],
+        "heal": [
+            "heal",
+            str(outs / "compress"),
+            str(outs / "heal"),
+            "--teacher",
+            str(inputs["a"]),
+            "--text",
+            text,
+            "--tokens",
+            "256",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "4",
+            "--lora-rank",
+            "2",
+            "--eval-text",
+            text,
+            "--eval-tokens",
+            "80",
+            "--quiet",
+        ],
     }.items():
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
@@ -149,7 +201,7 @@ def test_conversion_folder_publishes_no_local_path_and_has_ordinary_modes(name, 
     _assert_nothing_local(folder, inputs["root"])
     _assert_modes(folder)
     card = ModelCard.load(folder / "README.md")
-    assert card.data.hf_symmetry["exactness"] or name in ("merge", "compress", "heal")   # lossy: no exactness
+    assert card.data.hf_symmetry["exactness"] or name in ("merge", "compress", "heal")  # lossy: no exactness
     assert "(Δ )" not in card.text and "seed 000" not in card.text
     assert "## References" in card.text
     # per-layer detail stays out of the front matter
@@ -160,19 +212,19 @@ def test_conversion_folder_publishes_no_local_path_and_has_ordinary_modes(name, 
 def test_printed_numbers_are_the_card_numbers(name, converted):
     out, folder = converted[name]
     _assert_printed_equals_card(out, folder)
-    assert "done in" in out   # the reported time covers the whole command
+    assert "done in" in out  # the reported time covers the whole command
 
 
 def test_merge_prints_every_perplexity_it_records_and_names_inputs_apart(converted):
     out, folder = converted["merge"]
     card = ModelCard.load(folder / "README.md")
     ev = json.loads((folder / "hf_symmetry_card.json").read_text())["data"]["evaluation"]
-    assert set(ev["inputs"]) == {"a/model", "b/model"}     # two folders called `model`, two names
+    assert set(ev["inputs"]) == {"a/model", "b/model"}  # two folders called `model`, two names
     for x in [ev["merged"], *ev["inputs"].values()]:
         assert fmt_number(x) in out and fmt_number(x) in card.text
     assert card.data.eval_results[0].metric_value == ev["merged"]
     assert card.data.hf_symmetry["inputs"] == ["a/model", "b/model"]
-    assert not card.data.base_model      # no Hub ancestor: nothing invented, nothing duplicated
+    assert not card.data.base_model  # no Hub ancestor: nothing invented, nothing duplicated
 
 
 def test_match_card_names_anchor_and_source_apart(converted):
@@ -201,8 +253,15 @@ def test_card_snippets_run_as_written_without_a_prompt(converted, tmp_path):
         script.append(block.replace(f'"{ref}"', repr(str(folder))))
         script.append(f"print('ok', {name!r}, type(model).__name__)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", "\n".join(script)], stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True, timeout=300, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", "\n".join(script)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("ok ") == len(converted)
     assert "[y/N]" not in r.stdout + r.stderr and "trust_remote_code" not in r.stderr
@@ -234,7 +293,7 @@ def _readme_command_lines() -> list[str]:
             line = line.split("  #")[0].strip().removeprefix("$ ")
             for part in re.split(r"&&|;", line):
                 part = part.strip()
-                m = re.match(r"^(?:\S*/)?hf-symmetry\s+(?!\S+:)(.*)$", part)   # not an error message
+                m = re.match(r"^(?:\S*/)?hf-symmetry\s+(?!\S+:)(.*)$", part)  # not an error message
                 if m and not re.search(r"[\[\]|…]|\.\.\.|\(|\bMODEL\b|\bOUT\b|OUT_DIR|REPO|\bA B\b", part):
                     lines.append(m.group(1))
     return lines
@@ -243,14 +302,17 @@ def _readme_command_lines() -> list[str]:
 def test_readme_command_lines_parse_with_the_cli_parser(monkeypatch):
     from hf_symmetry.commands import common
 
-    monkeypatch.setattr(common._PushTarget, "__call__",
-                        lambda self, parser, ns, value, option_string=None: setattr(ns, self.dest, value))
+    monkeypatch.setattr(
+        common._PushTarget,
+        "__call__",
+        lambda self, parser, ns, value, option_string=None: setattr(ns, self.dest, value),
+    )
     lines = _readme_command_lines()
     assert len(lines) >= 8, lines
     parser = build_parser()
     seen = set()
     for line in lines:
-        args = parser.parse_args(shlex.split(line))   # SystemExit on anything the CLI does not accept
+        args = parser.parse_args(shlex.split(line))  # SystemExit on anything the CLI does not accept
         seen.add(args.command)
     assert {"rotate", "eval", "farr", "spectra", "compress", "to-tpa", "match", "merge", "heal"} <= seen
 
@@ -262,15 +324,16 @@ def test_farr_warns_when_a_choice_removes_little_yet_costs_much():
     from hf_symmetry.conversion.farr import FarrOptions
 
     tau = FarrOptions(tau=0.99, params_fraction=None, vo=True, qk=False)
-    report = SimpleNamespace(params_before=1000, params_after=998,
-                             verification={"perplexity_original": 36.2, "perplexity_converted": 111.4})
+    report = SimpleNamespace(
+        params_before=1000, params_after=998, verification={"perplexity_original": 36.2, "perplexity_converted": 111.4}
+    )
     warning = costly_reduction_warning(report, tau)
     assert "τ = 0.99" in warning and "0.2%" in warning and "36.2 -> 111.4" in warning
-    report.verification = {"perplexity_original": 36.2, "perplexity_converted": 36.5}       # cheap: no warning
+    report.verification = {"perplexity_original": 36.2, "perplexity_converted": 36.5}  # cheap: no warning
     assert costly_reduction_warning(report, tau) is None
-    report.params_after, report.verification["perplexity_converted"] = 700, 111.4           # removes much: fair
+    report.params_after, report.verification["perplexity_converted"] = 700, 111.4  # removes much: fair
     assert costly_reduction_warning(report, tau) is None
-    report.params_after, report.verification = 998, {"hidden_cosine": 0.9}                  # encoders
+    report.params_after, report.verification = 998, {"hidden_cosine": 0.9}  # encoders
     assert "cosine 0.9" in costly_reduction_warning(report, tau)
 
 

@@ -3,5 +3,12 @@
 from .adapter import Adapter, UnsupportedSymmetry, adapter_for
 from .spec import SPECS, SUPPORTED_MODEL_TYPES, ArchSpec, spec_for_model_type
 
-__all__ = ["Adapter", "ArchSpec", "SPECS", "SUPPORTED_MODEL_TYPES", "UnsupportedSymmetry", "adapter_for",
-           "spec_for_model_type"]
+__all__ = [
+    "Adapter",
+    "ArchSpec",
+    "SPECS",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedSymmetry",
+    "adapter_for",
+    "spec_for_model_type",
+]

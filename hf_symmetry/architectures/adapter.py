@@ -53,8 +53,8 @@ def _rotary_dim(config, head_dim: int) -> int:
 @dataclass
 class Adapter:
     spec: ArchSpec
-    config: object          # PretrainedConfig or dict
-    prefix: str             # e.g. "" or "bert."
+    config: object  # PretrainedConfig or dict
+    prefix: str  # e.g. "" or "bert."
     layout: HeadLayout
     n_layers: int
     hidden: int
@@ -71,9 +71,14 @@ class Adapter:
         head_dim = _cfg_get(config, ("head_dim",)) or hidden // n_heads
         rope = spec.rope_in(config)
         rotary_dim = _rotary_dim(config, head_dim) if rope != "none" else 0
-        layout = HeadLayout(n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rotary_dim=rotary_dim,
-                            rope_layout=rope if rotary_dim else "none",
-                            qk_norm=spec.attention.qk_norm is not None)
+        layout = HeadLayout(
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            rope_layout=rope if rotary_dim else "none",
+            qk_norm=spec.attention.qk_norm is not None,
+        )
         prefix = cls._detect_prefix(spec, keys) if keys is not None else spec.base_prefixes[0]
         head = spec.lm_head
         if keys is not None and spec.lm_head_aliases and f"{head}.weight" not in set(keys):
@@ -168,8 +173,14 @@ class Adapter:
             names.append(spec.ffn.gate_up)
         return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
 
-    def read_layer(self, i: int, tensors: Tensors, dtype: torch.dtype | None = torch.float64,
-                   norm_dtype: torch.dtype | None = None, partial: bool = False) -> Tensors:
+    def read_layer(
+        self,
+        i: int,
+        tensors: Tensors,
+        dtype: torch.dtype | None = torch.float64,
+        norm_dtype: torch.dtype | None = None,
+        partial: bool = False,
+    ) -> Tensors:
         """Canonical float64 view of layer ``i`` from its checkpoint tensors (owned copies; ``dtype=None``:
         each tensor's own dtype, for tensors a conversion passes through unchanged). ``norm_dtype``: the
         norms' dtype instead (e.g. float64 norms beside matrices in their own dtype: a ``γ − 1`` norm is
@@ -193,7 +204,9 @@ class Adapter:
             self._split_qkv(tensors, p, out, dtype)
         if self.spec.ffn.gate_up:
             self._split_gate_up(tensors, p, out, dtype)
-        missing = [k for k in ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight") if k not in out]
+        missing = [
+            k for k in ("q.weight", "k.weight", "v.weight", "o.weight", "up.weight", "down.weight") if k not in out
+        ]
         if missing and not partial:
             raise ValueError(f"layer {i}: checkpoint lacks tensors for {missing} (prefix {p!r})")
         return out
@@ -216,13 +229,12 @@ class Adapter:
 
     def _one_plus(self, canon: str) -> bool:
         """Norm weights stored as ``γ - 1`` (Gemma): every RMSNorm of an ``rms_1p`` family."""
-        return self.spec.norm_kind == "rms_1p" and canon in ("attn_norm", "ffn_norm", "q_norm", "k_norm",
-                                                             "final_norm")
+        return self.spec.norm_kind == "rms_1p" and canon in ("attn_norm", "ffn_norm", "q_norm", "k_norm", "final_norm")
 
     def _qkv_parts(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Rows of a fused qkv weight (or bias) as [q, k, v]."""
         L = self.layout
-        if self.spec.attention.qkv_layout == "per_head":   # [q_h k_h v_h] for each head h
+        if self.spec.attention.qkv_layout == "per_head":  # [q_h k_h v_h] for each head h
             per_head = t.reshape(L.n_heads, 3, L.head_dim, *t.shape[1:])
             return [per_head[:, j].reshape(L.n_heads * L.head_dim, *t.shape[1:]) for j in range(3)]
         sizes = [L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim, L.n_kv_heads * L.head_dim]
@@ -281,8 +293,11 @@ class Adapter:
             out[key] = (w.T if self.spec.conv1d else w).to(_dtype_of(like[key])).contiguous()
             if "q.bias" in canon:
                 key = f"{p}{qkv}.bias"
-                out[key] = self._join_qkv([canon["q.bias"], canon["k.bias"], canon["v.bias"]]).to(
-                    _dtype_of(like[key])).contiguous()
+                out[key] = (
+                    self._join_qkv([canon["q.bias"], canon["k.bias"], canon["v.bias"]])
+                    .to(_dtype_of(like[key]))
+                    .contiguous()
+                )
         gate_up = self.spec.ffn.gate_up
         if gate_up:
             for kind in ("weight", "bias"):
@@ -301,9 +316,14 @@ class Adapter:
         """Calibration site -> ``(module path inside a decoder layer, "in" | "out")``: whose input
         or output the site's activations are (see :mod:`hf_symmetry.calibration.statistics`)."""
         a, f = self.spec.attention, self.spec.ffn
-        sites = {"attn_in": (a.qkv or a.q, "in"), "v_in": (a.v or a.qkv, "in"), "o_in": (a.o, "in"),
-                 "ffn_norm_in": (self.spec.ffn_norm.name, "in"), "ffn_in": (f.up or f.gate_up, "in"),
-                 "down_in": (f.down, "in")}
+        sites = {
+            "attn_in": (a.qkv or a.q, "in"),
+            "v_in": (a.v or a.qkv, "in"),
+            "o_in": (a.o, "in"),
+            "ffn_norm_in": (self.spec.ffn_norm.name, "in"),
+            "ffn_in": (f.up or f.gate_up, "in"),
+            "down_in": (f.down, "in"),
+        }
         if a.qkv is None:
             sites.update(q_out=(a.q, "out"), k_out=(a.k, "out"), v_out=(a.v, "out"))
         return sites

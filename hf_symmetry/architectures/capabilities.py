@@ -27,16 +27,37 @@ CONVERSIONS = ("match", "merge", "compress", "slicegpt", "farr_vo", "farr_qk", "
 
 # (key, column header) in table order; "scaling" is rotate --scaling: QK and VO scalings together
 COLUMNS: tuple[tuple[str, str], ...] = (
-    ("qk_rotation", "rotate QK"), ("vo_rotation", "rotate VO"), ("residual_rotation", "rotate residual"),
-    ("ffn_permutation", "rotate FFN"), ("scaling", "rotate scaling"), ("match", "match"), ("merge", "merge"),
-    ("compress", "compress"), ("slicegpt", "SliceGPT"), ("farr_vo", "FaRR V/O"), ("farr_qk", "FaRR Q/K"),
-    ("to_tpa", "to-tpa"))
+    ("qk_rotation", "rotate QK"),
+    ("vo_rotation", "rotate VO"),
+    ("residual_rotation", "rotate residual"),
+    ("ffn_permutation", "rotate FFN"),
+    ("scaling", "rotate scaling"),
+    ("match", "match"),
+    ("merge", "merge"),
+    ("compress", "compress"),
+    ("slicegpt", "SliceGPT"),
+    ("farr_vo", "FaRR V/O"),
+    ("farr_qk", "FaRR Q/K"),
+    ("to_tpa", "to-tpa"),
+)
 
-LABELS = {"qk_rotation": "QK rotation", "qk_scaling": "QK scaling", "vo_rotation": "VO rotation",
-          "vo_scaling": "VO scaling", "ffn_permutation": "FFN permutation", "residual_rotation": "residual rotation",
-          "scaling": "QK/VO scaling", "match": "match", "merge": "merge", "compress": "compress",
-          "slicegpt": "SliceGPT", "farr_vo": "FaRR V/O", "farr_qk": "FaRR Q/K", "to_tpa": "to-tpa",
-          "to_tpa_key_rank": "to-tpa below full key rank"}
+LABELS = {
+    "qk_rotation": "QK rotation",
+    "qk_scaling": "QK scaling",
+    "vo_rotation": "VO rotation",
+    "vo_scaling": "VO scaling",
+    "ffn_permutation": "FFN permutation",
+    "residual_rotation": "residual rotation",
+    "scaling": "QK/VO scaling",
+    "match": "match",
+    "merge": "merge",
+    "compress": "compress",
+    "slicegpt": "SliceGPT",
+    "farr_vo": "FaRR V/O",
+    "farr_qk": "FaRR Q/K",
+    "to_tpa": "to-tpa",
+    "to_tpa_key_rank": "to-tpa below full key rank",
+}
 
 
 # --------------------------------------------------------------------------- facts
@@ -45,26 +66,27 @@ LABELS = {"qk_rotation": "QK rotation", "qk_scaling": "QK scaling", "vo_rotation
 @dataclass(frozen=True)
 class Facts:
     """The structural facts of one checkpoint (or of a family's default config)."""
+
     family: str
     model_type: str
     decoder: bool
-    norm_kind: str                      # rms, rms_1p, layer
-    placement: str                      # pre, sandwich, output, post
-    qk_norm: str | None                 # None, "head" or "all"
-    fused_qkv: str | None               # None, "blocks" or "per_head"
+    norm_kind: str  # rms, rms_1p, layer
+    placement: str  # pre, sandwich, output, post
+    qk_norm: str | None  # None, "head" or "all"
+    fused_qkv: str | None  # None, "blocks" or "per_head"
     fused_gate_up: bool
     gated: bool
-    rope: str                           # rotate_half, interleaved, none
-    partial_rotary: bool                # RoPE on only part of each head
-    nope_layers: tuple[int, ...]        # layers without RoPE
-    sliding: tuple[int | None, ...]     # per layer: window length, or None for global attention
-    embed_scale: str                    # none, sqrt_hidden
+    rope: str  # rotate_half, interleaved, none
+    partial_rotary: bool  # RoPE on only part of each head
+    nope_layers: tuple[int, ...]  # layers without RoPE
+    sliding: tuple[int | None, ...]  # per layer: window length, or None for global attention
+    embed_scale: str  # none, sqrt_hidden
     attn_softcap: float | None
     final_softcap: float | None
     parallel_block: bool
     tied: bool
     learned_positions: bool
-    embed_projection: bool              # OPT-350m style project_in/project_out around the layers
+    embed_projection: bool  # OPT-350m style project_in/project_out around the layers
 
     @property
     def sliding_layers(self) -> list[int]:
@@ -140,33 +162,54 @@ def facts(obj) -> Facts:
         spec = spec_for_model_type(_get(cfg, "model_type"))
     a = spec.attention
     placement = spec.placement
-    if _get(cfg, "do_layer_norm_before") is False:   # OPT-350m: post-LN
+    if _get(cfg, "do_layer_norm_before") is False:  # OPT-350m: post-LN
         placement = "post"
     hidden = next(_get(cfg, n) for n in spec.hidden_attr if _get(cfg, n) is not None)
     rope = spec.rope_in(cfg)
     proj = _get(cfg, "word_embed_proj_dim")
     no_rope = _get(cfg, "no_rope_layers")
     return Facts(
-        family=spec.family, model_type=_get(cfg, "model_type", spec.model_types[0]), decoder=spec.is_decoder,
-        norm_kind=spec.norm_kind, placement=placement,
-        qk_norm=a.qk_norm_scope if a.qk_norm else None, fused_qkv=a.qkv_layout if a.qkv else None,
-        fused_gate_up=spec.ffn.gate_up is not None, gated=spec.is_gated, rope=rope,
+        family=spec.family,
+        model_type=_get(cfg, "model_type", spec.model_types[0]),
+        decoder=spec.is_decoder,
+        norm_kind=spec.norm_kind,
+        placement=placement,
+        qk_norm=a.qk_norm_scope if a.qk_norm else None,
+        fused_qkv=a.qkv_layout if a.qkv else None,
+        fused_gate_up=spec.ffn.gate_up is not None,
+        gated=spec.is_gated,
+        rope=rope,
         partial_rotary=_partial_rotary(cfg, spec),
         nope_layers=tuple(i for i, f in enumerate(no_rope or []) if not f) if rope != "none" else (),
         sliding=sliding_window_layers(cfg) if spec.is_decoder else (),
-        embed_scale=spec.embed_scale, attn_softcap=_get(cfg, "attn_logit_softcapping"),
+        embed_scale=spec.embed_scale,
+        attn_softcap=_get(cfg, "attn_logit_softcapping"),
         final_softcap=_get(cfg, "final_logit_softcapping"),
         parallel_block=spec.parallel_block or bool(spec.parallel_attr and _get(cfg, spec.parallel_attr)),
         tied=bool(_get(cfg, "tie_word_embeddings", True)),
         learned_positions=bool(spec.pos_embed) and (spec.rope_attr is None or rope == "none"),
-        embed_projection=proj is not None and int(proj) != int(hidden))
+        embed_projection=proj is not None and int(proj) != int(hidden),
+    )
 
 
 # Config entries outside the spec's own attribute names that fix the function of a given set of
 # tensor shapes (activation, RoPE, attention scale).
-_SHARED_CONFIG_KEYS = ("model_type", "vocab_size", "head_dim", "intermediate_size", "n_inner", "ffn_dim", "hidden_act",
-                       "hidden_activation", "activation_function", "rope_parameters", "rope_theta",
-                       "partial_rotary_factor", "rotary_dim", "query_pre_attn_scalar")
+_SHARED_CONFIG_KEYS = (
+    "model_type",
+    "vocab_size",
+    "head_dim",
+    "intermediate_size",
+    "n_inner",
+    "ffn_dim",
+    "hidden_act",
+    "hidden_activation",
+    "activation_function",
+    "rope_parameters",
+    "rope_theta",
+    "partial_rotary_factor",
+    "rotary_dim",
+    "query_pre_attn_scalar",
+)
 
 
 def structural_config(config) -> dict:
@@ -175,8 +218,14 @@ def structural_config(config) -> dict:
     tying (a tied head may be untied by folding)."""
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     spec = spec_for_model_type(cfg.get("model_type"))
-    names = (_SHARED_CONFIG_KEYS + spec.hidden_attr + spec.n_layers_attr + spec.heads_attr + spec.kv_heads_attr
-             + spec.eps_attr)
+    names = (
+        _SHARED_CONFIG_KEYS
+        + spec.hidden_attr
+        + spec.n_layers_attr
+        + spec.heads_attr
+        + spec.kv_heads_attr
+        + spec.eps_attr
+    )
     out = {k: cfg[k] for k in names if cfg.get(k) is not None}
     out.update({f"{k} (structure)": v for k, v in asdict(facts(cfg)).items() if k != "tied"})
     return out
@@ -189,14 +238,15 @@ def structural_config(config) -> dict:
 class Target:
     """A model family a conversion writes, and what it can express. Features that a config
     field switches on are read from the configuration class itself."""
+
     name: str
     config_class: Callable[[], type]
-    norm: str = "rms"                # the norm the family builds: rms (Llama-like) or rms_noweight
-    gated_ffn: bool = True           # Llama's gate/up/down MLP only
+    norm: str = "rms"  # the norm the family builds: rms (Llama-like) or rms_noweight
+    gated_ffn: bool = True  # Llama's gate/up/down MLP only
     learned_positions: bool = False
     rope_layouts: tuple[str, ...] = ("rotate_half", "none")
-    fused: bool = True               # reads source layers through the adapter (fused projections split)
-    rope_partial: bool = False       # RoPE on part of each head, through ``rope_parameters`` (GPT-NeoX's rotary)
+    fused: bool = True  # reads source layers through the adapter (fused projections split)
+    rope_partial: bool = False  # RoPE on part of each head, through ``rope_parameters`` (GPT-NeoX's rotary)
     # (the RMS-decoder conversion re-pairs interleaved RoPE dims as rotate-half: actions.interleaved_to_half)
 
     @functools.cached_property
@@ -233,29 +283,40 @@ class Target:
 
 def _compressed():
     from ..modeling.configuration_compressed_llama import CompressedLlamaConfig
+
     return CompressedLlamaConfig
 
 
 def _farr():
     from ..modeling.configuration_farr import FarrLlamaConfig
+
     return FarrLlamaConfig
 
 
 def _tpa():
     from ..modeling.configuration_tpa import TPAConfig
+
     return TPAConfig
 
 
 def _ln_decoder():
     from ..modeling.configuration_rms_decoder import RMSDecoderConfig
+
     return RMSDecoderConfig
 
 
 COMPRESSED = Target("the compressed family", _compressed)
 FARR = Target("the FaRR decoder family", _farr, fused=False)
-TPA = Target("the TPA family", _tpa, rope_partial=True)   # to-tpa reads its source through the adapter
-RMS_DECODER = Target("the RMS-decoder family", _ln_decoder, norm="rms_noweight", gated_ffn=False,
-                     learned_positions=True, rope_layouts=("none", "rotate_half", "interleaved"), rope_partial=True)
+TPA = Target("the TPA family", _tpa, rope_partial=True)  # to-tpa reads its source through the adapter
+RMS_DECODER = Target(
+    "the RMS-decoder family",
+    _ln_decoder,
+    norm="rms_noweight",
+    gated_ffn=False,
+    learned_positions=True,
+    rope_layouts=("none", "rotate_half", "interleaved"),
+    rope_partial=True,
+)
 
 
 # --------------------------------------------------------------------------- derivations
@@ -308,8 +369,10 @@ def _target_reason(f: Facts, t: Target, *, needs_rotation: bool) -> str | None:
     if f.qk_norm and (not t.qk_norm or f.qk_norm == "all"):
         return f"{f.model_type} applies QK-norm {_qk_norm_text(f)}, which {t.name} does not implement"
     if f.sliding_layers and not t.sliding:
-        return (f"{f.model_type} uses sliding-window attention on {len(f.sliding_layers)} of {len(f.sliding)} layers "
-                f"(window {f.sliding[f.sliding_layers[0]]}) and {t.name} attends globally")
+        return (
+            f"{f.model_type} uses sliding-window attention on {len(f.sliding_layers)} of {len(f.sliding)} layers "
+            f"(window {f.sliding[f.sliding_layers[0]]}) and {t.name} attends globally"
+        )
     if (f.fused_qkv or f.fused_gate_up) and not t.fused:
         fused = " and ".join(n for n, on in (("q/k/v", f.fused_qkv), ("gate/up", f.fused_gate_up)) if on)
         return f"{f.model_type} fuses {fused} into one projection, which {t.name}'s conversion does not split yet"
@@ -329,15 +392,19 @@ def _residual(f: Facts) -> str | None:
 
 def _scaling(f: Facts) -> str | None:
     if f.qk_norm:
-        return (f"{f.model_type} applies QK-norm {_qk_norm_text(f)}, which divides a scale on q or k out again up to "
-                "its ε: not an exact symmetry (VO scaling alone is)")
+        return (
+            f"{f.model_type} applies QK-norm {_qk_norm_text(f)}, which divides a scale on q or k out again up to "
+            "its ε: not an exact symmetry (VO scaling alone is)"
+        )
     return None
 
 
 def _qk_rotation(f: Facts) -> str | None:
     if f.qk_norm:
-        return (f"{f.model_type} applies QK-norm {_qk_norm_text(f)}: its learned γ on q and k does not commute with "
-                "head rotations (VO rotation is available)")
+        return (
+            f"{f.model_type} applies QK-norm {_qk_norm_text(f)}: its learned γ on q and k does not commute with "
+            "head rotations (VO rotation is available)"
+        )
     return None
 
 
@@ -352,8 +419,10 @@ def _farr(f: Facts, path: str) -> str | None:
         if f.qk_norm:
             return f"{f.model_type} applies QK-norm, so W_Q W_Kᵀ is not a fixed bilinear map"
         if f.rope != "none" and not f.nope_layers:
-            return (f"{f.model_type} applies RoPE to every query/key dim of every layer, so the score map has no "
-                    "position-free part to fuse")
+            return (
+                f"{f.model_type} applies RoPE to every query/key dim of every layer, so the score map has no "
+                "position-free part to fuse"
+            )
     return None
 
 
@@ -371,8 +440,10 @@ def _slicegpt(f: Facts) -> str | None:
 def _tpa_key_rank(f: Facts) -> str | None:
     """to-tpa below full key rank mixes the KV heads' key maps (a head-mode reduction)."""
     if f.qk_norm:
-        return (f"{f.model_type} applies QK-norm {_qk_norm_text(f)}, which does not commute with mixing key heads "
-                "(reduce v_rank only, or keep k_rank = num_key_value_heads)")
+        return (
+            f"{f.model_type} applies QK-norm {_qk_norm_text(f)}, which does not commute with mixing key heads "
+            "(reduce v_rank only, or keep k_rank = num_key_value_heads)"
+        )
     return None
 
 
@@ -390,12 +461,12 @@ def _compress(f: Facts) -> str | None:
 _RULES: dict[str, Callable[[Facts], str | None]] = {
     "qk_rotation": _qk_rotation,
     "qk_scaling": _scaling,
-    "vo_rotation": lambda f: None,        # V and O are linear around the attention weights
+    "vo_rotation": lambda f: None,  # V and O are linear around the attention weights
     "vo_scaling": lambda f: None,
-    "ffn_permutation": lambda f: None,    # element-wise activations commute with permutations
+    "ffn_permutation": lambda f: None,  # element-wise activations commute with permutations
     "residual_rotation": _residual,
     "scaling": _scaling,
-    "match": lambda f: None,              # at least VO rotations and FFN permutations everywhere
+    "match": lambda f: None,  # at least VO rotations and FFN permutations everywhere
     "merge": lambda f: None,
     "compress": _compress,
     "slicegpt": _slicegpt,

@@ -11,5 +11,16 @@ from .data import calibration_ids, token_batches, token_counts
 from .engine import CalibrationEngine, CalibrationResult, CalibrationRun, LayerStep
 from .statistics import FINAL_SITES, LAYER_SITES, LayerStats, StatsRequest
 
-__all__ = ["CalibrationEngine", "CalibrationResult", "CalibrationRun", "LayerStep", "LayerStats", "StatsRequest",
-           "LAYER_SITES", "FINAL_SITES", "token_batches", "calibration_ids", "token_counts"]
+__all__ = [
+    "CalibrationEngine",
+    "CalibrationResult",
+    "CalibrationRun",
+    "LayerStep",
+    "LayerStats",
+    "StatsRequest",
+    "LAYER_SITES",
+    "FINAL_SITES",
+    "token_batches",
+    "calibration_ids",
+    "token_counts",
+]

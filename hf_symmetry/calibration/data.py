@@ -19,8 +19,9 @@ def calibration_ids(tokenizer, text: str | Path, tokens: int) -> torch.Tensor:
     return tokenize_text(tokenizer, read_text(resolve_text(text)), max_tokens=tokens)
 
 
-def token_batches(ids: torch.Tensor, seq_len: int = 512, batch_size: int = 1,
-                        keep_partial: bool = True) -> list[torch.Tensor]:
+def token_batches(
+    ids: torch.Tensor, seq_len: int = 512, batch_size: int = 1, keep_partial: bool = True
+) -> list[torch.Tensor]:
     """Cut a 1-D token stream into consecutive sequences of ``seq_len`` tokens, grouped into
     ``[batch, seq_len]`` batches of at most ``batch_size`` sequences.
 
@@ -32,12 +33,14 @@ def token_batches(ids: torch.Tensor, seq_len: int = 512, batch_size: int = 1,
         raise ValueError(f"calibration needs seq_len >= 2 and batch_size >= 1; got {seq_len}, {batch_size}")
     n = ids.numel() // seq_len
     batches = list(torch.split(ids[: n * seq_len].reshape(n, seq_len), batch_size)) if n else []
-    rest = ids[n * seq_len:]
+    rest = ids[n * seq_len :]
     if keep_partial and rest.numel() >= 2:
         batches.append(rest.reshape(1, -1))
     if not batches:
-        raise ValueError(f"calibration text has {ids.numel()} tokens, fewer than one sequence of "
-                         f"{seq_len if not keep_partial else 2}")
+        raise ValueError(
+            f"calibration text has {ids.numel()} tokens, fewer than one sequence of "
+            f"{seq_len if not keep_partial else 2}"
+        )
     return batches
 
 

@@ -127,6 +127,7 @@ def _first(output):
 class Activations:
     """The hidden states of every calibration batch at one place of the model: per batch a
     ``[batch, seq, hidden]`` tensor on ``home`` (the device, or the CPU when they do not fit)."""
+
     batches: list[torch.Tensor]
 
     def nbytes(self) -> int:
@@ -137,6 +138,7 @@ class Activations:
 class CalibrationResult:
     """Statistics of every layer (``layers[i]``, ``None`` where not collected) and after the last
     layer (``final``, when asked for)."""
+
     layers: list[LayerStats | None]
     final: LayerStats | None = None
     tokens: int = 0
@@ -154,9 +156,16 @@ class CalibrationEngine:
     ``device_activation_fraction``: share of the free device memory calibration activations may
     take before they are kept in host memory instead (CUDA only)."""
 
-    def __init__(self, source, config: dict | None = None, placement: Placement | None = None,
-                 progress: bool = True, stats_device: torch.device | str | None = "cpu",
-                 device_activation_fraction: float = 0.5, attn_implementation: str | None = None):
+    def __init__(
+        self,
+        source,
+        config: dict | None = None,
+        placement: Placement | None = None,
+        progress: bool = True,
+        stats_device: torch.device | str | None = "cpu",
+        device_activation_fraction: float = 0.5,
+        attn_implementation: str | None = None,
+    ):
         from ..checkpoint import CheckpointReader
 
         if isinstance(source, (str, Path)):
@@ -170,7 +179,7 @@ class CalibrationEngine:
         self.progress = progress
         self.stats_device = None if stats_device is None else torch.device(stats_device)
         if self.stats_device is not None and self.stats_device.type == "mps":
-            self.stats_device = torch.device("cpu")   # MPS has no float64
+            self.stats_device = torch.device("cpu")  # MPS has no float64
         self.device_activation_fraction = device_activation_fraction
         self.attn_implementation = attn_implementation
         self._skeleton = None
@@ -225,8 +234,12 @@ class CalibrationEngine:
             arch = (getattr(hf, "architectures", None) or [None])[0]
             cls = getattr(transformers, arch, None) if arch else None
             if cls is None:
-                cls = (transformers.AutoModelForCausalLM if self.adapter.spec.lm_head and any(
-                    k.startswith(self.adapter.spec.lm_head + ".") for k in self.keys) else transformers.AutoModel)
+                cls = (
+                    transformers.AutoModelForCausalLM
+                    if self.adapter.spec.lm_head
+                    and any(k.startswith(self.adapter.spec.lm_head + ".") for k in self.keys)
+                    else transformers.AutoModel
+                )
                 make = lambda: cls.from_config(hf, dtype=self.dtype)  # noqa: E731
             else:
                 make = lambda: cls._from_config(hf, dtype=self.dtype)  # noqa: E731
@@ -256,7 +269,7 @@ class CalibrationEngine:
         missing = sorted(k for k in keys if k not in have)
         if missing:
             raise ValueError(f"checkpoint lacks {missing[:3]} needed to run {type(module).__name__}")
-        for n in names:   # one tensor at a time: the stored copy lives only until it is cast
+        for n in names:  # one tensor at a time: the stored copy lives only until it is cast
             value = self.source.get([prefix + n])[prefix + n] if values is None else values[prefix + n]
             set_module_tensor_to_device(module, n, self.device, value=value, dtype=self.dtype)
             del value
@@ -272,7 +285,7 @@ class CalibrationEngine:
         in the calibration dtype, eval mode. The caller owns it (drop it when done)."""
         layer = copy.deepcopy(self._layers_list(self.skeleton())[i])
         if self.exact:
-            _rotary_on_host(layer)   # families whose layers hold their own rotary module
+            _rotary_on_host(layer)  # families whose layers hold their own rotary module
         return self._materialise(layer, self.adapter.layer_prefix(i), values).eval()
 
     def final_norm_module(self) -> torch.nn.Module | None:
@@ -332,8 +345,7 @@ class CalibrationEngine:
                 set_module_tensor_to_device(model, n, self.device, value=b)
         host_rotary = _rotary_on_host(model) if self.exact else []
         try:
-            for batch in tqdm(batches, desc="calibration: embed", disable=not self.progress, unit="batch",
-                              leave=False):
+            for batch in tqdm(batches, desc="calibration: embed", disable=not self.progress, unit="batch", leave=False):
                 record: dict = {}
                 for i in range(len(originals)):
                     layers[i] = _Catcher(i, originals[i], record, last=(i == len(originals) - 1))
@@ -351,7 +363,7 @@ class CalibrationEngine:
                 record_per_batch.append(record)
         finally:
             _undo_rotary(host_rotary)
-            for k in loaded:   # back to meta: the embeddings are not kept
+            for k in loaded:  # back to meta: the embeddings are not kept
                 set_module_tensor_to_device(model, k, "meta")
             for n, b in moved:
                 set_module_tensor_to_device(model, n, "cpu", value=b.cpu())
@@ -362,13 +374,19 @@ class CalibrationEngine:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             size = sum(t.numel() * t.element_size() for t in acts)
-            if 3 * size > self.device_activation_fraction * free:   # inputs, outputs and one spare
+            if 3 * size > self.device_activation_fraction * free:  # inputs, outputs and one spare
                 return Activations([t.to("cpu") for t in acts])
         return Activations(acts)
 
-    def collect(self, batches: list[torch.Tensor], request: StatsRequest, final: StatsRequest | None = None,
-                on_layer: Callable[["LayerStep"], torch.nn.Module | None] | None = None,
-                carry_original: bool = False, layers: list[int] | None = None) -> CalibrationResult:
+    def collect(
+        self,
+        batches: list[torch.Tensor],
+        request: StatsRequest,
+        final: StatsRequest | None = None,
+        on_layer: Callable[["LayerStep"], torch.nn.Module | None] | None = None,
+        carry_original: bool = False,
+        layers: list[int] | None = None,
+    ) -> CalibrationResult:
         """Statistics of every layer (or of ``layers``; the loop still runs up to the last of them)
         and, with ``final``, after the last layer. ``on_layer(step)`` may return the converted layer
         (sequential mode, see :meth:`LayerStep.replace`)."""
@@ -391,8 +409,9 @@ class CalibrationEngine:
 class LayerStep:
     """One layer of a run, yielded once its statistics are collected (see
     :meth:`CalibrationRun.layers`)."""
+
     index: int
-    module: torch.nn.Module          # the original layer, on the device
+    module: torch.nn.Module  # the original layer, on the device
     stats: LayerStats | None
     run: "CalibrationRun" = field(repr=False)
     replacement: torch.nn.Module | None = None
@@ -409,7 +428,7 @@ class LayerStep:
         :meth:`CalibrationRun.layers`' ``keep_original`` (``layer_in`` among them where needed)."""
         self.module = None
         if self.run.original is not None:
-            self.run.original = Activations([])   # handed on from this layer's outputs as before
+            self.run.original = Activations([])  # handed on from this layer's outputs as before
 
     def replace(self, module: torch.nn.Module) -> None:
         """Hand on the outputs of ``module`` (the converted layer, called like the original with
@@ -421,10 +440,18 @@ class LayerStep:
         converted stream; the original stream's sites for ``cross`` come from the original layer, or
         from those kept with ``keep_original`` once it is released)."""
         if self.module is None and (module is None or (request.original_sites() and self.original_acts is None)):
-            raise RuntimeError(f"layer {self.index} was released: collect needs a module to run, and cross "
-                               "statistics the original stream's sites kept with keep_original")
-        return self.run._collect(self.index, module or self.module, request, keep_outputs=False,
-                                 original_module=self.module, original_acts=self.original_acts)[0]
+            raise RuntimeError(
+                f"layer {self.index} was released: collect needs a module to run, and cross "
+                "statistics the original stream's sites kept with keep_original"
+            )
+        return self.run._collect(
+            self.index,
+            module or self.module,
+            request,
+            keep_outputs=False,
+            original_module=self.module,
+            original_acts=self.original_acts,
+        )[0]
 
     def tensors(self) -> Tensors:
         """This layer's checkpoint tensors (original dtypes)."""
@@ -435,8 +462,9 @@ class CalibrationRun:
     """The state of one pass: the activations entering the next layer (and, with
     ``carry_original``, the original model's), and each layer's recorded arguments."""
 
-    def __init__(self, engine: CalibrationEngine, batches, records: list[dict], acts: Activations,
-                 carry_original: bool):
+    def __init__(
+        self, engine: CalibrationEngine, batches, records: list[dict], acts: Activations, carry_original: bool
+    ):
         self.engine, self.records = engine, records
         self.tokens = int(sum(b.numel() for b in batches))
         self.stream = acts
@@ -457,9 +485,17 @@ class CalibrationRun:
         with torch.no_grad(), self.engine.precision():
             return self._collect_batches(*args, **kwargs)
 
-    def _collect_batches(self, i: int, module, request: StatsRequest, keep_outputs: bool, original_module=None,
-                         original_acts: list[Tensors] | None = None, keep_original: tuple[str, ...] = (),
-                         converted_outputs: bool = True):
+    def _collect_batches(
+        self,
+        i: int,
+        module,
+        request: StatsRequest,
+        keep_outputs: bool,
+        original_module=None,
+        original_acts: list[Tensors] | None = None,
+        keep_original: tuple[str, ...] = (),
+        converted_outputs: bool = True,
+    ):
         """Run batch by batch: statistics of ``request`` and (``keep_outputs``) the outputs of
         ``module`` on the converted stream and of ``original_module`` on the original stream (default
         ``module``; ``None`` where ``original_acts`` holds the original stream's sites instead).
@@ -477,8 +513,10 @@ class CalibrationRun:
         if need_original and original_module is None:
             missing = osites - set(original_acts[0]) - ({"layer_in"} if self.original.batches else set())
             if missing:
-                raise RuntimeError(f"layer {i} was released and the original stream's {sorted(missing)} were "
-                                   "not kept (CalibrationRun.layers' keep_original)")
+                raise RuntimeError(
+                    f"layer {i} was released and the original stream's {sorted(missing)} were "
+                    "not kept (CalibrationRun.layers' keep_original)"
+                )
         outs, oouts, kept = [], [], []
         site_modules = adapter.site_modules()
         for b, x in enumerate(self.stream.batches):
@@ -488,7 +526,7 @@ class CalibrationRun:
             if need_original:
                 if original_module is None:
                     oacts = {s: self._to_device(t) for s, t in original_acts[b].items()}
-                    if self.original.batches:    # (the input is dropped with the released layer)
+                    if self.original.batches:  # (the input is dropped with the released layer)
                         oacts.setdefault("layer_in", self._to_device(self.original.batches[b]))
                 else:
                     xo = self._to_device(self.original.batches[b])
@@ -498,8 +536,14 @@ class CalibrationRun:
                     if keep_outputs:
                         oouts.append(self._home(self.original, yo))
                     if keep_original:
-                        kept.append({s: oouts[-1] if s == "layer_out" and keep_outputs else
-                                     self._home(self.original, oacts[s]) for s in (*keep_original, "layer_out")})
+                        kept.append(
+                            {
+                                s: oouts[-1]
+                                if s == "layer_out" and keep_outputs
+                                else self._home(self.original, oacts[s])
+                                for s in (*keep_original, "layer_out")
+                            }
+                        )
             if not converted_outputs and sites <= {"layer_in"}:
                 acc.add({"layer_in": x_dev}, oacts)
                 del oacts
@@ -512,8 +556,14 @@ class CalibrationRun:
             del got, oacts
         return stats, outs, oouts, kept
 
-    def layers(self, request: StatsRequest, stop: int | None = None, only: set[int] | None = None,
-               keep_original: tuple[str, ...] = (), replaced: bool = False) -> Iterator[LayerStep]:
+    def layers(
+        self,
+        request: StatsRequest,
+        stop: int | None = None,
+        only: set[int] | None = None,
+        keep_original: tuple[str, ...] = (),
+        replaced: bool = False,
+    ) -> Iterator[LayerStep]:
         """Walk layers ``next_layer .. stop-1``: build each, collect ``request`` (on layers in
         ``only``, default all), yield the step, then hand the outputs on (the replacement's, if
         the caller set one). ``keep_original`` (with ``carry_original``): the original stream's
@@ -526,24 +576,36 @@ class CalibrationRun:
         stop = engine.adapter.n_layers if stop is None else stop
         bar = tqdm(range(self.next_layer, stop), desc="calibration", unit="layer", disable=not engine.progress)
         for i in bar:
-            release_free_memory()   # the previous layer's temporaries, before this layer is built
+            release_free_memory()  # the previous layer's temporaries, before this layer is built
             module = engine.layer_module(i)
             want = request if (only is None or i in only) else StatsRequest()
-            stats, outs, oouts, kept = self._collect(i, module, want, keep_outputs=True, original_module=module,
-                                                     keep_original=keep_original if self.original is not None else (),
-                                                     converted_outputs=not replaced)
-            step = LayerStep(i, module, stats if (only is None or i in only) else None, self,
-                             original_acts=kept or None)
-            del module   # the step holds the layer: a caller that sets step.module = None frees it now
+            stats, outs, oouts, kept = self._collect(
+                i,
+                module,
+                want,
+                keep_outputs=True,
+                original_module=module,
+                keep_original=keep_original if self.original is not None else (),
+                converted_outputs=not replaced,
+            )
+            step = LayerStep(
+                i, module, stats if (only is None or i in only) else None, self, original_acts=kept or None
+            )
+            del module  # the step holds the layer: a caller that sets step.module = None frees it now
             yield step
             if replaced and step.replacement is None:
                 raise RuntimeError(f"layer {i} was not replaced (CalibrationRun.layers(replaced=True))")
             if step.replacement is not None:
-                with torch.no_grad(), engine.precision():   # a generator body is outside any decorator's no_grad
-                    outs = [self._home(self.stream, _first(step.replacement(self._to_device(x),
-                                                                            *self.records[b][i][0],
-                                                                            **self.records[b][i][1])))
-                            for b, x in enumerate(self.stream.batches)]
+                with torch.no_grad(), engine.precision():  # a generator body is outside any decorator's no_grad
+                    outs = [
+                        self._home(
+                            self.stream,
+                            _first(
+                                step.replacement(self._to_device(x), *self.records[b][i][0], **self.records[b][i][1])
+                            ),
+                        )
+                        for b, x in enumerate(self.stream.batches)
+                    ]
             self.stream = Activations(outs)
             if self.original is not None:
                 self.original = Activations(oouts)
@@ -562,8 +624,9 @@ class CalibrationRun:
         norm's output; the stream itself for families without a final norm)."""
         engine = self.engine
         if self.next_layer != engine.adapter.n_layers:
-            raise RuntimeError(f"final statistics need all {engine.adapter.n_layers} layers run "
-                               f"(next layer: {self.next_layer})")
+            raise RuntimeError(
+                f"final statistics need all {engine.adapter.n_layers} layers run (next layer: {self.next_layer})"
+            )
         bad = {base_site(s) for s in request.sites() | request.original_sites()} - set(FINAL_SITES)
         if bad:
             raise ValueError(f"after the last layer only {FINAL_SITES} exist, not {sorted(bad)}")

@@ -23,7 +23,7 @@ def _glibc(name: str):
         return None
     try:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):   # not glibc
+    except (OSError, AttributeError):  # not glibc
         return None
 
 

@@ -54,8 +54,19 @@ import torch
 
 Tensors = dict[str, torch.Tensor]
 
-LAYER_SITES = ("layer_in", "layer_out", "attn_in", "v_in", "o_in", "ffn_norm_in", "ffn_in", "down_in",
-               "q_out", "k_out", "v_out")
+LAYER_SITES = (
+    "layer_in",
+    "layer_out",
+    "attn_in",
+    "v_in",
+    "o_in",
+    "ffn_norm_in",
+    "ffn_in",
+    "down_in",
+    "q_out",
+    "k_out",
+    "v_out",
+)
 FINAL_SITES = ("final_in", "head_in")
 NORMED = "normed:"
 
@@ -67,6 +78,7 @@ def base_site(site: str) -> str:
 @dataclass(frozen=True)
 class StatsRequest:
     """What a conversion needs from each layer (see the module docstring for sites and kinds)."""
+
     grams: tuple[str, ...] = ()
     sums: tuple[str, ...] = ()
     joint: tuple[tuple[str, str], ...] = ()
@@ -86,8 +98,15 @@ class StatsRequest:
 
     def sites(self) -> set[str]:
         """Sites whose activations of the (converted) run are needed."""
-        return {*self.grams, *self.sums, *(a for a, _ in self.joint), *(b for _, b in self.joint),
-                *(a for a, _ in self.cross), *(a for a, _, _ in self.drift), *(c for _, _, c in self.drift)}
+        return {
+            *self.grams,
+            *self.sums,
+            *(a for a, _ in self.joint),
+            *(b for _, b in self.joint),
+            *(a for a, _ in self.cross),
+            *(a for a, _, _ in self.drift),
+            *(c for _, _, c in self.drift),
+        }
 
     def original_sites(self) -> set[str]:
         """Sites whose activations on the original model's stream are needed (``cross``, ``drift``)."""
@@ -99,15 +118,20 @@ class StatsRequest:
 
     def __or__(self, other: "StatsRequest") -> "StatsRequest":
         merge = lambda a, b: tuple(dict.fromkeys(a + b))  # noqa: E731  (ordered union)
-        return StatsRequest(merge(self.grams, other.grams), merge(self.sums, other.sums),
-                            merge(self.joint, other.joint), merge(self.cross, other.cross),
-                            merge(self.drift, other.drift))
+        return StatsRequest(
+            merge(self.grams, other.grams),
+            merge(self.sums, other.sums),
+            merge(self.joint, other.joint),
+            merge(self.cross, other.cross),
+            merge(self.drift, other.drift),
+        )
 
 
 @dataclass
 class LayerStats:
     """Sums over the calibration tokens of one layer's sites (``layer`` is ``None`` after the last
     layer). Tensors are float64 on the engine's statistics device (the CPU unless asked)."""
+
     layer: int | None
     tokens: int = 0
     grams: Tensors = field(default_factory=dict)
@@ -132,8 +156,9 @@ class LayerStats:
 
     def to(self, device) -> "LayerStats":
         mv = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
-        return LayerStats(self.layer, self.tokens, mv(self.grams), mv(self.sums), mv(self.joint), mv(self.cross),
-                          mv(self.drift))
+        return LayerStats(
+            self.layer, self.tokens, mv(self.grams), mv(self.sums), mv(self.joint), mv(self.cross), mv(self.drift)
+        )
 
 
 def rms_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,9 +174,16 @@ class Accumulator:
     def __init__(self, request: StatsRequest, stats: LayerStats, eps: float, device: torch.device | None = None):
         self.request, self.stats, self.eps = request, stats, eps
         self.device = device
-        r = request   # how often each site's float64 copy is read per batch (converted / original stream)
-        self._uses = Counter([*r.grams, *r.sums, *(site for pair in r.joint for site in pair), *(a for a, _ in r.cross),
-                              *(site for a, _, c in r.drift for site in (a, c))])
+        r = request  # how often each site's float64 copy is read per batch (converted / original stream)
+        self._uses = Counter(
+            [
+                *r.grams,
+                *r.sums,
+                *(site for pair in r.joint for site in pair),
+                *(a for a, _ in r.cross),
+                *(site for a, _, c in r.drift for site in (a, c)),
+            ]
+        )
         self._original_uses = Counter([*(b for _, b in r.cross), *(b for _, b, _ in r.drift)])
 
     def _view(self, acts: Tensors, site: str, cache: Tensors, left: Counter) -> torch.Tensor:
@@ -177,15 +209,17 @@ class Accumulator:
         left, oleft = Counter(self._uses), Counter(self._original_uses)
         tokens = None
         if (r.cross or r.drift) and original is None:
-            raise ValueError("cross and drift moments need the original stream: run the engine with carry_original=True")
+            raise ValueError(
+                "cross and drift moments need the original stream: run the engine with carry_original=True"
+            )
         for site in r.grams:
             x = self._view(acts, site, cache, left)
             tokens = x.shape[0]
-            if site in s.grams:   # in place: no Gram-sized temporary per batch (4096² float64 is 134 MB)
+            if site in s.grams:  # in place: no Gram-sized temporary per batch (4096² float64 is 134 MB)
                 s.grams[site].addmm_(x.T, x)
             else:
                 s.grams[site] = x.T @ x
-            del x   # before the next site's copy is made
+            del x  # before the next site's copy is made
         for site in r.sums:
             x = self._view(acts, site, cache, left)
             tokens = x.shape[0]
@@ -241,19 +275,24 @@ def capture_sites(layer: torch.nn.Module, site_modules: dict[str, tuple[str, str
     def pre(site):
         def hook(_module, args):
             store[site] = args[0].detach()
+
         return hook
 
     def post(site):
         def hook(_module, _args, output):
             store[site] = (output[0] if isinstance(output, tuple) else output).detach()
+
         return hook
 
     try:
         for site in sorted(sites - {"layer_in", "layer_out"}):
             path, where = site_modules[site]
             module = layer.get_submodule(path)
-            handles.append(module.register_forward_pre_hook(pre(site)) if where == "in"
-                           else module.register_forward_hook(post(site)))
+            handles.append(
+                module.register_forward_pre_hook(pre(site))
+                if where == "in"
+                else module.register_forward_hook(post(site))
+            )
         yield store
     finally:
         for h in handles:

@@ -19,12 +19,15 @@ def add_device_arg(p, extra: str = "") -> None:
     become ``cuda:<current index>``). ``p``: a parser or an argument group; added once per parser."""
     from ..devices import DEVICE_CHOICES
 
-    if "--device" in p._option_string_actions:   # (an argument group shares its parser's)
+    if "--device" in p._option_string_actions:  # (an argument group shares its parser's)
         return
-    p.add_argument("--device", default="auto",
-                   help=f"where the model runs: {DEVICE_CHOICES} (default auto: the current CUDA device when "
-                        "torch sees a GPU, else the CPU; verification with auto lets accelerate's device map "
-                        f"spread a model too large for one GPU over the GPUs, the CPU and disk){extra}")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help=f"where the model runs: {DEVICE_CHOICES} (default auto: the current CUDA device when "
+        "torch sees a GPU, else the CPU; verification with auto lets accelerate's device map "
+        f"spread a model too large for one GPU over the GPUs, the CPU and disk){extra}",
+    )
 
 
 def add_device_args(p, calib_dtype: bool = True) -> None:
@@ -34,8 +37,12 @@ def add_device_args(p, calib_dtype: bool = True) -> None:
 
     add_device_arg(p)
     if calib_dtype and "--calib-dtype" not in p._option_string_actions:
-        p.add_argument("--calib-dtype", choices=list(CALIB_DTYPES), default="float32",
-                       help="dtype of calibration activations and layer weights on the device (default float32)")
+        p.add_argument(
+            "--calib-dtype",
+            choices=list(CALIB_DTYPES),
+            default="float32",
+            help="dtype of calibration activations and layer weights on the device (default float32)",
+        )
 
 
 def placement_from_args(args):
@@ -46,8 +53,9 @@ def placement_from_args(args):
     return resolve(getattr(args, "device", "auto"), getattr(args, "calib_dtype", "float32"))
 
 
-def add_verify_args(p, what: str = "the original", default_text: str = "britannica-eval",
-                    no_verify: bool = True) -> None:
+def add_verify_args(
+    p, what: str = "the original", default_text: str = "britannica-eval", no_verify: bool = True
+) -> None:
     """The one set of verification flags every conversion takes: ``--no-verify``, ``--text``,
     ``--tokens``, ``--ppl-tokens`` (and ``--device``). The perplexity definition is the shared one
     (:data:`hf_symmetry.evaluation.perplexity.PPL`: window 512, stride 256)."""
@@ -56,13 +64,21 @@ def add_verify_args(p, what: str = "the original", default_text: str = "britanni
     g = p.add_argument_group("verification (after the folder is written)")
     if no_verify:
         g.add_argument("--no-verify", action="store_true", help=f"skip comparing OUT with {what}")
-    g.add_argument("--text", default=default_text,
-                   help=f"verification text: a UTF-8 file or an embedded name (default: {default_text})")
-    g.add_argument("--tokens", type=int, default=LOGIT_TOKENS,
-                   help=f"tokens compared for max |Δlogit| (default: {LOGIT_TOKENS})")
-    g.add_argument("--ppl-tokens", type=int, default=PPL.tokens,
-                   help=f"tokens scored for perplexity, sliding window {PPL.window}, stride {PPL.stride} "
-                        f"(default: {PPL.tokens}; 0 skips)")
+    g.add_argument(
+        "--text",
+        default=default_text,
+        help=f"verification text: a UTF-8 file or an embedded name (default: {default_text})",
+    )
+    g.add_argument(
+        "--tokens", type=int, default=LOGIT_TOKENS, help=f"tokens compared for max |Δlogit| (default: {LOGIT_TOKENS})"
+    )
+    g.add_argument(
+        "--ppl-tokens",
+        type=int,
+        default=PPL.tokens,
+        help=f"tokens scored for perplexity, sliding window {PPL.window}, stride {PPL.stride} "
+        f"(default: {PPL.tokens}; 0 skips)",
+    )
     add_device_arg(g)
 
 
@@ -85,15 +101,18 @@ def check_verify_args(args, tokenizer_from=None) -> None:
     if getattr(args, "no_verify", False):
         return
     if args.tokens < 2 or args.ppl_tokens < 0 or args.ppl_tokens == 1:
-        raise ValueError(f"--tokens must be at least 2 and --ppl-tokens 0 or at least 2; got {args.tokens} and "
-                         f"{args.ppl_tokens}")
+        raise ValueError(
+            f"--tokens must be at least 2 and --ppl-tokens 0 or at least 2; got {args.tokens} and {args.ppl_tokens}"
+        )
     resolve_text(args.text)
     device_map_spec(getattr(args, "device", "auto"))
     if tokenizer_from is not None:
         folder = resolve_model(tokenizer_from)
         if not any((folder / f).is_file() for f in TOKENIZER_FILES):
-            raise ValueError(f"{tokenizer_from} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which "
-                             "verification needs: add them to the folder or pass --no-verify")
+            raise ValueError(
+                f"{tokenizer_from} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which "
+                "verification needs: add them to the folder or pass --no-verify"
+            )
 
 
 def emit(summary: dict, lines: list[str], json_path: str | None = None) -> None:
@@ -129,9 +148,14 @@ class _PushTarget(argparse.Action):
 def add_push_args(p) -> None:
     """``--push-to-hub REPO [--private]`` for a conversion command; pair with ``push_if_requested``."""
     g = p.add_argument_group("publishing")
-    g.add_argument("--push-to-hub", metavar="REPO_ID", action=_PushTarget, default=None,
-                   help="publish OUT to the Hub as REPO_ID in one commit, after checking that it loads "
-                        "without hf_symmetry (token: HF_TOKEN or `hf auth login`)")
+    g.add_argument(
+        "--push-to-hub",
+        metavar="REPO_ID",
+        action=_PushTarget,
+        default=None,
+        help="publish OUT to the Hub as REPO_ID in one commit, after checking that it loads "
+        "without hf_symmetry (token: HF_TOKEN or `hf auth login`)",
+    )
     g.add_argument("--private", action="store_true", help="with --push-to-hub: create a private repo")
 
 
@@ -143,15 +167,23 @@ def push_if_requested(args, out_dir, lines: list[str] | None = None) -> dict | N
         return None
     from ..hub.push import push_folder
 
-    result = push_folder(out_dir, repo_id, private=getattr(args, "private", False),
-                         progress=not getattr(args, "quiet", False))
+    result = push_folder(
+        out_dir, repo_id, private=getattr(args, "private", False), progress=not getattr(args, "quiet", False)
+    )
     if lines is not None:
         lines.append(f"  pushed {len(result.files)} files ({result.bytes / 1e6:.1f} MB) to {result.commit_url}")
     return result.as_dict()
 
 
-def verify_and_record(args, original, out_dir, lines: list[str], names: tuple[str, str] = ("original", "converted"),
-                      against: str = "", extra=None) -> dict | None:
+def verify_and_record(
+    args,
+    original,
+    out_dir,
+    lines: list[str],
+    names: tuple[str, str] = ("original", "converted"),
+    against: str = "",
+    extra=None,
+) -> dict | None:
     """The one verification step of every conversion: compare ``out_dir`` with ``original`` on
     ``--text`` (:func:`hf_symmetry.evaluation.verification.verify`), append the figures to
     ``lines`` and record them in the folder's model card, formatted as the card formats them.
@@ -163,16 +195,25 @@ def verify_and_record(args, original, out_dir, lines: list[str], names: tuple[st
 
     if getattr(args, "no_verify", False):
         return None
-    v = verify(original, out_dir, text=args.text, tokens=args.tokens, ppl_tokens=args.ppl_tokens,
-               device=getattr(args, "device", "auto"), progress=not getattr(args, "quiet", False))
+    v = verify(
+        original,
+        out_dir,
+        text=args.text,
+        tokens=args.tokens,
+        ppl_tokens=args.ppl_tokens,
+        device=getattr(args, "device", "auto"),
+        progress=not getattr(args, "quiet", False),
+    )
     exactness = v.as_dict()
     kind = "logit" if v.output_kind == "logits" else "hidden state"
     lines.append(f"  max |Δ{kind}|{against} over {v.tokens} tokens of {v.text}: {fmt_number(v.max_abs_dlogit)}")
     if v.hidden_cosine is not None:
         lines.append(f"  mean cosine of last hidden states to {names[0]}: {fmt_number(v.hidden_cosine)}")
     if v.perplexity_original is not None:
-        lines.append(f"  perplexity ({v.describe_perplexity()}): {names[0]} {fmt_number(v.perplexity_original)}, "
-                     f"{names[1]} {fmt_number(v.perplexity_converted)} (Δ {fmt_number(v.delta_perplexity)})")
+        lines.append(
+            f"  perplexity ({v.describe_perplexity()}): {names[0]} {fmt_number(v.perplexity_original)}, "
+            f"{names[1]} {fmt_number(v.perplexity_converted)} (Δ {fmt_number(v.delta_perplexity)})"
+        )
     if extra is not None:
         figures, more = extra(v)
         exactness.update(figures)

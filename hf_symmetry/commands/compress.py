@@ -9,10 +9,26 @@ import math
 import time
 
 from ..assets import resolve_model, resolve_text
-from ..conversion.compress import (ALLOCATIONS, PRESETS, STAGES, STRUCTURES, CompressOptions, compress_checkpoint,
-                                   record_verification)
-from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit,
-                     push_if_requested, total_time_line, verify_and_record)
+from ..conversion.compress import (
+    ALLOCATIONS,
+    PRESETS,
+    STAGES,
+    STRUCTURES,
+    CompressOptions,
+    compress_checkpoint,
+    record_verification,
+)
+from .common import (
+    add_device_args,
+    add_output_args,
+    add_push_args,
+    add_verify_args,
+    check_verify_args,
+    emit,
+    push_if_requested,
+    total_time_line,
+    verify_and_record,
+)
 
 
 def _blocks(text: str) -> tuple[int, int]:
@@ -24,72 +40,140 @@ def _blocks(text: str) -> tuple[int, int]:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("compress", help="structured compression (Kronecker / GS / low rank) with orthogonal "
-                                        "transforms, or SliceGPT", description=__doc__)
-    p.add_argument("model", nargs="?", default="default",
-                   help="HF folder of a Llama-family model (llama, mistral, qwen2, qwen3, phi3) or a LayerNorm "
-                        "decoder (opt, gpt2, gpt_neox, gptj: written as the RMS-decoder family), or an embedded alias "
-                        "(default: SmolLM2-135M-Instruct)")
+    p = sub.add_parser(
+        "compress",
+        help="structured compression (Kronecker / GS / low rank) with orthogonal transforms, or SliceGPT",
+        description=__doc__,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="default",
+        help="HF folder of a Llama-family model (llama, mistral, qwen2, qwen3, phi3) or a LayerNorm "
+        "decoder (opt, gpt2, gpt_neox, gptj: written as the RMS-decoder family), or an embedded alias "
+        "(default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("out", help="output folder")
-    p.add_argument("--structure", choices=STRUCTURES, default=None,
-                   help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
-                        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron)")
-    p.add_argument("--preset", choices=PRESETS,
-                   help="procrustesgpt-llama: the reference ProcrustesGPT Llama configuration: embedding and head "
-                        "dense, q/k/o/gate/up/down each structured at 75%% of its parameters, V dense (--ratio does "
-                        "not apply; the report gives the parameters removed from the whole model)")
-    p.add_argument("--ratio", type=float, default=None,
-                   help="fraction of the compressed matrices' parameters removed, skip/head matrices paid for "
-                        "(equal ratios give equal model sizes across methods; default: 0.25)")
-    p.add_argument("--calib", metavar="TEXT",
-                   help="calibration text: a UTF-8 file or an embedded name such as britannica-calib "
-                        "(needed for stages f and w and for slice)")
-    p.add_argument("--stage", choices=STAGES, default="w",
-                   help="none: project without rotation; f: Frobenius-optimal rotations (Procrustes); "
-                        "w: then calibration-weighted projections and rotations (default: w)")
-    p.add_argument("--q-mode", choices=["segment", "global"], default=None,
-                   help="one rotation per residual segment (skip connections carry Q_prevᵀQ_next) or one "
-                        "global rotation (no skip matrices) (default: segment; global for slice, whose per-segment "
-                        "variant pays for dense skip matrices and measured worse)")
-    p.add_argument("--kron-factor", type=int, metavar="Q",
-                   help="Kronecker split of the hidden dimension: A_s is 1xQ / Qx1 (default: chosen from the ratio)")
+    p.add_argument(
+        "--structure",
+        choices=STRUCTURES,
+        default=None,
+        help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
+        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        help="procrustesgpt-llama: the reference ProcrustesGPT Llama configuration: embedding and head "
+        "dense, q/k/o/gate/up/down each structured at 75%% of its parameters, V dense (--ratio does "
+        "not apply; the report gives the parameters removed from the whole model)",
+    )
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help="fraction of the compressed matrices' parameters removed, skip/head matrices paid for "
+        "(equal ratios give equal model sizes across methods; default: 0.25)",
+    )
+    p.add_argument(
+        "--calib",
+        metavar="TEXT",
+        help="calibration text: a UTF-8 file or an embedded name such as britannica-calib "
+        "(needed for stages f and w and for slice)",
+    )
+    p.add_argument(
+        "--stage",
+        choices=STAGES,
+        default="w",
+        help="none: project without rotation; f: Frobenius-optimal rotations (Procrustes); "
+        "w: then calibration-weighted projections and rotations (default: w)",
+    )
+    p.add_argument(
+        "--q-mode",
+        choices=["segment", "global"],
+        default=None,
+        help="one rotation per residual segment (skip connections carry Q_prevᵀQ_next) or one "
+        "global rotation (no skip matrices) (default: segment; global for slice, whose per-segment "
+        "variant pays for dense skip matrices and measured worse)",
+    )
+    p.add_argument(
+        "--kron-factor",
+        type=int,
+        metavar="Q",
+        help="Kronecker split of the hidden dimension: A_s is 1xQ / Qx1 (default: chosen from the ratio)",
+    )
     p.add_argument("--gs-blocks", metavar="KL,KR", help="GS tile grid of layer matrices (default: 4,4)")
     p.add_argument("--keep-embeddings", action="store_true", help="leave the embedding (and head) dense")
     p.add_argument("--compress-v", action="store_true", help="also compress v_proj (the paper keeps it dense)")
-    p.add_argument("--f-iters", type=int, default=20,
-                   help="stage F alternations at most (default: 20; --tol stops earlier)")
-    p.add_argument("--w-iters", type=int, default=50,
-                   help="stage W alternations at most (default: 50, a cap: --tol stops it, usually after 10-25; "
-                        "--w-iters 1 --tol 0 --no-extrapolate is the paper's single alternation)")
-    p.add_argument("--sequential", action="store_true",
-                   help="stage w (and slice): take each residual segment's statistics from the model whose "
-                        "earlier segments are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass "
-                        "of the original model; needs --q-mode segment (except low rank)")
-    p.add_argument("--no-match-original", dest="match_original", action="store_false",
-                   help="with --sequential: fit each matrix's own outputs on the compressed model's inputs instead "
-                        "of the original model's outputs and residual stream (GPTQ-style, the default)")
-    p.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
-                   help="uniform: every compressed matrix of a kind at the same size; sensitivity: per-layer sizes "
-                        "at the same total, from each layer's measured output error at several sizes on the "
-                        "calibration text (a knapsack over layers; a layer may stay dense); for slice with one "
-                        "global PCA, per-segment residual widths (default: uniform)")
-    p.add_argument("--tol", type=float, default=1e-3,
-                   help="stage f/w stopping rule: stop alternating once one alternation lowers the objective by less "
-                        "than this fraction (default: 1e-3; 0: exactly --f-iters / --w-iters alternations)")
-    p.add_argument("--no-extrapolate", dest="extrapolate", action="store_false",
-                   help="stage w: no over-relaxation of the rotation between alternations (by default each "
-                        "alternation also tries a longer step along the last rotation change and keeps it only if "
-                        "the objective is lower; it reaches a lower objective in fewer alternations)")
-    p.add_argument("--untie", action="store_true",
-                   help="slice: untie a tied head so that the output is the source's stock family (its head then "
-                        "costs vocab x width, counted in the ratio, instead of the compressed family's width² head "
-                        "mix)")
-    p.add_argument("--round-to", type=int, default=None, metavar="N",
-                   help="slice, stock output: round the residual width to a multiple of N (default: 64, what GPU "
-                        "kernels want; 1: no rounding); the report gives the width before rounding")
-    p.add_argument("--remote-code", action="store_true",
-                   help="slice: write the compressed (remote-code) family even where the source's stock family "
-                        "could hold the output")
+    p.add_argument(
+        "--f-iters", type=int, default=20, help="stage F alternations at most (default: 20; --tol stops earlier)"
+    )
+    p.add_argument(
+        "--w-iters",
+        type=int,
+        default=50,
+        help="stage W alternations at most (default: 50, a cap: --tol stops it, usually after 10-25; "
+        "--w-iters 1 --tol 0 --no-extrapolate is the paper's single alternation)",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="stage w (and slice): take each residual segment's statistics from the model whose "
+        "earlier segments are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass "
+        "of the original model; needs --q-mode segment (except low rank)",
+    )
+    p.add_argument(
+        "--no-match-original",
+        dest="match_original",
+        action="store_false",
+        help="with --sequential: fit each matrix's own outputs on the compressed model's inputs instead "
+        "of the original model's outputs and residual stream (GPTQ-style, the default)",
+    )
+    p.add_argument(
+        "--allocation",
+        choices=ALLOCATIONS,
+        default="uniform",
+        help="uniform: every compressed matrix of a kind at the same size; sensitivity: per-layer sizes "
+        "at the same total, from each layer's measured output error at several sizes on the "
+        "calibration text (a knapsack over layers; a layer may stay dense); for slice with one "
+        "global PCA, per-segment residual widths (default: uniform)",
+    )
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=1e-3,
+        help="stage f/w stopping rule: stop alternating once one alternation lowers the objective by less "
+        "than this fraction (default: 1e-3; 0: exactly --f-iters / --w-iters alternations)",
+    )
+    p.add_argument(
+        "--no-extrapolate",
+        dest="extrapolate",
+        action="store_false",
+        help="stage w: no over-relaxation of the rotation between alternations (by default each "
+        "alternation also tries a longer step along the last rotation change and keeps it only if "
+        "the objective is lower; it reaches a lower objective in fewer alternations)",
+    )
+    p.add_argument(
+        "--untie",
+        action="store_true",
+        help="slice: untie a tied head so that the output is the source's stock family (its head then "
+        "costs vocab x width, counted in the ratio, instead of the compressed family's width² head "
+        "mix)",
+    )
+    p.add_argument(
+        "--round-to",
+        type=int,
+        default=None,
+        metavar="N",
+        help="slice, stock output: round the residual width to a multiple of N (default: 64, what GPU "
+        "kernels want; 1: no rounding); the report gives the width before rounding",
+    )
+    p.add_argument(
+        "--remote-code",
+        action="store_true",
+        help="slice: write the compressed (remote-code) family even where the source's stock family "
+        "could hold the output",
+    )
     p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
     add_device_args(p)
@@ -101,11 +185,21 @@ def register(sub) -> None:
 
 def options_from_args(args) -> CompressOptions:
     chosen = dict(
-        structure=args.structure, stage=args.stage, q_mode=args.q_mode,
-        kron_factor=args.kron_factor, gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
-        f_iters=args.f_iters, w_iters=args.w_iters, calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len,
-        sequential=args.sequential, match_original=args.match_original, allocation=args.allocation, tol=args.tol,
-        extrapolate=args.extrapolate)
+        structure=args.structure,
+        stage=args.stage,
+        q_mode=args.q_mode,
+        kron_factor=args.kron_factor,
+        gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
+        f_iters=args.f_iters,
+        w_iters=args.w_iters,
+        calib_tokens=args.calib_tokens,
+        calib_seq_len=args.calib_seq_len,
+        sequential=args.sequential,
+        match_original=args.match_original,
+        allocation=args.allocation,
+        tol=args.tol,
+        extrapolate=args.extrapolate,
+    )
     if args.keep_embeddings:
         chosen["compress_embeddings"] = False
     if args.compress_v:
@@ -146,20 +240,26 @@ def _stock_lines(report, options, stock, config) -> list[str]:
         return []
     acc = report.accounting
     if acc.get("output_family") == "stock":
-        lines = [f"  output: stock {acc['stock_class']} (no remote code), hidden size {acc['residual']} of "
-                 f"{acc['hidden']}; width {acc['width_unrounded']} rounded to a multiple of {acc['round_to']} "
-                 f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc['norm_constant']:.6g}, rms_norm_eps "
-                 f"{acc['source_rms_norm_eps']:.6g} × d/d′ = {acc['rms_norm_eps']:.6g}"]
+        lines = [
+            f"  output: stock {acc['stock_class']} (no remote code), hidden size {acc['residual']} of "
+            f"{acc['hidden']}; width {acc['width_unrounded']} rounded to a multiple of {acc['round_to']} "
+            f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc['norm_constant']:.6g}, rms_norm_eps "
+            f"{acc['source_rms_norm_eps']:.6g} × d/d′ = {acc['rms_norm_eps']:.6g}"
+        ]
         if acc["untied_head_params"]:
-            lines.append(f"  untied head (--untie): vocab × width = {acc['untied_head_params']:,} parameters, "
-                         "counted in the ratio")
+            lines.append(
+                f"  untied head (--untie): vocab × width = {acc['untied_head_params']:,} parameters, "
+                "counted in the ratio"
+            )
         return lines
     reason = "--remote-code" if stock is None else why_not_stock(config, options, stock.untie)
     lines = [f"  output: compressed family (trust_remote_code=True): {reason}"]
     if acc.get("head_mix_params") and reason and "--untie" in reason:
-        width = math.isqrt(acc["head_mix_params"])          # the mix is width × width
-        lines.append(f"  tied head: head mix {acc['head_mix_params']:,} parameters; --untie would cost vocab × width "
-                     f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)")
+        width = math.isqrt(acc["head_mix_params"])  # the mix is width × width
+        lines.append(
+            f"  tied head: head mix {acc['head_mix_params']:,} parameters; --untie would cost vocab × width "
+            f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)"
+        )
     return lines
 
 
@@ -176,28 +276,37 @@ def run(args) -> int:
     start = time.perf_counter()
     options = options_from_args(args)
     stock = stock_from_args(args, options)
-    placement = placement_from_args(args)   # an unusable device fails before any work
+    placement = placement_from_args(args)  # an unusable device fails before any work
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
     calib = resolve_text(args.calib) if args.calib else None
-    report = compress_checkpoint(src, args.out, options, calib, overwrite=args.overwrite, progress=not args.quiet,
-                                 placement=placement, stock=stock)
+    report = compress_checkpoint(
+        src,
+        args.out,
+        options,
+        calib,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        placement=placement,
+        stock=stock,
+    )
     acc = report.accounting
-    lines = [f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
-             f"in {sum(report.seconds.values()):.1f} s",
-             f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
-             f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
-             f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
-             f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
-             *_stock_lines(report, options, stock, _config(src)),
-             f"  report: {args.out}/compression_report.json"]
+    lines = [
+        f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
+        f"in {sum(report.seconds.values()):.1f} s",
+        f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
+        f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
+        f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
+        f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
+        *_stock_lines(report, options, stock, _config(src)),
+        f"  report: {args.out}/compression_report.json",
+    ]
 
     def perplexities(v):
         record_verification(args.out, report, options, v)
         return {}, []
 
-    report_verification = verify_and_record(args, src, args.out, lines, ("original", "compressed"),
-                                            extra=perplexities)
+    report_verification = verify_and_record(args, src, args.out, lines, ("original", "compressed"), extra=perplexities)
     summary = report.as_dict()
     summary["verification"] = report_verification
     summary["push"] = push_if_requested(args, args.out, lines)

@@ -17,24 +17,43 @@ from .common import add_device_arg, emit
 def register(sub) -> None:
     p = sub.add_parser("eval", help="perplexity on a text and/or lm-eval tasks (offline)", description=__doc__)
     p.add_argument("model", nargs="?", default="default", help="model folder or embedded alias (default: SmolLM2)")
-    p.add_argument("--text", default=None,
-                   help="UTF-8 file or embedded text name for perplexity (default: britannica-eval, "
-                        "unless only --tasks are given)")
-    p.add_argument("--max-tokens", type=int, default=PPL.tokens,
-                   help=f"score the first N tokens of the text (default: {PPL.tokens}, the count every conversion "
-                        "and card uses; 0: the whole text, about 60000 tokens for britannica-eval: many minutes on a CPU)")
-    p.add_argument("--window", type=int, default=PPL.window,
-                   help=f"sliding window (default: {PPL.window}, the shared definition)")
-    p.add_argument("--stride", type=int, default=PPL.stride,
-                   help=f"tokens scored per window (default: {PPL.stride}, the shared definition)")
-    p.add_argument("--tasks", default=None, metavar="T1,T2",
-                   help="lm-eval tasks (pip install 'hf_symmetry[eval]'), e.g. hf_symmetry_smoke_cloze, or "
-                        "arc_easy with its data available offline")
+    p.add_argument(
+        "--text",
+        default=None,
+        help="UTF-8 file or embedded text name for perplexity (default: britannica-eval, "
+        "unless only --tasks are given)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=PPL.tokens,
+        help=f"score the first N tokens of the text (default: {PPL.tokens}, the count every conversion "
+        "and card uses; 0: the whole text, about 60000 tokens for britannica-eval: many minutes on a CPU)",
+    )
+    p.add_argument(
+        "--window", type=int, default=PPL.window, help=f"sliding window (default: {PPL.window}, the shared definition)"
+    )
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=PPL.stride,
+        help=f"tokens scored per window (default: {PPL.stride}, the shared definition)",
+    )
+    p.add_argument(
+        "--tasks",
+        default=None,
+        metavar="T1,T2",
+        help="lm-eval tasks (pip install 'hf_symmetry[eval]'), e.g. hf_symmetry_smoke_cloze, or "
+        "arc_easy with its data available offline",
+    )
     p.add_argument("--task-dir", default=None, metavar="DIR", help="folder of local lm-eval task YAMLs")
     p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N examples per task")
     p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--update-card", action="store_true",
-                   help="add the results to MODEL/README.md (model-index metadata and the evaluation table)")
+    p.add_argument(
+        "--update-card",
+        action="store_true",
+        help="add the results to MODEL/README.md (model-index metadata and the evaluation table)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     add_device_arg(p)
     p.add_argument("--json", dest="json_out", metavar="FILE")
@@ -66,23 +85,39 @@ def run(args) -> int:
     text = args.text or (None if tasks else "britannica-eval")
     summary, lines, entries = {"model": str(args.model)}, [], []
     if text:
-        r = text_perplexity(args.model, text, max_tokens=args.max_tokens or None, window=args.window, stride=args.stride,
-                            trust_remote_code=args.trust_remote_code, progress=not args.quiet, device=args.device)
+        r = text_perplexity(
+            args.model,
+            text,
+            max_tokens=args.max_tokens or None,
+            window=args.window,
+            stride=args.stride,
+            trust_remote_code=args.trust_remote_code,
+            progress=not args.quiet,
+            device=args.device,
+        )
         entry = perplexity_card_entry(r, text, args.max_tokens or None)
         entries.append(entry)
         summary.update(text=str(text), **r.as_dict())
         lines.append(f"perplexity {fmt_number(r.perplexity)} over the {r.describe()} of {text}")
     if tasks:
-        results = run_lm_eval(args.model, tasks, task_dir=args.task_dir, limit=args.limit,
-                              num_fewshot=args.num_fewshot, trust_remote_code=args.trust_remote_code,
-                              device=str(resolve_device(args.device)))
+        results = run_lm_eval(
+            args.model,
+            tasks,
+            task_dir=args.task_dir,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            trust_remote_code=args.trust_remote_code,
+            device=str(resolve_device(args.device)),
+        )
         task_entries = lm_eval_card_entries(results)
         entries += task_entries
         summary["lm_eval"] = {t: {k: v for k, v in m.items() if k != "alias"} for t, m in results["results"].items()}
         for e in task_entries:
             note = f"  [{e['notes']}]" if e.get("notes") else ""
-            lines.append(f"{e['task_name']}: {e['metric_type']} {e['metric_value']:.4f} "
-                         f"({e['dataset_args'].get('samples')} examples){note}")
+            lines.append(
+                f"{e['task_name']}: {e['metric_type']} {e['metric_value']:.4f} "
+                f"({e['dataset_args'].get('samples')} examples){note}"
+            )
     summary["card_entries"] = entries
     if args.update_card:
         from ..hub.cards import update_card

@@ -12,19 +12,35 @@ from .common import emit, total_time_line
 
 def register(sub) -> None:
     p = sub.add_parser("export-gguf", help="write a stock Hugging Face folder as a GGUF file", description=__doc__)
-    p.add_argument("model", help="HF folder of a stock Llama / Mistral / Qwen2 / Qwen3 model (e.g. the output of "
-                                 "rotate, match, merge or compress --structure slice --untie)")
+    p.add_argument(
+        "model",
+        help="HF folder of a stock Llama / Mistral / Qwen2 / Qwen3 model (e.g. the output of "
+        "rotate, match, merge or compress --structure slice --untie)",
+    )
     p.add_argument("out", help="the GGUF file to write (ends in .gguf)")
-    p.add_argument("--type", choices=TYPES, default="f16",
-                   help="tensor type of the matrices (norms stay float32; a matrix whose rows do not fill whole "
-                        "blocks falls back to f16) (default: f16)")
-    p.add_argument("--name", help="general.name of the file (default: the folder's name; 'mistral' for a "
-                                  "MistralForCausalLM, which transformers' GGUF loader needs)")
-    p.add_argument("--check", action="store_true",
-                   help="read the file back through transformers (from_pretrained(..., gguf_file=...)) and "
-                        "compare greedy text and logits with the folder")
-    p.add_argument("--prompt", default="The capital of France is",
-                   help="prompt of --check's greedy generation (default: %(default)r)")
+    p.add_argument(
+        "--type",
+        choices=TYPES,
+        default="f16",
+        help="tensor type of the matrices (norms stay float32; a matrix whose rows do not fill whole "
+        "blocks falls back to f16) (default: f16)",
+    )
+    p.add_argument(
+        "--name",
+        help="general.name of the file (default: the folder's name; 'mistral' for a "
+        "MistralForCausalLM, which transformers' GGUF loader needs)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="read the file back through transformers (from_pretrained(..., gguf_file=...)) and "
+        "compare greedy text and logits with the folder",
+    )
+    p.add_argument(
+        "--prompt",
+        default="The capital of France is",
+        help="prompt of --check's greedy generation (default: %(default)r)",
+    )
     p.add_argument("--new-tokens", type=int, default=32, help="tokens --check generates (default: 32)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -40,21 +56,26 @@ def run(args) -> int:
     from dataclasses import asdict
 
     start = time.perf_counter()
-    report = export_gguf(args.model, args.out, type=args.type, overwrite=args.overwrite, name=args.name,
-                         progress=not args.quiet)
+    report = export_gguf(
+        args.model, args.out, type=args.type, overwrite=args.overwrite, name=args.name, progress=not args.quiet
+    )
     types = ", ".join(f"{k} {v}" for k, v in sorted(report.tensor_types.items()))
-    lines = [f"exported {args.model} -> {args.out} (GGUF {report.architecture}, {args.type}) in {report.seconds:.1f} s",
-             f"  {report.tensors} tensors ({types}), {report.bytes / 1e6:.1f} MB; tokenizer: {report.tokenizer}"]
+    lines = [
+        f"exported {args.model} -> {args.out} (GGUF {report.architecture}, {args.type}) in {report.seconds:.1f} s",
+        f"  {report.tensors} tensors ({types}), {report.bytes / 1e6:.1f} MB; tokenizer: {report.tokenizer}",
+    ]
     summary = asdict(report)
     if args.check:
         from ..conversion.gguf_export import round_trip
 
         check = round_trip(args.model, args.out, prompt=args.prompt, new_tokens=args.new_tokens)
         summary["check"] = check
-        lines.append(f"  read back through transformers: greedy text {'equal' if check['same_text'] else 'DIFFERENT'} "
-                     f"({check['new_tokens']} new tokens), max |Δlogit| {check['max_abs_dlogit']:.3g} over "
-                     f"{check['tokens']} tokens (logit scale {check['max_abs_logit']:.3g}); the file's tokenizer tokenizes "
-                     f"the prompt {_same(check['same_tokenization'])}; read by {check['read_by']}")
+        lines.append(
+            f"  read back through transformers: greedy text {'equal' if check['same_text'] else 'DIFFERENT'} "
+            f"({check['new_tokens']} new tokens), max |Δlogit| {check['max_abs_dlogit']:.3g} over "
+            f"{check['tokens']} tokens (logit scale {check['max_abs_logit']:.3g}); the file's tokenizer tokenizes "
+            f"the prompt {_same(check['same_tokenization'])}; read by {check['read_by']}"
+        )
     lines.append(total_time_line(start))
     emit(summary, lines, args.json_out)
     return 0

@@ -12,13 +12,16 @@ from ..architectures.spec import SUPPORTED_MODEL_TYPES
 
 
 def register(sub) -> None:
-    p = sub.add_parser("families", help="table of model families × symmetries/conversions (yes, or no and why)",
-                       description=__doc__)
-    p.add_argument("--model-type", metavar="TYPE",
-                   help=f"only this model type ({', '.join(SUPPORTED_MODEL_TYPES)})")
-    p.add_argument("--config", metavar="PATH",
-                   help="a checkpoint folder or config.json: answer for its own config (sliding windows, "
-                        "NoPE layers, tying... vary between checkpoints of one family)")
+    p = sub.add_parser(
+        "families", help="table of model families × symmetries/conversions (yes, or no and why)", description=__doc__
+    )
+    p.add_argument("--model-type", metavar="TYPE", help=f"only this model type ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        help="a checkpoint folder or config.json: answer for its own config (sliding windows, "
+        "NoPE layers, tying... vary between checkpoints of one family)",
+    )
     p.add_argument("--markdown", action="store_true", help="print the Markdown table (as in the README)")
     p.set_defaults(func=run)
 

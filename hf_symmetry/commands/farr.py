@@ -14,8 +14,17 @@ from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrOptions, farr_checkpoint
 from ..hub.cards import fmt_number
 from ..text import public_text_label
-from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
-                     total_time_line, verify_and_record)
+from .common import (
+    add_device_args,
+    add_output_args,
+    add_push_args,
+    add_verify_args,
+    check_verify_args,
+    emit,
+    push_if_requested,
+    total_time_line,
+    verify_and_record,
+)
 
 #: a reduction that removes less than this fraction of the model's parameters ...
 LITTLE_REMOVED = 0.02
@@ -25,26 +34,39 @@ MUCH_COSINE_LOSS = 0.01
 
 
 def register(sub) -> None:
-    p = sub.add_parser("farr", help="fuse and rank reduce attention (smaller per-layer V/O, Q/K head dims)",
-                       description=__doc__)
+    p = sub.add_parser(
+        "farr", help="fuse and rank reduce attention (smaller per-layer V/O, Q/K head dims)", description=__doc__
+    )
     p.add_argument("model", help="HF model folder or embedded alias (default, smollm2, minilm)")
     p.add_argument("out", help="output folder")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--tau", type=float,
-                     help="energy threshold in (0, 1]: each KV group keeps the fewest singular directions holding "
-                          "a fraction τ of its fused map's Σσ²; each layer takes the largest rank of its groups")
-    how.add_argument("--params-fraction", type=float,
-                     help="fraction in (0, 1] of the parameters of the projections FaRR rewrites (v_proj+o_proj "
-                          "for --vo, q_proj+k_proj for --qk, weights and biases, all layers) that the result keeps; "
-                          "spent greedily across layers on the most energy per parameter")
+    how.add_argument(
+        "--tau",
+        type=float,
+        help="energy threshold in (0, 1]: each KV group keeps the fewest singular directions holding "
+        "a fraction τ of its fused map's Σσ²; each layer takes the largest rank of its groups",
+    )
+    how.add_argument(
+        "--params-fraction",
+        type=float,
+        help="fraction in (0, 1] of the parameters of the projections FaRR rewrites (v_proj+o_proj "
+        "for --vo, q_proj+k_proj for --qk, weights and biases, all layers) that the result keeps; "
+        "spent greedily across layers on the most energy per parameter",
+    )
     p.add_argument("--vo", action="store_true", help="reduce the value/output path (the default when --qk is absent)")
-    p.add_argument("--qk", action="store_true",
-                   help="reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa, "
-                        "and SmolLM3's NoPE layers, while its RoPE layers keep their query/key heads)")
-    p.add_argument("--calibrate", metavar="TEXT",
-                   help="activation-aware truncation (beyond the FaRR paper): measure each map by its output error "
-                        "on the model's own attention inputs over TEXT (file or embedded name, e.g. britannica-calib) "
-                        "instead of the data-free Frobenius norm; τ and the budget then count that energy")
+    p.add_argument(
+        "--qk",
+        action="store_true",
+        help="reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa, "
+        "and SmolLM3's NoPE layers, while its RoPE layers keep their query/key heads)",
+    )
+    p.add_argument(
+        "--calibrate",
+        metavar="TEXT",
+        help="activation-aware truncation (beyond the FaRR paper): measure each map by its output error "
+        "on the model's own attention inputs over TEXT (file or embedded name, e.g. britannica-calib) "
+        "instead of the data-free Frobenius norm; τ and the budget then count that energy",
+    )
     p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_device_args(p)
@@ -58,27 +80,40 @@ def run(args) -> int:
     from .common import placement_from_args
 
     start = time.perf_counter()
-    placement = placement_from_args(args)   # an unusable device fails before any work
+    placement = placement_from_args(args)  # an unusable device fails before any work
     options = FarrOptions(tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk)
     options.validate()
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
     if args.calibrate is not None:
-        resolve_text(args.calibrate)   # a missing text fails before any work
-    report = farr_checkpoint(src, args.out, options, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                             progress=not args.quiet, calib_text=args.calibrate, calib_tokens=args.calib_tokens,
-                             placement=placement)
-    lines = [f"farr {src} -> {args.out} ({report.model_type}; conversion {report.seconds:.1f} s)",
-             f"  rewritten projections keep {report.touchable_params_after:,} of {report.touchable_params_before:,} "
-             f"parameters ({report.touchable_kept_fraction:.1%}); model {report.params_before:,} -> "
-             f"{report.params_after:,}"]
+        resolve_text(args.calibrate)  # a missing text fails before any work
+    report = farr_checkpoint(
+        src,
+        args.out,
+        options,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        progress=not args.quiet,
+        calib_text=args.calibrate,
+        calib_tokens=args.calib_tokens,
+        placement=placement,
+    )
+    lines = [
+        f"farr {src} -> {args.out} ({report.model_type}; conversion {report.seconds:.1f} s)",
+        f"  rewritten projections keep {report.touchable_params_after:,} of {report.touchable_params_before:,} "
+        f"parameters ({report.touchable_kept_fraction:.1%}); model {report.params_before:,} -> "
+        f"{report.params_after:,}",
+    ]
     for path, ranks in report.ranks.items():
-        worst = min(min(groups) for groups in report.kept_energy[path] if groups is not None)   # None: kept whole
-        lines.append(f"  {path} head dims (of {report.head_dim}): {_runs(ranks)}; least energy kept by a group "
-                     f"{worst:.4%}")
+        worst = min(min(groups) for groups in report.kept_energy[path] if groups is not None)  # None: kept whole
+        lines.append(
+            f"  {path} head dims (of {report.head_dim}): {_runs(ranks)}; least energy kept by a group {worst:.4%}"
+        )
     if report.calibration:
-        lines.append(f"  calibrated on {report.calibration['tokens']} tokens of {public_text_label(report.calibration['text'])} "
-                     "(energies are output energies on those activations)")
+        lines.append(
+            f"  calibrated on {report.calibration['tokens']} tokens of {public_text_label(report.calibration['text'])} "
+            "(energies are output energies on those activations)"
+        )
     lines += [f"  note: {n}" for n in report.notes]
     report.verification = verify_and_record(args, src, args.out, lines, ("original", "FaRR"))
     warning = costly_reduction_warning(report, options)
@@ -108,8 +143,10 @@ def costly_reduction_warning(report, options: FarrOptions) -> str | None:
         cost = f"mean hidden-state cosine {fmt_number(v['hidden_cosine'])}"
     else:
         return None
-    return (f"{choice} removes only {removed:.1%} of the model's parameters but costs {cost}; "
-            "a τ closer to 1 keeps more, or --calibrate measures energy on real activations")
+    return (
+        f"{choice} removes only {removed:.1%} of the model's parameters but costs {cost}; "
+        "a τ closer to 1 keeps more, or --calibrate measures energy on real activations"
+    )
 
 
 def _runs(ranks: list[int]) -> str:

@@ -10,33 +10,57 @@ from dataclasses import asdict
 from ..assets import resolve_model
 from ..hub.cards import fmt_number
 from ..conversion.match import MatchOptions, match_checkpoint, vocabulary_fingerprint
-from .common import (add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
-                     total_time_line, verify_and_record)
+from .common import (
+    add_output_args,
+    add_push_args,
+    add_verify_args,
+    check_verify_args,
+    emit,
+    push_if_requested,
+    total_time_line,
+    verify_and_record,
+)
 
 
 def add_match_args(p, residual_help: str = "") -> None:
     """Matching options shared by ``match`` and ``merge --match``."""
-    p.add_argument("--heads", choices=["auto", "both", "qk", "vo", "none"], default="auto",
-                   help="per-KV-group head rotations to match (default auto: QK and VO, VO only under QK-norm)")
-    p.add_argument("--ffn", action=argparse.BooleanOptionalAction, default=True,
-                   help="match FFN neurons by linear assignment (default: on)")
+    p.add_argument(
+        "--heads",
+        choices=["auto", "both", "qk", "vo", "none"],
+        default="auto",
+        help="per-KV-group head rotations to match (default auto: QK and VO, VO only under QK-norm)",
+    )
+    p.add_argument(
+        "--ffn",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="match FFN neurons by linear assignment (default: on)",
+    )
     p.add_argument("--scaling", action="store_true", help="also match per-group QK and VO scalings (quartic)")
-    p.add_argument("--residual", action="store_true",
-                   help="also match the residual stream by Procrustes after norm fusion (RMSNorm families; "
-                        "norm weights become 1 and tied embeddings are untied)" + residual_help)
-    p.add_argument("--residual-iters", type=int, default=0,
-                   help="refinement passes for the residual rotation over every weight (default 0: embeddings "
-                        "and LM head only)")
+    p.add_argument(
+        "--residual",
+        action="store_true",
+        help="also match the residual stream by Procrustes after norm fusion (RMSNorm families; "
+        "norm weights become 1 and tied embeddings are untied)" + residual_help,
+    )
+    p.add_argument(
+        "--residual-iters",
+        type=int,
+        default=0,
+        help="refinement passes for the residual rotation over every weight (default 0: embeddings and LM head only)",
+    )
 
 
 def match_options(args) -> MatchOptions:
-    return MatchOptions(heads=args.heads, ffn=args.ffn, scaling=args.scaling, residual=args.residual,
-                        residual_iters=args.residual_iters)
+    return MatchOptions(
+        heads=args.heads, ffn=args.ffn, scaling=args.scaling, residual=args.residual, residual_iters=args.residual_iters
+    )
 
 
 def register(sub) -> None:
-    p = sub.add_parser("match", help="align SOURCE to ANCHOR inside its symmetry orbit (same function as SOURCE)",
-                       description=__doc__)
+    p = sub.add_parser(
+        "match", help="align SOURCE to ANCHOR inside its symmetry orbit (same function as SOURCE)", description=__doc__
+    )
     p.add_argument("anchor", help="reference model folder (or embedded alias); left unchanged")
     p.add_argument("source", help="model folder to align; the output computes its function")
     p.add_argument("out", help="output folder")
@@ -52,23 +76,34 @@ def run(args) -> int:
     start = time.perf_counter()
     check_verify_args(args, args.anchor)
     anchor, source = resolve_model(args.anchor), resolve_model(args.source)
-    report = match_checkpoint(anchor, source, args.out, match_options(args), overwrite=args.overwrite,
-                              max_shard_size=args.max_shard_size, progress=not args.quiet)
-    lines = [f"matched {report.family} model {source} to {anchor} -> {args.out} (conversion {report.seconds:.1f} s)",
-             f"  matched: {', '.join(report.symmetries) or 'nothing'}"]
+    report = match_checkpoint(
+        anchor,
+        source,
+        args.out,
+        match_options(args),
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        progress=not args.quiet,
+    )
+    lines = [
+        f"matched {report.family} model {source} to {anchor} -> {args.out} (conversion {report.seconds:.1f} s)",
+        f"  matched: {', '.join(report.symmetries) or 'nothing'}",
+    ]
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
     lines.append(f"  squared distance to the anchor{' (norm-folded)' if args.residual else ''}:")
     for name, d in report.distances.items():
-        lines.append(f"    {name:<10} {fmt_number(d['before'])} -> {fmt_number(d['after'])}  "
-                     f"({100 * d['reduction']:.1f} % less)")
+        lines.append(
+            f"    {name:<10} {fmt_number(d['before'])} -> {fmt_number(d['after'])}  ({100 * d['reduction']:.1f} % less)"
+        )
     if args.no_verify:
         pass
     elif vocabulary_fingerprint(source) is None:
         lines.append("  verification skipped: SOURCE has no tokenizer")
     else:
-        report.verification = verify_and_record(args, source, args.out, lines, ("SOURCE", "matched"),
-                                                against=" against SOURCE")
+        report.verification = verify_and_record(
+            args, source, args.out, lines, ("SOURCE", "matched"), against=" against SOURCE"
+        )
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
     lines.append(total_time_line(start))

@@ -11,27 +11,54 @@ from dataclasses import asdict
 from ..conversion.merge import evaluate_merge, merge_checkpoints
 from ..conversion.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
 from ..hub.cards import fmt_number
-from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
-                     total_time_line)
+from .common import (
+    add_device_args,
+    add_output_args,
+    add_push_args,
+    add_verify_args,
+    check_verify_args,
+    emit,
+    push_if_requested,
+    total_time_line,
+)
 from .match import add_match_args
 
 # Flags that describe a merge; with a recipe file they would be ambiguous.
-_RECIPE_FLAGS = ("base", "weights", "density", "lam", "alpha", "normalize", "anchor", "calib_text", "calib_tokens",
-                 "dtype", "match")
+_RECIPE_FLAGS = (
+    "base",
+    "weights",
+    "density",
+    "lam",
+    "alpha",
+    "normalize",
+    "anchor",
+    "calib_text",
+    "calib_tokens",
+    "dtype",
+    "match",
+)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("merge", help="merge models (average/task_arithmetic/ties/fisher/regmean), optionally matched",
-                       description=__doc__)
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="RECIPE.yaml OUT, or (with --method) MODEL MODEL [...] OUT")
-    p.add_argument("--method", choices=list(METHODS) + list(METHOD_ALIASES),
-                   help="merge method when no recipe is given (linear = average)")
+    p = sub.add_parser(
+        "merge",
+        help="merge models (average/task_arithmetic/ties/fisher/regmean), optionally matched",
+        description=__doc__,
+    )
+    p.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="RECIPE.yaml OUT, or (with --method) MODEL MODEL [...] OUT"
+    )
+    p.add_argument(
+        "--method",
+        choices=list(METHODS) + list(METHOD_ALIASES),
+        help="merge method when no recipe is given (linear = average)",
+    )
     p.add_argument("--match", action="store_true", help="match every input to the anchor before merging")
     add_match_args(p)
     p.add_argument("--base", help="base model (required by task_arithmetic and ties; the matching anchor)")
-    p.add_argument("--anchor", default="auto", help="matching anchor (default: the base, else the input nearest "
-                   "the mean)")
+    p.add_argument(
+        "--anchor", default="auto", help="matching anchor (default: the base, else the input nearest the mean)"
+    )
     p.add_argument("--weights", type=float, nargs="+", help="one weight per model (default: all 1)")
     p.add_argument("--density", type=float, help="TIES: fraction of each task vector kept (default 1)")
     p.add_argument("--lambda", dest="lam", type=float, help="task_arithmetic/ties: task-vector scale (default 1)")
@@ -67,24 +94,48 @@ def recipe_from_args(args):
             raise ValueError(f"{', '.join(given)} cannot be combined with a recipe file; put them in the recipe")
         return load_recipe(args.inputs[0]), args.inputs[1]
     *models, out = args.inputs
-    stray = [flag for flag, on in (("--heads", args.heads != "auto"), ("--no-ffn", not args.ffn),
-                                   ("--scaling", args.scaling), ("--residual", args.residual),
-                                   ("--residual-iters", args.residual_iters != 0)) if on]
+    stray = [
+        flag
+        for flag, on in (
+            ("--heads", args.heads != "auto"),
+            ("--no-ffn", not args.ffn),
+            ("--scaling", args.scaling),
+            ("--residual", args.residual),
+            ("--residual-iters", args.residual_iters != 0),
+        )
+        if on
+    ]
     if stray and not args.match:
         raise ValueError(f"{', '.join(stray)} only apply with --match")
     if args.weights is not None and len(args.weights) != len(models):
         raise ValueError(f"--weights gives {len(args.weights)} values for {len(models)} models")
     weights = args.weights or [1.0] * len(models)
-    params = {k: v for k, v in (("density", args.density), ("lambda", args.lam), ("alpha", args.alpha),
-                                ("normalize", args.normalize)) if v is not None}
-    raw = {"merge_method": args.method, "models": [{"model": m, "parameters": {"weight": w}}
-                                                   for m, w in zip(models, weights)],
-           "parameters": params, "anchor": args.anchor}
+    params = {
+        k: v
+        for k, v in (
+            ("density", args.density),
+            ("lambda", args.lam),
+            ("alpha", args.alpha),
+            ("normalize", args.normalize),
+        )
+        if v is not None
+    }
+    raw = {
+        "merge_method": args.method,
+        "models": [{"model": m, "parameters": {"weight": w}} for m, w in zip(models, weights)],
+        "parameters": params,
+        "anchor": args.anchor,
+    }
     if args.base:
         raw["base_model"] = args.base
     if args.match:
-        raw["match"] = {"heads": args.heads, "ffn": args.ffn, "scaling": args.scaling, "residual": args.residual,
-                        "residual_iters": args.residual_iters}
+        raw["match"] = {
+            "heads": args.heads,
+            "ffn": args.ffn,
+            "scaling": args.scaling,
+            "residual": args.residual,
+            "residual_iters": args.residual_iters,
+        }
     calib = {k: v for k, v in (("text", args.calib_text), ("tokens", args.calib_tokens)) if v is not None}
     if calib:
         raw["calibration"] = calib
@@ -109,27 +160,38 @@ def run(args) -> int:
     from .common import placement_from_args
 
     start = time.perf_counter()
-    placement = placement_from_args(args)   # an unusable device fails before any work
+    placement = placement_from_args(args)  # an unusable device fails before any work
     recipe, out = recipe_from_args(args)
     evaluation = evaluation_of(args, recipe)
     if evaluation:
         args.text, args.ppl_tokens = evaluation
         check_verify_args(args)
-    report = merge_checkpoints(recipe, out, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                               progress=not args.quiet, placement=placement)
-    lines = [f"{recipe.method} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
-             f"  anchor: {report.anchor}" + ("" if recipe.match else " (no matching)")]
+    report = merge_checkpoints(
+        recipe,
+        out,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        progress=not args.quiet,
+        placement=placement,
+    )
+    lines = [
+        f"{recipe.method} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
+        f"  anchor: {report.anchor}" + ("" if recipe.match else " (no matching)"),
+    ]
     for name, d in report.distances.items():
         t = d["total"]
-        lines.append(f"  matched {name}: squared distance {fmt_number(t['before'])} -> {fmt_number(t['after'])} "
-                     f"({100 * t['reduction']:.1f} % less)")
+        lines.append(
+            f"  matched {name}: squared distance {fmt_number(t['before'])} -> {fmt_number(t['after'])} "
+            f"({100 * t['reduction']:.1f} % less)"
+        )
     if evaluation:
-        report.evaluation = ev = evaluate_merge(out, recipe, *evaluation, device=args.device,
-                                                progress=not args.quiet)
+        report.evaluation = ev = evaluate_merge(out, recipe, *evaluation, device=args.device, progress=not args.quiet)
         if ev:
-            lines.append(f"  perplexity (first {ev['tokens']} tokens of {ev['text']}, sliding window {ev['window']}, "
-                         f"stride {ev['stride']}): merge {fmt_number(ev['merged'])}; "
-                         + ", ".join(f"{n} {fmt_number(v)}" for n, v in ev["inputs"].items()))
+            lines.append(
+                f"  perplexity (first {ev['tokens']} tokens of {ev['text']}, sliding window {ev['window']}, "
+                f"stride {ev['stride']}): merge {fmt_number(ev['merged'])}; "
+                + ", ".join(f"{n} {fmt_number(v)}" for n, v in ev["inputs"].items())
+            )
     summary = asdict(report)
     summary["push"] = push_if_requested(args, out, lines)
     lines.append(total_time_line(start))

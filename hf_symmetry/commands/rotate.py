@@ -8,53 +8,109 @@ import time
 
 from ..assets import resolve_model
 from ..conversion.rotate import RotateOptions, rotate_checkpoint
-from .common import (add_output_args, add_push_args, add_verify_args, check_verify_args, emit, push_if_requested,
-                     total_time_line, verify_and_record)
+from .common import (
+    add_output_args,
+    add_push_args,
+    add_verify_args,
+    check_verify_args,
+    emit,
+    push_if_requested,
+    total_time_line,
+    verify_and_record,
+)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("rotate", help="apply random exact symmetries (residual/head rotations, FFN permutation)",
-                       description=__doc__)
-    p.add_argument("model", nargs="?", default="default",
-                   help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)")
+    p = sub.add_parser(
+        "rotate", help="apply random exact symmetries (residual/head rotations, FFN permutation)", description=__doc__
+    )
+    p.add_argument(
+        "model", nargs="?", default="default", help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("out", help="output folder")
-    p.add_argument("--residual", choices=["none", "hadamard", "random"], default="hadamard",
-                   help="residual-stream rotation after norm fusion (pre-norm RMSNorm families stay stock; LayerNorm decoders are mean-centred into the hf_symmetry_rms_decoder family; default: hadamard)")
-    p.add_argument("--heads", choices=["none", "qk", "vo", "random"], default="random",
-                   help="per-KV-group head rotations: QK (inside the RoPE commutant), VO, or both (default)")
-    p.add_argument("--ffn", action=__import__("argparse").BooleanOptionalAction, default=True,
-                   help="randomly permute FFN neurons (default: on)")
+    p.add_argument(
+        "--residual",
+        choices=["none", "hadamard", "random"],
+        default="hadamard",
+        help="residual-stream rotation after norm fusion (pre-norm RMSNorm families stay stock; LayerNorm "
+        "decoders are mean-centred into the hf_symmetry_rms_decoder family; default: hadamard)",
+    )
+    p.add_argument(
+        "--heads",
+        choices=["none", "qk", "vo", "random"],
+        default="random",
+        help="per-KV-group head rotations: QK (inside the RoPE commutant), VO, or both (default)",
+    )
+    p.add_argument(
+        "--ffn",
+        action=__import__("argparse").BooleanOptionalAction,
+        default=True,
+        help="randomly permute FFN neurons (default: on)",
+    )
     p.add_argument("--scaling", action="store_true", help="also apply random per-group QK and VO scalings")
-    p.add_argument("--for-quantization", action="store_true",
-                   help="preset for low-bit weight quantization: randomised Hadamard residual rotation, the "
-                        "norm weights kept as balancing input scales, per-head V/O Hadamards and the exact "
-                        "V->O and up->down column scalings (--heads/--ffn/--scaling are ignored). "
-                        "Experimental: exact in float, but on SmolLM2 it quantizes worse than the "
-                        "unrotated model (docs/quantization.md)")
-    p.add_argument("--learn", metavar="QTYPE", default=None,
-                   help="with --for-quantization: learn the residual rotation against this weight quantizer "
-                        "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq), "
-                        "from the randomised Hadamard")
-    p.add_argument("--learn-iterations", type=int, default=8,
-                   help="alternating quantize / Procrustes steps of --learn (default: 8)")
-    p.add_argument("--balance-alpha", type=float, default=1.0,
-                   help="with --for-quantization: exponent of the column balancing (1 equalises every "
-                        "column's max-abs, 0 leaves them; default: 1)")
-    p.add_argument("--hold-out", default="", metavar="I,J,...",
-                   help="with --for-quantization: residual channels the Hadamard leaves alone (e.g. the "
-                        "massive-activation channels; the remaining width needs a Hadamard construction)")
-    p.add_argument("--scales", metavar="QTYPE", default=None,
-                   help="with --for-quantization: choose the exact norm->readers, V->O and up->down scales from "
-                        "calibration activations by AWQ's search against this quantizer (replaces the max-abs "
-                        "balancing; with --residual none the norms keep their weights, rescaled)")
-    p.add_argument("--calibration-text", default="britannica-calib",
-                   help="with --scales: calibration text file or embedded name (default: britannica-calib)")
+    p.add_argument(
+        "--for-quantization",
+        action="store_true",
+        help="preset for low-bit weight quantization: randomised Hadamard residual rotation, the "
+        "norm weights kept as balancing input scales, per-head V/O Hadamards and the exact "
+        "V->O and up->down column scalings (--heads/--ffn/--scaling are ignored). "
+        "Experimental: exact in float, but on SmolLM2 it quantizes worse than the "
+        "unrotated model (docs/quantization.md)",
+    )
+    p.add_argument(
+        "--learn",
+        metavar="QTYPE",
+        default=None,
+        help="with --for-quantization: learn the residual rotation against this weight quantizer "
+        "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq), "
+        "from the randomised Hadamard",
+    )
+    p.add_argument(
+        "--learn-iterations",
+        type=int,
+        default=8,
+        help="alternating quantize / Procrustes steps of --learn (default: 8)",
+    )
+    p.add_argument(
+        "--balance-alpha",
+        type=float,
+        default=1.0,
+        help="with --for-quantization: exponent of the column balancing (1 equalises every "
+        "column's max-abs, 0 leaves them; default: 1)",
+    )
+    p.add_argument(
+        "--hold-out",
+        default="",
+        metavar="I,J,...",
+        help="with --for-quantization: residual channels the Hadamard leaves alone (e.g. the "
+        "massive-activation channels; the remaining width needs a Hadamard construction)",
+    )
+    p.add_argument(
+        "--scales",
+        metavar="QTYPE",
+        default=None,
+        help="with --for-quantization: choose the exact norm->readers, V->O and up->down scales from "
+        "calibration activations by AWQ's search against this quantizer (replaces the max-abs "
+        "balancing; with --residual none the norms keep their weights, rescaled)",
+    )
+    p.add_argument(
+        "--calibration-text",
+        default="britannica-calib",
+        help="with --scales: calibration text file or embedded name (default: britannica-calib)",
+    )
     p.add_argument("--calibration-tokens", type=int, default=2048, help="with --scales: tokens (default: 2048)")
-    p.add_argument("--pow2-scales", action="store_true",
-                   help="with --scales: round every factor to a power of two (only exponents change: the float "
-                        "logits stay bitwise equal; quantizes somewhat worse)")
-    p.add_argument("--vo-hadamard", action=__import__("argparse").BooleanOptionalAction, default=True,
-                   help="with --for-quantization: per-head V/O Hadamard rotations (default: on)")
+    p.add_argument(
+        "--pow2-scales",
+        action="store_true",
+        help="with --scales: round every factor to a power of two (only exponents change: the float "
+        "logits stay bitwise equal; quantizes somewhat worse)",
+    )
+    p.add_argument(
+        "--vo-hadamard",
+        action=__import__("argparse").BooleanOptionalAction,
+        default=True,
+        help="with --for-quantization: per-head V/O Hadamard rotations (default: on)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_verify_args(p, "the original")
@@ -69,17 +125,30 @@ def run(args) -> int:
     src = resolve_model(args.model)
     if (args.learn or args.scales) and not args.for_quantization:
         raise SystemExit("--learn and --scales need --for-quantization")
-    options = RotateOptions(residual=args.residual, heads=args.heads, ffn=args.ffn, scaling=args.scaling,
-                            seed=args.seed, for_quantization=args.for_quantization, learn=args.learn,
-                            learn_iterations=args.learn_iterations, balance_alpha=args.balance_alpha,
-                            hold_out=tuple(int(c) for c in args.hold_out.split(",") if c.strip()),
-                            scales=args.scales, calibration_text=args.calibration_text,
-                            calibration_tokens=args.calibration_tokens, vo_hadamard=args.vo_hadamard,
-                            scales_pow2=args.pow2_scales)
-    report = rotate_checkpoint(src, args.out, options, overwrite=args.overwrite,
-                               max_shard_size=args.max_shard_size, progress=not args.quiet)
-    lines = [f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",
-             f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})"]
+    options = RotateOptions(
+        residual=args.residual,
+        heads=args.heads,
+        ffn=args.ffn,
+        scaling=args.scaling,
+        seed=args.seed,
+        for_quantization=args.for_quantization,
+        learn=args.learn,
+        learn_iterations=args.learn_iterations,
+        balance_alpha=args.balance_alpha,
+        hold_out=tuple(int(c) for c in args.hold_out.split(",") if c.strip()),
+        scales=args.scales,
+        calibration_text=args.calibration_text,
+        calibration_tokens=args.calibration_tokens,
+        vo_hadamard=args.vo_hadamard,
+        scales_pow2=args.pow2_scales,
+    )
+    report = rotate_checkpoint(
+        src, args.out, options, overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.quiet
+    )
+    lines = [
+        f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",
+        f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})",
+    ]
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
     report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))

@@ -9,20 +9,38 @@ from __future__ import annotations
 import time
 
 from ..conversion.to_tpa import convert_checkpoint_to_tpa
-from .common import (add_device_args, add_output_args, add_push_args, add_verify_args, check_verify_args, emit, fmt, push_if_requested,
-                     total_time_line, verify_and_record)
+from .common import (
+    add_device_args,
+    add_output_args,
+    add_push_args,
+    add_verify_args,
+    check_verify_args,
+    emit,
+    fmt,
+    push_if_requested,
+    total_time_line,
+    verify_and_record,
+)
 
 
 def register(sub) -> None:
-    p = sub.add_parser("to-tpa", help="convert a Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint to Tensor Product Attention",
-                       description=__doc__)
-    p.add_argument("model", nargs="?", default="default",
-                   help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)")
+    p = sub.add_parser(
+        "to-tpa",
+        help="convert a Llama/Mistral/Qwen2/Qwen3/Phi-3 checkpoint to Tensor Product Attention",
+        description=__doc__,
+    )
+    p.add_argument(
+        "model", nargs="?", default="default", help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("out", help="output folder")
     p.add_argument("--k-rank", type=int, default=None, help="R_K (default: number of KV heads = exact)")
     p.add_argument("--v-rank", type=int, default=None, help="R_V (default: number of KV heads = exact)")
-    p.add_argument("--calib", default=None, metavar="FILE",
-                   help="calibration text (file or embedded name, e.g. britannica-calib) for reduced ranks")
+    p.add_argument(
+        "--calib",
+        default=None,
+        metavar="FILE",
+        help="calibration text (file or embedded name, e.g. britannica-calib) for reduced ranks",
+    )
     p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
     add_device_args(p)
     add_verify_args(p, "the source")
@@ -35,7 +53,7 @@ def run(args) -> int:
     from .common import placement_from_args
 
     start = time.perf_counter()
-    placement = placement_from_args(args)   # an unusable device fails before any work
+    placement = placement_from_args(args)  # an unusable device fails before any work
     for name in ("k_rank", "v_rank"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -44,23 +62,32 @@ def run(args) -> int:
         raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
     check_verify_args(args, args.model)
     report = convert_checkpoint_to_tpa(
-        args.model, args.out, k_rank=args.k_rank, v_rank=args.v_rank, calib=args.calib,
-        calib_tokens=args.calib_tokens, overwrite=args.overwrite,
-        progress=not args.quiet, placement=placement)
+        args.model,
+        args.out,
+        k_rank=args.k_rank,
+        v_rank=args.v_rank,
+        calib=args.calib,
+        calib_tokens=args.calib_tokens,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        placement=placement,
+    )
     src_el, tpa_el = report.cache_elements_per_token_source, report.cache_elements_per_token_tpa
     lines = [
         f"converted {report.family} model {report.source} -> {args.out} (conversion {report.seconds:.1f} s)",
         f"  heads {report.num_attention_heads}, KV heads {report.num_key_value_heads}, head_dim {report.head_dim}; "
         f"R_K={report.k_rank}, R_V={report.v_rank} ({'exact' if report.exact else 'approximate'}"
         f"{', calibrated on ' + str(report.calib_tokens) + ' tokens' if report.calibrated else ''})",
-        f"  KV cache per token (all layers): source {src_el} elements, TPA {tpa_el} "
-        f"({tpa_el / src_el:.3f}x)",
+        f"  KV cache per token (all layers): source {src_el} elements, TPA {tpa_el} ({tpa_el / src_el:.3f}x)",
     ]
     if not report.exact:
         lines.append("  per-layer relative reconstruction error (weights; activations on the calibration text):")
         for e in report.layers:
-            act = (f"; act K {fmt(e.k_activation_rel_err)} V {fmt(e.v_activation_rel_err)}"
-                   if e.k_activation_rel_err is not None else "")
+            act = (
+                f"; act K {fmt(e.k_activation_rel_err)} V {fmt(e.v_activation_rel_err)}"
+                if e.k_activation_rel_err is not None
+                else ""
+            )
             lines.append(f"    layer {e.layer:3d}: K {e.k_weight_rel_err:.3g} V {e.v_weight_rel_err:.3g}{act}")
     lines.extend(f"  note: {n}" for n in report.notes)
     report.verification = verify_and_record(args, report.source, args.out, lines, ("source", "TPA"))

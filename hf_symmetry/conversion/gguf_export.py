@@ -52,7 +52,7 @@ class GGUFReport:
     type: str
     tensors: int
     bytes: int
-    tensor_types: dict = field(default_factory=dict)     # GGML type -> count
+    tensor_types: dict = field(default_factory=dict)  # GGML type -> count
     tokenizer: str = ""
     seconds: float = 0.0
 
@@ -60,17 +60,31 @@ class GGUFReport:
 def _file_type(name: str) -> int:
     from gguf import LlamaFileType
 
-    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
-            "q8_0": LlamaFileType.MOSTLY_Q8_0, "q5_1": LlamaFileType.MOSTLY_Q5_1,
-            "q5_0": LlamaFileType.MOSTLY_Q5_0, "q4_1": LlamaFileType.MOSTLY_Q4_1,
-            "q4_0": LlamaFileType.MOSTLY_Q4_0}[name]
+    return {
+        "f32": LlamaFileType.ALL_F32,
+        "f16": LlamaFileType.MOSTLY_F16,
+        "bf16": LlamaFileType.MOSTLY_BF16,
+        "q8_0": LlamaFileType.MOSTLY_Q8_0,
+        "q5_1": LlamaFileType.MOSTLY_Q5_1,
+        "q5_0": LlamaFileType.MOSTLY_Q5_0,
+        "q4_1": LlamaFileType.MOSTLY_Q4_1,
+        "q4_0": LlamaFileType.MOSTLY_Q4_0,
+    }[name]
 
 
 def _qtype(name: str):
     from gguf import GGMLQuantizationType as T
 
-    return {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q5_1": T.Q5_1, "q5_0": T.Q5_0,
-            "q4_1": T.Q4_1, "q4_0": T.Q4_0}[name]
+    return {
+        "f32": T.F32,
+        "f16": T.F16,
+        "bf16": T.BF16,
+        "q8_0": T.Q8_0,
+        "q5_1": T.Q5_1,
+        "q5_0": T.Q5_0,
+        "q4_1": T.Q4_1,
+        "q4_0": T.Q4_0,
+    }[name]
 
 
 def check_config(config: dict) -> tuple[str, bool]:
@@ -78,9 +92,11 @@ def check_config(config: dict) -> tuple[str, bool]:
     this exporter does not write."""
     model_type = config.get("model_type")
     if model_type not in ARCHS:
-        raise ValueError(f"export-gguf writes {', '.join(sorted(ARCHS))} folders, not {model_type!r} (a "
-                         "remote-code family has no GGUF architecture: write a stock output, e.g. compress "
-                         "--structure slice --untie)")
+        raise ValueError(
+            f"export-gguf writes {', '.join(sorted(ARCHS))} folders, not {model_type!r} (a "
+            "remote-code family has no GGUF architecture: write a stock output, e.g. compress "
+            "--structure slice --untie)"
+        )
     rope = config.get("rope_parameters") or {}
     if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
         raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not written by export-gguf (default RoPE only)")
@@ -122,9 +138,12 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> str:
             types.append(gguf.TokenType.UNUSED)
         else:
             tokens.append(by_id[i])
-            types.append((gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
-                         if i in added else gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model(BpeVocab.tokenizer_model)     # GGUF's name of byte-level BPE
+            types.append(
+                (gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+                if i in added
+                else gguf.TokenType.NORMAL
+            )
+    writer.add_tokenizer_model(BpeVocab.tokenizer_model)  # GGUF's name of byte-level BPE
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
@@ -139,8 +158,14 @@ def _get(config: dict, *names, default=None):
     return default
 
 
-def export_gguf(src: str | Path, out: str | Path, type: str = "f16", overwrite: bool = False,
-                name: str | None = None, progress: bool = True) -> GGUFReport:
+def export_gguf(
+    src: str | Path,
+    out: str | Path,
+    type: str = "f16",
+    overwrite: bool = False,
+    name: str | None = None,
+    progress: bool = True,
+) -> GGUFReport:
     """Write the stock folder ``src`` as the GGUF file ``out`` (tensors in ``type``, see :data:`TYPES`)."""
     import gguf
     from gguf import quants
@@ -215,17 +240,28 @@ def export_gguf(src: str | Path, out: str | Path, type: str = "f16", overwrite: 
             stored = data.astype(np.float32)
         else:
             stored = quants.quantize(data, kind)
-        writer.add_tensor(f"{gname}.{suffix}", stored, raw_dtype=kind if kind not in (
-            gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32) else None)
+        writer.add_tensor(
+            f"{gname}.{suffix}",
+            stored,
+            raw_dtype=kind if kind not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32) else None,
+        )
         counts[kind.name] = counts.get(kind.name, 0) + 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
     tmp.replace(out)
-    return GGUFReport(source=str(src), output=str(out), architecture=arch, type=type, tensors=sum(counts.values()),
-                      bytes=out.stat().st_size, tensor_types=counts, tokenizer=tokenizer,
-                      seconds=time.perf_counter() - start)
+    return GGUFReport(
+        source=str(src),
+        output=str(out),
+        architecture=arch,
+        type=type,
+        tensors=sum(counts.values()),
+        bytes=out.stat().st_size,
+        tensor_types=counts,
+        tokenizer=tokenizer,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def load_gguf(out: str | Path, folder: str | Path | None = None, dtype: torch.dtype = torch.float32):
@@ -243,26 +279,34 @@ def load_gguf(out: str | Path, folder: str | Path | None = None, dtype: torch.dt
     try:
         model = AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name, dtype=dtype)
         return model.eval(), "from_pretrained(gguf_file=...)"
-    except Exception:          # transformers' config validation (a huggingface_hub error), or an unknown name
+    except Exception:  # transformers' config validation (a huggingface_hub error), or an unknown name
         if folder is None:
             raise
     config = AutoConfig.from_pretrained(folder)
     arch, _ = check_config(config.to_dict())
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     own = model.config.model_type
-    model.config.model_type = arch                # transformers' GGUF name map is keyed by the architecture
+    model.config.model_type = arch  # transformers' GGUF name map is keyed by the architecture
     try:
         got = load_gguf_checkpoint(str(out), return_tensors=True, model_to_load=model)
     finally:
         model.config.model_type = own
     meta = got["config"]
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+    ):
         if key in meta and int(meta[key]) != int(getattr(config, key)):
             raise ValueError(f"{out.name}: {key} {meta[key]} in the file, {getattr(config, key)} in the folder")
     if abs(float(meta["rms_norm_eps"]) / config.rms_norm_eps - 1) > 1e-6:
-        raise ValueError(f"{out.name}: rms_norm_eps {meta['rms_norm_eps']} in the file, {config.rms_norm_eps} in "
-                         "the folder")
+        raise ValueError(
+            f"{out.name}: rms_norm_eps {meta['rms_norm_eps']} in the file, {config.rms_norm_eps} in the folder"
+        )
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in got["tensors"].items()}, strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
@@ -270,8 +314,13 @@ def load_gguf(out: str | Path, folder: str | Path | None = None, dtype: torch.dt
     return model.eval(), "load_gguf_checkpoint into the folder's class"
 
 
-def round_trip(folder: str | Path, out: str | Path, prompt: str = "The capital of France is", new_tokens: int = 32,
-               dtype: torch.dtype = torch.float32) -> dict:
+def round_trip(
+    folder: str | Path,
+    out: str | Path,
+    prompt: str = "The capital of France is",
+    new_tokens: int = 32,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """The folder's model against the GGUF file read back through transformers: greedy continuations of
     ``prompt`` (the folder's tokenizer; the file's own where it carries one, as a second check) and the
     logits over the prompt and continuation."""
@@ -287,10 +336,17 @@ def round_trip(folder: str | Path, out: str | Path, prompt: str = "The capital o
         a = ref.generate(ids, **kw)
         b = back.generate(ids, **kw)
         la, lb = ref(a).logits, back(a).logits
-    result = {"same_text": bool(torch.equal(a, b)), "new_tokens": int(a.shape[1] - ids.shape[1]),
-              "text": tok.decode(a[0, ids.shape[1]:]), "text_gguf": tok.decode(b[0, ids.shape[1]:]),
-              "tokens": int(a.shape[1]), "max_abs_dlogit": float((la - lb).abs().max()),
-              "max_abs_logit": float(la.abs().max()), "class": type(back).__name__, "read_by": how}
+    result = {
+        "same_text": bool(torch.equal(a, b)),
+        "new_tokens": int(a.shape[1] - ids.shape[1]),
+        "text": tok.decode(a[0, ids.shape[1] :]),
+        "text_gguf": tok.decode(b[0, ids.shape[1] :]),
+        "tokens": int(a.shape[1]),
+        "max_abs_dlogit": float((la - lb).abs().max()),
+        "max_abs_logit": float(la.abs().max()),
+        "class": type(back).__name__,
+        "read_by": how,
+    }
     result["same_tokenization"] = _same_tokenization(out, tok, prompt, result)
     return result
 
@@ -305,7 +361,7 @@ def _same_tokenization(out: Path, tok, prompt: str, result: dict) -> bool | None
         if not tokenizer_dict:
             return None
         fast, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
-    except Exception as e:           # no tokenizer, or one transformers cannot convert
+    except Exception as e:  # no tokenizer, or one transformers cannot convert
         result["tokenizer_error"] = f"{type(e).__name__}: {e}"[:200]
         return None
     want = tok(prompt, add_special_tokens=False).input_ids

@@ -37,11 +37,12 @@ FORMAT = "hf_symmetry.layer_map/1"
 @dataclass
 class LayerMap:
     """Per decoder layer, the map from the original model's residual stream to the converted one's."""
-    kind: str                                # "identity" | "rotation"
-    hidden_size: int                         # the original model's stream width d
-    layer_basis: list[int]                   # per layer: index into ``bases``, -1 for identity
-    layer_width: list[int]                   # per layer: the converted stream's width
-    bases: list[torch.Tensor] = field(default_factory=list)   # distinct [d, w] float32
+
+    kind: str  # "identity" | "rotation"
+    hidden_size: int  # the original model's stream width d
+    layer_basis: list[int]  # per layer: index into ``bases``, -1 for identity
+    layer_width: list[int]  # per layer: the converted stream's width
+    bases: list[torch.Tensor] = field(default_factory=list)  # distinct [d, w] float32
     conversion: str = ""
 
     @property
@@ -57,7 +58,7 @@ class LayerMap:
         k = self.layer_basis[layer]
         if k < 0:
             return h
-        Q = self.bases[k][:, :self.layer_width[layer]]
+        Q = self.bases[k][:, : self.layer_width[layer]]
         return h @ Q.to(device=h.device, dtype=h.dtype)
 
     def mismatch(self, teacher_config: dict, student_config: dict) -> str | None:
@@ -78,9 +79,17 @@ class LayerMap:
         tensors = {f"basis.{k}": b.to(torch.float32).contiguous() for k, b in enumerate(self.bases)}
         tensors["layer_basis"] = torch.tensor(self.layer_basis, dtype=torch.int64)
         tensors["layer_width"] = torch.tensor(self.layer_width, dtype=torch.int64)
-        save_file(tensors, str(path), metadata={"format": FORMAT, "kind": self.kind,
-                                                "hidden_size": str(self.hidden_size),
-                                                "num_layers": str(self.num_layers), "conversion": self.conversion})
+        save_file(
+            tensors,
+            str(path),
+            metadata={
+                "format": FORMAT,
+                "kind": self.kind,
+                "hidden_size": str(self.hidden_size),
+                "num_layers": str(self.num_layers),
+                "conversion": self.conversion,
+            },
+        )
         return path
 
 
@@ -98,8 +107,14 @@ def read_layer_map(folder: str | Path) -> LayerMap | None:
             raise ValueError(f"{path}: not an hf_symmetry layer map (format {meta.get('format')!r})")
         t = {k: f.get_tensor(k) for k in f.keys()}
     n_bases = sum(1 for k in t if k.startswith("basis."))
-    return LayerMap(meta["kind"], int(meta["hidden_size"]), t["layer_basis"].tolist(), t["layer_width"].tolist(),
-                    [t[f"basis.{k}"] for k in range(n_bases)], meta.get("conversion", ""))
+    return LayerMap(
+        meta["kind"],
+        int(meta["hidden_size"]),
+        t["layer_basis"].tolist(),
+        t["layer_width"].tolist(),
+        [t[f"basis.{k}"] for k in range(n_bases)],
+        meta.get("conversion", ""),
+    )
 
 
 class LayerMapRecorder:
@@ -109,7 +124,7 @@ class LayerMapRecorder:
 
     def __init__(self, num_layers: int, hidden_size: int, conversion: str = ""):
         self.map = LayerMap("rotation", hidden_size, [-1] * num_layers, [hidden_size] * num_layers, [], conversion)
-        self._last = None            # the last distinct rotation (identity check only)
+        self._last = None  # the last distinct rotation (identity check only)
 
     def add(self, layer: int, Q: torch.Tensor, width: int) -> None:
         m = self.map

@@ -1,4 +1,5 @@
-"""``match``: align SOURCE to ANCHOR inside SOURCE's symmetry orbit (Zhang et al. 2025, rotation symmetry; docs/math.md §2).
+"""``match``: align SOURCE to ANCHOR inside SOURCE's symmetry orbit (Zhang et al. 2025, rotation symmetry; docs/math.md
+§2).
 
 The result computes exactly SOURCE's function but sits as close to ANCHOR, weight by weight, as
 the chosen symmetries allow, so that averaging-style merges combine corresponding units:
@@ -34,8 +35,15 @@ from tqdm.auto import tqdm
 
 from ..architectures import Adapter, spec_for_model_type
 from ..architectures.capabilities import allows, structural_config
-from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
-                          parse_size, write_config)
+from ..checkpoint import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    copy_side_files,
+    parse_size,
+    write_config,
+)
 from ..evaluation.distance_plots import plot_layer_distances
 from ..hub.cards import hub_id_of, public_model_labels, write_card
 from ..symmetry import actions
@@ -60,6 +68,7 @@ _RESIDUAL_WRITERS = ("o", "down")
 class MatchOptions:
     """What to match. ``heads='auto'`` matches QK and VO where the family has them as symmetries
     (VO only under QK-norm); naming ``qk`` or ``both`` on a QK-norm family is refused."""
+
     heads: Literal["auto", "both", "qk", "vo", "none"] = "auto"
     ffn: bool = True
     scaling: bool = False
@@ -75,8 +84,15 @@ class MatchOptions:
             raise ValueError("residual_iters refines the residual-stream rotation: it needs residual matching")
         qk = self.heads in ("both", "qk") or (self.heads == "auto" and allows(adapter, "qk_rotation"))
         vo = self.heads in ("auto", "both", "vo")
-        plan = MatchPlan(qk=qk, vo=vo, qk_scale=self.scaling and qk, vo_scale=self.scaling and vo, ffn=self.ffn,
-                         residual=self.residual, residual_iters=self.residual_iters)
+        plan = MatchPlan(
+            qk=qk,
+            vo=vo,
+            qk_scale=self.scaling and qk,
+            vo_scale=self.scaling and vo,
+            ffn=self.ffn,
+            residual=self.residual,
+            residual_iters=self.residual_iters,
+        )
         for symmetry in plan.symmetries():
             adapter.check_supports(symmetry)
         return plan
@@ -85,6 +101,7 @@ class MatchOptions:
 @dataclass(frozen=True)
 class MatchPlan:
     """Options resolved against one family (see :meth:`MatchOptions.plan`)."""
+
     qk: bool = False
     vo: bool = False
     qk_scale: bool = False
@@ -94,8 +111,14 @@ class MatchPlan:
     residual_iters: int = 0
 
     def symmetries(self) -> list[str]:
-        names = [("residual_rotation", self.residual), ("qk_rotation", self.qk), ("vo_rotation", self.vo),
-                 ("qk_scaling", self.qk_scale), ("vo_scaling", self.vo_scale), ("ffn_permutation", self.ffn)]
+        names = [
+            ("residual_rotation", self.residual),
+            ("qk_rotation", self.qk),
+            ("vo_rotation", self.vo),
+            ("qk_scaling", self.qk_scale),
+            ("vo_scaling", self.vo_scale),
+            ("ffn_permutation", self.ffn),
+        ]
         return [n for n, on in names if on]
 
 
@@ -106,6 +129,7 @@ class MatchPlan:
 class LayerMatch:
     """The group element found for one layer (None: not matched), and the norm weights that were
     folded (residual matching) — everything needed to replay the match or transform statistics."""
+
     qk: list[torch.Tensor] | None = None
     vo: list[torch.Tensor] | None = None
     qk_scale: torch.Tensor | None = None
@@ -133,6 +157,7 @@ class LayerMatch:
 class MatchSolution:
     """How a checkpoint was moved into the anchor's frame: optional norm folding and residual
     rotation ``Q`` (None: identity), then per-layer :class:`LayerMatch`."""
+
     fold: bool = False
     residual: torch.Tensor | None = None
     final_gamma: torch.Tensor | None = None
@@ -167,8 +192,10 @@ class MatchSolution:
     def _residual_gram(self, G: torch.Tensor, gamma: torch.Tensor | None) -> torch.Tensor:
         if self.fold and gamma is not None:
             if (gamma == 0).any():
-                raise ValueError("cannot transform Gram matrices through a norm with a zero weight (the folded "
-                                 "input is not determined); compute them on the matched model instead")
+                raise ValueError(
+                    "cannot transform Gram matrices through a norm with a zero weight (the folded "
+                    "input is not determined); compute them on the matched model instead"
+                )
             g = gamma.to(torch.float64)
             G = G / torch.outer(g, g)
         if self.residual is not None:
@@ -177,8 +204,10 @@ class MatchSolution:
 
     def is_identity(self, atol: float = 1e-10) -> bool:
         """True when every group element found is the identity (matching a model to itself)."""
+
         def eye_like(R):
             return torch.allclose(R, torch.eye(R.shape[0], dtype=R.dtype), atol=atol)
+
         if self.residual is not None and not eye_like(self.residual):
             return False
         for lm in self.layers.values():
@@ -214,13 +243,13 @@ def component_of(key: str, is_global: bool = False) -> str:
 
 def _sq(t: torch.Tensor) -> float:
     v = t.reshape(-1)
-    return torch.dot(v, v).item()   # BLAS: much faster than pow().sum() on large tensors
+    return torch.dot(v, v).item()  # BLAS: much faster than pow().sum() on large tensors
 
 
 def squared_distances(anchor: Tensors, source: Tensors, is_global: bool = False) -> dict[str, float]:
     """Squared Frobenius distance per component over the tensors both dicts hold."""
     out = dict.fromkeys(COMPONENTS, 0.0)
-    seen: dict[tuple[int, int], float] = {}    # a tied head aliases the embedding: one subtraction
+    seen: dict[tuple[int, int], float] = {}  # a tied head aliases the embedding: one subtraction
     for key in anchor.keys() & source.keys():
         a, s = anchor[key], source[key]
         if (id(a), id(s)) not in seen:
@@ -243,13 +272,15 @@ def squared_norms(tensors: Tensors, is_global: bool = False) -> dict[str, float]
 class MatchDistances:
     """Squared distances to the anchor per component, before and after matching, and the anchor's
     squared norms (for relative figures)."""
+
     before: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     after: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     anchor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     layers: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # i -> (before, after, anchor)
 
-    def add(self, anchor: Tensors, before: Tensors, after: Tensors, is_global: bool = False,
-            layer: int | None = None) -> None:
+    def add(
+        self, anchor: Tensors, before: Tensors, after: Tensors, is_global: bool = False, layer: int | None = None
+    ) -> None:
         d_before = squared_distances(anchor, before, is_global)
         d_after = d_before if after is before else squared_distances(anchor, after, is_global)
         rows = (d_before, d_after, squared_norms({k: anchor[k] for k in anchor.keys() & after.keys()}, is_global))
@@ -261,9 +292,14 @@ class MatchDistances:
 
     def per_layer(self) -> list[dict]:
         """Relative distance ``‖source − anchor‖ / ‖anchor‖`` of each layer, before and after."""
-        return [{"layer": i, "relative_before": math.sqrt(b / n) if n > 0 else 0.0,
-                 "relative_after": math.sqrt(a / n) if n > 0 else 0.0}
-                for i, (b, a, n) in sorted(self.layers.items())]
+        return [
+            {
+                "layer": i,
+                "relative_before": math.sqrt(b / n) if n > 0 else 0.0,
+                "relative_after": math.sqrt(a / n) if n > 0 else 0.0,
+            }
+            for i, (b, a, n) in sorted(self.layers.items())
+        ]
 
     def summary(self) -> dict:
         """Per component and in total: squared distance before/after, reduction, relative distance
@@ -275,9 +311,13 @@ class MatchDistances:
             n = sum(self.anchor.values()) if comp == "total" else self.anchor[comp]
             if comp != "total" and n == 0 and b == 0:
                 continue
-            rows[comp] = {"before": b, "after": a, "reduction": (1 - a / b) if b > 0 else 0.0,
-                          "relative_before": math.sqrt(b / n) if n > 0 else 0.0,
-                          "relative_after": math.sqrt(a / n) if n > 0 else 0.0}
+            rows[comp] = {
+                "before": b,
+                "after": a,
+                "reduction": (1 - a / b) if b > 0 else 0.0,
+                "relative_before": math.sqrt(b / n) if n > 0 else 0.0,
+                "relative_after": math.sqrt(a / n) if n > 0 else 0.0,
+            }
         return rows
 
 
@@ -337,7 +377,7 @@ def _qk_scale(anchor: Tensors, source: Tensors, layout: HeadLayout, g: int) -> f
 
 def _vo_scale(anchor: Tensors, source: Tensors, layout: HeadLayout, g: int) -> float:
     o_cols, v_rows = _span(layout, layout.heads_of_group(g)), _span(layout, (g,))
-    xx, xy = _inner_and_norm(anchor, source, [("o.weight", o_cols, 1)])           # O -> c O
+    xx, xy = _inner_and_norm(anchor, source, [("o.weight", o_cols, 1)])  # O -> c O
     yy, yz = _inner_and_norm(anchor, source, [("v.weight", v_rows, 0), ("v.bias", v_rows, 0)])  # V -> V / c
     return quartic_scale(xx, xy, yy, yz)
 
@@ -349,6 +389,7 @@ def _ffn_similarity(anchor: Tensors, source: Tensors) -> torch.Tensor:
     In float32: C only ranks candidate pairings for the assignment (the permutation itself is applied
     exactly); float32 halves the matching's largest cost and can only swap pairings whose scores tie
     to ~1e-7 relative, which changes the distance by as little."""
+
     def f32(name: str) -> torch.Tensor:
         return anchor[name].float(), source[name].float()
 
@@ -363,8 +404,9 @@ def _ffn_similarity(anchor: Tensors, source: Tensors) -> torch.Tensor:
     return C.double()
 
 
-def align_layer(anchor: Tensors, source: Tensors, layout: HeadLayout, plan: MatchPlan,
-                found: LayerMatch | None = None) -> tuple[LayerMatch, Tensors]:
+def align_layer(
+    anchor: Tensors, source: Tensors, layout: HeadLayout, plan: MatchPlan, found: LayerMatch | None = None
+) -> tuple[LayerMatch, Tensors]:
     """Solve and apply the head and FFN match of one layer (both layers in the same residual
     frame). Each step is the exact optimum of its block given the previous ones, so the distance
     never grows."""
@@ -519,18 +561,29 @@ def matched_config(config: dict, adapter: Adapter, plan: MatchPlan) -> dict:
     return new
 
 
-def run_pair(anchor: TensorSource, source: TensorSource, adapter: Adapter, plan: MatchPlan, sink,
-             identity: bool = False, progress: bool = True) -> PairMatcher:
+def run_pair(
+    anchor: TensorSource,
+    source: TensorSource,
+    adapter: Adapter,
+    plan: MatchPlan,
+    sink,
+    identity: bool = False,
+    progress: bool = True,
+) -> PairMatcher:
     """Stream ``source`` matched to ``anchor`` into ``sink``."""
     matcher = PairMatcher(adapter, plan, identity)
     matcher.solve_residual(anchor, source, progress)
     g_keys, per_layer, _ = partition_keys(adapter, anchor.keys())
     anchor_globals = adapter.read_globals(anchor.get(g_keys))
     transform_checkpoint(
-        source, adapter, sink,
+        source,
+        adapter,
+        sink,
         layer_fn=lambda i, layer: matcher.match_layer(i, adapter.read_layer(i, anchor.get(per_layer[i])), layer),
-        globals_fn=lambda g: matcher.match_globals(anchor_globals, g), progress=progress,
-        desc="fold" if identity else "match")
+        globals_fn=lambda g: matcher.match_globals(anchor_globals, g),
+        progress=progress,
+        desc="fold" if identity else "match",
+    )
     return matcher
 
 
@@ -545,8 +598,10 @@ def check_same_architecture(models: list[tuple[str, dict, dict[str, tuple]]]) ->
     for name, cfg, shapes in rest:
         spec = spec_for_model_type(cfg.get("model_type"))
         if spec.family != spec0.family:
-            raise ValueError(f"{name} is a {spec.family} model but {name0} is a {spec0.family} model: "
-                             "matching and merging need one architecture")
+            raise ValueError(
+                f"{name} is a {spec.family} model but {name0} is a {spec0.family} model: "
+                "matching and merging need one architecture"
+            )
         s0, s = structural_config(cfg0), structural_config(cfg)
         diff = sorted(k for k in s0.keys() | s.keys() if s0.get(k) != s.get(k))
         if diff:
@@ -559,7 +614,9 @@ def check_same_architecture(models: list[tuple[str, dict, dict[str, tuple]]]) ->
             raise ValueError(f"{name} and {name0} hold different tensors (e.g. {odd})")
         bad = [k for k in shapes0.keys() & shapes.keys() if shapes0[k] != shapes[k]]
         if bad:
-            raise ValueError(f"{name} and {name0} have different shapes: {bad[0]} is {shapes[bad[0]]} vs {shapes0[bad[0]]}")
+            raise ValueError(
+                f"{name} and {name0} have different shapes: {bad[0]} is {shapes[bad[0]]} vs {shapes0[bad[0]]}"
+            )
 
 
 def vocabulary_fingerprint(folder: str | Path | None) -> str | None:
@@ -569,8 +626,10 @@ def vocabulary_fingerprint(folder: str | Path | None) -> str | None:
     folder = Path(folder)
     if (folder / "tokenizer.json").is_file():
         data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-        vocab = {"model": data.get("model", {}).get("vocab"),
-                 "added": sorted((t.get("id"), t.get("content")) for t in data.get("added_tokens") or [])}
+        vocab = {
+            "model": data.get("model", {}).get("vocab"),
+            "added": sorted((t.get("id"), t.get("content")) for t in data.get("added_tokens") or []),
+        }
         blob = json.dumps(vocab, sort_keys=True).encode()
     else:
         files = [folder / n for n in ("vocab.json", "vocab.txt", "tokenizer.model") if (folder / n).is_file()]
@@ -589,16 +648,22 @@ def check_same_vocabulary(folders: list[tuple[str, str | Path | None]], why: str
             raise ValueError(f"{name} and {known[0][0]} have different vocabularies; {why}")
 
 
-def plan_pair(anchor: TensorSource, source: TensorSource, anchor_config: dict, source_config: dict,
-              options: MatchOptions, names=("ANCHOR", "SOURCE"), folders=(None, None)) -> tuple[Adapter, MatchPlan]:
+def plan_pair(
+    anchor: TensorSource,
+    source: TensorSource,
+    anchor_config: dict,
+    source_config: dict,
+    options: MatchOptions,
+    names=("ANCHOR", "SOURCE"),
+    folders=(None, None),
+) -> tuple[Adapter, MatchPlan]:
     """Every refusal, before any work: same architecture and shapes, supported symmetries,
     and for residual matching a shared vocabulary and no tensors outside the known layout."""
     check_same_architecture([(names[0], anchor_config, anchor.shapes()), (names[1], source_config, source.shapes())])
     adapter = Adapter.from_config(source_config, source.keys())
     plan = options.plan(adapter)
     if plan.residual:
-        check_same_vocabulary(list(zip(names, folders)),
-                              "residual matching compares embedding rows token by token")
+        check_same_vocabulary(list(zip(names, folders)), "residual matching compares embedding rows token by token")
         plan_checks(adapter, RotateOptions(residual="random", heads="none", ffn=False), source.keys())
     return adapter, plan
 
@@ -615,8 +680,14 @@ class MatchResult:
     symmetries: list[str]
 
 
-def match_state_dict(anchor: Tensors, source: Tensors, config, options: MatchOptions = MatchOptions(),
-                     anchor_config=None, progress: bool = False) -> MatchResult:
+def match_state_dict(
+    anchor: Tensors,
+    source: Tensors,
+    config,
+    options: MatchOptions = MatchOptions(),
+    anchor_config=None,
+    progress: bool = False,
+) -> MatchResult:
     """In-memory matching: SOURCE's state dict moved as close to ANCHOR's as its symmetries allow."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     anchor_config = anchor_config.to_dict() if hasattr(anchor_config, "to_dict") else dict(anchor_config or config)
@@ -624,8 +695,9 @@ def match_state_dict(anchor: Tensors, source: Tensors, config, options: MatchOpt
     adapter, plan = plan_pair(a_src, s_src, anchor_config, config, options)
     sink = DictSink()
     matcher = run_pair(a_src, s_src, adapter, plan, sink, progress=progress)
-    return MatchResult(dict(sink), matched_config(config, adapter, plan), matcher.solution, matcher.distances,
-                       plan.symmetries())
+    return MatchResult(
+        dict(sink), matched_config(config, adapter, plan), matcher.solution, matcher.distances, plan.symmetries()
+    )
 
 
 def fold_state_dict(state_dict: Tensors, config, progress: bool = False) -> MatchResult:
@@ -655,28 +727,45 @@ class MatchReport:
     verification: dict = field(default_factory=dict)
 
 
-def match_checkpoint(anchor: str | Path, source: str | Path, out: str | Path, options: MatchOptions = MatchOptions(),
-                     overwrite: bool = False, max_shard_size: str | int = "2GB", progress: bool = True) -> MatchReport:
+def match_checkpoint(
+    anchor: str | Path,
+    source: str | Path,
+    out: str | Path,
+    options: MatchOptions = MatchOptions(),
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    progress: bool = True,
+) -> MatchReport:
     """Stream SOURCE (an HF safetensors folder) matched to ANCHOR into ``out``: a stock folder with
     SOURCE's tokenizer files and a model card (exactness figures are added once verified)."""
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     a_reader, s_reader = CheckpointReader(anchor), CheckpointReader(source)
-    adapter, plan = plan_pair(a_reader, s_reader, a_reader.config, s_reader.config, options,
-                              folders=(a_reader.path, s_reader.path))
+    adapter, plan = plan_pair(
+        a_reader, s_reader, a_reader.config, s_reader.config, options, folders=(a_reader.path, s_reader.path)
+    )
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "match"})
         matcher = run_pair(a_reader, s_reader, adapter, plan, writer, progress=progress)
         writer.close()
         write_config(tmp, matched_config(s_reader.config, adapter, plan))
         copy_side_files(s_reader.path, tmp)
-        report = MatchReport(anchor=str(anchor), source=str(source), output=str(out), family=adapter.family,
-                             symmetries=plan.symmetries(), distances=matcher.distances.summary(),
-                             seconds=time.perf_counter() - start,
-                             untied_embeddings=bool(plan.residual and adapter.spec.lm_head and adapter.tied_embeddings),
-                             layer_distances=matcher.distances.per_layer())
-        plot_layer_distances(report.layer_distances, tmp / DISTANCE_PLOT,
-                             f"{Path(source).name} to {Path(anchor).name}: distance per layer")
+        report = MatchReport(
+            anchor=str(anchor),
+            source=str(source),
+            output=str(out),
+            family=adapter.family,
+            symmetries=plan.symmetries(),
+            distances=matcher.distances.summary(),
+            seconds=time.perf_counter() - start,
+            untied_embeddings=bool(plan.residual and adapter.spec.lm_head and adapter.tied_embeddings),
+            layer_distances=matcher.distances.per_layer(),
+        )
+        plot_layer_distances(
+            report.layer_distances,
+            tmp / DISTANCE_PLOT,
+            f"{Path(source).name} to {Path(anchor).name}: distance per layer",
+        )
         write_card(tmp, "match", match_card_data(report, options))
     return report
 
@@ -691,8 +780,18 @@ def match_card_data(report: MatchReport, options: MatchOptions) -> dict:
         "inputs": [report.source, report.anchor],
         # the function is SOURCE's: the anchor is only the reference frame, not an ancestor
         "base_model": [hub_id_of(report.source)] if hub_id_of(report.source) else [],
-        "extra": {"anchor": anchor, "source": source, "symmetries": report.symmetries,
-                  "distances": report.distances, "untied_embeddings": report.untied_embeddings},
-        "plots": [{"path": DISTANCE_PLOT, "caption": "Relative distance to the anchor per layer "
-                                                     "(‖source − anchor‖ / ‖anchor‖), before and after matching"}],
+        "extra": {
+            "anchor": anchor,
+            "source": source,
+            "symmetries": report.symmetries,
+            "distances": report.distances,
+            "untied_embeddings": report.untied_embeddings,
+        },
+        "plots": [
+            {
+                "path": DISTANCE_PLOT,
+                "caption": "Relative distance to the anchor per layer "
+                "(‖source − anchor‖ / ‖anchor‖), before and after matching",
+            }
+        ],
     }

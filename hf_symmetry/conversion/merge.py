@@ -36,13 +36,27 @@ from tqdm.auto import tqdm
 from ..architectures import Adapter
 from ..assets import resolve_model, resolve_text
 from ..calibration import token_batches
-from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
-                          parse_size, write_config)
+from ..checkpoint import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    copy_side_files,
+    parse_size,
+    write_config,
+)
 from ..devices import linalg_device
 from ..hub.cards import hub_id_of, public_model_labels, update_card, write_card
 from ..text import public_text_label
-from .match import (MatchPlan, PairMatcher, check_same_architecture, check_same_vocabulary, run_pair,
-                    vocabulary_fingerprint, with_lm_head)
+from .match import (
+    MatchPlan,
+    PairMatcher,
+    check_same_architecture,
+    check_same_vocabulary,
+    run_pair,
+    vocabulary_fingerprint,
+    with_lm_head,
+)
 from .merge_methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
 from .merge_statistics import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
 from .merge_stream import GRAM_OF, LayerGrams, stream_merge
@@ -63,6 +77,7 @@ class MergeRule:
     """One merge method applied to canonical tensors. Participants are the merged models, then
     the base (``has_base``). ``fishers`` (per model, tensor sources keyed like the state dict) and
     ``grams`` (per model, canonical keys) must already be in the anchor's frame."""
+
     method: str
     params: dict
     entries: list[ModelEntry]
@@ -70,8 +85,8 @@ class MergeRule:
     adapter: Adapter
     fishers: list[TensorSource] | None = None
     grams: list[Tensors] | None = None
-    device: torch.device = torch.device("cpu")    # where RegMean's solves run (results come back to the CPU)
-    _parts: list | None = field(default=None, repr=False)   # the Fisher sources' keys per layer
+    device: torch.device = torch.device("cpu")  # where RegMean's solves run (results come back to the CPU)
+    _parts: list | None = field(default=None, repr=False)  # the Fisher sources' keys per layer
     _solvers: dict = field(default_factory=dict, repr=False)  # RegMean: Gram key -> factored system
 
     @property
@@ -106,12 +121,13 @@ class MergeRule:
         for key in parts[0]:
             tensors = [p[key] for p in parts]
             gkey = gram_key(key)
-            if self.method == "regmean" and gkey is not None:   # factored once, e.g. for every block of the LM head
+            if self.method == "regmean" and gkey is not None:  # factored once, e.g. for every block of the LM head
                 try:
                     if gkey not in self._solvers:
-                        self._solvers[gkey] = RegMeanSolver([g[gkey] for g in self.grams], self.weights,
-                                                            self.params["alpha"], self.device)
-                    out[key] = self._solvers[gkey].solve(tensors[:len(self.entries)]).cpu()
+                        self._solvers[gkey] = RegMeanSolver(
+                            [g[gkey] for g in self.grams], self.weights, self.params["alpha"], self.device
+                        )
+                    out[key] = self._solvers[gkey].solve(tensors[: len(self.entries)]).cpu()
                 except ValueError as exc:
                     raise ValueError(f"{gkey}: {exc}") from None
             else:
@@ -126,9 +142,10 @@ class MergeRule:
     def layer(self, i: int, layers: list[Tensors]) -> Tensors:
         fishers = None
         if self.method == "fisher":
-            fishers = [self.adapter.read_layer(i, f.get(part[1][i])) for f, part in zip(self.fishers, self._fisher_parts())]
-        return self._merge_dict(layers, fishers,
-                                lambda key: f"layers.{i}.{GRAM_OF[key]}" if key in GRAM_OF else None)
+            fishers = [
+                self.adapter.read_layer(i, f.get(part[1][i])) for f, part in zip(self.fishers, self._fisher_parts())
+            ]
+        return self._merge_dict(layers, fishers, lambda key: f"layers.{i}.{GRAM_OF[key]}" if key in GRAM_OF else None)
 
     def globals(self, gs: list[Tensors]) -> Tensors:
         fishers = None
@@ -148,7 +165,9 @@ class MergeRule:
         fishers = None
         if self.method == "fisher":
             found = [f.get([key])[key] if key in set(f.keys()) else None for f in self.fishers]
-            fishers = found if all(f is not None for f in found) else [torch.ones_like(t) for t in tensors[:len(found)]]
+            fishers = (
+                found if all(f is not None for f in found) else [torch.ones_like(t) for t in tensors[: len(found)]]
+            )
         return self.combine(tensors, fishers).to(tensors[0].dtype)
 
 
@@ -160,7 +179,7 @@ class MergeOutcome:
     config: dict
     anchor: int
     tied_output: bool
-    distances: dict = field(default_factory=dict)       # participant name -> match distance summary
+    distances: dict = field(default_factory=dict)  # participant name -> match distance summary
     anchor_distances: dict = field(default_factory=dict)  # participant name -> squared distance to the mean
     seconds: dict = field(default_factory=dict)
 
@@ -188,8 +207,15 @@ def distances_to_mean(sources: list[TensorSource], adapter: Adapter, progress: b
     return out
 
 
-def choose_anchor(sources: list[TensorSource], names: list[str], adapter: Adapter, anchor: str, has_base: bool,
-                  n_models: int, progress: bool) -> tuple[int, dict]:
+def choose_anchor(
+    sources: list[TensorSource],
+    names: list[str],
+    adapter: Adapter,
+    anchor: str,
+    has_base: bool,
+    n_models: int,
+    progress: bool,
+) -> tuple[int, dict]:
     """The recipe's anchor, else the base, else the model nearest the mean (the first of two:
     both are equally far from their mean)."""
     if anchor != "auto":
@@ -202,9 +228,17 @@ def choose_anchor(sources: list[TensorSource], names: list[str], adapter: Adapte
     return min(range(n_models), key=d.__getitem__), dict(zip(names, d))
 
 
-def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule, sink, anchor: int,
-                  plan: MatchPlan | None, tied_output: bool, progress: bool = True,
-                  layer_grams: "LayerGrams | None" = None) -> list[PairMatcher] | None:
+def merge_sources(
+    sources: list[TensorSource],
+    adapter: Adapter,
+    rule: MergeRule,
+    sink,
+    anchor: int,
+    plan: MatchPlan | None,
+    tied_output: bool,
+    progress: bool = True,
+    layer_grams: "LayerGrams | None" = None,
+) -> list[PairMatcher] | None:
     """Stream every participant layer by layer, matched to ``sources[anchor]`` when ``plan`` is
     given, merged by ``rule`` into ``sink``. ``layer_grams`` (RegMean): the Gram matrices of each
     layer are collected as the layer comes (and the globals merged last). Returns the matchers
@@ -216,15 +250,27 @@ def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule
             m.solve_residual(sources[anchor], sources[j], progress)
 
     if rule.method != "fisher":
-        stream_merge(sources, adapter, rule, sink, anchor, matchers, tied_output, progress,
-                     f"{'match + ' if plan else ''}{rule.method}", layer_grams)
+        stream_merge(
+            sources,
+            adapter,
+            rule,
+            sink,
+            anchor,
+            matchers,
+            tied_output,
+            progress,
+            f"{'match + ' if plan else ''}{rule.method}",
+            layer_grams,
+        )
         return matchers
 
     def globals_fn(gs: list[Tensors]) -> Tensors:
         if matchers:
             gs = [m.match_globals(gs[anchor], g) for m, g in zip(matchers, gs)]
-        gs = [{k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
-              for g in gs]
+        gs = [
+            {k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
+            for g in gs
+        ]
         return rule.globals(gs)
 
     def layer_fn(i: int, layers: list[Tensors]) -> Tensors:
@@ -233,8 +279,17 @@ def merge_sources(sources: list[TensorSource], adapter: Adapter, rule: MergeRule
         return rule.layer(i, layers)
 
     # Fisher: each layer's Fishers are read beside its weights (the matched inputs, written by then)
-    combine_checkpoints(sources, adapter, sink, layer_fn, globals_fn, rule.rest, like=anchor, progress=progress,
-                        desc=f"{'match + ' if plan else ''}{rule.method}")
+    combine_checkpoints(
+        sources,
+        adapter,
+        sink,
+        layer_fn,
+        globals_fn,
+        rule.rest,
+        like=anchor,
+        progress=progress,
+        desc=f"{'match + ' if plan else ''}{rule.method}",
+    )
     return matchers
 
 
@@ -257,7 +312,7 @@ class _Spill:
         writer = ShardedWriter(path, parse_size("2GB"))
         fill(writer)
         writer.close()
-        (path / "config.json").write_text("{}\n")   # a folder CheckpointReader reads
+        (path / "config.json").write_text("{}\n")  # a folder CheckpointReader reads
         return CheckpointReader(path)
 
 
@@ -274,8 +329,9 @@ class _SourceMapping:
         return self.source.get([key])[key]
 
 
-def _matched_inputs(sources: list[TensorSource], adapter: Adapter, plan: MatchPlan | None, anchor: int,
-                    progress: bool, spill: _Spill) -> tuple[list[TensorSource], list]:
+def _matched_inputs(
+    sources: list[TensorSource], adapter: Adapter, plan: MatchPlan | None, anchor: int, progress: bool, spill: _Spill
+) -> tuple[list[TensorSource], list]:
     """Every participant moved into the anchor's frame (streamed into ``spill``), with its match
     solution; without a plan, the inputs themselves."""
     if plan is None:
@@ -283,14 +339,27 @@ def _matched_inputs(sources: list[TensorSource], adapter: Adapter, plan: MatchPl
     matched, solutions = [], []
     for j, s in enumerate(sources):
         found = []
-        matched.append(spill.write(f"matched-{j}", lambda sink: found.append(
-            run_pair(sources[anchor], s, adapter, plan, sink, identity=(j == anchor), progress=progress))))
+        matched.append(
+            spill.write(
+                f"matched-{j}",
+                lambda sink: found.append(
+                    run_pair(sources[anchor], s, adapter, plan, sink, identity=(j == anchor), progress=progress)
+                ),
+            )
+        )
         solutions.append(found[0])
     return matched, solutions
 
 
-def _fishers(matched: list[TensorSource], matched_config: dict, batches: list[torch.Tensor], n_models: int,
-             progress: bool, placement, spill: _Spill) -> list[TensorSource]:
+def _fishers(
+    matched: list[TensorSource],
+    matched_config: dict,
+    batches: list[torch.Tensor],
+    n_models: int,
+    progress: bool,
+    placement,
+    spill: _Spill,
+) -> list[TensorSource]:
     """Diagonal Fisher of each merged model, on the matched models (the diagonal Fisher does not
     transform under the match): each model in turn placed by accelerate (:func:`fisher_model`) and
     its Fisher written to ``spill``."""
@@ -299,14 +368,23 @@ def _fishers(matched: list[TensorSource], matched_config: dict, batches: list[to
         model = fisher_model(matched_config, _SourceMapping(matched[j]), statistics_dtype(matched[j]), placement)
         fisher = fisher_diagonal(model, batches, progress, desc=f"fisher {j + 1}/{n_models}")
         del model
-        fishers.append(spill.write(f"fisher-{j}", lambda sink: sink.add(fisher)))
+        fishers.append(spill.write(f"fisher-{j}", lambda sink, fisher=fisher: sink.add(fisher)))
         del fisher
     return fishers
 
 
-def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str], recipe: MergeRecipe, sink,
-              calibration_ids: torch.Tensor | None = None, folders: list | None = None,
-              progress: bool = True, placement=None, workdir: Path | None = None) -> MergeOutcome:
+def run_merge(
+    sources: list[TensorSource],
+    configs: list[dict],
+    names: list[str],
+    recipe: MergeRecipe,
+    sink,
+    calibration_ids: torch.Tensor | None = None,
+    folders: list | None = None,
+    progress: bool = True,
+    placement=None,
+    workdir: Path | None = None,
+) -> MergeOutcome:
     """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first.
     ``workdir``: a folder for Fisher merging's matched inputs and Fishers and for the Grams RegMean keeps
     waiting while the next input's layer runs (default: memory)."""
@@ -322,12 +400,15 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
     if recipe.method in DATA_METHODS and calibration_ids is None:
         raise ValueError(f"{recipe.method} needs calibration token ids")
     if recipe.method == "fisher" and adapter.spec.lm_head is None:
-        raise ValueError(f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
-                         "base models have none (use average or regmean)")
+        raise ValueError(
+            f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
+            "base models have none (use average or regmean)"
+        )
     if recipe.method in DATA_METHODS:
-        batches = token_batches(calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size,
-                                      keep_partial=False)
-    if recipe.method == "fisher":   # a backward pass needs the whole model: refuse what cannot fit, before any work
+        batches = token_batches(
+            calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size, keep_partial=False
+        )
+    if recipe.method == "fisher":  # a backward pass needs the whole model: refuse what cannot fit, before any work
         check_fisher_memory(sources[0].shapes(), statistics_dtype(sources[0]), placement)
 
     timings = {}
@@ -338,8 +419,9 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
     config = dict(configs[anchor])
     if adapter.spec.lm_head is not None:
         config["tie_word_embeddings"] = tied
-    rule = MergeRule(recipe.method, recipe.parameters, recipe.models, has_base, adapter,
-                     device=linalg_device(placement))
+    rule = MergeRule(
+        recipe.method, recipe.parameters, recipe.models, has_base, adapter, device=linalg_device(placement)
+    )
 
     start = time.perf_counter()
     if recipe.method == "fisher":
@@ -354,16 +436,23 @@ def run_merge(sources: list[TensorSource], configs: list[dict], names: list[str]
         timings["merge"] = time.perf_counter() - start
     else:
         layer_grams = None
-        if recipe.method == "regmean":   # embeds the calibration tokens; each layer is measured in the merge pass
-            layer_grams = LayerGrams(sources[:n_models], configs[:n_models], batches, placement, progress,
-                                     spill=None if workdir is None else Path(workdir) / "grams")
+        if recipe.method == "regmean":  # embeds the calibration tokens; each layer is measured in the merge pass
+            layer_grams = LayerGrams(
+                sources[:n_models],
+                configs[:n_models],
+                batches,
+                placement,
+                progress,
+                spill=None if workdir is None else Path(workdir) / "grams",
+            )
             timings["calibration_embed"] = time.perf_counter() - start
             start = time.perf_counter()
         matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress, layer_grams)
         timings["match_and_merge" if plan else "merge"] = time.perf_counter() - start
     distances = {names[j]: m.distances.summary() for j, m in enumerate(matchers or []) if m and j != anchor}
-    return MergeOutcome(config=config, anchor=anchor, tied_output=tied, distances=distances,
-                        anchor_distances=to_mean, seconds=timings)
+    return MergeOutcome(
+        config=config, anchor=anchor, tied_output=tied, distances=distances, anchor_distances=to_mean, seconds=timings
+    )
 
 
 # --------------------------------------------------------------------------- entry points
@@ -375,8 +464,14 @@ class MergeResult:
     outcome: MergeOutcome
 
 
-def merge_state_dicts(state_dicts: list[Tensors], config, recipe: dict | MergeRecipe, base: Tensors | None = None,
-                      calibration_ids: torch.Tensor | None = None, progress: bool = False) -> MergeResult:
+def merge_state_dicts(
+    state_dicts: list[Tensors],
+    config,
+    recipe: dict | MergeRecipe,
+    base: Tensors | None = None,
+    calibration_ids: torch.Tensor | None = None,
+    progress: bool = False,
+) -> MergeResult:
     """In-memory merge. ``recipe`` is a recipe mapping (or :class:`MergeRecipe`); its ``models``
     entries give weights/densities in the order of ``state_dicts`` (their ``model`` names are
     labels only) and ``base_model`` labels ``base``. Data-dependent methods take
@@ -387,8 +482,15 @@ def merge_state_dicts(state_dicts: list[Tensors], config, recipe: dict | MergeRe
         raise ValueError("the recipe's models and base_model must correspond to the state dicts given")
     dicts = list(state_dicts) + ([base] if base is not None else [])
     sink = DictSink()
-    outcome = run_merge([DictSource(d) for d in dicts], [config] * len(dicts), recipe.inputs, recipe, sink,
-                        calibration_ids, progress=progress)
+    outcome = run_merge(
+        [DictSource(d) for d in dicts],
+        [config] * len(dicts),
+        recipe.inputs,
+        recipe,
+        sink,
+        calibration_ids,
+        progress=progress,
+    )
     return MergeResult(dict(sink), outcome)
 
 
@@ -421,8 +523,14 @@ def _tokenizer_folder(folders: list[Path]) -> Path | None:
     return next((f for f in folders if vocabulary_fingerprint(f) is not None), None)
 
 
-def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = False, max_shard_size: str | int = "2GB",
-                      progress: bool = True, placement=None) -> MergeReport:
+def merge_checkpoints(
+    recipe: MergeRecipe,
+    out: str | Path,
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    progress: bool = True,
+    placement=None,
+) -> MergeReport:
     """Merge the recipe's HF folders into ``out``: a stock folder with the anchor's config, the
     inputs' tokenizer and a model card (with the perplexities of the merge and of every input
     on the recipe's evaluation text, for causal LMs). ``placement`` (:func:`hf_symmetry.devices.resolve`):
@@ -442,14 +550,23 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
             raise ValueError(f"{recipe.method} tokenises its calibration text, but no input folder has a tokenizer")
         calibration_ids = tokenize_text(load_tokenizer(tok_folder), read_text(text), recipe.calibration.tokens)
     if recipe.evaluation:
-        resolve_text(recipe.evaluation.text)   # a missing evaluation text fails before any work
+        resolve_text(recipe.evaluation.text)  # a missing evaluation text fails before any work
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method}"})
         sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
-        spill = tmp / ".merge-work"   # Fisher's matched inputs and Fishers, RegMean's waiting Grams (removed)
-        outcome = run_merge(readers, [r.config for r in readers], recipe.inputs, recipe, sink, calibration_ids,
-                            folders, progress, placement,
-                            workdir=spill if recipe.method in ("fisher", "regmean") else None)
+        spill = tmp / ".merge-work"  # Fisher's matched inputs and Fishers, RegMean's waiting Grams (removed)
+        outcome = run_merge(
+            readers,
+            [r.config for r in readers],
+            recipe.inputs,
+            recipe,
+            sink,
+            calibration_ids,
+            folders,
+            progress,
+            placement,
+            workdir=spill if recipe.method in ("fisher", "regmean") else None,
+        )
         shutil.rmtree(spill, ignore_errors=True)
         writer.close()
         config = dict(outcome.config)
@@ -457,10 +574,16 @@ def merge_checkpoints(recipe: MergeRecipe, out: str | Path, overwrite: bool = Fa
             config["dtype"] = recipe.dtype
         write_config(tmp, config)
         copy_side_files(tok_folder or folders[outcome.anchor], tmp)
-        report = MergeReport(output=str(out), method=recipe.method, inputs=recipe.inputs,
-                             anchor=recipe.inputs[outcome.anchor], matched=recipe.match is not None,
-                             distances=outcome.distances, seconds=time.perf_counter() - start,
-                             timings=outcome.seconds)
+        report = MergeReport(
+            output=str(out),
+            method=recipe.method,
+            inputs=recipe.inputs,
+            anchor=recipe.inputs[outcome.anchor],
+            matched=recipe.match is not None,
+            distances=outcome.distances,
+            seconds=time.perf_counter() - start,
+            timings=outcome.seconds,
+        )
         write_card(tmp, "merge", merge_card_data(recipe, report, outcome))
     return report
 
@@ -470,8 +593,14 @@ def _is_causal_lm(config: dict) -> bool:
     return "CausalLM" in arch or "LMHead" in arch
 
 
-def evaluate_merge(out: str | Path, recipe: MergeRecipe, text: str | Path | None = None, tokens: int | None = None,
-                   device: str | None = "auto", progress: bool = True) -> dict:
+def evaluate_merge(
+    out: str | Path,
+    recipe: MergeRecipe,
+    text: str | Path | None = None,
+    tokens: int | None = None,
+    device: str | None = "auto",
+    progress: bool = True,
+) -> dict:
     """Perplexity of the merge written to ``out`` and of every input on one text (the shared
     definition, :func:`hf_symmetry.evaluation.verification.perplexities`), recorded in the card:
     the merge's as model-index metadata, every input's in the card's table. Returns the figures
@@ -489,9 +618,14 @@ def evaluate_merge(out: str | Path, recipe: MergeRecipe, text: str | Path | None
     models = {MERGED: Path(out), **dict(zip(labels, folders))}
     results, path = perplexities(models, text, tokens, tokenizer_from=tok_folder, device=device, progress=progress)
     merged = results.pop(MERGED)
-    figures = {"text": public_text_label(text), "tokens": merged.tokens, "window": merged.window,
-               "stride": merged.stride, "merged": merged.perplexity,
-               "inputs": {name: r.perplexity for name, r in results.items()}}
+    figures = {
+        "text": public_text_label(text),
+        "tokens": merged.tokens,
+        "window": merged.window,
+        "stride": merged.stride,
+        "merged": merged.perplexity,
+        "inputs": {name: r.perplexity for name, r in results.items()},
+    }
     update_card(out, eval_results=[perplexity_card_entry(merged, path, tokens)], evaluation=figures)
     return figures
 
@@ -502,8 +636,10 @@ MERGED = "this merge"
 def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutcome) -> dict:
     """What the model card says about a merge (inputs by distinct public names, no local path)."""
     label = dict(zip(recipe.inputs, public_model_labels(recipe.inputs)))
-    models = [{"model": label[m.model], "weight": m.weight, **({"density": m.density} if recipe.method == "ties"
-                                                                else {})} for m in recipe.models]
+    models = [
+        {"model": label[m.model], "weight": m.weight, **({"density": m.density} if recipe.method == "ties" else {})}
+        for m in recipe.models
+    ]
     params = {**recipe.parameters, "match": asdict(recipe.match) if recipe.match else False}
     if recipe.method in DATA_METHODS:
         params["calibration"] = {**asdict(recipe.calibration), "text": public_text_label(recipe.calibration.text)}
@@ -512,10 +648,14 @@ def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutc
         "method": f"merge/{recipe.method}",
         "parameters": params,
         "inputs": recipe.inputs,
-        "base_model": [hub_id_of(m) for m in recipe.inputs],   # lineage: every input's Hub ancestor, once
-        "extra": {"models": models, "base": label.get(recipe.base_model), "anchor": label[report.anchor],
-                  "matched": recipe.match is not None,
-                  "distances": {label[k]: v for k, v in report.distances.items()},
-                  "timings_s": report.timings,
-                  "tied_embeddings": outcome.tied_output},
+        "base_model": [hub_id_of(m) for m in recipe.inputs],  # lineage: every input's Hub ancestor, once
+        "extra": {
+            "models": models,
+            "base": label.get(recipe.base_model),
+            "anchor": label[report.anchor],
+            "matched": recipe.match is not None,
+            "distances": {label[k]: v for k, v in report.distances.items()},
+            "timings_s": report.timings,
+            "tied_embeddings": outcome.tied_output,
+        },
     }

@@ -33,8 +33,9 @@ def weighted_average(tensors: list[Tensor], weights: list[float], normalize: boo
     return out / w.sum() if normalize else out
 
 
-def task_arithmetic(base: Tensor, tensors: list[Tensor], weights: list[float], lam: float = 1.0,
-                    normalize: bool = False) -> Tensor:
+def task_arithmetic(
+    base: Tensor, tensors: list[Tensor], weights: list[float], lam: float = 1.0, normalize: bool = False
+) -> Tensor:
     """``base + λ Σ w_i (θ_i − base)`` (Ilharco et al.); ``normalize`` divides by ``Σ w_i``."""
     b = base.to(torch.float64)
     delta = weighted_average([t.to(torch.float64) - b for t in tensors], weights, normalize)
@@ -54,8 +55,14 @@ def magnitude_trim(delta: Tensor, density: float) -> Tensor:
     return delta * mask.reshape(delta.shape)
 
 
-def ties(base: Tensor, tensors: list[Tensor], weights: list[float], densities: list[float], lam: float = 1.0,
-         normalize: bool = True) -> Tensor:
+def ties(
+    base: Tensor,
+    tensors: list[Tensor],
+    weights: list[float],
+    densities: list[float],
+    lam: float = 1.0,
+    normalize: bool = True,
+) -> Tensor:
     """TIES-merging (Yadav et al.): trim each task vector to its density, elect each entry's sign
     as the sign of the weighted sum of trimmed task vectors (≥ 0 counts as +), then average only
     the task vectors that agree with it, weighted (``Σ w_i τ_i m_i / Σ w_i m_i``)."""
@@ -104,8 +111,10 @@ def _factor(lhs: Tensor) -> tuple[Tensor, Tensor]:
     else:
         LU, pivots, info = torch.linalg.lu_factor_ex(lhs)
     if info.item() > 0:
-        raise ValueError("RegMean: the summed Gram matrix is singular (some input channel never saw signal); "
-                         "use alpha < 1 or more calibration tokens")
+        raise ValueError(
+            "RegMean: the summed Gram matrix is singular (some input channel never saw signal); "
+            "use alpha < 1 or more calibration tokens"
+        )
     return LU, pivots
 
 
@@ -121,7 +130,7 @@ def _draining(items: list):
         yield item
 
 
-GRAM_BLOCK_ELEMENTS = 1 << 20   # rows of a Gram used (or read from its file) at a time: 8 MB of float64
+GRAM_BLOCK_ELEMENTS = 1 << 20  # rows of a Gram used (or read from its file) at a time: 8 MB of float64
 
 
 def _views(G: Tensor):
@@ -129,7 +138,7 @@ def _views(G: Tensor):
     n = G.shape[0]
     step = max(1, GRAM_BLOCK_ELEMENTS // n)
     for start in range(0, n, step):
-        yield start, min(n, start + step), G[start:start + step]
+        yield start, min(n, start + step), G[start : start + step]
 
 
 def _stored_blocks(G, alpha: float, scale: float, device):
@@ -169,10 +178,10 @@ def regmean_group(models, model_weights: list[float], alpha: float = 0.9, device
         if isinstance(G, Tensor):
             G = _regularised_(G.to(device=device, dtype=torch.float64), alpha, mw)
             blocks = functools.partial(_views, G)
-        else:   # stored: read a block of rows at a time, for the summed Gram now and for each weight
+        else:  # stored: read a block of rows at a time, for the summed Gram now and for each weight
             blocks = functools.partial(_stored_blocks, G, alpha, mw, device)
             if lhs is None:
-                lhs = torch.empty((n, n), dtype=torch.float64, device=device).T   # column-major
+                lhs = torch.empty((n, n), dtype=torch.float64, device=device).T  # column-major
                 for start, stop, block in blocks():
                     lhs[start:stop] = block.add_(0.0)
             else:
@@ -205,8 +214,9 @@ def regmean_group(models, model_weights: list[float], alpha: float = 0.9, device
 
 def regmean(weights: list[Tensor], grams: list[Tensor], model_weights: list[float], alpha: float = 0.9) -> Tensor:
     """RegMean of one linear layer (:func:`regmean_group` with one layer; ``grams`` are not modified)."""
-    return regmean_group(((G.to(torch.float64, copy=True), [W]) for W, G in zip(weights, grams)),
-                         model_weights, alpha)[0]
+    return regmean_group(((G.to(torch.float64, copy=True), [W]) for W, G in zip(weights, grams)), model_weights, alpha)[
+        0
+    ]
 
 
 class RegMeanSolver:
@@ -217,8 +227,10 @@ class RegMeanSolver:
     def __init__(self, grams: list[Tensor], model_weights: list[float], alpha: float = 0.9, device=None):
         _check_alpha(alpha)
         self.device = device
-        self.grams = [_regularised_(G.to(device=device, dtype=torch.float64, copy=True), alpha, mw)
-                      for G, mw in zip(grams, model_weights)]
+        self.grams = [
+            _regularised_(G.to(device=device, dtype=torch.float64, copy=True), alpha, mw)
+            for G, mw in zip(grams, model_weights)
+        ]
         lhs = None
         for G in self.grams:
             lhs = G.clone().add_(0.0) if lhs is None else lhs.add_(G)

@@ -31,8 +31,9 @@ def statistics_dtype(source) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gram_matrices(source, config, batches: list[torch.Tensor], progress: bool = True,
-                  desc: str = "grams", placement=None) -> Tensors:
+def gram_matrices(
+    source, config, batches: list[torch.Tensor], progress: bool = True, desc: str = "grams", placement=None
+) -> Tensors:
     """``G = Σ_tokens x xᵀ`` (float64) of the input of every linear layer, over all batches, keyed
     ``layers.{i}.attn_in`` / ``o_in`` / ``ffn_in`` / ``down_in`` and ``head_in`` (when the model has
     an LM head).
@@ -54,8 +55,9 @@ def gram_matrices(source, config, batches: list[torch.Tensor], progress: bool = 
         placement = resolve("cpu", statistics_dtype(probe))
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
     has_head = engine.adapter.spec.lm_head is not None and engine.skeleton().get_output_embeddings() is not None
-    result = engine.collect(batches, StatsRequest(grams=tuple(_SITES)),
-                            final=StatsRequest(grams=("head_in",)) if has_head else None)
+    result = engine.collect(
+        batches, StatsRequest(grams=tuple(_SITES)), final=StatsRequest(grams=("head_in",)) if has_head else None
+    )
     grams: Tensors = {}
     for i, stats in enumerate(result.layers):
         for key, site in _SITES.items():
@@ -75,7 +77,7 @@ def _available_memory() -> dict:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
         budget["cpu"] = int(info.get("MemAvailable", info.get("MemFree", 0)) * 0.8)
-    except OSError:   # not Linux: let accelerate ask psutil
+    except OSError:  # not Linux: let accelerate ask psutil
         from accelerate.utils import get_max_memory
 
         budget = get_max_memory()
@@ -101,14 +103,15 @@ def check_fisher_memory(shapes: dict[str, tuple], dtype: torch.dtype = torch.flo
 
     params = sum(math.prod(s) for k, s in shapes.items() if not k.endswith(("position_ids", "token_type_ids")))
     element = torch.empty((), dtype=dtype).element_size()
-    needed = params * (2 * element + 4)       # weights, gradients, float32 Fisher
+    needed = params * (2 * element + 4)  # weights, gradients, float32 Fisher
     budget = _fisher_budget(placement)
     if needed > sum(budget.values()):
         raise FisherMemoryError(
             f"Fisher merging needs about {needed / 1e9:.1f} GB (weights, gradients and the Fisher of "
             f"{params / 1e6:.0f} M parameters: its backward pass needs the whole model) but only "
             f"{sum(budget.values()) / 1e9:.1f} GB is free on the GPUs and the host; use regmean "
-            "(calibrated layer by layer) or a larger machine")
+            "(calibrated layer by layer) or a larger machine"
+        )
 
 
 def fisher_model(config: dict, state_dict, dtype: torch.dtype = torch.float32, placement=None):
@@ -133,12 +136,20 @@ def fisher_model(config: dict, state_dict, dtype: torch.dtype = torch.float32, p
     check_fisher_memory({n: tuple(p.shape) for n, p in model.named_parameters()}, dtype, placement)
     budget = _fisher_budget(placement)
     # a third of each budget for the weights: gradients and the Fisher take the rest
-    device_map = infer_auto_device_map(model, max_memory={k: v // 3 for k, v in budget.items()},
-                                       no_split_module_classes=getattr(model, "_no_split_modules", None), dtype=dtype)
+    device_map = infer_auto_device_map(
+        model,
+        max_memory={k: v // 3 for k, v in budget.items()},
+        no_split_module_classes=getattr(model, "_no_split_modules", None),
+        dtype=dtype,
+    )
     if "disk" in device_map.values():
-        raise FisherMemoryError("Fisher merging cannot offload weights to disk (the backward pass needs them all); "
-                                "use regmean or a machine with more memory")
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
+        raise FisherMemoryError(
+            "Fisher merging cannot offload weights to disk (the backward pass needs them all); "
+            "use regmean or a machine with more memory"
+        )
+    tied = (
+        set(getattr(model, "all_tied_weights_keys", {}) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
+    )
     names = dict(model.named_parameters())
     for name in names:
         if name in state_dict:
@@ -157,8 +168,10 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
     ``log p(x_n)`` the sequence's mean next-token log-likelihood. Each sequence gets its own
     backward pass: squaring a batch's summed gradient would not be the Fisher."""
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
-        raise ValueError(f"Fisher merging needs a language-model head to define a likelihood; "
-                         f"{type(model).__name__} has none (use average or regmean)")
+        raise ValueError(
+            f"Fisher merging needs a language-model head to define a likelihood; "
+            f"{type(model).__name__} has none (use average or regmean)"
+        )
     from ..devices import to_model
 
     params = {n: p for n, p in model.named_parameters()}
@@ -170,7 +183,7 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
         for batch in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
             for seq in batch:
                 model.zero_grad(set_to_none=True)
-                ids = to_model(seq[None], model)    # the ids where the (dispatched) model embeds them
+                ids = to_model(seq[None], model)  # the ids where the (dispatched) model embeds them
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 for n, p in params.items():

@@ -38,14 +38,21 @@ from .stream import TensorSource, partition_keys
 Tensors = dict[str, torch.Tensor]
 
 # Canonical linear weight -> the Gram of its input (RegMean).
-GRAM_OF = {"q.weight": "attn_in", "k.weight": "attn_in", "v.weight": "attn_in", "o.weight": "o_in",
-           "gate.weight": "ffn_in", "up.weight": "ffn_in", "down.weight": "down_in"}
+GRAM_OF = {
+    "q.weight": "attn_in",
+    "k.weight": "attn_in",
+    "v.weight": "attn_in",
+    "o.weight": "o_in",
+    "gate.weight": "ffn_in",
+    "up.weight": "ffn_in",
+    "down.weight": "down_in",
+}
 GRAM_SITES = ("attn_in", "o_in", "ffn_in", "down_in")
 # A layer's canonical modules in the groups merged together; the largest Gram (down_proj's) last,
 # when the others are already released.
 LAYER_GROUPS = (("attn_norm", "ffn_norm", "q_norm", "k_norm"), ("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
-_BIG_GLOBALS = ("embed.weight", "lm_head.weight")   # canonical vocabulary-sized globals
-BLOCK_ELEMENTS = 1 << 20                             # rows per block of the globals: ~8 MB in float64
+_BIG_GLOBALS = ("embed.weight", "lm_head.weight")  # canonical vocabulary-sized globals
+BLOCK_ELEMENTS = 1 << 20  # rows per block of the globals: ~8 MB in float64
 
 
 # --------------------------------------------------------------------------- RegMean statistics
@@ -74,7 +81,7 @@ class LayerGramSet:
         self.matcher, self.adapter = matcher, adapter
         self._memory: Tensors = {}
         self._files: dict[str, tuple[Path, tuple, torch.device]] = {}
-        self._handed: list[Path] = []   # files handed out as StoredGram, removed by close()
+        self._handed: list[Path] = []  # files handed out as StoredGram, removed by close()
         for key in list(grams):
             G = grams.pop(key)
             if folder is None:
@@ -91,7 +98,7 @@ class LayerGramSet:
     def take(self, key: str) -> torch.Tensor:
         if key in self._memory:
             G = self._memory.pop(key)
-        elif self.matcher is None:   # read by the solver a block at a time (from the CPU)
+        elif self.matcher is None:  # read by the solver a block at a time (from the CPU)
             path, shape, _ = self._files.pop(key)
             self._handed.append(path)
             return StoredGram(path, shape)
@@ -126,13 +133,20 @@ class LayerGrams:
     weights, else float32); the Grams accumulate in float64 on its linear-algebra device.
     ``batches`` run one sequence at a time (the recipe's ``batch_size`` groups Fisher's passes)."""
 
-    def __init__(self, sources: list[TensorSource], configs: list[dict], batches: list[torch.Tensor],
-                 placement=None, progress: bool = True, spill: Path | None = None):
+    def __init__(
+        self,
+        sources: list[TensorSource],
+        configs: list[dict],
+        batches: list[torch.Tensor],
+        placement=None,
+        progress: bool = True,
+        spill: Path | None = None,
+    ):
         from ..calibration import CalibrationEngine, StatsRequest
         from ..devices import linalg_device, resolve
         from .merge_statistics import statistics_dtype
 
-        return_large_blocks_at_once()   # freed per-batch temporaries leave at once (calibration.memory)
+        return_large_blocks_at_once()  # freed per-batch temporaries leave at once (calibration.memory)
         # one sequence per forward: the Grams are sums over tokens (the same for any grouping, to
         # rounding), and a layer's per-forward temporaries (its activations, the statistics' float64
         # copies) are then one sequence's, not a batch's (measured: ~60 MB less peak at width 1536)
@@ -143,10 +157,16 @@ class LayerGrams:
             self.spill.mkdir(parents=True, exist_ok=True)
         self.runs, self.steps, self.heads = [], [], []
         for source, config in zip(sources, configs):
-            engine = CalibrationEngine(source, config, placement=placement or resolve("cpu", statistics_dtype(source)),
-                                       progress=False, stats_device=self.device)
-            self.heads.append(engine.adapter.spec.lm_head is not None
-                              and engine.skeleton().get_output_embeddings() is not None)
+            engine = CalibrationEngine(
+                source,
+                config,
+                placement=placement or resolve("cpu", statistics_dtype(source)),
+                progress=False,
+                stats_device=self.device,
+            )
+            self.heads.append(
+                engine.adapter.spec.lm_head is not None and engine.skeleton().get_output_embeddings() is not None
+            )
             run = engine.start(batches)
             self.runs.append(run)
             self.steps.append(run.layers(StatsRequest(grams=GRAM_SITES)))
@@ -160,11 +180,14 @@ class LayerGrams:
             if step.index != i:
                 raise RuntimeError(f"RegMean statistics out of step: layer {step.index} measured for layer {i}")
             grams = {f"layers.{i}.{site}": step.stats.grams.pop(site) for site in GRAM_SITES}
-            step.release()   # the calibration layer is done with: free it before the next input's runs
+            step.release()  # the calibration layer is done with: free it before the next input's runs
             del step
-            out.append(LayerGramSet(grams, self.spill, f"input{j}",
-                                    matchers[j] if matchers else None, self.runs[j].engine.adapter))
-            release_free_memory()   # the run's freed temporaries (see hf_symmetry.calibration.memory)
+            out.append(
+                LayerGramSet(
+                    grams, self.spill, f"input{j}", matchers[j] if matchers else None, self.runs[j].engine.adapter
+                )
+            )
+            release_free_memory()  # the run's freed temporaries (see hf_symmetry.calibration.memory)
         return out
 
     def final(self, matchers: list | None = None, head: bool = True) -> list[Tensors]:
@@ -172,16 +195,21 @@ class LayerGrams:
 
         out = []
         for j, (run, steps) in enumerate(zip(self.runs, self.steps)):
-            for _ in steps:   # hand the last layer's outputs on (no layer is left to measure)
+            for _ in steps:  # hand the last layer's outputs on (no layer is left to measure)
                 raise RuntimeError("RegMean statistics: layers left after the last merged layer")
             if head and self.heads[j]:
                 key = "head_in"
-                gram = LayerGramSet({key: run.final(StatsRequest(grams=(key,))).grams[key]}, None, "",
-                                    matchers[j] if matchers else None, run.engine.adapter)
+                gram = LayerGramSet(
+                    {key: run.final(StatsRequest(grams=(key,))).grams[key]},
+                    None,
+                    "",
+                    matchers[j] if matchers else None,
+                    run.engine.adapter,
+                )
                 out.append({key: gram.take(key)})
             else:
                 out.append({})
-        self.runs = self.steps = []   # drop the calibration activations
+        self.runs = self.steps = []  # drop the calibration activations
         return out
 
 
@@ -199,18 +227,27 @@ class _LayerReader:
     """Hands out layer ``i`` of every participant one group of canonical tensors at a time: read
     from the sources group by group (``matched`` None), or from the matched whole layers."""
 
-    def __init__(self, sources: list[TensorSource], adapter: Adapter, parts: list, shapes: dict, i: int,
-                 like: int, matched: list[Tensors] | None = None, dtypes: dict | None = None):
+    def __init__(
+        self,
+        sources: list[TensorSource],
+        adapter: Adapter,
+        parts: list,
+        shapes: dict,
+        i: int,
+        like: int,
+        matched: list[Tensors] | None = None,
+        dtypes: dict | None = None,
+    ):
         self.sources, self.adapter, self.i, self.like = sources, adapter, i, like
         self.keys = [set(p[1][i]) for p in parts]
         self.matched = matched
-        self.dtypes = dict(dtypes or {})   # checkpoint key -> dtype of the output (``like``'s)
+        self.dtypes = dict(dtypes or {})  # checkpoint key -> dtype of the output (``like``'s)
         modeled = adapter.modeled_layer_keys(i) & self.keys[like]
         if matched is None:
             covered = set().union(*(adapter.layer_keys_of(i, set(g)) for g in LAYER_GROUPS))
             if modeled - covered:
                 raise RuntimeError(f"layer {i}: tensors {sorted(modeled - covered)[:3]} belong to no merge group")
-            self.stand = stand_ins(sorted(modeled), shapes)   # the tensors not read (meta)
+            self.stand = stand_ins(sorted(modeled), shapes)  # the tensors not read (meta)
 
     def take(self, j: int, modules: tuple[str, ...]) -> Tensors:
         if self.matched is not None:
@@ -229,8 +266,9 @@ class _LayerReader:
         return sorted({k for layer in self.matched or [] for k in layer})
 
 
-def _merge_group(rule, reader: _LayerReader, modules: tuple[str, ...], grams: list[LayerGramSet] | None,
-                 n_inputs: int, label: str) -> Tensors:
+def _merge_group(
+    rule, reader: _LayerReader, modules: tuple[str, ...], grams: list[LayerGramSet] | None, n_inputs: int, label: str
+) -> Tensors:
     """One group of layer tensors of every participant merged (canonical, float64)."""
     n = len(rule.entries)
     weight_keys = [f"{m}.weight" for m in modules if f"{m}.weight" in GRAM_OF]
@@ -241,20 +279,20 @@ def _merge_group(rule, reader: _LayerReader, modules: tuple[str, ...], grams: li
     present: list[str] = []
     others: dict[str, list[torch.Tensor]] = {}
 
-    def linears(j: int):   # participant j's linear weights of the group, read one at a time
+    def linears(j: int):  # participant j's linear weights of the group, read one at a time
         for module in modules:
             t = reader.take(j, (module,))
             if j == 0 and f"{module}.weight" in t:
                 present.append(f"{module}.weight")
             W = t.pop(f"{module}.weight", None)
-            for k, v in t.items():   # biases: averaged
+            for k, v in t.items():  # biases: averaged
                 others.setdefault(k, []).append(v)
             del t
             if W is not None:
                 yield W
             del W
 
-    def models():   # one participant at a time; the base (when any) only for the tensors that are averaged
+    def models():  # one participant at a time; the base (when any) only for the tensors that are averaged
         for j in range(n_inputs):
             if j < n:
                 yield grams[j].take(f"layers.{reader.i}.{site}"), linears(j)
@@ -275,15 +313,25 @@ def _merge_group(rule, reader: _LayerReader, modules: tuple[str, ...], grams: li
     return out
 
 
-def merge_layer(i: int, sources: list[TensorSource], adapter: Adapter, rule, sink, anchor: int, parts: list,
-                shapes: dict, matchers: list | None, layer_grams: LayerGrams | None) -> None:
+def merge_layer(
+    i: int,
+    sources: list[TensorSource],
+    adapter: Adapter,
+    rule,
+    sink,
+    anchor: int,
+    parts: list,
+    shapes: dict,
+    matchers: list | None,
+    layer_grams: LayerGrams | None,
+) -> None:
     n_inputs = len(sources)
     modeled = adapter.modeled_layer_keys(i)
     rest_keys = [k for k in parts[anchor][1][i] if k not in modeled]
     # the statistics first, so the calibration layers are gone before the merge reads this layer
     # (they wait in files while the layer is read, matched and merged)
     grams = layer_grams.layer(i, matchers) if layer_grams is not None else None
-    if matchers:   # the match is solved on whole layers (read one input at a time)
+    if matchers:  # the match is solved on whole layers (read one input at a time)
         canonical, dtypes = [], {}
         for j, (s, p) in enumerate(zip(sources, parts)):
             raw = s.get(p[1][i])
@@ -301,9 +349,9 @@ def merge_layer(i: int, sources: list[TensorSource], adapter: Adapter, rule, sin
     try:
         pending: Tensors = {}
         for modules in LAYER_GROUPS:
-            release_free_memory()   # the previous group's freed temporaries (measured: ~0.1-0.2 GB kept otherwise)
+            release_free_memory()  # the previous group's freed temporaries (measured: ~0.1-0.2 GB kept otherwise)
             merged = _merge_group(rule, reader, modules, grams, n_inputs, f"layers.{i}")
-            if adapter.spec.attention.qkv:   # a fused qkv tensor is written from all three parts at once
+            if adapter.spec.attention.qkv:  # a fused qkv tensor is written from all three parts at once
                 pending.update(merged)
             elif merged:
                 sink.add(adapter.write_layer(i, merged, reader.dtypes))
@@ -319,8 +367,18 @@ def merge_layer(i: int, sources: list[TensorSource], adapter: Adapter, rule, sin
         sink.add({k: rule.rest(k, ts)})
 
 
-def merge_globals(sources: list[TensorSource], adapter: Adapter, rule, sink, anchor: int, parts: list,
-                  shapes: dict, matchers: list | None, tied_output: bool, matched=None) -> None:
+def merge_globals(
+    sources: list[TensorSource],
+    adapter: Adapter,
+    rule,
+    sink,
+    anchor: int,
+    parts: list,
+    shapes: dict,
+    matchers: list | None,
+    tied_output: bool,
+    matched=None,
+) -> None:
     """The globals of every participant matched and merged; vocabulary-sized ones a block of rows at
     a time where the rule and the match treat rows independently. ``matched()`` runs once the first
     block is matched (RegMean's LM-head Grams: their transform needs the match of the final norm)."""
@@ -353,8 +411,10 @@ def merge_globals(sources: list[TensorSource], adapter: Adapter, rule, sink, anc
             gs = [m.match_globals(gs[anchor], g) for m, g in zip(matchers, gs)]
         if start == 0 and matched is not None:
             matched()
-        gs = [{k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
-              for g in gs]
+        gs = [
+            {k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
+            for g in gs
+        ]
         merged = rule.globals(gs)
         del gs
         for vocabulary in (False, True):
@@ -363,7 +423,7 @@ def merge_globals(sources: list[TensorSource], adapter: Adapter, rule, sink, anc
             del part
             for k in list(new):
                 t = new.pop(k)
-                if vocabulary and n_rows > step:   # assembled block by block in the output dtype
+                if vocabulary and n_rows > step:  # assembled block by block in the output dtype
                     if k not in out:
                         out[k] = torch.empty((n_rows, *t.shape[1:]), dtype=t.dtype)
                     out[k][start:stop] = t
@@ -375,9 +435,18 @@ def merge_globals(sources: list[TensorSource], adapter: Adapter, rule, sink, anc
         sink.add({k: out.pop(k)})
 
 
-def stream_merge(sources: list[TensorSource], adapter: Adapter, rule, sink, anchor: int, matchers: list | None,
-                 tied_output: bool, progress: bool = True, desc: str = "merge",
-                 layer_grams: LayerGrams | None = None) -> None:
+def stream_merge(
+    sources: list[TensorSource],
+    adapter: Adapter,
+    rule,
+    sink,
+    anchor: int,
+    matchers: list | None,
+    tied_output: bool,
+    progress: bool = True,
+    desc: str = "merge",
+    layer_grams: LayerGrams | None = None,
+) -> None:
     """Every participant merged by ``rule`` into ``sink`` (written in the dtypes of
     ``sources[anchor]``), layer by layer, matched by ``matchers`` when given. With ``layer_grams``
     (RegMean) each layer's statistics are measured as the layer comes and the globals merged last
@@ -393,8 +462,18 @@ def stream_merge(sources: list[TensorSource], adapter: Adapter, rule, sink, anch
         merge_layer(i, sources, adapter, rule, sink, anchor, parts, shapes, matchers, layer_grams)
     if layer_grams is not None:
         release_free_memory()
-        merge_globals(sources, adapter, rule, sink, anchor, parts, shapes, matchers, tied_output,
-                      matched=lambda: rule.set_grams(layer_grams.final(matchers, head=not tied_output)))
+        merge_globals(
+            sources,
+            adapter,
+            rule,
+            sink,
+            anchor,
+            parts,
+            shapes,
+            matchers,
+            tied_output,
+            matched=lambda: rule.set_grams(layer_grams.final(matchers, head=not tied_output)),
+        )
         rule.set_grams(None)
     for k in parts[anchor][2]:
         sink.add({k: rule.rest(k, [s.get([k])[k] for s in sources])})

@@ -37,7 +37,7 @@ Tensors = dict[str, torch.Tensor]
 
 _ATTN_READERS = ("q", "k", "v")
 _FFN_READERS = ("gate", "up")
-_VO_STREAM = 7   # random-stream id of the per-head Hadamard signs (rotate.py uses 0-5)
+_VO_STREAM = 7  # random-stream id of the per-head Hadamard signs (rotate.py uses 0-5)
 
 
 @dataclass(frozen=True)
@@ -149,10 +149,19 @@ def head_hadamards(layout: HeadLayout, seed: int, layer: int) -> list[torch.Tens
     return [groups.random_hadamard(layout.head_dim, gen).dense() for _ in range(layout.n_kv_heads)]
 
 
-def transform_layer(i: int, layer: Tensors, layout: HeadLayout, Q, seed: int = 0, vo_hadamard: bool = True,
-                    balance: QuantBalance = QuantBalance(), stats: Tensors | None = None,
-                    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                    scale_log: dict | None = None, pow2: bool = False) -> Tensors:
+def transform_layer(
+    i: int,
+    layer: Tensors,
+    layout: HeadLayout,
+    Q,
+    seed: int = 0,
+    vo_hadamard: bool = True,
+    balance: QuantBalance = QuantBalance(),
+    stats: Tensors | None = None,
+    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    scale_log: dict | None = None,
+    pow2: bool = False,
+) -> Tensors:
     """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
     ``Q`` (None: no residual rotation, norms stay unfolded), Hadamard the V/O heads, then set the
     exact column scales: searched against ``quantize`` on the calibration second moments ``stats``
@@ -167,13 +176,14 @@ def transform_layer(i: int, layer: Tensors, layout: HeadLayout, Q, seed: int = 0
     if stats is not None:
         from .quant_scales import apply_scales, to_layer_basis
 
-        return apply_scales(layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log,
-                            pow2=pow2)
+        return apply_scales(
+            layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log, pow2=pow2
+        )
     if balance.vo:
         layer = balance_vo(layer, layout, balance.alpha)
     if balance.ffn:
         layer = balance_ffn(layer, balance.alpha)
-    if Q is not None and balance.norms:   # last: V's and up's rows (reader rows) were rescaled above
+    if Q is not None and balance.norms:  # last: V's and up's rows (reader rows) were rescaled above
         layer = balance_norms(layer, balance.alpha)
     return layer
 
@@ -188,15 +198,23 @@ def balanced(quantize: Quantizer, alpha: float = 1.0) -> Quantizer:
     """The quantizer a balanced checkpoint applies: ``A -> q(A diag(1/t)) diag(t)``, ``t`` = the
     column max-abs of ``A`` to the power ``alpha`` (the exact column scale moved into the norm, V or
     up). With an isotropic input, ``||A - result||`` is the output error that quantization causes."""
+
     def q(A: torch.Tensor) -> torch.Tensor:
         t = _normalised(A.abs().amax(dim=0), alpha).to(A.dtype)
         return quantize(A / t[None, :]) * t[None, :]
+
     return q
 
 
-def learn_rotation(readers: list[torch.Tensor], writers: list[torch.Tensor], quantize: Quantizer,
-                   starts: list[torch.Tensor], iterations: int = 20, tol: float = 1e-9,
-                   log: Callable[[str], None] | None = None) -> tuple[torch.Tensor, list[float]]:
+def learn_rotation(
+    readers: list[torch.Tensor],
+    writers: list[torch.Tensor],
+    quantize: Quantizer,
+    starts: list[torch.Tensor],
+    iterations: int = 20,
+    tol: float = 1e-9,
+    log: Callable[[str], None] | None = None,
+) -> tuple[torch.Tensor, list[float]]:
     """Orthogonal ``Q`` minimising the quantization error of the readers ``W_r Q`` and writers
     ``Qᵀ W_w`` (SpinQuant's goal, here without gradients), by alternating minimisation from each start:
 
@@ -241,21 +259,26 @@ def learn_rotation(readers: list[torch.Tensor], writers: list[torch.Tensor], qua
     return best, history
 
 
-def rotation_error(readers: list[torch.Tensor], writers: list[torch.Tensor], Q: torch.Tensor,
-                   quantize: Quantizer) -> float:
+def rotation_error(
+    readers: list[torch.Tensor], writers: list[torch.Tensor], Q: torch.Tensor, quantize: Quantizer
+) -> float:
     """``Σ ||W_r Q - q(W_r Q)||² + Σ ||Qᵀ W_w - q(Qᵀ W_w)||²``."""
     return learn_rotation(readers, writers, quantize, [Q], iterations=0)[1][0]
 
 
-def layer_matrices(layer: Tensors, layout: HeadLayout, seed: int, i: int,
-                   vo_hadamard: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def layer_matrices(
+    layer: Tensors, layout: HeadLayout, seed: int, i: int, vo_hadamard: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The residual stream's readers (``[q; k; v]`` and ``[gate; up]``, norms folded, each group
     sharing one norm) and writers (``o``, ``down``) of a canonical layer, as the
     ``--for-quantization`` checkpoint will hold them up to the residual rotation, in float32."""
     layer = actions.fold_layer_norms(dict(layer))
     if vo_hadamard:
         layer = actions.rotate_vo(layer, layout, head_hadamards(layout, seed, i))
-    f32 = lambda *names: torch.cat([layer[f"{n}.weight"] for n in names if f"{n}.weight" in layer]).float()
+
+    def f32(*names):
+        return torch.cat([layer[f"{n}.weight"] for n in names if f"{n}.weight" in layer]).float()
+
     return [f32("q", "k", "v"), f32("gate", "up")], [f32("o"), f32("down")]
 
 
@@ -275,6 +298,12 @@ def learn_checkpoint_rotation(source, adapter, options, Q0, progress: bool = Fal
         writers += w
     quantize = balanced(lambda A: roundtrip(A, options.learn), options.balance_alpha)
     log = print if progress else None
-    Q, _ = learn_rotation(readers, writers, quantize, [Q0.dense() if hasattr(Q0, "dense") else Q0],
-                          iterations=options.learn_iterations, log=log)
+    Q, _ = learn_rotation(
+        readers,
+        writers,
+        quantize,
+        [Q0.dense() if hasattr(Q0, "dense") else Q0],
+        iterations=options.learn_iterations,
+        log=log,
+    )
     return Q

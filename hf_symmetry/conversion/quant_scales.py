@@ -64,9 +64,14 @@ def scale_error(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, quantize: Qua
     return ((E @ H.to(torch.float32)) * E).sum().item()
 
 
-def search_scales(W: torch.Tensor, H: torch.Tensor, quantize: Quantizer, grid=GRID,
-                  tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  pow2: bool = False) -> tuple[torch.Tensor, dict]:
+def search_scales(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    quantize: Quantizer,
+    grid=GRID,
+    tie: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    pow2: bool = False,
+) -> tuple[torch.Tensor, dict]:
     """AWQ's grid search: ``s = rms^α`` (``rms_j = √H_jj``, passed through ``tie`` where channels must
     share one factor), ``α`` minimising :func:`scale_error`. Returns ``s`` (float64) and the errors.
     ``pow2``: each factor rounded to a power of two, so that scaling is exact in every binary float
@@ -103,9 +108,11 @@ def scale_norm_readers(layer: Tensors, norm: str, readers: tuple[str, ...], s: t
 
 def _group_tie(layout: HeadLayout) -> Callable[[torch.Tensor], torch.Tensor]:
     """O's columns: one factor per channel of a KV group (RMS over the group's query heads), expanded back."""
+
     def tie(rms: torch.Tensor) -> torch.Tensor:
         g = rms.reshape(layout.n_kv_heads, layout.group_size, layout.head_dim).pow(2).mean(dim=1).sqrt()
         return g[:, None, :].expand(-1, layout.group_size, -1).reshape(-1)
+
     return tie
 
 
@@ -113,8 +120,15 @@ def _cat(layer: Tensors, names) -> torch.Tensor:
     return torch.cat([layer[f"{n}.weight"] for n in names if f"{n}.weight" in layer])
 
 
-def apply_scales(layer: Tensors, layout: HeadLayout, H: Tensors, quantize: Quantizer, grid=GRID,
-                 log: dict | None = None, pow2: bool = False) -> Tensors:
+def apply_scales(
+    layer: Tensors,
+    layout: HeadLayout,
+    H: Tensors,
+    quantize: Quantizer,
+    grid=GRID,
+    log: dict | None = None,
+    pow2: bool = False,
+) -> Tensors:
     """Search and apply the four exact scalings of one layer: V → O and up → down first (they rescale
     reader *rows* of the attention and FFN groups, which a row-grouped quantizer does not see), then
     attention norm → q, k, v and FFN norm → gate, up. ``H``: the layer's input second moments *in the
@@ -136,8 +150,9 @@ def apply_scales(layer: Tensors, layout: HeadLayout, H: Tensors, quantize: Quant
     return out
 
 
-def to_layer_basis(H: Tensors, gammas: tuple[torch.Tensor, torch.Tensor] | None, Q, vo: list[torch.Tensor] | None,
-                   layout: HeadLayout) -> Tensors:
+def to_layer_basis(
+    H: Tensors, gammas: tuple[torch.Tensor, torch.Tensor] | None, Q, vo: list[torch.Tensor] | None, layout: HeadLayout
+) -> Tensors:
     """The second moments of the original model in the basis of a ``--for-quantization`` layer: with a
     residual rotation ``Q`` (norms folded), the readers see ``RMSNorm(x)/γ · Q``; with V/O rotations
     ``R_g`` (``W_O -> W_O R``), o's input becomes ``x R`` per head."""

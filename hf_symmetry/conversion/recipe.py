@@ -39,10 +39,20 @@ METHOD_PARAMETERS = {
     "fisher": {"fisher_floor": 1e-12},
     "regmean": {"alpha": 0.9},
 }
-MODEL_PARAMETERS = {"weight": 1.0, "density": 1.0}   # density: ties only
+MODEL_PARAMETERS = {"weight": 1.0, "density": 1.0}  # density: ties only
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-_TOP_KEYS = ("merge_method", "method", "base_model", "models", "parameters", "match", "calibration", "evaluation",
-             "dtype", "anchor")
+_TOP_KEYS = (
+    "merge_method",
+    "method",
+    "base_model",
+    "models",
+    "parameters",
+    "match",
+    "calibration",
+    "evaluation",
+    "dtype",
+    "anchor",
+)
 _MATCH_KEYS = ("enabled", "heads", "ffn", "scaling", "residual", "residual_iters", "anchor")
 
 
@@ -97,8 +107,10 @@ def _fail(msg: str) -> None:
 def _check_keys(given: dict, allowed, where: str) -> None:
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        _fail(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {where} "
-              f"(allowed: {', '.join(allowed)})")
+        _fail(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in {where} "
+            f"(allowed: {', '.join(allowed)})"
+        )
 
 
 def _number(value, name: str) -> float:
@@ -113,8 +125,10 @@ def _method(raw: dict) -> str:
         _fail(f"no merge_method given (choose one of {', '.join(METHODS)})")
     method = METHOD_ALIASES.get(str(method), str(method))
     if method not in METHODS:
-        _fail(f"unknown merge method {raw.get('merge_method', raw.get('method'))!r}; choose one of "
-              f"{', '.join(METHODS)} (linear = average)")
+        _fail(
+            f"unknown merge method {raw.get('merge_method', raw.get('method'))!r}; choose one of "
+            f"{', '.join(METHODS)} (linear = average)"
+        )
     return method
 
 
@@ -159,8 +173,11 @@ def _models(raw: dict, method: str, defaults: dict) -> list[ModelEntry]:
         _check_keys(p, tuple(MODEL_PARAMETERS), f"parameters of {item['model']!r}")
         if "density" in p and method != "ties":
             _fail(f"density applies to ties only (model {item['model']!r})")
-        entry = ModelEntry(model=str(item["model"]), weight=_number(p.get("weight", defaults["weight"]), "weight"),
-                           density=_number(p.get("density", defaults["density"]), "density"))
+        entry = ModelEntry(
+            model=str(item["model"]),
+            weight=_number(p.get("weight", defaults["weight"]), "weight"),
+            density=_number(p.get("density", defaults["density"]), "density"),
+        )
         if not 0 < entry.density <= 1:
             _fail(f"density of {entry.model!r} must be in (0, 1]; got {entry.density}")
         out.append(entry)
@@ -235,8 +252,17 @@ def recipe_from_dict(raw: dict) -> MergeRecipe:
     dtype = raw.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         _fail(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-    return MergeRecipe(method=method, models=models, base_model=base, parameters=params, match=match, anchor=anchor,
-                       calibration=calibration or CalibrationSpec(), evaluation=evaluation, dtype=dtype)
+    return MergeRecipe(
+        method=method,
+        models=models,
+        base_model=base,
+        parameters=params,
+        match=match,
+        anchor=anchor,
+        calibration=calibration or CalibrationSpec(),
+        evaluation=evaluation,
+        dtype=dtype,
+    )
 
 
 def load_recipe(path: str | os.PathLike) -> MergeRecipe:

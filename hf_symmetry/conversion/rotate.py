@@ -21,8 +21,15 @@ import torch
 
 from ..architectures import Adapter
 from ..architectures.capabilities import facts
-from ..checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
-                          parse_size, write_config)
+from ..checkpoint import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    copy_side_files,
+    parse_size,
+    write_config,
+)
 from ..hub.cards import write_card
 from ..symmetry import actions, groups
 from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
@@ -36,7 +43,7 @@ _RESIDUAL, _QK, _VO, _QK_SCALE, _VO_SCALE, _FFN = range(6)
 @dataclass(frozen=True)
 class RotateOptions:
     residual: Literal["none", "hadamard", "random"] = "hadamard"
-    heads: Literal["none", "qk", "vo", "random"] = "random"     # random = qk and vo
+    heads: Literal["none", "qk", "vo", "random"] = "random"  # random = qk and vo
     ffn: bool = True
     scaling: bool = False
     seed: int = 0
@@ -45,17 +52,17 @@ class RotateOptions:
     # ``scaling`` are then ignored (QK rotations, permutations and row scalings cannot change the error
     # of a row-grouped weight quantizer)
     for_quantization: bool = False
-    learn: str | None = None            # e.g. "Q4_0": learn the residual rotation against that quantizer
+    learn: str | None = None  # e.g. "Q4_0": learn the residual rotation against that quantizer
     learn_iterations: int = 8
     balance_alpha: float = 1.0
-    hold_out: tuple[int, ...] = ()      # residual channels the Hadamard leaves alone (massive activations)
+    hold_out: tuple[int, ...] = ()  # residual channels the Hadamard leaves alone (massive activations)
     # activation-aware exact scales (AWQ's search, :mod:`.quant_scales`) against this quantizer, on the
     # calibration engine's second moments of ``calibration_tokens`` tokens of ``calibration_text``
     scales: str | None = None
     calibration_text: str = "britannica-calib"
     calibration_tokens: int = 2048
-    vo_hadamard: bool = True            # --for-quantization: per-head V/O Hadamards
-    scales_pow2: bool = False           # --scales rounded to powers of two (bitwise-exact float logits)
+    vo_hadamard: bool = True  # --for-quantization: per-head V/O Hadamards
+    scales_pow2: bool = False  # --scales rounded to powers of two (bitwise-exact float logits)
 
     @property
     def rotate_qk(self) -> bool:
@@ -67,8 +74,11 @@ class RotateOptions:
 
     def symmetries(self) -> list[str]:
         if self.for_quantization:
-            return ((["residual_rotation"] if self.residual != "none" else []) + (["vo_rotation"] if self.vo_hadamard else [])
-                    + ["vo_scaling"])
+            return (
+                (["residual_rotation"] if self.residual != "none" else [])
+                + (["vo_rotation"] if self.vo_hadamard else [])
+                + ["vo_scaling"]
+            )
         wanted = []
         if self.residual != "none":
             wanted.append("residual_rotation")
@@ -112,8 +122,14 @@ def _log_uniform(gen, n: int) -> torch.Tensor:
     return torch.from_numpy(2.0 ** gen.uniform(-1.0, 1.0, n))
 
 
-def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOptions,
-                    Q: torch.Tensor | None, stats: list[Tensors] | None = None) -> Tensors:
+def transform_layer(
+    i: int,
+    layer: Tensors,
+    adapter: Adapter,
+    options: RotateOptions,
+    Q: torch.Tensor | None,
+    stats: list[Tensors] | None = None,
+) -> Tensors:
     """Every per-layer action of ``options``, drawn from layer ``i``'s own random streams."""
     L, seed = adapter.layout, options.seed
     if options.for_quantization:
@@ -124,11 +140,19 @@ def transform_layer(i: int, layer: Tensors, adapter: Adapter, options: RotateOpt
         if options.scales:
             from ..evaluation.weight_quant import roundtrip
 
-            quantize = lambda A: roundtrip(A, options.scales)   # noqa: E731
-        return quant_layer(i, layer, L, Q, seed=seed, vo_hadamard=options.vo_hadamard,
-                           balance=QuantBalance(alpha=options.balance_alpha),
-                           stats=stats[i] if stats is not None else None, quantize=quantize,
-                           pow2=options.scales_pow2)
+            quantize = lambda A: roundtrip(A, options.scales)  # noqa: E731
+        return quant_layer(
+            i,
+            layer,
+            L,
+            Q,
+            seed=seed,
+            vo_hadamard=options.vo_hadamard,
+            balance=QuantBalance(alpha=options.balance_alpha),
+            stats=stats[i] if stats is not None else None,
+            quantize=quantize,
+            pow2=options.scales_pow2,
+        )
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
     if options.rotate_qk:
@@ -183,8 +207,9 @@ def centre_globals(g: Tensors) -> Tensors:
     return g
 
 
-def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, position_rows: int,
-                       residual_size: int | None = None) -> dict:
+def rms_decoder_config(
+    adapter: Adapter, config: dict, intermediate_size: int, position_rows: int, residual_size: int | None = None
+) -> dict:
     """The RMS-decoder config of a centred LayerNorm decoder (OPT, GPT-2); ``residual_size`` below the
     hidden size for a sliced one (SliceGPT)."""
     from ..modeling.configuration_rms_decoder import RMSDecoderConfig
@@ -194,28 +219,45 @@ def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, p
 
     f = facts(config)
     rotary = {}
-    if f.rope != "none":   # the family's own config object standardises old rotary fields (rotary_pct, ...)
+    if f.rope != "none":  # the family's own config object standardises old rotary fields (rotary_pct, ...)
         from transformers import CONFIG_MAPPING
 
         rope = getattr(CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)), "rope_parameters", None) or {}
-        L = adapter.layout   # GPT-J names its rotary width (rotary_dim) and has no rope_parameters
-        rope = {"rope_type": "default", "rope_theta": 10000.0, **rope,
-                "partial_rotary_factor": L.rotary_dim / L.head_dim}
+        L = adapter.layout  # GPT-J names its rotary width (rotary_dim) and has no rope_parameters
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            **rope,
+            "partial_rotary_factor": L.rotary_dim / L.head_dim,
+        }
         rotary = {"rotary": True, "rope_parameters": rope}
     max_pos = int(get("max_position_embeddings", "n_positions", default=position_rows))
-    cfg = RMSDecoderConfig(**rotary, parallel_block=f.parallel_block,
-        vocab_size=int(config["vocab_size"]), hidden_size=adapter.hidden, residual_size=residual_size,
-        head_dim=adapter.layout.head_dim, intermediate_size=intermediate_size,
-        num_hidden_layers=adapter.n_layers, num_attention_heads=adapter.layout.n_heads,
-        hidden_act=get("hidden_act", "activation_function", default="gelu_new"), max_position_embeddings=max_pos,
+    cfg = RMSDecoderConfig(
+        **rotary,
+        parallel_block=f.parallel_block,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=adapter.hidden,
+        residual_size=residual_size,
+        head_dim=adapter.layout.head_dim,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=adapter.n_layers,
+        num_attention_heads=adapter.layout.n_heads,
+        hidden_act=get("hidden_act", "activation_function", default="gelu_new"),
+        max_position_embeddings=max_pos,
         position_offset=position_rows - max_pos if position_rows else 0,
         positions_from_mask=adapter.spec.positions_from_mask,
-        rms_norm_eps=adapter.eps, pad_token_id=get("pad_token_id"), bos_token_id=get("bos_token_id"),
-        eos_token_id=get("eos_token_id"), tie_word_embeddings=False,
+        rms_norm_eps=adapter.eps,
+        pad_token_id=get("pad_token_id"),
+        bos_token_id=get("bos_token_id"),
+        eos_token_id=get("eos_token_id"),
+        tie_word_embeddings=False,
         architectures=["RMSDecoderForCausalLM"],
-        auto_map={"AutoConfig": "configuration_rms_decoder.RMSDecoderConfig",
-                  "AutoModel": "modeling_rms_decoder.RMSDecoderModel",
-                  "AutoModelForCausalLM": "modeling_rms_decoder.RMSDecoderForCausalLM"})
+        auto_map={
+            "AutoConfig": "configuration_rms_decoder.RMSDecoderConfig",
+            "AutoModel": "modeling_rms_decoder.RMSDecoderModel",
+            "AutoModelForCausalLM": "modeling_rms_decoder.RMSDecoderForCausalLM",
+        },
+    )
     out = cfg.to_dict()
     if config.get("dtype") or config.get("torch_dtype"):
         out["dtype"] = config.get("dtype") or config.get("torch_dtype")
@@ -224,8 +266,10 @@ def rms_decoder_config(adapter: Adapter, config: dict, intermediate_size: int, p
 
 def check_layer_norm_decoder(config: dict) -> None:
     if config.get("scale_attn_by_inverse_layer_idx") or config.get("scale_attn_weights") is False:
-        raise ValueError("residual rotation of this GPT-2 checkpoint: its attention is not scaled by 1/√head_dim "
-                         "(scale_attn_weights / scale_attn_by_inverse_layer_idx), which the RMS-decoder family assumes")
+        raise ValueError(
+            "residual rotation of this GPT-2 checkpoint: its attention is not scaled by 1/√head_dim "
+            "(scale_attn_weights / scale_attn_by_inverse_layer_idx), which the RMS-decoder family assumes"
+        )
 
 
 def copy_remote_code(dst: Path) -> None:
@@ -260,15 +304,18 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
             groups.hadamard_factors(adapter.hidden)  # raises a clear error if no construction exists
 
 
-def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, progress: bool,
-            calibration=None) -> tuple[dict, bool]:
+def _rotate(
+    source: TensorSource, config: dict, options: RotateOptions, sink, progress: bool, calibration=None
+) -> tuple[dict, bool]:
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
     plan_checks(adapter, options, keys)
     Q = residual_rotation(options, adapter.hidden)
     if options.for_quantization:
         if adapter.spec.norm_kind != "rms" or not adapter.spec.is_gated:
-            raise ValueError("--for-quantization supports RMSNorm families with a gated FFN (Llama, Mistral, Qwen2, ...)")
+            raise ValueError(
+                "--for-quantization supports RMSNorm families with a gated FFN (Llama, Mistral, Qwen2, ...)"
+            )
         if options.learn and Q is not None:
             from .quant_rotation import learn_checkpoint_rotation
 
@@ -278,14 +325,23 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
         from .quant_scales import layer_stats
 
         if calibration is None:
-            raise ValueError("--scales needs calibration: token ids, or the layer statistics of quant_scales.layer_stats")
+            raise ValueError(
+                "--scales needs calibration: token ids, or the layer statistics of quant_scales.layer_stats"
+            )
         stats = calibration if isinstance(calibration, list) else layer_stats(source, config, calibration, progress)
     if centres_layer_norms(adapter, options):
         return rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
-    transform_checkpoint(source, adapter, sink,
-                         layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q, stats),
-                         globals_fn=lambda g: transform_globals(g, adapter, Q), progress=progress, desc="rotate",
-                         globals_dtype=None, give_layers=True)
+    transform_checkpoint(
+        source,
+        adapter,
+        sink,
+        layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q, stats),
+        globals_fn=lambda g: transform_globals(g, adapter, Q),
+        progress=progress,
+        desc="rotate",
+        globals_dtype=None,
+        give_layers=True,
+    )
     new_config = dict(config)
     untied = Q is not None and adapter.spec.lm_head is not None and adapter.tied_embeddings
     if untied:
@@ -293,33 +349,50 @@ def _rotate(source: TensorSource, config: dict, options: RotateOptions, sink, pr
     return new_config, untied
 
 
-def rotate_layer_norm_decoder(source: TensorSource, adapter: Adapter, config: dict, options: RotateOptions,
-                               Q: torch.Tensor, sink, progress: bool, desc: str = "rotate") -> dict:
+def rotate_layer_norm_decoder(
+    source: TensorSource,
+    adapter: Adapter,
+    config: dict,
+    options: RotateOptions,
+    Q: torch.Tensor,
+    sink,
+    progress: bool,
+    desc: str = "rotate",
+) -> dict:
     """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family. ``Q`` is
     ``[d, w]`` with orthonormal columns: ``w = d`` rotates exactly; ``w < d`` also slices the stream to
     its first ``w`` rotated coordinates (SliceGPT, :mod:`.compress.layernorm`)."""
     check_layer_norm_decoder(config)
     # the output config needs two shapes: the FFN width (layer 0) and the position table's rows
     layer0 = adapter.read_layer(0, source.get([k for k in source.keys() if adapter.layer_of(k) == 0]))
-    pos_keys = [f"{adapter.prefix}{name}.weight" for name in adapter.spec.pos_embed[:1]]   # none with rotary
+    pos_keys = [f"{adapter.prefix}{name}.weight" for name in adapter.spec.pos_embed[:1]]  # none with rotary
     rows = source.get(pos_keys)[pos_keys[0]].shape[0] if pos_keys else 0
     new_config = rms_decoder_config(adapter, config, layer0["up.weight"].shape[0], rows, residual_size=Q.shape[1])
     del layer0
+
     def layer_fn(i, layer):
         layer = transform_layer(i, centre_layer(layer), adapter, options, Q)
-        if adapter.layout.rope_layout == "interleaved":   # GPT-J: the family's RoPE pairs rotate-half
+        if adapter.layout.rope_layout == "interleaved":  # GPT-J: the family's RoPE pairs rotate-half
             layer = actions.interleaved_to_half(layer, adapter.layout)
         return layer
 
-    transform_checkpoint(source, adapter, sink, layer_fn=layer_fn,
-                         globals_fn=lambda g: actions.rotate_residual_globals(centre_globals(g), Q),
-                         progress=progress, desc=desc, globals_dtype=torch.float64,
-                         writer=Adapter.from_config(new_config))
+    transform_checkpoint(
+        source,
+        adapter,
+        sink,
+        layer_fn=layer_fn,
+        globals_fn=lambda g: actions.rotate_residual_globals(centre_globals(g), Q),
+        progress=progress,
+        desc=desc,
+        globals_dtype=torch.float64,
+        writer=Adapter.from_config(new_config),
+    )
     return new_config
 
 
-def rotate_state_dict(state_dict: Tensors, config, options: RotateOptions = RotateOptions(),
-                      progress: bool = False, calibration=None) -> tuple[Tensors, dict]:
+def rotate_state_dict(
+    state_dict: Tensors, config, options: RotateOptions = RotateOptions(), progress: bool = False, calibration=None
+) -> tuple[Tensors, dict]:
     """In-memory rotation: returns (new state dict, new config dict). ``calibration`` (with
     ``options.scales``): calibration token ids, or precomputed :func:`.quant_scales.layer_stats`."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -331,12 +404,23 @@ def rotate_state_dict(state_dict: Tensors, config, options: RotateOptions = Rota
 def rotate_card_data(src, out, options: RotateOptions, family: str, untied: bool) -> dict:
     """What the model card says about a rotation (exactness figures are added once verified)."""
     params = {k: v for k, v in asdict(options).items() if k != "seed"}
-    return {"title": Path(out).name, "inputs": [str(src)], "parameters": params, "seed": options.seed,
-            "extra": {"applied": options.symmetries(), "untied_embeddings": untied, "family": family}}
+    return {
+        "title": Path(out).name,
+        "inputs": [str(src)],
+        "parameters": params,
+        "seed": options.seed,
+        "extra": {"applied": options.symmetries(), "untied_embeddings": untied, "family": family},
+    }
 
 
-def rotate_checkpoint(src: str | Path, out: str | Path, options: RotateOptions = RotateOptions(),
-                      overwrite: bool = False, max_shard_size: str | int = "2GB", progress: bool = True) -> RotateReport:
+def rotate_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    options: RotateOptions = RotateOptions(),
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    progress: bool = True,
+) -> RotateReport:
     """Stream ``src`` (an HF safetensors folder) into a rotated copy at ``out``."""
     start = time.perf_counter()
     check_output_dir(out, overwrite)
@@ -350,8 +434,9 @@ def rotate_checkpoint(src: str | Path, out: str | Path, options: RotateOptions =
 
             from ..calibration.data import calibration_ids
 
-            calibration = calibration_ids(AutoTokenizer.from_pretrained(src), options.calibration_text,
-                                          options.calibration_tokens)
+            calibration = calibration_ids(
+                AutoTokenizer.from_pretrained(src), options.calibration_text, options.calibration_tokens
+            )
         new_config, untied = _rotate(reader, reader.config, options, writer, progress, calibration)
         writer.close()
         write_config(tmp, new_config)
@@ -359,7 +444,12 @@ def rotate_checkpoint(src: str | Path, out: str | Path, options: RotateOptions =
             copy_remote_code(tmp)
         copy_side_files(reader.path, tmp)
         write_card(tmp, "rotate", rotate_card_data(src, out, options, adapter.family, untied))
-    return RotateReport(source=str(src), output=str(out), family=adapter.family, options=asdict(options),
-                        applied=options.symmetries(), untied_embeddings=untied,
-                        seconds=time.perf_counter() - start)
-
+    return RotateReport(
+        source=str(src),
+        output=str(out),
+        family=adapter.family,
+        options=asdict(options),
+        applied=options.symmetries(),
+        untied_embeddings=untied,
+        seconds=time.perf_counter() - start,
+    )

@@ -67,8 +67,14 @@ def partition_keys(adapter: Adapter, keys: list[str]) -> tuple[list[str], dict[i
     return global_keys, per_layer, rest
 
 
-def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals_fn: GlobalsFn,
-                       dtype: torch.dtype | None = torch.float64, writer: Adapter | None = None) -> None:
+def write_globals_lean(
+    raw: Tensors,
+    adapter: Adapter,
+    sink: TensorSink,
+    globals_fn: GlobalsFn,
+    dtype: torch.dtype | None = torch.float64,
+    writer: Adapter | None = None,
+) -> None:
     """Globals are vocabulary-sized: drop the raw tensors once they are canonical, and cast and
     write the results one at a time, so no more than one extra copy is ever alive. With
     ``dtype=None`` they stay in the checkpoint's dtype (``globals_fn`` then computes in float64
@@ -82,10 +88,18 @@ def write_globals_lean(raw: Tensors, adapter: Adapter, sink: TensorSink, globals
         sink.add((writer or adapter).write_globals({key: new.pop(key)}, dtypes))
 
 
-def transform_checkpoint(source: TensorSource, adapter: Adapter, sink: TensorSink, layer_fn: LayerFn,
-                         globals_fn: GlobalsFn, progress: bool = True, desc: str = "layers",
-                         globals_dtype: torch.dtype | None = torch.float64, give_layers: bool = False,
-                         writer: Adapter | None = None) -> None:
+def transform_checkpoint(
+    source: TensorSource,
+    adapter: Adapter,
+    sink: TensorSink,
+    layer_fn: LayerFn,
+    globals_fn: GlobalsFn,
+    progress: bool = True,
+    desc: str = "layers",
+    globals_dtype: torch.dtype | None = torch.float64,
+    give_layers: bool = False,
+    writer: Adapter | None = None,
+) -> None:
     """``give_layers``: ``layer_fn`` gets each canonical layer as :class:`OwnedTensors`, which the
     symmetry actions update in place (for conversions that never look at a layer's old state).
     ``writer``: the adapter of a different output family (LayerNorm decoders written as the
@@ -106,9 +120,18 @@ def transform_checkpoint(source: TensorSource, adapter: Adapter, sink: TensorSin
         sink.add(source.get(rest))
 
 
-def combine_checkpoints(sources: list[TensorSource], adapter: Adapter, sink: TensorSink, layer_fn: CombineLayersFn,
-                        globals_fn: CombineGlobalsFn, rest_fn: CombineRestFn, like: int = 0, progress: bool = True,
-                        desc: str = "layers", globals_last: bool = False) -> None:
+def combine_checkpoints(
+    sources: list[TensorSource],
+    adapter: Adapter,
+    sink: TensorSink,
+    layer_fn: CombineLayersFn,
+    globals_fn: CombineGlobalsFn,
+    rest_fn: CombineRestFn,
+    like: int = 0,
+    progress: bool = True,
+    desc: str = "layers",
+    globals_last: bool = False,
+) -> None:
     """The many-to-one twin of :func:`transform_checkpoint` (merging): layer i of every source is
     read, made canonical and combined by ``layer_fn`` into one layer, written in the dtypes of
     ``sources[like]``. Tensors the adapter does not model (in a layer or outside) are combined

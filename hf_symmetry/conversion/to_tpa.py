@@ -56,7 +56,7 @@ class LayerError:
     layer: int
     k_weight_rel_err: float
     v_weight_rel_err: float
-    k_activation_rel_err: float | None = None   # on the calibration text (when given)
+    k_activation_rel_err: float | None = None  # on the calibration text (when given)
     v_activation_rel_err: float | None = None
 
 
@@ -72,8 +72,8 @@ class ToTPAReport:
     exact: bool
     calibrated: bool
     calib_tokens: int = 0
-    cache_elements_per_token_source: int = 0     # all layers
-    cache_elements_per_token_tpa: int = 0        # all layers (A is stored once, not per token)
+    cache_elements_per_token_source: int = 0  # all layers
+    cache_elements_per_token_tpa: int = 0  # all layers (A is stored once, not per token)
     layers: list[LayerError] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -97,7 +97,8 @@ def _check_ranks(adapter: Adapter, k_rank: int | None, v_rank: int | None) -> tu
     for name, r in (("k_rank", k_rank), ("v_rank", v_rank)):
         if r is not None and not 1 <= r <= n_kv:
             raise ValueError(
-                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}")
+                f"{name} must be in [1, num_key_value_heads={n_kv}] (rank {n_kv} is already exact), got {r}"
+            )
     k_rank = n_kv if k_rank is None else int(k_rank)
     v_rank = n_kv if v_rank is None else int(v_rank)
     if k_rank < n_kv:
@@ -108,25 +109,45 @@ def _check_ranks(adapter: Adapter, k_rank: int | None, v_rank: int | None) -> tu
 def _heads(adapter: Adapter) -> tuple[int, int, int]:
     L = adapter.layout
     if L.n_heads % L.n_kv_heads:
-        raise ValueError(f"num_attention_heads ({L.n_heads}) is not a multiple of num_key_value_heads "
-                         f"({L.n_kv_heads})")
+        raise ValueError(f"num_attention_heads ({L.n_heads}) is not a multiple of num_key_value_heads ({L.n_kv_heads})")
     return L.n_heads, L.n_kv_heads, L.head_dim
 
 
-def tpa_config_from(source_config, k_rank: int, v_rank: int, attention_bias: bool, attention_out_bias: bool,
-                    mlp_bias: bool, qk_norm: bool = False) -> TPAConfig:
+def tpa_config_from(
+    source_config,
+    k_rank: int,
+    v_rank: int,
+    attention_bias: bool,
+    attention_out_bias: bool,
+    mlp_bias: bool,
+    qk_norm: bool = False,
+) -> TPAConfig:
     h, _, dh = _heads(Adapter.from_config(source_config))
     c = source_config
     return TPAConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=h, head_dim=dh,
-        q_rank=None, k_rank=k_rank, v_rank=v_rank, contextual_a=False,
-        hidden_act=c.hidden_act, max_position_embeddings=c.max_position_embeddings,
-        initializer_range=float(getattr(c, "initializer_range", 0.02)), rms_norm_eps=float(c.rms_norm_eps),
-        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=h,
+        head_dim=dh,
+        q_rank=None,
+        k_rank=k_rank,
+        v_rank=v_rank,
+        contextual_a=False,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        initializer_range=float(getattr(c, "initializer_range", 0.02)),
+        rms_norm_eps=float(c.rms_norm_eps),
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
         tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         rope_parameters=copy.deepcopy(dict(c.rope_parameters)),
-        attention_bias=attention_bias, attention_out_bias=attention_out_bias, mlp_bias=mlp_bias, qk_norm=qk_norm,
+        attention_bias=attention_bias,
+        attention_out_bias=attention_out_bias,
+        mlp_bias=mlp_bias,
+        qk_norm=qk_norm,
     )
 
 
@@ -142,16 +163,20 @@ def group_masks(num_heads: int, num_kv_heads: int, group_of=None) -> torch.Tenso
 
 def _source_biases(canon0: dict) -> dict:
     """The TPA config flags that follow from the source's first layer (canonical tensors)."""
-    return {"attention_bias": "q.bias" in canon0 or "k.bias" in canon0 or "v.bias" in canon0,
-            "attention_out_bias": "o.bias" in canon0, "mlp_bias": "gate.bias" in canon0 or "up.bias" in canon0,
-            "qk_norm": "q_norm.weight" in canon0}
+    return {
+        "attention_bias": "q.bias" in canon0 or "k.bias" in canon0 or "v.bias" in canon0,
+        "attention_out_bias": "o.bias" in canon0,
+        "mlp_bias": "gate.bias" in canon0 or "up.bias" in canon0,
+        "qk_norm": "q_norm.weight" in canon0,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Calibration
 # ----------------------------------------------------------------------------------------------
-def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress: bool = True,
-                          placement=None, lazy: bool = False):
+def attention_input_grams(
+    model, ids: torch.Tensor, window: int = 512, progress: bool = True, placement=None, lazy: bool = False
+):
     """Per layer ``C = X̃ᵀ X̃`` (float64, ``(d+1)×(d+1)``) of the attention inputs (after the pre-norm),
     ``X̃ = [X, 1]``, over ``ids`` cut into windows of ``window`` tokens.
 
@@ -165,8 +190,9 @@ def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress:
     if isinstance(model, (str, Path)):
         engine = CalibrationEngine(model, placement=placement, progress=progress)
     else:
-        engine = CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
-                                   progress=progress)
+        engine = CalibrationEngine(
+            DictSource(model.state_dict()), model.config.to_dict(), placement=placement, progress=progress
+        )
     run = engine.start(token_batches(ids, window))
 
     def grams():
@@ -184,8 +210,16 @@ def attention_input_grams(model, ids: torch.Tensor, window: int = 512, progress:
 # ----------------------------------------------------------------------------------------------
 # The factorisation
 # ----------------------------------------------------------------------------------------------
-def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, num_kv: int, rank: int,
-                       gram: torch.Tensor | None = None, eval_gram: torch.Tensor | None = None, group_of=None):
+def _head_mode_factors(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_heads: int,
+    num_kv: int,
+    rank: int,
+    gram: torch.Tensor | None = None,
+    eval_gram: torch.Tensor | None = None,
+    group_of=None,
+):
     """Factor one projection ([n_kv*dh, d] weight, optional bias) into non-contextual A ``[R, h]`` and a
     B projection (``[R*dh, d]`` weight, ``[R*dh]`` bias), fitting in the metric ``gram`` (identity when
     None). Returns ``(A, W_b, b_b, weight_err, act_err)``: the relative error of all query heads'
@@ -196,13 +230,14 @@ def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_head
     W = weight.detach().to(torch.float64).reshape(num_kv, dh, d)
     b = None if bias is None else bias.detach().to(torch.float64).reshape(num_kv, dh, 1)
     Wt = W if b is None else torch.cat([W, b], dim=2)  # [n_kv, dh, F], F = d (+1 with a bias)
-    masks = group_masks(num_heads, num_kv, group_of).to(W.device)     # [n_kv, h]
+    masks = group_masks(num_heads, num_kv, group_of).to(W.device)  # [n_kv, h]
 
     if rank == num_kv:
         # exact GQA form: a_j = R·mask_j, B_j = K/V head j
         A, Wb = rank * masks, Wt
         w_err, a_err = 0.0, (0.0 if eval_gram is not None else None)
     else:
+
         def head_gram(C):
             """``M C Mᵀ`` over query heads (``h × h``), from the KV-head Gram."""
             flat = Wt.reshape(num_kv * dh, -1)
@@ -216,7 +251,7 @@ def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_head
         U = evecs[:, torch.argsort(evals, descending=True)[:rank]]  # [h, R], top head-mode components
         A = rank * math.sqrt(g) * U.T
         Wb = ((U.T @ masks.T) @ Wt.reshape(num_kv, -1)).reshape(rank, dh, -1) / math.sqrt(g)
-        resid = torch.eye(num_heads, dtype=torch.float64, device=W.device) - U @ U.T   # heads' maps: M -> U Uᵀ M
+        resid = torch.eye(num_heads, dtype=torch.float64, device=W.device) - U @ U.T  # heads' maps: M -> U Uᵀ M
 
         def rel_err(G):
             return (torch.trace(resid @ G @ resid).clamp_min(0) / torch.trace(G).clamp_min(1e-300)).sqrt().item()
@@ -230,8 +265,17 @@ def _head_mode_factors(weight: torch.Tensor, bias: torch.Tensor | None, num_head
     return A, Wb.contiguous(), None, w_err, a_err
 
 
-def _tpa_layer(canon: Tensors, layout, k_rank: int, v_rank: int, flags: dict, gram=None, calibrate: bool = True,
-               group_of=None, device=None) -> tuple[Tensors, tuple]:
+def _tpa_layer(
+    canon: Tensors,
+    layout,
+    k_rank: int,
+    v_rank: int,
+    flags: dict,
+    gram=None,
+    calibrate: bool = True,
+    group_of=None,
+    device=None,
+) -> tuple[Tensors, tuple]:
     """One layer: TPA tensors (names relative to the layer prefix, float64) from the source layer's
     canonical tensors (:mod:`hf_symmetry.architectures.adapter`), which it consumes, and the layer's
     errors ``(k_err, v_err, k_act_err, v_act_err)``."""
@@ -251,11 +295,12 @@ def _tpa_layer(canon: Tensors, layout, k_rank: int, v_rank: int, flags: dict, gr
         a_name, b_name = TPA_FACTORS[kind]
         w, b = canon.pop(f"{kind}.weight"), canon.pop(f"{kind}.bias", None)
         dev = device or w.device
-        a, wb, bb, err, aerr = _head_mode_factors(w.to(dev), None if b is None else b.to(dev), h, n_kv, rank,
-                                                  fit, gram, group_of)
+        a, wb, bb, err, aerr = _head_mode_factors(
+            w.to(dev), None if b is None else b.to(dev), h, n_kv, rank, fit, gram, group_of
+        )
         out[a_name], out[f"{b_name}.weight"] = a.cpu(), wb.cpu()
         if flags["attention_bias"]:
-            out[f"{b_name}.bias"] = (bb.cpu() if bb is not None else torch.zeros(rank * dh, dtype=torch.float64))
+            out[f"{b_name}.bias"] = bb.cpu() if bb is not None else torch.zeros(rank * dh, dtype=torch.float64)
         errs[kind] = (err, aerr)
     left = sorted(k for k, v in canon.items() if not (k.endswith("norm.bias") and not v.any()))
     if left:
@@ -285,8 +330,12 @@ def _tpa_globals(adapter: Adapter, raw: Tensors, tied: bool) -> Tensors:
     """TPA global tensors (the source's dtype) from the source's raw global tensors (the tensors
     read are written: no vocabulary-sized copy)."""
     g = adapter.read_globals(raw, dtype=None, copy=False)
-    out = {f"{module}.{kind}": g[f"{cname}.{kind}"] for cname, module in TPA_GLOBAL_MODULES.items()
-           for kind in ("weight", "bias") if f"{cname}.{kind}" in g and not (tied and cname == "lm_head")}
+    out = {
+        f"{module}.{kind}": g[f"{cname}.{kind}"]
+        for cname, module in TPA_GLOBAL_MODULES.items()
+        for kind in ("weight", "bias")
+        if f"{cname}.{kind}" in g and not (tied and cname == "lm_head")
+    }
     left = sorted(set(g) - {f"{c}.{k}" for c in TPA_GLOBAL_MODULES for k in ("weight", "bias")})
     if left:
         raise ValueError(f"to-tpa: the source has global tensors the TPA family has no place for: {left}")
@@ -301,21 +350,45 @@ def _layout_keys(adapter: Adapter, keys: list[str]) -> tuple[list[str], dict[int
     return global_keys, per_layer
 
 
-def _report(src: str, adapter: Adapter, tcfg: TPAConfig, k_rank: int, v_rank: int, exact: bool,
-            calibrated: bool, calib_tokens: int) -> "ToTPAReport":
+def _report(
+    src: str,
+    adapter: Adapter,
+    tcfg: TPAConfig,
+    k_rank: int,
+    v_rank: int,
+    exact: bool,
+    calibrated: bool,
+    calib_tokens: int,
+) -> "ToTPAReport":
     h, n_kv, dh = _heads(adapter)
     return ToTPAReport(
-        source=src, family=str(getattr(adapter.config, "model_type", "")), num_attention_heads=h, num_key_value_heads=n_kv, head_dim=dh,
-        k_rank=k_rank, v_rank=v_rank, exact=exact, calibrated=calibrated, calib_tokens=calib_tokens,
+        source=src,
+        family=str(getattr(adapter.config, "model_type", "")),
+        num_attention_heads=h,
+        num_key_value_heads=n_kv,
+        head_dim=dh,
+        k_rank=k_rank,
+        v_rank=v_rank,
+        exact=exact,
+        calibrated=calibrated,
+        calib_tokens=calib_tokens,
         cache_elements_per_token_source=2 * n_kv * dh * adapter.n_layers,
-        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False))
+        cache_elements_per_token_tpa=tcfg.kv_cache_elements_per_token(per_layer=False),
+    )
 
 
 @torch.no_grad()
-def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = None,
-                         calib_ids: torch.Tensor | None = None, calibrate: bool = True, calib_window: int = 512,
-                         calib_grams: list[torch.Tensor] | None = None, group_of=None,
-                         progress: bool = True) -> tuple[TPAForCausalLM, ToTPAReport]:
+def convert_model_to_tpa(
+    model,
+    k_rank: int | None = None,
+    v_rank: int | None = None,
+    calib_ids: torch.Tensor | None = None,
+    calibrate: bool = True,
+    calib_window: int = 512,
+    calib_grams: list[torch.Tensor] | None = None,
+    group_of=None,
+    progress: bool = True,
+) -> tuple[TPAForCausalLM, ToTPAReport]:
     """In-memory conversion of a loaded ``...ForCausalLM`` of a family the TPA family can express
     (Llama, Mistral without sliding windows, Qwen2, Qwen3) into a :class:`TPAForCausalLM` (same dtype).
     The source is read through the family's adapter, like a checkpoint.
@@ -337,10 +410,16 @@ def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = 
     global_keys, per_layer = _layout_keys(adapter, source.keys())
     flags = _source_biases(adapter.read_layer(0, source.get(per_layer[0])))
     tcfg = tpa_config_from(cfg, k_rank, v_rank, **flags)
-    report = _report(str(getattr(cfg, "_name_or_path", "")), adapter, tcfg, k_rank, v_rank,
-                     exact=not reduced and group_of is None,
-                     calibrated=(calib_ids is not None or calib_grams is not None) and calibrate and reduced,
-                     calib_tokens=0 if calib_ids is None else int(calib_ids.numel()))
+    report = _report(
+        str(getattr(cfg, "_name_or_path", "")),
+        adapter,
+        tcfg,
+        k_rank,
+        v_rank,
+        exact=not reduced and group_of is None,
+        calibrated=(calib_ids is not None or calib_grams is not None) and calibrate and reduced,
+        calib_tokens=0 if calib_ids is None else int(calib_ids.numel()),
+    )
     grams = calib_grams
     if grams is None and calib_ids is not None and reduced:
         grams = attention_input_grams(model, calib_ids, window=calib_window, progress=progress)
@@ -348,9 +427,10 @@ def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = 
     dtype = next(model.parameters()).dtype
     sd = _tpa_globals(adapter, source.get(global_keys), tcfg.tie_word_embeddings)
     for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, leave=False):
-        canon = adapter.read_layer(i, source.get(per_layer[i]))    # one float64 layer at a time
-        new, errs = _tpa_layer(canon, adapter.layout, k_rank, v_rank, flags,
-                               None if grams is None else grams[i], calibrate, group_of)
+        canon = adapter.read_layer(i, source.get(per_layer[i]))  # one float64 layer at a time
+        new, errs = _tpa_layer(
+            canon, adapter.layout, k_rank, v_rank, flags, None if grams is None else grams[i], calibrate, group_of
+        )
         sd.update({TPA_LAYER_PREFIX.format(i) + k: v.to(dtype) for k, v in new.items()})
         report.layers.append(LayerError(i, *errs))
     tpa = _empty_model(tcfg).to(dtype)
@@ -360,8 +440,9 @@ def convert_model_to_tpa(model, k_rank: int | None = None, v_rank: int | None = 
         missing.discard(f"{TPA_GLOBAL_MODULES['lm_head']}.weight")
     unexpected = set(sd) - set(target)
     if missing or unexpected:
-        raise RuntimeError(f"to-tpa weight mapping mismatch: missing={sorted(missing)[:5]} "
-                           f"unexpected={sorted(unexpected)[:5]}")
+        raise RuntimeError(
+            f"to-tpa weight mapping mismatch: missing={sorted(missing)[:5]} unexpected={sorted(unexpected)[:5]}"
+        )
     tpa.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
     if tcfg.tie_word_embeddings:
         tpa.tie_weights()
@@ -404,18 +485,37 @@ def tpa_card_data(src, out, report) -> dict:
     params = {"k_rank": report.k_rank, "v_rank": report.v_rank, "exact": report.exact}
     if report.calibrated:
         params.update(calibrated=True, calib_tokens=report.calib_tokens)
-    return {"title": Path(out).name, "inputs": [str(src)], "method": "to-tpa", "parameters": params,
-            "notes": "\n".join(f"- {n}" for n in report.notes) or None,
-            "extra": {"cache_elements_per_token": {"source": report.cache_elements_per_token_source,
-                                                   "tpa": report.cache_elements_per_token_tpa},
-                      "report": "tpa_conversion.json"}}
+    return {
+        "title": Path(out).name,
+        "inputs": [str(src)],
+        "method": "to-tpa",
+        "parameters": params,
+        "notes": "\n".join(f"- {n}" for n in report.notes) or None,
+        "extra": {
+            "cache_elements_per_token": {
+                "source": report.cache_elements_per_token_source,
+                "tpa": report.cache_elements_per_token_tpa,
+            },
+            "report": "tpa_conversion.json",
+        },
+    }
 
 
-def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int | None = None,
-                              v_rank: int | None = None, calib: str | Path | None = None, calib_tokens: int = 2048,
-                              verify_text: str | Path | None = None, verify_tokens: int = 512,
-                              ppl_tokens: int = 2048, overwrite: bool = False, progress: bool = True,
-                              placement=None, max_shard_size: str | int = "2GB") -> ToTPAReport:
+def convert_checkpoint_to_tpa(
+    source: str | Path,
+    out: str | Path,
+    k_rank: int | None = None,
+    v_rank: int | None = None,
+    calib: str | Path | None = None,
+    calib_tokens: int = 2048,
+    verify_text: str | Path | None = None,
+    verify_tokens: int = 512,
+    ppl_tokens: int = 2048,
+    overwrite: bool = False,
+    progress: bool = True,
+    placement=None,
+    max_shard_size: str | int = "2GB",
+) -> ToTPAReport:
     """Convert the checkpoint ``source`` layer by layer (never loading the whole model; every layer
     read through the family's adapter) and write an HF folder (config with ``auto_map``,
     ``configuration_tpa.py``/``modeling_tpa.py``, weights, tokenizer, generation config,
@@ -445,7 +545,7 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     if calib is not None:
         calib = resolve_text(calib)
     if verify_text is not None:
-        resolve_text(verify_text)   # a missing text fails before any work
+        resolve_text(verify_text)  # a missing text fails before any work
     reduced = k_rank < n_kv or v_rank < n_kv
     grams, calib_n = None, 0
     if calib is not None:
@@ -459,8 +559,9 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
     dtype = dtypes[per_layer[0][0]]
     flags = _source_biases(adapter.read_layer(0, stand_ins(per_layer[0], shapes, dtypes)))
     tcfg = tpa_config_from(config, k_rank, v_rank, **flags)
-    report = _report(str(src), adapter, tcfg, k_rank, v_rank, exact=not reduced, calibrated=grams is not None,
-                     calib_tokens=calib_n)
+    report = _report(
+        str(src), adapter, tcfg, k_rank, v_rank, exact=not reduced, calibrated=grams is not None, calib_tokens=calib_n
+    )
     device = linalg_device(placement)
 
     with atomic_output_dir(out, overwrite) as tmp:
@@ -469,7 +570,7 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
             # the engine runs layer i (and lets it go) before this layer is read
             gram = None if grams is None else next(grams).to(device)
             keys = per_layer[i]
-            like = dtypes[keys[0]]   # every tensor of the layer is written in the dtype of its first
+            like = dtypes[keys[0]]  # every tensor of the layer is written in the dtype of its first
             stand = stand_ins(keys, shapes, dtypes)
             converted, passed = _layer_parts(adapter, i, keys, shapes)
             canon = read_part(adapter, i, stand, reader.get(converted), torch.float64)
@@ -479,18 +580,18 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
             writer.add(dict(sorted((prefix + k, v.to(like)) for k, v in new.items())))
             del canon, new, gram
             release_free_memory()
-            for key in passed:   # unchanged matrices: one at a time, in their own dtype
+            for key in passed:  # unchanged matrices: one at a time, in their own dtype
                 part = read_part(adapter, i, stand, reader.get([key]), None)
                 writer.add({prefix + _tpa_name(name): t.to(like) for name, t in part.items()})
                 del part
         if grams is not None:
-            grams.close()   # the calibration run's activations
+            grams.close()  # the calibration run's activations
         release_free_memory()
-        for k in global_keys:   # vocabulary-sized: one at a time, as read
+        for k in global_keys:  # vocabulary-sized: one at a time, as read
             writer.add(_tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
         _save_tpa_config(tcfg, dtype, tmp)
-        from .layer_map import LayerMap   # the residual stream is untouched: heal's layer targets are the original's
+        from .layer_map import LayerMap  # the residual stream is untouched: heal's layer targets are the original's
 
         LayerMap.identity(adapter.n_layers, tcfg.hidden_size, "to_tpa").save(tmp)
         if not copy_side_files(Path(src), tmp):
@@ -498,9 +599,10 @@ def convert_checkpoint_to_tpa(source: str | Path, out: str | Path, k_rank: int |
         report.seconds = time.time() - t0
         (tmp / "tpa_conversion.json").write_text(json.dumps(public_report(report.as_dict()), indent=2) + "\n")
         write_card(tmp, "to_tpa", tpa_card_data(src, out, report))
-    if verify_text is not None:   # the shared verification of every conversion, on the written folder
+    if verify_text is not None:  # the shared verification of every conversion, on the written folder
         from ..hub.entries import verify_and_record_folder
 
-        report.verification = verify_and_record_folder(src, out, verify_text, verify_tokens, ppl_tokens,
-                                                       progress=progress).as_dict()
+        report.verification = verify_and_record_folder(
+            src, out, verify_text, verify_tokens, ppl_tokens, progress=progress
+        ).as_dict()
     return report

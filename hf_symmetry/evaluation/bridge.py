@@ -30,9 +30,17 @@ SMOKE_TASK = "hf_symmetry_smoke_cloze"
 # --------------------------------------------------------------------------- perplexity
 
 
-def text_perplexity(model_or_path, text: str | os.PathLike, max_tokens: int | None = PPL.tokens,
-                    window: int = PPL.window, stride: int = PPL.stride, trust_remote_code: bool = False, tokenizer=None,
-                    progress: bool = True, device: str | None = None) -> PerplexityResult:
+def text_perplexity(
+    model_or_path,
+    text: str | os.PathLike,
+    max_tokens: int | None = PPL.tokens,
+    window: int = PPL.window,
+    stride: int = PPL.stride,
+    trust_remote_code: bool = False,
+    tokenizer=None,
+    progress: bool = True,
+    device: str | None = None,
+) -> PerplexityResult:
     """Sliding-window perplexity of a causal LM (folder, alias or loaded model) on a text.
     ``device`` (a folder or alias only): where it is loaded, as verification loads it
     (:func:`~hf_symmetry.evaluation.verification.load_for_eval`: ``auto`` is accelerate's device map,
@@ -72,9 +80,16 @@ def parse_tasks(tasks: str | list[str]) -> list[str]:
     return names
 
 
-def run_lm_eval(model_or_path, tasks: str | list[str], task_dir: str | os.PathLike | None = None,
-                limit: int | None = None, num_fewshot: int | None = None, batch_size: int = 1,
-                trust_remote_code: bool = False, device: str = "cpu") -> dict:
+def run_lm_eval(
+    model_or_path,
+    tasks: str | list[str],
+    task_dir: str | os.PathLike | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    trust_remote_code: bool = False,
+    device: str = "cpu",
+) -> dict:
     """lm-eval's ``simple_evaluate`` on a model loaded by hf_symmetry (so its own families work
     without remote code); returns lm-eval's results dict."""
     require_lm_eval()
@@ -94,16 +109,25 @@ def run_lm_eval(model_or_path, tasks: str | list[str], task_dir: str | os.PathLi
         manager = TaskManager(include_path=include or None)
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        raise ValueError(f"unknown lm-eval task(s) {', '.join(unknown)}"
-                         + ("" if task_dir else " (pass --task-dir with local task YAMLs)"))
+        raise ValueError(
+            f"unknown lm-eval task(s) {', '.join(unknown)}"
+            + ("" if task_dir else " (pass --task-dir with local task YAMLs)")
+        )
     if isinstance(model_or_path, (str, os.PathLike)):
         model = load_model(model_or_path, trust_remote_code=trust_remote_code)
         tokenizer = load_tokenizer(model_or_path)
     else:
         model, tokenizer = model_or_path
     lm = HFLM(pretrained=model.to(device), tokenizer=tokenizer, batch_size=batch_size, device=device)
-    out = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                          log_samples=False, bootstrap_iters=0)
+    out = simple_evaluate(
+        model=lm,
+        tasks=names,
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=False,
+        bootstrap_iters=0,
+    )
     if out is None:
         raise RuntimeError("lm-eval returned no results")
     return out
@@ -132,8 +156,13 @@ def builtin_smoke_task_dir() -> Path:
     return folder
 
 
-def write_smoke_task(task_dir: str | os.PathLike, text: str | os.PathLike = "britannica-eval", n: int = 40,
-                     seed: int = 0, name: str = SMOKE_TASK) -> Path:
+def write_smoke_task(
+    task_dir: str | os.PathLike,
+    text: str | os.PathLike = "britannica-eval",
+    n: int = 40,
+    seed: int = 0,
+    name: str = SMOKE_TASK,
+) -> Path:
     """An lm-eval task in ARC-Easy's format built from a local text: each item is the first
     half of a sentence, the choices are its true second half and the second halves of three
     other sentences. It exercises the harness offline; its scores are not benchmark scores."""
@@ -159,9 +188,17 @@ def write_smoke_task(task_dir: str | os.PathLike, text: str | os.PathLike = "bri
             order = list(range(4))
             rng.shuffle(order)
             labels = ["A", "B", "C", "D"]
-            f.write(json.dumps({"id": f"{name}-{i}", "question": halves[i][0],
-                                "choices": {"text": [options[k] for k in order], "label": labels},
-                                "answerKey": labels[order.index(0)]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"{name}-{i}",
+                        "question": halves[i][0],
+                        "choices": {"text": [options[k] for k in order], "label": labels},
+                        "answerKey": labels[order.index(0)],
+                    }
+                )
+                + "\n"
+            )
     os.replace(tmp, data)  # the YAML, written last, marks a complete task
     label = f"hf_symmetry smoke cloze ({Path(text_path).stem}, local; not a benchmark)"
     yaml_text = f"""# Written by hf_symmetry.evaluation.bridge.write_smoke_task: ARC-Easy's format on sentences

@@ -52,17 +52,21 @@ def model_from_state_dict(config: dict, state_dict: dict[str, torch.Tensor], dty
     from ..architectures import SUPPORTED_MODEL_TYPES, spec_for_model_type
 
     has_head = "lm_head.weight" in state_dict or (
-        cfg.model_type in SUPPORTED_MODEL_TYPES and spec_for_model_type(cfg.model_type).lm_head is not None)
+        cfg.model_type in SUPPORTED_MODEL_TYPES and spec_for_model_type(cfg.model_type).lm_head is not None
+    )
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # every weight is loaded below; random init would cost seconds for nothing
         model = auto_class(cfg, has_lm_head=has_head).from_config(cfg, dtype=dtype)
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
+    tied = (
+        set(getattr(model, "_tied_weights_keys", None) or {}) if getattr(cfg, "tie_word_embeddings", False) else set()
+    )
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise ValueError(f"state dict does not fit {type(model).__name__}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(
+            f"state dict does not fit {type(model).__name__}: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     if tied:
         model.tie_weights()
     return model.eval()

@@ -37,8 +37,8 @@ LOGIT_TOKENS = 512
 @dataclass
 class PerplexityResult:
     perplexity: float
-    nll: float          # mean negative log-likelihood per predicted token (nats)
-    tokens: int         # tokens of the text scored (the first one is context only: tokens - 1 predictions)
+    nll: float  # mean negative log-likelihood per predicted token (nats)
+    tokens: int  # tokens of the text scored (the first one is context only: tokens - 1 predictions)
     window: int
     stride: int
 
@@ -50,7 +50,9 @@ class PerplexityResult:
         return PerplexitySpec(self.tokens, self.window, self.stride).describe()
 
     def as_dict(self) -> dict:
-        return dict(perplexity=self.perplexity, nll=self.nll, tokens=self.tokens, window=self.window, stride=self.stride)
+        return dict(
+            perplexity=self.perplexity, nll=self.nll, tokens=self.tokens, window=self.window, stride=self.stride
+        )
 
 
 def input_device(model) -> torch.device:
@@ -71,8 +73,9 @@ def windows(n: int, window: int = PPL.window, stride: int = PPL.stride) -> int:
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int = PPL.stride, progress: bool = True,
-               bar=None) -> PerplexityResult:
+def perplexity(
+    model, ids: torch.Tensor, window: int = PPL.window, stride: int = PPL.stride, progress: bool = True, bar=None
+) -> PerplexityResult:
     """Sliding-window perplexity: each window scores the next ``stride`` tokens (at most
     ``window - 1``) once, seeing up to ``window`` tokens of context including them.
     ``bar``: an open tqdm bar to advance once per window instead of a bar of its own."""
@@ -92,8 +95,9 @@ def perplexity(model, ids: torch.Tensor, window: int = PPL.window, stride: int =
             b = max(0, e - window)
             logits = model(input_ids=ids[b:e].unsqueeze(0).to(input_device(model))).logits[0].float()
             # logits at position t - 1 predict token t
-            total_nll += torch.nn.functional.cross_entropy(logits[s - 1 - b:e - 1 - b], ids[s:e].to(logits.device),
-                                                           reduction="sum").item()
+            total_nll += torch.nn.functional.cross_entropy(
+                logits[s - 1 - b : e - 1 - b], ids[s:e].to(logits.device), reduction="sum"
+            ).item()
             bar.update(1)
     finally:
         if own:

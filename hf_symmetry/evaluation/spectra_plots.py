@@ -29,8 +29,13 @@ def rank_grid(report: dict, path: str, tau: float) -> np.ndarray:
     NaN in the columns of layers without ``path``."""
     key = f"{tau:g}"
     units = len(_path_layers(report, path)[0][path])
-    return np.array([[g["effective_rank"][key] for g in layer[path]] if path in layer else [np.nan] * units
-                     for layer in report["layers"]], dtype=float).T
+    return np.array(
+        [
+            [g["effective_rank"][key] for g in layer[path]] if path in layer else [np.nan] * units
+            for layer in report["layers"]
+        ],
+        dtype=float,
+    ).T
 
 
 def unit_labels(report: dict, path: str) -> list[str]:
@@ -56,25 +61,34 @@ def plot_rank_heatmaps(report: dict, out: Path, title: str | None = None) -> Pat
     panels = [(path, tau) for path in paths for tau in taus]
     # wide grids (many layers, few heads/groups) stack their panels; square-ish ones tile paths × τ
     rows, cols = (len(panels), 1) if n_layers >= 2 * n_units else (len(paths), len(taus))
-    fig, axes = plt.subplots(rows, cols, squeeze=False,
-                             figsize=(max(4.5, 2.2 + cell * n_layers) * cols, (1.4 + cell * n_units) * rows + 0.6))
+    fig, axes = plt.subplots(
+        rows, cols, squeeze=False, figsize=(max(4.5, 2.2 + cell * n_layers) * cols, (1.4 + cell * n_units) * rows + 0.6)
+    )
     for k, (path, tau) in enumerate(panels):
         ax = axes.flat[k]
         grid = rank_grid(report, path, tau)
         im = ax.imshow(grid, cmap="viridis", vmin=vmin, vmax=head_dim, aspect="auto", interpolation="nearest")
         if grid.size <= 600:
-            for (u, l), v in np.ndenumerate(grid):
+            for (u, layer), v in np.ndenumerate(grid):
                 if np.isnan(v):
                     continue
-                ax.text(l, u, str(int(v)), ha="center", va="center", fontsize=6,
-                        color="white" if v < vmin + 0.6 * (head_dim - vmin) else "black")
+                ax.text(
+                    layer,
+                    u,
+                    str(int(v)),
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white" if v < vmin + 0.6 * (head_dim - vmin) else "black",
+                )
         ax.set_yticks(range(n_units), unit_labels(report, path), fontsize=7)
         step = max(1, n_layers // 15)
         ax.set_xticks(range(0, n_layers, step), [str(i) for i in range(0, n_layers, step)], fontsize=7)
         ax.set_xlabel("layer", fontsize=8)
         layer_ranks = grid[:, ~np.isnan(grid).all(axis=0)].max(axis=0)
-        ax.set_title(f"{PATH_TITLES[path]}, τ={tau:g}\nlayer rank mean {layer_ranks.mean():.1f} / {head_dim}",
-                     fontsize=9)
+        ax.set_title(
+            f"{PATH_TITLES[path]}, τ={tau:g}\nlayer rank mean {layer_ranks.mean():.1f} / {head_dim}", fontsize=9
+        )
         fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02).ax.tick_params(labelsize=7)
     fig.suptitle(title or f"Effective rank of fused attention maps: {report['model_name']}", fontsize=10)
     fig.tight_layout()
@@ -106,10 +120,13 @@ def plot_layer_spectra(report: dict, path: str, out: Path) -> Path:
         ax.tick_params(labelsize=6)
         ax.set_xlim(1, head_dim)
         ax.set_ylim(1e-4, 1.5)
-    for ax in list(axes.flat)[len(layers):]:
+    for ax in list(axes.flat)[len(layers) :]:
         ax.axis("off")
-    fig.suptitle(f"σ_i / σ_1 of each {'head' if report['layout']['n_kv_heads'] == report['layout']['n_heads'] else 'KV group'}"
-                 f" ({PATH_TITLES[path]}): {report['model_name']}", fontsize=10)
+    fig.suptitle(
+        f"σ_i / σ_1 of each {'head' if report['layout']['n_kv_heads'] == report['layout']['n_heads'] else 'KV group'}"
+        f" ({PATH_TITLES[path]}): {report['model_name']}",
+        fontsize=10,
+    )
     fig.supxlabel("singular value index i", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -53,8 +53,13 @@ def _offload_dir() -> str:
     return _OFFLOAD[0]
 
 
-def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: torch.dtype = torch.float32,
-                  trust_remote_code: bool | None = None, offload_folder: str | os.PathLike | None = None):
+def load_for_eval(
+    path: str | os.PathLike,
+    device: str | None = "auto",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool | None = None,
+    offload_folder: str | os.PathLike | None = None,
+):
     """A saved model (LM class when it has one, else its base model) in eval mode, placed by
     accelerate: ``device_map="auto"`` spreads it over the visible GPUs and offloads what does not
     fit to CPU memory and then to ``offload_folder``; a named device puts it all there."""
@@ -66,7 +71,7 @@ def load_for_eval(path: str | os.PathLike, device: str | None = "auto", dtype: t
     register_auto_classes()
 
     path = resolve_model(path)
-    trust = bool(trust_remote_code)   # hf_symmetry's own families are registered and need no remote code
+    trust = bool(trust_remote_code)  # hf_symmetry's own families are registered and need no remote code
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
     device = device_map_spec(device)
     cls = auto_class(config)
@@ -108,17 +113,17 @@ class Verification:
     """What :func:`verify` measured; ``as_dict()`` is what cards and JSON reports record."""
 
     max_abs_dlogit: float
-    output_kind: str             # "logits" or "hidden_states"
-    tokens: int                  # tokens compared for max |Δ|
-    text: str                    # public label of the text (embedded name or file name)
+    output_kind: str  # "logits" or "hidden_states"
+    tokens: int  # tokens compared for max |Δ|
+    text: str  # public label of the text (embedded name or file name)
     perplexity_original: float | None = None
     perplexity_converted: float | None = None
     ppl_tokens: int | None = None
     ppl_window: int | None = None
     ppl_stride: int | None = None
-    hidden_cosine: float | None = None    # encoders: mean cosine of last hidden states
+    hidden_cosine: float | None = None  # encoders: mean cosine of last hidden states
     seconds: float = 0.0
-    text_path: str | None = field(default=None, repr=False)   # local only, never recorded
+    text_path: str | None = field(default=None, repr=False)  # local only, never recorded
 
     @property
     def delta_perplexity(self) -> float | None:
@@ -144,9 +149,17 @@ def _steps(n_logit: int, n_ppl: int, causal: bool) -> int:
     return 2 + (windows(n_ppl, PPL.window, PPL.stride) if causal and n_ppl > 1 else 0)
 
 
-def verify(original: str | os.PathLike, converted: str | os.PathLike, text: str | os.PathLike = DEFAULT_TEXT,
-           tokens: int = LOGIT_TOKENS, ppl_tokens: int = PPL.tokens, device: str | None = "auto",
-           trust_remote_code: bool | None = None, progress: bool = True, tokenizer=None) -> Verification:
+def verify(
+    original: str | os.PathLike,
+    converted: str | os.PathLike,
+    text: str | os.PathLike = DEFAULT_TEXT,
+    tokens: int = LOGIT_TOKENS,
+    ppl_tokens: int = PPL.tokens,
+    device: str | None = "auto",
+    trust_remote_code: bool | None = None,
+    progress: bool = True,
+    tokenizer=None,
+) -> Verification:
     """Compare ``converted`` with ``original`` on the first tokens of ``text``: max |Δlogit| over
     ``tokens`` tokens (hidden states and their mean cosine for encoders) and, for causal LMs,
     both perplexities over ``ppl_tokens`` tokens (:data:`PPL`'s window and stride; 0 skips).
@@ -166,7 +179,7 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, text: str 
             model = load_for_eval(which, device=device, trust_remote_code=trust_remote_code)
             bar.update(1)
             limit = getattr(model.config, "max_position_embeddings", None) or tokens
-            head = ids[:min(tokens, limit)]
+            head = ids[: min(tokens, limit)]
             causal = _is_causal_lm(model)
             if bar.total == 4:
                 bar.total = 2 * _steps(head.numel(), min(ppl_tokens, ids.numel()), causal)
@@ -193,9 +206,15 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, text: str 
     return v
 
 
-def perplexities(models: dict[str, str | os.PathLike], text: str | os.PathLike = DEFAULT_TEXT,
-                 ppl_tokens: int = PPL.tokens, tokenizer_from: str | os.PathLike | None = None,
-                 device: str | None = "auto", trust_remote_code: bool | None = None, progress: bool = True):
+def perplexities(
+    models: dict[str, str | os.PathLike],
+    text: str | os.PathLike = DEFAULT_TEXT,
+    ppl_tokens: int = PPL.tokens,
+    tokenizer_from: str | os.PathLike | None = None,
+    device: str | None = "auto",
+    trust_remote_code: bool | None = None,
+    progress: bool = True,
+):
     """``{name: PerplexityResult}`` for several causal LMs on the same tokens of ``text``
     (:data:`PPL`), loading one model at a time. Returns (results, text path)."""
     from .compare import load_tokenizer
@@ -206,8 +225,7 @@ def perplexities(models: dict[str, str | os.PathLike], text: str | os.PathLike =
     ids, path = _text_ids(tokenizer, text, ppl_tokens)
     out = {}
     per_model = 1 + windows(ids.numel(), PPL.window, PPL.stride)
-    with tqdm(desc="perplexity", total=per_model * len(models), disable=not progress, leave=False,
-              unit="step") as bar:
+    with tqdm(desc="perplexity", total=per_model * len(models), disable=not progress, leave=False, unit="step") as bar:
         for name, folder in models.items():
             bar.set_postfix_str(f"loading {name}")
             model = load_for_eval(folder, device=device, trust_remote_code=trust_remote_code)

@@ -39,8 +39,16 @@ def _hqq_roundtrip(W: torch.Tensor, bits: int, group: int, optimize: bool = True
         from hqq.core.quantize import Quantizer
     except ImportError as e:  # pragma: no cover - optional
         raise ImportError("HQQ quantizers need the 'hqq' package (pip install hqq termcolor einops)") from e
-    Wq, meta = Quantizer.quantize(W.detach().to(torch.float32).cpu(), nbits=bits, group_size=group, optimize=optimize,
-                                  axis=1, device="cpu", compute_dtype=torch.float32, bitpack=False)
+    Wq, meta = Quantizer.quantize(
+        W.detach().to(torch.float32).cpu(),
+        nbits=bits,
+        group_size=group,
+        optimize=optimize,
+        axis=1,
+        device="cpu",
+        compute_dtype=torch.float32,
+        bitpack=False,
+    )
     meta["compute_dtype"] = torch.float32
     return Quantizer.dequantize(Wq, meta).reshape(W.shape).to(torch.float32)
 
@@ -67,8 +75,12 @@ def bits_per_weight(quantizer: str) -> float:
 def decoder_linears(model) -> list[tuple[str, torch.nn.Linear]]:
     """Every ``nn.Linear`` inside the decoder layers (not the head, not the embeddings)."""
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
-    return [(f"layers.{i}.{n}", m) for i, layer in enumerate(layers) for n, m in layer.named_modules()
-            if isinstance(m, torch.nn.Linear)]
+    return [
+        (f"layers.{i}.{n}", m)
+        for i, layer in enumerate(layers)
+        for n, m in layer.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
 
 
 @torch.no_grad()

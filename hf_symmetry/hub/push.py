@@ -92,8 +92,9 @@ def check_folder(folder: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
     pickles = [p.name for p in publishable_files(folder) if p.suffix in REFUSED_SUFFIXES]
     if pickles:
-        raise ValueError(f"{folder} holds pickled files ({', '.join(pickles[:3])}); hf_symmetry publishes "
-                         "safetensors only")
+        raise ValueError(
+            f"{folder} holds pickled files ({', '.join(pickles[:3])}); hf_symmetry publishes safetensors only"
+        )
     if not list(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"{folder} holds no .safetensors weights")
     config = json.loads(cfg_path.read_text())
@@ -106,8 +107,14 @@ def check_folder(folder: str | os.PathLike) -> Path:
     return folder
 
 
-def _eval_for_card(folder: Path, eval_text: str | None, tasks: list[str] | None, task_dir: str | None,
-                   limit: int | None, progress: bool) -> list[dict]:
+def _eval_for_card(
+    folder: Path,
+    eval_text: str | None,
+    tasks: list[str] | None,
+    task_dir: str | None,
+    limit: int | None,
+    progress: bool,
+) -> list[dict]:
     from .entries import lm_eval_results, text_perplexity_result
 
     results = []
@@ -118,11 +125,22 @@ def _eval_for_card(folder: Path, eval_text: str | None, tasks: list[str] | None,
     return results
 
 
-def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool = False, token: str | None = None,
-                eval_text: str | None = None, tasks: list[str] | None = None, task_dir: str | None = None,
-                eval_limit: int | None = None, check: bool = True, check_text: str | None = None,
-                commit_message: str | None = None, endpoint: str | None = None,
-                progress: bool = True) -> PushResult:
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    token: str | None = None,
+    eval_text: str | None = None,
+    tasks: list[str] | None = None,
+    task_dir: str | None = None,
+    eval_limit: int | None = None,
+    check: bool = True,
+    check_text: str | None = None,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    progress: bool = True,
+) -> PushResult:
     """Publish ``folder`` as ``repo_id`` in one commit (see the module docstring)."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
@@ -144,20 +162,26 @@ def push_folder(folder: str | os.PathLike, repo_id: str, *, private: bool = Fals
         api.create_repo(repo_id, private=private, exist_ok=True)
     except Exception as exc:
         raise ValueError(f"could not create {repo_id} on {api.endpoint}: {_one_line(exc)}") from exc
-    operations = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
-                  for p in files]
+    operations = [
+        CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in files
+    ]
     try:
         info = api.create_commit(repo_id, operations, commit_message=commit_message or _default_message(folder))
     except Exception as exc:
         if not existed:
             _delete_quietly(api, repo_id)
-        raise ValueError(f"the Hub refused the commit to {repo_id} (nothing was published): "
-                         f"{_one_line(exc)}") from exc
-    return PushResult(repo_id=repo_id, commit_url=str(info.commit_url), commit_oid=info.oid,
-                      files=[p.relative_to(folder).as_posix() for p in files],
-                      bytes=sum(p.stat().st_size for p in files), created_repo=not existed,
-                      check=check_report.as_dict() if check_report else None, eval_results=results,
-                      seconds=time.perf_counter() - start)
+        raise ValueError(f"the Hub refused the commit to {repo_id} (nothing was published): {_one_line(exc)}") from exc
+    return PushResult(
+        repo_id=repo_id,
+        commit_url=str(info.commit_url),
+        commit_oid=info.oid,
+        files=[p.relative_to(folder).as_posix() for p in files],
+        bytes=sum(p.stat().st_size for p in files),
+        created_repo=not existed,
+        check=check_report.as_dict() if check_report else None,
+        eval_results=results,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def prepush_check_for(folder: Path, text: str | None = None):

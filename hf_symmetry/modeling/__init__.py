@@ -3,7 +3,8 @@ when ``hf_symmetry`` is imported (``AutoConfig`` / ``AutoModel`` / ``AutoModelFo
 
 from __future__ import annotations
 
-from .modeling_tpa import cache_field  # the KV cache's argument/output name in the installed transformers
+# the KV cache's argument/output name in the installed transformers
+from .modeling_tpa import cache_field as cache_field
 
 
 def causal_lm_model_types() -> tuple[str, ...]:
@@ -31,8 +32,11 @@ def register_auto_classes() -> None:
     from .configuration_farr import FarrBertConfig, FarrLlamaConfig, FarrRobertaConfig
     from .modeling_farr import FarrBertModel, FarrLlamaForCausalLM, FarrLlamaModel, FarrRobertaModel
 
-    for config_cls, model_cls in ((FarrLlamaConfig, FarrLlamaModel), (FarrBertConfig, FarrBertModel),
-                                  (FarrRobertaConfig, FarrRobertaModel)):
+    for config_cls, model_cls in (
+        (FarrLlamaConfig, FarrLlamaModel),
+        (FarrBertConfig, FarrBertModel),
+        (FarrRobertaConfig, FarrRobertaModel),
+    ):
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModel.register(config_cls, model_cls, exist_ok=True)
     AutoModelForCausalLM.register(FarrLlamaConfig, FarrLlamaForCausalLM, exist_ok=True)

@@ -18,8 +18,9 @@ LM_HEAD_KINDS = ("tied", "tied_mixed", "separate")
 
 def _check_spec(where: str, spec) -> None:
     if not isinstance(spec, dict) or spec.get("type") not in STRUCTURE_TYPES:
-        raise ValueError(f"CompressedLlamaConfig: {where} must be a dict with 'type' in {STRUCTURE_TYPES}, "
-                         f"got {spec!r}")
+        raise ValueError(
+            f"CompressedLlamaConfig: {where} must be a dict with 'type' in {STRUCTURE_TYPES}, got {spec!r}"
+        )
     need = {"dense": (), "lowrank": ("rank",), "kron": ("rank", "a_shape"), "gs": ("rank", "blocks")}[spec["type"]]
     missing = [k for k in need if k not in spec]
     if missing:
@@ -104,8 +105,9 @@ class CompressedLlamaConfig(PreTrainedConfig):
         if self.residual_size is None:
             self.residual_size = self.hidden_size
         if self.layer_structures is None:
-            self.layer_structures = [{m: {"type": "dense"} for m in LAYER_MODULES}
-                                     for _ in range(self.num_hidden_layers)]
+            self.layer_structures = [
+                {m: {"type": "dense"} for m in LAYER_MODULES} for _ in range(self.num_hidden_layers)
+            ]
         if self.embed_structure is None:
             self.embed_structure = {"type": "dense"}
         if self.lm_head == "separate" and self.lm_head_structure is None:
@@ -116,11 +118,14 @@ class CompressedLlamaConfig(PreTrainedConfig):
 
     def _validate_compression(self) -> None:
         if not 0 < self.residual_size <= self.hidden_size:
-            raise ValueError(f"CompressedLlamaConfig: residual_size must be in (0, hidden_size={self.hidden_size}], "
-                             f"got {self.residual_size}")
+            raise ValueError(
+                f"CompressedLlamaConfig: residual_size must be in (0, hidden_size={self.hidden_size}], "
+                f"got {self.residual_size}"
+            )
         if self.skip_connections not in SKIP_KINDS:
-            raise ValueError(f"CompressedLlamaConfig: skip_connections must be one of {SKIP_KINDS}, "
-                             f"got {self.skip_connections!r}")
+            raise ValueError(
+                f"CompressedLlamaConfig: skip_connections must be one of {SKIP_KINDS}, got {self.skip_connections!r}"
+            )
         if self.lm_head not in LM_HEAD_KINDS:
             raise ValueError(f"CompressedLlamaConfig: lm_head must be one of {LM_HEAD_KINDS}, got {self.lm_head!r}")
         if self.skip_connections == "orthogonal" and self.residual_size != self.hidden_size:
@@ -128,20 +133,29 @@ class CompressedLlamaConfig(PreTrainedConfig):
         if self.residual_sizes is not None:
             n_seg = 2 * self.num_hidden_layers + 1
             if len(self.residual_sizes) != n_seg or not all(0 < w <= self.hidden_size for w in self.residual_sizes):
-                raise ValueError(f"CompressedLlamaConfig: residual_sizes must be {n_seg} widths in (0, hidden_size="
-                                 f"{self.hidden_size}], got {self.residual_sizes}")
+                raise ValueError(
+                    f"CompressedLlamaConfig: residual_sizes must be {n_seg} widths in (0, hidden_size="
+                    f"{self.hidden_size}], got {self.residual_sizes}"
+                )
             if max(self.residual_sizes) != self.residual_size:
-                raise ValueError(f"CompressedLlamaConfig: residual_size ({self.residual_size}) must be the largest "
-                                 f"of residual_sizes ({max(self.residual_sizes)})")
+                raise ValueError(
+                    f"CompressedLlamaConfig: residual_size ({self.residual_size}) must be the largest "
+                    f"of residual_sizes ({max(self.residual_sizes)})"
+                )
             if self.skip_connections != "none":
-                raise ValueError("CompressedLlamaConfig: per-segment residual widths need one basis for all "
-                                 "segments (skip_connections='none')")
+                raise ValueError(
+                    "CompressedLlamaConfig: per-segment residual widths need one basis for all "
+                    "segments (skip_connections='none')"
+                )
             if self.lm_head == "tied" and self.residual_sizes[0] != self.residual_sizes[-1]:
-                raise ValueError("CompressedLlamaConfig: a tied head without head_mix needs the first and last "
-                                 "residual widths equal")
+                raise ValueError(
+                    "CompressedLlamaConfig: a tied head without head_mix needs the first and last residual widths equal"
+                )
         if len(self.layer_structures) != self.num_hidden_layers:
-            raise ValueError(f"CompressedLlamaConfig: layer_structures has {len(self.layer_structures)} entries "
-                             f"for {self.num_hidden_layers} layers")
+            raise ValueError(
+                f"CompressedLlamaConfig: layer_structures has {len(self.layer_structures)} entries "
+                f"for {self.num_hidden_layers} layers"
+            )
         for i, layer in enumerate(self.layer_structures):
             if not isinstance(layer, dict) or set(layer) != set(LAYER_MODULES):
                 raise ValueError(f"CompressedLlamaConfig: layer_structures[{i}] must map exactly {LAYER_MODULES}")
@@ -157,14 +171,19 @@ class CompressedLlamaConfig(PreTrainedConfig):
 
     def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
         """Cached elements per token (one layer if ``per_layer`` else all): stock K/V, ``2 n_kv d_h``."""
-        per = 2 * (self.num_key_value_heads or self.num_attention_heads) * (
-            self.head_dim or self.hidden_size // self.num_attention_heads)
+        per = (
+            2
+            * (self.num_key_value_heads or self.num_attention_heads)
+            * (self.head_dim or self.hidden_size // self.num_attention_heads)
+        )
         return per if per_layer else per * self.num_hidden_layers
 
     def validate_architecture(self):
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(f"CompressedLlamaConfig: num_attention_heads ({self.num_attention_heads}) must be a "
-                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"CompressedLlamaConfig: num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
 
 
 CompressedLlamaConfig.register_for_auto_class()

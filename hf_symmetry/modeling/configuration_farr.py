@@ -28,19 +28,24 @@ def vo_parameters(hidden: int, n_heads: int, n_kv_heads: int, v_dim: int, o_bias
     return n_kv_heads * v_dim * hidden + hidden * n_heads * v_dim + (hidden if o_bias else 0)
 
 
-def qk_parameters(hidden: int, n_heads: int, n_kv_heads: int, qk_dim: int, q_bias: bool, k_bias: bool,
-                  qk_norm: bool = False) -> int:
+def qk_parameters(
+    hidden: int, n_heads: int, n_kv_heads: int, qk_dim: int, q_bias: bool, k_bias: bool, qk_norm: bool = False
+) -> int:
     """Parameters of one layer's ``q_proj`` and ``k_proj`` (and per-head QK-norms)."""
-    return (n_heads * qk_dim * (hidden + int(q_bias)) + n_kv_heads * qk_dim * (hidden + int(k_bias))
-            + (2 * qk_dim if qk_norm else 0))
+    return (
+        n_heads * qk_dim * (hidden + int(q_bias))
+        + n_kv_heads * qk_dim * (hidden + int(k_bias))
+        + (2 * qk_dim if qk_norm else 0)
+    )
 
 
 def _check_dims(config, name: str, dims) -> None:
     if dims is None:
         return
     if len(dims) != config.num_hidden_layers:
-        raise ValueError(f"{type(config).__name__}: {name} needs one entry per layer "
-                         f"({config.num_hidden_layers}), got {len(dims)}")
+        raise ValueError(
+            f"{type(config).__name__}: {name} needs one entry per layer ({config.num_hidden_layers}), got {len(dims)}"
+        )
     bad = [d for d in dims if isinstance(d, bool) or not isinstance(d, int) or d <= 0]
     if bad:
         raise ValueError(f"{type(config).__name__}: {name} must be positive integers, got {bad[:3]}")
@@ -81,22 +86,30 @@ class FarrLlamaConfig(LlamaConfig):
         if self.layer_types is None:
             kind = "sliding_attention" if self.sliding_window is not None else "full_attention"
             self.layer_types = [kind] * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers or \
-                set(self.layer_types) - {"sliding_attention", "full_attention"}:
-            raise ValueError(f"FarrLlamaConfig: layer_types needs one of 'sliding_attention'/'full_attention' per "
-                             f"layer ({self.num_hidden_layers}), got {self.layer_types}")
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - {
+            "sliding_attention",
+            "full_attention",
+        }:
+            raise ValueError(
+                f"FarrLlamaConfig: layer_types needs one of 'sliding_attention'/'full_attention' per "
+                f"layer ({self.num_hidden_layers}), got {self.layer_types}"
+            )
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("FarrLlamaConfig: sliding_attention layers need a sliding_window")
         _check_dims(self, "v_head_dims", self.v_head_dims)
         _check_dims(self, "qk_head_dims", self.qk_head_dims)
         if self.no_rope_layers is not None and len(self.no_rope_layers) != self.num_hidden_layers:
-            raise ValueError(f"FarrLlamaConfig: no_rope_layers needs one flag per layer ({self.num_hidden_layers}), "
-                             f"got {len(self.no_rope_layers)}")
+            raise ValueError(
+                f"FarrLlamaConfig: no_rope_layers needs one flag per layer ({self.num_hidden_layers}), "
+                f"got {len(self.no_rope_layers)}"
+            )
         changed = [i for i in range(self.num_hidden_layers) if self.qk_head_dim(i) != self.head_dim]
         roped = [i for i in changed if self.uses_rope(i) or self.qk_norm]
         if roped:
-            raise ValueError(f"FarrLlamaConfig: layers {roped} change the query/key head dim, which only NoPE "
-                             "layers without QK-norm can (RoPE and QK-norm act on the full head dim)")
+            raise ValueError(
+                f"FarrLlamaConfig: layers {roped} change the query/key head dim, which only NoPE "
+                "layers without QK-norm can (RoPE and QK-norm act on the full head dim)"
+            )
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])
@@ -118,9 +131,9 @@ class FarrLlamaConfig(LlamaConfig):
         if layer is None:
             return sum(self.attention_parameters(i) for i in range(self.num_hidden_layers))
         d, h, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
-        return (qk_parameters(d, h, kv, self.qk_head_dim(layer), self.attention_bias, self.attention_bias,
-                              self.qk_norm)
-                + vo_parameters(d, h, kv, self.v_head_dim(layer), self.o_bias))
+        return qk_parameters(
+            d, h, kv, self.qk_head_dim(layer), self.attention_bias, self.attention_bias, self.qk_norm
+        ) + vo_parameters(d, h, kv, self.v_head_dim(layer), self.o_bias)
 
 
 class _FarrEncoderMixin:
@@ -149,8 +162,9 @@ class _FarrEncoderMixin:
         if layer is None:
             return sum(self.attention_parameters(i) for i in range(self.num_hidden_layers))
         d, h = self.hidden_size, self.num_attention_heads
-        return (qk_parameters(d, h, h, self.qk_head_dim(layer), True, False)
-                + vo_parameters(d, h, h, self.v_head_dim(layer), True))
+        return qk_parameters(d, h, h, self.qk_head_dim(layer), True, False) + vo_parameters(
+            d, h, h, self.v_head_dim(layer), True
+        )
 
 
 @strict

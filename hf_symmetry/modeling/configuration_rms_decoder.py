@@ -92,8 +92,9 @@ class RMSDecoderConfig(PreTrainedConfig):
 
     def validate_architecture(self):
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
-                             f"{self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
         if not 0 < self.residual_size <= self.hidden_size:
             raise ValueError(f"residual_size must be in (0, hidden_size={self.hidden_size}], got {self.residual_size}")
         if self.skip_connections not in ("none", "orthogonal"):
@@ -101,8 +102,9 @@ class RMSDecoderConfig(PreTrainedConfig):
         if self.skip_connections == "orthogonal" and (self.parallel_block or self.residual_size != self.hidden_size):
             raise ValueError("orthogonal skip connections need sequential blocks and an unsliced stream")
         if self.layer_structures is not None and len(self.layer_structures) != self.num_hidden_layers:
-            raise ValueError(f"layer_structures has {len(self.layer_structures)} entries for "
-                             f"{self.num_hidden_layers} layers")
+            raise ValueError(
+                f"layer_structures has {len(self.layer_structures)} entries for {self.num_hidden_layers} layers"
+            )
 
     def kv_cache_elements_per_token(self, per_layer: bool = True) -> int:
         """Cached elements per token (one layer if ``per_layer`` else all): K and V, ``2 · hidden``."""

@@ -90,7 +90,8 @@ class TPAConfig(PreTrainedConfig):
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
                     f"TPAConfig: hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
-                    f"({self.num_attention_heads}); pass head_dim explicitly")
+                    f"({self.num_attention_heads}); pass head_dim explicitly"
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         positive("head_dim", self.head_dim)
         if self.intermediate_size is None:
@@ -98,7 +99,8 @@ class TPAConfig(PreTrainedConfig):
         positive("intermediate_size", self.intermediate_size)
         if self.tpa_decode_path not in TPA_DECODE_PATHS:
             raise ValueError(
-                f"TPAConfig: tpa_decode_path must be one of {TPA_DECODE_PATHS}, got {self.tpa_decode_path!r}")
+                f"TPAConfig: tpa_decode_path must be one of {TPA_DECODE_PATHS}, got {self.tpa_decode_path!r}"
+            )
         if not 0.0 <= float(self.attention_dropout) < 1.0:
             raise ValueError(f"TPAConfig: attention_dropout must be in [0, 1), got {self.attention_dropout}")
         if "num_key_value_heads" in kwargs:
@@ -110,7 +112,8 @@ class TPAConfig(PreTrainedConfig):
         if rotary_dim <= 0 or rotary_dim % 2:
             raise ValueError(
                 f"TPAConfig: the RoPE dimension must be even and positive, got {rotary_dim} "
-                f"(head_dim={self.head_dim}, partial_rotary_factor={factor})")
+                f"(head_dim={self.head_dim}, partial_rotary_factor={factor})"
+            )
 
     # --- derived quantities -------------------------------------------------------------------
     @property

@@ -37,8 +37,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import (LlamaRotaryEmbedding, apply_rotary_pos_emb,
-                                                      eager_attention_forward)
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from .configuration_compressed_llama import CompressedLlamaConfig
@@ -122,8 +121,9 @@ class KroneckerLinear(_StructuredLinear):
         super().__init__(in_features, out_features, bias)
         m1, n1 = (int(a) for a in a_shape)
         if m1 <= 0 or n1 <= 0 or out_features % m1 or in_features % n1:
-            raise ValueError(f"Kronecker factor shape {tuple(a_shape)} does not divide the "
-                             f"{out_features}x{in_features} matrix")
+            raise ValueError(
+                f"Kronecker factor shape {tuple(a_shape)} does not divide the {out_features}x{in_features} matrix"
+            )
         m2, n2 = out_features // m1, in_features // n1
         self.rank, self.a_shape, self.b_shape = rank, (m1, n1), (m2, n2)
         self.kron_a = nn.Parameter(torch.empty(m1, rank, n1))
@@ -134,18 +134,18 @@ class KroneckerLinear(_StructuredLinear):
     def _matmul(self, x):
         (m1, n1), (m2, n2), r, N = self.a_shape, self.b_shape, self.rank, x.shape[0]
         if self.a_first:
-            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))   # [N, n2, (i1, s)]
-            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)            # [(N, i1), (s, j2)]
+            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))  # [N, n2, (i1, s)]
+            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)  # [(N, i1), (s, j2)]
             return F.linear(u, self.kron_b.reshape(m2, r * n2)).view(N, m1 * m2)
-        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))                     # [N, n1, (i2, s)]
-        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)                # [(N, i2), (s, j1)]
+        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))  # [N, n1, (i2, s)]
+        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)  # [(N, i2), (s, j1)]
         y = F.linear(t, self.kron_a.reshape(m1, r * n1)).view(N, m2, m1)
         return y.transpose(1, 2).reshape(N, m1 * m2)
 
     def rows(self, ids):
         m2 = self.b_shape[0]
         flat = ids.reshape(-1)
-        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]                                # [N, r, n1], [N, r, n2]
+        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]  # [N, r, n1], [N, r, n2]
         return torch.bmm(a.transpose(1, 2), b).reshape(*ids.shape, self.in_features)
 
     def dense_weight(self):
@@ -171,9 +171,9 @@ class GSLinear(_StructuredLinear):
 
     def _matmul(self, x):
         kl, kr, b, N = self.kl, self.kr, self.rank, x.shape[0]
-        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))      # [kr, N, (i, c)]
-        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)                # shuffle: [kl, N, (j, c)]
-        y = torch.bmm(h, self.gs_left.transpose(1, 2))                                      # [kl, N, out/kl]
+        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))  # [kr, N, (i, c)]
+        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)  # shuffle: [kl, N, (j, c)]
+        y = torch.bmm(h, self.gs_left.transpose(1, 2))  # [kl, N, out/kl]
         return y.transpose(0, 1).reshape(N, self.out_features)
 
     def rows(self, ids):
@@ -186,7 +186,7 @@ class GSLinear(_StructuredLinear):
             sel = (flat // bl) == i
             if kl > 1 and not bool(sel.any()):
                 continue
-            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)           # [kr, n_i, b]
+            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)  # [kr, n_i, b]
             out[sel] = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
         return out.reshape(*ids.shape, self.in_features)
 
@@ -276,8 +276,14 @@ class OrthogonalSkip(nn.Module):
     def matrix(self) -> torch.Tensor:
         if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
             return cayley_decode(self.skip_k, self.skip_signs)
-        key = (self.skip_k.data_ptr(), self.skip_k._version, self.skip_signs.data_ptr(), self.skip_signs._version,
-               self.skip_k.dtype, self.skip_k.device)
+        key = (
+            self.skip_k.data_ptr(),
+            self.skip_k._version,
+            self.skip_signs.data_ptr(),
+            self.skip_signs._version,
+            self.skip_k.dtype,
+            self.skip_k.device,
+        )
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
                 self._cache = (key, cayley_decode(self.skip_k.detach(), self.skip_signs))
@@ -324,7 +330,7 @@ class CompressedLlamaAttention(nn.Module):
         self.config, self.layer_idx = config, layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         spec = config.layer_structures[layer_idx]
@@ -334,7 +340,7 @@ class CompressedLlamaAttention(nn.Module):
         self.k_proj = structured_linear(d_in, kv_out, spec["k_proj"])
         self.v_proj = structured_linear(d_in, kv_out, spec["v_proj"])
         self.o_proj = structured_linear(q_out, d_out, spec["o_proj"])
-        if config.qk_norm:   # Qwen3's per-head QK-norm (transformers' own module)
+        if config.qk_norm:  # Qwen3's per-head QK-norm (transformers' own module)
             self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -351,11 +357,19 @@ class CompressedLlamaAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                                    eager_attention_forward)
-        out, weights = attention_interface(self, q, k, v, attention_mask,
-                                           dropout=0.0 if not self.training else self.attention_dropout,
-                                           scaling=self.scaling, **kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention_interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -363,8 +377,11 @@ class CompressedLlamaMLP(nn.Module):
     def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
         super().__init__()
         spec = config.layer_structures[layer_idx]
-        d_in, d_out, h = (config.segment_width(2 * layer_idx + 1), config.segment_width(2 * layer_idx + 2),
-                          config.intermediate_size)
+        d_in, d_out, h = (
+            config.segment_width(2 * layer_idx + 1),
+            config.segment_width(2 * layer_idx + 2),
+            config.intermediate_size,
+        )
         self.gate_proj = structured_linear(d_in, h, spec["gate_proj"])
         self.up_proj = structured_linear(d_in, h, spec["up_proj"])
         self.down_proj = structured_linear(h, d_out, spec["down_proj"])
@@ -387,8 +404,13 @@ class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
         self.out_width = config.segment_width(2 * layer_idx + 2)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
-        attn, weights = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                                       attention_mask=attention_mask, cache=cache, **kwargs)
+        attn, weights = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            **kwargs,
+        )
         skip = hidden_states if self.attn_skip is None else self.attn_skip(hidden_states)
         hidden_states = resize_stream(skip, self.mid_width) + attn
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -420,19 +442,20 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
         if isinstance(module, DenseLinear):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, LowRankLinear):
-            init.normal_(module.lr_u, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
-            init.normal_(module.lr_v, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
+            init.normal_(module.lr_u, mean=0.0, std=std**0.5 / module.rank**0.25)
+            init.normal_(module.lr_v, mean=0.0, std=std**0.5 / module.rank**0.25)
         elif isinstance(module, KroneckerLinear):
-            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank ** 0.5)
+            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank**0.5)
             init.normal_(module.kron_b, mean=0.0, std=std / max(module.a_shape[1], 1) ** 0.5)
         elif isinstance(module, GSLinear):
             init.normal_(module.gs_left, mean=0.0, std=1.0 / (module.kr * module.rank) ** 0.5)
-            init.normal_(module.gs_right, mean=0.0, std=std * module.kr ** 0.5)
+            init.normal_(module.gs_right, mean=0.0, std=std * module.kr**0.5)
         elif isinstance(module, OrthogonalSkip):
             init.zeros_(module.skip_k)
             init.ones_(module.skip_signs)
-        elif isinstance(module, DenseSkip) or (isinstance(module, nn.Linear)
-                                               and getattr(module, "_is_head_mix", False)):
+        elif isinstance(module, DenseSkip) or (
+            isinstance(module, nn.Linear) and getattr(module, "_is_head_mix", False)
+        ):
             init.eye_(module.weight)
         else:
             super()._init_weights(module)
@@ -458,10 +481,21 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        past_key_values=None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         cfg = self.config
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
@@ -486,16 +520,25 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
         for layer in self.layers[: cfg.num_hidden_layers]:
             if output_hidden_states:
                 all_hidden += (hidden_states,)
-            hidden_states, weights = layer(hidden_states, attention_mask=causal_mask,
-                                           position_embeddings=position_embeddings, cache=cache,
-                                           output_attentions=output_attentions, **kwargs)
+            hidden_states, weights = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
             if output_attentions:
                 all_attn += (weights,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)
-        out = BaseModelOutputWithPast(last_hidden_state=hidden_states, **{cache_field(): cache if use_cache else None},
-                                      hidden_states=all_hidden or None, attentions=all_attn or None)
+        out = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            **{cache_field(): cache if use_cache else None},
+            hidden_states=all_hidden or None,
+            attentions=all_attn or None,
+        )
         return out if return_dict else out.to_tuple()
 
 
@@ -532,24 +575,48 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
             hidden_states = self.head_mix(hidden_states)
         return self.model.embed_tokens.matrix(hidden_states)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0,
-                past_key_values=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
+        **kwargs,
+    ):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
-                             use_cache=use_cache,
-                             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                             return_dict=True, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kwargs,
+        )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.logits_from_hidden(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field(): getattr(outputs, cache_field())},
-                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        out = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            **{cache_field(): getattr(outputs, cache_field())},
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
         return out if return_dict else out.to_tuple()
 
 
@@ -565,5 +632,13 @@ EMBED_MODULE, LM_HEAD_MODULE, HEAD_MIX_MODULE = "model.embed_tokens.matrix", "lm
 CompressedLlamaModel.register_for_auto_class("AutoModel")
 CompressedLlamaForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["CompressedLlamaForCausalLM", "CompressedLlamaModel", "CompressedLlamaPreTrainedModel",
-           "KroneckerLinear", "GSLinear", "LowRankLinear", "DenseLinear", "cayley_decode"]
+__all__ = [
+    "CompressedLlamaForCausalLM",
+    "CompressedLlamaModel",
+    "CompressedLlamaPreTrainedModel",
+    "KroneckerLinear",
+    "GSLinear",
+    "LowRankLinear",
+    "DenseLinear",
+    "cayley_decode",
+]

@@ -18,16 +18,36 @@ from typing import Callable
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.bert.modeling_bert import (BertEmbeddings, BertEncoder, BertLayer, BertModel, BertPooler,
-                                                    BertPreTrainedModel, BertSelfAttention)
+from transformers.models.bert.modeling_bert import (
+    BertEmbeddings,
+    BertEncoder,
+    BertLayer,
+    BertModel,
+    BertPooler,
+    BertPreTrainedModel,
+    BertSelfAttention,
+)
 from transformers.models.bert.modeling_bert import eager_attention_forward as bert_eager_attention_forward
-from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel,
-                                                      LlamaPreTrainedModel, LlamaRMSNorm, LlamaRotaryEmbedding,
-                                                      apply_rotary_pos_emb)
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention_forward
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
-from transformers.models.roberta.modeling_roberta import (RobertaEmbeddings, RobertaEncoder, RobertaLayer,
-                                                          RobertaModel, RobertaPooler, RobertaPreTrainedModel)
+from transformers.models.roberta.modeling_roberta import (
+    RobertaEmbeddings,
+    RobertaEncoder,
+    RobertaLayer,
+    RobertaModel,
+    RobertaPooler,
+    RobertaPreTrainedModel,
+)
 
 from .configuration_farr import FarrBertConfig, FarrLlamaConfig, FarrRobertaConfig
 
@@ -47,7 +67,7 @@ class FarrLlamaAttention(nn.Module):
         self.v_head_dim = config.v_head_dim(layer_idx)
         self.use_rope = config.uses_rope(layer_idx)
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = config.head_dim ** -0.5   # the original head dim's scale, whatever v_head_dim is
+        self.scaling = config.head_dim**-0.5  # the original head dim's scale, whatever v_head_dim is
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
@@ -60,8 +80,9 @@ class FarrLlamaAttention(nn.Module):
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None, **kwargs
+    ):
         # transformers' decoder layer hands the KV cache over as `cache` from 5.24, `past_key_values` before
         cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
@@ -79,11 +100,19 @@ class FarrLlamaAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, llama_eager_attention_forward)
+            self.config._attn_implementation, llama_eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-            sliding_window=self.sliding_window, **kwargs)
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
@@ -102,7 +131,7 @@ class FarrLlamaPreTrainedModel(LlamaPreTrainedModel):
     config_class = FarrLlamaConfig
     config: FarrLlamaConfig
     _no_split_modules = ["FarrLlamaDecoderLayer"]
-    _supports_flash_attn = False   # flash kernels need equal query/key and value head dims
+    _supports_flash_attn = False  # flash kernels need equal query/key and value head dims
     _supports_flex_attn = False
     _can_compile_fullgraph = False
     _can_record_outputs = {"hidden_states": FarrLlamaDecoderLayer, "attentions": FarrLlamaAttention}
@@ -149,7 +178,7 @@ class FarrBertSelfAttention(BertSelfAttention):
         self.attention_head_size = config.qk_head_dim(layer_idx)
         self.value_head_size = config.v_head_dim(layer_idx)
         self.all_head_size = self.num_attention_heads * self.attention_head_size
-        self.scaling = config.head_dim ** -0.5   # the original head dim's scale
+        self.scaling = config.head_dim**-0.5  # the original head dim's scale
         d, h = config.hidden_size, self.num_attention_heads
         self.query = nn.Linear(d, h * self.attention_head_size)
         self.key = nn.Linear(d, h * self.attention_head_size, bias=False)
@@ -166,10 +195,18 @@ class FarrBertSelfAttention(BertSelfAttention):
         key = self.key(hidden_states).view(*input_shape, -1, self.attention_head_size).transpose(1, 2)
         value = self.value(hidden_states).view(*input_shape, -1, self.value_head_size).transpose(1, 2)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, bert_eager_attention_forward)
+            self.config._attn_implementation, bert_eager_attention_forward
+        )
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.dropout.p, scaling=self.scaling, **kwargs)
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.dropout.p,
+            scaling=self.scaling,
+            **kwargs,
+        )
         return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
 
@@ -177,8 +214,7 @@ def _install_farr_attention(encoder: nn.Module, config) -> None:
     """Swap each layer's self-attention and output projection for the per-layer-dim ones."""
     for i, layer in enumerate(encoder.layer):
         layer.attention.self = FarrBertSelfAttention(config, layer_idx=i)
-        layer.attention.output.dense = nn.Linear(config.num_attention_heads * config.v_head_dim(i),
-                                                 config.hidden_size)
+        layer.attention.output.dense = nn.Linear(config.num_attention_heads * config.v_head_dim(i), config.hidden_size)
 
 
 class FarrBertModel(BertModel):

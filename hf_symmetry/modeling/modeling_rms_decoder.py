@@ -117,8 +117,9 @@ class KroneckerLinear(_StructuredLinear):
         super().__init__(in_features, out_features, bias)
         m1, n1 = (int(a) for a in a_shape)
         if m1 <= 0 or n1 <= 0 or out_features % m1 or in_features % n1:
-            raise ValueError(f"Kronecker factor shape {tuple(a_shape)} does not divide the "
-                             f"{out_features}x{in_features} matrix")
+            raise ValueError(
+                f"Kronecker factor shape {tuple(a_shape)} does not divide the {out_features}x{in_features} matrix"
+            )
         m2, n2 = out_features // m1, in_features // n1
         self.rank, self.a_shape, self.b_shape = rank, (m1, n1), (m2, n2)
         self.kron_a = nn.Parameter(torch.empty(m1, rank, n1))
@@ -129,18 +130,18 @@ class KroneckerLinear(_StructuredLinear):
     def _matmul(self, x):
         (m1, n1), (m2, n2), r, N = self.a_shape, self.b_shape, self.rank, x.shape[0]
         if self.a_first:
-            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))   # [N, n2, (i1, s)]
-            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)            # [(N, i1), (s, j2)]
+            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))  # [N, n2, (i1, s)]
+            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)  # [(N, i1), (s, j2)]
             return F.linear(u, self.kron_b.reshape(m2, r * n2)).view(N, m1 * m2)
-        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))                     # [N, n1, (i2, s)]
-        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)                # [(N, i2), (s, j1)]
+        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))  # [N, n1, (i2, s)]
+        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)  # [(N, i2), (s, j1)]
         y = F.linear(t, self.kron_a.reshape(m1, r * n1)).view(N, m2, m1)
         return y.transpose(1, 2).reshape(N, m1 * m2)
 
     def rows(self, ids):
         m2 = self.b_shape[0]
         flat = ids.reshape(-1)
-        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]                                # [N, r, n1], [N, r, n2]
+        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]  # [N, r, n1], [N, r, n2]
         return torch.bmm(a.transpose(1, 2), b).reshape(*ids.shape, self.in_features)
 
     def dense_weight(self):
@@ -167,9 +168,9 @@ class GSLinear(_StructuredLinear):
 
     def _matmul(self, x):
         kl, kr, b, N = self.kl, self.kr, self.rank, x.shape[0]
-        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))      # [kr, N, (i, c)]
-        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)                # shuffle: [kl, N, (j, c)]
-        y = torch.bmm(h, self.gs_left.transpose(1, 2))                                      # [kl, N, out/kl]
+        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))  # [kr, N, (i, c)]
+        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)  # shuffle: [kl, N, (j, c)]
+        y = torch.bmm(h, self.gs_left.transpose(1, 2))  # [kl, N, out/kl]
         return y.transpose(0, 1).reshape(N, self.out_features)
 
     def rows(self, ids):
@@ -182,7 +183,7 @@ class GSLinear(_StructuredLinear):
             sel = (flat // bl) == i
             if kl > 1 and not bool(sel.any()):
                 continue
-            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)           # [kr, n_i, b]
+            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)  # [kr, n_i, b]
             out[sel] = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
         return out.reshape(*ids.shape, self.in_features)
 
@@ -254,8 +255,14 @@ class OrthogonalSkip(nn.Module):
     def matrix(self) -> torch.Tensor:
         if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
             return cayley_decode(self.skip_k, self.skip_signs)
-        key = (self.skip_k.data_ptr(), self.skip_k._version, self.skip_signs.data_ptr(), self.skip_signs._version,
-               self.skip_k.dtype, self.skip_k.device)
+        key = (
+            self.skip_k.data_ptr(),
+            self.skip_k._version,
+            self.skip_signs.data_ptr(),
+            self.skip_signs._version,
+            self.skip_k.dtype,
+            self.skip_k.device,
+        )
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
                 self._cache = (key, cayley_decode(self.skip_k.detach(), self.skip_signs))
@@ -294,8 +301,16 @@ def _layer_spec(config: RMSDecoderConfig, layer_idx: int, name: str) -> dict | N
     return None if config.layer_structures is None else config.layer_structures[layer_idx].get(name)
 
 
-def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+):
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
@@ -312,7 +327,7 @@ class RMSDecoderAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = 1
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.is_causal = True
         r, inner = config.residual_size, config.num_attention_heads * config.head_dim
         spec = lambda name: _layer_spec(config, layer_idx, name)  # noqa: E731
@@ -321,21 +336,22 @@ class RMSDecoderAttention(nn.Module):
         self.v_proj = _linear(r, inner, config.attention_bias, spec("v_proj"))
         self.o_proj = _linear(inner, r, config.attention_bias, spec("o_proj"))
 
-    def forward(self, hidden_states, attention_mask=None, cache: Cache | None = None,
-                position_embeddings=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask=None, cache: Cache | None = None, position_embeddings=None, **kwargs
+    ):
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-        if position_embeddings is not None:   # rotary (partial: the first dims of each head)
+        if position_embeddings is not None:  # rotary (partial: the first dims of each head)
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward)
-        out, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0,
-                                           **kwargs)
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention_interface(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
@@ -366,9 +382,9 @@ class RMSDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
         normed = self.input_layernorm(hidden_states)
         attn, _ = self.self_attn(normed, attention_mask=attention_mask, cache=cache, **kwargs)
-        if self.parallel_block:   # both read the layer input (its two weightless norms are the same map)
+        if self.parallel_block:  # both read the layer input (its two weightless norms are the same map)
             return hidden_states + attn + self.mlp(normed)
-        if self.attn_skip is not None:   # one basis per residual segment: the skip changes basis
+        if self.attn_skip is not None:  # one basis per residual segment: the skip changes basis
             hidden_states = self.attn_skip(hidden_states)
         hidden_states = hidden_states + attn
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -395,14 +411,14 @@ class RMSDecoderPreTrainedModel(PreTrainedModel):
         if isinstance(module, DenseLinear):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, LowRankLinear):
-            init.normal_(module.lr_u, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
-            init.normal_(module.lr_v, mean=0.0, std=std ** 0.5 / module.rank ** 0.25)
+            init.normal_(module.lr_u, mean=0.0, std=std**0.5 / module.rank**0.25)
+            init.normal_(module.lr_v, mean=0.0, std=std**0.5 / module.rank**0.25)
         elif isinstance(module, KroneckerLinear):
-            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank ** 0.5)
+            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank**0.5)
             init.normal_(module.kron_b, mean=0.0, std=std / max(module.a_shape[1], 1) ** 0.5)
         elif isinstance(module, GSLinear):
             init.normal_(module.gs_left, mean=0.0, std=1.0 / (module.kr * module.rank) ** 0.5)
-            init.normal_(module.gs_right, mean=0.0, std=std * module.kr ** 0.5)
+            init.normal_(module.gs_right, mean=0.0, std=std * module.kr**0.5)
         elif isinstance(module, OrthogonalSkip):
             init.zeros_(module.skip_k)
             init.ones_(module.skip_signs)
@@ -417,13 +433,14 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
         super().__init__(config)
         if config.embed_structure is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.residual_size)
-        else:   # rows of a structured (or dense) matrix, as the compressed family's embedding
+        else:  # rows of a structured (or dense) matrix, as the compressed family's embedding
             self.embed_tokens = StructuredEmbedding(config.vocab_size, config.residual_size, config.embed_structure)
         if config.rotary:
             self.rotary_emb = GPTNeoXRotaryEmbedding(config)
         else:
-            self.embed_positions = nn.Embedding(config.max_position_embeddings + config.position_offset,
-                                                config.residual_size)
+            self.embed_positions = nn.Embedding(
+                config.max_position_embeddings + config.position_offset, config.residual_size
+            )
         self.layers = nn.ModuleList([RMSDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = WeightlessRMSNorm(config.rms_norm_eps, config.hidden_size)
         self.gradient_checkpointing = False
@@ -438,13 +455,22 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
     def _positions(self, inputs_embeds, attention_mask, past_seen: int) -> torch.Tensor:
         n = inputs_embeds.shape[1]
         if self.config.positions_from_mask and attention_mask is not None and attention_mask.dim() == 2:
-            pos = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()   # OPT: padding-aware
-            return pos[:, past_seen:past_seen + n]
+            pos = (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()  # OPT: padding-aware
+            return pos[:, past_seen : past_seen + n]
         return (torch.arange(n, device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs) -> BaseModelOutputWithPast:
-        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        past_key_values=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -482,12 +508,28 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0, past_key_values=None,
-                **kwargs) -> CausalLMOutputWithPast:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
-                         use_cache=use_cache, **kwargs)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])

@@ -103,8 +103,15 @@ class TPACacheLayer(DynamicLayer):
         self.keys = self.values = None
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               key_a: torch.Tensor | None = None, value_a: torch.Tensor | None = None, **kwargs):
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args,
+        key_a: torch.Tensor | None = None,
+        value_a: torch.Tensor | None = None,
+        **kwargs,
+    ):
         """Append the new tokens' factors. ``key_states``/``value_states`` are ``B_K`` (rotated) and ``B_V``
         ``[B, T, R, d_h]``; ``key_a``/``value_a`` are per-token ``[B, T, R, h]`` or constant ``[R, h]``.
         Returns the full ``(B_K, B_V)``; the A factors are in ``key_a``/``value_a``."""
@@ -192,8 +199,11 @@ class TPACache(Cache):
         return {"per_token": per_token, "constant": constant}
 
     def cached_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers
-                   for t in layer.per_token_tensors() + layer.constant_tensors())
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for t in layer.per_token_tensors() + layer.constant_tensors()
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +248,7 @@ class TPARotaryEmbedding(nn.Module):
         base = config.rope_parameters["rope_theta"]
         dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
-        inv_freq = 1.0 / (base ** exponents)
+        inv_freq = 1.0 / (base**exponents)
         return inv_freq, 1.0
 
     @torch.no_grad()
@@ -255,7 +265,7 @@ class TPARotaryEmbedding(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """HF convention: pairs ``(i, i + d/2)``."""
     x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
+    x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -331,7 +341,7 @@ class TPAAttention(nn.Module):
         self.q_rank, self.k_rank, self.v_rank = config.q_rank, config.k_rank, config.v_rank
         self.contextual_a = config.contextual_a
         self.num_key_value_groups = 1  # K/V are materialised per head (used by HF's attention functions)
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         d, h, dh = config.hidden_size, self.num_heads, self.head_dim
@@ -350,7 +360,7 @@ class TPAAttention(nn.Module):
             else:
                 setattr(self, f"{name}_a", nn.Parameter(torch.empty(rank, h)))
         self.o_proj = nn.Linear(h * dh, d, bias=config.attention_out_bias)
-        if config.qk_norm:   # Qwen3's per-head QK-norm, on the query heads and the key factors
+        if config.qk_norm:  # Qwen3's per-head QK-norm, on the query heads and the key factors
             self.q_norm = TPARMSNorm(dh, eps=config.rms_norm_eps)
             self.k_norm = TPARMSNorm(dh, eps=config.rms_norm_eps)
 
@@ -408,11 +418,13 @@ class TPAAttention(nn.Module):
         w = self.non_gemm_weight
         compose_q = w * T * h * rq * dh if rq else 0.0
         p = math.inf if rq is None else T * rq * rk * S * dh + w * T * S * h * rk * (rq + 1)
-        return {"p": p,
-                "q": compose_q + T * h * S * rk * dh + w * T * h * S * rk,
-                "k": compose_q + w * S * h * rk * dh + T * S * h * dh,
-                "factor": T * h * S * rv * dh + w * T * h * S * rv,
-                "v": w * S * h * rv * dh + T * S * h * dh}
+        return {
+            "p": p,
+            "q": compose_q + T * h * S * rk * dh + w * T * h * S * rk,
+            "k": compose_q + w * S * h * rk * dh + T * S * h * dh,
+            "factor": T * h * S * rv * dh + w * T * h * S * rv,
+            "v": w * S * h * rv * dh + T * S * h * dh,
+        }
 
     def attention_plan(self, T: int, S: int) -> tuple[str, str]:
         """``(score route, value route)`` for ``T`` new tokens against ``S`` keys (see :meth:`route_costs`).
@@ -445,11 +457,27 @@ class TPAAttention(nn.Module):
         else:
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         return attention_interface(
-            self, q, k, v, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling)
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+        )
 
-    def factor_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False,
-                         route: str | None = None, value_route: str = "factor"):
+    def factor_attention(
+        self,
+        f: dict,
+        a_k,
+        b_k,
+        a_v,
+        b_v,
+        attention_mask,
+        output_attentions=False,
+        route: str | None = None,
+        value_route: str = "factor",
+    ):
         """Attention from the factors. Shapes: ``b_k [B,S,R_K,d]``, ``a_k [B,S,R_K,h]`` or ``[R_K,h]``
         (same for V). ``route`` picks the score route: ``"p"`` (via ``P = B_Q B_K^T``, never forming Q or K),
         ``"q"`` (composed query against ``B_K``, never forming K) or ``"k"`` (composed K); default: the
@@ -516,8 +544,9 @@ class TPAAttention(nn.Module):
         out = (out / rv).transpose(1, 2).contiguous()
         return out, (probs if output_attentions else None)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
-                output_attentions=False, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, output_attentions=False, **kwargs
+    ):
         B, T, _ = hidden_states.shape
         cos, sin = position_embeddings
         f = self.compute_factors(hidden_states, cos, sin)
@@ -526,8 +555,9 @@ class TPAAttention(nn.Module):
             a_k, b_k, a_v, b_v = cache.update_factors(self.layer_idx, a_k, b_k, a_v, b_v)
         score_route, value_route = self.attention_plan(T, b_k.shape[1])
         if (score_route, value_route) != ("k", "v"):
-            out, weights = self.factor_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions,
-                                                 route=score_route, value_route=value_route)
+            out, weights = self.factor_attention(
+                f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, route=score_route, value_route=value_route
+            )
         else:
             out, weights = self.materialized_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions)
         out = self.o_proj(out.reshape(B, T, -1).contiguous())
@@ -542,12 +572,24 @@ class TPADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = TPARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = TPARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None,
-                use_cache=False, output_attentions=False, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_embeddings=None,
+        cache=None,
+        use_cache=False,
+        output_attentions=False,
+        **kwargs,
+    ):
         residual = hidden_states
         hidden_states, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-            attention_mask=attention_mask, cache=cache, output_attentions=output_attentions)
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+            output_attentions=output_attentions,
+        )
         hidden_states = residual + hidden_states
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         return hidden_states, attn_weights
@@ -614,15 +656,29 @@ class TPAModel(TPAPreTrainedModel):
         the model's output carries the swap back to ``generate``."""
         if cache is None or isinstance(cache, TPACache):
             return cache
-        if isinstance(cache, Cache) and cache.get_seq_length() == 0 and all(
-                isinstance(layer, DynamicLayer) for layer in cache.layers):
+        if (
+            isinstance(cache, Cache)
+            and cache.get_seq_length() == 0
+            and all(isinstance(layer, DynamicLayer) for layer in cache.layers)
+        ):
             return TPACache(config=self.config)  # an empty generic cache: swap in the factorised one
         raise ValueError(f"TPA models need a TPACache (factorised KV cache), got {type(cache).__name__}")
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                return_dict=None, past_key_values=None, **kwargs):
-        cache = cache if cache is not None else past_key_values   # the name before transformers 5.24
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        past_key_values=None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         cfg = self.config
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
@@ -652,16 +708,24 @@ class TPAModel(TPAPreTrainedModel):
             if output_hidden_states:
                 all_hidden += (hidden_states,)
             hidden_states, attn = layer(
-                hidden_states, attention_mask=causal_mask, position_embeddings=position_embeddings,
-                cache=cache, use_cache=use_cache, output_attentions=output_attentions)
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+                use_cache=use_cache,
+                output_attentions=output_attentions,
+            )
             if output_attentions:
                 all_attn += (attn,)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)
         out = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states, **{cache_field(): cache if use_cache else None},
-            hidden_states=all_hidden or None, attentions=all_attn or None)
+            last_hidden_state=hidden_states,
+            **{cache_field(): cache if use_cache else None},
+            hidden_states=all_hidden or None,
+            attentions=all_attn or None,
+        )
         return out if return_dict else out.to_tuple()
 
 
@@ -687,15 +751,34 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, return_dict=None, logits_to_keep: int | torch.Tensor = 0,
-                past_key_values=None, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values=None,
+        **kwargs,
+    ):
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states, return_dict=True)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
@@ -703,8 +786,12 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         out = CausalLMOutputWithPast(
-            loss=loss, logits=logits, **{cache_field(): getattr(outputs, cache_field())},
-            hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+            loss=loss,
+            logits=logits,
+            **{cache_field(): getattr(outputs, cache_field())},
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
         return out if return_dict else out.to_tuple()
 
 
@@ -715,9 +802,17 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
 LAYER_PREFIX = "model.layers.{}."
 #: hf_symmetry's canonical module names (``q o gate up down attn_norm ffn_norm q_norm k_norm``) -> module
 #: inside a TPA decoder layer that holds the same tensor
-LAYER_MODULES = {"q": "self_attn.q_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                 "down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                 "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+LAYER_MODULES = {
+    "q": "self_attn.q_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
+}
 #: the factors of keys and values: (non-contextual A parameter, B projection module)
 FACTORS = {"k": ("self_attn.k_a", "self_attn.k_b_proj"), "v": ("self_attn.v_a", "self_attn.v_b_proj")}
 #: canonical global names -> module

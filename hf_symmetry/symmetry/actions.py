@@ -76,8 +76,10 @@ def rotate_qk(layer: Tensors, layout: HeadLayout, rotations: list[torch.Tensor],
         for g, R in enumerate(rotations):
             err = rope_commutant_violation(R, layout)
             if err > _TOL:
-                raise NotASymmetry(f"QK rotation of KV group {g} does not commute with RoPE "
-                                   f"({layout.rope_layout}, rotary dim {layout.rotary_dim}): violation {err:.2e}")
+                raise NotASymmetry(
+                    f"QK rotation of KV group {g} does not commute with RoPE "
+                    f"({layout.rope_layout}, rotary dim {layout.rotary_dim}): violation {err:.2e}"
+                )
     Rs = torch.stack(rotations)
     out = _map(layer, lambda W: _rotate_row_blocks(W, _per_head(Rs, layout)), "q.weight", "q.bias")
     return _map(out, lambda W: _rotate_row_blocks(W, Rs), "k.weight", "k.bias")
@@ -163,6 +165,7 @@ def centre_writers(layer: Tensors) -> Tensors:
             out[f"{n}.bias"] = b - b.mean()
     return out
 
+
 _ATTN_READERS = ("q", "k", "v")
 _FFN_READERS = ("gate", "up")
 _WRITERS = ("o", "down")
@@ -222,8 +225,9 @@ def _require_folded(t: Tensors, norms: tuple[str, ...]) -> None:
             raise NotASymmetry(f"residual rotation needs {n} folded first (its γ is not 1)")
 
 
-def rotate_residual_layer(layer: Tensors, Q: torch.Tensor, Q_mid: torch.Tensor | None = None,
-                          Q_out: torch.Tensor | None = None) -> Tensors:
+def rotate_residual_layer(
+    layer: Tensors, Q: torch.Tensor, Q_mid: torch.Tensor | None = None, Q_out: torch.Tensor | None = None
+) -> Tensors:
     """Readers ``W <- W Q``; writers ``W <- Qᵀ W``, ``b <- Qᵀ b``. Norms must be folded.
 
     With one basis per residual segment (ProcrustesGPT) the layer touches three segments: q/k/v read
@@ -244,16 +248,17 @@ def rotate_residual_layer(layer: Tensors, Q: torch.Tensor, Q_mid: torch.Tensor |
     return out
 
 
-def _right_multiply_rows_(W: torch.Tensor, Q: torch.Tensor, chunk: int = 4096,
-                          col_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _right_multiply_rows_(
+    W: torch.Tensor, Q: torch.Tensor, chunk: int = 4096, col_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``W <- W diag(col_scale) Q`` in place, a block of rows at a time (row-separable), so a
     vocabulary-sized matrix never needs a second full copy. Each block is computed in float64
     and rounded once into W's own dtype."""
     for i in range(0, W.shape[0], chunk):
-        block = W[i:i + chunk].to(torch.float64)
+        block = W[i : i + chunk].to(torch.float64)
         if col_scale is not None:
             block = block * col_scale[None, :]
-        W[i:i + chunk] = block @ Q
+        W[i : i + chunk] = block @ Q
     return W
 
 
@@ -262,7 +267,7 @@ def fold_and_rotate_globals_(globals_: Tensors, Q: torch.Tensor) -> Tensors:
     dtype the caller owns: each block of rows is computed in float64 and rounded once, so a
     float32/bfloat16 checkpoint's embeddings are never held in float64 whole."""
     out = dict(globals_)
-    if "final_norm.weight" not in out:   # a weightless final norm: nothing to fold
+    if "final_norm.weight" not in out:  # a weightless final norm: nothing to fold
         out["final_norm.weight"] = torch.ones(Q.shape[0], dtype=torch.float64)
         out = fold_and_rotate_globals_(out, Q)
         del out["final_norm.weight"]
@@ -279,8 +284,9 @@ def fold_and_rotate_globals_(globals_: Tensors, Q: torch.Tensor) -> Tensors:
     return out
 
 
-def rotate_residual_globals(globals_: Tensors, Q: torch.Tensor, Q_head: torch.Tensor | None = None,
-                            inplace: bool = False) -> Tensors:
+def rotate_residual_globals(
+    globals_: Tensors, Q: torch.Tensor, Q_head: torch.Tensor | None = None, inplace: bool = False
+) -> Tensors:
     """Embeddings (token and position) ``E <- E Q``; lm_head ``W <- W Q_head`` (final norm folded;
     ``Q_head`` defaults to ``Q``, and differs only with one basis per residual segment).
     ``inplace`` overwrites the tensors row block by row block (for callers that own them)."""

@@ -41,6 +41,7 @@ _ENERGY_SLACK = 1e-12
 class FusedPair:
     """``M = A @ B`` for one KV group: ``A`` is ``[blocks * m, k]`` (output side, one row block per
     query head), ``B`` is ``[k, n]`` (input side); ``k`` is the head dim the reduction shrinks."""
+
     A: torch.Tensor
     B: torch.Tensor
     blocks: int
@@ -51,7 +52,7 @@ class FusedPair:
     def block(self, i: int) -> torch.Tensor:
         """The ``A`` rows of the group's i-th query head."""
         m = self.A.shape[0] // self.blocks
-        return self.A[i * m:(i + 1) * m]
+        return self.A[i * m : (i + 1) * m]
 
 
 def vo_pair(layer: Tensors, layout: HeadLayout, group: int) -> FusedPair:
@@ -64,11 +65,15 @@ def vo_pair(layer: Tensors, layout: HeadLayout, group: int) -> FusedPair:
 def qk_fusion_blocker(layout: HeadLayout) -> str | None:
     """Why ``W_Qᵀ W_K`` is not this layer's score map, or None where QK fusion is exact."""
     if layout.qk_norm:
-        return ("QK-norm normalises q and k per head before the dot product, so W_Q^T W_K is not the score map; "
-                "only V/O can be fused")
+        return (
+            "QK-norm normalises q and k per head before the dot product, so W_Q^T W_K is not the score map; "
+            "only V/O can be fused"
+        )
     if len(layout.nope_dims()) == 0:
-        return (f"every query/key dim is rotated by RoPE (rotary dim {layout.rotary_dim} of head dim "
-                f"{layout.head_dim}), so W_Q^T W_K depends on the position offset; only V/O can be fused")
+        return (
+            f"every query/key dim is rotated by RoPE (rotary dim {layout.rotary_dim} of head dim "
+            f"{layout.head_dim}), so W_Q^T W_K depends on the position offset; only V/O can be fused"
+        )
     return None
 
 
@@ -110,6 +115,7 @@ def single_threaded() -> Iterator[None]:
 @dataclass(frozen=True)
 class FusedSVD:
     """Thin SVD ``A @ B = U diag(S) Vh`` with ``k`` singular values (``k`` = inner dim)."""
+
     U: torch.Tensor
     S: torch.Tensor
     Vh: torch.Tensor
@@ -178,7 +184,7 @@ def kept_energy(S: torch.Tensor, rank: int) -> float:
 def stable_rank(S: torch.Tensor) -> float:
     """``‖M‖_F² / ‖M‖_2²`` (0 for a zero map): a soft count of the significant directions."""
     top = float(S.max()) if S.numel() else 0.0
-    return float((S.to(torch.float64) ** 2).sum()) / top ** 2 if top > 0 else 0.0
+    return float((S.to(torch.float64) ** 2).sum()) / top**2 if top > 0 else 0.0
 
 
 def alignment(pair: FusedPair, S: torch.Tensor | None = None) -> float:
@@ -191,23 +197,25 @@ def alignment(pair: FusedPair, S: torch.Tensor | None = None) -> float:
         sb = torch.linalg.svdvals(pair.B.to(torch.float64))
     k = min(sa.numel(), sb.numel())
     bound = float((sa[:k] ** 2 * sb[:k] ** 2).sum())
-    fused = float((S ** 2).sum()) if S is not None else float(pair.fused().pow(2).sum())
+    fused = float((S**2).sum()) if S is not None else float(pair.fused().pow(2).sum())
     return fused / bound if bound > 0 else 0.0
 
 
 @dataclass(frozen=True)
 class GroupSpectrum:
     """Spectrum of one KV group's stacked fused map, with diagnostics when ``detail`` was asked."""
+
     group: int
     heads: list[int]
     S: torch.Tensor
-    factor_S: tuple[torch.Tensor, torch.Tensor] | None = None   # σ(A) (output side), σ(B) (input side)
+    factor_S: tuple[torch.Tensor, torch.Tensor] | None = None  # σ(A) (output side), σ(B) (input side)
     alignment: float | None = None
-    head_S: list[torch.Tensor] | None = None                    # per query head (GQA: W_O^h W_V^g alone)
+    head_S: list[torch.Tensor] | None = None  # per query head (GQA: W_O^h W_V^g alone)
 
 
-def group_spectra(layer: Tensors, layout: HeadLayout, path: MapKind, detail: bool = False,
-                  weights: "InputWeights | None" = None) -> list[GroupSpectrum]:
+def group_spectra(
+    layer: Tensors, layout: HeadLayout, path: MapKind, detail: bool = False, weights: "InputWeights | None" = None
+) -> list[GroupSpectrum]:
     out = []
     for g, pair in enumerate(group_pairs(layer, layout, path)):
         if weights is not None:
@@ -233,7 +241,9 @@ def balanced_split(svd: FusedSVD, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return svd.U[:, :rank] * root[None, :], root[:, None] * svd.Vh[:rank]
 
 
-def factor_basis_split(pair: FusedPair, rank: int, side: Literal["input", "output"]) -> tuple[torch.Tensor, torch.Tensor]:
+def factor_basis_split(
+    pair: FusedPair, rank: int, side: Literal["input", "output"]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Baseline: keep the head-space directions that matter most to ONE factor (its own SVD), not
     to the fused map: ``P`` = top-r left singular vectors of ``B`` (``side="input"``: W_V or W_K) or
     right singular vectors of ``A`` (``side="output"``: W_O or Q̃); returns ``(A P, Pᵀ B)``. Same
@@ -278,14 +288,16 @@ class InputWeights:
     ``‖M C^{1/2}‖_F = √E‖M x‖²`` and the score map as ``‖C̃^{1/2} M C^{1/2}‖_F`` with
     ``C̃ = E[[x;1][x;1]ᵀ]`` on the query side (it carries the bias column). Truncating the weighted
     map and unweighting minimises the expected output error on such inputs, still at rank r."""
+
     root: torch.Tensor
     inv_root: torch.Tensor
     root_aug: torch.Tensor | None
     inv_root_aug: torch.Tensor | None
 
     @classmethod
-    def from_moments(cls, gram: torch.Tensor, mean: torch.Tensor, floor: float = 1e-10,
-                     augmented: bool = True) -> "InputWeights":
+    def from_moments(
+        cls, gram: torch.Tensor, mean: torch.Tensor, floor: float = 1e-10, augmented: bool = True
+    ) -> "InputWeights":
         """``gram = E[x xᵀ]``, ``mean = E[x]``. Eigenvalues below ``floor · λ_max`` are lifted to it, so
         directions the data never visits still count a little (and the inverse stays bounded).
         ``augmented=False`` skips the query side's ``C̃`` roots (``None``; the value path never reads them)."""
@@ -325,15 +337,15 @@ def unweigh(A: torch.Tensor, B: torch.Tensor, blocks: int, path: MapKind, w: Inp
         return A, B
     m = A.shape[0] // blocks
     R = _side_root(w, m, inverse=True)
-    return torch.cat([R @ A[i * m:(i + 1) * m] for i in range(blocks)]), B
+    return torch.cat([R @ A[i * m : (i + 1) * m] for i in range(blocks)]), B
 
 
 # ---------------------------------------------------------------------- reduction
 @dataclass(frozen=True)
 class PathReduction:
     rank: int
-    kept_energy: list[float]      # per KV group, of the stacked fused map (weighted when calibrated)
-    spectra: list[torch.Tensor]   # per KV group, the fused singular values
+    kept_energy: list[float]  # per KV group, of the stacked fused map (weighted when calibrated)
+    spectra: list[torch.Tensor]  # per KV group, the fused singular values
 
 
 def _split(pair: FusedPair, path: MapKind, rank: int, basis: Basis, weights: InputWeights | None):
@@ -350,13 +362,14 @@ def _split(pair: FusedPair, path: MapKind, rank: int, basis: Basis, weights: Inp
     if basis == "fused":
         return (*balanced_split(svd, rank), svd.S, kept_energy(svd.S, rank))
     A, B = factor_basis_split(pair, rank, basis)
-    total = float((svd.S ** 2).sum())   # baselines: measure what the factor split actually keeps
+    total = float((svd.S**2).sum())  # baselines: measure what the factor split actually keeps
     err = float((pair.fused() - A @ B).pow(2).sum())
     return A, B, svd.S, (1.0 - err / total if total > 0 else 1.0)
 
 
-def reduce_vo(layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fused",
-              weights: InputWeights | None = None) -> tuple[Tensors, PathReduction]:
+def reduce_vo(
+    layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fused", weights: InputWeights | None = None
+) -> tuple[Tensors, PathReduction]:
     """Value/output head dim -> ``rank`` in every KV group (one basis per group). ``b_V`` is folded
     into ``b_O`` first. The result's ``v.weight`` is ``[n_kv * rank, d]``, ``o.weight`` ``[d, n_heads * rank]``."""
     _check_rank(rank, layout.head_dim)
@@ -368,7 +381,7 @@ def reduce_vo(layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fus
         v_rows[g] = B
         m = A.shape[0] // pair.blocks
         for i, h in enumerate(layout.heads_of_group(g)):
-            o_cols[h] = A[i * m:(i + 1) * m]
+            o_cols[h] = A[i * m : (i + 1) * m]
         kept.append(k)
         spectra.append(S)
     out = dict(layer)
@@ -377,8 +390,9 @@ def reduce_vo(layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fus
     return out, PathReduction(rank, kept, spectra)
 
 
-def reduce_qk(layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fused",
-              weights: InputWeights | None = None) -> tuple[Tensors, PathReduction]:
+def reduce_qk(
+    layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fused", weights: InputWeights | None = None
+) -> tuple[Tensors, PathReduction]:
     """Query/key head dim -> ``rank`` in every KV group; only where QK fusion is exact and every
     head dim is non-rotary (a partially rotary head would need a mixed [rotary | reduced] layout).
     ``b_K`` is dropped (exact, see :func:`drop_key_bias`); ``b_Q`` rides along as the bias column."""
@@ -395,7 +409,7 @@ def reduce_qk(layer: Tensors, layout: HeadLayout, rank: int, basis: Basis = "fus
         k_rows[g] = B
         m = A.shape[0] // pair.blocks
         for i, h in enumerate(layout.heads_of_group(g)):
-            q_rows[h] = A[i * m:(i + 1) * m].T   # [rank, d (+1)]
+            q_rows[h] = A[i * m : (i + 1) * m].T  # [rank, d (+1)]
         kept.append(k)
         spectra.append(S)
     out = dict(layer)

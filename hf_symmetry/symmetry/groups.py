@@ -77,8 +77,9 @@ def rope_commutant_violation(R: torch.Tensor, layout: HeadLayout) -> float:
 
 # ---------------------------------------------------------------------- Hadamard
 
+
 def _is_prime(n: int) -> bool:
-    return n >= 2 and all(n % p for p in range(2, int(n ** 0.5) + 1))
+    return n >= 2 and all(n % p for p in range(2, int(n**0.5) + 1))
 
 
 def _jacobsthal(q: int) -> np.ndarray:
@@ -128,9 +129,13 @@ def hadamard_factors(n: int, max_factor: int = 64) -> tuple[torch.Tensor, ...]:
             for f in factors:  # construction self-check
                 if not np.array_equal(f @ f.T, f.shape[0] * np.eye(f.shape[0], dtype=np.int64)):
                     raise AssertionError(f"Hadamard construction failed for n={n}")
-            return tuple(torch.from_numpy(f.astype(np.float64)) for f in factors) or (torch.ones(1, 1, dtype=torch.float64),)
-    raise ValueError(f"no Hadamard matrix construction for size {n} (need 2^k·m with m-1 or m/2-1 a suitable "
-                     "prime); use a random orthogonal residual rotation instead")
+            return tuple(torch.from_numpy(f.astype(np.float64)) for f in factors) or (
+                torch.ones(1, 1, dtype=torch.float64),
+            )
+    raise ValueError(
+        f"no Hadamard matrix construction for size {n} (need 2^k·m with m-1 or m/2-1 a suitable "
+        "prime); use a random orthogonal residual rotation instead"
+    )
 
 
 def hadamard(n: int) -> torch.Tensor:

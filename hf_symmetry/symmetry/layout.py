@@ -13,7 +13,7 @@ class HeadLayout:
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    rotary_dim: int = 0                     # 0: no RoPE; < head_dim: partial rotary
+    rotary_dim: int = 0  # 0: no RoPE; < head_dim: partial rotary
     rope_layout: Literal["rotate_half", "interleaved", "none"] = "none"
     qk_norm: bool = False
 

@@ -199,4 +199,3 @@ def truncated_svd(R: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     """The top ``r`` singular triplets of ``R`` (or of every matrix in a batch)."""
     U, S, Vh = svd(R)
     return U[..., :r], S[..., :r], Vh[..., :r, :]
-

@@ -31,8 +31,9 @@ def orthogonal_procrustes(M: torch.Tensor) -> torch.Tensor:
 def pair_angles(M: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
     """Per RoPE pair (i, j), the SO(2) angle maximising ``c (M_ii + M_jj) + s (M_ji - M_ij)``, which is
     that pair's share of ``tr(Rᵀ M)`` for the block ``[[c, -s], [s, c]]`` of :func:`groups.so2_pairs`."""
-    return torch.tensor([math.atan2(M[j, i] - M[i, j], M[i, i] + M[j, j]) for i, j in layout.rope_pairs()],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [math.atan2(M[j, i] - M[i, j], M[i, i] + M[j, j]) for i, j in layout.rope_pairs()], dtype=torch.float64
+    )
 
 
 def commutant_procrustes(M: torch.Tensor, layout: HeadLayout) -> torch.Tensor:

@@ -52,12 +52,13 @@ Tensor = torch.Tensor
 @dataclass
 class Term:
     """One matrix of a segment. ``M [k, d]`` in the original (norm-folded) basis; Q acts on its columns."""
+
     name: str
     M: Tensor
     structure: Structure
-    row_gram: Gram | None = None     # writers, embeddings: ‖X (MQ − Ŵ)‖²
-    col_gram: Tensor | None = None   # readers (stage W): ‖(MQ − Ŵ) Qᵀ Σ^{1/2}‖², Σ in the original basis
-    weight: float = 1.0              # λ of the paper's balancing
+    row_gram: Gram | None = None  # writers, embeddings: ‖X (MQ − Ŵ)‖²
+    col_gram: Tensor | None = None  # readers (stage W): ‖(MQ − Ŵ) Qᵀ Σ^{1/2}‖², Σ in the original basis
+    weight: float = 1.0  # λ of the paper's balancing
     factors: Factors | None = None
 
     def __post_init__(self):
@@ -66,7 +67,7 @@ class Term:
         self._summary: tuple | None = None
         self._energy: float | None = None
         self._weight_released = False
-        self._rows_gram: Tensor | None = None     # Mᵀ G M once G is released (:meth:`release_row_weight`)
+        self._rows_gram: Tensor | None = None  # Mᵀ G M once G is released (:meth:`release_row_weight`)
 
     @property
     def is_dense(self) -> bool:
@@ -103,36 +104,46 @@ class Term:
         col = None
         if self.col_gram is not None:
             col = grams.setdefault(id(self.col_gram), self.col_gram.to(dtype))
-        out = Term(self.name, self.M.to(dtype), self.structure, None if self.row_gram is None else self.row_gram.to(dtype),
-                   col, self.weight, None if self.factors is None else tuple(f.to(dtype) for f in self.factors))
+        out = Term(
+            self.name,
+            self.M.to(dtype),
+            self.structure,
+            None if self.row_gram is None else self.row_gram.to(dtype),
+            col,
+            self.weight,
+            None if self.factors is None else tuple(f.to(dtype) for f in self.factors),
+        )
         out._energy = self._energy
         return out
 
     def fit(self, Q: Tensor, als_iters: int) -> None:
         """Best structured factors for the rotated matrix ``M Q`` (see the module docstring)."""
         if self._weight_released:
-            raise RuntimeError(f"{self.name}: its row weight was released (release_row_weight): "
-                               "only its reduced term can be fitted")
+            raise RuntimeError(
+                f"{self.name}: its row weight was released (release_row_weight): only its reduced term can be fitted"
+            )
         target = self.M @ Q
         if self.is_dense:
             self.factors = (target,)
         elif self.col_gram is None and self.row_gram is None:
-            self.factors = self.structure.project(target)   # globally optimal
+            self.factors = self.structure.project(target)  # globally optimal
         else:
             if self.col_gram is None:
                 st, gram, tgt, prev = self.structure, self.row_gram, target, self.factors
             else:  # a column weight is a row weight of the transpose
                 st, gram, tgt = self.structure.transpose(), Gram(matrix=Q.T @ self.col_gram @ Q), target.T
                 prev = None if self.factors is None else self.structure.transpose_factors(self.factors)
-            if not st.iterative:          # closed form (low rank): no starting point to choose
+            if not st.iterative:  # closed form (low rank): no starting point to choose
                 f = st.weighted(tgt, gram)
             else:
                 init = st.project(tgt)
-                if prev is not None and weighted_error(tgt - st.dense(prev), gram) < weighted_error(tgt - st.dense(init), gram):
+                if prev is not None and weighted_error(tgt - st.dense(prev), gram) < weighted_error(
+                    tgt - st.dense(init), gram
+                ):
                     init = prev
                 f = st.weighted(tgt, gram, init=init, iters=als_iters)
             self.factors = f if self.col_gram is None else st.transpose_factors(f)
-        self._summary = None          # made when the error is asked for (:meth:`summary`)
+        self._summary = None  # made when the error is asked for (:meth:`summary`)
 
     def summary(self) -> tuple:
         """``(c, K, H)`` of the current factors (:meth:`_summarise`), made once per fit."""
@@ -144,8 +155,9 @@ class Term:
         """The error as a function of Q for the current factors:
         ``c − 2 tr(QᵀK) (+ tr(Σ Q H Qᵀ) for a column weight)``."""
         if self._weight_released:
-            raise RuntimeError(f"{self.name}: its row weight was released (release_row_weight): its error "
-                               "is that of its reduced term")
+            raise RuntimeError(
+                f"{self.name}: its row weight was released (release_row_weight): its error is that of its reduced term"
+            )
         W_hat = self.structure.dense(self.factors)
         if self.col_gram is None:
             GW = W_hat if self.row_gram is None else self.row_gram.apply(W_hat)
@@ -176,7 +188,7 @@ class Term:
         (as large as M) is never formed: the lift computes ``M (R f)``."""
         if self._rows_gram is not None:
             return self.reduced_from_gram(self._rows_gram)
-        if self._weight_released:     # its Mᵀ G M went to the reduced term solve_segment made
+        if self._weight_released:  # its Mᵀ G M went to the reduced term solve_segment made
             raise RuntimeError(f"{self.name}: its row weight was released and already reduced")
         P = self.M.T @ (self.M if self.row_gram is None else self.row_gram.apply(self.M))
         return self.reduced_from_gram(P)
@@ -197,9 +209,10 @@ class Term:
         """Factors of the full matrix from those of its reduction (the row factor times ``T = M R``,
         applied as ``M (R f)``)."""
         s, (i, _) = self.structure, self.structure.row_factor
-        self.factors = tuple(s.map_rows(self.M, s.map_rows(R, f)) if j == i else f
-                             for j, f in enumerate(reduced.factors))
-        self._summary = None          # made when an error is asked for (the reduced term's is the same)
+        self.factors = tuple(
+            s.map_rows(self.M, s.map_rows(R, f)) if j == i else f for j, f in enumerate(reduced.factors)
+        )
+        self._summary = None  # made when an error is asked for (the reduced term's is the same)
 
 
 def objective(terms: list[Term], Q: Tensor) -> float:
@@ -229,9 +242,10 @@ class Summary:
     """The objective as a function of Q for fixed factors, summed over terms (:meth:`add`):
     ``J(Q) = const − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``, one pair per shared column weight ``Σ_p``
     (:meth:`value`), and with ``at`` the sum of the terms' errors at that Q (:attr:`J`)."""
+
     K: Tensor
     const: float = 0.0
-    quad: dict = field(default_factory=dict)      # id(Σ_p) -> [Σ_p, H_p]
+    quad: dict = field(default_factory=dict)  # id(Σ_p) -> [Σ_p, H_p]
     J: float = 0.0
     dense_only: bool = True
 
@@ -305,6 +319,7 @@ def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: floa
     non-monotone line search of Zhang & Hager (as in Wen & Yin's feasible method). Stops after ``iters``
     steps or when the Riemannian gradient falls below ``tol`` times its first norm. Returns the best
     iterate and the best objective after each step."""
+
     def riemannian(X, G):
         A = X.T @ G
         return X @ ((A - A.T) / 2)
@@ -314,12 +329,12 @@ def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: floa
     xi = riemannian(X, G)
     tau = 1.0 / max(float(lipschitz), 1e-300)
     g0 = float((xi * xi).sum())
-    ref, weight = f, 1.0          # Zhang–Hager reference value (a weighted mean of past objectives)
+    ref, weight = f, 1.0  # Zhang–Hager reference value (a weighted mean of past objectives)
     best_f, best_X = f, X
     values = [f]
     g2 = g0
     for it in range(iters):
-        if g2 <= tol ** 2 * max(g0, 1e-300):
+        if g2 <= tol**2 * max(g0, 1e-300):
             break
         t = tau
         for _ in range(50):
@@ -345,8 +360,14 @@ def _descent(value_and_grad, X0: Tensor, lipschitz: float, iters: int, tol: floa
     return best_X, values
 
 
-def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tensor, iters: int = 100,
-                        tol: float = 1e-9, eig_cache: dict | None = None) -> tuple[Tensor, list[float]]:
+def weighted_procrustes(
+    K: Tensor,
+    pairs: list[tuple[Tensor, Tensor]],
+    Q0: Tensor,
+    iters: int = 100,
+    tol: float = 1e-9,
+    eig_cache: dict | None = None,
+) -> tuple[Tensor, list[float]]:
     """``argmin_{QᵀQ = I} −2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)`` from ``Q0`` (a weighted orthogonal
     Procrustes problem; no closed form) by :func:`_descent`. The best iterate is returned, so the result
     is never worse than ``Q0``. Returns (Q, best objective so far after each step).
@@ -359,17 +380,18 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
         with limit_threads():
             return orthogonal_procrustes(K).to(K.dtype), []
     if len(pairs) > 1:
+
         def value_and_grad(Q):
             SQH = sum(S @ Q @ H for S, H in pairs)
             return float(-2 * (Q * K).sum() + (SQH * Q).sum()), 2 * (SQH - K)
 
         lipschitz = 2 * sum(float(torch.linalg.matrix_norm(S, 2) * torch.linalg.matrix_norm(H, 2)) for S, H in pairs)
         return _descent(value_and_grad, Q0, lipschitz, iters, tol)
-    (S, H), = pairs
+    ((S, H),) = pairs
     cache = {} if eig_cache is None else eig_cache
     key = (id(S), S.dtype)
     if key not in cache:
-        cache[key] = (S, *_eigh(S))           # S itself is kept so that its id cannot be reused
+        cache[key] = (S, *_eigh(S))  # S itself is kept so that its id cannot be reused
     _, s, U = cache[key]
     h, V = _eigh(H)
     W = s.clamp_min(0)[:, None] * h.clamp_min(0)[None, :]
@@ -386,14 +408,25 @@ def weighted_procrustes(K: Tensor, pairs: list[tuple[Tensor, Tensor]], Q0: Tenso
 @dataclass
 class SegmentResult:
     Q: Tensor
-    trace: list[float] = field(default_factory=list)   # J after every projection and every rotation step
-    alternations: int = 0                              # projection/rotation alternations run
-    converged: bool = False                            # stopped by the tolerance (not by the cap)
+    trace: list[float] = field(default_factory=list)  # J after every projection and every rotation step
+    alternations: int = 0  # projection/rotation alternations run
+    converged: bool = False  # stopped by the tolerance (not by the cap)
 
 
-def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5, wopp_iters: int = 100,
-                  reduce: bool = True, dtype: torch.dtype = torch.float64, *, tol: float = 0.0,
-                  wopp_tol: float = 1e-9, extrapolate: bool = False, keep_weights: bool = True) -> SegmentResult:
+def solve_segment(
+    terms: list[Term],
+    Q0: Tensor,
+    iters: int,
+    als_iters: int = 5,
+    wopp_iters: int = 100,
+    reduce: bool = True,
+    dtype: torch.dtype = torch.float64,
+    *,
+    tol: float = 0.0,
+    wopp_tol: float = 1e-9,
+    extrapolate: bool = False,
+    keep_weights: bool = True,
+) -> SegmentResult:
     """Alternate projection and rotation from ``Q0``, then project once more so that the returned factors
     belong to the returned Q. The recorded objective never increases (up to the round-off of ``dtype``).
 
@@ -418,8 +451,19 @@ def solve_segment(terms: list[Term], Q0: Tensor, iters: int, als_iters: int = 5,
     # one CPU thread: the matrices are at most d x d after the Gram reduction, where torch's thread pool
     # is slower than one thread, and on shared cores even small products are 10-100x slower with it
     with limit_threads(1) if device.type == "cpu" else contextlib.nullcontext():
-        return _solve(terms, Q0.to(device=device, dtype=torch.float64).clone(), iters, als_iters, wopp_iters,
-                      reduce, dtype, tol, wopp_tol, extrapolate, keep_weights)
+        return _solve(
+            terms,
+            Q0.to(device=device, dtype=torch.float64).clone(),
+            iters,
+            als_iters,
+            wopp_iters,
+            reduce,
+            dtype,
+            tol,
+            wopp_tol,
+            extrapolate,
+            keep_weights,
+        )
 
 
 def work_term(t: Term, keep_weights: bool = True) -> tuple[Term, Tensor | None]:
@@ -431,19 +475,20 @@ def work_term(t: Term, keep_weights: bool = True) -> tuple[Term, Tensor | None]:
     if not keep_weights:
         t.release_row_weight()
     red, R = t.reduced()
-    t._rows_gram = None        # (the reduced term holds what it gave)
+    t._rows_gram = None  # (the reduced term holds what it gave)
     return red, R
 
 
-def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate,
-           keep_weights=True) -> SegmentResult:
+def _solve(
+    terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate, keep_weights=True
+) -> SegmentResult:
     work, lifts = [], []
     for t in terms:
         w, R = work_term(t, keep_weights) if reduce else (t, None)
         work.append(w)
         if R is not None:
             lifts.append((t, w, R))
-    fast = dtype != torch.float64 and iters > 0      # no iterations: nothing to run in float32
+    fast = dtype != torch.float64 and iters > 0  # no iterations: nothing to run in float32
     grams: dict = {}
     loop = [t.cast(dtype, grams) for t in work] if fast else work
     Qw = Q.to(dtype) if fast else Q
@@ -493,7 +538,7 @@ def _solve(terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol,
     # (no iterations: Q stays Q0 exactly, not its float32 rounding)
     for t in work:
         t.fit(Q, als_iters)
-    final = 0.0               # objective(work, Q), each term's summary dropped once counted (fetched once)
+    final = 0.0  # objective(work, Q), each term's summary dropped once counted (fetched once)
     for t in work:
         if not t.is_dense:
             final = final + t.weight * t.error_tensor(Q)
@@ -524,10 +569,10 @@ def cayley_encode(S: Tensor) -> tuple[Tensor, Tensor]:
         signs[i] = 1.0 if M[i, i] >= 0 else -1.0
         M[i, i] += signs[i]
         if i + 1 < d:
-            M[i + 1:, i:] -= np.outer(M[i + 1:, i] / M[i, i], M[i, i:])
+            M[i + 1 :, i:] -= np.outer(M[i + 1 :, i] / M[i, i], M[i, i:])
     C = signs[:, None] * S.detach().to(device="cpu", dtype=torch.float64).numpy()
     eye = np.eye(d)
-    K = np.linalg.solve((C + eye).T, (C - eye).T).T   # (C − I)(C + I)⁻¹
+    K = np.linalg.solve((C + eye).T, (C - eye).T).T  # (C − I)(C + I)⁻¹
     K = (K - K.T) / 2
     iu = np.triu_indices(d, 1)
     return torch.from_numpy(K[iu].copy()), torch.from_numpy(signs)

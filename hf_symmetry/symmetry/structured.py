@@ -38,8 +38,12 @@ from typing import ClassVar
 
 import torch
 
-from .linalg import (Gram, limit_threads, psd_solve, svd, symmetric_eigh, truncated_svd,  # noqa: F401 (re-exported)
-                     weighted_error)
+from .linalg import (
+    Gram,
+    psd_solve,
+    truncated_svd,
+    weighted_error,
+)
 
 Tensor = torch.Tensor
 Factors = tuple[Tensor, ...]
@@ -68,6 +72,7 @@ class Structure:
     point instead of being closed form), ``row_factor`` (``(index, dim)``: the factor holding the
     rows and its row dimension, for the classes whose rows can be free) and ``sizing`` (the keyword
     arguments of :meth:`sized` the class reads)."""
+
     kind: ClassVar[str]
     rotation_helps: ClassVar[bool] = True
     iterative: ClassVar[bool] = False
@@ -101,6 +106,7 @@ class Structure:
 class Dense(Structure):
     """No structure (a matrix left as it is, e.g. V in the paper). Its rows are not free in the sense
     of :attr:`Structure.rows_free`: a dense matrix is never fitted, so never reduced."""
+
     shape: tuple[int, int]
 
     kind = "dense"
@@ -144,6 +150,7 @@ class Dense(Structure):
 @dataclass(frozen=True)
 class LowRank(Structure):
     """``W = U V``, ``U [m, r]``, ``V [r, n]``."""
+
     shape: tuple[int, int]
     rank: int
 
@@ -216,6 +223,7 @@ class Kron(Structure):
     """``W = Σ_{s<r} A_s ⊗ B_s`` with ``A_s [m1, n1]``, ``B_s [m2, n2]``, ``m = m1 m2``, ``n = n1 n2``
     (``(A ⊗ B)[i1 m2 + i2, j1 n2 + j2] = A[i1, j1] B[i2, j2]``). Factors ``A [r, m1, n1]``,
     ``B [r, m2, n2]``; parameters ``r (m1 n1 + m2 n2)``."""
+
     shape: tuple[int, int]
     rank: int
     a_shape: tuple[int, int]
@@ -231,8 +239,10 @@ class Kron(Structure):
         _check_divides("Kronecker factor rows", m1, m, self.shape)
         _check_divides("Kronecker factor columns", n1, n, self.shape)
         if not 1 <= self.rank <= self.max_rank:
-            raise ValueError(f"Kronecker rank {self.rank} must be in [1, {self.max_rank}] for factors "
-                             f"{self.a_shape} ⊗ {self.b_shape}")
+            raise ValueError(
+                f"Kronecker rank {self.rank} must be in [1, {self.max_rank}] for factors "
+                f"{self.a_shape} ⊗ {self.b_shape}"
+            )
 
     @classmethod
     def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "Kron":
@@ -252,8 +262,10 @@ class Kron(Structure):
         given (it must divide d), else the candidate whose rank rounds closest to ``keep``."""
         if user is not None:
             if d % user:
-                raise ValueError(f"Kronecker factor {user} does not divide the hidden size {d}: factor shapes must "
-                                 f"divide the matrix (try one of {_divisors(d, range(2, 65))})")
+                raise ValueError(
+                    f"Kronecker factor {user} does not divide the hidden size {d}: factor shapes must "
+                    f"divide the matrix (try one of {_divisors(d, range(2, 65))})"
+                )
             return user
         options = _divisors(d, [q for q in KRON_Q_CANDIDATES if q <= max(2, d // 4)])  # A stays the small factor
         if not options:
@@ -323,13 +335,13 @@ class Kron(Structure):
         (m1, n1), (m2, n2), r = self.a_shape, self.b_shape, self.rank
         if m1 == 1:
             # rows live in B only: C[s,t] = <B_s, G B_t>, D[s,a] = <G B_s, W_a> (W_a: a-th column block)
-            Bt = B.permute(1, 0, 2)                                  # [m2, r, n2]
+            Bt = B.permute(1, 0, 2)  # [m2, r, n2]
             GB = gram.apply(Bt.reshape(m2, r * n2)).reshape(m2, r, n2)
             C = torch.einsum("isj,itj->st", Bt, GB)
             D = torch.einsum("isj,iaj->sa", GB, W.reshape(m2, n1, n2))
             return psd_solve(C, D).reshape(r, 1, n1)
         G4 = gram.dense().reshape(m1, m2, m1, m2)
-        BBt = torch.einsum("sij,tkj->stik", B, B)                    # B_s B_tᵀ
+        BBt = torch.einsum("sij,tkj->stik", B, B)  # B_s B_tᵀ
         C = torch.einsum("aibk,stik->satb", G4, BBt).reshape(r * m1, r * m1)
         T = gram.apply(W).reshape(m1, m2, n1, n2)
         D = torch.einsum("sij,aibj->sab", B, T).reshape(r * m1, n1)
@@ -344,7 +356,7 @@ class Kron(Structure):
             rhs = torch.einsum("sa,iaj->sij", A2, W.reshape(m2, n1, n2)).reshape(r, m2 * n2)
             return psd_solve(A2 @ A2.T, rhs).reshape(r, m2, n2)
         G4 = gram.dense().reshape(m1, m2, m1, m2)
-        AAt = torch.einsum("sij,tkj->stik", A, A)                    # A_s A_tᵀ
+        AAt = torch.einsum("sij,tkj->stik", A, A)  # A_s A_tᵀ
         C = torch.einsum("ickd,stik->sctd", G4, AAt).reshape(r * m2, r * m2)
         T = gram.apply(W).reshape(m1, m2, n1, n2)
         D = torch.einsum("sij,icje->sce", A, T).reshape(r * m2, n2)
@@ -368,6 +380,7 @@ class GS(Structure):
     ``(i, j)`` of W (an ``m/kl × n/kr`` tile) is the rank-``b`` product
     ``L_i[:, j-th b columns] · R_j[i-th b rows, :]``. Factors ``L [kl, m/kl, kr b]``,
     ``R [kr, kl b, n/kr]``; parameters ``b (kr m + kl n)``."""
+
     shape: tuple[int, int]
     kl: int
     kr: int
@@ -383,8 +396,10 @@ class GS(Structure):
         _check_divides("GS row blocks", self.kl, m, self.shape)
         _check_divides("GS column blocks", self.kr, n, self.shape)
         if not 1 <= self.rank <= min(m // self.kl, n // self.kr):
-            raise ValueError(f"GS tile rank {self.rank} must be in [1, {min(m // self.kl, n // self.kr)}] "
-                             f"for {self.kl}x{self.kr} tiles of a {m}x{n} matrix")
+            raise ValueError(
+                f"GS tile rank {self.rank} must be in [1, {min(m // self.kl, n // self.kr)}] "
+                f"for {self.kl}x{self.kr} tiles of a {m}x{n} matrix"
+            )
 
     @classmethod
     def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "GS":
@@ -392,8 +407,16 @@ class GS(Structure):
         return cls(shape, int(kl), int(kr), int(spec["rank"]))
 
     @classmethod
-    def sized(cls, shape: tuple[int, int], keep: float, *, blocks: tuple[int, int] | None = None,
-              embedding: bool = False, name: str = "", **_) -> "GS":
+    def sized(
+        cls,
+        shape: tuple[int, int],
+        keep: float,
+        *,
+        blocks: tuple[int, int] | None = None,
+        embedding: bool = False,
+        name: str = "",
+        **_,
+    ) -> "GS":
         """Tiles ``blocks`` (default: 4, 2 or 1 per side, whichever divides), one row block for an
         embedding or head (its rows free); the tile rank from ``keep``."""
         k, d = shape
@@ -401,8 +424,10 @@ class GS(Structure):
             blocks = (next(x for x in (4, 2, 1) if k % x == 0), next(x for x in (4, 2, 1) if d % x == 0))
         kl, kr = (1, blocks[1]) if embedding else tuple(blocks)
         if k % kl or d % kr:
-            raise ValueError(f"GS blocks ({kl}, {kr}) do not divide {name} ({k}x{d} with the residual dimension on "
-                             "the columns): factor shapes must divide the matrix")
+            raise ValueError(
+                f"GS blocks ({kl}, {kr}) do not divide {name} ({k}x{d} with the residual dimension on "
+                "the columns): factor shapes must divide the matrix"
+            )
         b = round(keep * k * d / (kr * k + kl * d))
         return cls((k, d), kl, kr, min(max(1, b), k // kl, d // kr))
 
@@ -437,7 +462,7 @@ class GS(Structure):
 
     def project(self, W: Tensor) -> Factors:
         kl, kr, b, (bl, br) = self.kl, self.kr, self.rank, self.tile
-        U, S, Vh = truncated_svd(self.tiles(W), b)                   # [kl, kr, bl, b], [kl, kr, b], ...
+        U, S, Vh = truncated_svd(self.tiles(W), b)  # [kl, kr, bl, b], [kl, kr, b], ...
         sq = S.sqrt()
         L = (U * sq[..., None, :]).permute(0, 2, 1, 3).reshape(kl, bl, kr * b)
         R = (sq[..., :, None] * Vh).permute(1, 0, 2, 3).reshape(kr, kl * b, br)
@@ -446,8 +471,9 @@ class GS(Structure):
     def dense(self, f: Factors) -> Tensor:
         L, R = f
         kl, kr, b, (bl, br) = self.kl, self.kr, self.rank, self.tile
-        return torch.einsum("ipjc,jicq->ipjq", L.reshape(kl, bl, kr, b),
-                            R.reshape(kr, kl, b, br)).reshape(kl * bl, kr * br)
+        return torch.einsum("ipjc,jicq->ipjq", L.reshape(kl, bl, kr, b), R.reshape(kr, kl, b, br)).reshape(
+            kl * bl, kr * br
+        )
 
     def weighted(self, W: Tensor, gram: Gram | None, init: Factors | None = None, iters: int = 10) -> Factors:
         """Alternating exact least squares (ProcrustesGPT App. B): all R blocks at once (they decouple
@@ -477,18 +503,18 @@ class GS(Structure):
         L4 = L.reshape(kl, bl, kr, b)
         blocks = []
         for j in range(kr):
-            Z = torch.block_diag(*[L4[i, :, j, :] for i in range(kl)])       # [m, kl b]: the inputs R_j feeds
+            Z = torch.block_diag(*[L4[i, :, j, :] for i in range(kl)])  # [m, kl b]: the inputs R_j feeds
             GZ = gram.apply(Z)
-            blocks.append(psd_solve(Z.T @ GZ, GZ.T @ W[:, j * br:(j + 1) * br]))
+            blocks.append(psd_solve(Z.T @ GZ, GZ.T @ W[:, j * br : (j + 1) * br]))
         return torch.stack(blocks)
 
     def _solve_r_batched(self, W: Tensor, gram: Gram, L: Tensor) -> Tensor:
         kl, kr, b, (bl, br) = self.kl, self.kr, self.rank, self.tile
         L4 = L.reshape(kl, bl, kr, b)
-        Z = L.new_zeros(kl, bl, kr, kl, b)                   # Z[i, p, j, i, c] = L4[i, p, j, c]
+        Z = L.new_zeros(kl, bl, kr, kl, b)  # Z[i, p, j, i, c] = L4[i, p, j, c]
         i = torch.arange(kl, device=L.device)
         Z[i, :, :, i, :] = L4
-        Z = Z.reshape(kl * bl, kr, kl * b)                    # [m, kr, kl b]: Z_j for every j
+        Z = Z.reshape(kl * bl, kr, kl * b)  # [m, kr, kl b]: Z_j for every j
         GZ = gram.apply(Z)
         C = torch.einsum("mjp,mjq->jpq", Z, GZ)
         D = torch.einsum("mjp,mjc->jpc", GZ, W.reshape(kl * bl, kr, br))
@@ -502,7 +528,7 @@ class GS(Structure):
         g_res = gram.apply(res)
         for i in range(kl):
             rows = slice(i * bl, (i + 1) * bl)
-            Z = torch.block_diag(*[R4[j, i] for j in range(kr)])             # [kr b, n]: what L_i multiplies
+            Z = torch.block_diag(*[R4[j, i] for j in range(kr)])  # [kr b, n]: what L_i multiplies
             delta = gram.block(rows).solve(g_res[rows] @ Z.T)
             delta = psd_solve(Z @ Z.T, delta.T).T
             L[i] += delta

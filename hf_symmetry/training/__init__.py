@@ -12,6 +12,18 @@
 from .data import PackedDataset, TextData, build_datasets, pack_documents, read_documents, split_documents
 from .run import TrainOutcome, TrainSettings, is_main_process, last_checkpoint, per_device_batch, train, world_size
 
-__all__ = ["PackedDataset", "TextData", "build_datasets", "pack_documents", "read_documents", "split_documents",
-           "TrainOutcome", "TrainSettings", "is_main_process", "last_checkpoint", "per_device_batch", "train",
-           "world_size"]
+__all__ = [
+    "PackedDataset",
+    "TextData",
+    "build_datasets",
+    "pack_documents",
+    "read_documents",
+    "split_documents",
+    "TrainOutcome",
+    "TrainSettings",
+    "is_main_process",
+    "last_checkpoint",
+    "per_device_batch",
+    "train",
+    "world_size",
+]

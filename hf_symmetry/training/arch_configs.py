@@ -37,8 +37,15 @@ GQA_KV_HEADS = 2
 TPA_RANKS = (6, 2, 2)
 MLA_ROPE_DIM = 32
 
-__all__ = ["ARCHS", "ArchConfigs", "equal_size_configs", "parse_parameter_count", "count_non_embedding_parameters",
-           "kv_cache_elements", "build_model"]
+__all__ = [
+    "ARCHS",
+    "ArchConfigs",
+    "equal_size_configs",
+    "parse_parameter_count",
+    "count_non_embedding_parameters",
+    "kv_cache_elements",
+    "build_model",
+]
 
 
 def parse_parameter_count(text: str | int | float) -> int:
@@ -88,8 +95,15 @@ def _tpa_heads(d: int) -> int:
 
 def _mla_attention_params(d: int, h: int, q_latent: int, kv_latent: int) -> int:
     qk = HEAD_DIM + MLA_ROPE_DIM
-    return (d * q_latent + q_latent + q_latent * h * qk + d * (kv_latent + MLA_ROPE_DIM) + kv_latent
-            + kv_latent * h * 2 * HEAD_DIM + h * HEAD_DIM * d)
+    return (
+        d * q_latent
+        + q_latent
+        + q_latent * h * qk
+        + d * (kv_latent + MLA_ROPE_DIM)
+        + kv_latent
+        + kv_latent * h * 2 * HEAD_DIM
+        + h * HEAD_DIM * d
+    )
 
 
 def _mla_shape(d: int) -> tuple[int, int, int]:
@@ -119,24 +133,43 @@ class ArchConfigs:
     def table(self) -> str:
         """A printable comparison: heads, parameters (and deviation from MHA), KV-cache elements/token."""
         ref = self.parameters["mha"]
-        rows = [f"d_model {self.hidden_size}, {self.num_hidden_layers} layers, FFN {ffn_width(self.hidden_size)}, "
-                f"target {self.target / 1e6:.2f} M parameters without embeddings"]
+        rows = [
+            f"d_model {self.hidden_size}, {self.num_hidden_layers} layers, FFN {ffn_width(self.hidden_size)}, "
+            f"target {self.target / 1e6:.2f} M parameters without embeddings"
+        ]
         for arch in self.configs:
             cfg = self.configs[arch]
             n = self.parameters[arch]
-            rows.append(f"  {arch:4s} heads {cfg.num_attention_heads:3d}  params {n / 1e6:8.3f} M "
-                        f"({100 * (n - ref) / ref:+.2f} % vs MHA)  KV cache {kv_cache_elements(cfg)} elements/token")
+            rows.append(
+                f"  {arch:4s} heads {cfg.num_attention_heads:3d}  params {n / 1e6:8.3f} M "
+                f"({100 * (n - ref) / ref:+.2f} % vs MHA)  KV cache {kv_cache_elements(cfg)} elements/token"
+            )
         return "\n".join(rows)
 
 
 def _common(d: int, layers: int, vocab_size: int, max_position_embeddings: int, rope_theta: float, extra: dict):
-    return dict(vocab_size=vocab_size, hidden_size=d, intermediate_size=ffn_width(d), num_hidden_layers=layers,
-                max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)}, **extra)
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=d,
+        intermediate_size=ffn_width(d),
+        num_hidden_layers=layers,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        **extra,
+    )
 
 
-def make_config(arch: str, hidden_size: int, num_hidden_layers: int, vocab_size: int,
-                max_position_embeddings: int = 2048, rope_theta: float = 10000.0, **token_ids):
+def make_config(
+    arch: str,
+    hidden_size: int,
+    num_hidden_layers: int,
+    vocab_size: int,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    **token_ids,
+):
     """One architecture's configuration at the given width and depth (heads chosen for equal size)."""
     from transformers import DeepseekV3Config, LlamaConfig
 
@@ -146,34 +179,65 @@ def make_config(arch: str, hidden_size: int, num_hidden_layers: int, vocab_size:
     common = _common(d, num_hidden_layers, vocab_size, max_position_embeddings, rope_theta, token_ids)
     if arch == "mha":
         h = d // HEAD_DIM
-        return LlamaConfig(num_attention_heads=h, num_key_value_heads=h, head_dim=HEAD_DIM, attention_bias=False,
-                           mlp_bias=False, **common)
+        return LlamaConfig(
+            num_attention_heads=h,
+            num_key_value_heads=h,
+            head_dim=HEAD_DIM,
+            attention_bias=False,
+            mlp_bias=False,
+            **common,
+        )
     if arch == "gqa":
         h = 2 * d // HEAD_DIM - GQA_KV_HEADS
         if d % h == 0:
-            return LlamaConfig(num_attention_heads=h, num_key_value_heads=GQA_KV_HEADS, head_dim=HEAD_DIM,
-                               attention_bias=False, mlp_bias=False, **common)
+            return LlamaConfig(
+                num_attention_heads=h,
+                num_key_value_heads=GQA_KV_HEADS,
+                head_dim=HEAD_DIM,
+                attention_bias=False,
+                mlp_bias=False,
+                **common,
+            )
         # LlamaConfig refuses a hidden size that the head count does not divide, even with head_dim set.
         # Mistral without a sliding window is the same network (RMSNorm, SwiGLU, RoPE, no biases).
         from transformers import MistralConfig
-        return MistralConfig(num_attention_heads=h, num_key_value_heads=GQA_KV_HEADS, head_dim=HEAD_DIM,
-                             sliding_window=None, **common)
+
+        return MistralConfig(
+            num_attention_heads=h, num_key_value_heads=GQA_KV_HEADS, head_dim=HEAD_DIM, sliding_window=None, **common
+        )
     if arch == "t6":
         from ..modeling.configuration_tpa import TPAConfig
+
         rq, rk, rv = TPA_RANKS
         if 4 * d <= HEAD_DIM * sum(TPA_RANKS) + HEAD_DIM:
-            raise ValueError(f"hidden_size {d} is too small for a T6 attention of the size of MHA "
-                             f"(needs at least {HEAD_DIM * (sum(TPA_RANKS) + 1) // 4 + 1})")
-        return TPAConfig(num_attention_heads=_tpa_heads(d), head_dim=HEAD_DIM, q_rank=rq, k_rank=rk, v_rank=rv,
-                         **common)
+            raise ValueError(
+                f"hidden_size {d} is too small for a T6 attention of the size of MHA "
+                f"(needs at least {HEAD_DIM * (sum(TPA_RANKS) + 1) // 4 + 1})"
+            )
+        return TPAConfig(
+            num_attention_heads=_tpa_heads(d), head_dim=HEAD_DIM, q_rank=rq, k_rank=rk, v_rank=rv, **common
+        )
     if arch == "mla":
         h, q_latent, kv_latent = _mla_shape(d)
         return DeepseekV3Config(
-            num_attention_heads=h, num_key_value_heads=None,
-            q_lora_rank=q_latent, kv_lora_rank=kv_latent, qk_rope_head_dim=MLA_ROPE_DIM,
-            qk_nope_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, rope_interleave=False, attention_bias=False,
-            first_k_dense_replace=num_hidden_layers, num_mtp_layers=0, n_routed_experts=1,
-            num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=ffn_width(d), **common)
+            num_attention_heads=h,
+            num_key_value_heads=None,
+            q_lora_rank=q_latent,
+            kv_lora_rank=kv_latent,
+            qk_rope_head_dim=MLA_ROPE_DIM,
+            qk_nope_head_dim=HEAD_DIM,
+            v_head_dim=HEAD_DIM,
+            rope_interleave=False,
+            attention_bias=False,
+            first_k_dense_replace=num_hidden_layers,
+            num_mtp_layers=0,
+            n_routed_experts=1,
+            num_experts_per_tok=1,
+            n_group=1,
+            topk_group=1,
+            moe_intermediate_size=ffn_width(d),
+            **common,
+        )
     raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
@@ -186,6 +250,7 @@ def build_model(config, attn_implementation: str | None = None):
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if isinstance(config, TPAConfig):
         from ..modeling.modeling_tpa import TPAForCausalLM
+
         return TPAForCausalLM._from_config(config, **kw)
     return AutoModelForCausalLM.from_config(config, **kw)
 
@@ -218,9 +283,18 @@ def kv_cache_elements(config, per_layer: bool = False) -> int:
     return per if per_layer else per * config.num_hidden_layers
 
 
-def equal_size_configs(params, vocab_size: int, *, archs=ARCHS, hidden_size: int | None = None,
-                       num_hidden_layers: int | None = None, max_position_embeddings: int = 2048,
-                       rope_theta: float = 10000.0, tolerance: float = 0.01, **token_ids) -> ArchConfigs:
+def equal_size_configs(
+    params,
+    vocab_size: int,
+    *,
+    archs=ARCHS,
+    hidden_size: int | None = None,
+    num_hidden_layers: int | None = None,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    tolerance: float = 0.01,
+    **token_ids,
+) -> ArchConfigs:
     """The T6, MHA, GQA and MLA configurations of one size (see the module docstring).
 
     Args:
@@ -249,7 +323,9 @@ def equal_size_configs(params, vocab_size: int, *, archs=ARCHS, hidden_size: int
     for arch, n in counts.items():
         dev = abs(n - counts["mha"]) / counts["mha"]
         if dev > tolerance:
-            raise ValueError(f"{arch}: {n} parameters is {100 * dev:.2f} % away from MHA's {counts['mha']} at "
-                             f"d_model {d} (tolerance {100 * tolerance:.1f} %); choose another size")
+            raise ValueError(
+                f"{arch}: {n} parameters is {100 * dev:.2f} % away from MHA's {counts['mha']} at "
+                f"d_model {d} (tolerance {100 * tolerance:.1f} %); choose another size"
+            )
     keep = {a: configs[a] for a in archs}
     return ArchConfigs(d, layers, keep, {a: counts[a] for a in archs} | {"mha": counts["mha"]}, target)

@@ -64,7 +64,7 @@ def read_documents(paths) -> list[tuple[str, str]]:
 
 def _bucket(seed: int, source: str) -> float:
     h = hashlib.sha256(f"{seed}:{source}".encode()).digest()
-    return int.from_bytes(h[:8], "big") / 2 ** 64
+    return int.from_bytes(h[:8], "big") / 2**64
 
 
 def split_documents(docs, validation_fraction: float = 0.05, seed: int = 0):
@@ -130,6 +130,7 @@ class PackedDataset(torch.utils.data.Dataset):
 @dataclass
 class TextData:
     """What :func:`build_datasets` returns: the two datasets and where they came from."""
+
     train: PackedDataset
     validation: PackedDataset | None
     train_documents: int
@@ -137,16 +138,26 @@ class TextData:
     seq_len: int
 
     def as_dict(self) -> dict:
-        return dict(train_sequences=len(self.train), train_tokens=self.train.tokens,
-                    validation_sequences=0 if self.validation is None else len(self.validation),
-                    validation_tokens=0 if self.validation is None else self.validation.tokens,
-                    train_documents=self.train_documents, validation_documents=self.validation_documents,
-                    seq_len=self.seq_len)
+        return dict(
+            train_sequences=len(self.train),
+            train_tokens=self.train.tokens,
+            validation_sequences=0 if self.validation is None else len(self.validation),
+            validation_tokens=0 if self.validation is None else self.validation.tokens,
+            train_documents=self.train_documents,
+            validation_documents=self.validation_documents,
+            seq_len=self.seq_len,
+        )
 
 
-def build_datasets(tokenizer, paths, seq_len: int = 512, validation_fraction: float = 0.05,
-                   max_train_tokens: int | None = None, max_validation_tokens: int | None = None,
-                   seed: int = 0) -> TextData:
+def build_datasets(
+    tokenizer,
+    paths,
+    seq_len: int = 512,
+    validation_fraction: float = 0.05,
+    max_train_tokens: int | None = None,
+    max_validation_tokens: int | None = None,
+    seed: int = 0,
+) -> TextData:
     """Read ``paths`` (text files / JSONL), split by document, tokenise and pack both sides.
 
     Raises ``ValueError`` before returning if the text is empty or too short for one training
@@ -158,5 +169,10 @@ def build_datasets(tokenizer, paths, seq_len: int = 512, validation_fraction: fl
     if train.shape[0] == 0:
         raise ValueError(f"the training text is shorter than one sequence of {seq_len} tokens")
     val = pack_documents(tokenizer, val_docs, seq_len, max_validation_tokens) if val_docs else None
-    return TextData(PackedDataset(train), PackedDataset(val) if val is not None and val.shape[0] else None,
-                    len(train_docs), len(val_docs), seq_len)
+    return TextData(
+        PackedDataset(train),
+        PackedDataset(val) if val is not None and val.shape[0] else None,
+        len(train_docs),
+        len(val_docs),
+        seq_len,
+    )

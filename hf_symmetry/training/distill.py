@@ -74,17 +74,18 @@ def kd_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperatur
     s = F.log_softmax(student_logits.to(dt) / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.to(dt) / temperature, dim=-1)
     kl = (t.exp() * (t - s)).sum(-1)
-    return kl.mean() * temperature ** 2
+    return kl.mean() * temperature**2
 
 
-def topk_kl(student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor,
-            temperature: float = 1.0) -> torch.Tensor:
+def topk_kl(
+    student_logits: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Like :func:`kd_kl` with the teacher known only by its top-k logits: the teacher distribution is
     renormalised on those k tokens and the student's full-vocabulary log-probabilities are read there."""
     dt = torch.promote_types(student_logits.dtype, torch.float32)
     s = F.log_softmax(student_logits.to(dt) / temperature, dim=-1).gather(-1, topk_indices.long())
     t = F.log_softmax(topk_values.to(dt) / temperature, dim=-1)
-    return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+    return (t.exp() * (t - s)).sum(-1).mean() * temperature**2
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -106,6 +107,7 @@ def layer_outputs(model: torch.nn.Module):
     def hook(i):
         def store(module, args, output):
             states[i] = output[0] if isinstance(output, (tuple, list)) else output
+
         return store
 
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -138,13 +140,14 @@ class DistillationLoss:
 
     ``teacher`` may be ``None`` when every batch carries cached top-k teacher logits (and no layer
     targets are asked for). ``layer_map``/``layer_weight``: the layer targets (module doc)."""
+
     teacher: torch.nn.Module | None
     temperature: float = 1.0
     lm_weight: float = 0.0
     teacher_device: str | torch.device | None = None
     layer_map: object | None = None
     layer_weight: float = 0.0
-    chunk_tokens: int | None = 2048       # positions per chunk of the logits (.logit_loss); 0/None: all at once
+    chunk_tokens: int | None = 2048  # positions per chunk of the logits (.logit_loss); 0/None: all at once
 
     def __post_init__(self):
         self._plain_heads, self._head_params = {}, {}
@@ -173,9 +176,13 @@ class DistillationLoss:
         from ..devices import to_model
 
         if not states:
-            return self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(input_ids.device), None
+            return self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(
+                input_ids.device
+            ), None
         with layer_outputs(self.teacher) as hs:
-            logits = self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(input_ids.device)
+            logits = self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(
+                input_ids.device
+            )
         return logits, [h.to(input_ids.device) for h in hs]
 
     def teacher_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -219,7 +226,7 @@ class DistillationLoss:
         loss = kd
         if self.lm_weight > 0:
             labels = inputs.get("labels", ids)
-            dt = torch.promote_types(logits.dtype, torch.float32)     # float32, or float64 if the logits are
+            dt = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 if the logits are
             lm = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dt), labels[:, 1:].flatten())
             parts["lm_part"] = lm.detach().item()
             loss = (1 - self.lm_weight) * kd + self.lm_weight * lm
@@ -265,9 +272,16 @@ class DistillationLoss:
         head = output_head(model)
         if id(model) not in self._head_params:
             self._head_params[id(model)] = head.trainable_parameters(model, hidden[:1, :1])
-        loss, kd, lm = chunked_logit_loss(hidden, head, teacher, inputs.get("labels", ids),
-                                          temperature=self.temperature, lm_weight=self.lm_weight,
-                                          chunk_tokens=self.chunk_tokens, head_params=self._head_params[id(model)])
+        loss, kd, lm = chunked_logit_loss(
+            hidden,
+            head,
+            teacher,
+            inputs.get("labels", ids),
+            temperature=self.temperature,
+            lm_weight=self.lm_weight,
+            chunk_tokens=self.chunk_tokens,
+            head_params=self._head_params[id(model)],
+        )
         parts = {"kd_part": kd, **({"lm_part": lm} if lm is not None else {})}
         return self._add_layers(loss, parts, student_states, teacher_states)
 
@@ -280,7 +294,7 @@ def mean_kl(student, teacher, sequences: torch.Tensor, batch_size: int = 8, temp
 
     total, count = 0.0, 0
     for i in range(0, sequences.shape[0], batch_size):
-        ids = sequences[i:i + batch_size]
+        ids = sequences[i : i + batch_size]
         s = student(input_ids=to_model(ids, student), use_cache=False).logits
         t = teacher(input_ids=to_model(ids, teacher), use_cache=False).logits.to(s.device)
         total += kd_kl(s, t, temperature).item() * ids.numel()
@@ -289,24 +303,31 @@ def mean_kl(student, teacher, sequences: torch.Tensor, batch_size: int = 8, temp
 
 
 def _vocab_signature(tok) -> dict:
-    return {"vocab": tok.get_vocab(), "special": {k: getattr(tok, k, None) for k in
-                                                  ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}}
+    return {
+        "vocab": tok.get_vocab(),
+        "special": {k: getattr(tok, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")},
+    }
 
 
-def check_same_tokenizer(student_tok, teacher_tok, student_vocab_size: int | None = None,
-                         teacher_vocab_size: int | None = None) -> None:
+def check_same_tokenizer(
+    student_tok, teacher_tok, student_vocab_size: int | None = None, teacher_vocab_size: int | None = None
+) -> None:
     """Raise ``ValueError`` (one line) unless the two tokenizers map every token to the same id and
     agree on special tokens, and the two models' output vocabularies (``config.vocab_size``) match."""
     a, b = _vocab_signature(student_tok), _vocab_signature(teacher_tok)
     if a["vocab"] != b["vocab"]:
         diff = len(set(a["vocab"].items()) ^ set(b["vocab"].items()))
-        raise ValueError(f"teacher and student tokenizers differ ({len(b['vocab'])} vs {len(a['vocab'])} tokens, "
-                         f"{diff} token/id pairs not shared): distillation needs the same tokenizer")
+        raise ValueError(
+            f"teacher and student tokenizers differ ({len(b['vocab'])} vs {len(a['vocab'])} tokens, "
+            f"{diff} token/id pairs not shared): distillation needs the same tokenizer"
+        )
     if a["special"] != b["special"]:
         raise ValueError(f"teacher and student tokenizers differ in special tokens: {a['special']} vs {b['special']}")
     if student_vocab_size is not None and teacher_vocab_size is not None and student_vocab_size != teacher_vocab_size:
-        raise ValueError(f"teacher and student have different output vocabularies ({teacher_vocab_size} vs "
-                         f"{student_vocab_size} logits)")
+        raise ValueError(
+            f"teacher and student have different output vocabularies ({teacher_vocab_size} vs "
+            f"{student_vocab_size} logits)"
+        )
 
 
 def _fingerprint(sequences: torch.Tensor, k: int, teacher_id: str) -> str:
@@ -317,9 +338,16 @@ def _fingerprint(sequences: torch.Tensor, k: int, teacher_id: str) -> str:
 
 
 @torch.no_grad()
-def build_teacher_cache(teacher, sequences: torch.Tensor, path: str | Path, k: int = 64, batch_size: int = 8,
-                        teacher_id: str = "", device: str | torch.device | None = None,
-                        progress: bool = True) -> Path:
+def build_teacher_cache(
+    teacher,
+    sequences: torch.Tensor,
+    path: str | Path,
+    k: int = 64,
+    batch_size: int = 8,
+    teacher_id: str = "",
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> Path:
     """Run ``teacher`` once over ``sequences [n, L]`` and write its top-``k`` logits per position to
     ``path`` (safetensors: ``topk_values`` float32, ``topk_indices`` int32, ``sequences`` int64 and a
     fingerprint of teacher id, k and sequences in the metadata). An existing file with the same
@@ -338,24 +366,32 @@ def build_teacher_cache(teacher, sequences: torch.Tensor, path: str | Path, k: i
     teacher.to(dev)
     vocab = None
     vals, idxs = [], []
-    for i in tqdm(range(0, sequences.shape[0], batch_size), desc="teacher top-k cache", disable=not progress,
-                  unit="batch"):
-        logits = teacher(input_ids=to_model(sequences[i:i + batch_size], teacher), use_cache=False).logits.float()
+    for i in tqdm(
+        range(0, sequences.shape[0], batch_size), desc="teacher top-k cache", disable=not progress, unit="batch"
+    ):
+        logits = teacher(input_ids=to_model(sequences[i : i + batch_size], teacher), use_cache=False).logits.float()
         vocab = logits.shape[-1]
         v, ix = logits.topk(min(k, vocab), dim=-1)
         vals.append(v.cpu())
         idxs.append(ix.to(torch.int32).cpu())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"topk_values": torch.cat(vals).contiguous(), "topk_indices": torch.cat(idxs).contiguous(),
-               "sequences": sequences.contiguous()}, str(tmp),
-              metadata={"fingerprint": fp, "k": str(k), "teacher": teacher_id, "vocab_size": str(vocab)})
+    save_file(
+        {
+            "topk_values": torch.cat(vals).contiguous(),
+            "topk_indices": torch.cat(idxs).contiguous(),
+            "sequences": sequences.contiguous(),
+        },
+        str(tmp),
+        metadata={"fingerprint": fp, "k": str(k), "teacher": teacher_id, "vocab_size": str(vocab)},
+    )
     tmp.replace(path)
     return path
 
 
 def _read_fingerprint(path: Path) -> str | None:
     from safetensors import safe_open
+
     try:
         with safe_open(str(path), "pt") as f:
             return (f.metadata() or {}).get("fingerprint")
@@ -387,8 +423,16 @@ def default_sample_batch(device) -> int:
 
 
 @torch.no_grad()
-def teacher_samples(teacher, tokenizer, n: int, seq_len: int, seed: int = 0, batch_size: int | None = None,
-                    device: str | torch.device | None = None, progress: bool = True) -> torch.Tensor:
+def teacher_samples(
+    teacher,
+    tokenizer,
+    n: int,
+    seq_len: int,
+    seed: int = 0,
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> torch.Tensor:
     """``[n, seq_len]`` sequences sampled from the teacher itself (temperature 1, no truncation),
     each starting from the BOS token (EOS when there is none): data-free distillation material.
     Generated ``batch_size`` sequences at a time with the KV cache, sampled on the teacher's device
@@ -407,7 +451,7 @@ def teacher_samples(teacher, tokenizer, n: int, seq_len: int, seed: int = 0, bat
         ids[:, 0] = start
         past = None
         for t in range(1, seq_len):
-            o = teacher(input_ids=ids[:, t - 1:t], use_cache=True, **{cache_field(): past})
+            o = teacher(input_ids=ids[:, t - 1 : t], use_cache=True, **{cache_field(): past})
             past = getattr(o, cache_field())
             probs = torch.softmax(o.logits[:, -1].float(), -1)
             ids[:, t] = torch.multinomial(probs, 1, generator=gen)[:, 0]
@@ -423,15 +467,26 @@ def teacher_fingerprint(folder: str | Path) -> str:
     h = hashlib.sha256()
     h.update((folder / "config.json").read_bytes())
     for p in sorted(folder.iterdir()):
-        if p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".json") and p.name.startswith(("model", "pytorch_model")):
+        if p.suffix in (".safetensors", ".bin", ".gguf", ".pt", ".json") and p.name.startswith(
+            ("model", "pytorch_model")
+        ):
             st = p.stat()
             h.update(json.dumps([p.name, st.st_size, st.st_mtime_ns]).encode())
     return h.hexdigest()[:20]
 
 
-def cached_teacher_samples(teacher, tokenizer, teacher_folder: str | Path, n: int, seq_len: int, seed: int = 0,
-                           device: str | torch.device | None = None, batch_size: int | None = None,
-                           cache: str | Path | None = None, progress: bool = True) -> tuple[torch.Tensor, Path, bool]:
+def cached_teacher_samples(
+    teacher,
+    tokenizer,
+    teacher_folder: str | Path,
+    n: int,
+    seq_len: int,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    cache: str | Path | None = None,
+    progress: bool = True,
+) -> tuple[torch.Tensor, Path, bool]:
     """:func:`teacher_samples`, cached: ``(sequences [n, seq_len], file, reused)``. The token file
     (safetensors, ``sequences`` int32) lives in ``cache`` (default ``<hf_symmetry cache>/teacher-samples``)
     under a key of the teacher's fingerprint (:func:`teacher_fingerprint`), n, seq_len, seed, batch
@@ -442,12 +497,21 @@ def cached_teacher_samples(teacher, tokenizer, teacher_folder: str | Path, n: in
 
     if cache is None:
         from ..assets import cache_dir
+
         cache = cache_dir() / "teacher-samples"
     dev = torch.device(device) if device is not None else next(teacher.parameters()).device
     batch_size = batch_size or default_sample_batch(dev)
     fp = teacher_fingerprint(teacher_folder)
-    key = {"teacher": fp, "n": n, "seq_len": seq_len, "seed": seed, "batch_size": batch_size,
-           "start": _start_token(tokenizer), "device": dev.type, "version": 2}
+    key = {
+        "teacher": fp,
+        "n": n,
+        "seq_len": seq_len,
+        "seed": seed,
+        "batch_size": batch_size,
+        "start": _start_token(tokenizer),
+        "device": dev.type,
+        "version": 2,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache) / f"{Path(teacher_folder).name}-{n}x{seq_len}-seed{seed}-{digest}.safetensors"
     if path.is_file():
@@ -455,13 +519,17 @@ def cached_teacher_samples(teacher, tokenizer, teacher_folder: str | Path, n: in
             with safe_open(str(path), "pt") as f:
                 if (f.metadata() or {}).get("key") == json.dumps(key, sort_keys=True):
                     return f.get_tensor("sequences").long(), path, True
-        except Exception:   # a damaged file: sample anew
+        except Exception:  # a damaged file: sample anew
             pass
-    seqs = teacher_samples(teacher, tokenizer, n, seq_len, seed=seed, batch_size=batch_size, device=dev,
-                           progress=progress)
+    seqs = teacher_samples(
+        teacher, tokenizer, n, seq_len, seed=seed, batch_size=batch_size, device=dev, progress=progress
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({"sequences": seqs.to(torch.int32).contiguous()}, str(tmp),
-              metadata={"key": json.dumps(key, sort_keys=True), "teacher": str(Path(teacher_folder).name)})
+    save_file(
+        {"sequences": seqs.to(torch.int32).contiguous()},
+        str(tmp),
+        metadata={"key": json.dumps(key, sort_keys=True), "teacher": str(Path(teacher_folder).name)},
+    )
     os.replace(tmp, path)
     return seqs, path, False

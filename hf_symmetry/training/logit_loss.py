@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 __all__ = ["CHUNK_TOKENS", "LogitHead", "chunked_logit_loss", "final_hidden", "head_is_plain", "output_head"]
 
-CHUNK_TOKENS = 2048      # positions per chunk: 2048 × 49 152 float32 logits = 0.4 GB per tensor
+CHUNK_TOKENS = 2048  # positions per chunk: 2048 × 49 152 float32 logits = 0.4 GB per tensor
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -54,8 +54,9 @@ class LogitHead:
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
-        self.slots = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-                      if child is head]
+        self.slots = [
+            (parent, name) for parent in model.modules() for name, child in parent.named_children() if child is head
+        ]
         if not self.slots:
             raise ValueError(f"{type(model).__name__}: the LM head is not a submodule")
         self.fn, self.method, self.device = head, False, next(head.parameters()).device
@@ -71,7 +72,7 @@ class LogitHead:
             return []
         with torch.enable_grad():
             out = self.fn(hidden.detach())
-            if not out.requires_grad:         # a frozen head (LoRA): nothing of it trains
+            if not out.requires_grad:  # a frozen head (LoRA): nothing of it trains
                 return []
             grads = torch.autograd.grad(out.float().sum(), params, allow_unused=True)
         return [p for p, g in zip(params, grads) if g is not None]
@@ -79,7 +80,7 @@ class LogitHead:
     @contextmanager
     def swapped(self, stand_in):
         for owner, name in self.slots:
-            if self.method:       # an instance attribute shadows the class's method (not a submodule)
+            if self.method:  # an instance attribute shadows the class's method (not a submodule)
                 object.__setattr__(owner, name, stand_in)
             else:
                 setattr(owner, name, stand_in)
@@ -145,14 +146,14 @@ def _chunk_loss(z, teacher, labels, temperature: float, kd_weight: float, lm_wei
     s = F.log_softmax(zt / temperature, dim=-1)
     if teacher[0] == "logits":
         t = F.log_softmax(teacher[1].to(dt) / temperature, dim=-1)
-        kd_sum = (t.exp() * (t - s)).sum() * temperature ** 2
+        kd_sum = (t.exp() * (t - s)).sum() * temperature**2
     else:
         t = F.log_softmax(teacher[1].to(dt) / temperature, dim=-1)
-        kd_sum = (t.exp() * (t - s.gather(-1, teacher[2].long()))).sum() * temperature ** 2
+        kd_sum = (t.exp() * (t - s.gather(-1, teacher[2].long()))).sum() * temperature**2
     loss = kd_sum * (kd_weight / n_kd)
     lm_sum = zt.new_zeros(())
     if lm_weight > 0 and n_lm:
-        lm_sum = F.cross_entropy(zt, labels, reduction="sum")     # labels -100: ignored
+        lm_sum = F.cross_entropy(zt, labels, reduction="sum")  # labels -100: ignored
         loss = loss + lm_sum * (lm_weight / n_lm)
     return loss, kd_sum.detach(), lm_sum.detach()
 
@@ -199,16 +200,25 @@ class _ChunkedLoss(torch.autograd.Function):
         return (grad_h, None, *[gp * g for gp in saved])
 
 
-def chunked_logit_loss(student_hidden: torch.Tensor, student_head, teacher, labels: torch.Tensor,
-                       *, temperature: float = 1.0, lm_weight: float = 0.0, chunk_tokens: int = CHUNK_TOKENS,
-                       head_params=()) -> tuple[torch.Tensor, float, float | None]:
+def chunked_logit_loss(
+    student_hidden: torch.Tensor,
+    student_head,
+    teacher,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    lm_weight: float = 0.0,
+    chunk_tokens: int = CHUNK_TOKENS,
+    head_params=(),
+) -> tuple[torch.Tensor, float, float | None]:
     """``(loss, kd, lm)`` with ``loss = (1 − λ)·KD + λ·LM`` from the student's final hidden states
     ``[B, L, d]`` and head (a :class:`LogitHead` or any module), ``chunk_tokens`` positions at a time (module doc).
 
     ``teacher``: ``("hidden", states [B, L, d_t], head)`` (the teacher's head is applied per chunk on its
     own device) or ``("topk", values [B, L, k], indices [B, L, k])``. ``labels [B, L]``: the text (-100:
     no target); ``head_params``: the trainable parameters the student's head uses
-    (:meth:`LogitHead.trainable_parameters`), which get their gradients; position ``t`` predicts ``labels[:, t + 1]``, as ``F.cross_entropy`` over the shifted
+    (:meth:`LogitHead.trainable_parameters`), which get their gradients; position ``t`` predicts ``labels[:, t + 1]``,
+    as ``F.cross_entropy`` over the shifted
     logits. KD is the mean over all ``B·L`` positions, LM over the positions with a target."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
@@ -234,7 +244,13 @@ def chunked_logit_loss(student_hidden: torch.Tensor, student_head, teacher, labe
         raise ValueError(f"teacher must be ('hidden', states, head) or ('topk', values, indices), got {teacher[0]!r}")
     want = torch.is_grad_enabled()
     params = tuple(head_params) if want else ()
-    spec = (student_head, teacher_chunk, shifted, chunk_tokens,
-            (temperature, 1.0 - lm_weight, lm_weight, B * L, n_lm), want)
+    spec = (
+        student_head,
+        teacher_chunk,
+        shifted,
+        chunk_tokens,
+        (temperature, 1.0 - lm_weight, lm_weight, B * L, n_lm),
+        want,
+    )
     loss, kd, lm = _ChunkedLoss.apply(hidden, spec, *params)
     return loss, float(kd) / (B * L), (float(lm) / n_lm if n_lm else None)

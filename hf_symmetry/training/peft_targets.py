@@ -33,23 +33,33 @@ STRUCTURED_CLASSES = ("DenseLinear", "LowRankLinear", "KroneckerLinear", "GSLine
 @dataclass
 class LoraPlan:
     rank: int
-    target_modules: list[str] = field(default_factory=list)        # full names of nn.Linear modules
-    target_parameters: list[str] = field(default_factory=list)     # full names of structured factors
-    rank_caps: dict[str, int] = field(default_factory=dict)        # factor name -> capped rank
-    projections: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> (out, in)
+    target_modules: list[str] = field(default_factory=list)  # full names of nn.Linear modules
+    target_parameters: list[str] = field(default_factory=list)  # full names of structured factors
+    rank_caps: dict[str, int] = field(default_factory=dict)  # factor name -> capped rank
+    projections: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (out, in)
 
     def lora_config(self):
         from peft import LoraConfig
 
         pattern = {re.escape(k): v for k, v in self.rank_caps.items()}
-        return LoraConfig(r=self.rank, lora_alpha=self.rank, lora_dropout=0.0, bias="none",
-                          target_modules=list(self.target_modules) or None,
-                          target_parameters=list(self.target_parameters) or None,
-                          rank_pattern=pattern, alpha_pattern=dict(pattern))
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.rank,
+            lora_dropout=0.0,
+            bias="none",
+            target_modules=list(self.target_modules) or None,
+            target_parameters=list(self.target_parameters) or None,
+            rank_pattern=pattern,
+            alpha_pattern=dict(pattern),
+        )
 
     def as_dict(self) -> dict:
-        return dict(rank=self.rank, linear_modules=len(self.target_modules),
-                    structured_factors=len(self.target_parameters), capped_factors=len(self.rank_caps))
+        return dict(
+            rank=self.rank,
+            linear_modules=len(self.target_modules),
+            structured_factors=len(self.target_parameters),
+            capped_factors=len(self.rank_caps),
+        )
 
 
 def _excluded_prefixes(model) -> list[str]:
@@ -94,8 +104,10 @@ def lora_plan(model: nn.Module, rank: int) -> LoraPlan:
     small = [(n, d) for n, d in plan.projections.items() if rank > min(d)]
     if small:
         n, (o, i) = small[0]
-        raise ValueError(f"LoRA rank {rank} is larger than layer {n} ({o}x{i}); choose --lora-rank <= {min(o, i)}"
-                         + (f" ({len(small)} layers affected)" if len(small) > 1 else ""))
+        raise ValueError(
+            f"LoRA rank {rank} is larger than layer {n} ({o}x{i}); choose --lora-rank <= {min(o, i)}"
+            + (f" ({len(small)} layers affected)" if len(small) > 1 else "")
+        )
     return plan
 
 
@@ -106,5 +118,5 @@ def apply_lora(model: nn.Module, plan: LoraPlan):
     from peft import get_peft_model
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # PEFT warns about nested ParamWrappers on structured layers
+        warnings.simplefilter("ignore")  # PEFT warns about nested ParamWrappers on structured layers
         return get_peft_model(model, plan.lora_config())

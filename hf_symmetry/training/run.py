@@ -33,8 +33,16 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["TrainSettings", "TrainOutcome", "train", "per_device_batch", "world_size", "is_main_process",
-           "last_checkpoint", "bf16_available"]
+__all__ = [
+    "TrainSettings",
+    "TrainOutcome",
+    "train",
+    "per_device_batch",
+    "world_size",
+    "is_main_process",
+    "last_checkpoint",
+    "bf16_available",
+]
 
 LossFn = Callable[[torch.nn.Module, dict], Any]
 
@@ -55,8 +63,10 @@ def per_device_batch(global_batch: int, gradient_accumulation_steps: int = 1, pr
     processes = world_size() if processes is None else processes
     denom = gradient_accumulation_steps * processes
     if global_batch % denom:
-        raise ValueError(f"global batch {global_batch} is not divisible by {gradient_accumulation_steps} "
-                         f"accumulation step(s) x {processes} process(es)")
+        raise ValueError(
+            f"global batch {global_batch} is not divisible by {gradient_accumulation_steps} "
+            f"accumulation step(s) x {processes} process(es)"
+        )
     return global_batch // denom
 
 
@@ -68,6 +78,7 @@ def bf16_available() -> bool:
 def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The newest ``checkpoint-N`` folder under ``output_dir`` (``None`` if there is none)."""
     from transformers.trainer_utils import get_last_checkpoint
+
     return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
 
 
@@ -99,6 +110,7 @@ class TrainSettings:
         gradient_checkpointing: recompute activations in the backward pass (less memory).
         extra: further ``TrainingArguments`` fields, passed through unchanged.
     """
+
     output_dir: str
     max_steps: int
     per_device_batch_size: int = 8
@@ -143,16 +155,17 @@ class TrainSettings:
 @dataclass
 class TrainOutcome:
     """What :func:`train` returns."""
-    model: torch.nn.Module          # the trained model (unwrapped from DDP; a PeftModel stays a PeftModel)
+
+    model: torch.nn.Module  # the trained model (unwrapped from DDP; a PeftModel stays a PeftModel)
     global_step: int
-    train_loss: float               # mean training loss over this run's steps (as reported by the Trainer)
-    eval_loss: float | None         # held-out loss at the end (None without an eval dataset)
+    train_loss: float  # mean training loss over this run's steps (as reported by the Trainer)
+    eval_loss: float | None  # held-out loss at the end (None without an eval dataset)
     log_history: list[dict]
     resumed_from: str | None
-    train_tokens: int               # tokens seen by the optimizer over all steps (all processes)
+    train_tokens: int  # tokens seen by the optimizer over all steps (all processes)
     seconds: float
-    tokens_per_second: float        # this run's training throughput (all processes together)
-    cpu_seconds: float = 0.0        # process CPU seconds of this process's training (all its threads)
+    tokens_per_second: float  # this run's training throughput (all processes together)
+    cpu_seconds: float = 0.0  # process CPU seconds of this process's training (all its threads)
 
 
 def _make_trainer_class():
@@ -171,10 +184,11 @@ def _make_trainer_class():
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if self.loss_fn is None:
-                return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                            num_items_in_batch=num_items_in_batch)
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
             out = self.loss_fn(model, inputs)
-            loss, parts = (out if isinstance(out, tuple) else (out, {}))
+            loss, parts = out if isinstance(out, tuple) else (out, {})
             if model.training:
                 for k, v in parts.items():
                     self._components.setdefault(k, []).append(float(v))
@@ -214,20 +228,41 @@ def training_arguments(settings: TrainSettings, has_eval: bool):
     from transformers import TrainingArguments
 
     s = settings
-    warmup = s.warmup_steps if s.warmup_steps is not None else (max(1, round(0.05 * s.max_steps))
-                                                                 if s.max_steps >= 10 else 0)
+    warmup = (
+        s.warmup_steps
+        if s.warmup_steps is not None
+        else (max(1, round(0.05 * s.max_steps)) if s.max_steps >= 10 else 0)
+    )
     bf16 = (bf16_available() and not s.use_cpu) if s.bf16 is None else s.bf16
     kw = dict(
-        output_dir=s.output_dir, max_steps=s.max_steps, per_device_train_batch_size=s.per_device_batch_size,
-        per_device_eval_batch_size=s.per_device_batch_size, gradient_accumulation_steps=s.gradient_accumulation_steps,
-        learning_rate=s.learning_rate, lr_scheduler_type="cosine", warmup_steps=warmup, weight_decay=s.weight_decay,
-        max_grad_norm=s.max_grad_norm or 0.0, logging_steps=s.logging_steps, seed=s.seed, data_seed=s.seed,
-        bf16=bf16, use_cpu=s.use_cpu, report_to="none", disable_tqdm=not s.progress,
-        save_strategy="steps" if s.save_steps else "no", save_steps=s.save_steps or 500,
+        output_dir=s.output_dir,
+        max_steps=s.max_steps,
+        per_device_train_batch_size=s.per_device_batch_size,
+        per_device_eval_batch_size=s.per_device_batch_size,
+        gradient_accumulation_steps=s.gradient_accumulation_steps,
+        learning_rate=s.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=warmup,
+        weight_decay=s.weight_decay,
+        max_grad_norm=s.max_grad_norm or 0.0,
+        logging_steps=s.logging_steps,
+        seed=s.seed,
+        data_seed=s.seed,
+        bf16=bf16,
+        use_cpu=s.use_cpu,
+        report_to="none",
+        disable_tqdm=not s.progress,
+        save_strategy="steps" if s.save_steps else "no",
+        save_steps=s.save_steps or 500,
         save_total_limit=s.save_total_limit,
-        eval_strategy="steps" if (has_eval and s.eval_steps) else "no", eval_steps=s.eval_steps,
-        prediction_loss_only=True, remove_unused_columns=False, label_names=["labels"],
-        dataloader_drop_last=True, dataloader_num_workers=0, ddp_find_unused_parameters=False,
+        eval_strategy="steps" if (has_eval and s.eval_steps) else "no",
+        eval_steps=s.eval_steps,
+        prediction_loss_only=True,
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_drop_last=True,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
     )
     if s.gradient_checkpointing:
         kw["gradient_checkpointing"] = True
@@ -235,8 +270,15 @@ def training_arguments(settings: TrainSettings, has_eval: bool):
     return TrainingArguments(**kw)
 
 
-def train(model: torch.nn.Module, train_dataset, eval_dataset=None, settings: TrainSettings | None = None,
-          loss_fn: LossFn | None = None, callbacks=(), data_collator=None) -> TrainOutcome:
+def train(
+    model: torch.nn.Module,
+    train_dataset,
+    eval_dataset=None,
+    settings: TrainSettings | None = None,
+    loss_fn: LossFn | None = None,
+    callbacks=(),
+    data_collator=None,
+) -> TrainOutcome:
     """Build the ``Trainer`` for ``model`` and run ``settings.max_steps`` optimizer steps.
 
     Args:
@@ -258,12 +300,21 @@ def train(model: torch.nn.Module, train_dataset, eval_dataset=None, settings: Tr
 
     settings.validate()
     if len(train_dataset) < settings.per_device_batch_size * world_size():
-        raise ValueError(f"{len(train_dataset)} training sequences are fewer than one global micro-batch "
-                         f"({settings.per_device_batch_size} x {world_size()} process(es))")
+        raise ValueError(
+            f"{len(train_dataset)} training sequences are fewer than one global micro-batch "
+            f"({settings.per_device_batch_size} x {world_size()} process(es))"
+        )
     args = training_arguments(settings, eval_dataset is not None)
     collate = data_collator or _stack
-    trainer = _make_trainer_class()(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                    data_collator=collate, loss_fn=loss_fn, callbacks=list(callbacks))
+    trainer = _make_trainer_class()(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=collate,
+        loss_fn=loss_fn,
+        callbacks=list(callbacks),
+    )
     if settings.progress:
         trainer.remove_callback(ProgressCallback)
         trainer.add_callback(_progress_callback(settings.loss_name))
@@ -279,12 +330,18 @@ def train(model: torch.nn.Module, train_dataset, eval_dataset=None, settings: Tr
     global_batch = settings.per_device_batch_size * settings.gradient_accumulation_steps * trainer.args.world_size
     steps_run = trainer.state.global_step - start_step
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    return TrainOutcome(model=unwrapped, global_step=trainer.state.global_step,
-                        train_loss=float(result.training_loss), eval_loss=eval_loss,
-                        log_history=list(trainer.state.log_history), resumed_from=resume,
-                        train_tokens=trainer.state.global_step * global_batch * seq_len, seconds=seconds,
-                        tokens_per_second=steps_run * global_batch * seq_len / max(seconds, 1e-9),
-                        cpu_seconds=cpu_seconds)
+    return TrainOutcome(
+        model=unwrapped,
+        global_step=trainer.state.global_step,
+        train_loss=float(result.training_loss),
+        eval_loss=eval_loss,
+        log_history=list(trainer.state.log_history),
+        resumed_from=resume,
+        train_tokens=trainer.state.global_step * global_batch * seq_len,
+        seconds=seconds,
+        tokens_per_second=steps_run * global_batch * seq_len / max(seconds, 1e-9),
+        cpu_seconds=cpu_seconds,
+    )
 
 
 def _stack(items: list[dict]) -> dict:

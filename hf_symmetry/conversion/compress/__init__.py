@@ -34,8 +34,14 @@ from __future__ import annotations
 from ..stream import DictSource, TensorSource
 from .assemble import Assembler, assemble, build_model, compressed_config, config_object, module_tensors
 from .folded import FoldedGlobals, FoldedLayers, read_folded
-from .moments import (CalibrationInput, CalibrationStats, collect_statistics, one_pass_statistics,
-                      sequential_weighted, token_sequences)
+from .moments import (
+    CalibrationInput,
+    CalibrationStats,
+    collect_statistics,
+    one_pass_statistics,
+    sequential_weighted,
+    token_sequences,
+)
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
 from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
 from .pipeline import compress_checkpoint, compress_model, compress_tensors
@@ -45,11 +51,46 @@ from .solve import SolveResult, solve
 from .targets import matched_target
 
 __all__ = [
-    "ALLOCATIONS", "DictSource", "TensorSource", "Assembler", "FoldedGlobals", "FoldedLayers", "assemble",
-    "build_model", "compressed_config", "config_object", "module_tensors", "read_folded", "CalibrationInput",
-    "CalibrationStats", "SlicedLayer", "sequential_stream_pca", "sequential_weighted", "token_sequences",
-    "collect_statistics", "one_pass_statistics", "pca_rotations", "LAYER_MODULES", "PRESETS", "Q_MODES", "STAGES",
-    "STRUCTURES", "CompressOptions", "REPORT_FILE", "CompressReport", "compress_checkpoint", "compress_model",
-    "compress_tensors", "record_verification", "MatrixPlan", "Plan", "check_family", "plan_compression", "plan_for",
-    "source_numels", "SolveResult", "solve", "matched_target",
+    "ALLOCATIONS",
+    "DictSource",
+    "TensorSource",
+    "Assembler",
+    "FoldedGlobals",
+    "FoldedLayers",
+    "assemble",
+    "build_model",
+    "compressed_config",
+    "config_object",
+    "module_tensors",
+    "read_folded",
+    "CalibrationInput",
+    "CalibrationStats",
+    "SlicedLayer",
+    "sequential_stream_pca",
+    "sequential_weighted",
+    "token_sequences",
+    "collect_statistics",
+    "one_pass_statistics",
+    "pca_rotations",
+    "LAYER_MODULES",
+    "PRESETS",
+    "Q_MODES",
+    "STAGES",
+    "STRUCTURES",
+    "CompressOptions",
+    "REPORT_FILE",
+    "CompressReport",
+    "compress_checkpoint",
+    "compress_model",
+    "compress_tensors",
+    "record_verification",
+    "MatrixPlan",
+    "Plan",
+    "check_family",
+    "plan_compression",
+    "plan_for",
+    "source_numels",
+    "SolveResult",
+    "solve",
+    "matched_target",
 ]

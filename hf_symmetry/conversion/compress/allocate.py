@@ -34,7 +34,7 @@ from .plan import Entry, in_policy, shared_factor, structure_for
 #: sizes at which sensitivity is measured, and the finer grid the allocator chooses from
 MEASURED = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
 GRID = tuple(round(0.05 + 0.01 * i, 2) for i in range(95)) + (1.0,)
-BUDGET_TOLERANCE = 1e-3        # of the model's total parameters
+BUDGET_TOLERANCE = 1e-3  # of the model's total parameters
 
 
 @dataclass
@@ -47,6 +47,7 @@ class Choice:
 @dataclass
 class Group:
     """Matrices sized together (one decoder layer's, or the embedding): their choices, cheapest first."""
+
     name: str
     matrices: list[str]
     choices: list[Choice] = field(default_factory=list)
@@ -62,16 +63,16 @@ def group_entries(entries: list[Entry], options: CompressOptions) -> dict[str, l
 
 
 def _structures(es: list[Entry], options: CompressOptions, kron_q: int | None, keep: float) -> list[st.Structure]:
-    return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head"))
-            for e in es]
+    return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head")) for e in es]
 
 
 def kron_factor(entries: list[Entry], options: CompressOptions, kappa: float) -> int | None:
     return shared_factor(options, entries[0].shape[1], kappa)
 
 
-def build_groups(entries: list[Entry], options: CompressOptions, kron_q: int | None,
-                 curves: dict[str, list[tuple[float, float]]]) -> list[Group]:
+def build_groups(
+    entries: list[Entry], options: CompressOptions, kron_q: int | None, curves: dict[str, list[tuple[float, float]]]
+) -> list[Group]:
     """Each group's choices on :data:`GRID`: exact parameter counts, and the error interpolated (in the
     fraction of parameters actually kept) from the measured ``curves`` (group → [(fraction, error)],
     dense is error 0)."""
@@ -99,7 +100,8 @@ def _hull(choices: list[Choice]) -> list[int]:
             a, b = choices[hull[-2]], choices[hull[-1]]
             # b is above the segment a -> c: drop it (points on the segment stay: finer steps)
             if (b.error - a.error) * (c.params - a.params) > (c.error - a.error) * (b.params - a.params) + 1e-12 * (
-                    abs(a.error) + abs(c.error)) * (c.params - a.params):
+                abs(a.error) + abs(c.error)
+            ) * (c.params - a.params):
                 hull.pop()
             else:
                 break
@@ -115,7 +117,7 @@ def allocate(groups: list[Group], budget: int) -> dict[str, Choice]:
         raise ValueError(f"the parameter budget {budget:,} is below the smallest allocation ({total:,})")
     by_name = {g.name: g for g in groups}
     hulls = {g.name: _hull(g.choices) for g in groups}
-    pos = {g.name: 0 for g in groups}       # position on the hull
+    pos = {g.name: 0 for g in groups}  # position on the hull
     heap = []
 
     def push(name):
@@ -133,7 +135,7 @@ def allocate(groups: list[Group], budget: int) -> dict[str, Choice]:
         g, h, p = by_name[name], hulls[name], pos[name]
         step = g.choices[h[p + 1]].params - g.choices[h[p]].params
         if total + step > budget:
-            continue                        # this group cannot afford its next hull point
+            continue  # this group cannot afford its next hull point
         total += step
         pos[name] = p + 1
         cur[name] = h[p + 1]
@@ -186,8 +188,15 @@ def adapter_path(adapter, canonical_path: str) -> str:
     """The module path inside a decoder layer of ``self_attn.q_proj`` etc. for this family."""
     a, f = adapter.spec.attention, adapter.spec.ffn
     part, proj = canonical_path.split(".")
-    table = {"q_proj": a.q, "k_proj": a.k, "v_proj": a.v, "o_proj": a.o, "gate_proj": f.gate, "up_proj": f.up,
-             "down_proj": f.down}
+    table = {
+        "q_proj": a.q,
+        "k_proj": a.k,
+        "v_proj": a.v,
+        "o_proj": a.o,
+        "gate_proj": f.gate,
+        "up_proj": f.up,
+        "down_proj": f.down,
+    }
     return table[proj]
 
 
@@ -196,9 +205,18 @@ def trace_of(t: torch.Tensor) -> float:
     return float(t.diagonal().sum())
 
 
-def measure_sensitivity(source, config: dict, adapter, entries: list[Entry], options: CompressOptions,
-                        ids: torch.Tensor, token_counts: torch.Tensor | None = None, placement=None,
-                        progress: bool = True, kron_q: int | None = None) -> dict[str, list[tuple[float, float]]]:
+def measure_sensitivity(
+    source,
+    config: dict,
+    adapter,
+    entries: list[Entry],
+    options: CompressOptions,
+    ids: torch.Tensor,
+    token_counts: torch.Tensor | None = None,
+    placement=None,
+    progress: bool = True,
+    kron_q: int | None = None,
+) -> dict[str, list[tuple[float, float]]]:
     """Per group: ``[(fraction of parameters kept, relative output error)]`` at the sizes of
     :data:`MEASURED` (see the module docstring)."""
     from ...calibration import CalibrationEngine, StatsRequest
@@ -217,31 +235,40 @@ def measure_sensitivity(source, config: dict, adapter, entries: list[Entry], opt
         if not es:
             return None
         s = step.stats
-        update = trace_of(s.grams["layer_out"]) - 2 * trace_of(s.joint[("layer_in", "layer_out")]) + \
-            trace_of(s.grams["layer_in"])
+        update = (
+            trace_of(s.grams["layer_out"])
+            - 2 * trace_of(s.joint[("layer_in", "layer_out")])
+            + trace_of(s.grams["layer_in"])
+        )
         dense = sum(e.shape[0] * e.shape[1] for e in es)
         curve = []
         for keep in MEASURED:
             params = sum(x.params() for x in _structures(es, options, kron_q, keep))
-            got = step.collect(compressed_request, module=_compressed_layer(step.module, es, options, kron_q, keep,
-                                                                          adapter))
-            err = trace_of(got.grams["layer_out"]) - 2 * trace_of(got.cross[("layer_out", "layer_out")]) + \
-                trace_of(s.grams["layer_out"])
+            got = step.collect(
+                compressed_request, module=_compressed_layer(step.module, es, options, kron_q, keep, adapter)
+            )
+            err = (
+                trace_of(got.grams["layer_out"])
+                - 2 * trace_of(got.cross[("layer_out", "layer_out")])
+                + trace_of(s.grams["layer_out"])
+            )
             curve.append((params / dense, max(err, 0.0) / max(update, 1e-300)))
         curves[name] = curve
         return None
 
-    engine.collect(batches(ids, options.calib_seq_len),
-                   StatsRequest(grams=("layer_in", "layer_out"), joint=(("layer_in", "layer_out"),)),
-                   on_layer=on_layer, carry_original=True)
+    engine.collect(
+        batches(ids, options.calib_seq_len),
+        StatsRequest(grams=("layer_in", "layer_out"), joint=(("layer_in", "layer_out"),)),
+        on_layer=on_layer,
+        carry_original=True,
+    )
     # embedding / untied head: token-weighted relative error of their rows
     weights = None if token_counts is None else token_counts.to(torch.float64) + 1.0
     for name in ("embed", "lm_head"):
         es = groups.get(name)
         if not es:
             continue
-        key = (f"{adapter.prefix}{adapter.spec.embed}.weight" if name == "embed"
-               else f"{adapter.spec.lm_head}.weight")
+        key = f"{adapter.prefix}{adapter.spec.embed}.weight" if name == "embed" else f"{adapter.spec.lm_head}.weight"
         E = source.get([key])[key].to(torch.float64)
         w = torch.ones(E.shape[0], dtype=torch.float64) if weights is None else weights[: E.shape[0]]
         energy = float((w[:, None] * E.pow(2)).sum())
@@ -262,8 +289,16 @@ def budget_of(uniform) -> int:
     return acc["structured_params_of_compressed_matrices"] + acc["target_params"] - acc["compressed_model_params"]
 
 
-def allocate_for(source, config: dict, options: CompressOptions, uniform, ids: torch.Tensor,
-                 token_counts: torch.Tensor | None = None, placement=None, progress: bool = True):
+def allocate_for(
+    source,
+    config: dict,
+    options: CompressOptions,
+    uniform,
+    ids: torch.Tensor,
+    token_counts: torch.Tensor | None = None,
+    placement=None,
+    progress: bool = True,
+):
     """``(keep map, report)``: measure each group's sensitivity and allocate the budget of the
     ``uniform`` plan (same ratio, same rotations and skips) between the groups (SliceGPT's widths:
     :func:`.allocate_widths.allocate_slice_for`)."""
@@ -272,12 +307,16 @@ def allocate_for(source, config: dict, options: CompressOptions, uniform, ids: t
     adapter = check_family(config, source.keys())
     entries = matrix_entries(config, source.keys(), adapter)
     kron_q = uniform.accounting.get("kron_factor")
-    curves = measure_sensitivity(source, config, adapter, entries, options, ids, token_counts, placement, progress,
-                                 kron_q)
+    curves = measure_sensitivity(
+        source, config, adapter, entries, options, ids, token_counts, placement, progress, kron_q
+    )
     budget = budget_of(uniform)
     groups = build_groups(entries, options, kron_q, curves)
     chosen = allocate(groups, budget)
-    report = {"budget": budget, "allocated": sum(c.params for c in chosen.values()),
-              "groups": {n: {"keep": c.keep, "params": c.params, "error": c.error} for n, c in chosen.items()},
-              "sensitivity": curves}
+    report = {
+        "budget": budget,
+        "allocated": sum(c.params for c in chosen.values()),
+        "groups": {n: {"keep": c.keep, "params": c.params, "error": c.error} for n, c in chosen.items()},
+        "sensitivity": curves,
+    }
     return keep_map(groups, chosen), report

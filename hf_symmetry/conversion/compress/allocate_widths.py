@@ -52,8 +52,14 @@ def slice_constant(entries: list[Entry]) -> int:
     return sum(e.shape[0] for e in entries if e.bias and e.role == "reader")
 
 
-def build_slice_groups(entries: list[Entry], n_layers: int, d: int, tied: bool, head_width: int,
-                       curves: dict[str, list[tuple[float, float]]]) -> list[Group]:
+def build_slice_groups(
+    entries: list[Entry],
+    n_layers: int,
+    d: int,
+    tied: bool,
+    head_width: int,
+    curves: dict[str, list[tuple[float, float]]],
+) -> list[Group]:
     """Each group's choices on :func:`width_grid` (``keep`` = width / d), exact parameters, errors
     interpolated in the width from the measured ``curves`` (full width: error 0)."""
     per = slice_params_per_width(entries, n_layers, tied, head_width)
@@ -82,7 +88,7 @@ class _SlicedOutputs(torch.nn.Module):
 
     def _project_attention(self, _module, _args, out):
         a, *rest = out if isinstance(out, tuple) else (out,)
-        a = (self._x + a) @ self.P - self._x                  # the layer adds x back: x + a -> P(x + a)
+        a = (self._x + a) @ self.P - self._x  # the layer adds x back: x + a -> P(x + a)
         return (a, *rest) if isinstance(out, tuple) else a
 
     def forward(self, hidden_states, *args, **kwargs):
@@ -98,13 +104,21 @@ class _SlicedOutputs(torch.nn.Module):
 
 def _sliced_layer(module: torch.nn.Module, adapter, P: torch.Tensor) -> torch.nn.Module:
     new = copy.deepcopy(module)
-    part = adapter_path(adapter, "self_attn.o_proj").rsplit(".", 1)[0]    # the attention block
+    part = adapter_path(adapter, "self_attn.o_proj").rsplit(".", 1)[0]  # the attention block
     return _SlicedOutputs(new, new.get_submodule(part), P)
 
 
-def measure_slice_sensitivity(source, config: dict, adapter, Q: torch.Tensor, stream_first: torch.Tensor,
-                              options: CompressOptions, ids: torch.Tensor, placement=None,
-                              progress: bool = True) -> dict[str, list[tuple[float, float]]]:
+def measure_slice_sensitivity(
+    source,
+    config: dict,
+    adapter,
+    Q: torch.Tensor,
+    stream_first: torch.Tensor,
+    options: CompressOptions,
+    ids: torch.Tensor,
+    placement=None,
+    progress: bool = True,
+) -> dict[str, list[tuple[float, float]]]:
     """Per group: ``[(width / d, relative output error)]`` at :data:`MEASURED_WIDTHS`. A decoder layer's
     error is ``Σ‖ŷ − y‖² / Σ‖y‖²`` over the calibration tokens, ``ŷ`` the layer run with the segments it
     writes sliced (:class:`_SlicedOutputs`) on the original layer's inputs — relative to the stream,
@@ -134,8 +148,9 @@ def measure_slice_sensitivity(source, config: dict, adapter, Q: torch.Tensor, st
         curves[f"layers.{step.index}"] = curve
         return None
 
-    engine.collect(batches(ids, options.calib_seq_len), StatsRequest(grams=("layer_out",)), on_layer=on_layer,
-                   carry_original=True)
+    engine.collect(
+        batches(ids, options.calib_seq_len), StatsRequest(grams=("layer_out",)), on_layer=on_layer, carry_original=True
+    )
     C = Q.T @ stream_first.to(Q) @ Q
     total = float(C.diagonal().sum())
     curves["embed"] = [(w / d, float(C.diagonal()[w:].sum()) / max(total, 1e-300)) for w in widths]
@@ -167,9 +182,15 @@ def _exact_slice_total(widths: list[int], entries: list[Entry], n_layers: int, t
     return sum(per[k] * w for k, w in enumerate(widths)) + head + slice_constant(entries)
 
 
-def allocate_slice(entries: list[Entry], n_layers: int, d: int, tied: bool, target: int,
-                   curves: dict[str, list[tuple[float, float]]], head_width: int
-                   ) -> tuple[list[int], dict[str, Choice], list[Group]]:
+def allocate_slice(
+    entries: list[Entry],
+    n_layers: int,
+    d: int,
+    tied: bool,
+    target: int,
+    curves: dict[str, list[tuple[float, float]]],
+    head_width: int,
+) -> tuple[list[int], dict[str, Choice], list[Group]]:
     """Per-segment widths minimising the summed errors with the model at most ``target`` parameters:
     the knapsack of :func:`allocate`. The tied head's mix ``[w_0, w_2L]`` couples two groups, so the
     knapsack is repeated with the first width it chose (``head_width`` to start) until that width
@@ -183,7 +204,7 @@ def allocate_slice(entries: list[Entry], n_layers: int, d: int, tied: bool, targ
         out = [0] * n_seg
         for g in groups:
             for m in g.matrices:
-                out[int(m[len("segment"):])] = round(ch[g.name].keep * d)
+                out[int(m[len("segment") :])] = round(ch[g.name].keep * d)
         return out
 
     for _ in range(5):
@@ -217,14 +238,14 @@ def allocate_slice(entries: list[Entry], n_layers: int, d: int, tied: bool, targ
         for g in groups:
             i = index(g.name)
             c = g.choices[i]
-            for o in g.choices[i + 1:]:
+            for o in g.choices[i + 1 :]:
                 trial = dict(chosen, **{g.name: o})
                 extra = _exact_slice_total(widths_of(groups, trial), entries, n_layers, tied) - total
                 if o.error < c.error and total + extra <= target:
                     gain = (c.error - o.error) / max(extra, 1)
                     if best is None or gain > best[0]:
                         best = (gain, g.name, o)
-                    break                       # the next wider width that fits is enough per group
+                    break  # the next wider width that fits is enough per group
         if best is None:
             break
         chosen[best[1]] = best[2]
@@ -232,8 +253,16 @@ def allocate_slice(entries: list[Entry], n_layers: int, d: int, tied: bool, targ
     return widths, chosen, groups
 
 
-def allocate_slice_for(source, config: dict, options: CompressOptions, uniform, ids: torch.Tensor, stats,
-                       placement=None, progress: bool = True):
+def allocate_slice_for(
+    source,
+    config: dict,
+    options: CompressOptions,
+    uniform,
+    ids: torch.Tensor,
+    stats,
+    placement=None,
+    progress: bool = True,
+):
     """``(keep map, report)`` for SliceGPT with one global PCA: the global rotation from ``stats``
     (one-pass stream moments, as the solve takes it), each group's sensitivity measured at several
     widths, then per-segment widths at the uniform plan's total (``keep``: ``segment{k}`` → width / d)."""
@@ -244,20 +273,35 @@ def allocate_slice_for(source, config: dict, options: CompressOptions, uniform, 
     adapter = check_family(config, source.keys())
     entries = matrix_entries(config, source.keys(), adapter)
     if stats is None or stats.stream is None:
-        stats = collect_statistics(source, config, ids, options.calib_seq_len, want_normed=False, want_stream=True,
-                                   placement=placement, progress=progress)
+        stats = collect_statistics(
+            source,
+            config,
+            ids,
+            options.calib_seq_len,
+            want_normed=False,
+            want_stream=True,
+            placement=placement,
+            progress=progress,
+        )
     Q = pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
     n_layers, d = adapter.n_layers, adapter.hidden
     curves = measure_slice_sensitivity(source, config, adapter, Q, stats.stream[0], options, ids, placement, progress)
     if uniform.tied:
-        curves["embed"] = [(x, e + h) for (x, e), (_, h) in zip(curves["embed"], tied_head_curve(source, adapter, Q,
-                                                                                                 stats.stream[-1]))]
+        curves["embed"] = [
+            (x, e + h) for (x, e), (_, h) in zip(curves["embed"], tied_head_curve(source, adapter, Q, stats.stream[-1]))
+        ]
     target = uniform.accounting["target_params"]
     widths, chosen, _ = allocate_slice(entries, n_layers, d, uniform.tied, target, curves, uniform.residual)
     keep = {f"segment{k}": w / d for k, w in enumerate(widths)}
-    report = {"budget": target, "allocated": _exact_slice_total(widths, entries, n_layers, uniform.tied),
-              "uniform_width": uniform.residual, "widths": widths,
-              "groups": {n: {"keep": c.keep, "width": round(c.keep * d), "params": c.params, "error": c.error}
-                         for n, c in chosen.items()},
-              "sensitivity": curves}
+    report = {
+        "budget": target,
+        "allocated": _exact_slice_total(widths, entries, n_layers, uniform.tied),
+        "uniform_width": uniform.residual,
+        "widths": widths,
+        "groups": {
+            n: {"keep": c.keep, "width": round(c.keep * d), "params": c.params, "error": c.error}
+            for n, c in chosen.items()
+        },
+        "sensitivity": curves,
+    }
     return keep, report

@@ -35,7 +35,7 @@ def _rotated_rows(globals_, key: str, Q: torch.Tensor, dtype: torch.dtype) -> to
     n, blocks = global_row_blocks(globals_, key)
     out = torch.empty(n, Q.shape[1], dtype=dtype)
     for i, block in blocks:
-        out[i:i + len(block)] = block @ Q
+        out[i : i + len(block)] = block @ Q
     return out
 
 
@@ -51,10 +51,17 @@ class Assembler:
     :class:`...checkpoint.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
 
     def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink=None):
-        self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = plan, layers, globals_, gamma, dtype, sink
+        self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = (
+            plan,
+            layers,
+            globals_,
+            gamma,
+            dtype,
+            sink,
+        )
         self.out: Tensors = {}
-        self.done: set = set()           # "embed", "head", layer indices
-        self.written: set = set()        # names of the layer matrices written
+        self.done: set = set()  # "embed", "head", layer indices
+        self.written: set = set()  # names of the layer matrices written
         from ..layer_map import LayerMapRecorder
 
         # how each decoder layer's output relates to the original's (read by ``heal``)
@@ -63,8 +70,10 @@ class Assembler:
     def put(self, prefix: str, tensors: Tensors) -> None:
         """Cast and hand on one module's tensors (a :class:`...checkpoint.RowBlocks` factor is streamed
         into the sink, or made whole when the tensors are collected)."""
-        made = {f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
-                for k, v in tensors.items()}
+        made = {
+            f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
+            for k, v in tensors.items()
+        }
         if self.sink is None or not getattr(self.sink, "row_blocks", False):
             made = {k: v.materialise() if isinstance(v, RowBlocks) else v for k, v in made.items()}
         if self.sink is not None:
@@ -74,7 +83,7 @@ class Assembler:
 
     def _basis(self, Qs, segment: int) -> torch.Tensor:
         """The kept columns of segment ``segment``'s rotation."""
-        return Qs[segment][:, :self.plan.width(segment)]
+        return Qs[segment][:, : self.plan.width(segment)]
 
     def _global(self, m: MatrixPlan, key: str, Qs, factors: dict, consume: bool) -> Tensors:
         if m.compressed:
@@ -112,20 +121,21 @@ class Assembler:
         for m in plan.layer_matrices(i).values():
             if m.name not in self.written:
                 self.matrix(m, Qs, factors, consume)
-        for canon, path in family.QK_NORM_MODULES.items():   # QK-norm: on the heads, untouched by the stream's rotations
+        for canon, path in family.QK_NORM_MODULES.items():  # QK-norm: on the heads, untouched by the stream's rotations
             if f"{canon}.weight" in W:
                 self.put(prefix + path, {"weight": W[f"{canon}.weight"]})
         dr = plan.residual
         for name, (a, b) in (("attn_skip", (2 * i, 2 * i + 1)), ("mlp_skip", (2 * i + 1, 2 * i + 2))):
             _SKIP_TENSORS[plan.skip](self.put, prefix + name, Qs[a][:, :dr].T @ Qs[b][:, :dr])
-        self.layer_map.add(i, Qs[2 * i + 2], plan.width(2 * i + 2))   # layer i writes segment 2i + 2
+        self.layer_map.add(i, Qs[2 * i + 2], plan.width(2 * i + 2))  # layer i writes segment 2i + 2
         self.done.add(i)
 
     def head(self, Qs, factors: dict, consume: bool = False) -> None:
         plan, L = self.plan, self.plan.n_layers
         if plan.lm_head == "separate":
-            self.put(family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], "lm_head.weight", Qs, factors,
-                                                         consume))
+            self.put(
+                family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], "lm_head.weight", Qs, factors, consume)
+            )
         elif plan.lm_head == "tied_mixed":
             # logits = RMSNorm(s) M Êᵀ
             M = self._basis(Qs, 2 * L).T @ (self.gamma[:, None] * self._basis(Qs, 0))
@@ -148,7 +158,7 @@ class Assembler:
             self.layer(i, Qs, factors, consume=True)
             if isinstance(self.layers, FoldedLayers):
                 self.layers.drop(i)
-            for j in (2 * i, 2 * i + 1):      # read by layer i only (and segment 0 by a tied, mixed head)
+            for j in (2 * i, 2 * i + 1):  # read by layer i only (and segment 0 by a tied, mixed head)
                 if not (j == 0 and self.plan.lm_head == "tied_mixed"):
                     Qs[j] = None
         if k == self.plan.n_segments - 1:
@@ -166,8 +176,16 @@ class Assembler:
         return self.out
 
 
-def assemble(plan: Plan, layers: list[Tensors], globals_: Tensors, gamma: torch.Tensor, res: SolveResult,
-             dtype: torch.dtype, progress: bool = True, sink=None) -> Tensors:
+def assemble(
+    plan: Plan,
+    layers: list[Tensors],
+    globals_: Tensors,
+    gamma: torch.Tensor,
+    res: SolveResult,
+    dtype: torch.dtype,
+    progress: bool = True,
+    sink=None,
+) -> Tensors:
     """The compressed model's state dict (cast to ``dtype``) from the norm-folded layers and globals and
     the final norm's γ. ``sink``: called with each module's tensors as they are made (e.g. a
     :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them; the result is then empty.
@@ -199,8 +217,10 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
     def spec(m: MatrixPlan) -> dict:
         return {**m.module_structure.spec(), "bias": m.bias}
 
-    layer_structures = [{LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
-                        for i in range(plan.n_layers)]
+    layer_structures = [
+        {LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
+        for i in range(plan.n_layers)
+    ]
     rope = getattr(hf_config, "rope_parameters", None) if hf_config is not None else config.get("rope_parameters")
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0))}
@@ -208,26 +228,41 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
     new = {
         "architectures": ["CompressedLlamaForCausalLM"],
         "model_type": "hf_symmetry_compressed_llama",
-        "vocab_size": int(config["vocab_size"]), "hidden_size": plan.hidden, "residual_size": plan.residual,
+        "vocab_size": int(config["vocab_size"]),
+        "hidden_size": plan.hidden,
+        "residual_size": plan.residual,
         **({"residual_sizes": list(plan.residual_sizes)} if plan.residual_sizes is not None else {}),
-        "intermediate_size": int(config["intermediate_size"]), "num_hidden_layers": plan.n_layers,
-        "num_attention_heads": L.n_heads, "num_key_value_heads": L.n_kv_heads, "head_dim": L.head_dim,
+        "intermediate_size": int(config["intermediate_size"]),
+        "num_hidden_layers": plan.n_layers,
+        "num_attention_heads": L.n_heads,
+        "num_key_value_heads": L.n_kv_heads,
+        "head_dim": L.head_dim,
         "hidden_act": config.get("hidden_act", "silu"),
         "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
         "initializer_range": float(config.get("initializer_range", 0.02)),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": config.get("eos_token_id"),
         "pad_token_id": config.get("pad_token_id"),
         "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
-        "rope_parameters": dict(rope), "skip_connections": plan.skip, "lm_head": plan.lm_head, "qk_norm": L.qk_norm,
-        "layer_structures": layer_structures, "embed_structure": spec(ms["embed"]),
+        "rope_parameters": dict(rope),
+        "skip_connections": plan.skip,
+        "lm_head": plan.lm_head,
+        "qk_norm": L.qk_norm,
+        "layer_structures": layer_structures,
+        "embed_structure": spec(ms["embed"]),
         "lm_head_structure": spec(ms["lm_head"]) if "lm_head" in ms else None,
-        "compression": {"method": options.method, "label": options.label,
-                        "structure": options.structure, "stage": options.stage, "q_mode": options.q_mode,
-                        "ratio": options.ratio,
-                        "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
-                        "ratio_over_model": plan.accounting["ratio_over_model"],
-                        "source_model_type": config.get("model_type")},
+        "compression": {
+            "method": options.method,
+            "label": options.label,
+            "structure": options.structure,
+            "stage": options.stage,
+            "q_mode": options.q_mode,
+            "ratio": options.ratio,
+            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
+            "ratio_over_model": plan.accounting["ratio_over_model"],
+            "source_model_type": config.get("model_type"),
+        },
     }
     return new
 
@@ -248,9 +283,10 @@ def build_model(state: Tensors, config: dict, dtype: torch.dtype = torch.float32
     model = CompressedLlamaForCausalLM(config_object(config)).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"compressed state does not match the model: missing {missing[:4]}, "
-                           f"unexpected {unexpected[:4]}")
+        raise RuntimeError(
+            f"compressed state does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     counted = sum(p.numel() for p in model.parameters()) + sum(
-        b.numel() for n, b in model.named_buffers() if n.endswith("skip_signs"))
+        b.numel() for n, b in model.named_buffers() if n.endswith("skip_signs")
+    )
     return model.eval(), counted
-

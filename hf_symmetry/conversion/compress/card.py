@@ -16,30 +16,51 @@ def write_card(folder: Path, report, options: CompressOptions) -> None:
     results = []
     if report.perplexity:
         pp = report.perplexity
-        results.append(perplexity_result(pp["compressed"], pp["text"], max_tokens=pp["tokens"], window=pp["window"],
-                                         stride=pp["stride"], tokens=pp["tokens"]))
-    render(folder, "compress", {
-        "title": f"{Path(report.source).name} compressed with {method}",
-        "summary": (f"Structured compression of `{public_model_label(report.source)}` with {method}: "
-                    f"{acc['ratio_over_compressed']:.1%} of the compressed matrices' parameters removed "
-                    f"({acc['ratio_over_model']:.1%} of the whole model, {acc['compressed_model_params']:,} parameters "
-                    f"left). " + _loading(acc)),
-        "method": method, "parameters": options.applicable(),
-        "inputs": [report.source],
-        "size": {"parameters": acc["compressed_model_params"]},
-        "eval_results": results,
-        "extra": {"ratio_over_compressed": acc["ratio_over_compressed"], "ratio_over_model": acc["ratio_over_model"],
-                  "parameters_before": acc["dense_model_params"], "parameters_after": acc["compressed_model_params"],
-                  "per_matrix": per_matrix_rows(acc["per_matrix"]),
-                  "perplexity": report.perplexity and {**report.perplexity,
-                                                       "text": public_text_label(report.perplexity["text"])}},
-    })
+        results.append(
+            perplexity_result(
+                pp["compressed"],
+                pp["text"],
+                max_tokens=pp["tokens"],
+                window=pp["window"],
+                stride=pp["stride"],
+                tokens=pp["tokens"],
+            )
+        )
+    render(
+        folder,
+        "compress",
+        {
+            "title": f"{Path(report.source).name} compressed with {method}",
+            "summary": (
+                f"Structured compression of `{public_model_label(report.source)}` with {method}: "
+                f"{acc['ratio_over_compressed']:.1%} of the compressed matrices' parameters removed "
+                f"({acc['ratio_over_model']:.1%} of the whole model, {acc['compressed_model_params']:,} parameters "
+                f"left). " + _loading(acc)
+            ),
+            "method": method,
+            "parameters": options.applicable(),
+            "inputs": [report.source],
+            "size": {"parameters": acc["compressed_model_params"]},
+            "eval_results": results,
+            "extra": {
+                "ratio_over_compressed": acc["ratio_over_compressed"],
+                "ratio_over_model": acc["ratio_over_model"],
+                "parameters_before": acc["dense_model_params"],
+                "parameters_after": acc["compressed_model_params"],
+                "per_matrix": per_matrix_rows(acc["per_matrix"]),
+                "perplexity": report.perplexity
+                and {**report.perplexity, "text": public_text_label(report.perplexity["text"])},
+            },
+        },
+    )
 
 
 def _loading(acc: dict) -> str:
     if acc.get("output_family") == "stock":
-        return (f"A stock `{acc['stock_class']}` with hidden size {acc['residual']} (of {acc['hidden']}): loads "
-                "without `trust_remote_code`.")
+        return (
+            f"A stock `{acc['stock_class']}` with hidden size {acc['residual']} (of {acc['hidden']}): loads "
+            "without `trust_remote_code`."
+        )
     return "Load with `trust_remote_code=True`."
 
 
@@ -50,8 +71,16 @@ def per_matrix_rows(per_matrix: dict) -> list[dict]:
     for name, m in per_matrix.items():
         module = name.split(".")[-1]
         spec = ", ".join(f"{k}={v}" for k, v in m["structure"].items())
-        row = rows.setdefault((module, spec, m["params"], m["dense_params"]),
-                              {"matrix": module, "count": 0, "structure": spec, "dense_params": m["dense_params"],
-                               "params": m["params"], "ratio": m["ratio"]})
+        row = rows.setdefault(
+            (module, spec, m["params"], m["dense_params"]),
+            {
+                "matrix": module,
+                "count": 0,
+                "structure": spec,
+                "dense_params": m["dense_params"],
+                "params": m["params"],
+                "ratio": m["ratio"],
+            },
+        )
         row["count"] += 1
     return list(rows.values())

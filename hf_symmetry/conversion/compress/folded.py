@@ -28,16 +28,21 @@ class FoldedLayer(Mapping):
 
     def __init__(self, source: TensorSource, adapter: Adapter, index: int, keys: list[str]):
         self.source, self.adapter, self.index = source, adapter, index
-        self.sources = adapter.canonical_sources(index, keys)     # canonical module -> checkpoint keys
+        self.sources = adapter.canonical_sources(index, keys)  # canonical module -> checkpoint keys
         norms = sorted({n for n in self._NORM_OF.values() if n in self.sources})
-        self.norms = self._read(norms)                            # float64 (a γ − 1 norm made γ exactly)
-        self._keys = [f"{c}.{kind}" for c, ks in self.sources.items() for kind in ("weight", "bias")
-                      if any(k.endswith("." + kind) for k in ks)]
+        self.norms = self._read(norms)  # float64 (a γ − 1 norm made γ exactly)
+        self._keys = [
+            f"{c}.{kind}"
+            for c, ks in self.sources.items()
+            for kind in ("weight", "bias")
+            if any(k.endswith("." + kind) for k in ks)
+        ]
 
     def _read(self, modules) -> Tensors:
         names = list(dict.fromkeys(k for c in modules for k in self.sources[c]))
-        raw = self.adapter.read_layer(self.index, self.source.get(names), dtype=None, norm_dtype=torch.float64,
-                                      partial=True)
+        raw = self.adapter.read_layer(
+            self.index, self.source.get(names), dtype=None, norm_dtype=torch.float64, partial=True
+        )
         return {k: v for k, v in raw.items() if k.rsplit(".", 1)[0] in modules}
 
     def __iter__(self):
@@ -101,7 +106,7 @@ class FoldedGlobals(Mapping):
 
     def __init__(self, source: TensorSource, adapter: Adapter, global_keys: list[str], tied: bool):
         self.source, self.adapter = source, adapter
-        self._where: dict[str, str] = {}          # canonical name -> checkpoint key
+        self._where: dict[str, str] = {}  # canonical name -> checkpoint key
         for k in global_keys:
             for canon in adapter.read_globals({k: torch.empty(0)}, dtype=None):
                 self._where[canon] = k
@@ -130,7 +135,7 @@ class FoldedGlobals(Mapping):
     def _fold(self, key: str, raw: torch.Tensor) -> torch.Tensor:
         """Rows of the checkpoint tensor of ``key`` -> the same rows of ``self[key]`` (float64, folded)."""
         t = self.adapter.read_globals({self._where[key]: raw})[key]
-        return t * self.gamma[None, :] if key == "lm_head.weight" else t    # as fold_final_norm folds
+        return t * self.gamma[None, :] if key == "lm_head.weight" else t  # as fold_final_norm folds
 
     def _rows(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         ckey = self._where[key]
@@ -142,12 +147,13 @@ class FoldedGlobals(Mapping):
         """``(rows, blocks)``: the number of rows of ``self[key]`` and an iterator of ``(first row, block)``
         over it in float64, read from the checkpoint a block of rows at a time."""
         ckey = self._where[key]
-        if not hasattr(self.source, "get_rows"):       # a tensor source in memory: its own tensor, sliced
+        if not hasattr(self.source, "get_rows"):  # a tensor source in memory: its own tensor, sliced
             W = self.source.get([ckey])[ckey]
-            return W.shape[0], ((i, self._fold(key, W[i:i + chunk])) for i in range(0, W.shape[0], chunk))
+            return W.shape[0], ((i, self._fold(key, W[i : i + chunk])) for i in range(0, W.shape[0], chunk))
         n = self.source.shapes()[ckey][0]
-        return n, ((i, self._fold(key, self._rows(key, torch.arange(i, min(i + chunk, n)))))
-                   for i in range(0, n, chunk))
+        return n, (
+            (i, self._fold(key, self._rows(key, torch.arange(i, min(i + chunk, n))))) for i in range(0, n, chunk)
+        )
 
     def take(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (sorted unique indices) of ``self[key]``, float64."""
@@ -160,7 +166,7 @@ def global_row_blocks(globals_, key: str, chunk: int = 1024):
     if isinstance(globals_, FoldedGlobals):
         return globals_.row_blocks(key, chunk)
     W = globals_[key]
-    return W.shape[0], ((i, W[i:i + chunk].to(torch.float64)) for i in range(0, W.shape[0], chunk))
+    return W.shape[0], ((i, W[i : i + chunk].to(torch.float64)) for i in range(0, W.shape[0], chunk))
 
 
 def global_rows(globals_, key: str, rows: torch.Tensor) -> torch.Tensor:
@@ -170,8 +176,7 @@ def global_rows(globals_, key: str, rows: torch.Tensor) -> torch.Tensor:
     return globals_[key][rows].to(torch.float64)
 
 
-def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False,
-                keep: int = 2):
+def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False, keep: int = 2):
     """Canonical float64 layers with both norms folded, the globals with the final norm folded into an
     untied head (a tied head has none: the final γ goes into the head's change of basis), and that γ.
     ``lazy``: the layers as :class:`FoldedLayers` (read on demand, ``keep`` in memory) and the globals as

@@ -27,8 +27,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ...symmetry.segments import (Summary, Term, balance, nearest_orthogonal, over_relaxed, weighted_procrustes,
-                                  work_term)
+from ...symmetry.segments import (
+    Summary,
+    Term,
+    balance,
+    nearest_orthogonal,
+    over_relaxed,
+    weighted_procrustes,
+    work_term,
+)
 
 Tensor = torch.Tensor
 
@@ -85,7 +92,7 @@ class GlobalSolve:
         fit uses them, the new ones put in ``spill``): the summary of the fitted factors."""
         summary = Summary(torch.zeros(self.d, self.d, dtype=dtype, device=Q.device))
         for k in range(self.n_segments):
-            grams: dict = {}           # the segment's column weight, cast once for its readers
+            grams: dict = {}  # the segment's column weight, cast once for its readers
             for t in self._segment(k):
                 w, _ = work_term(t, keep_weights=False)
                 del t
@@ -123,8 +130,17 @@ class GlobalSolve:
                 on_segment(k, Q)
         return total
 
-    def solve(self, Q0: Tensor, iters: int, progress: bool = True, desc: str = "global Q", final: bool = True,
-              keep=None, on_segment=None, scratch: str | Path | None = None) -> tuple[Tensor, list[float]]:
+    def solve(
+        self,
+        Q0: Tensor,
+        iters: int,
+        progress: bool = True,
+        desc: str = "global Q",
+        final: bool = True,
+        keep=None,
+        on_segment=None,
+        scratch: str | Path | None = None,
+    ) -> tuple[Tensor, list[float]]:
         """Alternate sweeps and rotation steps from ``Q0`` as :func:`...symmetry.segments.solve_segment`
         does (its stopping rule, over-relaxation and float32 iterations of ``options``), then
         :meth:`finish` at the final Q (``final=False``: the factors are not wanted, e.g. stage F's
@@ -169,8 +185,7 @@ class GlobalSolve:
                 if S.dense_only:
                     break
                 Q_prev = Qw
-                Qw, _ = weighted_procrustes(S.K, S.pairs, Qw,
-                                            iters=self.options.wopp_iters, tol=rule["wopp_tol"])
+                Qw, _ = weighted_procrustes(S.K, S.pairs, Qw, iters=self.options.wopp_iters, tol=rule["wopp_tol"])
                 trace.append(S.value(Qw))
                 del S
                 bar.update(1)

@@ -27,11 +27,12 @@ Tensors = dict[str, torch.Tensor]
 class CalibrationStats:
     """Per-token second moments in the original basis (float64). Segment ``2i`` is read by layer i's
     attention, ``2i+1`` by its FFN, ``2L`` by the head."""
+
     tokens: int
     token_counts: torch.Tensor
-    normed: list[torch.Tensor] | None = None      # RMSNorm(h) without γ: the folded readers' inputs
-    stream: list[torch.Tensor] | None = None      # h itself (SliceGPT's PCA)
-    attn_out: list[torch.Tensor] | None = None    # o_proj inputs
+    normed: list[torch.Tensor] | None = None  # RMSNorm(h) without γ: the folded readers' inputs
+    stream: list[torch.Tensor] | None = None  # h itself (SliceGPT's PCA)
+    attn_out: list[torch.Tensor] | None = None  # o_proj inputs
     mlp_hidden: list[torch.Tensor] | None = None  # down_proj inputs
     # sequential calibration matching the original model: X̂ᵀX / n, the partly compressed model's
     # normalised stream (the readers' inputs) against the original model's at the same place
@@ -63,8 +64,9 @@ def read_calibration(src, calib_text, options) -> torch.Tensor | None:
 
     calib = read_text(calib_text) if calib_text is not None else None
     if options.needs_calibration and calib is None:
-        raise ValueError(f"--calib is required for {options.label} (calibration text: a UTF-8 file or an "
-                         "embedded name)")
+        raise ValueError(
+            f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)"
+        )
     if not options.needs_calibration:
         return None
     calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
@@ -80,8 +82,15 @@ def require_calibration(options, calib_ids: torch.Tensor | None) -> None:
         raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
 
 
-def one_pass_statistics(source, config: dict, options, calib_ids: torch.Tensor | None, placement=None,
-                        progress: bool = True, on_demand: bool = False) -> CalibrationStats | None:
+def one_pass_statistics(
+    source,
+    config: dict,
+    options,
+    calib_ids: torch.Tensor | None,
+    placement=None,
+    progress: bool = True,
+    on_demand: bool = False,
+) -> CalibrationStats | None:
     """The statistics of one pass of the original model that ``options`` (a :class:`.CompressOptions`)
     needs (token counts only where it needs no activations; ``None`` where it needs no calibration),
     layer by layer from ``source``. ``on_demand`` (for a solver that releases each segment's statistics
@@ -91,19 +100,44 @@ def one_pass_statistics(source, config: dict, options, calib_ids: torch.Tensor |
         return None
     require_calibration(options, calib_ids)
     if on_demand and options.statistics_on_demand:
-        return one_pass_on_demand(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
-                                  placement=placement, progress=progress)
-    return collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
-                              want_normed=options.want_normed, want_stream=options.want_stream,
-                              placement=placement, progress=progress, stream_sum=options.stream_sum)
+        return one_pass_on_demand(
+            source,
+            config,
+            calib_ids[: options.calib_tokens],
+            options.calib_seq_len,
+            placement=placement,
+            progress=progress,
+        )
+    return collect_statistics(
+        source,
+        config,
+        calib_ids[: options.calib_tokens],
+        options.calib_seq_len,
+        want_normed=options.want_normed,
+        want_stream=options.want_stream,
+        placement=placement,
+        progress=progress,
+        stream_sum=options.stream_sum,
+    )
 
 
-_ONE_PASS_SITES = {"normed": ("normed:layer_in", "normed:ffn_norm_in", "normed:final_in"),
-                   "stream": ("layer_in", "ffn_norm_in", "final_in")}
+_ONE_PASS_SITES = {
+    "normed": ("normed:layer_in", "normed:ffn_norm_in", "normed:final_in"),
+    "stream": ("layer_in", "ffn_norm_in", "final_in"),
+}
 
 
-def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, want_normed: bool, want_stream: bool,
-                       placement=None, progress: bool = True, stream_sum: bool = False) -> CalibrationStats:
+def collect_statistics(
+    source,
+    config: dict,
+    ids: torch.Tensor,
+    seq_len: int,
+    want_normed: bool,
+    want_stream: bool,
+    placement=None,
+    progress: bool = True,
+    stream_sum: bool = False,
+) -> CalibrationStats:
     """One pass of the original model over ``ids`` in chunks of ``seq_len``, layer by layer from the
     checkpoint (:class:`hf_symmetry.calibration.CalibrationEngine`: one decoder layer in memory at a
     time, on ``placement``'s device): per residual segment the second moments of the normalised and/or
@@ -131,7 +165,7 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
     if want_stream and not stream_sum:
         stats.stream = []
 
-    def stream_moment(C: torch.Tensor) -> None:     # the segments in order, as sum() would add them
+    def stream_moment(C: torch.Tensor) -> None:  # the segments in order, as sum() would add them
         if stream_sum:
             C = C / C.trace().clamp_min(1e-300)
             stats.stream_sum = C if stats.stream_sum is None else stats.stream_sum + C
@@ -151,7 +185,7 @@ def collect_statistics(source, config: dict, ids: torch.Tensor, seq_len: int, wa
     stats.tokens = n = run.tokens
     for step in run.layers(StatsRequest(grams=tuple(layer_sites))):
         grams = step.stats.grams
-        record(grams, tuple(s for s in layer_sites if s not in ("o_in", "down_in")), n)   # segments 2i, 2i + 1
+        record(grams, tuple(s for s in layer_sites if s not in ("o_in", "down_in")), n)  # segments 2i, 2i + 1
         if want_normed:
             stats.attn_out.append(grams["o_in"] / n)
             stats.mlp_hidden.append(grams["down_in"] / n)
@@ -182,8 +216,9 @@ class _OnDemand:
         self.items[k] = value
 
 
-def one_pass_on_demand(source, config: dict, ids: torch.Tensor, seq_len: int, placement=None,
-                       progress: bool = True) -> CalibrationStats:
+def one_pass_on_demand(
+    source, config: dict, ids: torch.Tensor, seq_len: int, placement=None, progress: bool = True
+) -> CalibrationStats:
     """The one-pass statistics of :func:`collect_statistics` (``want_normed``: the normalised stream per
     segment, the writers' inputs per layer), measured as they are first read instead of all up front:
     reading segment k's entries runs the calibration pass on to the layer that produces them (segment
@@ -209,7 +244,7 @@ def one_pass_on_demand(source, config: dict, ids: torch.Tensor, seq_len: int, pl
             step = next(state["steps"])
             i, grams = step.index, step.stats.grams
             step.stats = None
-            step.release()                        # the outputs are made: the original layer can go
+            step.release()  # the outputs are made: the original layer can go
             first = grams.pop("normed:layer_in")  # layer 0's is segment 0; later ones equal the previous output's
             if i == 0:
                 normed.items[0] = first.div_(n)
@@ -220,15 +255,20 @@ def one_pass_on_demand(source, config: dict, ids: torch.Tensor, seq_len: int, pl
             mlp_hidden.items[i] = grams.pop("down_in").div_(n)
             del step, grams
             state["measured"] = i + 1
-            if i == L - 1:                        # nothing runs after the last layer
+            if i == L - 1:  # nothing runs after the last layer
                 state["steps"].close()
                 state["steps"] = None
 
     normed = _OnDemand(2 * L + 1, advance, lambda k: max(0, (k - 1) // 2))
     attn_out = _OnDemand(L, advance, lambda i: i)
     mlp_hidden = _OnDemand(L, advance, lambda i: i)
-    stats = CalibrationStats(n, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
-                             normed=normed, attn_out=attn_out, mlp_hidden=mlp_hidden)
+    stats = CalibrationStats(
+        n,
+        torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
+        normed=normed,
+        attn_out=attn_out,
+        mlp_hidden=mlp_hidden,
+    )
 
     def release_segment(k: int) -> None:
         """Drop segment k's moments (and its writer's), once it is solved."""
@@ -246,6 +286,7 @@ def one_pass_on_demand(source, config: dict, ids: torch.Tensor, seq_len: int, pl
 class CalibrationInput:
     """What sequential calibration runs on: the checkpoint (or tensor source with its config), the
     calibration token ids, the batch length and the device placement of the calibration engine."""
+
     source: object
     config: dict
     ids: torch.Tensor
@@ -266,12 +307,14 @@ def _request(sites: tuple[str, str, str, str], match_original: bool):
     writer, before, normed, after = sites
     if not match_original:
         return StatsRequest(grams=(writer, normed))
-    return StatsRequest(grams=(writer, normed), sums=(writer,), cross=((normed, normed),),
-                        drift=((writer, after, before),))
+    return StatsRequest(
+        grams=(writer, normed), sums=(writer,), cross=((normed, normed),), drift=((writer, after, before),)
+    )
 
 
-def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, writer_moments: str,
-            bias: torch.Tensor | None = None) -> None:
+def _record(
+    stats: CalibrationStats, got, sites, segment: int, layer: int, writer_moments: str, bias: torch.Tensor | None = None
+) -> None:
     """Segment ``segment``'s statistics (``writer_moments``: ``attn_out`` or ``mlp_hidden``) from one
     :meth:`LayerStep.collect`, per token: the writer's inputs X̂ᵀX̂, the readers' normalised stream,
     and when matching the original model the readers' cross moments X̂ᵀX and the writer's target
@@ -290,8 +333,15 @@ def _record(stats: CalibrationStats, got, sites, segment: int, layer: int, write
         getattr(stats, writer_moments + "_target")[layer] = target.div_(n)
 
 
-def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, match_original: bool,
-                        solve_segment, progress: bool = True, keep: bool = True, folded=None) -> CalibrationStats:
+def sequential_weighted(
+    calib: CalibrationInput,
+    token_counts: torch.Tensor,
+    match_original: bool,
+    solve_segment,
+    progress: bool = True,
+    keep: bool = True,
+    folded=None,
+) -> CalibrationStats:
     """Stage W with sequential calibration on the calibration engine (its sequential mode, one decoder
     layer in memory): the segments ``0, 1, …, 2L`` in order, each measured on the model whose earlier
     segments are already compressed, and with ``match_original`` also the original model's stream
@@ -330,21 +380,22 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
     chunks = batches(calib.ids, calib.seq_len)
     run = engine.start(chunks, carry_original=match_original)
     stats.tokens = run.tokens
-    first = StatsRequest(grams=("normed:layer_in",),
-                         cross=(("normed:layer_in", "normed:layer_in"),) if match_original else ())
-    pending: dict[str, torch.Tensor] = {}          # canonical weights of the next layer's solved readers
+    first = StatsRequest(
+        grams=("normed:layer_in",), cross=(("normed:layer_in", "normed:layer_in"),) if match_original else ()
+    )
+    pending: dict[str, torch.Tensor] = {}  # canonical weights of the next layer's solved readers
 
     def apply(replacements, layer: int, canon: Tensors) -> None:
         for m, M in replacements:
-            if m.canon == "embed":        # the approximation, or its rows (a function of the token ids)
+            if m.canon == "embed":  # the approximation, or its rows (a function of the token ids)
                 rows = M if callable(M) else (lambda idx, E=M.to(engine.dtype): E[idx.to(E.device)])
                 home = run.stream.batches[0].device
                 run.stream = Activations([rows(b).to(device=home, dtype=engine.dtype) for b in chunks])
                 continue
             if m.canon == "lm_head":
-                continue                             # nothing runs after the head
+                continue  # nothing runs after the head
             if callable(M):
-                M = M()                              # made now: one float64 approximation at a time
+                M = M()  # made now: one float64 approximation at a time
             # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
             W = (M if m.role == "reader" else M.T).to(engine.dtype)
             del M
@@ -362,8 +413,15 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
 
     # the original stream's sites the segments' cross statistics read (besides the layer's output), kept
     # from the first pass: the original layer is released before the segments are measured and solved
-    kept = tuple(sorted({base_site(b) for sites in (_ATTN_SITES, _FFN_SITES)
-                         for b in _request(sites, True).original_sites()})) if match_original else ()
+    kept = (
+        tuple(
+            sorted(
+                {base_site(b) for sites in (_ATTN_SITES, _FFN_SITES) for b in _request(sites, True).original_sites()}
+            )
+        )
+        if match_original
+        else ()
+    )
     for step in run.layers(first, only={0}, keep_original=tuple(s for s in kept if s != "layer_out"), replaced=True):
         i = step.index
         layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
@@ -381,8 +439,10 @@ def sequential_weighted(calib: CalibrationInput, token_counts: torch.Tensor, mat
                 _release(stats, 0, None, None)
         canon.update(pending)
         pending.clear()
-        for k, sites, moments, bias in ((2 * i + 1, _ATTN_SITES, "attn_out", "o.bias"),
-                                        (2 * i + 2, _FFN_SITES, "mlp_hidden", "down.bias")):
+        for k, sites, moments, bias in (
+            (2 * i + 1, _ATTN_SITES, "attn_out", "o.bias"),
+            (2 * i + 2, _FFN_SITES, "mlp_hidden", "down.bias"),
+        ):
             partial = module(i, like, canon)
             got = step.collect(_request(sites, match_original), module=partial)
             del partial

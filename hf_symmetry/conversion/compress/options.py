@@ -22,8 +22,12 @@ ALLOCATIONS = ("uniform", "sensitivity")
 
 #: canonical name -> (module path inside a decoder layer, role)
 LAYER_MODULES = {
-    "q": ("self_attn.q_proj", "reader"), "k": ("self_attn.k_proj", "reader"), "v": ("self_attn.v_proj", "reader"),
-    "o": ("self_attn.o_proj", "writer"), "gate": ("mlp.gate_proj", "reader"), "up": ("mlp.up_proj", "reader"),
+    "q": ("self_attn.q_proj", "reader"),
+    "k": ("self_attn.k_proj", "reader"),
+    "v": ("self_attn.v_proj", "reader"),
+    "o": ("self_attn.o_proj", "writer"),
+    "gate": ("mlp.gate_proj", "reader"),
+    "up": ("mlp.up_proj", "reader"),
     "down": ("mlp.down_proj", "writer"),
 }
 #: residual segment of a layer's matrix, relative to ``2 * layer`` (readers read it, writers write the next)
@@ -40,30 +44,31 @@ class CompressOptions:
     ``q_mode`` ``None`` means the better default of the structure: one global rotation for SliceGPT
     (its per-segment variant pays for dense skip matrices and measured clearly worse), one rotation per
     residual segment for the ProcrustesGPT classes (the paper)."""
+
     structure: str = "kron"
     ratio: float = 0.25
     stage: str = "w"
     q_mode: str | None = None
-    kron_factor: int | None = None               # q: A_s is 1 x q (readers) / q x 1 (writers); must divide d
-    gs_blocks: tuple[int, int] | None = None     # (kl, kr) tiles of layer matrices; embeddings use (1, kr)
+    kron_factor: int | None = None  # q: A_s is 1 x q (readers) / q x 1 (writers); must divide d
+    gs_blocks: tuple[int, int] | None = None  # (kl, kr) tiles of layer matrices; embeddings use (1, kr)
     compress_embeddings: bool = True
-    dense_modules: tuple[str, ...] = ("v",)      # the paper leaves V dense
-    f_iters: int = 20                            # stage F alternations at most
-    w_iters: int = 50                            # stage W alternations at most (a cap: ``tol`` stops it)
+    dense_modules: tuple[str, ...] = ("v",)  # the paper leaves V dense
+    f_iters: int = 20  # stage F alternations at most
+    w_iters: int = 50  # stage W alternations at most (a cap: ``tol`` stops it)
     als_iters: int = 5
     wopp_iters: int = 50
-    tol: float = 1e-3                            # stage F/W stop: relative decrease per alternation (0: fixed count)
-    extrapolate: bool = True                     # stage W: over-relaxation of Q between alternations
-    wopp_tol: float = 1e-9                       # weighted Procrustes stop: gradient norm relative to its first
-    solver_dtype: str = "float32"                # iterations in float32 (fast), final projections in float64
-    damping: float = 0.01                        # covariance damping, relative to the mean eigenvalue
-    tolerance: float = 0.02                      # largest |achieved ratio − ratio| accepted
+    tol: float = 1e-3  # stage F/W stop: relative decrease per alternation (0: fixed count)
+    extrapolate: bool = True  # stage W: over-relaxation of Q between alternations
+    wopp_tol: float = 1e-9  # weighted Procrustes stop: gradient norm relative to its first
+    solver_dtype: str = "float32"  # iterations in float32 (fast), final projections in float64
+    damping: float = 0.01  # covariance damping, relative to the mean eigenvalue
+    tolerance: float = 0.02  # largest |achieved ratio − ratio| accepted
     calib_tokens: int = 16384
     calib_seq_len: int = 512
-    sequential: bool = False                     # statistics of the partly compressed model
-    match_original: bool = True                  # sequential: target the original model's outputs and stream
-    matrix_keep: float | None = None             # fixed fraction kept per compressed matrix (presets), not ratio
-    allocation: str = "uniform"                  # uniform | sensitivity (per-layer sizes, see .allocate)
+    sequential: bool = False  # statistics of the partly compressed model
+    match_original: bool = True  # sequential: target the original model's outputs and stream
+    matrix_keep: float | None = None  # fixed fraction kept per compressed matrix (presets), not ratio
+    allocation: str = "uniform"  # uniform | sensitivity (per-layer sizes, see .allocate)
 
     def __post_init__(self):
         if self.q_mode is None:
@@ -91,9 +96,11 @@ class CompressOptions:
         if self.solver_dtype not in ("float32", "float64"):
             raise ValueError(f"solver dtype must be float32 or float64, got {self.solver_dtype!r}")
         if self.sequential and not self.sequential_applies:
-            raise ValueError("sequential calibration applies to SliceGPT with one rotation per segment and to stage "
-                             "w with one rotation per segment (--q-mode segment; low rank has no rotation), not to "
-                             f"{self.structure} stage {self.stage} with q mode {self.q_mode}")
+            raise ValueError(
+                "sequential calibration applies to SliceGPT with one rotation per segment and to stage "
+                "w with one rotation per segment (--q-mode segment; low rank has no rotation), not to "
+                f"{self.structure} stage {self.stage} with q mode {self.q_mode}"
+            )
         if self.matrix_keep is not None and not 0.0 < float(self.matrix_keep) < 1.0:
             raise ValueError(f"matrix keep fraction must be in (0, 1), got {self.matrix_keep}")
         if self.matrix_keep is not None and self.slicing:
@@ -103,8 +110,10 @@ class CompressOptions:
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {self.allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
         if self.allocation != "uniform" and self.slicing and self.q_mode != "global":
-            raise ValueError("per-segment SliceGPT widths (--allocation sensitivity) need one global PCA "
-                             "(--q-mode global): with one basis per segment the skip matrices would change shape")
+            raise ValueError(
+                "per-segment SliceGPT widths (--allocation sensitivity) need one global PCA "
+                "(--q-mode global): with one basis per segment the skip matrices would change shape"
+            )
         if self.allocation != "uniform" and not self.needs_calibration:
             raise ValueError("non-uniform allocation measures sensitivity on calibration text: use stage f or w")
         for name in _ITER_NAMES:
@@ -215,13 +224,20 @@ class CompressOptions:
             basis = "global PCA" if self.q_mode == "global" else "PCA per segment"
             return f"SliceGPT ({basis}{', sequential' if self.sequential else ''})"
         extra = ", sequential" if self.sequential else ""
-        if not self.structure_class.rotation_helps:     # (low rank: no rotation, so no q mode)
+        if not self.structure_class.rotation_helps:  # (low rank: no rotation, so no q mode)
             return f"ProcrustesGPT (lowrank, stage {self.stage}{extra})"
         return f"ProcrustesGPT ({self.structure}, stage {self.stage}, {self.q_mode} Q{extra})"
 
     def applicable(self) -> dict:
         """The settings that apply to this method (what a card lists), scalars only."""
-        keys = ["structure", "ratio" if self.matrix_keep is None else "matrix_keep", "q_mode", "compress_embeddings", "calib_tokens", "calib_seq_len"]
+        keys = [
+            "structure",
+            "ratio" if self.matrix_keep is None else "matrix_keep",
+            "q_mode",
+            "compress_embeddings",
+            "calib_tokens",
+            "calib_seq_len",
+        ]
         if self.slicing:
             keys += ["sequential"]
         else:

@@ -15,8 +15,11 @@ def pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torc
     """SliceGPT (one pass): eigenvectors of the residual stream's second moment, largest first; one
     per segment, or (``q_mode`` global) one of ``Σ_k C_k / tr C_k`` for every segment."""
     if q_mode == "global":
-        total = stats.stream_sum if stats.stream_sum is not None else \
-            sum(C / C.trace().clamp_min(1e-300) for C in stats.stream)
+        total = (
+            stats.stream_sum
+            if stats.stream_sum is not None
+            else sum(C / C.trace().clamp_min(1e-300) for C in stats.stream)
+        )
         Q = pca(total)
         return [Q] * n_seg
     return [pca(C) for C in stats.stream]
@@ -38,8 +41,9 @@ class SlicedLayer(torch.nn.Module):
     forward hook on the attention module, which replaces the attention output ``a`` by
     ``P(x̂ + a) − x̂`` so that the layer's own residual addition yields ``P(x̂ + a)``."""
 
-    def __init__(self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor | None,
-                 basis_mid: torch.Tensor | None):
+    def __init__(
+        self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor | None, basis_mid: torch.Tensor | None
+    ):
         super().__init__()
         self.layer, self.basis_in, self.basis_mid = layer, basis_in, basis_mid
         self._x = None
@@ -52,7 +56,7 @@ class SlicedLayer(torch.nn.Module):
         a = _project(self._x + a, self.basis_mid) - self._x
         return (a, *output[1:]) if isinstance(output, tuple) else a
 
-    @torch.no_grad()   # calibration only; without it the outputs would keep every layer's autograd graph
+    @torch.no_grad()  # calibration only; without it the outputs would keep every layer's autograd graph
     def forward(self, hidden_states, *args, **kwargs):
         self._x = _project(hidden_states, self.basis_in)
         try:
@@ -75,8 +79,9 @@ def pca(C: torch.Tensor) -> torch.Tensor:
     return V[:, torch.argsort(lam, descending=True)]
 
 
-def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int, width: int, placement=None,
-                          progress: bool = True) -> tuple[list[torch.Tensor], CalibrationStats]:
+def sequential_stream_pca(
+    source, config: dict, ids: torch.Tensor, seq_len: int, width: int, placement=None, progress: bool = True
+) -> tuple[list[torch.Tensor], CalibrationStats]:
     """SliceGPT as its reference code calibrates, layer by layer on the calibration engine: segment k's
     PCA is taken of the stream of the model whose segments before k are already sliced to ``width``
     (each decoder layer runs as :class:`SlicedLayer`). Returns the rotations (one per residual segment)
@@ -91,12 +96,13 @@ def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int,
     attention = adapter.spec.attention.o.rsplit(".", 1)[0]
     vocab = int(config["vocab_size"])
     n_seg = 2 * adapter.n_layers + 1
-    stats = CalibrationStats(0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
-                             stream=[None] * n_seg)
+    stats = CalibrationStats(
+        0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab], stream=[None] * n_seg
+    )
     Qs: list[torch.Tensor | None] = [None] * n_seg
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
 
-    used: list[SlicedLayer] = []     # replacements already run by the engine: unhook them (no cycles kept)
+    used: list[SlicedLayer] = []  # replacements already run by the engine: unhook them (no cycles kept)
 
     def on_layer(step):
         while used:
@@ -114,8 +120,12 @@ def sequential_stream_pca(source, config: dict, ids: torch.Tensor, seq_len: int,
         used.append(SlicedLayer(step.module, attention, Qs[2 * i][:, :width], Qs[2 * i + 1][:, :width]))
         return used[-1]
 
-    result = engine.collect(batches(ids, seq_len), StatsRequest(grams=("layer_in",)),
-                            final=StatsRequest(grams=("final_in",)), on_layer=on_layer)
+    result = engine.collect(
+        batches(ids, seq_len),
+        StatsRequest(grams=("layer_in",)),
+        final=StatsRequest(grams=("final_in",)),
+        on_layer=on_layer,
+    )
     while used:
         used.pop().close()
     stats.tokens = result.tokens

@@ -20,16 +20,18 @@ from ...symmetry import structured as st
 from ..stream import DictSource, TensorSource
 from .options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 
+
 @dataclass
 class MatrixPlan:
     """One matrix as the solver sees it: ``M [k, d]`` with the residual dimension on its columns
     (readers ``W``, writers ``Wᵀ``, embedding ``E``, head ``W_head``)."""
-    name: str                  # "layers.3.q_proj", "embed", "lm_head"
-    canon: str                 # canonical key ("q", ..., "embed", "lm_head")
+
+    name: str  # "layers.3.q_proj", "embed", "lm_head"
+    canon: str  # canonical key ("q", ..., "embed", "lm_head")
     layer: int | None
-    role: str                  # reader | writer
+    role: str  # reader | writer
     segment: int
-    structure: st.Structure    # on M [k, d]
+    structure: st.Structure  # on M [k, d]
     bias: bool = False
 
     @property
@@ -46,15 +48,15 @@ class MatrixPlan:
 class Plan:
     family: str
     hidden: int
-    residual: int              # width of the compressed residual stream (< hidden for SliceGPT)
+    residual: int  # width of the compressed residual stream (< hidden for SliceGPT)
     n_layers: int
     tied: bool
-    skip: str                  # none | orthogonal | dense
-    lm_head: str               # tied | tied_mixed | separate
+    skip: str  # none | orthogonal | dense
+    lm_head: str  # tied | tied_mixed | separate
     matrices: list[MatrixPlan]
     accounting: dict = field(default_factory=dict)
-    residual_sizes: list[int] | None = None    # per-segment widths (SliceGPT, one global Q), else None
-    carried: int = 0           # parameters kept as they are (QK-norm γ), counted in the model's total
+    residual_sizes: list[int] | None = None  # per-segment widths (SliceGPT, one global Q), else None
+    carried: int = 0  # parameters kept as they are (QK-norm γ), counted in the model's total
 
     @property
     def n_segments(self) -> int:
@@ -76,12 +78,14 @@ def check_family(config: dict, keys: list[str]) -> Adapter:
     cannot (:func:`hf_symmetry.architectures.capabilities.require`), before any work."""
     adapter = Adapter.from_config(config, keys)
     require(adapter, "compress")
-    if adapter.spec.norm_kind == "layer":      # compressed, but through the RMS-decoder family (.layernorm)
+    if adapter.spec.norm_kind == "layer":  # compressed, but through the RMS-decoder family (.layernorm)
         from ...architectures import UnsupportedSymmetry
 
-        raise UnsupportedSymmetry(f"compress: {adapter.family} uses LayerNorm and the compressed family is "
-                                  "RMSNorm-based (compress_model / compress_checkpoint write it as the RMS-decoder "
-                                  "family)")
+        raise UnsupportedSymmetry(
+            f"compress: {adapter.family} uses LayerNorm and the compressed family is "
+            "RMSNorm-based (compress_model / compress_checkpoint write it as the RMS-decoder "
+            "family)"
+        )
     return adapter
 
 
@@ -95,14 +99,16 @@ def shared_factor(options: CompressOptions, d: int, kappa: float) -> int | None:
     return None if cls is None else cls.plan_factor(d, kappa, options.kron_factor)
 
 
-def structure_for(options: CompressOptions, name: str, k: int, d: int, kappa: float, factor: int | None,
-                  embedding: bool) -> st.Structure:
+def structure_for(
+    options: CompressOptions, name: str, k: int, d: int, kappa: float, factor: int | None, embedding: bool
+) -> st.Structure:
     """The structure of ``options.structure`` on ``M [k, d]`` keeping about ``kappa`` of its parameters
     (``kappa >= 1``: dense); ``factor``: the plan's :func:`shared_factor`."""
     if kappa >= 1.0:
         return st.Dense((k, d))
-    return options.structure_class.sized((k, d), kappa, factor=factor, blocks=options.gs_blocks,
-                                         embedding=embedding, name=name)
+    return options.structure_class.sized(
+        (k, d), kappa, factor=factor, blocks=options.gs_blocks, embedding=embedding, name=name
+    )
 
 
 def _matrix_shapes(adapter: Adapter, config: dict) -> dict[str, tuple[int, int]]:
@@ -110,13 +116,21 @@ def _matrix_shapes(adapter: Adapter, config: dict) -> dict[str, tuple[int, int]]
     L, d = adapter.layout, adapter.hidden
     inter = int(config.get("intermediate_size"))
     q_out, kv_out = L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim
-    return {"q": (q_out, d), "k": (kv_out, d), "v": (kv_out, d), "o": (q_out, d), "gate": (inter, d),
-            "up": (inter, d), "down": (inter, d)}
+    return {
+        "q": (q_out, d),
+        "k": (kv_out, d),
+        "v": (kv_out, d),
+        "o": (q_out, d),
+        "gate": (inter, d),
+        "up": (inter, d),
+        "down": (inter, d),
+    }
 
 
 @dataclass(frozen=True)
 class Entry:
     """A matrix before its structure is chosen."""
+
     name: str
     canon: str
     layer: int | None
@@ -135,9 +149,19 @@ def matrix_entries(config: dict, keys: list[str], adapter: Adapter) -> list[Entr
     def bias(canon):
         return f"{adapter.layer_prefix(0)}{LAYER_MODULES[canon][0]}.bias" in keyset
 
-    entries = [Entry(f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}", c, i, LAYER_MODULES[c][1],
-                     2 * i + SEGMENT_OFFSET[c], shapes[c], bias(c))
-               for i in range(adapter.n_layers) for c in LAYER_MODULES]
+    entries = [
+        Entry(
+            f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}",
+            c,
+            i,
+            LAYER_MODULES[c][1],
+            2 * i + SEGMENT_OFFSET[c],
+            shapes[c],
+            bias(c),
+        )
+        for i in range(adapter.n_layers)
+        for c in LAYER_MODULES
+    ]
     entries.append(Entry("embed", "embed", None, "writer", 0, (vocab, d), False))
     if not adapter.tied_embeddings:
         entries.append(Entry("lm_head", "lm_head", None, "reader", 2 * adapter.n_layers, (vocab, d), False))
@@ -151,8 +175,14 @@ def in_policy(canon: str, options: CompressOptions) -> bool:
     return canon not in options.dense_modules
 
 
-def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamma: torch.Tensor | None,
-                     options: CompressOptions, keep: dict[str, float] | None = None) -> Plan:
+def plan_compression(
+    config: dict,
+    keys: list[str],
+    dense_total: int,
+    final_gamma: torch.Tensor | None,
+    options: CompressOptions,
+    keep: dict[str, float] | None = None,
+) -> Plan:
     """Decide every structure before any work; raises ValueError for what cannot be done.
 
     ``keep`` (name → fraction of that matrix's parameters kept; 1 = dense) replaces the uniform size of
@@ -168,7 +198,7 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
     p_compressed = sum(e.shape[0] * e.shape[1] for e in entries if in_policy(e.canon, options))
     target_total = dense_total - options.ratio * p_compressed
     gamma_is_one = final_gamma is None or bool(torch.all(final_gamma == 1))
-    carried = 2 * n_layers * adapter.layout.head_dim if adapter.layout.qk_norm else 0   # q_norm, k_norm γ
+    carried = 2 * n_layers * adapter.layout.head_dim if adapter.layout.qk_norm else 0  # q_norm, k_norm γ
 
     widths = kron_q = None
     if options.slicing:
@@ -187,29 +217,45 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
         skip = "orthogonal" if segment else "none"
         lm_head = ("tied" if gamma_is_one and not segment else "tied_mixed") if tied else "separate"
         overhead = rotation_overhead(d, n_layers, segment, lm_head) + carried
-        if options.matrix_keep is not None:            # the paper's fixed size per matrix, overheads on top
+        if options.matrix_keep is not None:  # the paper's fixed size per matrix, overheads on top
             kappa = options.matrix_keep
         else:
             kappa = ((1 - options.ratio) * p_compressed - overhead) / p_compressed
             if kappa <= 0:
-                raise ValueError(f"ratio {options.ratio} cannot be met: the skip/head matrices alone need "
-                                 f"{overhead:,} parameters of the {(1 - options.ratio) * p_compressed:,.0f} left; "
-                                 "use a smaller ratio or --q-mode global")
+                raise ValueError(
+                    f"ratio {options.ratio} cannot be met: the skip/head matrices alone need "
+                    f"{overhead:,} parameters of the {(1 - options.ratio) * p_compressed:,.0f} left; "
+                    "use a smaller ratio or --q-mode global"
+                )
         kron_q = shared_factor(options, d, kappa)
         structures = {}
         for e in entries:
             k_e = kappa if keep is None else keep.get(e.name, kappa)
-            structures[e.name] = (structure_for(options, e.name, *e.shape, k_e, kron_q, e.canon in ("embed", "lm_head"))
-                                  if in_policy(e.canon, options) else st.Dense(e.shape))
+            structures[e.name] = (
+                structure_for(options, e.name, *e.shape, k_e, kron_q, e.canon in ("embed", "lm_head"))
+                if in_policy(e.canon, options)
+                else st.Dense(e.shape)
+            )
     matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
-    plan = Plan(adapter.family, d, residual, n_layers, tied, skip, lm_head, matrices,
-                residual_sizes=None if widths is None or len(set(widths)) == 1 else widths, carried=carried)
+    plan = Plan(
+        adapter.family,
+        d,
+        residual,
+        n_layers,
+        tied,
+        skip,
+        lm_head,
+        matrices,
+        residual_sizes=None if widths is None or len(set(widths)) == 1 else widths,
+        carried=carried,
+    )
     if widths is not None and plan.residual_sizes is None:
         plan.residual = widths[0]
     plan.accounting = accounting(plan, dense_total, p_compressed, options)
     # the total every allocation at these options must meet: the ratio's, or the preset's uniform size
-    plan.accounting["target_params"] = (round(target_total) if options.matrix_keep is None
-                                        else plan.accounting["compressed_model_params"])
+    plan.accounting["target_params"] = (
+        round(target_total) if options.matrix_keep is None else plan.accounting["compressed_model_params"]
+    )
     if not options.slicing:
         plan.accounting["uniform_keep"] = kappa
         plan.accounting["kron_factor"] = kron_q
@@ -217,9 +263,11 @@ def plan_compression(config: dict, keys: list[str], dense_total: int, final_gamm
         plan.accounting["allocation"] = "sensitivity"
     achieved = plan.accounting["ratio_over_compressed"]
     if options.matrix_keep is None and abs(achieved - options.ratio) > options.tolerance:
-        raise ValueError(f"no {options.structure} configuration meets ratio {options.ratio:g} within "
-                         f"{options.tolerance:g} (nearest: {achieved:.4f})" +
-                         ("; try another --kron-factor" if kron_q is not None else ""))
+        raise ValueError(
+            f"no {options.structure} configuration meets ratio {options.ratio:g} within "
+            f"{options.tolerance:g} (nearest: {achieved:.4f})"
+            + ("; try another --kron-factor" if kron_q is not None else "")
+        )
     return plan
 
 
@@ -271,10 +319,15 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
     compressed_set = [m for m in plan.matrices if in_policy(m.canon, options)]
     structured = sum(m.structure.params() for m in compressed_set)
     total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix + plan.carried
-    per_matrix = {m.name: {"structure": m.module_structure.spec(), "dense_params": m.structure.shape[0] * d,
-                           "params": m.structure.params(),
-                           "ratio": 1 - m.structure.params() / (m.structure.shape[0] * d)}
-                  for m in plan.matrices}
+    per_matrix = {
+        m.name: {
+            "structure": m.module_structure.spec(),
+            "dense_params": m.structure.shape[0] * d,
+            "params": m.structure.params(),
+            "ratio": 1 - m.structure.params() / (m.structure.shape[0] * d),
+        }
+        for m in plan.matrices
+    }
     return {
         "target_ratio": options.ratio if options.matrix_keep is None else None,
         "dense_params_of_compressed_matrices": p_compressed,
@@ -315,8 +368,9 @@ def final_gamma(source: TensorSource, adapter: Adapter) -> torch.Tensor:
     return source.get([name])[name].to(torch.float64)
 
 
-def plan_for(source: TensorSource, config: dict, options: CompressOptions,
-             keep: dict[str, float] | None = None) -> tuple[Plan, Adapter]:
+def plan_for(
+    source: TensorSource, config: dict, options: CompressOptions, keep: dict[str, float] | None = None
+) -> tuple[Plan, Adapter]:
     keys = source.keys()
     adapter = check_family(config, keys)
     dense_total = source_numels(source, keys, adapter.tied_embeddings)

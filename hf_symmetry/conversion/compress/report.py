@@ -26,7 +26,7 @@ class CompressReport:
     options: dict
     accounting: dict
     relative_errors: dict
-    objective: dict                  # per solved problem: first and last objective value, steps
+    objective: dict  # per solved problem: first and last objective value, steps
     calibration_tokens: int = 0
     seconds: dict = field(default_factory=dict)
     perplexity: dict = field(default_factory=dict)
@@ -45,8 +45,15 @@ def write_report(folder: str | Path, report: CompressReport) -> None:
     (Path(folder) / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
 
 
-def finish_folder(folder: Path, report: CompressReport, options: CompressOptions, source: str | Path,
-                  source_folder: str | Path, out: str | Path, counted: int) -> None:
+def finish_folder(
+    folder: Path,
+    report: CompressReport,
+    options: CompressOptions,
+    source: str | Path,
+    source_folder: str | Path,
+    out: str | Path,
+    counted: int,
+) -> None:
     """Complete an output folder whose weights and config are written: the parameters ``counted`` as
     written, the source folder's side files (tokenizer, generation config), the report (naming
     ``source`` and ``out``) and the card; every file made readable as ``save_pretrained`` leaves it."""
@@ -67,8 +74,14 @@ def record_verification(folder: str | Path, report: CompressReport, options: Com
     v = verification
     if v.perplexity_original is None or v.perplexity_converted is None:
         return
-    report.perplexity = {"text": v.text, "tokens": v.ppl_tokens, "window": v.ppl_window, "stride": v.ppl_stride,
-                         "original": v.perplexity_original, "compressed": v.perplexity_converted}
+    report.perplexity = {
+        "text": v.text,
+        "tokens": v.ppl_tokens,
+        "window": v.ppl_window,
+        "stride": v.ppl_stride,
+        "original": v.perplexity_original,
+        "compressed": v.perplexity_converted,
+    }
     folder = Path(folder)
     write_report(folder, report)
     write_card(folder, report, options)

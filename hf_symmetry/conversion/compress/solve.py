@@ -34,9 +34,18 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
     return W if m.role == "reader" else W.T
 
 
-def _terms(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
-           options: CompressOptions, only: int | None = None, device=None,
-           row_dtype=None, consume: bool = False) -> list[tuple[list[Term], list[Term]]]:
+def _terms(
+    plan: Plan,
+    layers,
+    globals_,
+    stats: CalibrationStats | None,
+    stage: str,
+    options: CompressOptions,
+    only: int | None = None,
+    device=None,
+    row_dtype=None,
+    consume: bool = False,
+) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
     ``only`` filled when given: sequential calibration has the statistics of one segment at a time),
     balanced (:func:`...symmetry.segments.balance`); the terms are those of :func:`_each_term`."""
@@ -57,25 +66,36 @@ def _reducible(m: MatrixPlan) -> bool:
     return Term(m.name, torch.empty(m.structure.shape, device="meta"), m.structure).reducible()
 
 
-def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, stage: str,
-               options: CompressOptions, only: int | None = None, device=None,
-               row_dtype=None, consume: bool = False):
+def _each_term(
+    plan: Plan,
+    layers,
+    globals_,
+    stats: CalibrationStats | None,
+    stage: str,
+    options: CompressOptions,
+    only: int | None = None,
+    device=None,
+    row_dtype=None,
+    consume: bool = False,
+):
     """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
     ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank, GS (one row block) or
-    Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced term (:class:`TallTerm`, read a block of rows at a time; its row factor is
+    Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced term (:class:`TallTerm`, read a block
+    of rows at a time; its row factor is
     lifted into ``row_dtype``, default float64). ``consume``: the writers' statistics are dropped from
     ``stats`` once their terms are built (see :func:`.targets.matched_target`)."""
-    token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))   # (√(D+1))²
+    token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))  # (√(D+1))²
     weighted = stage == "w" and stats is not None and stats.normed is not None
     matched = weighted and stats.normed_cross is not None
-    reader_cov: dict[int, torch.Tensor] = {}      # one tensor per segment, shared by its readers
-    reader_maps: dict[int, torch.Tensor] = {}     # ... and its matched targets' map A
+    reader_cov: dict[int, torch.Tensor] = {}  # one tensor per segment, shared by its readers
+    reader_maps: dict[int, torch.Tensor] = {}  # ... and its matched targets' map A
 
     def column_weight(segment: int) -> torch.Tensor:
         if segment not in reader_cov:
-            if consume:    # the segment's readers' weight and map made at once, from its moments in place
-                reader_cov[segment], A = targets.consume_reader_moments(segment, stats, options.damping, device,
-                                                                        matched)
+            if consume:  # the segment's readers' weight and map made at once, from its moments in place
+                reader_cov[segment], A = targets.consume_reader_moments(
+                    segment, stats, options.damping, device, matched
+                )
                 if A is not None:
                     reader_maps.clear()
                     reader_maps[segment] = A
@@ -87,7 +107,7 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
         if consume:
             column_weight(segment)
         if segment not in reader_maps:
-            reader_maps.clear()                    # segments come in order: one A held at a time
+            reader_maps.clear()  # segments come in order: one A held at a time
             reader_maps[segment] = targets.segment_reader_map(segment, stats, options.damping, device)
         return reader_maps[segment]
 
@@ -95,28 +115,41 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
         if not m.compressed or (only is not None and m.segment != only):
             continue
         # embedding (stages F, W) and head (stage F): weighted by the token counts on their rows
-        token_rows = (m.canon in ("embed", "lm_head") and stage in ("f", "w") and token_gram is not None
-                      and (m.canon == "embed" or stage == "f"))
-        if TallTerm.applies(m):      # weighted as below; a head's matched target a block of rows at a time
+        token_rows = (
+            m.canon in ("embed", "lm_head")
+            and stage in ("f", "w")
+            and token_gram is not None
+            and (m.canon == "embed" or stage == "f")
+        )
+        if TallTerm.applies(m):  # weighted as below; a head's matched target a block of rows at a time
             head = m.canon == "lm_head"
             col = right = None
             if weighted and head:
                 col = column_weight(m.segment)
                 if matched:
                     right = reader_map(m.segment)
-            yield m, TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype,
-                               right, col).take()
+            yield (
+                m,
+                TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype, right, col).take(),
+            )
             continue
-        row_metric = None         # a writer's damped input moments: its row weight (and matched_target's system)
-        rows_gram = None          # ... or only Mᵀ G M of them (a reducible writer, its statistics consumed)
+        row_metric = None  # a writer's damped input moments: its row weight (and matched_target's system)
+        rows_gram = None  # ... or only Mᵀ G M of them (a reducible writer, its statistics consumed)
         if matched and m.canon != "embed":
-            if consume and m.role == "writer" and _reducible(m):    # M handed over: freed once used
-                M, rows_gram = targets.matched_target(m, _matrix_of(m, layers, globals_).to(device), stats,
-                                                      options.damping, consume=True, rows_gram=True)
+            if consume and m.role == "writer" and _reducible(m):  # M handed over: freed once used
+                M, rows_gram = targets.matched_target(
+                    m, _matrix_of(m, layers, globals_).to(device), stats, options.damping, consume=True, rows_gram=True
+                )
             else:
                 M = _matrix_of(m, layers, globals_).to(device)
-                M, row_metric = targets.matched_target(m, M, stats, options.damping, consume=consume,
-                                                       reader_map=reader_map(m.segment) if m.role == "reader" else None)
+                M, row_metric = targets.matched_target(
+                    m,
+                    M,
+                    stats,
+                    options.damping,
+                    consume=consume,
+                    reader_map=reader_map(m.segment) if m.role == "reader" else None,
+                )
         else:
             M = _matrix_of(m, layers, globals_).to(device)
             if weighted and m.canon in ("o", "down"):
@@ -138,7 +171,7 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
             elif row_metric is not None:
                 term.row_gram = st.Gram(matrix=row_metric)
                 del row_metric
-                if consume and term.reducible():     # its solve needs Mᵀ G M only: the [k, k] G goes now
+                if consume and term.reducible():  # its solve needs Mᵀ G M only: the [k, k] G goes now
                     term.release_row_weight()
         rows_gram = row_metric = None
         yield m, term
@@ -147,12 +180,12 @@ def _each_term(plan: Plan, layers, globals_, stats: CalibrationStats | None, sta
 
 @dataclass
 class SolveResult:
-    Qs: list[torch.Tensor | None]                # one per segment (the same tensor in global mode); None
+    Qs: list[torch.Tensor | None]  # one per segment (the same tensor in global mode); None
     #                                              where an ``on_segment`` consumer released it once used
-    factors: dict[str, st.Factors]               # per compressed matrix, M orientation
-    traces: dict[str, list[float]]               # objective traces per solved problem
+    factors: dict[str, st.Factors]  # per compressed matrix, M orientation
+    traces: dict[str, list[float]]  # objective traces per solved problem
     relative_errors: dict[str, float]
-    stats: CalibrationStats | None = None        # sequential calibration: the statistics it measured
+    stats: CalibrationStats | None = None  # sequential calibration: the statistics it measured
 
 
 def _kept_rotation(Q: torch.Tensor, Q0: torch.Tensor, iters: int) -> torch.Tensor:
@@ -173,14 +206,31 @@ def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict, dtype: t
         factors[t.name] = tuple(f.to(device="cpu", dtype=dtype or f.dtype) for f in t.factors)
         D = t.structure.dense(t.factors)
         if any(D.data_ptr() == f.data_ptr() for f in t.factors):
-            D = D.clone()                         # (a dense term's product is its factor)
-        D.addmm_(t.M, Q.to(t.M), beta=-1)                 # M Q − Ŵ with one matrix-sized temporary
+            D = D.clone()  # (a dense term's product is its factor)
+        D.addmm_(t.M, Q.to(t.M), beta=-1)  # M Q − Ŵ with one matrix-sized temporary
         rel[t.name] = float(torch.linalg.matrix_norm(D) / torch.linalg.matrix_norm(t.M).clamp_min(1e-300))
         del D
 
 
-def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, desc, progress, factors, rel,
-                 device=None, on_segment=None, row_dtype=None, keep_factors=True, scratch=None):
+def _solve_stage(
+    plan,
+    layers,
+    globals_,
+    stats,
+    stage,
+    options,
+    Q_init,
+    iters,
+    desc,
+    progress,
+    factors,
+    rel,
+    device=None,
+    on_segment=None,
+    row_dtype=None,
+    keep_factors=True,
+    scratch=None,
+):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together, streaming them from the checkpoint on each alternation
     (:class:`.global_q.GlobalSolve`); one Q per segment builds, solves and drops the terms segment by
@@ -197,8 +247,7 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         Qs: list = []
 
         def each(k: int):
-            return _each_term(plan, layers, globals_, stats, stage, options, only=k, device=device,
-                              row_dtype=row_dtype)
+            return _each_term(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype)
 
         def keep(t: Term, Q: torch.Tensor) -> None:
             _keep([t], Q, factors, rel, row_dtype)
@@ -210,8 +259,15 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
                 on_segment(k, Qs, factors)
 
         Q, trace = GlobalSolve(each, plan.n_segments, stage, options, plan.hidden, device).solve(
-            Q_init[0], iters, progress, desc=f"{desc} (global)", final=keep_factors, keep=keep, on_segment=done,
-            scratch=scratch)
+            Q_init[0],
+            iters,
+            progress,
+            desc=f"{desc} (global)",
+            final=keep_factors,
+            keep=keep,
+            on_segment=done,
+            scratch=scratch,
+        )
         if not Qs:
             Qs.extend([Q.cpu()] * plan.n_segments)
         traces["global"] = trace
@@ -220,10 +276,19 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
     # statistics measured on demand are this solve's own: consumed in place (no copy of a writer's moments)
     owned = stage == "w" and hasattr(stats, "release_segment")
     for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
-        terms, _ = _terms(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype,
-                          consume=owned)[k]
-        res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                            keep_weights=False, **options.stopping(stage))
+        terms, _ = _terms(
+            plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype, consume=owned
+        )[k]
+        res = solve_segment(
+            terms,
+            Q_init[k],
+            iters,
+            options.als_iters,
+            options.wopp_iters,
+            dtype=dtype,
+            keep_weights=False,
+            **options.stopping(stage),
+        )
         Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
         traces[f"segment{k}"] = res.trace
         if keep_factors:
@@ -232,12 +297,13 @@ def _solve_stage(plan, layers, globals_, stats, stage, options, Q_init, iters, d
         if on_segment is not None and keep_factors:
             on_segment(k, Qs, factors)
         if owned:
-            stats.release_segment(k)        # (statistics measured on demand: one layer's held)
+            stats.release_segment(k)  # (statistics measured on demand: one layer's held)
     return Qs, traces
 
 
-def _each_at_fixed_rotation(each, Q: torch.Tensor, options: CompressOptions, dtype, factors: dict, rel: dict,
-                            row_dtype, approximation) -> tuple[list, float]:
+def _each_at_fixed_rotation(
+    each, Q: torch.Tensor, options: CompressOptions, dtype, factors: dict, rel: dict, row_dtype, approximation
+) -> tuple[list, float]:
     """One segment's terms at a fixed rotation ``Q`` (no alternation: each term's factors are its own
     projection, whatever the others'): each term from the iterator ``each`` of ``(MatrixPlan, Term)`` is
     solved (on its Gram root where it is reducible), its factors kept (:func:`_keep`) and its
@@ -264,8 +330,22 @@ def _each_at_fixed_rotation(each, Q: torch.Tensor, options: CompressOptions, dty
     return approximations, errors["writer"] + lam * errors["reader"]
 
 
-def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: CalibrationInput, progress, factors,
-                      rel, device=None, keep_stats=True, on_segment=None, row_dtype=None):
+def _solve_sequential(
+    plan,
+    layers,
+    globals_,
+    stats,
+    options,
+    Q_init,
+    calib: CalibrationInput,
+    progress,
+    factors,
+    rel,
+    device=None,
+    keep_stats=True,
+    on_segment=None,
+    row_dtype=None,
+):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
     calibration engine (:func:`.moments.sequential_weighted`), and its matrices are replaced there
@@ -289,11 +369,22 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
         return lambda s=t.structure, f=t.factors: s.dense(f) @ Q.T
 
     def segment(k: int, seq: CalibrationStats):
-        each = _each_term(plan, layers, globals_, seq, "w", options, only=k, device=device, row_dtype=row_dtype,
-                          consume=not keep_stats)
-        if iters == 0:     # Q fixed: the terms do not interact, each is solved and dropped in turn
-            approximations, J = _each_at_fixed_rotation(each, Q_init[k], options, dtype, factors, rel, row_dtype,
-                                                        lambda t: approximation(t, Q_init[k]))
+        each = _each_term(
+            plan,
+            layers,
+            globals_,
+            seq,
+            "w",
+            options,
+            only=k,
+            device=device,
+            row_dtype=row_dtype,
+            consume=not keep_stats,
+        )
+        if iters == 0:  # Q fixed: the terms do not interact, each is solved and dropped in turn
+            approximations, J = _each_at_fixed_rotation(
+                each, Q_init[k], options, dtype, factors, rel, row_dtype, lambda t: approximation(t, Q_init[k])
+            )
             Qs[k] = Q_init[k]
             traces[f"segment{k}"] = [J]
         else:
@@ -304,8 +395,16 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
                     readers.append(t)
             balance(terms, readers)
             del readers
-            res = solve_segment(terms, Q_init[k], iters, options.als_iters, options.wopp_iters, dtype=dtype,
-                                keep_weights=False, **options.stopping())
+            res = solve_segment(
+                terms,
+                Q_init[k],
+                iters,
+                options.als_iters,
+                options.wopp_iters,
+                dtype=dtype,
+                keep_weights=False,
+                **options.stopping(),
+            )
             Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
             traces[f"segment{k}"] = res.trace
             _keep(terms, res.Q, factors, rel, row_dtype)
@@ -319,18 +418,29 @@ def _solve_sequential(plan, layers, globals_, stats, options, Q_init, calib: Cal
         return approximations
 
     try:
-        seq = sequential_weighted(calib, stats.token_counts, options.match_original, segment, progress,
-                                  keep=keep_stats, folded=layers)
+        seq = sequential_weighted(
+            calib, stats.token_counts, options.match_original, segment, progress, keep=keep_stats, folded=layers
+        )
     finally:
         bar.close()
     return Qs, traces, seq
 
 
-def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: CalibrationStats | None,
-          options: CompressOptions, progress: bool = True, rotations: list[torch.Tensor] | None = None,
-          calib: CalibrationInput | None = None, device: torch.device | str | None = None,
-          keep_stats: bool = True, on_segment=None, row_dtype: torch.dtype | None = None,
-          scratch=None) -> SolveResult:
+def solve(
+    plan: Plan,
+    layers: list[Tensors],
+    globals_: Tensors,
+    stats: CalibrationStats | None,
+    options: CompressOptions,
+    progress: bool = True,
+    rotations: list[torch.Tensor] | None = None,
+    calib: CalibrationInput | None = None,
+    device: torch.device | str | None = None,
+    keep_stats: bool = True,
+    on_segment=None,
+    row_dtype: torch.dtype | None = None,
+    scratch=None,
+) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
@@ -352,7 +462,7 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     path = options.solver
     if path == "pca":
         return SolveResult(pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
-    if path == "pca-sequential":          # rotations measured by pca.sequential_stream_pca
+    if path == "pca-sequential":  # rotations measured by pca.sequential_stream_pca
         if rotations is None:
             raise ValueError("sequential SliceGPT takes its rotations from sequential_stream_pca")
         return SolveResult(list(rotations), {}, {}, {}, stats)
@@ -366,21 +476,33 @@ def solve(plan: Plan, layers: list[Tensors], globals_: Tensors, stats: Calibrati
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
         Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out, **more)
-    elif not options.rotates:     # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(*args, options, Q0, calib, progress, *out, keep_stats, on_segment=on_segment,
-                                            row_dtype=row_dtype)
+    elif not options.rotates:  # low rank, sequential: one segment after the other, Q = I
+        Qs, traces, seq = _solve_sequential(
+            *args, options, Q0, calib, progress, *out, keep_stats, on_segment=on_segment, row_dtype=row_dtype
+        )
     else:
         last_f = options.stage == "f"
         # stage F's factors only where they are the result (stage W replaces every one of them)
-        Qs, traces = _solve_stage(*args, "f", options, Q0, options.f_iters, "stage F", progress, *out,
-                                  on_segment=on_segment if last_f else None, row_dtype=row_dtype, keep_factors=last_f,
-                                  scratch=scratch)
+        Qs, traces = _solve_stage(
+            *args,
+            "f",
+            options,
+            Q0,
+            options.f_iters,
+            "stage F",
+            progress,
+            *out,
+            on_segment=on_segment if last_f else None,
+            row_dtype=row_dtype,
+            keep_factors=last_f,
+            scratch=scratch,
+        )
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(*args, options, Qs, calib, progress, *out, keep_stats,
-                                                      on_segment=on_segment, row_dtype=row_dtype)
+                Qs, w_traces, seq = _solve_sequential(
+                    *args, options, Qs, calib, progress, *out, keep_stats, on_segment=on_segment, row_dtype=row_dtype
+                )
             else:
-                Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out,
-                                            **more)
+                Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out, **more)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
     return SolveResult(Qs, factors, traces, rel, seq)

@@ -50,6 +50,7 @@ STOCK_TYPES = tuple(t for s in SPECS if s.stock_slice for t in s.model_types)
 class StockOptions:
     """How a stock SliceGPT output is written: ``untie`` a tied head (vocab × d′ parameters), widths
     rounded to a multiple of ``round_to`` (1: no rounding)."""
+
     untie: bool = False
     round_to: int = 64
 
@@ -69,10 +70,14 @@ def why_not_stock(config: dict, options: CompressOptions, untie: bool = False) -
         return "per-segment residual widths need the compressed family"
     model_type = config.get("model_type")
     if model_type not in STOCK_TYPES:
-        return f"{model_type} has no stock RMSNorm family that holds the sliced stream (stock: {', '.join(STOCK_TYPES)})"
+        return (
+            f"{model_type} has no stock RMSNorm family that holds the sliced stream (stock: {', '.join(STOCK_TYPES)})"
+        )
     if bool(config.get("tie_word_embeddings", True)) and not untie:
-        return ("the source ties its head to the embedding: a sliced tied head needs the compressed family's "
-                "head mix (d′² parameters); --untie writes the stock family with an untied head (vocab × d′)")
+        return (
+            "the source ties its head to the embedding: a sliced tied head needs the compressed family's "
+            "head mix (d′² parameters); --untie writes the stock family with an untied head (vocab × d′)"
+        )
     return None
 
 
@@ -96,8 +101,9 @@ def _params_at(entries, w: int, n_layers: int, vocab: int, tied: bool, carried: 
     return total + (vocab * w if tied else 0) + (2 * n_layers + 1) * w + carried
 
 
-def plan_stock_width(source: TensorSource, config: dict, options: CompressOptions,
-                     stock: StockOptions = StockOptions()) -> tuple[int, dict]:
+def plan_stock_width(
+    source: TensorSource, config: dict, options: CompressOptions, stock: StockOptions = StockOptions()
+) -> tuple[int, dict]:
     """The width ``d′`` (the one whose parameter count is closest to the ratio's target, then the nearest
     multiple of ``stock.round_to``) and the parameter accounting, in the keys the compressed family's
     reports use. The budget is the compressed family's: removed parameters per dense parameter of the
@@ -123,19 +129,41 @@ def plan_stock_width(source: TensorSource, config: dict, options: CompressOption
         raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
     w = min(candidates, key=lambda x: (abs(params(x) - target), -x))
     total = params(w)
-    per_matrix = {e.name: {"structure": {"type": "dense", "width": w}, "params": e.shape[0] * w,
-                           "dense_params": e.shape[0] * d, "ratio": 1 - w / d} for e in entries}
+    per_matrix = {
+        e.name: {
+            "structure": {"type": "dense", "width": w},
+            "params": e.shape[0] * w,
+            "dense_params": e.shape[0] * d,
+            "ratio": 1 - w / d,
+        }
+        for e in entries
+    }
     if tied:
-        per_matrix["lm_head"] = {"structure": {"type": "dense", "width": w}, "params": vocab * w,
-                                 "dense_params": 0, "ratio": 0.0}
+        per_matrix["lm_head"] = {
+            "structure": {"type": "dense", "width": w},
+            "params": vocab * w,
+            "dense_params": 0,
+            "ratio": 0.0,
+        }
     accounting = {
-        "target_ratio": options.ratio, "dense_params_of_compressed_matrices": p_compressed,
-        "dense_model_params": dense_total, "compressed_model_params": total,
-        "ratio_over_model": 1 - total / dense_total, "ratio_over_compressed": (dense_total - total) / p_compressed,
-        "ratio_per_matrix_mean": 1 - w / d, "skip_params": 0, "head_mix_params": 0,
-        "untied_head_params": vocab * w if tied else 0, "norm_params": (2 * L + 1) * w,
-        "hidden": d, "residual": w, "width_unrounded": exact, "round_to": n,
-        "output_family": "stock", "stock_class": stock_class(config), "target_params": round(target),
+        "target_ratio": options.ratio,
+        "dense_params_of_compressed_matrices": p_compressed,
+        "dense_model_params": dense_total,
+        "compressed_model_params": total,
+        "ratio_over_model": 1 - total / dense_total,
+        "ratio_over_compressed": (dense_total - total) / p_compressed,
+        "ratio_per_matrix_mean": 1 - w / d,
+        "skip_params": 0,
+        "head_mix_params": 0,
+        "untied_head_params": vocab * w if tied else 0,
+        "norm_params": (2 * L + 1) * w,
+        "hidden": d,
+        "residual": w,
+        "width_unrounded": exact,
+        "round_to": n,
+        "output_family": "stock",
+        "stock_class": stock_class(config),
+        "target_params": round(target),
         "per_matrix": per_matrix,
     }
     return w, accounting
@@ -154,8 +182,10 @@ def compressed_plan_at(source: TensorSource, config: dict, options: CompressOpti
     plan.residual = int(width)
     plan.matrices = [replace(m, structure=st.Dense((m.structure.shape[0], int(width)))) for m in plan.matrices]
     dense_total = plan.accounting["dense_model_params"]
-    plan.accounting = {**accounting(plan, dense_total, plan.accounting["dense_params_of_compressed_matrices"], options),
-                       "target_params": plan.accounting["target_params"]}
+    plan.accounting = {
+        **accounting(plan, dense_total, plan.accounting["dense_params_of_compressed_matrices"], options),
+        "target_params": plan.accounting["target_params"],
+    }
     return plan
 
 
@@ -165,10 +195,20 @@ def normalisation(d: int, w: int, eps: float) -> tuple[float, float]:
     return math.sqrt(d / w), eps * d / w
 
 
-def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOptions,
-                        calib_ids: torch.Tensor | None, sink, stock: StockOptions = StockOptions(),
-                        width: int | None = None, rotation: torch.Tensor | None = None, placement=None,
-                        progress: bool = True, constant: bool = True, rescale_eps: bool = True):
+def stock_slice_tensors(
+    source: TensorSource,
+    config: dict,
+    options: CompressOptions,
+    calib_ids: torch.Tensor | None,
+    sink,
+    stock: StockOptions = StockOptions(),
+    width: int | None = None,
+    rotation: torch.Tensor | None = None,
+    placement=None,
+    progress: bool = True,
+    constant: bool = True,
+    rescale_eps: bool = True,
+):
     """The stock SliceGPT route on tensors into ``sink``: (stock config dict, report). ``width``
     overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``, principal directions
     first). ``constant`` / ``rescale_eps`` (for the negative controls only): leave the constant ``c``
@@ -194,12 +234,17 @@ def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOpt
         entries = matrix_entries(config, keys, adapter)
         carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
         total = _params_at(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
-        accounting.update(residual=w, compressed_model_params=total, ratio_per_matrix_mean=1 - w / d,
-                          ratio_over_model=1 - total / accounting["dense_model_params"],
-                          ratio_over_compressed=(accounting["dense_model_params"] - total)
-                          / accounting["dense_params_of_compressed_matrices"],
-                          untied_head_params=accounting["untied_head_params"] and int(config["vocab_size"]) * w,
-                          norm_params=(2 * L + 1) * w, round_to=None)
+        accounting.update(
+            residual=w,
+            compressed_model_params=total,
+            ratio_per_matrix_mean=1 - w / d,
+            ratio_over_model=1 - total / accounting["dense_model_params"],
+            ratio_over_compressed=(accounting["dense_model_params"] - total)
+            / accounting["dense_params_of_compressed_matrices"],
+            untied_head_params=accounting["untied_head_params"] and int(config["vocab_size"]) * w,
+            norm_params=(2 * L + 1) * w,
+            round_to=None,
+        )
     tokens = 0
     if rotation is None:
         stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
@@ -212,14 +257,14 @@ def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOpt
         c = 1.0
     if not rescale_eps:
         eps = adapter.eps
-    qk = c * c if adapter.layout.qk_norm else c        # q, k under QK-norm: q_stock = c q
+    qk = c * c if adapter.layout.qk_norm else c  # q, k under QK-norm: q_stock = c q
 
     def layer_fn(i, layer):
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Qw)
         for n in ("q", "k", "v", "gate", "up"):
             s = qk if n in ("q", "k") else c
             layer[f"{n}.weight"] = layer[f"{n}.weight"] * s
-            if f"{n}.bias" in layer and s != c:          # a reader's bias scales only with its output
+            if f"{n}.bias" in layer and s != c:  # a reader's bias scales only with its output
                 layer[f"{n}.bias"] = layer[f"{n}.bias"] * (s / c)
         for norm in ("attn_norm", "ffn_norm"):
             layer[f"{norm}.weight"] = torch.ones(w, dtype=torch.float64)
@@ -227,7 +272,7 @@ def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOpt
 
     def globals_fn(g):
         g = dict(g)
-        if "lm_head.weight" not in g:                 # tied: untied here, the final norm's γ folds into it
+        if "lm_head.weight" not in g:  # tied: untied here, the final norm's γ folds into it
             g["lm_head.weight"] = g["embed.weight"].clone()
         g = actions.rotate_residual_globals(actions.fold_final_norm(g), Qw)
         g["lm_head.weight"] = g["lm_head.weight"] * c
@@ -236,13 +281,22 @@ def stock_slice_tensors(source: TensorSource, config: dict, options: CompressOpt
 
     new_config = stock_config(config, adapter, w, eps)
     accounting["stock_class"] = new_config["architectures"][0]
-    transform_checkpoint(source, adapter, sink, layer_fn=layer_fn, globals_fn=globals_fn, progress=progress,
-                         desc="slice")
+    transform_checkpoint(
+        source, adapter, sink, layer_fn=layer_fn, globals_fn=globals_fn, progress=progress, desc="slice"
+    )
     accounting.update(norm_constant=c, rms_norm_eps=eps, source_rms_norm_eps=adapter.eps)
-    report = CompressReport(source="", output=None, family=adapter.family, options=options.as_dict(),
-                            accounting=accounting, relative_errors={}, objective={}, calibration_tokens=tokens,
-                            seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
-                            method=f"{options.label}, stock {accounting['stock_class']}")
+    report = CompressReport(
+        source="",
+        output=None,
+        family=adapter.family,
+        options=options.as_dict(),
+        accounting=accounting,
+        relative_errors={},
+        objective={},
+        calibration_tokens=tokens,
+        seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
+        method=f"{options.label}, stock {accounting['stock_class']}",
+    )
     return new_config, report
 
 
@@ -253,17 +307,24 @@ def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict
     ``MistralForCausalLM`` without sliding window, the same computation in a stock class whose config
     takes any ``head_dim`` (``ArchSpec.narrow_stock_type``)."""
     new = {k: v for k, v in config.items() if not k.startswith("_") and k != "auto_map"}
-    new.update(hidden_size=int(width), rms_norm_eps=float(eps), tie_word_embeddings=False,
-               head_dim=int(adapter.layout.head_dim), architectures=[stock_class(config)])
+    new.update(
+        hidden_size=int(width),
+        rms_norm_eps=float(eps),
+        tie_word_embeddings=False,
+        head_dim=int(adapter.layout.head_dim),
+        architectures=[stock_class(config)],
+    )
     heads = adapter.layout.n_heads
     spec = find_spec(config.get("model_type"))
     narrow = spec.narrow_stock_type if spec is not None else None
     if narrow is not None and config.get("model_type") != narrow and width % heads:
         own = stock_class(config).removesuffix("ForCausalLM")
         if any(config.get(k) for k in spec.bias_attrs):
-            raise ValueError(f"width {width} is not a multiple of the {heads} attention heads, which {own}Config "
-                             f"requires, and a {own} with biases has no other stock class: use a --round-to that is "
-                             f"a multiple of {heads}")
+            raise ValueError(
+                f"width {width} is not a multiple of the {heads} attention heads, which {own}Config "
+                f"requires, and a {own} with biases has no other stock class: use a --round-to that is "
+                f"a multiple of {heads}"
+            )
         for k in spec.bias_attrs + spec.narrow_stock_drop:
             new.pop(k, None)
         new.update(model_type=narrow, architectures=[stock_class({"model_type": narrow})])
@@ -272,9 +333,17 @@ def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict
     return new
 
 
-def stock_slice_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None,
-                      stock: StockOptions = StockOptions(), width: int | None = None,
-                      rotation: torch.Tensor | None = None, progress: bool = False, placement=None, **controls):
+def stock_slice_model(
+    model,
+    options: CompressOptions,
+    calib_ids: torch.Tensor | None = None,
+    stock: StockOptions = StockOptions(),
+    width: int | None = None,
+    rotation: torch.Tensor | None = None,
+    progress: bool = False,
+    placement=None,
+    **controls,
+):
     """In memory: a loaded Llama / Mistral / Qwen2 / Qwen3 / Phi-3 ``...ForCausalLM`` -> (the same stock
     class at ``hidden_size = d′``, report). A tied source is untied (as ``--untie``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -284,27 +353,52 @@ def stock_slice_model(model, options: CompressOptions, calib_ids: torch.Tensor |
     dtype = next(model.parameters()).dtype
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     sink = DictSink()
-    new_config, report = stock_slice_tensors(source, model.config.to_dict(), options, calib_ids, sink, stock,
-                                             width=width, rotation=rotation, placement=placement,
-                                             progress=progress, **controls)
+    new_config, report = stock_slice_tensors(
+        source,
+        model.config.to_dict(),
+        options,
+        calib_ids,
+        sink,
+        stock,
+        width=width,
+        rotation=rotation,
+        placement=placement,
+        progress=progress,
+        **controls,
+    )
     cfg = AutoConfig.for_model(**{k: v for k, v in new_config.items() if k != "transformers_version"})
     out = AutoModelForCausalLM.from_config(cfg).to(dtype)
     missing, unexpected = out.load_state_dict({k: v.to(dtype) for k, v in sink.items()}, strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
-        raise RuntimeError(f"stock slice does not match {type(out).__name__}: missing {missing[:4]}, "
-                           f"unexpected {unexpected[:4]}")
+        raise RuntimeError(
+            f"stock slice does not match {type(out).__name__}: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     report.accounting["compressed_model_params_counted"] = sum(p.numel() for p in out.parameters())
     return out.eval(), report
 
 
-def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, stock: StockOptions = StockOptions(),
-                              overwrite: bool = False, progress: bool = True, placement=None,
-                              max_shard_size: str | int = "2GB"):
+def compress_stock_checkpoint(
+    src,
+    out,
+    options: CompressOptions,
+    calib_text,
+    stock: StockOptions = StockOptions(),
+    overwrite: bool = False,
+    progress: bool = True,
+    placement=None,
+    max_shard_size: str | int = "2GB",
+):
     """:func:`.pipeline.compress_checkpoint` where :func:`why_not_stock` allows: ``out`` holds the
     source's own stock family at ``hidden_size = d′`` (no remote code), its report and card."""
-    from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size,
-                               write_config)
+    from ...checkpoint import (
+        CheckpointReader,
+        ShardedWriter,
+        atomic_output_dir,
+        check_output_dir,
+        parse_size,
+        write_config,
+    )
     from .moments import read_calibration
     from .report import finish_folder
 
@@ -315,9 +409,9 @@ def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, st
     reason = why_not_stock(reader.config, options, stock.untie)
     if reason is not None:
         raise ValueError(f"no stock output: {reason}")
-    w, _ = plan_stock_width(reader, reader.config, options, stock)      # a bad --round-to fails here
-    stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)   # so does its class
-    calib_ids = read_calibration(src, calib_text, options)    # SliceGPT always calibrates
+    w, _ = plan_stock_width(reader, reader.config, options, stock)  # a bad --round-to fails here
+    stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)  # so does its class
+    calib_ids = read_calibration(src, calib_text, options)  # SliceGPT always calibrates
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "compress"})
         counted = 0
@@ -328,8 +422,9 @@ def compress_stock_checkpoint(src, out, options: CompressOptions, calib_text, st
                 counted += sum(t.numel() for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq"))
                 writer.add(tensors)
 
-        new_config, report = stock_slice_tensors(reader, reader.config, options, calib_ids, _Counting(), stock,
-                                                 placement=placement, progress=progress)
+        new_config, report = stock_slice_tensors(
+            reader, reader.config, options, calib_ids, _Counting(), stock, placement=placement, progress=progress
+        )
         writer.close()
         write_config(tmp, new_config)
         finish_folder(tmp, report, options, src, reader.path, out, counted)

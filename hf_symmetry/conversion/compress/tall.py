@@ -26,19 +26,27 @@ class TallTerm:
     ``col_gram``: the head's column weight (stage W), set on the reduced term. :attr:`term` is the
     reduced term the segment's solve sees (handed over by :meth:`take`)."""
 
-    def __init__(self, m: MatrixPlan, globals_, weights: torch.Tensor | None, device, row_dtype,
-                 right: torch.Tensor | None = None, col_gram: torch.Tensor | None = None):
+    def __init__(
+        self,
+        m: MatrixPlan,
+        globals_,
+        weights: torch.Tensor | None,
+        device,
+        row_dtype,
+        right: torch.Tensor | None = None,
+        col_gram: torch.Tensor | None = None,
+    ):
         self.m, self.globals, self.key, self.device = m, globals_, f"{m.canon}.weight", device
         self.row_dtype = row_dtype or torch.float64
         self.right = right
         n, blocks = self._blocks()
         P = P1 = None
         for i, B in blocks:
-            GB = B if weights is None else weights[i:i + len(B)].to(device)[:, None] * B
+            GB = B if weights is None else weights[i : i + len(B)].to(device)[:, None] * B
             P = B.T @ GB if P is None else P.addmm_(B.T, GB)
             if weights is not None:
                 P1 = B.T @ B if P1 is None else P1.addmm_(B.T, B)
-        self.plain = P if P1 is None else P1        # Mᵀ M (the relative error's metric)
+        self.plain = P if P1 is None else P1  # Mᵀ M (the relative error's metric)
         shell = Term(m.name, torch.empty(n, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
         term, self.R = shell.reduced_from_gram(P)
         term.col_gram = col_gram
@@ -89,23 +97,27 @@ class TallTerm:
             for _, B in self._blocks()[1]:
                 yield s.map_rows(B, RF)
 
-        shape = tuple(RF.shape[:dim]) + (n,) + tuple(RF.shape[dim + 1:])
-        factors = tuple(RowBlocks(shape, self.row_dtype, blocks, row_dim=dim) if j == row else f.cpu()
-                        for j, f in enumerate(term.factors))
+        shape = tuple(RF.shape[:dim]) + (n,) + tuple(RF.shape[dim + 1 :])
+        factors = tuple(
+            RowBlocks(shape, self.row_dtype, blocks, row_dim=dim) if j == row else f.cpu()
+            for j, f in enumerate(term.factors)
+        )
         D = Q.to(self.R) - self.R @ term.structure.dense(term.factors)
-        err = float(torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) /
-                    torch.sqrt(self.plain.trace()).clamp_min(1e-300))
+        err = float(
+            torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) / torch.sqrt(self.plain.trace()).clamp_min(1e-300)
+        )
         return factors, err
 
     def rows(self, Q: torch.Tensor):
         """``idx -> Ŵ Qᵀ`` at the rows ``idx`` (any shape): the approximation the sequential calibration
         runs on, row by row as the whole ``dense(factors) Qᵀ`` would give it."""
         term = self.term
-        W_red = term.structure.dense(term.factors)       # Ŵ = M R Ŵ'
+        W_red = term.structure.dense(term.factors)  # Ŵ = M R Ŵ'
 
         def take(idx: torch.Tensor) -> torch.Tensor:
             uniq, inverse = torch.unique(idx.reshape(-1), return_inverse=True)
             B = self._map(global_rows(self.globals, self.key, uniq))
             out = ((B @ self.R) @ W_red) @ Q.to(B).T
             return out[inverse].reshape(*idx.shape, out.shape[-1])
+
         return take

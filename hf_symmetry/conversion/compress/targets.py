@@ -26,9 +26,15 @@ def damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Ten
     return out
 
 
-def matched_target(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damping: float,
-                   consume: bool = False, rows_gram: bool = False, reader_map: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def matched_target(
+    m: MatrixPlan,
+    M: torch.Tensor,
+    stats: CalibrationStats,
+    damping: float,
+    consume: bool = False,
+    rows_gram: bool = False,
+    reader_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
     model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
     side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
@@ -47,7 +53,7 @@ def matched_target(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damp
     without keeping a reference frees it there), and on the CPU the moments are factorised and the
     right-hand side solved in place (:func:`_cholesky_in_place`: no second ``[4d, 4d]`` matrix, no
     second target-sized one)."""
-    if m.role == "reader":     # M Aᵀ (a segment's readers share its moments: nothing is consumed)
+    if m.role == "reader":  # M Aᵀ (a segment's readers share its moments: nothing is consumed)
         A = reader_map if reader_map is not None else segment_reader_map(m.segment, stats, damping, M.device)
         return M @ A.T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
@@ -63,12 +69,16 @@ def matched_target(m: MatrixPlan, M: torch.Tensor, stats: CalibrationStats, damp
     if not (consume and rows_gram):
         return torch.linalg.solve(Gd, rhs), Gd
     del M
-    if Gd.device.type == "cpu" and Gd.dtype == rhs.dtype == torch.float64 and Gd.is_contiguous() \
-            and rhs.is_contiguous():
+    if (
+        Gd.device.type == "cpu"
+        and Gd.dtype == rhs.dtype == torch.float64
+        and Gd.is_contiguous()
+        and rhs.is_contiguous()
+    ):
         return _cholesky_in_place(Gd, rhs, m.name)
     target = torch.linalg.solve(Gd, rhs)
     del Gd
-    return target, target.T @ rhs           # M'ᵀ Gd M' = M'ᵀ rhs
+    return target, target.T @ rhs  # M'ᵀ Gd M' = M'ᵀ rhs
 
 
 def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +92,10 @@ def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[tor
     # A is symmetric: its C-ordered buffer read as a Fortran-ordered matrix is A itself
     L, info = dpotrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     if info != 0:
-        raise ValueError(f"{name}: the damped input moments are not positive definite (LAPACK info {info}); "
-                         "raise --damping")
-    Bt = B.numpy().T                                                  # Bᵀ, Fortran-ordered
+        raise ValueError(
+            f"{name}: the damped input moments are not positive definite (LAPACK info {info}); raise --damping"
+        )
+    Bt = B.numpy().T  # Bᵀ, Fortran-ordered
     Bt = dtrsm(1.0, L, Bt, side=1, lower=1, trans_a=1, overwrite_b=1)  # Bᵀ L⁻ᵀ = Zᵀ, in place
     Z = torch.from_numpy(Bt.T)
     P = Z.T @ Z
@@ -93,8 +104,9 @@ def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[tor
     return torch.from_numpy(Bt.T), P
 
 
-def _reader_weights(segment: int, stats: CalibrationStats, damping: float, device, matched: bool,
-                    consume: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _reader_weights(
+    segment: int, stats: CalibrationStats, damping: float, device, matched: bool, consume: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Segment ``segment``'s column weight ``X̂ᵀX̂ + δI`` and (``matched``) its readers' map
     ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): the matched target of each of its readers ``M`` is
     ``M Aᵀ`` (:func:`matched_target`), so a vocabulary-sized head can be matched a block of rows at a time.
@@ -120,7 +132,8 @@ def segment_reader_map(segment: int, stats: CalibrationStats, damping: float, de
     return _reader_weights(segment, stats, damping, device, matched=True, consume=False)[1]
 
 
-def consume_reader_moments(segment: int, stats: CalibrationStats, damping: float, device,
-                            matched: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def consume_reader_moments(
+    segment: int, stats: CalibrationStats, damping: float, device, matched: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_reader_weights` consuming the segment's moments."""
     return _reader_weights(segment, stats, damping, device, matched, consume=True)

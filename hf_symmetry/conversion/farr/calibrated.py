@@ -20,6 +20,7 @@ class LayerWeights:
     """Each layer's activation-aware metric (:class:`fused.InputWeights`), from the calibration pass
     to the reduction pass: in safetensors files in ``folder`` (one layer in memory at a time), or
     in memory when ``folder`` is None (the in-memory API). ``weights[i]`` reads layer i's."""
+
     _FIELDS = ("root", "inv_root", "root_aug", "inv_root_aug")
 
     def __init__(self, folder: str | Path | None = None):
@@ -60,9 +61,17 @@ class LayerWeights:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def calibrated_analysis(model, ids: torch.Tensor, paths: tuple[str, ...], placement=None, progress: bool = False,
-                        config: dict | None = None, detail: bool = False, store: LayerWeights | None = None,
-                        window: int = 512) -> list[LayerAnalysis]:
+def calibrated_analysis(
+    model,
+    ids: torch.Tensor,
+    paths: tuple[str, ...],
+    placement=None,
+    progress: bool = False,
+    config: dict | None = None,
+    detail: bool = False,
+    store: LayerWeights | None = None,
+    window: int = 512,
+) -> list[LayerAnalysis]:
     """The calibrated first pass, in one run of the layer-wise calibration engine: per layer, the
     attention input's moments ``E[x xᵀ]``, ``E[x]`` over ``ids`` (windows of ``window`` tokens)
     become its :class:`fused.InputWeights` (eigendecompositions in float64 on ``placement``'s
@@ -83,15 +92,21 @@ def calibrated_analysis(model, ids: torch.Tensor, paths: tuple[str, ...], placem
     shapes = engine.source.shapes()
     out = []
     for step in run.layers(StatsRequest(grams=("v_in",), sums=("v_in",))):
-        step.release()   # its outputs are handed on: free the engine's layer before this layer's work
+        step.release()  # its outputs are handed on: free the engine's layer before this layer's work
         i = step.index
-        w = fused.InputWeights.from_moments(step.stats.second_moment("v_in"), step.stats.mean("v_in"),
-                                            augmented="qk" in paths)
+        w = fused.InputWeights.from_moments(
+            step.stats.second_moment("v_in"), step.stats.mean("v_in"), augmented="qk" in paths
+        )
         del step
         # only the attention's tensors are read (the rest of the layer stands in on the meta device)
         keys = [k for k in per_layer[i] if module_of(adapter, i, k) in attention_modules(adapter)]
-        layer = {k: t for k, t in read_part(adapter, i, stand_ins(per_layer[i], shapes), engine.source.get(keys),
-                                             torch.float64).items() if k.split(".")[0] in ("q", "k", "v", "o")}
+        layer = {
+            k: t
+            for k, t in read_part(
+                adapter, i, stand_ins(per_layer[i], shapes), engine.source.get(keys), torch.float64
+            ).items()
+            if k.split(".")[0] in ("q", "k", "v", "o")
+        }
         out.append(analyze_layer(i, layer, adapter, paths, detail, w, device))
         if store is not None:
             store.put(i, w)
@@ -104,12 +119,14 @@ def _engine(model, config, placement, progress):
 
     if isinstance(model, (str, Path)) or config is not None:
         return CalibrationEngine(model, config, placement=placement, progress=progress)
-    return CalibrationEngine(DictSource(model.state_dict()), model.config.to_dict(), placement=placement,
-                             progress=progress)
+    return CalibrationEngine(
+        DictSource(model.state_dict()), model.config.to_dict(), placement=placement, progress=progress
+    )
 
 
-def attention_input_moments(model, ids: torch.Tensor, window: int = 512, placement=None, progress: bool = False,
-                            config: dict | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def attention_input_moments(
+    model, ids: torch.Tensor, window: int = 512, placement=None, progress: bool = False, config: dict | None = None
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, ``(E[x xᵀ], E[x])`` of the attention input x (what q/k/v read: the pre-norm's
     output, γ included, or the residual stream of post-LN encoders) over ``ids`` in windows of
     ``window`` tokens, in float64.

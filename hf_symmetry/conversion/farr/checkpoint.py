@@ -11,8 +11,14 @@ from pathlib import Path
 import torch
 
 from ...architectures import Adapter
-from ...checkpoint import (CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, copy_side_files,
-                           parse_size)
+from ...checkpoint import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    copy_side_files,
+    parse_size,
+)
 from ...evaluation.compare import write_json
 from ...hub.cards import count_stored_parameters, public_report, write_card
 from ...modeling import configuration_farr, modeling_farr
@@ -30,16 +36,26 @@ def save_farr_config(farr_config, folder: Path) -> None:
     """config.json with ``auto_map`` plus the flat remote-code files, so the folder loads with
     ``trust_remote_code=True`` where hf_symmetry is not installed."""
     classes = farr_classes(farr_config)
-    farr_config.auto_map = {"AutoConfig": f"configuration_farr.{type(farr_config).__name__}",
-                            **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()}}
-    farr_config.save_pretrained(folder)   # also copies configuration_farr.py (register_for_auto_class)
+    farr_config.auto_map = {
+        "AutoConfig": f"configuration_farr.{type(farr_config).__name__}",
+        **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()},
+    }
+    farr_config.save_pretrained(folder)  # also copies configuration_farr.py (register_for_auto_class)
     shutil.copyfile(modeling_farr.__file__, folder / "modeling_farr.py")
     shutil.copyfile(configuration_farr.__file__, folder / "configuration_farr.py")
 
 
-def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, overwrite: bool = False,
-                    max_shard_size: str | int = "2GB", progress: bool = True, calib_text: str | Path | None = None,
-                    calib_tokens: int = 2048, placement=None) -> FarrReport:
+def farr_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    options: FarrOptions,
+    overwrite: bool = False,
+    max_shard_size: str | int = "2GB",
+    progress: bool = True,
+    calib_text: str | Path | None = None,
+    calib_tokens: int = 2048,
+    placement=None,
+) -> FarrReport:
     """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
     ``calib_text`` the layer-wise calibration engine measures the attention inputs on the first
     ``calib_tokens`` tokens (activation-aware metric) on ``placement``
@@ -56,25 +72,33 @@ def farr_checkpoint(src: str | Path, out: str | Path, options: FarrOptions, over
         ids, calibration = calibration_tokens(src, calib_text, calib_tokens)
     with atomic_output_dir(out, overwrite) as tmp:
         weights = analysis = None
-        if ids is not None:   # the metrics wait for the reduction pass in the (hidden) output folder
+        if ids is not None:  # the metrics wait for the reduction pass in the (hidden) output folder
             weights = LayerWeights(tmp / ".farr-input-weights")
             analysis = calibrated_analysis(src, ids, options.paths, placement, progress, store=weights)
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "farr"})
         counter = _CountingSink(writer)
-        farr_config, report, analysis = run_farr(reader, reader.config, options, counter, progress, weights=weights,
-                                              analysis=analysis, device=linalg_device(placement))
+        farr_config, report, analysis = run_farr(
+            reader,
+            reader.config,
+            options,
+            counter,
+            progress,
+            weights=weights,
+            analysis=analysis,
+            device=linalg_device(placement),
+        )
         if weights is not None:
             weights.close()
         report.calibration = calibration
         writer.close()
         farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
         save_farr_config(farr_config, tmp)
-        from ..layer_map import LayerMap   # the residual stream is untouched: heal's layer targets are the original's
+        from ..layer_map import LayerMap  # the residual stream is untouched: heal's layer targets are the original's
 
         LayerMap.identity(farr_config.num_hidden_layers, farr_config.hidden_size, "farr").save(tmp)
         copy_side_files(reader.path, tmp)
         report.source, report.output = str(src), str(out)
-        report.params_before = count_stored_parameters(reader.path)   # the count every card and report uses
+        report.params_before = count_stored_parameters(reader.path)  # the count every card and report uses
         report.params_after = count_stored_parameters(tmp)
         report.seconds = time.perf_counter() - start
         write_json(tmp / REPORT_FILE, public_report(report.as_dict()))

@@ -9,7 +9,8 @@ input ``Z`` of its output projection, and require for every query head h
   equal ``o_proj(Z with only head h's slice kept) − o_proj(0)`` (the module's own output
   projection on the module's own head output), and their sum over heads plus ``b_O`` to equal the
   module's output;
-* score path, in layers where QK fusion is exact and no dim is rotary (encoders, NoPE layers): ``softmax([X;1] M_h Xᵀ / √d_h + mask)``
+* score path, in layers where QK fusion is exact and no dim is rotary (encoders, NoPE layers): ``softmax([X;1] M_h Xᵀ /
+  √d_h + mask)``
   with ``M_h = Q̃_hᵀ W_K^g`` to equal ``α_h``.
 
 The maps are taken unfolded here (the module sees the norm's output, γ included); the conversions
@@ -33,9 +34,9 @@ from ..stream import partition_keys
 class LayoutCheck:
     tokens: int
     tolerance: float
-    vo_max_rel_error: float = 0.0      # per head contribution, relative to its max magnitude
-    total_max_rel_error: float = 0.0   # Σ_h contributions + b_O vs the module's output
-    qk_max_abs_error: float | None = None   # attention probabilities; None where QK is not fused
+    vo_max_rel_error: float = 0.0  # per head contribution, relative to its max magnitude
+    total_max_rel_error: float = 0.0  # Σ_h contributions + b_O vs the module's output
+    qk_max_abs_error: float | None = None  # attention probabilities; None where QK is not fused
     per_layer: list[dict] = field(default_factory=list)
 
     @property
@@ -66,7 +67,9 @@ class _Capture:
             modules[p + reader].register_forward_pre_hook(lambda m, args: self._keep("x", args[0])),
             self.o_module.register_forward_pre_hook(lambda m, args: self._keep("z", args[0])),
             self.o_module.register_forward_hook(lambda m, args, out: self._keep("out", out)),
-            modules[p + reader.rsplit(".", 1)[0]].register_forward_hook(lambda m, args, out: self._keep("alpha", out[1])),
+            modules[p + reader.rsplit(".", 1)[0]].register_forward_hook(
+                lambda m, args, out: self._keep("alpha", out[1])
+            ),
         ]
 
     def _keep(self, name: str, t: torch.Tensor) -> None:
@@ -80,8 +83,14 @@ class _Capture:
 
 
 @torch.no_grad()
-def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None, tolerance: float = 1e-3,
-                       layout: HeadLayout | None = None, progress: bool = False) -> LayoutCheck:
+def check_fused_layout(
+    model,
+    ids: torch.Tensor,
+    layers: list[int] | None = None,
+    tolerance: float = 1e-3,
+    layout: HeadLayout | None = None,
+    progress: bool = False,
+) -> LayoutCheck:
     """Compare fused maps with the module's forward on ``ids`` (1-D token ids). ``layout`` overrides
     the adapter's (tests use it for negative controls)."""
     state = model.state_dict()
@@ -90,7 +99,7 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
     layers = list(range(adapter.n_layers)) if layers is None else layers
     captures = {i: _Capture(model, adapter, i) for i in layers}
     previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")   # the only implementation that returns probabilities
+    model.set_attn_implementation("eager")  # the only implementation that returns probabilities
     try:
         model(input_ids=to_model(ids.reshape(1, -1), model))
     finally:
@@ -98,7 +107,7 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
         for c in captures.values():
             c.remove()
     report = LayoutCheck(tokens=ids.numel(), tolerance=tolerance)
-    causal = adapter.spec.is_decoder   # decoders (with an LM head) are causal, encoders are not
+    causal = adapter.spec.is_decoder  # decoders (with an LM head) are causal, encoders are not
     from tqdm.auto import tqdm
 
     for i in tqdm(layers, desc="layout check", unit="layer", disable=not progress, leave=False):
@@ -108,9 +117,15 @@ def check_fused_layout(model, ids: torch.Tensor, layers: list[int] | None = None
 
 
 @torch.no_grad()
-def check_fused_layout_layerwise(source, ids: torch.Tensor, layers: list[int] | None = None, tolerance: float = 1e-3,
-                                 layout: HeadLayout | None = None, progress: bool = False,
-                                 placement=None) -> LayoutCheck:
+def check_fused_layout_layerwise(
+    source,
+    ids: torch.Tensor,
+    layers: list[int] | None = None,
+    tolerance: float = 1e-3,
+    layout: HeadLayout | None = None,
+    progress: bool = False,
+    placement=None,
+) -> LayoutCheck:
     """:func:`check_fused_layout` on a checkpoint (a model folder) without loading the model: the
     calibration engine builds one decoder layer at a time as the family's own module (eager
     attention, float32 on the CPU unless ``placement`` says otherwise), runs it on its inputs with the
@@ -119,8 +134,9 @@ def check_fused_layout_layerwise(source, ids: torch.Tensor, layers: list[int] | 
     from ...devices import resolve
     from ..layer_parts import attention_modules, module_of, read_part, stand_ins
 
-    engine = CalibrationEngine(source, placement=placement or resolve("cpu", "float32"), progress=progress,
-                               attn_implementation="eager")
+    engine = CalibrationEngine(
+        source, placement=placement or resolve("cpu", "float32"), progress=progress, attn_implementation="eager"
+    )
     adapter = engine.adapter
     wanted = set(range(adapter.n_layers) if layers is None else layers)
     _, per_layer, _ = partition_keys(adapter, engine.keys)
@@ -133,7 +149,7 @@ def check_fused_layout_layerwise(source, ids: torch.Tensor, layers: list[int] | 
             continue
         capture = _Capture(step.module, adapter, i, prefix="")
         try:
-            step.collect(StatsRequest())   # the layer once more on its inputs, the hooks recording
+            step.collect(StatsRequest())  # the layer once more on its inputs, the hooks recording
         finally:
             capture.remove()
         step.release()
@@ -164,7 +180,7 @@ def _check_vo(layer: dict, L: HeadLayout, cap: _Capture) -> dict:
     d = cap.data
     X, alpha, Z = d["x"].double(), d["alpha"].double(), d["z"]
     b_v = layer.get("v.bias")
-    zero_out = _o_proj(cap, torch.zeros_like(Z[:1]))   # o_proj's bias (or 0)
+    zero_out = _o_proj(cap, torch.zeros_like(Z[:1]))  # o_proj's bias (or 0)
     worst, total = 0.0, zero_out[0].clone().expand(X.shape[0], -1).clone()
     for g, pair in enumerate(fused.group_pairs(layer, L, "vo")):
         for j, h in enumerate(L.heads_of_group(g)):
@@ -194,7 +210,7 @@ def _check_qk(layer: dict, L: HeadLayout, d: dict, causal: bool) -> float:
     worst = 0.0
     for g, pair in enumerate(fused.group_pairs(layer, L, "qk")):
         for j, h in enumerate(L.heads_of_group(g)):
-            scores = X1 @ (pair.block(j) @ pair.B) @ X.T / L.head_dim ** 0.5
+            scores = X1 @ (pair.block(j) @ pair.B) @ X.T / L.head_dim**0.5
             if mask is not None:
                 scores = scores.masked_fill(mask, float("-inf"))
             worst = max(worst, (scores.softmax(-1) - alpha[h]).abs().max().item())

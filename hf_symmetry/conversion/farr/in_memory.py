@@ -12,15 +12,23 @@ from .reduce import INDEX_BUFFERS, run_farr, state_dict_parameters
 from .target import farr_classes, normalised_config
 
 
-def farr_state_dict(state_dict: Tensors, config, options: FarrOptions, progress: bool = False,
-                    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+def farr_state_dict(
+    state_dict: Tensors,
+    config,
+    options: FarrOptions,
+    progress: bool = False,
+    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+):
     """In-memory FaRR: returns (new state dict, FaRR config, report). ``moments`` (from
     :func:`attention_input_moments`) switches to the calibrated, activation-aware metric."""
     config = normalised_config(config)
     sink = DictSink()
     farr_config, report, _ = run_farr(DictSource(state_dict), config, options, sink, progress, moments)
     tied = bool(config.get("tie_word_embeddings"))
-    report.params_before, report.params_after = state_dict_parameters(state_dict, tied), state_dict_parameters(sink, tied)
+    report.params_before, report.params_after = (
+        state_dict_parameters(state_dict, tied),
+        state_dict_parameters(sink, tied),
+    )
     return dict(sink), farr_config, report
 
 
@@ -28,9 +36,11 @@ def build_farr_model(state_dict: Tensors, farr_config, dtype: torch.dtype | None
     """A FaRR model instance holding ``state_dict`` (in eval mode)."""
     target_cls = next(iter(farr_classes(farr_config).values()))
     dtype = dtype or next(iter(state_dict.values())).dtype
-    model = target_cls(farr_config).to(dtype)   # before loading, so float64 weights stay float64
+    model = target_cls(farr_config).to(dtype)  # before loading, so float64 weights stay float64
     own = model.state_dict()
-    missing = [k for k in own if k not in state_dict and not (k == "lm_head.weight" and farr_config.tie_word_embeddings)]
+    missing = [
+        k for k in own if k not in state_dict and not (k == "lm_head.weight" and farr_config.tie_word_embeddings)
+    ]
     unexpected = [k for k in state_dict if k not in own and not k.endswith(INDEX_BUFFERS)]
     if missing or unexpected:
         raise ValueError(f"FaRR state dict does not fit the model: missing {missing[:4]}, unexpected {unexpected[:4]}")

@@ -14,6 +14,7 @@ class FarrOptions:
     parameters of the projections FaRR rewrites that the result keeps: ``v_proj`` + ``o_proj`` with
     ``vo``, ``q_proj`` + ``k_proj`` with ``qk``; weights and biases, all layers). ``basis`` other than
     ``"fused"`` selects the single-factor baselines of the benchmark (see :func:`fused.factor_basis_split`)."""
+
     tau: float | None = None
     params_fraction: float | None = None
     vo: bool = True

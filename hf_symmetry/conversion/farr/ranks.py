@@ -16,9 +16,9 @@ from .target import FarrTarget
 
 @dataclass
 class RankPlan:
-    ranks: dict[str, list[int | None]]   # path -> rank per layer (None: the layer keeps that path whole)
-    touchable_before: int                # parameters of the rewritten projections, original
-    touchable_after: int                 # ... and in the FaRR model
+    ranks: dict[str, list[int | None]]  # path -> rank per layer (None: the layer keeps that path whole)
+    touchable_before: int  # parameters of the rewritten projections, original
+    touchable_after: int  # ... and in the FaRR model
 
     @property
     def kept_fraction(self) -> float:
@@ -28,8 +28,10 @@ class RankPlan:
 def ranks_for_tau(analysis: list[LayerAnalysis], path: str, tau: float) -> list[int | None]:
     """Per layer: the largest per-group effective rank at τ (at least 1); None where the layer's
     ``path`` cannot be reduced."""
-    return [max([1] + [fused.effective_rank(g.S, tau) for g in a.spectra[path]]) if path in a.spectra else None
-            for a in analysis]
+    return [
+        max([1] + [fused.effective_rank(g.S, tau) for g in a.spectra[path]]) if path in a.spectra else None
+        for a in analysis
+    ]
 
 
 def plan_ranks(analysis: list[LayerAnalysis], options: FarrOptions, target: FarrTarget) -> RankPlan:
@@ -43,8 +45,9 @@ def plan_ranks(analysis: list[LayerAnalysis], options: FarrOptions, target: Farr
     return RankPlan(ranks, before, after)
 
 
-def _ranks_for_budget(analysis: list[LayerAnalysis], paths: tuple[str, ...], target: FarrTarget, budget: int,
-                      before: int) -> dict[str, list[int]]:
+def _ranks_for_budget(
+    analysis: list[LayerAnalysis], paths: tuple[str, ...], target: FarrTarget, budget: int, before: int
+) -> dict[str, list[int]]:
     """Greedy on the marginal gain per parameter. A rank increment r -> r+1 of a layer's path gains
     the mean over its groups of ``σ_{r+1}² / Σσ²`` (relative energy, so every layer counts alike) and
     costs a fixed number of parameters; gains fall with r, so taking increments in order of gain per
@@ -52,8 +55,10 @@ def _ranks_for_budget(analysis: list[LayerAnalysis], paths: tuple[str, ...], tar
     ranks = {p: [1 if p in a.spectra else None for a in analysis] for p in paths}
     spent = sum(target.path_params(p, 1) for p in paths for r in ranks[p] if r is not None)
     if spent > budget:
-        raise ValueError(f"the parameter budget ({budget:,} of {before:,}) removes everything: the smallest FaRR model "
-                         f"(rank 1 in every layer) keeps {spent:,} ({spent / before:.2%}); raise --params-fraction")
+        raise ValueError(
+            f"the parameter budget ({budget:,} of {before:,}) removes everything: the smallest FaRR model "
+            f"(rank 1 in every layer) keeps {spent:,} ({spent / before:.2%}); raise --params-fraction"
+        )
     units = []
     for a in analysis:
         for p in a.spectra:
@@ -67,7 +72,7 @@ def _ranks_for_budget(analysis: list[LayerAnalysis], paths: tuple[str, ...], tar
         if (layer, p) in closed or ranks[p][layer] != r:
             continue
         if spent + cost > budget:
-            closed.add((layer, p))   # later increments of this layer would break the prefix
+            closed.add((layer, p))  # later increments of this layer would break the prefix
             continue
         ranks[p][layer] = r + 1
         spent += cost
@@ -75,5 +80,5 @@ def _ranks_for_budget(analysis: list[LayerAnalysis], paths: tuple[str, ...], tar
 
 
 def _rel_energy(S: torch.Tensor, index: int) -> float:
-    total = float((S ** 2).sum())
+    total = float((S**2).sum())
     return float(S[index] ** 2) / total if total > 0 and index < S.numel() else 0.0

@@ -29,7 +29,7 @@ class FarrReport:
     output: str | None
     model_type: str
     options: dict
-    ranks: dict[str, list[int | None]]     # None: that layer's path kept whole (RoPE layers' query/key)
+    ranks: dict[str, list[int | None]]  # None: that layer's path kept whole (RoPE layers' query/key)
     head_dim: int
     kept_energy: dict[str, list[list[float] | None]] = field(default_factory=dict)  # path -> layer -> per group
     touchable_params_before: int = 0
@@ -37,7 +37,7 @@ class FarrReport:
     params_before: int = 0
     params_after: int = 0
     notes: list[str] = field(default_factory=list)
-    calibration: dict | None = None        # text and tokens of the activation-aware metric
+    calibration: dict | None = None  # text and tokens of the activation-aware metric
     seconds: float = 0.0
     verification: dict = field(default_factory=dict)
 
@@ -51,9 +51,15 @@ class FarrReport:
         return d
 
 
-def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: FarrOptions,
-                 ranks: dict[str, int | None], weights: fused.InputWeights | None = None,
-                 layout=None) -> tuple[Tensors, dict[str, list[float] | None]]:
+def reduce_layer(
+    layer: Tensors,
+    adapter: Adapter,
+    target: FarrTarget,
+    options: FarrOptions,
+    ranks: dict[str, int | None],
+    weights: fused.InputWeights | None = None,
+    layout=None,
+) -> tuple[Tensors, dict[str, list[float] | None]]:
     """One layer of the FaRR model, canonical form (``layout``: this layer's, default the model's).
     The bias rewrites apply whether or not their path is reduced, because the FaRR architecture has
     no value (and, for encoders, key) bias. Data-free, the maps are truncated with the pre-norm γ
@@ -74,14 +80,22 @@ def reduce_layer(layer: Tensors, adapter: Adapter, target: FarrTarget, options: 
         if ranks["qk"] is not None:
             layer, red = fused.reduce_qk(layer, L, ranks["qk"], options.basis, weights)
             kept["qk"] = red.kept_energy
-            if target.k_bias:   # the decoder's k_proj has a bias on every layer; b_K is exactly 0 here
+            if target.k_bias:  # the decoder's k_proj has a bias on every layer; b_K is exactly 0 here
                 layer["k.bias"] = torch.zeros(layer["k.weight"].shape[0], dtype=layer["k.weight"].dtype)
     return prepare_layer(layer, adapter) if weights is not None else layer, kept
 
 
-def run_farr(source: TensorSource, config: dict, options: FarrOptions, sink, progress: bool,
-          moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None, weights: LayerWeights | None = None,
-          analysis: list[LayerAnalysis] | None = None, device: torch.device | str = "cpu"):
+def run_farr(
+    source: TensorSource,
+    config: dict,
+    options: FarrOptions,
+    sink,
+    progress: bool,
+    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    weights: LayerWeights | None = None,
+    analysis: list[LayerAnalysis] | None = None,
+    device: torch.device | str = "cpu",
+):
     """The two passes. Calibrated: either ``moments`` (per layer ``(E[xxᵀ], E[x])``; the metrics are
     computed here and kept in memory) or ``weights`` with the ``analysis`` of
     :func:`calibrated_analysis`. The truncations run on ``device``."""
@@ -97,26 +111,33 @@ def run_farr(source: TensorSource, config: dict, options: FarrOptions, sink, pro
     plan = plan_ranks(analysis, options, target)
     kept: dict[str, list[list[float]]] = {p: [] for p in options.paths}
     global_keys, per_layer, rest = partition_keys(adapter, keys)
-    release_free_memory()   # the analysis' temporaries, before the vocabulary-sized reads
+    release_free_memory()  # the analysis' temporaries, before the vocabulary-sized reads
     # the globals pass through unchanged, one tensor at a time (vocabulary-sized: no copy of them is made)
     for key in global_keys:
         sink.add(source.get([key]))
     shapes, dtypes = source.shapes(), _dtypes(source)
     ffn = ffn_modules(adapter)
     for i in tqdm(range(adapter.n_layers), desc="farr", disable=not progress, unit="layer"):
-        release_free_memory()   # the previous layer's temporaries
+        release_free_memory()  # the previous layer's temporaries
         like = {k: dtypes[k] for k in per_layer[i]}
         stand = stand_ins(per_layer[i], shapes, dtypes)
         # the attention and the norms, in float64: what FaRR rewrites
         keys_a = [k for k in per_layer[i] if module_of(adapter, i, k) not in ffn]
         raw = source.get(keys_a)
         modeled = adapter.modeled_layer_keys(i)
-        passthrough = {k: v for k, v in raw.items() if k not in modeled}   # rotary buffers
+        passthrough = {k: v for k, v in raw.items() if k not in modeled}  # rotary buffers
         layer = read_part(adapter, i, stand, raw, torch.float64)
         ffn_norm = {k: layer[f"ffn_norm.{k}"] for k in ("weight", "bias") if f"ffn_norm.{k}" in layer}
         w = weights_to(weights[i], device) if weights else None
-        new, k = reduce_layer({n: t.to(device) for n, t in layer.items()}, adapter, target, options,
-                              {p: plan.ranks[p][i] for p in options.paths}, w, adapter.layer_layout(i))
+        new, k = reduce_layer(
+            {n: t.to(device) for n, t in layer.items()},
+            adapter,
+            target,
+            options,
+            {p: plan.ranks[p][i] for p in options.paths},
+            w,
+            adapter.layer_layout(i),
+        )
         for p, v in k.items():
             kept[p].append(v)
         sink.add({**passthrough, **adapter.write_layer(i, {n: t.cpu() for n, t in new.items()}, like)})
@@ -134,11 +155,17 @@ def run_farr(source: TensorSource, config: dict, options: FarrOptions, sink, pro
     if rest:
         sink.add(source.get(rest))
     farr_config = target.make_config(plan.ranks.get("vo"), plan.ranks.get("qk"))
-    report = FarrReport(source="", output=None, model_type=farr_config.model_type,
-                        options=dataclasses.asdict(options), head_dim=adapter.layout.head_dim,
-                        ranks={p: [adapter.layout.head_dim if r is None else r for r in rs] for p, rs in plan.ranks.items()},
-                        kept_energy=kept, touchable_params_before=plan.touchable_before,
-                        touchable_params_after=plan.touchable_after)
+    report = FarrReport(
+        source="",
+        output=None,
+        model_type=farr_config.model_type,
+        options=dataclasses.asdict(options),
+        head_dim=adapter.layout.head_dim,
+        ranks={p: [adapter.layout.head_dim if r is None else r for r in rs] for p, rs in plan.ranks.items()},
+        kept_energy=kept,
+        touchable_params_before=plan.touchable_before,
+        touchable_params_after=plan.touchable_after,
+    )
     report.notes += _qk_notes(adapter, options)
     return farr_config, report, analysis
 
@@ -162,15 +189,15 @@ def _fold_ffn_norm(part: Tensors, weight: torch.Tensor, bias: torch.Tensor | Non
             continue
         new_w = torch.empty_like(W)
         b = part.get(f"{n}.bias")
-        new_b = None if bias is None else torch.empty(W.shape[0], dtype=torch.float64)   # cast once, when written
+        new_b = None if bias is None else torch.empty(W.shape[0], dtype=torch.float64)  # cast once, when written
         for r in range(0, W.shape[0], rows):
-            block = {f"{n}.weight": W[r:r + rows].to(torch.float64)}
+            block = {f"{n}.weight": W[r : r + rows].to(torch.float64)}
             if b is not None:
-                block[f"{n}.bias"] = b[r:r + rows].to(torch.float64)
+                block[f"{n}.bias"] = b[r : r + rows].to(torch.float64)
             block = fold_norm(block, (n,), weight, bias)
-            new_w[r:r + rows] = block[f"{n}.weight"]
+            new_w[r : r + rows] = block[f"{n}.weight"]
             if new_b is not None:
-                new_b[r:r + rows] = block[f"{n}.bias"]
+                new_b[r : r + rows] = block[f"{n}.bias"]
         out[f"{n}.weight"] = new_w
         if new_b is not None:
             out[f"{n}.bias"] = new_b
@@ -183,19 +210,24 @@ def _qk_notes(adapter: Adapter, options: FarrOptions) -> list[str]:
         return [f"query/key kept at full size: {fused.qk_fusion_blocker(adapter.layout)}"]
     partly = len(layers) < adapter.n_layers
     if not options.qk:
-        return ["query/key kept at full size (pass qk=True / --qk to reduce them too"
-                + (f", on the NoPE layers {layers})" if partly else ")")]
+        return [
+            "query/key kept at full size (pass qk=True / --qk to reduce them too"
+            + (f", on the NoPE layers {layers})" if partly else ")")
+        ]
     if partly:
-        return [f"query/key reduced on the NoPE layers {layers} only; the other layers rotate every query/key dim "
-                "with RoPE, so their score map cannot be fused and they keep the full head dim"]
+        return [
+            f"query/key reduced on the NoPE layers {layers} only; the other layers rotate every query/key dim "
+            "with RoPE, so their score map cannot be fused and they keep the full head dim"
+        ]
     return []
 
 
-INDEX_BUFFERS = ("position_ids", "token_type_ids")   # index buffers some BERT checkpoints carry, not parameters
+INDEX_BUFFERS = ("position_ids", "token_type_ids")  # index buffers some BERT checkpoints carry, not parameters
 
 
 def state_dict_parameters(tensors: Tensors, tied: bool = False) -> int:
     """Parameters in ``tensors``; a tied ``lm_head`` (present in in-memory state dicts) is the
     embedding, counted once."""
-    return sum(t.numel() for k, t in tensors.items()
-               if not k.endswith(INDEX_BUFFERS) and not (tied and k == "lm_head.weight"))
+    return sum(
+        t.numel() for k, t in tensors.items() if not k.endswith(INDEX_BUFFERS) and not (tied and k == "lm_head.weight")
+    )

@@ -18,15 +18,16 @@ from .options import FarrOptions
 @dataclass(frozen=True)
 class FarrTarget:
     """What the FaRR model of a source checkpoint looks like (facts read from config and keys)."""
-    kind: str                  # "decoder" or "encoder"
-    source_config: dict        # normalised by the source's own config class
+
+    kind: str  # "decoder" or "encoder"
+    source_config: dict  # normalised by the source's own config class
     hidden: int
     n_heads: int
     n_kv: int
     head_dim: int
     q_bias: bool
-    k_bias: bool               # after FaRR: encoders drop it (exact without RoPE)
-    o_bias: bool               # after FaRR: holds the folded value bias
+    k_bias: bool  # after FaRR: encoders drop it (exact without RoPE)
+    o_bias: bool  # after FaRR: holds the folded value bias
     qk_norm: bool
     mlp_bias: bool
 
@@ -37,21 +38,34 @@ class FarrTarget:
         return qk_parameters(self.hidden, self.n_heads, self.n_kv, rank, self.q_bias, self.k_bias)
 
     def make_config(self, vo_dims: list[int] | None, qk_dims: list[int] | None):
-        cfg = {k: v for k, v in self.source_config.items()
-               if k not in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")}
+        cfg = {
+            k: v
+            for k, v in self.source_config.items()
+            if k not in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
+        }
         if self.kind == "decoder":
             fields = {f.name for f in dataclasses.fields(configuration_farr.FarrLlamaConfig)}
             cfg = {k: v for k, v in cfg.items() if k in fields or k.endswith("_token_id")}
-            cfg.update(attention_bias=self.q_bias, o_bias=self.o_bias, qk_norm=self.qk_norm, mlp_bias=self.mlp_bias,
-                       head_dim=self.head_dim, num_key_value_heads=self.n_kv, v_head_dims=vo_dims,
-                       qk_head_dims=[self.head_dim if r is None else r for r in qk_dims] if qk_dims else None)
+            cfg.update(
+                attention_bias=self.q_bias,
+                o_bias=self.o_bias,
+                qk_norm=self.qk_norm,
+                mlp_bias=self.mlp_bias,
+                head_dim=self.head_dim,
+                num_key_value_heads=self.n_kv,
+                v_head_dims=vo_dims,
+                qk_head_dims=[self.head_dim if r is None else r for r in qk_dims] if qk_dims else None,
+            )
             config = configuration_farr.FarrLlamaConfig(**cfg)
         else:
             from transformers import CONFIG_MAPPING
 
-            source_class = CONFIG_MAPPING[self.source_config["model_type"]]   # the FaRR encoder of that class
-            cls = next(c for c in (configuration_farr.FarrRobertaConfig, configuration_farr.FarrBertConfig)
-                       if issubclass(c, source_class))
+            source_class = CONFIG_MAPPING[self.source_config["model_type"]]  # the FaRR encoder of that class
+            cls = next(
+                c
+                for c in (configuration_farr.FarrRobertaConfig, configuration_farr.FarrBertConfig)
+                if issubclass(c, source_class)
+            )
             config = cls(**cfg, qk_head_dims=qk_dims, v_head_dims=vo_dims)
         config.architectures = [next(iter(farr_classes(config).values())).__name__]
         return config
@@ -71,13 +85,15 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
     """The FaRR family for this checkpoint; refuses, before any work, what FaRR cannot do exactly."""
     options.validate()
     model_type = config.get("model_type")
-    require(adapter, "farr_vo")   # the FaRR families can express this checkpoint (else: the structural reason)
+    require(adapter, "farr_vo")  # the FaRR families can express this checkpoint (else: the structural reason)
     src = normalised_config(config)
     encoder = not adapter.spec.is_decoder
     if encoder:
         if adapter.prefix:
-            raise ValueError(f"this {model_type} checkpoint wraps the encoder under {adapter.prefix!r} with a task head; "
-                             "FaRR encoders are base models: convert the base model")
+            raise ValueError(
+                f"this {model_type} checkpoint wraps the encoder under {adapter.prefix!r} with a task head; "
+                "FaRR encoders are base models: convert the base model"
+            )
         if src.get("is_decoder") or src.get("add_cross_attention"):
             raise ValueError("FaRR encoders do not support is_decoder / add_cross_attention BERT models")
     L = adapter.layout
@@ -86,15 +102,25 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
         if not layers:
             raise ValueError(f"--qk is not possible for {model_type}: {fused.qk_fusion_blocker(L)}; reduce V/O only")
         if any(adapter.layer_layout(i).rotary_dim for i in layers):
-            raise ValueError(f"--qk is not possible for {model_type}: partially rotary heads are not supported "
-                             "(the FaRR decoder applies RoPE to whole heads); reduce V/O only")
+            raise ValueError(
+                f"--qk is not possible for {model_type}: partially rotary heads are not supported "
+                "(the FaRR decoder applies RoPE to whole heads); reduce V/O only"
+            )
     has = lambda module, kind="bias": f"{adapter.layer_prefix(0)}{module}.{kind}" in set(keys)  # noqa: E731
     a, f = adapter.spec.attention, adapter.spec.ffn
     return FarrTarget(
-        kind="encoder" if encoder else "decoder", source_config=src, hidden=adapter.hidden,
-        n_heads=L.n_heads, n_kv=L.n_kv_heads, head_dim=L.head_dim, q_bias=has(a.q),
-        k_bias=has(a.k) and not encoder, o_bias=has(a.o) or has(a.v), qk_norm=L.qk_norm,
-        mlp_bias=has(f.up))
+        kind="encoder" if encoder else "decoder",
+        source_config=src,
+        hidden=adapter.hidden,
+        n_heads=L.n_heads,
+        n_kv=L.n_kv_heads,
+        head_dim=L.head_dim,
+        q_bias=has(a.q),
+        k_bias=has(a.k) and not encoder,
+        o_bias=has(a.o) or has(a.v),
+        qk_norm=L.qk_norm,
+        mlp_bias=has(f.up),
+    )
 
 
 def qk_fusable(layout) -> bool:
@@ -109,8 +135,10 @@ def qk_layers(adapter: Adapter) -> list[int]:
 
 def farr_classes(farr_config) -> dict[str, type]:
     return {
-        configuration_farr.FarrLlamaConfig.model_type: {"AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
-                                                        "AutoModel": modeling_farr.FarrLlamaModel},
+        configuration_farr.FarrLlamaConfig.model_type: {
+            "AutoModelForCausalLM": modeling_farr.FarrLlamaForCausalLM,
+            "AutoModel": modeling_farr.FarrLlamaModel,
+        },
         configuration_farr.FarrBertConfig.model_type: {"AutoModel": modeling_farr.FarrBertModel},
         configuration_farr.FarrRobertaConfig.model_type: {"AutoModel": modeling_farr.FarrRobertaModel},
     }[farr_config.model_type]

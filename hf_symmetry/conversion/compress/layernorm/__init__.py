@@ -41,7 +41,8 @@ def build(state: dict, config: dict, dtype: torch.dtype):
     model = RMSDecoderForCausalLM(RMSDecoderConfig.from_dict(config)).to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     counted = sum(p.numel() for p in model.parameters()) + sum(
-        b.numel() for n, b in model.named_buffers() if n.endswith("skip_signs"))
+        b.numel() for n, b in model.named_buffers() if n.endswith("skip_signs")
+    )
     return model.eval(), counted
 
 
@@ -49,12 +50,19 @@ def _run(source, config: dict, options: CompressOptions, calib_ids, sink, dtype,
     """Either route into ``sink`` (a :class:`DictSink` or a shard writer): (config dict, report)."""
     if options.slicing:
         return slice_tensors(source, config, options, calib_ids, sink, placement=placement, progress=progress)
-    return structured_tensors(source, config, options, calib_ids, sink.add, dtype, placement=placement,
-                              progress=progress)
+    return structured_tensors(
+        source, config, options, calib_ids, sink.add, dtype, placement=placement, progress=progress
+    )
 
 
-def compress_layer_norm_model(model, options: CompressOptions, calib_ids: torch.Tensor | None = None,
-                              progress: bool = False, width: int | None = None, placement=None):
+def compress_layer_norm_model(
+    model,
+    options: CompressOptions,
+    calib_ids: torch.Tensor | None = None,
+    progress: bool = False,
+    width: int | None = None,
+    placement=None,
+):
     """In memory: a loaded OPT / GPT-2 / GPT-NeoX / GPT-J ``...ForCausalLM`` -> (RMSDecoderForCausalLM,
     report). ``width`` (SliceGPT only) overrides the planned residual width."""
     options.validate()
@@ -63,8 +71,9 @@ def compress_layer_norm_model(model, options: CompressOptions, calib_ids: torch.
     check(Adapter.from_config(config, source.keys()), options, source.keys())
     sink = DictSink()
     if width is not None:
-        new_config, report = slice_tensors(source, config, options, calib_ids, sink, width=width,
-                                           placement=placement, progress=progress)
+        new_config, report = slice_tensors(
+            source, config, options, calib_ids, sink, width=width, placement=placement, progress=progress
+        )
     else:
         new_config, report = _run(source, config, options, calib_ids, sink, dtype, placement, progress)
     compressed, counted = build(dict(sink), new_config, dtype)
@@ -72,8 +81,15 @@ def compress_layer_norm_model(model, options: CompressOptions, calib_ids: torch.
     return compressed, report
 
 
-def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, options: CompressOptions,
-                                   calib_text, overwrite: bool = False, progress: bool = True, placement=None):
+def compress_layer_norm_checkpoint(
+    reader: CheckpointReader,
+    out: str | Path,
+    options: CompressOptions,
+    calib_text,
+    overwrite: bool = False,
+    progress: bool = True,
+    placement=None,
+):
     """:func:`hf_symmetry.conversion.compress.compress_checkpoint` for LayerNorm decoders: every input
     checked before any work, the checkpoint read one layer at a time, ``out`` written atomically
     (weights, config, the RMS-decoder family's remote code, tokenizer, report, card)."""
@@ -81,7 +97,7 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
     check_output_dir(out, overwrite)
     adapter = Adapter.from_config(reader.config, reader.keys())
     check(adapter, options, reader.keys())
-    if options.slicing:                                           # an unreachable ratio fails here
+    if options.slicing:  # an unreachable ratio fails here
         plan_width(adapter, reader, reader.keys(), options)
     else:
         layer_norm_plan(reader, reader.config, options)
@@ -97,7 +113,8 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
                 nonlocal counted
                 counted += sum(t.numel() for t in tensors.values())
                 writer.add(tensors)
-            add.row_blocks = True                   # the writer streams RowBlocks (Assembler.put)
+
+            add.row_blocks = True  # the writer streams RowBlocks (Assembler.put)
 
         new_config, report = _run(reader, reader.config, options, calib_ids, _Counting(), dtype, placement, progress)
         writer.close()
@@ -107,6 +124,18 @@ def compress_layer_norm_checkpoint(reader: CheckpointReader, out: str | Path, op
     return report
 
 
-__all__ = ["CentredSource", "build", "centred_rotation", "check", "compress_layer_norm_checkpoint",
-           "compress_layer_norm_model", "layer_norm_plan", "plan_structured", "plan_width", "slice_tensors",
-           "sliced_params", "structured_tensors", "through_rms_decoder"]
+__all__ = [
+    "CentredSource",
+    "build",
+    "centred_rotation",
+    "check",
+    "compress_layer_norm_checkpoint",
+    "compress_layer_norm_model",
+    "layer_norm_plan",
+    "plan_structured",
+    "plan_width",
+    "slice_tensors",
+    "sliced_params",
+    "structured_tensors",
+    "through_rms_decoder",
+]

@@ -15,7 +15,7 @@ from ...stream import partition_keys
 from ....symmetry import actions
 
 Tensors = dict[str, torch.Tensor]
-_F64 = {"": torch.float64}     # write in float64 (the adapter's default dtype for keys it has not seen)
+_F64 = {"": torch.float64}  # write in float64 (the adapter's default dtype for keys it has not seen)
 
 
 class CentredSource:
@@ -38,20 +38,22 @@ class CentredSource:
         self.config = rms_decoder_config(self.adapter, config, canon0["up.weight"].shape[0], rows)
         self.config.pop("dtype", None)
         self.writer = Adapter.from_config(self.config)
-        self._layer_suffixes = [k[len(self.writer.layer_prefix(0)):] for k in self.writer.write_layer(0, canon0, _F64)]
+        self._layer_suffixes = [k[len(self.writer.layer_prefix(0)) :] for k in self.writer.write_layer(0, canon0, _F64)]
         dummy = {"embed.weight": torch.empty(0), "lm_head.weight": torch.empty(0), "lm_head.bias": torch.empty(0)}
         if pos:
             dummy["pos0.weight"] = torch.empty(0)
         self._global_names = list(self.writer.write_globals(dummy, _F64))
 
     def keys(self) -> list[str]:
-        per_layer = [self.writer.layer_prefix(i) + s for i in range(self.adapter.n_layers) for s in self._layer_suffixes]
+        per_layer = [
+            self.writer.layer_prefix(i) + s for i in range(self.adapter.n_layers) for s in self._layer_suffixes
+        ]
         return self._global_names + per_layer
 
     def _canonical(self, i: int) -> Tensors:
         """Layer ``i`` centred and folded, canonical (float64)."""
         canon = centre_layer(self.adapter.read_layer(i, self.source.get(self.per_layer[i])))
-        if self.adapter.layout.rope_layout == "interleaved":   # GPT-J: the family pairs rotate-half
+        if self.adapter.layout.rope_layout == "interleaved":  # GPT-J: the family pairs rotate-half
             canon = actions.interleaved_to_half(canon, self.adapter.layout)
         return canon
 

@@ -54,9 +54,12 @@ def _shapes(adapter: Adapter, source: TensorSource, keys: list[str]) -> dict:
     layer0 = adapter.read_layer(0, source.get(per_layer[0]))
     shapes = source.shapes()
     rows = sum(shapes[f"{adapter.prefix}{name}.weight"][0] for name in adapter.spec.pos_embed)
-    return {"out": {c: layer0[f"{c}.weight"].shape[0] for c in _READERS},
-            "in": {c: layer0[f"{c}.weight"].shape[1] for c in _WRITERS},
-            "vocab": shapes[f"{adapter.prefix}{adapter.spec.embed}.weight"][0], "rows": rows}
+    return {
+        "out": {c: layer0[f"{c}.weight"].shape[0] for c in _READERS},
+        "in": {c: layer0[f"{c}.weight"].shape[1] for c in _WRITERS},
+        "vocab": shapes[f"{adapter.prefix}{adapter.spec.embed}.weight"][0],
+        "rows": rows,
+    }
 
 
 def sliced_params(shapes: dict, n_layers: int, w: int) -> int:
@@ -78,25 +81,50 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
     target = dense_total - options.ratio * p_compressed
     w = min(range(1, d + 1), key=lambda x: abs(sliced_params(shapes, L, x) - target))
     total = sliced_params(shapes, L, w)
-    per_matrix = {f"layers.{i}.{c}": {"structure": {"type": "dense", "width": w}, "params": k * w,
-                                      "dense_params": k * d, "ratio": 1 - w / d}
-                  for i in range(L) for c, k in (*shapes["out"].items(), *shapes["in"].items())}
-    accounting = {"hidden": d, "residual": w, "dense_model_params": dense_total, "compressed_model_params": total,
-                  "ratio_over_model": (dense_total - total) / dense_total,
-                  "ratio_over_compressed": (dense_total - total) / p_compressed,
-                  "ratio_per_matrix_mean": 1 - w / d, "skip_params": 0, "head_mix_params": 0,
-                  "untied_head_params": shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
-                  "output_family": "hf_symmetry_rms_decoder", "per_matrix": per_matrix}
+    per_matrix = {
+        f"layers.{i}.{c}": {
+            "structure": {"type": "dense", "width": w},
+            "params": k * w,
+            "dense_params": k * d,
+            "ratio": 1 - w / d,
+        }
+        for i in range(L)
+        for c, k in (*shapes["out"].items(), *shapes["in"].items())
+    }
+    accounting = {
+        "hidden": d,
+        "residual": w,
+        "dense_model_params": dense_total,
+        "compressed_model_params": total,
+        "ratio_over_model": (dense_total - total) / dense_total,
+        "ratio_over_compressed": (dense_total - total) / p_compressed,
+        "ratio_per_matrix_mean": 1 - w / d,
+        "skip_params": 0,
+        "head_mix_params": 0,
+        "untied_head_params": shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
+        "output_family": "hf_symmetry_rms_decoder",
+        "per_matrix": per_matrix,
+    }
     if abs(accounting["ratio_over_compressed"] - options.ratio) > options.tolerance:
-        raise ValueError(f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.tolerance:g} "
-                         f"(nearest: {accounting['ratio_over_compressed']:.4f}; a tied head is untied by the centring "
-                         "and costs vocab × width)")
+        raise ValueError(
+            f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.tolerance:g} "
+            f"(nearest: {accounting['ratio_over_compressed']:.4f}; a tied head is untied by the centring "
+            "and costs vocab × width)"
+        )
     return w, accounting
 
 
-def slice_tensors(source: TensorSource, config: dict, options: CompressOptions, calib_ids: torch.Tensor | None,
-                  sink, width: int | None = None, rotation: torch.Tensor | None = None, placement=None,
-                  progress: bool = True):
+def slice_tensors(
+    source: TensorSource,
+    config: dict,
+    options: CompressOptions,
+    calib_ids: torch.Tensor | None,
+    sink,
+    width: int | None = None,
+    rotation: torch.Tensor | None = None,
+    placement=None,
+    progress: bool = True,
+):
     """The whole route on tensors into ``sink``: (RMS-decoder config dict, report). ``width`` overrides
     the planned width (``d``: the exact, unsliced rotation); ``rotation`` the measured ``Q``."""
     t0 = time.perf_counter()
@@ -106,19 +134,44 @@ def slice_tensors(source: TensorSource, config: dict, options: CompressOptions, 
     w, accounting = plan_width(adapter, source, keys, options)
     if width is not None:
         w = int(width)
-        accounting.update(residual=w, compressed_model_params=sliced_params(_shapes(adapter, source, keys),
-                                                                            adapter.n_layers, w))
+        accounting.update(
+            residual=w, compressed_model_params=sliced_params(_shapes(adapter, source, keys), adapter.n_layers, w)
+        )
     tokens = 0
     if rotation is None:
         require_calibration(options, calib_ids)
-        stats = collect_statistics(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len,
-                                   want_normed=False, want_stream=True, placement=placement, progress=progress)
+        stats = collect_statistics(
+            source,
+            config,
+            calib_ids[: options.calib_tokens],
+            options.calib_seq_len,
+            want_normed=False,
+            want_stream=True,
+            placement=placement,
+            progress=progress,
+        )
         rotation, tokens = centred_rotation(stats.stream), stats.tokens
     t1 = time.perf_counter()
-    new_config = rotate_layer_norm_decoder(source, adapter, config, RotateOptions(heads="none", ffn=False),
-                                            rotation[:, :w].contiguous(), sink, progress, desc="slice")
-    report = CompressReport(source="", output=None, family=adapter.family, options=options.as_dict(),
-                            accounting=accounting, relative_errors={}, objective={}, calibration_tokens=tokens,
-                            seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
-                            method=f"{options.label}, centred into the RMS-decoder family")
+    new_config = rotate_layer_norm_decoder(
+        source,
+        adapter,
+        config,
+        RotateOptions(heads="none", ffn=False),
+        rotation[:, :w].contiguous(),
+        sink,
+        progress,
+        desc="slice",
+    )
+    report = CompressReport(
+        source="",
+        output=None,
+        family=adapter.family,
+        options=options.as_dict(),
+        accounting=accounting,
+        relative_errors={},
+        objective={},
+        calibration_tokens=tokens,
+        seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
+        method=f"{options.label}, centred into the RMS-decoder family",
+    )
     return new_config, report

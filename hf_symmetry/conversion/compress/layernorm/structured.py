@@ -30,8 +30,16 @@ from ..assemble import assemble
 from ..folded import FoldedLayers
 from ..moments import one_pass_statistics
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
-from ..plan import MatrixPlan, Plan, accounting, in_policy, rotation_overhead, shared_factor, source_numels, \
-    structure_for
+from ..plan import (
+    MatrixPlan,
+    Plan,
+    accounting,
+    in_policy,
+    rotation_overhead,
+    shared_factor,
+    source_numels,
+    structure_for,
+)
 from ..report import CompressReport, summarise_traces
 from ..solve import solve
 from .centred import CentredSource
@@ -46,50 +54,84 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
     adapter, cfg = centred.adapter, centred.config
     d, L = adapter.hidden, adapter.n_layers
     inner = cfg["num_attention_heads"] * cfg["head_dim"]
-    k_of = {"q": inner, "k": inner, "v": inner, "o": inner, "up": cfg["intermediate_size"],
-            "down": cfg["intermediate_size"]}
-    entries = [(f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}", c, i, LAYER_MODULES[c][1],
-                2 * i + SEGMENT_OFFSET[c], (k_of[c], d), True) for i in range(L) for c in CANONICAL]
+    k_of = {
+        "q": inner,
+        "k": inner,
+        "v": inner,
+        "o": inner,
+        "up": cfg["intermediate_size"],
+        "down": cfg["intermediate_size"],
+    }
+    entries = [
+        (
+            f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}",
+            c,
+            i,
+            LAYER_MODULES[c][1],
+            2 * i + SEGMENT_OFFSET[c],
+            (k_of[c], d),
+            True,
+        )
+        for i in range(L)
+        for c in CANONICAL
+    ]
     vocab = int(cfg["vocab_size"])
-    entries += [("embed", "embed", None, "writer", 0, (vocab, d), False),
-                ("lm_head", "lm_head", None, "reader", 2 * L, (vocab, d), False)]
+    entries += [
+        ("embed", "embed", None, "writer", 0, (vocab, d), False),
+        ("lm_head", "lm_head", None, "reader", 2 * L, (vocab, d), False),
+    ]
     tied = adapter.tied_embeddings
     # the budget, as the compressed family's: a tied head counts once (here it is untied, and pays for it)
-    p_compressed = sum(k * n for name, c, *_, (k, n), _ in entries
-                       if in_policy(c, options) and not (tied and c == "lm_head"))
+    p_compressed = sum(
+        k * n for name, c, *_, (k, n), _ in entries if in_policy(c, options) and not (tied and c == "lm_head")
+    )
     struct_size = sum(k * n for _, c, *_, (k, n), _ in entries if in_policy(c, options))
     rows = int(cfg["max_position_embeddings"] + cfg["position_offset"]) if not cfg.get("rotary") else 0
-    extra = rows * d + vocab                        # the position table and the head's bias, both dense
+    extra = rows * d + vocab  # the position table and the head's bias, both dense
     skip = "orthogonal" if options.segment_rotations else "none"
-    fixed = (sum(k * n for _, c, *_, (k, n), _ in entries if not in_policy(c, options))
-             + sum(k if role == "reader" else d for _, _, _, role, _, (k, _), bias in entries if bias)
-             + extra + rotation_overhead(d, L, options.segment_rotations, "separate"))
+    fixed = (
+        sum(k * n for _, c, *_, (k, n), _ in entries if not in_policy(c, options))
+        + sum(k if role == "reader" else d for _, _, _, role, _, (k, _), bias in entries if bias)
+        + extra
+        + rotation_overhead(d, L, options.segment_rotations, "separate")
+    )
     target = dense_total - options.ratio * p_compressed
     kappa = options.matrix_keep if options.matrix_keep is not None else (target - fixed) / struct_size
     if kappa <= 0:
-        raise ValueError(f"ratio {options.ratio} cannot be met on {adapter.family}: what stays dense (V, biases, "
-                         f"positions{', skip rotations' if skip != 'none' else ''}) already needs {fixed:,} of "
-                         f"{target:,.0f} parameters; use a smaller ratio" +
-                         (" or --q-mode global" if skip != "none" else ""))
+        raise ValueError(
+            f"ratio {options.ratio} cannot be met on {adapter.family}: what stays dense (V, biases, "
+            f"positions{', skip rotations' if skip != 'none' else ''}) already needs {fixed:,} of "
+            f"{target:,.0f} parameters; use a smaller ratio" + (" or --q-mode global" if skip != "none" else "")
+        )
     kron_q = shared_factor(options, d, kappa)
     matrices = []
     for name, c, i, role, seg, shape, bias in entries:
-        s = (structure_for(options, name, *shape, kappa, kron_q, c in ("embed", "lm_head"))
-             if in_policy(c, options) else st.Dense(shape))
+        s = (
+            structure_for(options, name, *shape, kappa, kron_q, c in ("embed", "lm_head"))
+            if in_policy(c, options)
+            else st.Dense(shape)
+        )
         matrices.append(MatrixPlan(name, c, i, role, seg, s, bias))
     plan = Plan(adapter.family, d, d, L, False, skip, "separate", matrices)
     acc = accounting(plan, dense_total, p_compressed, options)
     total = acc["compressed_model_params"] + extra
-    acc.update(compressed_model_params=total, ratio_over_compressed=(dense_total - total) / p_compressed,
-               ratio_over_model=1 - total / dense_total, uniform_keep=kappa, kron_factor=kron_q,
-               target_params=round(target) if options.matrix_keep is None else total,
-               untied_head_params=plan.by_name()["lm_head"].structure.params() if tied else 0,
-               output_family="hf_symmetry_rms_decoder")
+    acc.update(
+        compressed_model_params=total,
+        ratio_over_compressed=(dense_total - total) / p_compressed,
+        ratio_over_model=1 - total / dense_total,
+        uniform_keep=kappa,
+        kron_factor=kron_q,
+        target_params=round(target) if options.matrix_keep is None else total,
+        untied_head_params=plan.by_name()["lm_head"].structure.params() if tied else 0,
+        output_family="hf_symmetry_rms_decoder",
+    )
     plan.accounting = acc
     if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.tolerance:
-        raise ValueError(f"no {options.structure} configuration meets ratio {options.ratio:g} within "
-                         f"{options.tolerance:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
-                         + ("; try another --kron-factor" if kron_q is not None else ""))
+        raise ValueError(
+            f"no {options.structure} configuration meets ratio {options.ratio:g} within "
+            f"{options.tolerance:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
+            + ("; try another --kron-factor" if kron_q is not None else "")
+        )
     return plan
 
 
@@ -102,22 +144,43 @@ def structured_config(centred: CentredSource, plan: Plan, options: CompressOptio
 
     cfg = dict(centred.config)
     cfg.update(
-        layer_structures=[{LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
-                          for i in range(plan.n_layers)],
-        embed_structure=spec(ms["embed"]), lm_head_structure=spec(ms["lm_head"]), skip_connections=plan.skip,
-        compression={"method": options.method, "label": options.label, "structure": options.structure,
-                     "stage": options.stage, "q_mode": options.q_mode, "ratio": options.ratio,
-                     "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
-                     "ratio_over_model": plan.accounting["ratio_over_model"],
-                     "source_model_type": source_config.get("model_type")})
+        layer_structures=[
+            {LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
+            for i in range(plan.n_layers)
+        ],
+        embed_structure=spec(ms["embed"]),
+        lm_head_structure=spec(ms["lm_head"]),
+        skip_connections=plan.skip,
+        compression={
+            "method": options.method,
+            "label": options.label,
+            "structure": options.structure,
+            "stage": options.stage,
+            "q_mode": options.q_mode,
+            "ratio": options.ratio,
+            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
+            "ratio_over_model": plan.accounting["ratio_over_model"],
+            "source_model_type": source_config.get("model_type"),
+        },
+    )
     if source_config.get("dtype") or source_config.get("torch_dtype"):
         cfg["dtype"] = source_config.get("dtype") or source_config.get("torch_dtype")
     return cfg
 
 
-def structured_tensors(source: TensorSource, config: dict, options: CompressOptions, calib_ids: torch.Tensor | None,
-                       sink, dtype: torch.dtype, plan: Plan | None = None, stats=None,
-                       rotations: list[torch.Tensor] | None = None, placement=None, progress: bool = True):
+def structured_tensors(
+    source: TensorSource,
+    config: dict,
+    options: CompressOptions,
+    calib_ids: torch.Tensor | None,
+    sink,
+    dtype: torch.dtype,
+    plan: Plan | None = None,
+    stats=None,
+    rotations: list[torch.Tensor] | None = None,
+    placement=None,
+    progress: bool = True,
+):
     """The whole route on tensors into ``sink`` (called with each module's tensors): (RMS-decoder config
     dict, report). ``plan``, ``stats`` and ``rotations`` override the planned structures, the measured
     statistics and the starting rotations, as in :func:`..pipeline.compress_tensors`."""
@@ -125,38 +188,56 @@ def structured_tensors(source: TensorSource, config: dict, options: CompressOpti
     t0 = time.perf_counter()
     centred = CentredSource(source, config)
     if plan is None:
-        plan = plan_structured(centred, source_numels(source, source.keys(), centred.adapter.tied_embeddings),
-                               options)
+        plan = plan_structured(centred, source_numels(source, source.keys(), centred.adapter.tied_embeddings), options)
     if stats is None:
         stats = one_pass_statistics(centred, centred.config, options, calib_ids, placement, progress)
     times["calibration"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     writer = centred.writer
     _, per_layer, _ = partition_keys(writer, centred.keys())
-    layers = FoldedLayers(centred, writer, per_layer)       # norm folding is a no-op: the norms have no weight
+    layers = FoldedLayers(centred, writer, per_layer)  # norm folding is a no-op: the norms have no weight
     globals_ = centred.globals()
     with st.limit_threads(1):
-        res = solve(plan, layers, globals_, stats, options, progress, rotations, None,
-                    device=linalg_device(placement), keep_stats=False)
+        res = solve(
+            plan,
+            layers,
+            globals_,
+            stats,
+            options,
+            progress,
+            rotations,
+            None,
+            device=linalg_device(placement),
+            keep_stats=False,
+        )
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     d = plan.hidden
     assemble(plan, layers, globals_, torch.ones(d, dtype=torch.float64), res, dtype, progress, sink=sink)
     extras = {"lm_head.bias": globals_["lm_head.bias"]}
-    if "pos0.weight" in globals_:             # the position table writes segment 0, as the embedding
+    if "pos0.weight" in globals_:  # the position table writes segment 0, as the embedding
         extras["pos0.weight"] = globals_["pos0.weight"] @ res.Qs[0]
     sink({k: v.to(dtype).contiguous() for k, v in writer.write_globals(extras, {"": dtype}).items()})
     times["assemble"] = time.perf_counter() - t2
     new_config = structured_config(centred, plan, options, config)
-    report = CompressReport(source="", output=None, family=centred.adapter.family, options=options.as_dict(),
-                            accounting=plan.accounting, relative_errors=res.relative_errors,
-                            objective=summarise_traces(res.traces), calibration_tokens=stats.tokens if stats else 0,
-                            seconds=times, method=f"{options.label}, centred into the RMS-decoder family")
+    report = CompressReport(
+        source="",
+        output=None,
+        family=centred.adapter.family,
+        options=options.as_dict(),
+        accounting=plan.accounting,
+        relative_errors=res.relative_errors,
+        objective=summarise_traces(res.traces),
+        calibration_tokens=stats.tokens if stats else 0,
+        seconds=times,
+        method=f"{options.label}, centred into the RMS-decoder family",
+    )
     return new_config, report
 
 
 def layer_norm_plan(source: TensorSource, config: dict, options: CompressOptions) -> Plan:
     """The plan alone (tests, dry runs): reads layer 0 and the checkpoint's shapes."""
     centred = CentredSource(source, config)
-    return plan_structured(centred, source_numels(source, source.keys(), Adapter.from_config(config).tied_embeddings),
-                           options)
+    return plan_structured(
+        centred, source_numels(source, source.keys(), Adapter.from_config(config).tied_embeddings), options
+    )
