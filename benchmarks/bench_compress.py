@@ -41,7 +41,7 @@ from hf_symmetry.evaluation.compare import load_model, load_tokenizer
 from hf_symmetry.evaluation.perplexity import perplexity
 from hf_symmetry.text import read_text, tokenize_text
 from hf_symmetry.modeling.modeling_compressed_llama import structured_linear
-from hf_symmetry.symmetry import structured as S
+from hf_symmetry.symmetry.linalg import limit_threads
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / "_cache" / "compress"
@@ -283,7 +283,7 @@ def main() -> None:
             if rotations is not None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
         calib_in = C.CalibrationInput(source, config, calib_ids, 512) if options.sequential else None
-        with S.limit_threads(1):
+        with limit_threads(1):
             res = C.solve(
                 plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, calib=calib_in
             )

@@ -32,7 +32,7 @@ layers, globals_, gamma = C.read_folded(source, adapter, source.keys(), plan.tie
 rot = None if structure == "lowrank" else load_rotations(f"{structure}_segment_f4_c16384_float32")
 calib_in = C.CalibrationInput(source, config, calib_ids, 512) if seq else None
 t = time.perf_counter()
-with S.limit_threads(1):
+with limit_threads(1):
     res = C.solve(plan, layers, globals_, stats, options, progress=False, rotations=rot, calib=calib_in)
 state = C.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
 m, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ...checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
-from ...symmetry import structured as st
+from ...symmetry.linalg import limit_threads
 from ..stream import DictSource, TensorSource
 from .allocate import allocate_for
 from .allocate_widths import allocate_slice_for
@@ -98,7 +98,7 @@ def compress_tensors(
         calib = CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement)
     from ...devices import linalg_device
 
-    with st.limit_threads(1):
+    with limit_threads(1):
         res = solve(
             plan,
             layers,

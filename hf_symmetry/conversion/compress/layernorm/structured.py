@@ -24,6 +24,7 @@ import torch
 
 from ....architectures import Adapter
 from ....symmetry import structured as st
+from ....symmetry.linalg import limit_threads
 from ...stream import TensorSource, partition_keys
 from ....devices import linalg_device
 from ..assemble import assemble
@@ -197,7 +198,7 @@ def structured_tensors(
     _, per_layer, _ = partition_keys(writer, centred.keys())
     layers = FoldedLayers(centred, writer, per_layer)  # norm folding is a no-op: the norms have no weight
     globals_ = centred.globals()
-    with st.limit_threads(1):
+    with limit_threads(1):
         res = solve(
             plan,
             layers,
