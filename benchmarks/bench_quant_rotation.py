@@ -12,7 +12,7 @@ SmolLM2's weights are themselves dequantized Q4_1 GGUF weights, so the unrotated
 on the Q4_1 grid; the other quantizers (other grids, block sizes and bit widths) control for that.
 A model trained here in float removes it: benchmarks/train_quant_control.py, then ``--model FOLDER
 --label control-llama-d256``. The ``scales`` variants (activation-aware exact scales,
-hf_symmetry.conversion.quant_scales) are built once per quantizer, searched against it on 2048 tokens
+hf_symmetry.conversion.quantization.scales) are built once per quantizer, searched against it on 2048 tokens
 of britannica-calib.
 
 Perplexity: the project's definition (hf_symmetry.evaluation.perplexity), 2048 tokens of
@@ -48,7 +48,7 @@ VARIANTS = {
     "for-quantization-learned-hqq3g64": dict(
         residual="hadamard", for_quantization=True, learn="hqq3g64", learn_iterations=4
     ),
-    # activation-aware exact scales (quant_scales), searched against the quantizer they are evaluated
+    # activation-aware exact scales (quantization.scales), searched against the quantizer they are evaluated
     # with ("@"), on 2048 tokens of britannica-calib: no residual rotation (the massive activations
     # stay in their few columns), with or without the per-head V/O Hadamards, and after the Hadamard
     "scales": dict(residual="none", for_quantization=True, vo_hadamard=False, scales="@"),
@@ -69,7 +69,7 @@ def calibration_stats(model, config: dict):
         from transformers import AutoTokenizer
 
         from hf_symmetry.calibration.data import calibration_ids
-        from hf_symmetry.conversion.quant_scales import layer_stats
+        from hf_symmetry.conversion.quantization.scales import layer_stats
         from hf_symmetry.conversion.stream import DictSource
 
         tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -96,7 +96,7 @@ def build(variant: str, model, config: dict, quantizer: str | None = None):
         from transformers import AutoTokenizer
 
         from hf_symmetry.assets import text_path
-        from hf_symmetry.conversion.quant_rotation import massive_channels
+        from hf_symmetry.conversion.quantization.rotation import massive_channels
         from hf_symmetry.evaluation import read_text, tokenize_text
 
         tok = AutoTokenizer.from_pretrained(model.config._name_or_path)

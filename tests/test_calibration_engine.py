@@ -294,7 +294,7 @@ def test_engine_reads_one_layer_at_a_time(tmp_path):
 
 def test_migrated_collectors_equal_hooks(tmp_path):
     """to-tpa's, FaRR's and RegMean's statistics, now from the engine, equal the whole-model hooks."""
-    from hf_symmetry.conversion.merge_statistics import gram_matrices
+    from hf_symmetry.conversion.merge.statistics import gram_matrices
     from hf_symmetry.conversion.farr import attention_input_moments
     from hf_symmetry.conversion.to_tpa import attention_input_grams
 
@@ -386,7 +386,7 @@ def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     from hf_symmetry.checkpoint import CheckpointReader
     from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, calibrated_analysis, run_farr
     from hf_symmetry.conversion.merge import run_merge
-    from hf_symmetry.conversion.recipe import recipe_from_dict
+    from hf_symmetry.conversion.merge.recipe import recipe_from_dict
     from hf_symmetry.conversion.stream import DictSink
 
     ids = input_ids(length=60, batch=1).reshape(-1)
@@ -462,7 +462,7 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
     """On SmolLM2 the engine (one layer at a time from the checkpoint) gives to-tpa, FaRR and RegMean
     the statistics the whole-model hook collectors gave, and the same converted tensors."""
     from hf_symmetry.architectures import Adapter
-    from hf_symmetry.conversion.merge_statistics import gram_matrices
+    from hf_symmetry.conversion.merge.statistics import gram_matrices
     from hf_symmetry.conversion.farr import attention_input_moments
     from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_checkpoint_to_tpa, convert_model_to_tpa
 

@@ -185,7 +185,7 @@ class _Placed:
 
 def test_fisher_pass_hands_its_token_ids_through_the_helper(monkeypatch):
     """Failure 2 of the first GPU run: ``fisher_diagonal`` gave a dispatched model CPU token ids."""
-    from hf_symmetry.conversion.merge_statistics import fisher_diagonal
+    from hf_symmetry.conversion.merge.statistics import fisher_diagonal
 
     model = tiny_model("llama", dtype=torch.float32)
     placed = _Placed(monkeypatch, model)
@@ -348,7 +348,7 @@ def test_a_run_told_to_use_the_cpu_trains_in_float32_even_beside_a_gpu(monkeypat
 @pytest.mark.cuda
 @CUDA
 def test_cuda_fisher_and_layerwise_layout_check_run_on_the_gpu(tmp_path):
-    from hf_symmetry.conversion.merge_statistics import fisher_diagonal
+    from hf_symmetry.conversion.merge.statistics import fisher_diagonal
     from hf_symmetry.conversion.farr.fused_check import check_fused_layout_layerwise
 
     dev = devices.resolve_device("auto")

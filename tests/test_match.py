@@ -8,7 +8,7 @@ import torch
 
 from hf_symmetry.architectures import Adapter, UnsupportedSymmetry
 from hf_symmetry.cli import main
-from hf_symmetry.conversion.merge_statistics import gram_matrices
+from hf_symmetry.conversion.merge.statistics import gram_matrices
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict, squared_distances
 from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
 from hf_symmetry.evaluation.compare import model_from_state_dict

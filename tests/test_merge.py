@@ -13,11 +13,12 @@ import yaml
 
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import merge as merge_module
-from hf_symmetry.conversion import merge_methods, merge_stream
+from hf_symmetry.conversion.merge import methods as merge_methods
+from hf_symmetry.conversion.merge import stream as merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
 from hf_symmetry.conversion.merge import merge_state_dicts
-from hf_symmetry.conversion.merge_methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
-from hf_symmetry.conversion.recipe import load_recipe, recipe_from_dict
+from hf_symmetry.conversion.merge.methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
+from hf_symmetry.conversion.merge.recipe import load_recipe, recipe_from_dict
 from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
 from hf_symmetry.evaluation.compare import model_from_state_dict
 from hf_symmetry.testing import input_ids, outputs, tiny_model
@@ -163,7 +164,7 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
     # Grams recomputed on the matched models, in the order the pipeline visits linear layers
     from hf_symmetry.architectures import Adapter
     from hf_symmetry.calibration import token_batches
-    from hf_symmetry.conversion.merge_statistics import gram_matrices
+    from hf_symmetry.conversion.merge.statistics import gram_matrices
 
     batches = token_batches(CALIB, 256, 4, keep_partial=False)  # the recipe's default batching
     recomputed = []
@@ -474,7 +475,7 @@ def test_fisher_merge_spills_matched_inputs_and_fishers_to_disk_and_equals_the_i
 def test_fisher_merge_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
     """Fisher's backward pass needs the whole model: when weights, gradients and Fisher exceed the free
     memory of the GPUs and the host, the merge is refused in one line before matching or loading anything."""
-    from hf_symmetry.conversion import merge_statistics as stats
+    from hf_symmetry.conversion.merge import statistics as stats
 
     model = tiny_model("llama", dtype=torch.float32)
     monkeypatch.setattr(stats, "_available_memory", lambda: {"cpu": 10_000})
@@ -509,7 +510,7 @@ def _textbook_regmean(weights, grams, model_weights, alpha):
 def test_regmean_group_and_row_block_solver_equal_the_textbook_formula():
     """One factorisation for the linears that share an input, Grams consumed one model at a time:
     bitwise the textbook result; the LM head's row blocks agree to rounding."""
-    from hf_symmetry.conversion.merge_methods import RegMeanSolver, regmean_group
+    from hf_symmetry.conversion.merge.methods import RegMeanSolver, regmean_group
 
     gen = torch.Generator().manual_seed(3)
     X = [torch.randn(200, 24, generator=gen, dtype=torch.float64) for _ in range(3)]

@@ -4,7 +4,7 @@ quantizer can see it, and a learned residual rotation that finds a planted grid-
 import pytest
 import torch
 
-from hf_symmetry.conversion import quant_rotation as qr
+from hf_symmetry.conversion.quantization import rotation as qr
 from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
 from hf_symmetry.evaluation.compare import model_from_state_dict
 from hf_symmetry.symmetry import groups

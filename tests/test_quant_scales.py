@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_symmetry.architectures import Adapter
-from hf_symmetry.conversion import quant_rotation as qr
-from hf_symmetry.conversion import quant_scales as qs
+from hf_symmetry.conversion.quantization import rotation as qr
+from hf_symmetry.conversion.quantization import scales as qs
 from hf_symmetry.conversion.rotate import RotateOptions, residual_rotation, rotate_state_dict
 from hf_symmetry.conversion.stream import DictSource
 from hf_symmetry.evaluation.compare import model_from_state_dict

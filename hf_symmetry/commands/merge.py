@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 
 from ..conversion.merge import evaluate_merge, merge_checkpoints
-from ..conversion.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
+from ..conversion.merge.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
 from ..hub.cards import fmt_number
 from .common import (
     add_device_args,

@@ -48,7 +48,7 @@ class RotateOptions:
     scaling: bool = False
     seed: int = 0
     # --for-quantization: residual rotation (Hadamard, or learned against ``learn``'s quantizer grid),
-    # per-head V/O Hadamards and the exact column scalings of :mod:`.quant_rotation`; ``heads``/``ffn``/
+    # per-head V/O Hadamards and the exact column scalings of :mod:`.quantization.rotation`; ``heads``/``ffn``/
     # ``scaling`` are then ignored (QK rotations, permutations and row scalings cannot change the error
     # of a row-grouped weight quantizer)
     for_quantization: bool = False
@@ -56,7 +56,7 @@ class RotateOptions:
     learn_iterations: int = 8
     balance_alpha: float = 1.0
     hold_out: tuple[int, ...] = ()  # residual channels the Hadamard leaves alone (massive activations)
-    # activation-aware exact scales (AWQ's search, :mod:`.quant_scales`) against this quantizer, on the
+    # activation-aware exact scales (AWQ's search, :mod:`.quantization.scales`) against this quantizer, on the
     # calibration engine's second moments of ``calibration_tokens`` tokens of ``calibration_text``
     scales: str | None = None
     calibration_text: str = "britannica-calib"
@@ -108,7 +108,7 @@ class RotateReport:
 def residual_rotation(options: RotateOptions, hidden: int) -> torch.Tensor | None:
     gen = groups.rng(options.seed, _RESIDUAL)
     if options.residual == "hadamard" and options.hold_out:
-        from .quant_rotation import hadamard_except
+        from .quantization.rotation import hadamard_except
 
         return hadamard_except(hidden, tuple(options.hold_out), gen)
     if options.residual == "hadamard":
@@ -133,8 +133,8 @@ def transform_layer(
     """Every per-layer action of ``options``, drawn from layer ``i``'s own random streams."""
     L, seed = adapter.layout, options.seed
     if options.for_quantization:
-        from .quant_rotation import QuantBalance
-        from .quant_rotation import transform_layer as quant_layer
+        from .quantization.rotation import QuantBalance
+        from .quantization.rotation import transform_layer as quant_layer
 
         quantize = None
         if options.scales:
@@ -317,16 +317,14 @@ def _rotate(
                 "--for-quantization supports RMSNorm families with a gated FFN (Llama, Mistral, Qwen2, ...)"
             )
         if options.learn and Q is not None:
-            from .quant_rotation import learn_checkpoint_rotation
-
             Q = learn_checkpoint_rotation(source, adapter, options, Q, progress)
     stats = None
     if options.for_quantization and options.scales:
-        from .quant_scales import layer_stats
+        from .quantization.scales import layer_stats
 
         if calibration is None:
             raise ValueError(
-                "--scales needs calibration: token ids, or the layer statistics of quant_scales.layer_stats"
+                "--scales needs calibration: token ids, or the layer statistics of quantization.scales.layer_stats"
             )
         stats = calibration if isinstance(calibration, list) else layer_stats(source, config, calibration, progress)
     if centres_layer_norms(adapter, options):
@@ -394,7 +392,7 @@ def rotate_state_dict(
     state_dict: Tensors, config, options: RotateOptions = RotateOptions(), progress: bool = False, calibration=None
 ) -> tuple[Tensors, dict]:
     """In-memory rotation: returns (new state dict, new config dict). ``calibration`` (with
-    ``options.scales``): calibration token ids, or precomputed :func:`.quant_scales.layer_stats`."""
+    ``options.scales``): calibration token ids, or precomputed :func:`.quantization.scales.layer_stats`."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     sink = DictSink()
     new_config, _ = _rotate(DictSource(state_dict), config, options, sink, progress, calibration)
@@ -453,3 +451,32 @@ def rotate_checkpoint(
         untied_embeddings=untied,
         seconds=time.perf_counter() - start,
     )
+
+
+def learn_checkpoint_rotation(source, adapter, options, Q0, progress: bool = False) -> torch.Tensor:
+    """The residual rotation of ``rotate --for-quantization --learn QTYPE``:
+    :func:`.quantization.rotation.learn_rotation` over every decoder layer's readers and writers, from
+    the randomised Hadamard ``Q0``, against the named quantizer (:mod:`hf_symmetry.evaluation.weight_quant`)
+    with the checkpoint's column balancing.
+    Holds every layer's linears in float32 (about 4 bytes per parameter)."""
+    from ..evaluation.weight_quant import roundtrip
+    from .quantization.rotation import balanced, layer_matrices, learn_rotation
+    from .stream import partition_keys
+
+    _, per_layer, _ = partition_keys(adapter, source.keys())
+    readers, writers = [], []
+    for i in range(adapter.n_layers):
+        r, w = layer_matrices(adapter.read_layer(i, source.get(per_layer[i])), adapter.layout, options.seed, i)
+        readers += r
+        writers += w
+    quantize = balanced(lambda A: roundtrip(A, options.learn), options.balance_alpha)
+    log = print if progress else None
+    Q, _ = learn_rotation(
+        readers,
+        writers,
+        quantize,
+        [Q0.dense() if hasattr(Q0, "dense") else Q0],
+        iterations=options.learn_iterations,
+        log=log,
+    )
+    return Q

@@ -18,7 +18,7 @@ to geometric mean 1) and ``α`` is chosen from a grid by that error under the *a
 dequantized weights; ``α = 0`` (no scaling) is on the grid, so the chosen scale never increases the
 layer's calibration error. The statistics are the calibration engine's second moments
 (:mod:`hf_symmetry.calibration`), transformed into whatever basis the layer is in after the residual
-and V/O rotations of :mod:`.quant_rotation`.
+and V/O rotations of :mod:`.rotation`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from ..symmetry import actions
-from ..symmetry.layout import HeadLayout
+from ...symmetry import actions
+from ...symmetry.layout import HeadLayout
 
 Tensors = dict[str, torch.Tensor]
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -40,9 +40,9 @@ SITES = ("attn_in", "ffn_in", "o_in", "down_in")
 def layer_stats(source, config: dict, ids: torch.Tensor, progress: bool = False, seq_len: int = 512) -> list[Tensors]:
     """Per decoder layer, ``E[xᵀx]`` (float64) of the inputs of q/k/v (the attention norm's output, γ
     included), gate/up, o and down, over the calibration token ids ``ids`` (float32 forward)."""
-    from ..calibration.data import token_batches
-    from ..calibration.engine import CalibrationEngine
-    from ..calibration.statistics import StatsRequest
+    from ...calibration.data import token_batches
+    from ...calibration.engine import CalibrationEngine
+    from ...calibration.statistics import StatsRequest
 
     engine = CalibrationEngine(source, config=config, progress=progress)
     result = engine.collect(token_batches(ids, seq_len), StatsRequest(grams=SITES))
@@ -133,7 +133,7 @@ def apply_scales(
     reader *rows* of the attention and FFN groups, which a row-grouped quantizer does not see), then
     attention norm → q, k, v and FFN norm → gate, up. ``H``: the layer's input second moments *in the
     layer's current basis*, keys of :data:`SITES`."""
-    from .quant_rotation import scale_ffn_channels, scale_vo_channels
+    from .rotation import scale_ffn_channels, scale_vo_channels
 
     out = dict(layer)
     s, info = search_scales(out["o.weight"], H["o_in"], quantize, grid, tie=_group_tie(layout), pow2=pow2)

@@ -42,14 +42,14 @@ def gram_matrices(
     or an in-memory model (``config`` ignored: the model's own); the layer-wise calibration engine
     runs it one layer at a time on ``placement`` (default: CPU, float64 for float64 weights, else
     float32)."""
-    from ..calibration import CalibrationEngine, StatsRequest
-    from ..devices import resolve
-    from .stream import DictSource
+    from ...calibration import CalibrationEngine, StatsRequest
+    from ...devices import resolve
+    from ..stream import DictSource
 
     if isinstance(source, torch.nn.Module):
         source, config = DictSource(source.state_dict()), source.config.to_dict()
     if placement is None:
-        from ..checkpoint import CheckpointReader
+        from ...checkpoint import CheckpointReader
 
         probe = CheckpointReader(source) if not hasattr(source, "keys") else source
         placement = resolve("cpu", statistics_dtype(probe))
@@ -125,7 +125,7 @@ def fisher_model(config: dict, state_dict, dtype: torch.dtype = torch.float32, p
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..modeling import register_auto_classes
+    from ...modeling import register_auto_classes
 
     register_auto_classes()
 
@@ -172,7 +172,7 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
             f"Fisher merging needs a language-model head to define a likelihood; "
             f"{type(model).__name__} has none (use average or regmean)"
         )
-    from ..devices import to_model
+    from ...devices import to_model
 
     params = {n: p for n, p in model.named_parameters()}
     fisher = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}

@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from ..symmetry import actions, groups
-from ..symmetry.layout import HeadLayout
+from ...symmetry import actions, groups
+from ...symmetry.layout import HeadLayout
 
 Tensors = dict[str, torch.Tensor]
 
@@ -165,7 +165,7 @@ def transform_layer(
     """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
     ``Q`` (None: no residual rotation, norms stay unfolded), Hadamard the V/O heads, then set the
     exact column scales: searched against ``quantize`` on the calibration second moments ``stats``
-    (:mod:`.quant_scales`, AWQ's criterion) when given, else the data-free max-abs balancing."""
+    (:mod:`.scales`, AWQ's criterion) when given, else the data-free max-abs balancing."""
     layer = dict(layer)
     gammas = (layer["attn_norm.weight"], layer["ffn_norm.weight"])
     if Q is not None:
@@ -174,7 +174,7 @@ def transform_layer(
     if vo is not None:
         layer = actions.rotate_vo(layer, layout, vo)
     if stats is not None:
-        from .quant_scales import apply_scales, to_layer_basis
+        from .scales import apply_scales, to_layer_basis
 
         return apply_scales(
             layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log, pow2=pow2
@@ -228,7 +228,7 @@ def learn_rotation(
     so the error never increases; group-scaled grids move with ``Q``, so the best iterate over all
     starts is returned, with the error of every iterate (``history``).
     """
-    from ..symmetry.procrustes import orthogonal_procrustes
+    from ...symmetry.procrustes import orthogonal_procrustes
 
     best, best_err, history = None, float("inf"), []
     for start in starts:
@@ -280,30 +280,3 @@ def layer_matrices(
         return torch.cat([layer[f"{n}.weight"] for n in names if f"{n}.weight" in layer]).float()
 
     return [f32("q", "k", "v"), f32("gate", "up")], [f32("o"), f32("down")]
-
-
-def learn_checkpoint_rotation(source, adapter, options, Q0, progress: bool = False) -> torch.Tensor:
-    """The residual rotation of ``rotate --for-quantization --learn QTYPE``: :func:`learn_rotation`
-    over every decoder layer's readers and writers, from the randomised Hadamard ``Q0``, against the
-    named quantizer (:mod:`hf_symmetry.evaluation.weight_quant`) with the checkpoint's column balancing.
-    Holds every layer's linears in float32 (about 4 bytes per parameter)."""
-    from ..evaluation.weight_quant import roundtrip
-    from .stream import partition_keys
-
-    _, per_layer, _ = partition_keys(adapter, source.keys())
-    readers, writers = [], []
-    for i in range(adapter.n_layers):
-        r, w = layer_matrices(adapter.read_layer(i, source.get(per_layer[i])), adapter.layout, options.seed, i)
-        readers += r
-        writers += w
-    quantize = balanced(lambda A: roundtrip(A, options.learn), options.balance_alpha)
-    log = print if progress else None
-    Q, _ = learn_rotation(
-        readers,
-        writers,
-        quantize,
-        [Q0.dense() if hasattr(Q0, "dense") else Q0],
-        iterations=options.learn_iterations,
-        log=log,
-    )
-    return Q

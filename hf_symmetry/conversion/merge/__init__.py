@@ -7,19 +7,19 @@ Pipeline (docs/math.md §2):
 2. the anchor: the base model when one is given, else the input nearest the mean of all inputs
    (or the one the recipe names); every other input is matched to it
    (:mod:`hf_symmetry.conversion.match`);
-3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge_methods`).
+3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge.methods`).
 
 Weight-only methods (average, task arithmetic, TIES) and RegMean stream layer by layer
-(:mod:`hf_symmetry.conversion.merge_stream`): each layer of every input is read, matched and merged
+(:mod:`hf_symmetry.conversion.merge.stream`): each layer of every input is read, matched and merged
 one group of tensors at a time before the next layer is read, and the vocabulary-sized globals a
 block of rows at a time where the rule allows. RegMean's Gram matrices are collected inside that
-pass (:class:`~hf_symmetry.conversion.merge_stream.LayerGrams`: one calibration run per input,
+pass (:class:`~hf_symmetry.conversion.merge.stream.LayerGrams`: one calibration run per input,
 advanced one decoder layer at a time, so host memory holds one layer's Grams whatever the depth),
 on the inputs as given, and carried exactly through the match (``RᵀGR``, ``PᵀGP``;
 :meth:`MatchSolution.transform_grams`); the globals (LM head: the Gram of the final norm's output)
 are merged after the last layer. Fisher needs a full backward pass, so it holds each *matched*
 model (a diagonal Fisher does not transform under rotations) placed by accelerate
-(:func:`hf_symmetry.conversion.merge_statistics.fisher_model`).
+(:func:`hf_symmetry.conversion.merge.statistics.fisher_model`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..architectures import Adapter
-from ..assets import resolve_model, resolve_text
-from ..calibration import token_batches
-from ..checkpoint import (
+from ...architectures import Adapter
+from ...assets import resolve_model, resolve_text
+from ...calibration import token_batches
+from ...checkpoint import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,
@@ -45,10 +45,10 @@ from ..checkpoint import (
     parse_size,
     write_config,
 )
-from ..devices import linalg_device
-from ..hub.cards import hub_id_of, public_model_labels, update_card, write_card
-from ..text import public_text_label
-from .match import (
+from ...devices import linalg_device
+from ...hub.cards import hub_id_of, public_model_labels, update_card, write_card
+from ...text import public_text_label
+from ..match import (
     MatchPlan,
     PairMatcher,
     check_same_architecture,
@@ -57,12 +57,12 @@ from .match import (
     vocabulary_fingerprint,
     with_lm_head,
 )
-from .merge_methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
-from .merge_statistics import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
-from .merge_stream import GRAM_OF, LayerGrams, stream_merge
+from .methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
+from .statistics import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
+from .stream import GRAM_OF, LayerGrams, stream_merge
 from .recipe import DATA_METHODS, EvaluationSpec, MergeRecipe, ModelEntry, recipe_from_dict
-from .rotate import RotateOptions, plan_checks
-from .stream import DictSink, DictSource, TensorSource, combine_checkpoints, partition_keys
+from ..rotate import RotateOptions, plan_checks
+from ..stream import DictSink, DictSource, TensorSource, combine_checkpoints, partition_keys
 
 Tensors = dict[str, torch.Tensor]
 
@@ -535,8 +535,8 @@ def merge_checkpoints(
     inputs' tokenizer and a model card (with the perplexities of the merge and of every input
     on the recipe's evaluation text, for causal LMs). ``placement`` (:func:`hf_symmetry.devices.resolve`):
     where RegMean's layer-wise calibration runs."""
-    from ..text import read_text, tokenize_text
-    from ..evaluation.compare import load_tokenizer
+    from ...text import read_text, tokenize_text
+    from ...evaluation.compare import load_tokenizer
 
     start = time.perf_counter()
     check_output_dir(out, overwrite)
@@ -605,8 +605,8 @@ def evaluate_merge(
     definition, :func:`hf_symmetry.evaluation.verification.perplexities`), recorded in the card:
     the merge's as model-index metadata, every input's in the card's table. Returns the figures
     (empty when the inputs are not causal LMs or have no tokenizer)."""
-    from ..evaluation.verification import perplexities
-    from ..hub.entries import perplexity_card_entry
+    from ...evaluation.verification import perplexities
+    from ...hub.entries import perplexity_card_entry
 
     spec = recipe.evaluation or EvaluationSpec()
     text, tokens = text or spec.text, tokens or spec.tokens

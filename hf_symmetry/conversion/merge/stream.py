@@ -6,7 +6,7 @@ Host memory (docs/calibration.md, "What each conversion keeps"):
 
 * **Layers** come in groups (the norms; q, k, v; o; gate, up; down): without matching, each group
   is read from every input and merged before the next is read. The linear layers of one group read
-  one input, so RegMean sums and factors one Gram for them (:func:`~.merge_methods.regmean_group`),
+  one input, so RegMean sums and factors one Gram for them (:func:`~.methods.regmean_group`),
   taking the inputs one at a time and consuming each input's Gram. With matching, the whole layer
   is read (the match is solved on it) and its tensors are handed out group by group.
 * **RegMean's Grams** (:class:`LayerGrams`): one calibration run per input, advanced one decoder
@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..architectures import Adapter
-from ..calibration.memory import release_free_memory, return_large_blocks_at_once
-from .layer_parts import read_part, stand_ins
-from .match import with_lm_head
-from .merge_methods import regmean_group
-from .stream import TensorSource, partition_keys
+from ...architectures import Adapter
+from ...calibration.memory import release_free_memory, return_large_blocks_at_once
+from ..layer_parts import read_part, stand_ins
+from ..match import with_lm_head
+from .methods import regmean_group
+from ..stream import TensorSource, partition_keys
 
 Tensors = dict[str, torch.Tensor]
 
@@ -60,7 +60,7 @@ BLOCK_ELEMENTS = 1 << 20  # rows per block of the globals: ~8 MB in float64
 
 class StoredGram:
     """A Gram matrix waiting in a raw float64 file, read a block of rows at a time by
-    :func:`~.merge_methods.regmean_group` (so host memory never holds it whole)."""
+    :func:`~.methods.regmean_group` (so host memory never holds it whole)."""
 
     def __init__(self, path: Path, shape: tuple):
         self.path, self.shape = Path(path), tuple(shape)
@@ -142,9 +142,9 @@ class LayerGrams:
         progress: bool = True,
         spill: Path | None = None,
     ):
-        from ..calibration import CalibrationEngine, StatsRequest
-        from ..devices import linalg_device, resolve
-        from .merge_statistics import statistics_dtype
+        from ...calibration import CalibrationEngine, StatsRequest
+        from ...devices import linalg_device, resolve
+        from .statistics import statistics_dtype
 
         return_large_blocks_at_once()  # freed per-batch temporaries leave at once (calibration.memory)
         # one sequence per forward: the Grams are sums over tokens (the same for any grouping, to
@@ -191,7 +191,7 @@ class LayerGrams:
         return out
 
     def final(self, matchers: list | None = None, head: bool = True) -> list[Tensors]:
-        from ..calibration import StatsRequest
+        from ...calibration import StatsRequest
 
         out = []
         for j, (run, steps) in enumerate(zip(self.runs, self.steps)):

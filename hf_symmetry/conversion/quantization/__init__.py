@@ -1,0 +1,56 @@
+"""Rotations and scalings aimed at low-bit weight quantization (``rotate --for-quantization``):
+the exact transforms of one canonical layer (:mod:`.rotation`) and the activation-aware exact
+scales searched against a quantizer (:mod:`.scales`). :mod:`hf_symmetry.conversion.rotate` runs them
+over a checkpoint."""
+
+from .rotation import (
+    QuantBalance,
+    balance_ffn,
+    balance_norms,
+    balance_vo,
+    balanced,
+    hadamard_except,
+    head_hadamards,
+    layer_matrices,
+    learn_rotation,
+    massive_channels,
+    rotation_error,
+    scale_ffn_channels,
+    scale_vo_channels,
+    transform_layer,
+)
+from .scales import (
+    GRID,
+    SITES,
+    apply_scales,
+    layer_stats,
+    scale_error,
+    scale_norm_readers,
+    search_scales,
+    to_layer_basis,
+)
+
+__all__ = [
+    "GRID",
+    "SITES",
+    "QuantBalance",
+    "apply_scales",
+    "balance_ffn",
+    "balance_norms",
+    "balance_vo",
+    "balanced",
+    "hadamard_except",
+    "head_hadamards",
+    "layer_matrices",
+    "layer_stats",
+    "learn_rotation",
+    "massive_channels",
+    "rotation_error",
+    "scale_error",
+    "scale_ffn_channels",
+    "scale_norm_readers",
+    "scale_vo_channels",
+    "search_scales",
+    "to_layer_basis",
+    "transform_layer",
+]
