@@ -105,18 +105,19 @@ def run(workdir: str, only: list[str] | None = None) -> dict:
     return results
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def hash_cli(run_cases, description: str, default_workdir: str, argv=None) -> int:
+    """The command line of a byte-identity check: run the cases, write (``--out``) and compare (``--check``)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", help="write the hashes to this JSON file")
     p.add_argument("--check", help="compare with the hashes in this JSON file (exit 1 on any difference)")
     p.add_argument("--only", nargs="*", help="case names to run")
     p.add_argument(
         "--workdir",
-        default="/tmp/hf_symmetry_compress_hashes",
+        default=default_workdir,
         help="scratch folder (emptied first; keep it fixed between the runs compared)",
     )
     args = p.parse_args(argv)
-    results = run(args.workdir, args.only)
+    results = run_cases(args.workdir, args.only)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     if args.check:
@@ -126,6 +127,10 @@ def main(argv=None) -> int:
             print(f"{n}: {'DIFFERENT' if n in bad else 'same'} ({len(results[n]['files'])} files)")
         return 1 if bad else 0
     return 0
+
+
+def main(argv=None) -> int:
+    return hash_cli(run, __doc__.split("\n\n")[0], "/tmp/hf_symmetry_compress_hashes", argv)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ are compared on one machine, not stored for all.
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import sys
 import time
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from compress_hashes import _digest, _folder, _hashes
+from compress_hashes import _digest, _folder, _hashes, hash_cli
 
 NV = ["--no-verify", "--quiet"]
 # (case name, output is a file, argv with {src-<family>}, {src-llama-b}, {calib}, {out} placeholders)
@@ -136,26 +134,7 @@ def run(workdir: str, only: list[str] | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", help="write the hashes to this JSON file")
-    p.add_argument("--check", help="compare with the hashes in this JSON file (exit 1 on any difference)")
-    p.add_argument("--only", nargs="*", help="case names to run")
-    p.add_argument(
-        "--workdir",
-        default="/tmp/hf_symmetry_output_hashes",
-        help="scratch folder (emptied first; keep it fixed between the runs compared)",
-    )
-    args = p.parse_args(argv)
-    results = run(args.workdir, args.only)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    if args.check:
-        want = json.loads(Path(args.check).read_text())
-        bad = [n for n in results if results[n]["rc"] != want[n]["rc"] or results[n]["files"] != want[n]["files"]]
-        for n in results:
-            print(f"{n}: {'DIFFERENT' if n in bad else 'same'} ({len(results[n]['files'])} files)")
-        return 1 if bad else 0
-    return 0
+    return hash_cli(run, __doc__.split("\n\n")[0], "/tmp/hf_symmetry_output_hashes", argv)
 
 
 if __name__ == "__main__":
