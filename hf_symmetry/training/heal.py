@@ -8,11 +8,11 @@ Pipeline (:func:`heal_checkpoint`):
    student share the tokenizer and output vocabulary, the training text is non-empty and long
    enough for one sequence, the LoRA rank fits every adapted projection.
 2. **Data**: the training text packed into ``seq_len`` sequences (:mod:`.data`),
-   split by document into train and held-out; optionally ``teacher_samples`` extra sequences
-   sampled from the teacher (data-free distillation; cached under the hf_symmetry cache and reused
-   while the teacher is unchanged); optionally the teacher's top-k logits of every
-   training sequence cached on disk (``teacher_cache``) so that later epochs and resumed runs skip
-   the teacher.
+   split by document into train and held-out; by default half of the training sequences
+   (``teacher_sample_fraction``, or ``teacher_samples`` of them) sampled from the teacher instead
+   (cached under the hf_symmetry cache and reused while the teacher is unchanged); optionally the
+   teacher's top-k logits of every training sequence cached on disk (``teacher_cache``) so that
+   later epochs and resumed runs skip the teacher.
 3. **Adapters**: LoRA on every projection (:mod:`.peft_targets`; for the
    compressed family its structured factors) or ``full`` fine-tuning of all weights.
 4. **Training**: :func:`hf_symmetry.training.train` with :class:`~.distill.DistillationLoss`
@@ -64,7 +64,8 @@ class HealOptions:
     lm_weight: float = 0.0
     teacher_cache: bool = False
     cache_k: int = 64
-    teacher_samples: int = 0
+    teacher_samples: int | None = None  # sequences sampled from the teacher; None: teacher_sample_fraction
+    teacher_sample_fraction: float = 0.5  # share of the tokens/seq_len training sequences (issue 30's recipe)
     layer_loss_weight: float = 0.0  # weight of the per-layer state loss (layer map); 0: logits only
     logit_chunk: int = 2048  # positions whose logits are formed at once (training.logit_loss); 0: all
     validation_fraction: float = 0.05
@@ -76,9 +77,16 @@ class HealOptions:
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else (2e-5 if self.full else 2e-4)
 
+    def sample_count(self) -> int:
+        """Training sequences sampled from the teacher: ``teacher_samples`` if set, else
+        ``teacher_sample_fraction`` of the ``tokens // seq_len`` sequences the optimizer sees."""
+        if self.teacher_samples is not None:
+            return self.teacher_samples
+        return round(self.teacher_sample_fraction * (self.tokens // self.seq_len))
+
     def text_tokens(self) -> int:
         """Tokens of the user's text read for training: the budget less the teacher samples' share."""
-        return max(self.seq_len, self.tokens - self.teacher_samples * self.seq_len)
+        return max(self.seq_len, self.tokens - self.sample_count() * self.seq_len)
 
     def steps(self) -> int:
         return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
@@ -100,8 +108,10 @@ class HealOptions:
             raise ValueError(f"--temperature must be > 0, got {self.temperature}")
         if not 0 <= self.lm_weight <= 1:
             raise ValueError(f"--lm-weight must be in [0, 1], got {self.lm_weight}")
-        if self.teacher_samples < 0 or self.cache_k < 1:
+        if (self.teacher_samples is not None and self.teacher_samples < 0) or self.cache_k < 1:
             raise ValueError("--teacher-samples must be >= 0 and --cache-k >= 1")
+        if not 0 <= self.teacher_sample_fraction <= 1:
+            raise ValueError(f"--teacher-sample-fraction must be in [0, 1], got {self.teacher_sample_fraction}")
         if self.logit_chunk < 0:
             raise ValueError(f"--logit-chunk must be >= 0 (0: all positions at once), got {self.logit_chunk}")
         if not (self.layer_loss_weight >= 0 and math.isfinite(self.layer_loss_weight)):
@@ -110,6 +120,7 @@ class HealOptions:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["learning_rate"] = self.learning_rate
+        d["teacher_samples"] = self.sample_count()
         d["steps"] = self.steps()
         return d
 
@@ -334,13 +345,14 @@ def heal_checkpoint(
     tmodel = _load(tea, progress)
     train_seqs = data.train.sequences
     samples_reused = False
-    if options.teacher_samples:
+    n_samples = options.sample_count()
+    if n_samples:
         with state.main_process_first():  # the main process samples (or reads the cache), the others read
             sampled, _, samples_reused = cached_teacher_samples(
                 tmodel,
                 tok,
                 tea,
-                options.teacher_samples,
+                n_samples,
                 options.seq_len,
                 seed=options.seed,
                 device=tdev or dev,
@@ -441,7 +453,7 @@ def heal_checkpoint(
         seconds=0.0,
         resumed_from=result.resumed_from,
         final_train_loss=_last_loss(result.log_history),
-        teacher_samples=options.teacher_samples,
+        teacher_samples=n_samples,
         teacher_samples_reused=samples_reused,
         layer_targets=layer_targets,
         device=str(dev),
