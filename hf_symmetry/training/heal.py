@@ -28,6 +28,7 @@ Pipeline (:func:`heal_checkpoint`):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -300,6 +301,14 @@ def heal_checkpoint(
     tdev = resolve_device(teacher_device) if teacher_device else None
     tok = load_tokenizer(src)
     check_same_tokenizer(tok, load_tokenizer(tea), student_cfg.get("vocab_size"), teacher_cfg.get("vocab_size"))
+    if options.teacher_samples is None and options.sample_count() and tok.bos_token_id is tok.eos_token_id is None:
+        # the default fraction needs a start token; an explicit --teacher-samples N is refused instead
+        print(
+            "hf-symmetry heal: the tokenizer has neither a BOS nor an EOS token: no teacher samples, text only",
+            file=sys.stderr,
+            flush=True,
+        )
+        options = dataclasses.replace(options, teacher_sample_fraction=0.0)
     per_device = per_device_batch(options.batch_size, options.grad_accum)
     plan = None if options.full else lora_plan(_skeleton(src), options.lora_rank)  # rank check, no weights read
     data = build_datasets(
