@@ -59,7 +59,7 @@ def register(sub) -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default: 16)")
     how.add_argument("--full", action="store_true", help="fine-tune every weight instead of LoRA adapters")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 2e-4 LoRA, 2e-5 --full)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3 LoRA, 2e-5 --full)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 5%% of the steps)")
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
     p.add_argument(

@@ -57,7 +57,7 @@ class HealOptions:
     grad_accum: int = 1
     lora_rank: int = 16
     full: bool = False
-    lr: float | None = None  # None: 2e-4 with LoRA, 2e-5 for --full
+    lr: float | None = None  # None: 1e-3 with LoRA (every measured recipe), 2e-5 for --full
     warmup_steps: int | None = None
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -76,7 +76,7 @@ class HealOptions:
 
     @property
     def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else (2e-5 if self.full else 2e-4)
+        return self.lr if self.lr is not None else (2e-5 if self.full else 1e-3)
 
     def sample_count(self) -> int:
         """Training sequences sampled from the teacher: ``teacher_samples`` if set, else
