@@ -25,8 +25,6 @@ NOT_YET: dict[str, str] = {
     "redesigned, issue 31 item 2)",
     "conversion/compress/layernorm/slice.py": "names the RMS-decoder output family by its model_type (idem)",
     "conversion/compress/layernorm/structured.py": "names the RMS-decoder output family by its model_type (idem)",
-    "evaluation/weight_quant.py": "falls back to `model.model.layers` when a model has no get_decoder() "
-    "(the quantization work owns this file)",
 }
 
 

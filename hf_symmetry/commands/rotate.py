@@ -62,7 +62,8 @@ def register(sub) -> None:
         metavar="QTYPE",
         default=None,
         help="with --for-quantization: learn the residual rotation against this weight quantizer "
-        "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq), "
+        "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq; "
+        "bnb-nf4, bnb-fp4 through bitsandbytes), "
         "from the randomised Hadamard",
     )
     p.add_argument(
