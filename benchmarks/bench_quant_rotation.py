@@ -4,6 +4,7 @@ residual rotation), every decoder-layer linear quantized weight-only by a real q
 dequantized back into the HF model:
 
 * GGUF Q4_0 / Q4_1 / MXFP4 (blocks of 32) through the ``gguf`` package's quantizers;
+* bitsandbytes NF4 (blocks of 64, float32 absmax: what ``load_in_4bit`` stores) through ``bitsandbytes``;
 * HQQ 4-bit and 3-bit (``hqq`` package, groups of 64 and 128; ``-rtn``: without HQQ's slow optimiser): ``gguf`` has no
   Python quantizer for
   the k-quants (Q3_K, Q4_K: dequantize only), so HQQ supplies 3 bits.
@@ -19,7 +20,8 @@ Perplexity: the project's definition (hf_symmetry.evaluation.perplexity), 2048 t
 ``hamlet`` (not used for anything else here; the learned rotation sees only weights).
 
 Run: .venv/bin/python benchmarks/bench_quant_rotation.py [--variants ...] [--quantizers ...]
-(writes benchmarks/results/quant_rotation.json, merging with what is there).
+(writes benchmarks/results/quant_rotation.json, merging with what is there when it starts: a run
+alongside another writes its own file, ``--out``). Threads: ``OMP_NUM_THREADS``, else 2.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -57,7 +60,7 @@ VARIANTS = {
     "hadamard-scales": dict(residual="hadamard", for_quantization=True, scales="@"),
 }
 CALIBRATION = ("britannica-calib", 2048)
-QUANTIZERS = ("Q4_0", "hqq3g64-rtn", "Q4_1", "hqq4g64-rtn", "hqq3g128-rtn", "MXFP4")
+QUANTIZERS = ("Q4_0", "hqq3g64-rtn", "Q4_1", "hqq4g64-rtn", "hqq3g128-rtn", "MXFP4", "bnb-nf4")
 
 
 _STATS: dict = {}
@@ -119,7 +122,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))  # 2 unless told (the CPU is shared)
 
     from transformers import AutoTokenizer
 
@@ -136,7 +139,8 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.exists() else {}
     results.update(
         title="Rotations and exact scalings for low-bit weight quantization (issue 29)",
-        machine=f"{platform.machine()}, {platform.processor() or 'cpu'}, torch threads 2 (shared VM)",
+        machine=f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+        f"torch threads {torch.get_num_threads()} (shared VM)",
         date=time.strftime("%Y-%m-%d", time.gmtime()),
         command="OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_quant_rotation.py "
         "[--model DIR --label L] --variants ... --quantizers ...",

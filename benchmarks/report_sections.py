@@ -412,6 +412,7 @@ RENDERERS = {
     "heal": heal,
     "heal_gpu_h200": heal_recipes,
     "quant_rotation": quant_rotation,
+    "quant_rotation_bnb": quant_rotation,
     "compat": compat,
     **{stem: (calibration_rss if stem == RSS_FILES[0] else _none) for stem in RSS_FILES},
 }
