@@ -55,6 +55,8 @@ VARIANTS = {
     # with ("@"), on 2048 tokens of britannica-calib: no residual rotation (the massive activations
     # stay in their few columns), with or without the per-head V/O Hadamards, and after the Hadamard
     "scales": dict(residual="none", for_quantization=True, vo_hadamard=False, scales="@"),
+    # the default `--for-quantization` preset: the same, residual channels sorted by calibration activation RMS
+    "scales-sorted": dict(residual="none", for_quantization=True, vo_hadamard=False, scales="@", sort_channels=True),
     "scales-pow2": dict(residual="none", for_quantization=True, vo_hadamard=False, scales="@", scales_pow2=True),
     "scales-vo": dict(residual="none", for_quantization=True, vo_hadamard=True, scales="@"),
     "hadamard-scales": dict(residual="hadamard", for_quantization=True, scales="@"),

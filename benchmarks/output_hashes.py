@@ -29,7 +29,11 @@ CASES = [
     ("rotate-qwen2", False, ["rotate", "{src-qwen2}", "{out}", "--seed", "3", *NV]),
     ("rotate-opt", False, ["rotate", "{src-opt}", "{out}", "--seed", "3", *NV]),
     ("rotate-gpt2", False, ["rotate", "{src-gpt2}", "{out}", "--seed", "3", *NV]),
-    ("rotate-llama-quant", False, ["rotate", "{src-llama}", "{out}", "--for-quantization", "--seed", "3", *NV]),
+    (
+        "rotate-llama-quant",
+        False,
+        ["rotate", "{src-llama}", "{out}", "--for-quantization", "--residual", "hadamard", "--seed", "3", *NV],
+    ),
     ("match-llama", False, ["match", "{src-llama}", "{src-llama-b}", "{out}", "--residual", *NV]),
     (
         "merge-average-matched",

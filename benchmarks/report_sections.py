@@ -356,6 +356,7 @@ QUANT_NAMES = {
     "for-quantization-no-residual": "no residual rotation (V/O + balancing only)",
     "for-quantization-hold-out": "`--for-quantization --hold-out` (the massive channels)",
     "scales": "`--for-quantization --residual none --no-vo-hadamard --scales Q` (activation-aware scales)",
+    "scales-sorted": "`--for-quantization` (default preset: sorted channels + activation-aware scales)",
     "scales-pow2": "the same with `--pow2-scales`",
     "hadamard-scales": "`--for-quantization --scales` (Hadamard + scales)",
 }

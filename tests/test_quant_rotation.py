@@ -178,7 +178,8 @@ def test_smollm2_for_quantization_is_a_stock_llama_with_the_same_logits(smollm2_
     from hf_symmetry.evaluation.compare import model_output
 
     out = tmp_path / "smollm2-q"
-    assert cli.main(["rotate", str(smollm2_dir), str(out), "--for-quantization", "--no-verify", "--quiet"]) == 0
+    argv = ["rotate", str(smollm2_dir), str(out), "--for-quantization", "--residual", "hadamard", "--scales", "none"]
+    assert cli.main([*argv, "--no-verify", "--quiet"]) == 0  # the QuaRot-style preset
     rotated = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no remote code
     assert type(rotated) is LlamaForCausalLM
     ref = model_output(smollm2, eval_ids)
@@ -203,3 +204,29 @@ def test_hold_out_keeps_the_massive_channels_coordinate_aligned(exact_rmsnorm):
     ids = input_ids(model.config.vocab_size)
     rotated, _, _ = _rotated(model, RotateOptions(residual="hadamard", for_quantization=True, hold_out=held))
     assert (outputs(model, ids) - outputs(rotated, ids)).abs().max().item() <= 1e-9
+
+
+def _preset(*argv):
+    import argparse
+
+    from hf_symmetry.commands import rotate as command
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    command.register(sub)
+    args = sub.choices["rotate"].parse_args(["out", *argv])
+    command.resolve_quantization_preset(args)
+    return args.residual, args.vo_hadamard, args.scales, args.sort_channels
+
+
+def test_for_quantization_preset_defaults():
+    """``--for-quantization`` alone is the preset measured best (no rotation, sorted channels, scales against
+    Q4_0); a residual rotation brings back the QuaRot-style defaults; explicit flags win."""
+    assert _preset() == ("hadamard", True, None, False)  # plain rotate is unchanged
+    assert _preset("--for-quantization") == ("none", False, "Q4_0", True)
+    assert _preset("--for-quantization", "--scales", "bnb-nf4") == ("none", False, "bnb-nf4", True)
+    assert _preset("--for-quantization", "--no-sort-channels") == ("none", False, "Q4_0", False)
+    assert _preset("--for-quantization", "--residual", "hadamard") == ("hadamard", True, None, False)
+    assert _preset("--for-quantization", "--learn", "Q4_0") == ("hadamard", True, None, False)
+    assert _preset("--for-quantization", "--scales", "none") == ("none", False, None, False)
+    with pytest.raises(SystemExit, match="--sort-channels"):
+        _preset("--for-quantization", "--residual", "hadamard", "--sort-channels")

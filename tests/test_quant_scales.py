@@ -165,6 +165,7 @@ def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2
                 "--scales",
                 "Q4_0",
                 "--pow2-scales",
+                "--no-sort-channels",
                 "--calibration-tokens",
                 "256",
                 "--no-verify",
@@ -185,3 +186,116 @@ def test_smollm2_scales_checkpoint_is_a_stock_llama_with_the_same_logits(smollm2
     with torch.no_grad():
         scaled.model.layers[5].input_layernorm.weight.copy_(original)
     assert (ref - model_output(scaled, eval_ids)).abs().max().item() > 1e-1
+
+
+# ------------------------------------------------------------------ residual channel order (--sort-channels)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_residual_permutation_is_exact_and_keeps_the_norms_and_the_tie(family, exact_rmsnorm):
+    """A permutation of the residual channels needs no norm folding: γ moves with its channel. A tied head
+    stays tied (the permuted embedding is the head)."""
+    from hf_symmetry.symmetry import actions
+
+    model = _model(family)
+    adapter = Adapter.from_config(model.config.to_dict(), list(model.state_dict()))
+    perm = torch.randperm(adapter.hidden, generator=torch.Generator().manual_seed(5))
+    sd = model.state_dict()
+    out = {}
+    for i in range(adapter.n_layers):
+        tensors = {k: v for k, v in sd.items() if adapter.layer_of(k) == i}
+        layer = actions.permute_residual_layer(adapter.read_layer(i, tensors), perm)
+        out.update(adapter.write_layer(i, layer, tensors))
+    rest = {k: v for k, v in sd.items() if adapter.layer_of(k) is None}
+    out.update(adapter.write_globals(actions.permute_residual_globals(adapter.read_globals(rest), perm), rest))
+    permuted = model_from_state_dict(model.config.to_dict(), out, dtype=torch.float64)
+    ids = input_ids(model.config.vocab_size)
+    assert (outputs(model, ids) - outputs(permuted, ids)).abs().max().item() <= 1e-10
+    assert not torch.equal(out["model.layers.0.input_layernorm.weight"], sd["model.layers.0.input_layernorm.weight"])
+    # negative control: the readers and writers permuted, the norm weights left where they were
+    for i in range(adapter.n_layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            out[f"model.layers.{i}.{name}.weight"] = sd[f"model.layers.{i}.{name}.weight"].clone()
+    broken = model_from_state_dict(model.config.to_dict(), out, dtype=torch.float64)
+    assert (outputs(model, ids) - outputs(broken, ids)).abs().max().item() > 1e-3
+
+
+def test_residual_permutation_refuses_what_it_cannot_move():
+    from hf_symmetry.symmetry import actions
+
+    layer = {n: torch.zeros(4, 4) for n in ("q.weight", "o.weight", "post_norm.weight")}
+    with pytest.raises(actions.NotASymmetry, match="post_norm"):
+        actions.permute_residual_layer(layer, torch.arange(4))
+    with pytest.raises(actions.NotASymmetry, match="not a permutation"):
+        actions.permute_residual_layer({"o.weight": torch.zeros(4, 4)}, torch.tensor([0, 0, 1, 2]))
+
+
+def test_residual_order_puts_the_loud_channels_together():
+    """Channels sorted by their geometric-mean activation RMS over layers and sites: the planted loud
+    channels (3 and 11) end up last, next to each other, whatever their position."""
+    d = 16
+    base = torch.linspace(1.0, 2.0, d, dtype=torch.float64)
+    stats = []
+    for i in range(3):
+        h = base.clone()
+        h[3] *= 100
+        h[11] *= 50 + i
+        stats.append({"attn_in": torch.diag(h), "ffn_in": torch.diag(h.flip(0) * 0 + h)})
+    perm = qs.residual_order(stats)
+    assert perm[-2:].tolist() == [11, 3]
+    assert sorted(perm.tolist()) == list(range(d))
+    moved = qs.permute_stats(stats, perm)
+    assert torch.equal(moved[0]["attn_in"].diagonal(), stats[0]["attn_in"].diagonal()[perm])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sorted_channels_checkpoint_is_exact_and_ordered(family, exact_rmsnorm):
+    model = _model(family)
+    ids = input_ids(model.config.vocab_size)
+    calib = _calibration(model)
+    options = RotateOptions(
+        residual="none", for_quantization=True, scales="Q4_0", vo_hadamard=False, sort_channels=True
+    )
+    sd, cfg = rotate_state_dict(model.state_dict(), model.config, options, calibration=calib)
+    assert cfg.get("tie_word_embeddings") == model.config.tie_word_embeddings  # a permutation keeps the tie
+    out = model_from_state_dict(cfg, sd, dtype=torch.float64)
+    assert (outputs(model, ids) - outputs(out, ids)).abs().max().item() <= 1e-9
+    # the embedding's columns are the original's in the calibration order
+    stats = qs.layer_stats(DictSource(model.state_dict()), model.config.to_dict(), calib)
+    perm = qs.residual_order(stats)
+    assert perm.tolist() != list(range(perm.numel()))
+    assert torch.equal(sd["model.embed_tokens.weight"], model.state_dict()["model.embed_tokens.weight"][:, perm])
+    with pytest.raises(ValueError, match="--sort-channels"):
+        rotate_state_dict(
+            model.state_dict(),
+            model.config,
+            RotateOptions(residual="hadamard", for_quantization=True, scales="Q4_0", sort_channels=True),
+            calibration=calib,
+        )
+
+
+@pytest.mark.slow
+def test_smollm2_default_preset_is_a_tied_stock_llama_with_the_same_logits(smollm2_dir, smollm2, eval_ids, tmp_path):
+    """``rotate --for-quantization`` with no other flag (sorted channels + scales against Q4_0) on real text:
+    the stock class, the tie kept, the embedding's columns a real permutation of the original's, the same
+    logits to float32 rounding. Negative control: the final norm's weight put back in the original order."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from hf_symmetry import cli
+    from hf_symmetry.evaluation.compare import model_output
+
+    out = tmp_path / "smollm2-preset"
+    argv = ["rotate", str(smollm2_dir), str(out), "--for-quantization", "--calibration-tokens", "128"]
+    assert cli.main([*argv, "--no-verify", "--quiet"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model) is LlamaForCausalLM and model.config.tie_word_embeddings
+    E0, E = smollm2.model.embed_tokens.weight, model.model.embed_tokens.weight
+    perm = torch.tensor([int(torch.argmin((E0 - E[:, [j]]).abs().sum(0))) for j in range(E.shape[1])])
+    assert torch.equal(E, E0[:, perm]) and perm.tolist() != list(range(perm.numel()))
+    ref = model_output(smollm2, eval_ids)
+    delta = (ref - model_output(model, eval_ids)).abs().max().item()
+    print(f"SmolLM2 --for-quantization (default preset): max |Δlogit| = {delta:.2e} (float32)")
+    assert delta <= 1e-4
+    with torch.no_grad():
+        model.model.norm.weight.copy_(smollm2.model.norm.weight)
+    assert (ref - model_output(model, eval_ids)).abs().max().item() > 1e-1

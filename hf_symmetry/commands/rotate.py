@@ -31,9 +31,10 @@ def register(sub) -> None:
     p.add_argument(
         "--residual",
         choices=["none", "hadamard", "random"],
-        default="hadamard",
+        default=None,
         help="residual-stream rotation after norm fusion (pre-norm RMSNorm families stay stock; LayerNorm "
-        "decoders are mean-centred into the hf_symmetry_rms_decoder family; default: hadamard)",
+        "decoders are mean-centred into the hf_symmetry_rms_decoder family; default: hadamard, none with "
+        "--for-quantization)",
     )
     p.add_argument(
         "--heads",
@@ -51,11 +52,11 @@ def register(sub) -> None:
     p.add_argument(
         "--for-quantization",
         action="store_true",
-        help="preset for low-bit weight quantization: randomised Hadamard residual rotation, the "
-        "norm weights kept as balancing input scales, per-head V/O Hadamards and the exact "
-        "V->O and up->down column scalings (--heads/--ffn/--scaling are ignored). "
-        "Experimental: exact in float, but on SmolLM2 it quantizes worse than the "
-        "unrotated model (docs/quantization.md)",
+        help="write a stock checkpoint that loses less under low-bit weight quantization, exact in float. "
+        "Default preset: residual channels sorted by calibration activation (--sort-channels) and AWQ-style "
+        "exact scales searched against --scales (default Q4_0) on --calibration-text; no rotation. "
+        "QuaRot-style: --residual hadamard --vo-hadamard --scales none (on SmolLM2 that quantizes worse "
+        "than the original; docs/quantization.md). --heads/--ffn/--scaling are ignored",
     )
     p.add_argument(
         "--learn",
@@ -91,8 +92,9 @@ def register(sub) -> None:
         metavar="QTYPE",
         default=None,
         help="with --for-quantization: choose the exact norm->readers, V->O and up->down scales from "
-        "calibration activations by AWQ's search against this quantizer (replaces the max-abs "
-        "balancing; with --residual none the norms keep their weights, rescaled)",
+        "calibration activations by AWQ's search against this quantizer: Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 "
+        "(gguf), bnb-nf4, bnb-fp4 (bitsandbytes), hqq<bits>g<group>[-rtn] (default: Q4_0; 'none': the "
+        "data-free max-abs balancing)",
     )
     p.add_argument(
         "--calibration-text",
@@ -109,8 +111,16 @@ def register(sub) -> None:
     p.add_argument(
         "--vo-hadamard",
         action=__import__("argparse").BooleanOptionalAction,
-        default=True,
-        help="with --for-quantization: per-head V/O Hadamard rotations (default: on)",
+        default=None,
+        help="with --for-quantization: per-head V/O Hadamard rotations (default: off; on with a residual rotation)",
+    )
+    p.add_argument(
+        "--sort-channels",
+        action=__import__("argparse").BooleanOptionalAction,
+        default=None,
+        help="with --for-quantization --scales and no residual rotation: permute the residual channels into "
+        "the order of their calibration activation RMS, so that channels of like scale share a quantization "
+        "block (exact; default: on there)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
@@ -120,12 +130,33 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def resolve_quantization_preset(args) -> None:
+    """Fill the options left unset. ``--for-quantization``'s preset is the one measured best on SmolLM2
+    (docs/quantization.md): no rotation, channels sorted, exact scales against Q4_0. A residual rotation
+    keeps the QuaRot-style defaults (V/O Hadamards, max-abs balancing unless --scales is given)."""
+    quant = args.for_quantization
+    if args.residual is None:  # --learn and --hold-out shape a residual rotation: they keep the Hadamard
+        args.residual = "none" if quant and not (args.learn or args.hold_out) else "hadamard"
+    rotated = args.residual != "none"
+    if args.vo_hadamard is None:
+        args.vo_hadamard = rotated or not quant
+    if args.scales is None and quant and not rotated:
+        args.scales = "Q4_0"
+    if args.scales == "none":
+        args.scales = None
+    if args.sort_channels is None:
+        args.sort_channels = bool(quant and args.scales and not rotated)
+    if args.sort_channels and (rotated or not args.scales):
+        raise SystemExit("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
+
+
 def run(args) -> int:
     start = time.perf_counter()
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
-    if (args.learn or args.scales) and not args.for_quantization:
-        raise SystemExit("--learn and --scales need --for-quantization")
+    if (args.learn or args.scales or args.sort_channels) and not args.for_quantization:
+        raise SystemExit("--learn, --scales and --sort-channels need --for-quantization")
+    resolve_quantization_preset(args)
     options = RotateOptions(
         residual=args.residual,
         heads=args.heads,
@@ -142,6 +173,7 @@ def run(args) -> int:
         calibration_tokens=args.calibration_tokens,
         vo_hadamard=args.vo_hadamard,
         scales_pow2=args.pow2_scales,
+        sort_channels=args.sort_channels,
     )
     report = rotate_checkpoint(
         src, args.out, options, overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.quiet

@@ -63,6 +63,9 @@ class RotateOptions:
     calibration_tokens: int = 2048
     vo_hadamard: bool = True  # --for-quantization: per-head V/O Hadamards
     scales_pow2: bool = False  # --scales rounded to powers of two (bitwise-exact float logits)
+    # with --scales and no residual rotation: permute the residual channels into the order of their calibration
+    # activation RMS, so that channels of like scale share a quantization block (exact; norms keep their γ)
+    sort_channels: bool = False
 
     @property
     def rotate_qk(self) -> bool:
@@ -292,6 +295,14 @@ def transform_globals(g: Tensors, adapter: Adapter, Q: torch.Tensor | None) -> T
     return actions.fold_and_rotate_globals_(g, Q)
 
 
+def permuted_layer(layer: Tensors, perm: torch.Tensor | None) -> Tensors:
+    return layer if perm is None else actions.permute_residual_layer(layer, perm)
+
+
+def permuted_globals(g: Tensors, perm: torch.Tensor | None) -> Tensors:
+    return g if perm is None else actions.permute_residual_globals(g, perm)
+
+
 def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]) -> None:
     """Refuse, before any work, everything this family or checkpoint cannot do exactly."""
     for s in options.symmetries():
@@ -327,14 +338,22 @@ def _rotate(
                 "--scales needs calibration: token ids, or the layer statistics of quantization.scales.layer_stats"
             )
         stats = calibration if isinstance(calibration, list) else layer_stats(source, config, calibration, progress)
+    perm = None
+    if options.sort_channels:
+        from .quantization.scales import permute_stats, residual_order
+
+        if stats is None or Q is not None:
+            raise ValueError("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
+        perm = residual_order(stats)
+        stats = permute_stats(stats, perm)
     if centres_layer_norms(adapter, options):
         return rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
     transform_checkpoint(
         source,
         adapter,
         sink,
-        layer_fn=lambda i, layer: transform_layer(i, layer, adapter, options, Q, stats),
-        globals_fn=lambda g: transform_globals(g, adapter, Q),
+        layer_fn=lambda i, layer: transform_layer(i, permuted_layer(layer, perm), adapter, options, Q, stats),
+        globals_fn=lambda g: transform_globals(permuted_globals(g, perm), adapter, Q),
         progress=progress,
         desc="rotate",
         globals_dtype=None,

@@ -248,6 +248,42 @@ def rotate_residual_layer(
     return out
 
 
+_RESIDUAL_VECTORS = ("attn_norm.weight", "attn_norm.bias", "ffn_norm.weight", "ffn_norm.bias")
+_HEAD_SIDE = ("q_norm.weight", "k_norm.weight")  # per head_dim: untouched by a residual permutation
+
+
+def _check_permutation(perm: torch.Tensor, n: int) -> None:
+    if perm.ndim != 1 or sorted(perm.tolist()) != list(range(n)):
+        raise NotASymmetry(f"residual permutation is not a permutation of {n} channels")
+
+
+def permute_residual_layer(layer: Tensors, perm: torch.Tensor) -> Tensors:
+    """Residual channel j of the result is channel ``perm[j]`` of the input. Unlike a rotation this needs
+    no norm folding: an RMSNorm (or LayerNorm) commutes with a permutation of its channels once its
+    weight and bias are permuted too, so the norms keep their γ. Readers' columns, writers' rows (and
+    biases) and the pre-norm vectors move together; any other residual-sized tensor is refused."""
+    known = {f"{n}.{p}" for n in _ATTN_READERS + _FFN_READERS + _WRITERS for p in ("weight", "bias")}
+    unknown = sorted(set(layer) - known - set(_RESIDUAL_VECTORS) - set(_HEAD_SIDE))
+    if unknown:
+        raise NotASymmetry(f"residual permutation does not know how to move {unknown}")
+    _check_permutation(perm, layer["o.weight"].shape[0])
+    out = _map(layer, lambda W: W[:, perm], *(f"{n}.weight" for n in _ATTN_READERS + _FFN_READERS))
+    return _map(out, lambda W: W[perm], *(f"{n}.{p}" for n in _WRITERS for p in ("weight", "bias")), *_RESIDUAL_VECTORS)
+
+
+def permute_residual_globals(globals_: Tensors, perm: torch.Tensor) -> Tensors:
+    """Embedding columns (token and position), the final norm's weight and bias and the head's columns:
+    a tied head stays tied (it is the same permuted matrix)."""
+    out = dict(globals_)
+    for key in list(out):
+        if key in ("embed.weight", "lm_head.weight") or (key.startswith("pos") and key.endswith(".weight")):
+            _check_permutation(perm, out[key].shape[1])
+            out[key] = out[key][:, perm]
+        elif key.startswith("final_norm."):
+            out[key] = out[key][perm]
+    return out
+
+
 def _right_multiply_rows_(
     W: torch.Tensor, Q: torch.Tensor, chunk: int = 4096, col_scale: torch.Tensor | None = None
 ) -> torch.Tensor:

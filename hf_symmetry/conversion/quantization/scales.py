@@ -49,6 +49,21 @@ def layer_stats(source, config: dict, ids: torch.Tensor, progress: bool = False,
     return [{site: s.grams[site] / result.tokens for site in SITES} for s in result.layers]
 
 
+def residual_order(stats: list[Tensors]) -> torch.Tensor:
+    """The residual permutation of ``--sort-channels``: channels in increasing order of their activation RMS
+    at the layers' readers (the geometric mean over every layer's attention and FFN norm outputs, whose
+    diagonals are what :func:`search_scales` scales by). A row-grouped quantizer then finds channels of
+    like scale in one block: the few massive-activation channels, whose scaled reader columns would set
+    the step of every block they sit in, share one block instead of spoiling several."""
+    key = sum(st[site].diagonal().clamp_min(1e-30).log() for st in stats for site in ("attn_in", "ffn_in"))
+    return torch.argsort(key, stable=True)
+
+
+def permute_stats(stats: list[Tensors], perm: torch.Tensor) -> list[Tensors]:
+    """The second moments seen by the readers after :func:`residual_order`'s permutation."""
+    return [{**st, **{site: st[site][perm][:, perm] for site in ("attn_in", "ffn_in")}} for st in stats]
+
+
 def _normalised(c: torch.Tensor, alpha: float) -> torch.Tensor:
     c = torch.where(c > 0, c, torch.ones_like(c)).to(torch.float64)
     s = c.pow(alpha)
