@@ -219,12 +219,12 @@ def _preset(*argv):
 
 
 def test_for_quantization_preset_defaults():
-    """``--for-quantization`` alone is the preset measured best (no rotation, sorted channels, scales against
-    Q4_0); a residual rotation brings back the QuaRot-style defaults; explicit flags win."""
+    """``--for-quantization`` alone is the preset measured best (no rotation, scales against Q4_0; channels
+    unsorted); a residual rotation brings back the QuaRot-style defaults; explicit flags win."""
     assert _preset() == ("hadamard", True, None, False)  # plain rotate is unchanged
-    assert _preset("--for-quantization") == ("none", False, "Q4_0", True)
-    assert _preset("--for-quantization", "--scales", "bnb-nf4") == ("none", False, "bnb-nf4", True)
-    assert _preset("--for-quantization", "--no-sort-channels") == ("none", False, "Q4_0", False)
+    assert _preset("--for-quantization") == ("none", False, "Q4_0", False)
+    assert _preset("--for-quantization", "--scales", "bnb-nf4") == ("none", False, "bnb-nf4", False)
+    assert _preset("--for-quantization", "--sort-channels") == ("none", False, "Q4_0", True)
     assert _preset("--for-quantization", "--residual", "hadamard") == ("hadamard", True, None, False)
     assert _preset("--for-quantization", "--learn", "Q4_0") == ("hadamard", True, None, False)
     assert _preset("--for-quantization", "--scales", "none") == ("none", False, None, False)

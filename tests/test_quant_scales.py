@@ -275,9 +275,9 @@ def test_sorted_channels_checkpoint_is_exact_and_ordered(family, exact_rmsnorm):
 
 
 @pytest.mark.slow
-def test_smollm2_default_preset_is_a_tied_stock_llama_with_the_same_logits(smollm2_dir, smollm2, eval_ids, tmp_path):
-    """``rotate --for-quantization`` with no other flag (sorted channels + scales against Q4_0) on real text:
-    the stock class, the tie kept, the embedding's columns a real permutation of the original's, the same
+def test_smollm2_sorted_preset_is_a_tied_stock_llama_with_the_same_logits(smollm2_dir, smollm2, eval_ids, tmp_path):
+    """``rotate --for-quantization --sort-channels`` (the default preset with its channels sorted) on real
+    text: the stock class, the tie kept, the embedding's columns a real permutation of the original's, the same
     logits to float32 rounding. Negative control: the final norm's weight put back in the original order."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -285,7 +285,15 @@ def test_smollm2_default_preset_is_a_tied_stock_llama_with_the_same_logits(smoll
     from hf_symmetry.evaluation.compare import model_output
 
     out = tmp_path / "smollm2-preset"
-    argv = ["rotate", str(smollm2_dir), str(out), "--for-quantization", "--calibration-tokens", "128"]
+    argv = [
+        "rotate",
+        str(smollm2_dir),
+        str(out),
+        "--for-quantization",
+        "--sort-channels",
+        "--calibration-tokens",
+        "128",
+    ]
     assert cli.main([*argv, "--no-verify", "--quiet"]) == 0
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model) is LlamaForCausalLM and model.config.tie_word_embeddings
@@ -294,7 +302,7 @@ def test_smollm2_default_preset_is_a_tied_stock_llama_with_the_same_logits(smoll
     assert torch.equal(E, E0[:, perm]) and perm.tolist() != list(range(perm.numel()))
     ref = model_output(smollm2, eval_ids)
     delta = (ref - model_output(model, eval_ids)).abs().max().item()
-    print(f"SmolLM2 --for-quantization (default preset): max |Δlogit| = {delta:.2e} (float32)")
+    print(f"SmolLM2 --for-quantization --sort-channels: max |Δlogit| = {delta:.2e} (float32)")
     assert delta <= 1e-4
     with torch.no_grad():
         model.model.norm.weight.copy_(smollm2.model.norm.weight)

@@ -53,8 +53,8 @@ def register(sub) -> None:
         "--for-quantization",
         action="store_true",
         help="write a stock checkpoint that loses less under low-bit weight quantization, exact in float. "
-        "Default preset: residual channels sorted by calibration activation (--sort-channels) and AWQ-style "
-        "exact scales searched against --scales (default Q4_0) on --calibration-text; no rotation. "
+        "Default preset: AWQ-style exact scales searched against --scales (default Q4_0) on "
+        "--calibration-text; no rotation. "
         "QuaRot-style: --residual hadamard --vo-hadamard --scales none (on SmolLM2 that quantizes worse "
         "than the original; docs/quantization.md). --heads/--ffn/--scaling are ignored",
     )
@@ -120,7 +120,7 @@ def register(sub) -> None:
         default=None,
         help="with --for-quantization --scales and no residual rotation: permute the residual channels into "
         "the order of their calibration activation RMS, so that channels of like scale share a quantization "
-        "block (exact; default: on there)",
+        "block (exact; default: off: it helps some quantizers and hurts others, docs/quantization.md)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
@@ -132,7 +132,7 @@ def register(sub) -> None:
 
 def resolve_quantization_preset(args) -> None:
     """Fill the options left unset. ``--for-quantization``'s preset is the one measured best on SmolLM2
-    (docs/quantization.md): no rotation, channels sorted, exact scales against Q4_0. A residual rotation
+    (docs/quantization.md): no rotation, exact scales against Q4_0. A residual rotation
     keeps the QuaRot-style defaults (V/O Hadamards, max-abs balancing unless --scales is given)."""
     quant = args.for_quantization
     if args.residual is None:  # --learn and --hold-out shape a residual rotation: they keep the Hadamard
@@ -145,7 +145,7 @@ def resolve_quantization_preset(args) -> None:
     if args.scales == "none":
         args.scales = None
     if args.sort_channels is None:
-        args.sort_channels = bool(quant and args.scales and not rotated)
+        args.sort_channels = False
     if args.sort_channels and (rotated or not args.scales):
         raise SystemExit("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
 
