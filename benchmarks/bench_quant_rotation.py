@@ -61,7 +61,7 @@ VARIANTS = {
     "scales-vo": dict(residual="none", for_quantization=True, vo_hadamard=True, scales="@"),
     "hadamard-scales": dict(residual="hadamard", for_quantization=True, scales="@"),
 }
-CALIBRATION = ("britannica-calib", 2048)
+CALIBRATION = ["britannica-calib", 2048]  # --calibration-tokens changes the count
 QUANTIZERS = ("Q4_0", "hqq3g64-rtn", "Q4_1", "hqq4g64-rtn", "hqq3g128-rtn", "MXFP4", "bnb-nf4")
 
 
@@ -123,6 +123,13 @@ def main() -> None:
     ap.add_argument("--text", default="hamlet")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=2048,
+        help="calibration tokens of the scales variants (default 2048; other counts are stored as "
+        "'<variant> (calibration N)')",
+    )
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))  # 2 unless told (the CPU is shared)
 
@@ -151,9 +158,11 @@ def main() -> None:
     entry = results.setdefault(label, {"text": args.text, "tokens": int(ids.numel()), "variants": {}})
     entry["machine"] = f"{platform.machine()}, {torch.get_num_threads()} threads"
     ref_logits = model_output(model, ids[:512])
+    CALIBRATION[1] = args.calibration_tokens
     for variant in args.variants:
+        key = variant if args.calibration_tokens == 2048 else f"{variant} (calibration {args.calibration_tokens})"
         per_quantizer = VARIANTS[variant] is not None and VARIANTS[variant].get("scales") == "@"
-        row = entry["variants"].setdefault(variant, {})
+        row = entry["variants"].setdefault(key, {})
         m = None
         for q in args.quantizers:
             if m is None or per_quantizer:

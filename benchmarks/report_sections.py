@@ -351,15 +351,21 @@ def heal_recipes(data, results):
 QUANT_NAMES = {
     "original": "original",
     "hadamard": "plain Hadamard residual rotation",
-    "for-quantization": "`--for-quantization`",
+    "for-quantization": "`--for-quantization --residual hadamard --scales none` (QuaRot-style)",
     "for-quantization-learned-Q4_0": "`--for-quantization --learn Q4_0`",
     "for-quantization-no-residual": "no residual rotation (V/O + balancing only)",
     "for-quantization-hold-out": "`--for-quantization --hold-out` (the massive channels)",
-    "scales": "`--for-quantization --residual none --no-vo-hadamard --scales Q` (activation-aware scales)",
-    "scales-sorted": "`--for-quantization` (default preset: sorted channels + activation-aware scales)",
+    "scales": "`--for-quantization` (the default preset: activation-aware scales, searched per column)",
+    "scales-sorted": "`--for-quantization --sort-channels`",
     "scales-pow2": "the same with `--pow2-scales`",
-    "hadamard-scales": "`--for-quantization --scales` (Hadamard + scales)",
+    "scales-vo": "the same with `--vo-hadamard`",
+    "hadamard-scales": "`--for-quantization --residual hadamard` with scales",
 }
+
+
+def _quant_name(name: str) -> str:
+    base, _, rest = name.partition(" (")  # "scales (calibration 16384)"
+    return QUANT_NAMES.get(base, f"`{base}`") + (f" ({rest}" if rest else "")
 
 
 def quant_rotation(data, results):
@@ -373,7 +379,7 @@ def quant_rotation(data, results):
         for v in variants.values():
             schemes += [k for k, x in v.items() if isinstance(x, dict) and k not in schemes]
         rows = [
-            [QUANT_NAMES.get(name, f"`{name}`"), sig(v.get("float"), 4)]
+            [_quant_name(name), sig(v.get("float"), 4)]
             + [sig(v[q]["perplexity"], 4) if q in v else "—" for q in schemes]
             for name, v in variants.items()
         ]
@@ -414,6 +420,7 @@ RENDERERS = {
     "heal_gpu_h200": heal_recipes,
     "quant_rotation": quant_rotation,
     "quant_rotation_bnb": quant_rotation,
+    "quant_rotation_control": quant_rotation,
     "compat": compat,
     **{stem: (calibration_rss if stem == RSS_FILES[0] else _none) for stem in RSS_FILES},
 }
