@@ -313,6 +313,8 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
             raise ValueError(f"residual rotation would leave tensors outside the known layout unrotated: {rest[:4]}")
         if options.residual == "hadamard":
             groups.hadamard_factors(adapter.hidden)  # raises a clear error if no construction exists
+    if options.sort_channels and (not options.for_quantization or not options.scales or options.residual != "none"):
+        raise ValueError("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
 
 
 def _rotate(
@@ -342,9 +344,7 @@ def _rotate(
     if options.sort_channels:
         from .quantization.scales import permute_stats, residual_order
 
-        if stats is None or Q is not None:
-            raise ValueError("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
-        perm = residual_order(stats)
+        perm = residual_order(stats)  # plan_checks made sure there are statistics and no rotation
         stats = permute_stats(stats, perm)
     if centres_layer_norms(adapter, options):
         return rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
