@@ -1,11 +1,17 @@
 """``hf-symmetry export-gguf FOLDER OUT.gguf``: a stock output (rotated, matched, merged, stock-sliced) as
 one GGUF file for llama.cpp and its front ends; ``--check`` reads it back through transformers' GGUF
-loader and compares greedy text and logits with the folder."""
+loader and compares greedy text and logits with the folder.
+
+The file names the pre-tokenizer llama.cpp splits text by (``tokenizer.ggml.pre``: smollm, qwen2,
+llama-bpe ...), found as llama.cpp's own converter finds it (a hash of the tokenizer's ids for a fixed
+check text); a tokenizer llama.cpp does not know gets 'default' and a WARNING, since llama.cpp may then
+tokenize differently from transformers."""
 
 from __future__ import annotations
 
 import time
 
+from ..assets import resolve_model
 from ..conversion.gguf_export import TYPES, export_gguf
 from .common import emit, total_time_line
 
@@ -15,7 +21,8 @@ def register(sub) -> None:
     p.add_argument(
         "model",
         help="HF folder of a stock Llama / Mistral / Qwen2 / Qwen3 model (e.g. the output of "
-        "rotate, match, merge or compress --structure slice --untie)",
+        "rotate, match, merge or compress --structure slice --untie), or 'default' (the embedded "
+        "SmolLM2-135M-Instruct)",
     )
     p.add_argument("out", help="the GGUF file to write (ends in .gguf)")
     p.add_argument(
@@ -56,19 +63,21 @@ def run(args) -> int:
     from dataclasses import asdict
 
     start = time.perf_counter()
+    src = resolve_model(args.model)
     report = export_gguf(
-        args.model, args.out, type=args.type, overwrite=args.overwrite, name=args.name, progress=not args.quiet
+        src, args.out, type=args.type, overwrite=args.overwrite, name=args.name, progress=not args.quiet
     )
     types = ", ".join(f"{k} {v}" for k, v in sorted(report.tensor_types.items()))
     lines = [
         f"exported {args.model} -> {args.out} (GGUF {report.architecture}, {args.type}) in {report.seconds:.1f} s",
         f"  {report.tensors} tensors ({types}), {report.bytes / 1e6:.1f} MB; tokenizer: {report.tokenizer}",
+        *(f"  WARNING: {w}" for w in report.warnings),
     ]
     summary = asdict(report)
     if args.check:
         from ..conversion.gguf_export import round_trip
 
-        check = round_trip(args.model, args.out, prompt=args.prompt, new_tokens=args.new_tokens)
+        check = round_trip(src, args.out, prompt=args.prompt, new_tokens=args.new_tokens)
         summary["check"] = check
         lines.append(
             f"  read back through transformers: greedy text {'equal' if check['same_text'] else 'DIFFERENT'} "

@@ -13,7 +13,10 @@ evaluation. Written with the ``gguf`` package's writer, in llama.cpp's conventio
 - one-dimensional tensors (norms, biases) in float32, matrices in ``--type``; a matrix whose rows do
   not fill whole blocks of that type falls back to float16 (as llama.cpp's converter does);
 - a byte-level BPE tokenizer (SmolLM2, Qwen, Llama 3: ``tokenizer.ggml.model = gpt2``) with its merges,
-  special tokens and chat template; other tokenizers are left out (the report says so).
+  special tokens and chat template, and the pre-tokenizer name llama.cpp splits text by
+  (``tokenizer.ggml.pre``: ``smollm``, ``qwen2``, ``llama-bpe`` …, found by llama.cpp's check-text hash,
+  :mod:`.gguf_pretokenizer`; an unknown tokenizer gets ``default`` and a warning); other tokenizers are
+  left out (the report says so).
 
 Architectures: ``LlamaForCausalLM`` and ``MistralForCausalLM`` (GGUF ``llama``; what stock SliceGPT writes
 for a Llama whose width is not a multiple of its heads), ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``.
@@ -36,6 +39,7 @@ import torch
 
 from ..architectures.spec import SPECS, find_spec
 from ..checkpoint import CheckpointReader
+from .gguf_pretokenizer import PreTokenizer
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -54,6 +58,8 @@ class GGUFReport:
     bytes: int
     tensor_types: dict = field(default_factory=dict)  # GGML type -> count
     tokenizer: str = ""
+    pre_tokenizer: str = ""  # tokenizer.ggml.pre ("" without a tokenizer)
+    warnings: list = field(default_factory=list)  # what llama.cpp may do differently (an unknown pre-tokenizer)
     seconds: float = 0.0
 
 
@@ -115,19 +121,19 @@ def permute_rope_rows(W: torch.Tensor, n_heads: int) -> torch.Tensor:
     return W.reshape(n_heads, 2, shape[0] // n_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def _tokenizer(writer, folder: Path, vocab_size: int) -> str:
+def _tokenizer(writer, folder: Path, vocab_size: int) -> tuple[str, PreTokenizer | None]:
     """Writes a byte-level BPE tokenizer (``tokenizer.json``) into ``writer``; returns what was written
-    (or why nothing was)."""
+    (or why nothing was) and its pre-tokenizer."""
     import gguf
     from gguf.vocab import BpeVocab
 
     path = folder / "tokenizer.json"
     if not path.is_file():
-        return "none (no tokenizer.json)"
+        return "none (no tokenizer.json)", None
     tok = json.loads(path.read_text(encoding="utf-8"))
     model = tok.get("model", {})
     if model.get("type") != "BPE" or (tok.get("pre_tokenizer") or {}).get("type") not in ("ByteLevel", "Sequence"):
-        return f"none (a {model.get('type')} tokenizer: only byte-level BPE is written)"
+        return f"none (a {model.get('type')} tokenizer: only byte-level BPE is written)", None
     added = {t["id"]: t for t in tok.get("added_tokens", [])}
     by_id = {i: s for s, i in model["vocab"].items()}
     by_id.update({i: t["content"] for i, t in added.items()})
@@ -144,11 +150,12 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> str:
                 else gguf.TokenType.NORMAL
             )
     writer.add_tokenizer_model(BpeVocab.tokenizer_model)  # GGUF's name of byte-level BPE
-    writer.add_tokenizer_pre("default")
+    pre = PreTokenizer.of_folder(folder)
+    writer.add_tokenizer_pre(pre.name)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
-    return f"byte-level BPE, {vocab_size} tokens"
+    return f"byte-level BPE, {vocab_size} tokens, {pre.describe()}", pre
 
 
 def _get(config: dict, *names, default=None):
@@ -210,7 +217,7 @@ def export_gguf(
     writer.add_vocab_size(vocab)
     writer.add_file_type(_file_type(type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokenizer = _tokenizer(writer, Path(reader.path), vocab)
+    tokenizer, pre = _tokenizer(writer, Path(reader.path), vocab)
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), n_layers)
     qtype = _qtype(type)
@@ -260,6 +267,8 @@ def export_gguf(
         bytes=out.stat().st_size,
         tensor_types=counts,
         tokenizer=tokenizer,
+        pre_tokenizer=pre.name if pre else "",
+        warnings=[w for w in [pre and pre.warning()] if w],
         seconds=time.perf_counter() - start,
     )
 
