@@ -37,7 +37,14 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("hub", ("hub",), "model cards, their evaluation entries, the pre-push check and the push"),
     (
         "conversion",
-        ("conversion", "conversion.compress", "conversion.farr", "conversion.merge", "conversion.quantization"),
+        (
+            "conversion",
+            "conversion.compress",
+            "conversion.farr",
+            "conversion.match",
+            "conversion.merge",
+            "conversion.quantization",
+        ),
         "the conversions, on the shared streaming loop (`conversion.stream`)",
     ),
     ("training", ("training",), "training, distillation and `heal` (recovery fine-tuning of a converted model)"),

@@ -9,7 +9,9 @@ from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..hub.cards import fmt_number
-from ..conversion.match import MatchOptions, match_checkpoint, vocabulary_fingerprint
+from ..conversion.match.checkpoint import match_checkpoint
+from ..conversion.match.checks import vocabulary_fingerprint
+from ..conversion.match.options import MatchOptions
 from .common import (
     add_output_args,
     add_push_args,

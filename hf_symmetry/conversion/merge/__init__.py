@@ -16,9 +16,10 @@ block of rows at a time where the rule allows. RegMean's Gram matrices are colle
 pass (:class:`~hf_symmetry.conversion.merge.stream.LayerGrams`: one calibration run per input,
 advanced one decoder layer at a time, so host memory holds one layer's Grams whatever the depth),
 on the inputs as given, and carried exactly through the match (``RᵀGR``, ``PᵀGP``;
-:meth:`MatchSolution.transform_grams`); the globals (LM head: the Gram of the final norm's output)
-are merged after the last layer. Fisher needs a full backward pass, so it holds each *matched*
-model (a diagonal Fisher does not transform under rotations) placed by accelerate
+:meth:`~hf_symmetry.conversion.match.solution.MatchSolution.transform_grams`); the globals (LM head:
+the Gram of the final norm's output) are merged after the last layer. Fisher needs a full backward
+pass, so it holds each *matched* model (a diagonal Fisher does not transform under rotations) placed
+by accelerate
 (:func:`hf_symmetry.conversion.merge.statistics.fisher_model`).
 """
 
@@ -48,15 +49,10 @@ from ...checkpoint import (
 from ...devices import linalg_device
 from ...hub.cards import hub_id_of, public_model_labels, update_card, write_card
 from ...text import public_text_label
-from ..match import (
-    MatchPlan,
-    PairMatcher,
-    check_same_architecture,
-    check_same_vocabulary,
-    run_pair,
-    vocabulary_fingerprint,
-    with_lm_head,
-)
+from ..match.checks import check_same_architecture, check_same_vocabulary, vocabulary_fingerprint
+from ..match.options import MatchPlan
+from ..match.pair import PairMatcher, run_pair
+from ..match.residual import with_lm_head
 from .methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
 from .statistics import check_fisher_memory, fisher_diagonal, fisher_model, statistics_dtype
 from .stream import GRAM_OF, LayerGrams, stream_merge

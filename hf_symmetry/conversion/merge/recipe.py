@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from ..match import MatchOptions
+from ..match.options import MatchOptions
 
 METHODS = ("average", "task_arithmetic", "ties", "fisher", "regmean")
 METHOD_ALIASES = {"linear": "average"}

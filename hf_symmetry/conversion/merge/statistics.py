@@ -5,7 +5,7 @@
 Grams are keyed in the canonical vocabulary of :mod:`hf_symmetry.architectures.adapter`:
 ``layers.{i}.attn_in`` (what q/k/v read), ``layers.{i}.o_in``, ``layers.{i}.ffn_in`` (gate/up),
 ``layers.{i}.down_in`` and ``head_in`` (the LM head), so that
-:meth:`hf_symmetry.conversion.match.MatchSolution.transform_grams` can carry them through a match.
+:meth:`hf_symmetry.conversion.match.solution.MatchSolution.transform_grams` can carry them through a match.
 The Fisher is keyed by parameter name, like the state dict.
 """
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ...architectures import Adapter
 from ...calibration.memory import release_free_memory, return_large_blocks_at_once
 from ..layer_parts import read_part, stand_ins
-from ..match import with_lm_head
+from ..match.residual import with_lm_head
 from .methods import regmean_group
 from ..stream import TensorSource, partition_keys
 
