@@ -190,7 +190,8 @@ def verify_and_record(
     ``extra(verification)`` may return more ``(figures, lines)`` for both. Returns the
     exactness figures, or None with ``--no-verify``."""
     from ..evaluation.verification import verify
-    from ..hub.cards import fmt_number, update_card
+    from ..hub.cards import update_card
+    from ..hub.values import fmt_number
     from ..hub.entries import verification_card_entries
 
     if getattr(args, "no_verify", False):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..evaluation.bridge import parse_tasks, run_lm_eval, text_perplexity
 from ..evaluation.perplexity import PPL
-from ..hub.cards import fmt_number
+from ..hub.values import fmt_number
 from ..hub.entries import lm_eval_card_entries, perplexity_card_entry
 from .common import add_device_arg, emit
 

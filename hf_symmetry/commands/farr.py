@@ -12,7 +12,7 @@ import time
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrOptions, farr_checkpoint
-from ..hub.cards import fmt_number
+from ..hub.values import fmt_number
 from ..text import public_text_label
 from .common import (
     add_device_args,

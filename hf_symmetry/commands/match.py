@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict
 
 from ..assets import resolve_model
-from ..hub.cards import fmt_number
+from ..hub.values import fmt_number
 from ..conversion.match.checkpoint import match_checkpoint
 from ..conversion.match.checks import vocabulary_fingerprint
 from ..conversion.match.options import MatchOptions

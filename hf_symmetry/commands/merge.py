@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from ..conversion.merge import evaluate_merge, merge_checkpoints
 from ..conversion.merge.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
-from ..hub.cards import fmt_number
+from ..hub.values import fmt_number
 from .common import (
     add_device_args,
     add_output_args,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..evaluation.verification import verify
-from ..hub.cards import fmt_number
+from ..hub.values import fmt_number
 from .common import add_verify_args, check_verify_args, emit
 
 

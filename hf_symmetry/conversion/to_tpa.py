@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 from ..architectures import Adapter
 from ..architectures.capabilities import require
 from ..checkpoint import atomic_output_dir, check_output_dir, copy_side_files
-from ..hub.cards import public_report, write_card
+from ..hub.cards import write_card
+from ..hub.lineage import public_report
 from ..modeling.configuration_tpa import TPAConfig
 from ..modeling.modeling_tpa import FACTORS as TPA_FACTORS
 from ..modeling.modeling_tpa import GLOBAL_MODULES as TPA_GLOBAL_MODULES

@@ -141,11 +141,11 @@ def _card_entries(folder: Path) -> list[dict]:
 def _find_text(entry: dict, extra: list[str]) -> Path | None:
     """The text a perplexity entry was measured on, if it is here (matched by name and sha256)."""
     from ..assets import TEXT_NAMES, resolve_text
-    from .cards import file_sha256
+    from .eval_results import file_sha256
 
     args = entry.get("dataset_args") or {}
     label = str(args.get("text") or "")
-    from .cards import remembered_texts
+    from .eval_results import remembered_texts
 
     known = remembered_texts(args["text_sha256"]) if "text_sha256" in args else []
     candidates = [entry.get("_text_path"), *extra, *known] + ([resolve_text(label)] if label in TEXT_NAMES else [])

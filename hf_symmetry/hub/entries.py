@@ -13,7 +13,8 @@ from ..assets import resolve_text
 from ..evaluation.bridge import run_lm_eval, text_perplexity
 from ..evaluation.perplexity import LOGIT_TOKENS, PPL, PerplexityResult
 from ..evaluation.verification import DEFAULT_TEXT, Verification, verify
-from .cards import perplexity_result, update_card
+from .cards import update_card
+from .eval_results import perplexity_result
 
 LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
 _LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")

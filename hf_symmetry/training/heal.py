@@ -531,7 +531,7 @@ def _write_output(
 
 
 def _public(d: dict) -> dict:
-    from ..hub.cards import public_report
+    from ..hub.lineage import public_report
 
     return public_report({**d, "teacher": Path(d["teacher"]).name})
 
@@ -543,7 +543,9 @@ def _saved_dtype(src: Path) -> torch.dtype:
 
 
 def _write_card(out: Path, report: HealReport, tok) -> None:
-    from ..hub.cards import perplexity_result, public_model_label, write_card
+    from ..hub.cards import write_card
+    from ..hub.eval_results import perplexity_result
+    from ..hub.lineage import public_model_label
 
     o = report.options
     results = []

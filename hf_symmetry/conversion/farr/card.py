@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...architectures import Adapter
-from ...hub.cards import public_model_label
+from ...hub.lineage import public_model_label
 from .analysis import LayerAnalysis
 from .reduce import FarrReport
 from .spectra import analysis_report

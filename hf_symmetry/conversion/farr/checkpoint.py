@@ -20,7 +20,9 @@ from ...checkpoint import (
     parse_size,
 )
 from ...evaluation.compare import write_json
-from ...hub.cards import count_stored_parameters, public_report, write_card
+from ...hub.cards import write_card
+from ...hub.lineage import public_report
+from ...hub.measure import count_stored_parameters
 from ...modeling import configuration_farr, modeling_farr
 from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis

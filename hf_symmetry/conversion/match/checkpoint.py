@@ -17,7 +17,8 @@ from ...checkpoint import (
     write_config,
 )
 from ...evaluation.distance_plots import plot_layer_distances
-from ...hub.cards import hub_id_of, public_model_labels, write_card
+from ...hub.cards import write_card
+from ...hub.lineage import hub_id_of, public_model_labels
 from .checks import plan_pair
 from .options import MatchOptions
 from .pair import matched_config, run_pair

@@ -47,7 +47,8 @@ from ...checkpoint import (
     write_config,
 )
 from ...devices import linalg_device
-from ...hub.cards import hub_id_of, public_model_labels, update_card, write_card
+from ...hub.cards import update_card, write_card
+from ...hub.lineage import hub_id_of, public_model_labels
 from ...text import public_text_label
 from ..match.checks import check_same_architecture, check_same_vocabulary, vocabulary_fingerprint
 from ..match.options import MatchPlan
