@@ -400,6 +400,35 @@ def compat(data, results):
     return {"main": data["table"].strip(), "range": " to ".join(data["supported_range"])}
 
 
+def gguf_llamacpp(data, results):
+    """Per exported variant and pre-tokenizer name: identical token sequences and greedy texts in llama.cpp."""
+    rows = []
+    for variant, block in data["variants"].items():
+        for pre, tok in block["tokenization"].items():
+            gen = [g[pre] for g in block.get("generation", []) if pre in g]
+            rows.append(
+                [
+                    variant,
+                    f"`{pre}`",
+                    f"{tok['identical']}/{tok['sequences']}",
+                    fmt(tok["tokens_llama_cpp"], sep=True),
+                    fmt(tok["tokens_hf"], sep=True),
+                    f"{sum(g['same_prompt_ids'] for g in gen)}/{len(gen)}",
+                    f"{sum(g['same_text'] for g in gen)}/{len(gen)}",
+                ]
+            )
+    columns = [
+        "variant",
+        "tokenizer.ggml.pre",
+        "identical token sequences",
+        "tokens (llama.cpp)",
+        "tokens (transformers)",
+        "prompt ids equal",
+        f"greedy {data.get('new_tokens', '')} tokens equal",
+    ]
+    return {"main": md_table(columns, rows)}
+
+
 RENDERERS = {
     "rotate": rotate,
     "match_merge": match_merge,
@@ -422,6 +451,7 @@ RENDERERS = {
     "quant_rotation_bnb": quant_rotation,
     "quant_rotation_control": quant_rotation,
     "compat": compat,
+    "gguf_llamacpp": gguf_llamacpp,
     **{stem: (calibration_rss if stem == RSS_FILES[0] else _none) for stem in RSS_FILES},
 }
 
