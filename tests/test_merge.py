@@ -13,6 +13,7 @@ import yaml
 
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import merge as merge_module
+from hf_symmetry.conversion.merge import fisher as merge_fisher
 from hf_symmetry.conversion.merge import methods as merge_methods
 from hf_symmetry.conversion.merge import stream as merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
@@ -141,9 +142,9 @@ def test_fisher_and_regmean_use_statistics_of_the_matched_models(monkeypatch, ex
     folded = fold_state_dict(anchor, a_model.config)
 
     seen = []
-    real_fisher = merge_module.fisher_diagonal
+    real_fisher = merge_fisher.fisher_diagonal
     monkeypatch.setattr(
-        merge_module,
+        merge_fisher,
         "fisher_diagonal",
         lambda model, *a, **k: seen.append(model.state_dict()) or real_fisher(model, *a, **k),
     )
@@ -211,14 +212,14 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
     ]
     sds = [_sd(m) for m in models]
     seen = []
-    real_layer = merge_module.LayerGrams.layer
+    real_layer = merge_stream.LayerGrams.layer
 
     def spy(self, i, *args, **kwargs):
         out = real_layer(self, i, *args, **kwargs)
         seen.append((i, [sorted(g) for g in out]))
         return out
 
-    monkeypatch.setattr(merge_module.LayerGrams, "layer", spy)
+    monkeypatch.setattr(merge_stream.LayerGrams, "layer", spy)
     merged = merge_state_dicts(sds, models[0].config, _recipe("regmean"), calibration_ids=CALIB).state_dict
     n_layers = models[0].config.num_hidden_layers
     assert [i for i, _ in seen] == list(range(n_layers))  # one layer's statistics per merge step
@@ -444,9 +445,9 @@ def test_fisher_merge_spills_matched_inputs_and_fishers_to_disk_and_equals_the_i
     paths = [_save(m, tmp_path / f"m{j}") for j, m in enumerate(models)]
     _word_tokenizer(paths[0])
     spilled = []
-    real_write = merge_module._Spill.write
+    real_write = merge_fisher.Spill.write
     monkeypatch.setattr(
-        merge_module._Spill,
+        merge_fisher.Spill,
         "write",
         lambda self, name, fill: spilled.append((self.folder is not None, name)) or real_write(self, name, fill),
     )
@@ -479,7 +480,7 @@ def test_fisher_merge_that_cannot_fit_is_refused_before_any_work(tmp_path, monke
 
     model = tiny_model("llama", dtype=torch.float32)
     monkeypatch.setattr(stats, "_available_memory", lambda: {"cpu": 10_000})
-    monkeypatch.setattr(merge_module, "run_pair", lambda *a, **k: pytest.fail("matching started"))
+    monkeypatch.setattr(merge_fisher, "run_pair", lambda *a, **k: pytest.fail("matching started"))
     with pytest.raises(stats.FisherMemoryError, match="Fisher merging needs about .* GB .* only 0.0 GB is free") as exc:
         merge_state_dicts(
             [_sd(model)] * 2, model.config, _recipe("fisher", match={"residual": True}), calibration_ids=CALIB

@@ -8,7 +8,8 @@ import argparse
 import time
 from dataclasses import asdict
 
-from ..conversion.merge import evaluate_merge, merge_checkpoints
+from ..conversion.merge.checkpoint import merge_checkpoints
+from ..conversion.merge.evaluate import evaluate_merge
 from ..conversion.merge.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
 from ..hub.values import fmt_number
 from .common import (

@@ -1,0 +1,191 @@
+"""The merge of tensor sources (:func:`run_merge`): every check before any work, the anchor, the match
+and the merge rule, streamed layer by layer into a sink (:func:`merge_sources`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ...architectures import Adapter
+from ...calibration import token_batches
+from ...devices import linalg_device
+from ..match.checks import check_same_architecture, check_same_vocabulary
+from ..match.options import MatchPlan
+from ..match.pair import PairMatcher
+from ..match.residual import with_lm_head
+from ..rotate import RotateOptions, plan_checks
+from ..stream import TensorSource, combine_checkpoints
+from .anchor import choose_anchor
+from .fisher import Spill, fisher_sources, matched_inputs
+from .recipe import DATA_METHODS, MergeRecipe
+from .rule import MergeRule
+from .statistics import check_fisher_memory, statistics_dtype
+from .stream import LayerGrams, stream_merge
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class MergeOutcome:
+    config: dict
+    anchor: int
+    tied_output: bool
+    distances: dict = field(default_factory=dict)  # participant name -> match distance summary
+    anchor_distances: dict = field(default_factory=dict)  # participant name -> squared distance to the mean
+    seconds: dict = field(default_factory=dict)
+
+
+def _tied_output(adapter: Adapter, configs: list[dict], plan: MatchPlan | None) -> bool:
+    if adapter.spec.lm_head is None or (plan is not None and plan.residual):
+        return False
+    return all(Adapter.from_config(c).tied_embeddings for c in configs)
+
+
+def merge_sources(
+    sources: list[TensorSource],
+    adapter: Adapter,
+    rule: MergeRule,
+    sink,
+    anchor: int,
+    plan: MatchPlan | None,
+    tied_output: bool,
+    progress: bool = True,
+    layer_grams: "LayerGrams | None" = None,
+) -> list[PairMatcher] | None:
+    """Stream every participant layer by layer, matched to ``sources[anchor]`` when ``plan`` is
+    given, merged by ``rule`` into ``sink``. ``layer_grams`` (RegMean): the Gram matrices of each
+    layer are collected as the layer comes (and the globals merged last). Returns the matchers
+    (solutions and distances)."""
+    matchers = None
+    if plan is not None:
+        matchers = [PairMatcher(adapter, plan, identity=(j == anchor)) for j in range(len(sources))]
+        for j, m in enumerate(matchers):
+            m.solve_residual(sources[anchor], sources[j], progress)
+
+    if rule.method != "fisher":
+        stream_merge(
+            sources,
+            adapter,
+            rule,
+            sink,
+            anchor,
+            matchers,
+            tied_output,
+            progress,
+            f"{'match + ' if plan else ''}{rule.method}",
+            layer_grams,
+        )
+        return matchers
+
+    def globals_fn(gs: list[Tensors]) -> Tensors:
+        if matchers:
+            gs = [m.match_globals(gs[anchor], g) for m, g in zip(matchers, gs)]
+        gs = [
+            {k: v for k, v in g.items() if k != "lm_head.weight"} if tied_output else with_lm_head(g, adapter)
+            for g in gs
+        ]
+        return rule.globals(gs)
+
+    def layer_fn(i: int, layers: list[Tensors]) -> Tensors:
+        if matchers:
+            layers = [m.match_layer(i, layers[anchor], layer) for m, layer in zip(matchers, layers)]
+        return rule.layer(i, layers)
+
+    # Fisher: each layer's Fishers are read beside its weights (the matched inputs, written by then)
+    combine_checkpoints(
+        sources,
+        adapter,
+        sink,
+        layer_fn,
+        globals_fn,
+        rule.rest,
+        like=anchor,
+        progress=progress,
+        desc=f"{'match + ' if plan else ''}{rule.method}",
+    )
+    return matchers
+
+
+def run_merge(
+    sources: list[TensorSource],
+    configs: list[dict],
+    names: list[str],
+    recipe: MergeRecipe,
+    sink,
+    calibration_ids: torch.Tensor | None = None,
+    folders: list | None = None,
+    progress: bool = True,
+    placement=None,
+    workdir: Path | None = None,
+) -> MergeOutcome:
+    """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first.
+    ``workdir``: a folder for Fisher merging's matched inputs and Fishers and for the Grams RegMean keeps
+    waiting while the next input's layer runs (default: memory)."""
+    folders = folders or [None] * len(sources)
+    has_base = recipe.base_model is not None
+    n_models = len(recipe.models)
+    check_same_architecture([(n, c, s.shapes()) for n, c, s in zip(names, configs, sources)])
+    check_same_vocabulary(list(zip(names, folders)), "merging combines embedding rows token by token")
+    adapter = Adapter.from_config(configs[0], sources[0].keys())
+    plan = recipe.match.plan(adapter) if recipe.match else None
+    if plan is not None and plan.residual:
+        plan_checks(adapter, RotateOptions(residual="random", heads="none", ffn=False), sources[0].keys())
+    if recipe.method in DATA_METHODS and calibration_ids is None:
+        raise ValueError(f"{recipe.method} needs calibration token ids")
+    if recipe.method == "fisher" and adapter.spec.lm_head is None:
+        raise ValueError(
+            f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
+            "base models have none (use average or regmean)"
+        )
+    if recipe.method in DATA_METHODS:
+        batches = token_batches(
+            calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size, keep_partial=False
+        )
+    if recipe.method == "fisher":  # a backward pass needs the whole model: refuse what cannot fit, before any work
+        check_fisher_memory(sources[0].shapes(), statistics_dtype(sources[0]), placement)
+
+    timings = {}
+    start = time.perf_counter()
+    anchor, to_mean = choose_anchor(sources, names, adapter, recipe.anchor, has_base, n_models, progress)
+    timings["anchor"] = time.perf_counter() - start
+    tied = _tied_output(adapter, configs, plan)
+    config = dict(configs[anchor])
+    if adapter.spec.lm_head is not None:
+        config["tie_word_embeddings"] = tied
+    rule = MergeRule(
+        recipe.method, recipe.parameters, recipe.models, has_base, adapter, device=linalg_device(placement)
+    )
+
+    start = time.perf_counter()
+    if recipe.method == "fisher":
+        spill = Spill(None if workdir is None else Path(workdir))
+        matched, matchers = matched_inputs(sources, adapter, plan, anchor, progress, spill)
+        timings["match"] = time.perf_counter() - start
+        start = time.perf_counter()
+        rule.fishers = fisher_sources(matched, config, batches, n_models, progress, placement, spill)
+        timings["statistics"] = time.perf_counter() - start
+        start = time.perf_counter()
+        merge_sources(matched, adapter, rule, sink, anchor, None, tied, progress)
+        timings["merge"] = time.perf_counter() - start
+    else:
+        layer_grams = None
+        if recipe.method == "regmean":  # embeds the calibration tokens; each layer is measured in the merge pass
+            layer_grams = LayerGrams(
+                sources[:n_models],
+                configs[:n_models],
+                batches,
+                placement,
+                progress,
+                spill=None if workdir is None else Path(workdir) / "grams",
+            )
+            timings["calibration_embed"] = time.perf_counter() - start
+            start = time.perf_counter()
+        matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress, layer_grams)
+        timings["match_and_merge" if plan else "merge"] = time.perf_counter() - start
+    distances = {names[j]: m.distances.summary() for j, m in enumerate(matchers or []) if m and j != anchor}
+    return MergeOutcome(
+        config=config, anchor=anchor, tied_output=tied, distances=distances, anchor_distances=to_mean, seconds=timings
+    )
