@@ -133,6 +133,55 @@ def test_eval_takes_device_and_refuses_a_missing_one_before_loading(tiny_dir, tm
     assert len(err) == 1 and "cuda:7" in err[0]
 
 
+def test_rotate_scales_calibrate_on_the_device_flag(tiny_dir, tmp_path, monkeypatch):
+    """``rotate --for-quantization``'s calibration forward passes (the heavy step of ``--scales``) ran on
+    the CPU whatever ``--device`` said; they run on the resolved device, and a failure leaves no folder."""
+    from hf_symmetry.cli import main
+    from hf_symmetry.conversion.quantization import scales
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def spy(source, config, ids, progress=False, seq_len=512, placement=None):
+        seen.append(placement)
+        raise Stop
+
+    monkeypatch.setattr(scales, "layer_stats", spy)
+    _fake_cuda(monkeypatch, current=1)
+    monkeypatch.setattr(devices, "resolve_dtype", lambda dtype, device: torch.float32)  # no CUDA op to try
+    out = tmp_path / "q"
+    with pytest.raises(Stop):
+        main(["rotate", str(tiny_dir), str(out), "--for-quantization", "--device", "cuda", "--no-verify", "--quiet"])
+    assert seen[0].device == torch.device("cuda", 1) and seen[0].dtype == torch.float32
+    assert not out.exists()  # nothing written half-way
+    monkeypatch.undo()
+
+
+def test_rotate_refuses_a_missing_device_before_any_work(tiny_dir, tmp_path, capsys):
+    from hf_symmetry.cli import main
+
+    out = tmp_path / "q"
+    assert main(["rotate", str(tiny_dir), str(out), "--for-quantization", "--device", "cuda:7", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cuda:7" in err[0] and not out.exists()
+
+
+@CUDA
+def test_cuda_rotate_for_quantization_calibrates_on_the_gpu_and_stays_exact(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_symmetry.cli import main
+
+    out = tmp_path / "q"
+    assert main(["rotate", str(tiny_dir), str(out), "--for-quantization", "--device", "cuda", "--quiet"]) == 0
+    ids = torch.arange(1, 97)[None]
+    a = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)(ids).logits
+    b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+    assert (a - b).abs().max().item() < 1e-4
+
+
 # ------------------------------------------------------------------------ what enters a model
 def test_module_device_is_the_input_embedding_s_or_the_offload_hook_s():
     model = tiny_model("llama", dtype=torch.float32)

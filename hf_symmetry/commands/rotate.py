@@ -14,6 +14,7 @@ from .common import (
     add_verify_args,
     check_verify_args,
     emit,
+    placement_from_args,
     push_if_requested,
     total_time_line,
     verify_and_record,
@@ -157,6 +158,7 @@ def run(args) -> int:
     if (args.learn or args.scales or args.sort_channels) and not args.for_quantization:
         raise SystemExit("--learn, --scales and --sort-channels need --for-quantization")
     resolve_quantization_preset(args)
+    placement = placement_from_args(args)  # --scales' calibration runs there; an unusable device fails here
     options = RotateOptions(
         residual=args.residual,
         heads=args.heads,
@@ -176,7 +178,13 @@ def run(args) -> int:
         sort_channels=args.sort_channels,
     )
     report = rotate_checkpoint(
-        src, args.out, options, overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.quiet
+        src,
+        args.out,
+        options,
+        overwrite=args.overwrite,
+        max_shard_size=args.max_shard_size,
+        progress=not args.quiet,
+        placement=placement,
     )
     lines = [
         f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",

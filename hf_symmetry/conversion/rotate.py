@@ -318,7 +318,13 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
 
 
 def _rotate(
-    source: TensorSource, config: dict, options: RotateOptions, sink, progress: bool, calibration=None
+    source: TensorSource,
+    config: dict,
+    options: RotateOptions,
+    sink,
+    progress: bool,
+    calibration=None,
+    placement=None,
 ) -> tuple[dict, bool]:
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
@@ -339,7 +345,11 @@ def _rotate(
             raise ValueError(
                 "--scales needs calibration: token ids, or the layer statistics of quantization.scales.layer_stats"
             )
-        stats = calibration if isinstance(calibration, list) else layer_stats(source, config, calibration, progress)
+        stats = (
+            calibration
+            if isinstance(calibration, list)
+            else layer_stats(source, config, calibration, progress, placement=placement)
+        )
     perm = None
     if options.sort_channels:
         from .quantization.scales import permute_stats, residual_order
@@ -408,13 +418,19 @@ def rotate_layer_norm_decoder(
 
 
 def rotate_state_dict(
-    state_dict: Tensors, config, options: RotateOptions = RotateOptions(), progress: bool = False, calibration=None
+    state_dict: Tensors,
+    config,
+    options: RotateOptions = RotateOptions(),
+    progress: bool = False,
+    calibration=None,
+    placement=None,
 ) -> tuple[Tensors, dict]:
     """In-memory rotation: returns (new state dict, new config dict). ``calibration`` (with
-    ``options.scales``): calibration token ids, or precomputed :func:`.quantization.scales.layer_stats`."""
+    ``options.scales``): calibration token ids, or precomputed :func:`.quantization.scales.layer_stats`;
+    ``placement``: where those statistics' forward passes run (default: the CPU)."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     sink = DictSink()
-    new_config, _ = _rotate(DictSource(state_dict), config, options, sink, progress, calibration)
+    new_config, _ = _rotate(DictSource(state_dict), config, options, sink, progress, calibration, placement)
     return dict(sink), new_config
 
 
@@ -437,8 +453,11 @@ def rotate_checkpoint(
     overwrite: bool = False,
     max_shard_size: str | int = "2GB",
     progress: bool = True,
+    placement=None,
 ) -> RotateReport:
-    """Stream ``src`` (an HF safetensors folder) into a rotated copy at ``out``."""
+    """Stream ``src`` (an HF safetensors folder) into a rotated copy at ``out``. ``placement``
+    (:func:`hf_symmetry.devices.resolve`): where ``--scales``' calibration forward passes run, one layer
+    at a time (default: the CPU); the rotation itself streams on the CPU in float64."""
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
@@ -454,7 +473,7 @@ def rotate_checkpoint(
             calibration = calibration_ids(
                 AutoTokenizer.from_pretrained(src), options.calibration_text, options.calibration_tokens
             )
-        new_config, untied = _rotate(reader, reader.config, options, writer, progress, calibration)
+        new_config, untied = _rotate(reader, reader.config, options, writer, progress, calibration, placement)
         writer.close()
         write_config(tmp, new_config)
         if centres_layer_norms(adapter, options):

@@ -37,14 +37,18 @@ GRID = tuple(i / 10 for i in range(11))
 SITES = ("attn_in", "ffn_in", "o_in", "down_in")
 
 
-def layer_stats(source, config: dict, ids: torch.Tensor, progress: bool = False, seq_len: int = 512) -> list[Tensors]:
-    """Per decoder layer, ``E[xᵀx]`` (float64) of the inputs of q/k/v (the attention norm's output, γ
-    included), gate/up, o and down, over the calibration token ids ``ids`` (float32 forward)."""
+def layer_stats(
+    source, config: dict, ids: torch.Tensor, progress: bool = False, seq_len: int = 512, placement=None
+) -> list[Tensors]:
+    """Per decoder layer, ``E[xᵀx]`` (float64, on the CPU) of the inputs of q/k/v (the attention norm's
+    output, γ included), gate/up, o and down, over the calibration token ids ``ids``. The forward passes
+    run one layer at a time on ``placement`` (:func:`hf_symmetry.devices.resolve`; default: the CPU in
+    float32)."""
     from ...calibration.data import token_batches
     from ...calibration.engine import CalibrationEngine
     from ...calibration.statistics import StatsRequest
 
-    engine = CalibrationEngine(source, config=config, progress=progress)
+    engine = CalibrationEngine(source, config=config, placement=placement, progress=progress)
     result = engine.collect(token_batches(ids, seq_len), StatsRequest(grams=SITES))
     return [{site: s.grams[site] / result.tokens for site in SITES} for s in result.layers]
 
