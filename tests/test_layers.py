@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "conversion.match",
             "conversion.merge",
             "conversion.quantization",
+            "conversion.to_tpa",
         ),
         "the conversions, on the shared streaming loop (`conversion.stream`)",
     ),
