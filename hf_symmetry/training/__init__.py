@@ -3,7 +3,8 @@
 * :mod:`.data`  — text files / JSONL → document split → packed fixed-length sequences;
 * :mod:`.run`   — :func:`train` (transformers' Trainer: accumulation, cosine schedule, clipping, bf16,
   progress bar, eval, checkpoints and resume, multi-process under accelerate/torchrun);
-* :mod:`.heal` — ``hf-symmetry heal``: recovery fine-tuning of a converted model by distillation;
+* :mod:`.heal` — ``hf-symmetry heal``: recovery fine-tuning of a converted model by distillation (a package:
+  options, checks, models, the run, output, report);
 * :mod:`.distill` — the distillation loss used by ``heal``;
 * :mod:`.peft_targets` — which parameters LoRA adapts, for stock and hf_symmetry families;
 * :mod:`.arch_configs` — equal-parameter T6 / MHA / GQA / MLA configurations (``examples/train_clm.py``).

@@ -1,0 +1,87 @@
+"""What one healing run is asked to do: :class:`HealOptions` (the recipe: token budget, batches, LoRA or
+full fine-tuning, loss weights, teacher samples and cache) with its checks and the figures derived
+from it (learning rate, teacher samples, text tokens, steps)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class HealOptions:
+    """Settings of one healing run (see ``hf-symmetry heal --help``)."""
+
+    tokens: int = 262_144  # training tokens the optimizer sees (all epochs)
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per optimizer step (global, all processes)
+    grad_accum: int = 1
+    lora_rank: int = 16
+    full: bool = False
+    lr: float | None = None  # None: 1e-3 with LoRA (every measured recipe), 2e-5 for --full
+    warmup_steps: int | None = None
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    lm_weight: float = 0.0
+    teacher_cache: bool = False
+    cache_k: int = 64
+    teacher_samples: int | None = None  # sequences sampled from the teacher; None: teacher_sample_fraction
+    teacher_sample_fraction: float = 0.5  # share of the tokens/seq_len training sequences (issue 30's recipe)
+    layer_loss_weight: float = 0.0  # weight of the per-layer state loss (layer map); 0: logits only
+    logit_chunk: int = 2048  # positions whose logits are formed at once (training.logit_loss); 0: all
+    validation_fraction: float = 0.05
+    eval_steps: int | None = None
+    save_steps: int | None = None  # None: every 10 % of the steps, at most every 25 steps
+    seed: int = 0
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else (2e-5 if self.full else 1e-3)
+
+    def sample_count(self) -> int:
+        """Training sequences sampled from the teacher: ``teacher_samples`` if set, else
+        ``teacher_sample_fraction`` of the ``tokens // seq_len`` sequences the optimizer sees."""
+        if self.teacher_samples is not None:
+            return self.teacher_samples
+        return round(self.teacher_sample_fraction * (self.tokens // self.seq_len))
+
+    def text_tokens(self) -> int:
+        """Tokens of the user's text read for training: the budget less the teacher samples' share."""
+        return max(self.seq_len, self.tokens - self.sample_count() * self.seq_len)
+
+    def steps(self) -> int:
+        return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
+
+    def validate(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"--tokens must be positive, got {self.tokens}")
+        if self.seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.batch_size < 1 or self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be a positive multiple of --grad-accum {self.grad_accum}"
+            )
+        if not self.full and self.lora_rank < 1:
+            raise ValueError(f"--lora-rank must be at least 1, got {self.lora_rank}")
+        if self.lr is not None and (self.lr < 0 or not math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be finite and >= 0, got {self.lr}")
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0 <= self.lm_weight <= 1:
+            raise ValueError(f"--lm-weight must be in [0, 1], got {self.lm_weight}")
+        if (self.teacher_samples is not None and self.teacher_samples < 0) or self.cache_k < 1:
+            raise ValueError("--teacher-samples must be >= 0 and --cache-k >= 1")
+        if not 0 <= self.teacher_sample_fraction <= 1:
+            raise ValueError(f"--teacher-sample-fraction must be in [0, 1], got {self.teacher_sample_fraction}")
+        if self.logit_chunk < 0:
+            raise ValueError(f"--logit-chunk must be >= 0 (0: all positions at once), got {self.logit_chunk}")
+        if not (self.layer_loss_weight >= 0 and math.isfinite(self.layer_loss_weight)):
+            raise ValueError(f"--layer-loss-weight must be finite and >= 0, got {self.layer_loss_weight}")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["learning_rate"] = self.learning_rate
+        d["teacher_samples"] = self.sample_count()
+        d["steps"] = self.steps()
+        return d

@@ -1,0 +1,67 @@
+"""The healed folder (main process only): adapters merged into the weights, the model saved in its own
+family and source dtype, tokenizer, generation config and layer map copied, optional ``adapter/``,
+and the public ``heal_report.json``; written to a temporary sibling renamed into place."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from .checks import read_config
+from .options import HealOptions
+from .report import HealReport
+
+ADAPTER_DIR = "adapter"
+
+
+def write_output(
+    trained,
+    tok,
+    src: Path,
+    tea: Path,
+    out: Path,
+    overwrite: bool,
+    report: HealReport,
+    save_adapter: bool,
+    options: HealOptions,
+    plan,
+) -> None:
+    from ...checkpoint import atomic_output_dir
+
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        if plan is not None:
+            if save_adapter:
+                trained.save_pretrained(tmp / ADAPTER_DIR)
+                report.adapter_dir = str(out / ADAPTER_DIR)
+            model = trained.merge_and_unload()
+        else:
+            model = trained
+        dtype = saved_dtype(src)
+        model = model.to("cpu", dtype)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        gen = src / "generation_config.json"
+        if gen.is_file() and not (tmp / "generation_config.json").is_file():
+            shutil.copy2(gen, tmp / "generation_config.json")
+        from ...conversion.layer_map import MAP_FILE
+
+        if (src / MAP_FILE).is_file():  # the healed model relates to the original as its input did
+            shutil.copy2(src / MAP_FILE, tmp / MAP_FILE)
+        (tmp / "heal_report.json").write_text(
+            json.dumps(public_heal_report(report.as_dict()), indent=2, default=str) + "\n"
+        )
+
+
+def public_heal_report(d: dict) -> dict:
+    from ...hub.lineage import public_report
+
+    return public_report({**d, "teacher": Path(d["teacher"]).name})
+
+
+def saved_dtype(src: Path) -> torch.dtype:
+    cfg = read_config(src)
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).removeprefix("torch."), torch.float32)
