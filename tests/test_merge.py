@@ -244,6 +244,48 @@ def test_regmean_statistics_collected_in_the_merge_pass_equal_a_whole_model_refe
     ).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize(
+    "method,parameters",
+    [
+        ("task_arithmetic", {"lambda": 0.7}),
+        ("task_arithmetic", {"lambda": 1.2, "normalize": True}),
+        ("ties", {"density": 0.4, "lambda": 0.9}),
+        ("ties", {"density": 0.7, "normalize": False}),
+    ],
+)
+def test_task_vector_merges_of_state_dicts_equal_the_rules_applied_tensor_by_tensor(method, parameters):
+    """task_arithmetic and TIES through the pipeline (no matching) give, for every tensor, the rule
+    applied to that tensor of the inputs and the base; the base is not an input's copy, so a merge
+    that ignored it, averaged, or swapped the two rules would differ (negative control below)."""
+    models = [tiny_model("llama", seed=s, tie_word_embeddings=False) for s in (0, 3, 5)]
+    sds = [_sd(m) for m in models]
+    weights = [1.0, 0.6]
+    recipe = {
+        "merge_method": method,
+        "base_model": "b",
+        "models": [{"model": f"m{j}", "parameters": {"weight": w}} for j, w in enumerate(weights)],
+        "parameters": parameters,
+    }
+    merged = merge_state_dicts(sds[1:], models[0].config, recipe, base=sds[0]).state_dict
+    lam = parameters.get("lambda", 1.0)
+    assert set(merged) == set(sds[0])
+    for key, got in merged.items():
+        base, inputs = sds[0][key], [sd[key] for sd in sds[1:]]
+        if method == "ties":
+            density = [parameters["density"]] * 2
+            want = ties(base, inputs, weights, density, lam, parameters.get("normalize", True))
+        else:
+            want = task_arithmetic(base, inputs, weights, lam, parameters.get("normalize", False))
+        assert torch.allclose(got, want.to(got.dtype), rtol=0, atol=1e-12), key
+    other = "ties" if method == "task_arithmetic" else "task_arithmetic"
+    swapped = {k: v for k, v in parameters.items() if k != "density"}
+    control = merge_state_dicts(
+        sds[1:], models[0].config, {**recipe, "merge_method": other, "parameters": swapped}, base=sds[0]
+    ).state_dict
+    key = "model.layers.0.mlp.down_proj.weight"
+    assert (control[key] - merged[key]).abs().max() > 1e-3
+
+
 def test_three_models_anchor_nearest_the_mean_and_the_others_matched():
     a, b = _sd(tiny_model("llama", seed=0)), _sd(tiny_model("llama", seed=1))
     middle = {k: (a[k] + b[k]) / 2 + 0.01 * torch.randn_like(a[k]) for k in a}
