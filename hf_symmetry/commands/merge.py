@@ -10,7 +10,8 @@ from dataclasses import asdict
 
 from ..conversion.merge.checkpoint import merge_checkpoints
 from ..conversion.merge.evaluate import evaluate_merge
-from ..conversion.merge.recipe import METHOD_ALIASES, METHODS, load_recipe, recipe_from_dict
+from ..conversion.merge.kinds import METHOD_ALIASES, METHODS
+from ..conversion.merge.recipe import load_recipe, recipe_from_dict
 from ..hub.values import fmt_number
 from .common import (
     add_device_args,
@@ -176,7 +177,7 @@ def run(args) -> int:
         placement=placement,
     )
     lines = [
-        f"{recipe.method} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
+        f"{recipe.method.name} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
         f"  anchor: {report.anchor}" + ("" if recipe.match else " (no matching)"),
     ]
     for name, d in report.distances.items():

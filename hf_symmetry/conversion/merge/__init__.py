@@ -24,6 +24,8 @@ by accelerate (:func:`hf_symmetry.conversion.merge.statistics.fisher_model`).
 The pieces, one module each:
 
 - :mod:`.recipe` — the YAML recipe (:class:`MergeRecipe`);
+- :mod:`.kinds` — the merge methods as classes (:class:`~.kinds.MergeMethod`: what each needs and
+  how it combines tensors; the recipe's method name is parsed into one once);
 - :mod:`.methods` — the merge rules on tensors; :mod:`.rule` — :class:`MergeRule`, a method applied to
   canonical layers and globals;
 - :mod:`.anchor` — the anchor the inputs are matched to;

@@ -25,7 +25,7 @@ from ...hub.lineage import hub_id_of, public_model_labels
 from ...text import public_text_label
 from ..match.checks import vocabulary_fingerprint
 from .pipeline import MergeOutcome, run_merge
-from .recipe import DATA_METHODS, MergeRecipe
+from .recipe import MergeRecipe
 
 Tensors = dict[str, torch.Tensor]
 
@@ -82,15 +82,17 @@ def merge_checkpoints(
     readers = [CheckpointReader(f) for f in folders]
     tok_folder = tokenizer_folder(folders)
     calibration_ids = None
-    if recipe.method in DATA_METHODS:
+    if recipe.method.needs_calibration:
         text = resolve_text(recipe.calibration.text)
         if tok_folder is None:
-            raise ValueError(f"{recipe.method} tokenises its calibration text, but no input folder has a tokenizer")
+            raise ValueError(
+                f"{recipe.method.name} tokenises its calibration text, but no input folder has a tokenizer"
+            )
         calibration_ids = tokenize_text(load_tokenizer(tok_folder), read_text(text), recipe.calibration.tokens)
     if recipe.evaluation:
         resolve_text(recipe.evaluation.text)  # a missing evaluation text fails before any work
     with atomic_output_dir(out, overwrite) as tmp:
-        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method}"})
+        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": f"merge/{recipe.method.name}"})
         sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
         spill = tmp / ".merge-work"  # Fisher's matched inputs and Fishers, RegMean's waiting Grams (removed)
         outcome = run_merge(
@@ -103,7 +105,7 @@ def merge_checkpoints(
             folders,
             progress,
             placement,
-            workdir=spill if recipe.method in ("fisher", "regmean") else None,
+            workdir=spill if recipe.method.spills else None,
         )
         shutil.rmtree(spill, ignore_errors=True)
         writer.close()
@@ -114,7 +116,7 @@ def merge_checkpoints(
         copy_side_files(tok_folder or folders[outcome.anchor], tmp)
         report = MergeReport(
             output=str(out),
-            method=recipe.method,
+            method=recipe.method.name,
             inputs=recipe.inputs,
             anchor=recipe.inputs[outcome.anchor],
             matched=recipe.match is not None,
@@ -129,16 +131,13 @@ def merge_checkpoints(
 def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutcome) -> dict:
     """What the model card says about a merge (inputs by distinct public names, no local path)."""
     label = dict(zip(recipe.inputs, public_model_labels(recipe.inputs)))
-    models = [
-        {"model": label[m.model], "weight": m.weight, **({"density": m.density} if recipe.method == "ties" else {})}
-        for m in recipe.models
-    ]
+    models = [{"model": label[m.model], "weight": m.weight, **recipe.method.card_model(m)} for m in recipe.models]
     params = {**recipe.parameters, "match": asdict(recipe.match) if recipe.match else False}
-    if recipe.method in DATA_METHODS:
+    if recipe.method.needs_calibration:
         params["calibration"] = {**asdict(recipe.calibration), "text": public_text_label(recipe.calibration.text)}
     return {
-        "title": f"{recipe.method} merge of {', '.join(label[m.model] for m in recipe.models)}",
-        "method": f"merge/{recipe.method}",
+        "title": f"{recipe.method.name} merge of {', '.join(label[m.model] for m in recipe.models)}",
+        "method": f"merge/{recipe.method.name}",
         "parameters": params,
         "inputs": recipe.inputs,
         "base_model": [hub_id_of(m) for m in recipe.inputs],  # lineage: every input's Hub ancestor, once

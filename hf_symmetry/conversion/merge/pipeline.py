@@ -20,9 +20,8 @@ from ..rotate import RotateOptions, plan_checks
 from ..stream import TensorSource, combine_checkpoints
 from .anchor import choose_anchor
 from .fisher import Spill, fisher_sources, matched_inputs
-from .recipe import DATA_METHODS, MergeRecipe
+from .recipe import MergeRecipe
 from .rule import MergeRule
-from .statistics import check_fisher_memory, statistics_dtype
 from .stream import LayerGrams, stream_merge
 
 Tensors = dict[str, torch.Tensor]
@@ -65,7 +64,7 @@ def merge_sources(
         for j, m in enumerate(matchers):
             m.solve_residual(sources[anchor], sources[j], progress)
 
-    if rule.method != "fisher":
+    if not rule.method.uses_fishers:
         stream_merge(
             sources,
             adapter,
@@ -75,7 +74,7 @@ def merge_sources(
             matchers,
             tied_output,
             progress,
-            f"{'match + ' if plan else ''}{rule.method}",
+            f"{'match + ' if plan else ''}{rule.method.name}",
             layer_grams,
         )
         return matchers
@@ -104,7 +103,7 @@ def merge_sources(
         rule.rest,
         like=anchor,
         progress=progress,
-        desc=f"{'match + ' if plan else ''}{rule.method}",
+        desc=f"{'match + ' if plan else ''}{rule.method.name}",
     )
     return matchers
 
@@ -133,19 +132,15 @@ def run_merge(
     plan = recipe.match.plan(adapter) if recipe.match else None
     if plan is not None and plan.residual:
         plan_checks(adapter, RotateOptions(residual="random", heads="none", ffn=False), sources[0].keys())
-    if recipe.method in DATA_METHODS and calibration_ids is None:
-        raise ValueError(f"{recipe.method} needs calibration token ids")
-    if recipe.method == "fisher" and adapter.spec.lm_head is None:
-        raise ValueError(
-            f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
-            "base models have none (use average or regmean)"
-        )
-    if recipe.method in DATA_METHODS:
+    method = recipe.method
+    if method.needs_calibration and calibration_ids is None:
+        raise ValueError(f"{method.name} needs calibration token ids")
+    method.check_model(adapter)
+    if method.needs_calibration:
         batches = token_batches(
             calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size, keep_partial=False
         )
-    if recipe.method == "fisher":  # a backward pass needs the whole model: refuse what cannot fit, before any work
-        check_fisher_memory(sources[0].shapes(), statistics_dtype(sources[0]), placement)
+    method.check_fits(sources[0], placement)  # e.g. Fisher's whole-model backward pass, before any work
 
     timings = {}
     start = time.perf_counter()
@@ -155,12 +150,10 @@ def run_merge(
     config = dict(configs[anchor])
     if adapter.spec.lm_head is not None:
         config["tie_word_embeddings"] = tied
-    rule = MergeRule(
-        recipe.method, recipe.parameters, recipe.models, has_base, adapter, device=linalg_device(placement)
-    )
+    rule = MergeRule(method, recipe.parameters, recipe.models, has_base, adapter, device=linalg_device(placement))
 
     start = time.perf_counter()
-    if recipe.method == "fisher":
+    if method.uses_fishers:
         spill = Spill(None if workdir is None else Path(workdir))
         matched, matchers = matched_inputs(sources, adapter, plan, anchor, progress, spill)
         timings["match"] = time.perf_counter() - start
@@ -172,7 +165,7 @@ def run_merge(
         timings["merge"] = time.perf_counter() - start
     else:
         layer_grams = None
-        if recipe.method == "regmean":  # embeds the calibration tokens; each layer is measured in the merge pass
+        if method.uses_grams:  # embeds the calibration tokens; each layer is measured in the merge pass
             layer_grams = LayerGrams(
                 sources[:n_models],
                 configs[:n_models],

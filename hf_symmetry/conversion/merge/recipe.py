@@ -26,19 +26,8 @@ from pathlib import Path
 import yaml
 
 from ..match.options import MatchOptions
+from .kinds import METHODS, MergeMethod, method_named
 
-METHODS = ("average", "task_arithmetic", "ties", "fisher", "regmean")
-METHOD_ALIASES = {"linear": "average"}
-NEEDS_BASE = ("task_arithmetic", "ties")
-DATA_METHODS = ("fisher", "regmean")
-# Method parameters and their defaults (mergekit's where mergekit has the method).
-METHOD_PARAMETERS = {
-    "average": {"normalize": True},
-    "task_arithmetic": {"lambda": 1.0, "normalize": False},
-    "ties": {"lambda": 1.0, "normalize": True},
-    "fisher": {"fisher_floor": 1e-12},
-    "regmean": {"alpha": 0.9},
-}
 MODEL_PARAMETERS = {"weight": 1.0, "density": 1.0}  # density: ties only
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 _TOP_KEYS = (
@@ -79,7 +68,7 @@ class EvaluationSpec:
 
 @dataclass
 class MergeRecipe:
-    method: str
+    method: MergeMethod  # parsed from the recipe's name once (:func:`~.kinds.method_named`)
     models: list[ModelEntry]
     base_model: str | None = None
     parameters: dict = field(default_factory=dict)
@@ -96,6 +85,7 @@ class MergeRecipe:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["method"] = self.method.name
         d["match"] = asdict(self.match) if self.match else None
         return d
 
@@ -119,12 +109,12 @@ def _number(value, name: str) -> float:
     return float(value)
 
 
-def _method(raw: dict) -> str:
-    method = raw.get("merge_method", raw.get("method"))
-    if method is None:
+def _method(raw: dict) -> MergeMethod:
+    name = raw.get("merge_method", raw.get("method"))
+    if name is None:
         _fail(f"no merge_method given (choose one of {', '.join(METHODS)})")
-    method = METHOD_ALIASES.get(str(method), str(method))
-    if method not in METHODS:
+    method = method_named(str(name))
+    if method is None:
         _fail(
             f"unknown merge method {raw.get('merge_method', raw.get('method'))!r}; choose one of "
             f"{', '.join(METHODS)} (linear = average)"
@@ -132,14 +122,14 @@ def _method(raw: dict) -> str:
     return method
 
 
-def _parameters(raw: dict, method: str) -> tuple[dict, dict]:
+def _parameters(raw: dict, method: MergeMethod) -> tuple[dict, dict]:
     """(method parameters with defaults, per-model defaults)."""
     given = dict(raw.get("parameters") or {})
     if not isinstance(given, dict):
         _fail("parameters must be a mapping")
-    allowed = {**METHOD_PARAMETERS[method], **MODEL_PARAMETERS}
-    _check_keys(given, allowed, f"parameters of {method}")
-    params = dict(METHOD_PARAMETERS[method])
+    allowed = {**method.defaults, **MODEL_PARAMETERS}
+    _check_keys(given, allowed, f"parameters of {method.name}")
+    params = dict(method.defaults)
     model_defaults = dict(MODEL_PARAMETERS)
     for k, v in given.items():
         if k in ("normalize",):
@@ -147,19 +137,18 @@ def _parameters(raw: dict, method: str) -> tuple[dict, dict]:
                 _fail(f"{k} must be true or false")
             params[k] = v
         elif k in MODEL_PARAMETERS:
-            if k == "density" and method != "ties":
+            if k == "density" and not method.has_densities:
                 _fail("density applies to ties only")
             model_defaults[k] = _number(v, k)
         else:
             params[k] = _number(v, k)
-    if "alpha" in params and not 0 <= params["alpha"] <= 1:
-        _fail(f"alpha must be in [0, 1]; got {params['alpha']}")
-    if "fisher_floor" in params and params["fisher_floor"] < 0:
-        _fail("fisher_floor must be >= 0")
+    error = method.parameter_error(params)
+    if error:
+        _fail(error)
     return params, model_defaults
 
 
-def _models(raw: dict, method: str, defaults: dict) -> list[ModelEntry]:
+def _models(raw: dict, method: MergeMethod, defaults: dict) -> list[ModelEntry]:
     items = raw.get("models")
     if not isinstance(items, list) or not items:
         _fail("models must be a non-empty list of {model: PATH, parameters: {...}}")
@@ -171,7 +160,7 @@ def _models(raw: dict, method: str, defaults: dict) -> list[ModelEntry]:
         _check_keys(item, ("model", "parameters"), f"model entry {item['model']!r}")
         p = dict(item.get("parameters") or {})
         _check_keys(p, tuple(MODEL_PARAMETERS), f"parameters of {item['model']!r}")
-        if "density" in p and method != "ties":
+        if "density" in p and not method.has_densities:
             _fail(f"density applies to ties only (model {item['model']!r})")
         entry = ModelEntry(
             model=str(item["model"]),
@@ -236,18 +225,19 @@ def recipe_from_dict(raw: dict) -> MergeRecipe:
     models = _models(raw, method, defaults)
     base = raw.get("base_model")
     base = str(base) if base else None
-    if method in NEEDS_BASE and not base:
-        _fail(f"{method} merges task vectors (model − base): it needs base_model")
-    if len(models) < 2 and not (method in NEEDS_BASE and base):
-        _fail(f"{method} needs at least two models")
-    if params.get("normalize", True) and method in ("average",) and sum(m.weight for m in models) == 0:
-        _fail("model weights sum to zero, so they cannot be normalised")
+    if method.needs_base and not base:
+        _fail(f"{method.name} merges task vectors (model − base): it needs base_model")
+    if len(models) < 2 and not (method.needs_base and base):
+        _fail(f"{method.name} needs at least two models")
+    error = method.weights_error(params, [m.weight for m in models])
+    if error:
+        _fail(error)
     match, anchor = _match(raw)
     if anchor != "auto" and anchor not in [m.model for m in models] + [base]:
         _fail(f"anchor {anchor!r} is not one of the input models")
     calibration = _section(raw, "calibration", CalibrationSpec, CalibrationSpec())
-    if calibration is None and method in DATA_METHODS:
-        _fail(f"{method} needs calibration text")
+    if calibration is None and method.needs_calibration:
+        _fail(f"{method.name} needs calibration text")
     evaluation = _section(raw, "evaluation", EvaluationSpec, EvaluationSpec())
     dtype = raw.get("dtype")
     if dtype is not None and dtype not in DTYPES:

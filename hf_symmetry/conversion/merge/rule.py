@@ -1,5 +1,6 @@
-"""The merge rule (:class:`MergeRule`): one merge method applied to canonical tensors, a layer, the
-globals or a tensor outside the layout at a time, with the statistics (Fishers, Grams) it needs."""
+"""The merge rule (:class:`MergeRule`): one merge method (:class:`~.kinds.MergeMethod`) applied to
+canonical tensors, a layer, the globals or a tensor outside the layout at a time, with the statistics
+(Fishers, Grams) it needs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from ...architectures import Adapter
 from ..match.residual import with_lm_head
 from ..stream import TensorSource, partition_keys
-from .methods import RegMeanSolver, fisher_average, task_arithmetic, ties, weighted_average
+from .kinds import MergeMethod
+from .methods import RegMeanSolver
 from .recipe import ModelEntry
 from .stream import GRAM_OF
 
@@ -23,7 +25,7 @@ class MergeRule:
     the base (``has_base``). ``fishers`` (per model, tensor sources keyed like the state dict) and
     ``grams`` (per model, canonical keys) must already be in the anchor's frame."""
 
-    method: str
+    method: MergeMethod
     params: dict
     entries: list[ModelEntry]
     has_base: bool
@@ -37,7 +39,7 @@ class MergeRule:
     @property
     def row_separable(self) -> bool:
         """Whether each row of a tensor is merged on its own (the globals can go a block of rows at a time)."""
-        return self.method in ("average", "task_arithmetic", "regmean")
+        return self.method.row_separable
 
     def set_grams(self, grams: list[Tensors] | None) -> None:
         self.grams, self._solvers = grams, {}
@@ -48,25 +50,14 @@ class MergeRule:
 
     def combine(self, tensors: list[torch.Tensor], fishers: list[torch.Tensor] | None = None) -> torch.Tensor:
         models, base = (tensors[:-1], tensors[-1]) if self.has_base else (tensors, None)
-        p, w = self.params, self.weights
-        if self.method == "average":
-            return weighted_average(models, w, p["normalize"])
-        if self.method == "regmean":  # everything that is not a linear weight: biases, norms, embeddings
-            return weighted_average(models, w)
-        if self.method == "task_arithmetic":
-            return task_arithmetic(base, models, w, p["lambda"], p["normalize"])
-        if self.method == "ties":
-            return ties(base, models, w, [e.density for e in self.entries], p["lambda"], p["normalize"])
-        if self.method == "fisher":
-            return fisher_average(models, fishers, w, p["fisher_floor"])
-        raise ValueError(f"unknown merge method {self.method!r}")
+        return self.method.combine(models, base, self.entries, self.params, fishers)
 
     def _merge_dict(self, parts: list[Tensors], fishers: list[Tensors] | None, gram_key) -> Tensors:
         out = {}
         for key in parts[0]:
             tensors = [p[key] for p in parts]
             gkey = gram_key(key)
-            if self.method == "regmean" and gkey is not None:  # factored once, e.g. for every block of the LM head
+            if self.method.uses_grams and gkey is not None:  # factored once, e.g. for every block of the LM head
                 try:
                     if gkey not in self._solvers:
                         self._solvers[gkey] = RegMeanSolver(
@@ -86,7 +77,7 @@ class MergeRule:
 
     def layer(self, i: int, layers: list[Tensors]) -> Tensors:
         fishers = None
-        if self.method == "fisher":
+        if self.method.uses_fishers:
             fishers = [
                 self.adapter.read_layer(i, f.get(part[1][i])) for f, part in zip(self.fishers, self._fisher_parts())
             ]
@@ -94,7 +85,7 @@ class MergeRule:
 
     def globals(self, gs: list[Tensors]) -> Tensors:
         fishers = None
-        if self.method == "fisher":
+        if self.method.uses_fishers:
             fishers = [self.adapter.read_globals(f.get(part[0])) for f, part in zip(self.fishers, self._fisher_parts())]
             if "lm_head.weight" in gs[0]:
                 fishers = [with_lm_head(f, self.adapter) for f in fishers]
@@ -108,7 +99,7 @@ class MergeRule:
                 raise ValueError(f"integer tensor {key} differs between the inputs; cannot merge it")
             return tensors[0]
         fishers = None
-        if self.method == "fisher":
+        if self.method.uses_fishers:
             found = [f.get([key])[key] if key in set(f.keys()) else None for f in self.fishers]
             fishers = (
                 found if all(f is not None for f in found) else [torch.ones_like(t) for t in tensors[: len(found)]]

@@ -272,7 +272,7 @@ def _merge_group(
     """One group of layer tensors of every participant merged (canonical, float64)."""
     n = len(rule.entries)
     weight_keys = [f"{m}.weight" for m in modules if f"{m}.weight" in GRAM_OF]
-    if rule.method != "regmean" or not weight_keys:
+    if not rule.method.uses_grams or not weight_keys:
         parts = [reader.take(j, modules) for j in range(n_inputs)]
         return {key: rule.combine([p[key] for p in parts]) for key in parts[0]}
     site = GRAM_OF[weight_keys[0]]
