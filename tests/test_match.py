@@ -369,3 +369,30 @@ def test_match_cli_writes_a_stock_folder_with_a_card(tmp_path, capsys):
     assert all(r["relative_after"] < r["relative_before"] for r in layers)
     # refuses a non-empty OUT
     assert main(["match", str(a), str(b), str(out), "--quiet", "--no-verify"]) == 2
+
+
+def test_match_distances_do_not_depend_on_the_hash_seed():
+    """The card's distance figures summed tensors in set order, which Python's hash seed changes: the
+    last digits of a match card differed between runs of the same command."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch\n"
+        "from hf_symmetry.conversion.match.distances import squared_distances\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "keys = [f'norm{i}.weight' for i in range(64)]\n"
+        "a = {k: torch.randn(8, generator=g) * 10 ** (i % 7) for i, k in enumerate(keys)}\n"
+        "b = {k: torch.randn(8, generator=g) for k in keys}\n"
+        "print(json.dumps(squared_distances(a, b)['norms'].hex()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code], env={**env, "PYTHONHASHSEED": str(seed)}, capture_output=True, text=True
+        ).stdout.strip()
+        for seed in range(4)
+    }
+    assert len(runs) == 1 and json.loads(runs.pop())

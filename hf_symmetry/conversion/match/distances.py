@@ -27,7 +27,7 @@ def squared_distances(anchor: Tensors, source: Tensors, is_global: bool = False)
     """Squared Frobenius distance per component over the tensors both dicts hold."""
     out = dict.fromkeys(COMPONENTS, 0.0)
     seen: dict[tuple[int, int], float] = {}  # a tied head aliases the embedding: one subtraction
-    for key in anchor.keys() & source.keys():
+    for key in sorted(anchor.keys() & source.keys()):  # sorted: the sums do not depend on the hash seed
         a, s = anchor[key], source[key]
         if (id(a), id(s)) not in seen:
             seen[id(a), id(s)] = _sq(a.to(torch.float64) - s.to(torch.float64))
@@ -60,7 +60,11 @@ class MatchDistances:
     ) -> None:
         d_before = squared_distances(anchor, before, is_global)
         d_after = d_before if after is before else squared_distances(anchor, after, is_global)
-        rows = (d_before, d_after, squared_norms({k: anchor[k] for k in anchor.keys() & after.keys()}, is_global))
+        rows = (
+            d_before,
+            d_after,
+            squared_norms({k: anchor[k] for k in sorted(anchor.keys() & after.keys())}, is_global),
+        )
         for total, new in zip((self.before, self.after, self.anchor), rows):
             for k, v in new.items():
                 total[k] += v
