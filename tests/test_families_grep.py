@@ -22,12 +22,7 @@ EXEMPT = {
 }
 # Modules that may still offend, each with its reason (the test fails both on a new offender and on a
 # stale entry: the list only shrinks).
-NOT_YET: dict[str, str] = {
-    "conversion/compress/assemble.py": "writes the compressed family's model_type as a string (compress/ is being "
-    "redesigned, issue 31 item 2)",
-    "conversion/compress/layernorm/slice.py": "names the RMS-decoder output family by its model_type (idem)",
-    "conversion/compress/layernorm/structured.py": "names the RMS-decoder output family by its model_type (idem)",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _own_model_types() -> set[str]:

@@ -14,6 +14,7 @@ from ...checkpoint import RowBlocks
 from ...symmetry import structured as st
 from ...symmetry.segments import cayley_encode
 from ...modeling import modeling_compressed_llama as family
+from ...modeling.configuration_compressed_llama import CompressedLlamaConfig
 from .folded import FoldedLayers, global_row_blocks
 from .options import LAYER_MODULES, CompressOptions
 from .plan import MatrixPlan, Plan
@@ -227,7 +228,7 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
     L = Adapter.from_config(config).layout
     new = {
         "architectures": ["CompressedLlamaForCausalLM"],
-        "model_type": "hf_symmetry_compressed_llama",
+        "model_type": CompressedLlamaConfig.model_type,
         "vocab_size": int(config["vocab_size"]),
         "hidden_size": plan.hidden,
         "residual_size": plan.residual,
@@ -269,8 +270,6 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
 
 def config_object(config: dict):
     """The :class:`CompressedLlamaConfig` of a :func:`compressed_config` dict."""
-    from ...modeling.configuration_compressed_llama import CompressedLlamaConfig
-
     cfg = CompressedLlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
     cfg.architectures = ["CompressedLlamaForCausalLM"]
     return cfg

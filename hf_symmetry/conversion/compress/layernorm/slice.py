@@ -23,6 +23,7 @@ import time
 import torch
 
 from ....architectures import Adapter
+from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ...rotate import RotateOptions, rotate_layer_norm_decoder
 from ...stream import TensorSource, partition_keys
 from ..moments import collect_statistics, require_calibration
@@ -102,7 +103,7 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
         "skip_params": 0,
         "head_mix_params": 0,
         "untied_head_params": shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
-        "output_family": "hf_symmetry_rms_decoder",
+        "output_family": RMSDecoderConfig.model_type,
         "per_matrix": per_matrix,
     }
     if abs(accounting["ratio_over_compressed"] - options.ratio) > options.tolerance:

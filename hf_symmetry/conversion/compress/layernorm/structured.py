@@ -23,6 +23,7 @@ import time
 import torch
 
 from ....architectures import Adapter
+from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....symmetry import structured as st
 from ....symmetry.linalg import limit_threads
 from ...stream import TensorSource, partition_keys
@@ -124,7 +125,7 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
         kron_factor=kron_q,
         target_params=round(target) if options.matrix_keep is None else total,
         untied_head_params=plan.by_name()["lm_head"].structure.params() if tied else 0,
-        output_family="hf_symmetry_rms_decoder",
+        output_family=RMSDecoderConfig.model_type,
     )
     plan.accounting = acc
     if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.tolerance:
