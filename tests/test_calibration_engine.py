@@ -367,7 +367,7 @@ def test_bfloat16_calibration_is_close_to_float32(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 def test_cuda_statistics_equal_cpu(tmp_path, exact_rmsnorm):
     # float64 on both devices: transformers' RMSNorm computes in float32 (exact_rmsnorm keeps float64),
-    # and its float32 rotary tables are computed on the host by the engine (engine._rotary_on_host)
+    # and its float32 rotary tables are computed on the host by the engine (capture.rotary_on_host)
     _saved("qwen2", tmp_path)
     batches = token_batches(input_ids(length=48, batch=2).reshape(-1), 24, batch_size=2)
     req = StatsRequest(grams=("attn_in", "down_in"), sums=("o_in",))

@@ -20,7 +20,7 @@ family's module path):
                ``head_dim`` columns)
 =============  ==============================================================================
 
-Two more sites exist after the last layer (:meth:`hf_symmetry.calibration.engine.CalibrationRun.final`):
+Two more sites exist after the last layer (:meth:`hf_symmetry.calibration.run.CalibrationRun.final`):
 ``final_in`` (the residual stream after the last layer) and ``head_in`` (the final norm's output,
 what the LM head reads).
 

@@ -364,7 +364,7 @@ def sequential_weighted(
     measured on the embeddings, and the compressed embedding's rows then enter layer 0."""
     from ...calibration import CalibrationEngine, StatsRequest
     from ...calibration import token_batches as batches
-    from ...calibration.engine import Activations
+    from ...calibration.run import Activations
     from ...calibration.statistics import base_site
     from ...symmetry import actions
 
