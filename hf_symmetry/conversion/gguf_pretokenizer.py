@@ -14,6 +14,10 @@ unchanged; the check text is copied verbatim (its ids are what the hashes are of
 character changes every hash) and :data:`KNOWN` holds the table's entries for the families
 ``export-gguf`` writes. A hash not in the table gets ``default`` and a warning (llama.cpp's converter
 refuses such a tokenizer instead).
+
+The other direction, for a tokenizer read from a GGUF file (the embedded SmolLM2, ``hf_symmetry.assets``):
+:func:`split_as_llamacpp` gives it llama.cpp's split regexes for the file's name (:data:`LLAMACPP_SPLITS`),
+where transformers' GGUF reader would keep GPT-2's plain split.
 """
 
 from __future__ import annotations
@@ -110,3 +114,50 @@ class PreTokenizer:
             f"the tokenizer's pre-tokenizer is not one llama.cpp names ({self.reason}); the file says "
             f"{self.name!r}, so llama.cpp may split text differently from transformers"
         )
+
+
+# The other direction: a byte-level tokenizer read from a GGUF file splits text as llama.cpp does.
+# transformers' GGUF reader sets the split for some ``tokenizer.ggml.pre`` names (llama-bpe, qwen2 ...) and
+# leaves GPT-2's plain byte-level split for the rest; for ``smollm`` (and the names llama.cpp gives the same
+# rule) that keeps " 1" and "  1" together where the model's own tokenizer, and llama.cpp, split digits first.
+
+#: llama.cpp's GPT-2 split regex (``src/llama-vocab.cpp``, ``LLAMA_VOCAB_PRE_TYPE_GPT2``, llama.cpp 0c1e57098)
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+#: ``tokenizer.ggml.pre`` -> llama.cpp's split regexes (``llm_tokenizer_bpe``, llama.cpp 0c1e57098), applied
+#: one after the other, each to every piece the one before left (a match and the text between matches are
+#: both pieces): for smollm and the names llama.cpp maps to the same rule, every digit on its own, then GPT-2's
+#: split. Only names transformers' GGUF reader gets wrong are listed.
+LLAMACPP_SPLITS = {
+    name: (r"\p{N}", GPT2_SPLIT)
+    for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2")
+}
+
+
+def llamacpp_pre_tokenizer(name: str | None):
+    """The ``tokenizers`` pre-tokenizer that splits text as llama.cpp does for a byte-level GGUF whose
+    ``tokenizer.ggml.pre`` is ``name`` (its regexes, then the byte-to-unicode mapping), or ``None`` for a name
+    not in :data:`LLAMACPP_SPLITS`."""
+    from tokenizers import Regex, pre_tokenizers
+
+    splits = LLAMACPP_SPLITS.get(name or "")
+    if splits is None:
+        return None
+    return pre_tokenizers.Sequence(
+        [
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def split_as_llamacpp(backend, tokenizer_dict: dict) -> str | None:
+    """Give ``backend`` (a ``tokenizers.Tokenizer`` built by transformers from a GGUF) llama.cpp's split for the
+    file's pre-tokenizer; ``tokenizer_dict``: transformers' ``get_gguf_tokenizer`` view of the file. Returns
+    the name whose rule was applied, ``None`` where transformers' own split stands (a name this module does
+    not list, or not a byte-level BPE file)."""
+    name = tokenizer_dict.get("pre_tokenizer_type")
+    pre = llamacpp_pre_tokenizer(name) if tokenizer_dict.get("tokenizer_type") == "gpt2" else None
+    if pre is None:
+        return None
+    backend.pre_tokenizer = pre
+    return name
