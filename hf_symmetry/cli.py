@@ -44,9 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .commands.common import progress_bars
+
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with progress_bars(not getattr(args, "quiet", False)):
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("hf-symmetry: interrupted", file=sys.stderr)
         return 130

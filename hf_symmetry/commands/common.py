@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 
 
 def add_output_args(p) -> None:
@@ -224,8 +225,34 @@ def verify_and_record(
     return exactness
 
 
-def total_time_line(start: float) -> str:
-    """The last line of a conversion: wall time of the whole command, verification included."""
+def total_time_line(start: float, verified: bool = True) -> str:
+    """The last line of a conversion: wall time of the whole command; ``verified``: whether a verification
+    ran in it (only then does the line say it is included)."""
     import time
 
-    return f"done in {time.perf_counter() - start:.1f} s (whole command, verification included)"
+    return f"done in {time.perf_counter() - start:.1f} s (whole command{', verification included' if verified else ''})"
+
+
+@contextmanager
+def progress_bars(enabled: bool):
+    """Every command's ``--quiet``, in one place (:func:`hf_symmetry.cli.main` runs each command inside): the
+    commands' own bars follow ``progress=not args.quiet``; this turns off, for the command, the bars of the
+    libraries it calls (transformers' "Loading weights" and "Writing model shards", huggingface_hub's
+    uploads), and restores their previous state afterwards."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    if enabled:
+        yield
+        return
+    was_on, hub_was_on = hf_logging.is_progress_bar_enabled(), not hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # (and huggingface_hub's)
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if hub_was_on:
+            hub_utils.enable_progress_bars()
+        else:
+            hub_utils.disable_progress_bars()

@@ -310,6 +310,6 @@ def run(args) -> int:
     summary = report.as_dict()
     summary["verification"] = report_verification
     summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start))
+    lines.append(total_time_line(start, verified=bool(report_verification)))
     emit(summary, lines, args.json_out)
     return 0

@@ -85,6 +85,6 @@ def run(args) -> int:
             f"{check['tokens']} tokens (logit scale {check['max_abs_logit']:.3g}); the file's tokenizer tokenizes "
             f"the prompt {_same(check['same_tokenization'])}; read by {check['read_by']}"
         )
-    lines.append(total_time_line(start))
+    lines.append(total_time_line(start, verified=args.check))
     emit(summary, lines, args.json_out)
     return 0

@@ -121,7 +121,7 @@ def run(args) -> int:
         lines.append(f"  warning: {warning}")
     summary = report.as_dict()
     summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start))
+    lines.append(total_time_line(start, verified=bool(report.verification)))
     emit(summary, lines, args.json_out)
     return 0
 

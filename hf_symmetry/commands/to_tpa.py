@@ -93,6 +93,6 @@ def run(args) -> int:
     report.verification = verify_and_record(args, report.source, args.out, lines, ("source", "TPA"))
     summary = report.as_dict()
     summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start))
+    lines.append(total_time_line(start, verified=bool(report.verification)))
     emit(summary, lines, args.json_out)
     return 0

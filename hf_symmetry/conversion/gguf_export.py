@@ -39,7 +39,7 @@ import torch
 
 from ..architectures.spec import SPECS, find_spec
 from ..checkpoint import CheckpointReader
-from .gguf_pretokenizer import PreTokenizer
+from .gguf_pretokenizer import PreTokenizer, split_as_llamacpp
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -154,8 +154,74 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> tuple[str, PreTokenizer
     writer.add_tokenizer_pre(pre.name)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
-    return f"byte-level BPE, {vocab_size} tokens, {pre.describe()}", pre
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size)
+    flags = special_token_flags(folder, tok, writer.arch, vocab_size)
+    special.add_special_token.update(flags)
+    special.add_to_gguf(writer, quiet=True)
+    adds = ", ".join(f"add_{k}_token {str(v).lower()}" for k, v in flags.items())
+    return f"byte-level BPE, {vocab_size} tokens, {adds}, {pre.describe()}", pre
+
+
+def _config_token(config: dict, name: str) -> str | None:
+    entry = config.get(f"{name}_token")
+    return entry.get("content") if isinstance(entry, dict) else entry
+
+
+def special_token_flags(folder: Path, tok: dict, arch: str, vocab_size: int) -> dict[str, bool]:
+    """``{"bos": add_bos_token, "eos": add_eos_token}`` as llama.cpp's converter (0c1e57098) decides them for
+    a byte-level BPE tokenizer: gguf-py's ``SpecialVocab`` reads ``tokenizer.json``'s post-processor
+    (``ByteLevel``: neither; ``RobertaProcessing``: both; ``TemplateProcessing`` of more than the sequence: a
+    leading special token that is the BOS or CLS token (or either is unset), and a trailing special token),
+    then ``tokenizer_config.json``'s ``add_bos_token``/``add_eos_token`` for what the post-processor leaves
+    open; ``convert_hf_to_gguf.py``'s LlamaModel then sets ``add_bos_token`` false for a 49152-token vocabulary
+    (SmolLM, Granite). What none of these decides is written as transformers' tokenizer behaves (a BOS put
+    first, an EOS put last when it encodes a text), rather than left to llama.cpp's per-pre-tokenizer
+    default."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    bos, cls, eos = (_config_token(config, n) for n in ("bos", "cls", "eos"))
+    flags: dict[str, bool] = {}
+    post = tok.get("post_processor") or {}
+    for processor in post.get("processors", [post]) if post else []:
+        kind = processor.get("type")
+        if kind == "ByteLevel":
+            flags.setdefault("bos", False)
+            flags.setdefault("eos", False)
+        elif kind == "RobertaProcessing":
+            flags.update(bos=True, eos=True)
+        elif kind == "TemplateProcessing":
+            single = processor.get("single", [])
+            if len(single) > 1:
+                if first := single[0].get("SpecialToken", {}).get("id"):
+                    flags["bos"] = not config or first in (bos, cls) or not bos or not cls
+                if single[-1].get("SpecialToken", {}).get("id"):
+                    flags["eos"] = True
+    for name in ("bos", "eos"):
+        if isinstance(config.get(f"add_{name}_token"), bool):
+            flags.setdefault(name, config[f"add_{name}_token"])
+    if arch == "llama" and vocab_size == 49152:
+        flags["bos"] = False
+    if len(flags) < 2:
+        flags = {**_observed_flags(folder), **flags}
+    return {name: flags[name] for name in ("bos", "eos")}
+
+
+def _observed_flags(folder: Path) -> dict[str, bool]:
+    """Whether transformers' tokenizer of ``folder`` puts its BOS first and its EOS last (False where it
+    cannot be loaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        plain = tokenizer.encode("a", add_special_tokens=False)
+        full = tokenizer.encode("a", add_special_tokens=True)
+    except Exception:  # a tokenizer.json transformers cannot load
+        return {"bos": False, "eos": False}
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return {
+        "bos": bos is not None and len(full) > len(plain) and full[0] == bos,
+        "eos": eos is not None and len(full) > len(plain) and full[-1] == eos,
+    }
 
 
 def _get(config: dict, *names, default=None):
@@ -361,8 +427,9 @@ def round_trip(
 
 
 def _same_tokenization(out: Path, tok, prompt: str, result: dict) -> bool | None:
-    """Whether the tokenizer the file carries (read by transformers' GGUF tokenizer converter) tokenizes
-    ``prompt`` as the folder's does; ``None`` for a file without one."""
+    """Whether the tokenizer the file carries (read by transformers' GGUF tokenizer converter, with the split
+    llama.cpp uses for its ``tokenizer.ggml.pre``) tokenizes ``prompt`` as the folder's does; ``None`` for a
+    file without one."""
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     try:
@@ -370,6 +437,7 @@ def _same_tokenization(out: Path, tok, prompt: str, result: dict) -> bool | None
         if not tokenizer_dict:
             return None
         fast, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        split_as_llamacpp(fast, tokenizer_dict)  # the file's split, as llama.cpp reads it
     except Exception as e:  # no tokenizer, or one transformers cannot convert
         result["tokenizer_error"] = f"{type(e).__name__}: {e}"[:200]
         return None
