@@ -43,6 +43,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where to train (default: cpu; e.g. cuda)")
+    ap.add_argument(
+        "--base-tokenizer", default=None, help="tokenizer folder the BPE is retrained from (default: SmolLM2's)"
+    )
     ap.add_argument("--out", default=str(cache_dir() / "models" / "quant-control-llama-d256"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -51,7 +55,8 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     texts = corpus_texts()
-    tok = AutoTokenizer.from_pretrained(smollm2_dir()).train_new_from_iterator(texts, vocab_size=args.vocab)
+    base = args.base_tokenizer or smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(base).train_new_from_iterator(texts, vocab_size=args.vocab)
     ids = []
     for t in texts:
         ids += tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -71,7 +76,7 @@ def main() -> None:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    model = LlamaForCausalLM(cfg).float().train()
+    model = LlamaForCausalLM(cfg).float().to(args.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -82,7 +87,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(args.steps):
         starts = torch.randint(0, n, (args.batch,), generator=gen)
-        batch = torch.stack([ids[s : s + args.seq + 1] for s in starts.tolist()])
+        batch = torch.stack([ids[s : s + args.seq + 1] for s in starts.tolist()]).to(args.device)
         loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -93,7 +98,7 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(out, safe_serialization=True)
+    model.eval().cpu().save_pretrained(out, safe_serialization=True, max_shard_size="12MB")
     tok.save_pretrained(out)
     (out / "training.json").write_text(
         json.dumps(

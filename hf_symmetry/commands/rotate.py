@@ -98,6 +98,23 @@ def register(sub) -> None:
         "data-free max-abs balancing)",
     )
     p.add_argument(
+        "--target",
+        choices=["weights", "gguf-imatrix"],
+        default=None,
+        help="with --for-quantization: what --scales names and how the search measures the error. 'weights' "
+        "(default): a weight quantizer, rounding without activation data. 'gguf-imatrix': a llama-quantize type "
+        "(Q4_K_M by default; Q4_0, Q3_K_M, IQ4_NL, ...), with llama.cpp's per-tensor mixture and its "
+        "importance-matrix-weighted quantizers emulated bit for bit, the importance matrix being the scaled "
+        "model's own (use it with --write-imatrix)",
+    )
+    p.add_argument(
+        "--write-imatrix",
+        metavar="PATH",
+        default=None,
+        help="with --scales: also write the importance matrix of the output model on the calibration tokens "
+        "(llama.cpp's GGUF imatrix format, what llama-imatrix would collect on it), for llama-quantize --imatrix PATH",
+    )
+    p.add_argument(
         "--calibration-text",
         default="britannica-calib",
         help="with --scales: calibration text file or embedded name (default: britannica-calib)",
@@ -142,7 +159,7 @@ def resolve_quantization_preset(args) -> None:
     if args.vo_hadamard is None:
         args.vo_hadamard = rotated or not quant
     if args.scales is None and quant and not rotated:
-        args.scales = "Q4_0"
+        args.scales = "Q4_K_M" if args.target == "gguf-imatrix" else "Q4_0"
     if args.scales == "none":
         args.scales = None
     if args.sort_channels is None:
@@ -151,13 +168,36 @@ def resolve_quantization_preset(args) -> None:
         raise SystemExit("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
 
 
+def pipeline_notes(args) -> list[str]:
+    """What the docs measured about the pipeline this preset is for (docs/quantization.md, issue 39)."""
+    if not args.for_quantization or not args.scales:
+        return []
+    if args.target == "gguf-imatrix":
+        return [IMATRIX_WARNING]
+    return [NO_IMATRIX_NOTE]
+
+
+IMATRIX_WARNING = (
+    "  warning: scales fitted to llama-quantize's importance-matrix quantizers: quantize with the written "
+    "--write-imatrix file; docs/quantization.md gives what they measured against the original with an imatrix"
+)
+NO_IMATRIX_NOTE = (
+    "  note: these scales are fitted to quantization WITHOUT an importance matrix; with llama-quantize --imatrix "
+    "they made SmolLM2 worse than the original (docs/quantization.md): for that pipeline use --target gguf-imatrix"
+)
+
+
 def run(args) -> int:
     start = time.perf_counter()
     check_verify_args(args, args.model)
     src = resolve_model(args.model)
-    if (args.learn or args.scales or args.sort_channels) and not args.for_quantization:
-        raise SystemExit("--learn, --scales and --sort-channels need --for-quantization")
+    if (args.learn or args.scales or args.sort_channels or args.target or args.write_imatrix) and not (
+        args.for_quantization
+    ):
+        raise SystemExit("--learn, --scales, --sort-channels, --target and --write-imatrix need --for-quantization")
     resolve_quantization_preset(args)
+    if args.write_imatrix and not args.scales:
+        raise SystemExit("--write-imatrix needs the activation-aware --scales (it writes their statistics)")
     placement = placement_from_args(args)  # --scales' calibration runs there; an unusable device fails here
     options = RotateOptions(
         residual=args.residual,
@@ -176,6 +216,7 @@ def run(args) -> int:
         vo_hadamard=args.vo_hadamard,
         scales_pow2=args.pow2_scales,
         sort_channels=args.sort_channels,
+        target=args.target,
     )
     report = rotate_checkpoint(
         src,
@@ -185,11 +226,15 @@ def run(args) -> int:
         max_shard_size=args.max_shard_size,
         progress=not args.quiet,
         placement=placement,
+        imatrix_out=args.write_imatrix,
     )
     lines = [
         f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",
         f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})",
     ]
+    if args.write_imatrix:
+        lines.append(f"  importance matrix of the output model -> {args.write_imatrix} (llama-quantize --imatrix)")
+    lines += pipeline_notes(args)
     if report.untied_embeddings:
         lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
     report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))

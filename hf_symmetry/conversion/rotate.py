@@ -66,6 +66,10 @@ class RotateOptions:
     # with --scales and no residual rotation: permute the residual channels into the order of their calibration
     # activation RMS, so that channels of like scale share a quantization block (exact; norms keep their γ)
     sort_channels: bool = False
+    # what ``scales`` names: "weights" (None): a quantizer of :mod:`hf_symmetry.evaluation.weight_quant`, applied
+    # without activation data; "gguf-imatrix": a llama-quantize file type (Q4_K_M, Q3_K_M, ...), its mixture
+    # emulated with the importance matrix of the scaled model (:mod:`.quantization.llamacpp`)
+    target: str | None = None
 
     @property
     def rotate_qk(self) -> bool:
@@ -76,6 +80,8 @@ class RotateOptions:
         return self.heads in ("vo", "random")
 
     def symmetries(self) -> list[str]:
+        """The symmetry kinds this rotation needs the family to support (checked before any work). What a
+        ``--for-quantization`` run actually applied is :func:`.quantization.preset.applied_transforms`."""
         if self.for_quantization:
             return (
                 (["residual_rotation"] if self.residual != "none" else [])
@@ -132,30 +138,15 @@ def transform_layer(
     options: RotateOptions,
     Q: torch.Tensor | None,
     stats: list[Tensors] | None = None,
+    record: dict | None = None,
 ) -> Tensors:
-    """Every per-layer action of ``options``, drawn from layer ``i``'s own random streams."""
+    """Every per-layer action of ``options``, drawn from layer ``i``'s own random streams (``record[i]``: what a
+    ``--for-quantization`` layer step did, :func:`.quantization.preset.quant_layer`)."""
     L, seed = adapter.layout, options.seed
     if options.for_quantization:
-        from .quantization.rotation import QuantBalance
-        from .quantization.rotation import transform_layer as quant_layer
+        from .quantization.preset import quant_layer
 
-        quantize = None
-        if options.scales:
-            from ..evaluation.weight_quant import roundtrip
-
-            quantize = lambda A: roundtrip(A, options.scales)  # noqa: E731
-        return quant_layer(
-            i,
-            layer,
-            L,
-            Q,
-            seed=seed,
-            vo_hadamard=options.vo_hadamard,
-            balance=QuantBalance(alpha=options.balance_alpha),
-            stats=stats[i] if stats is not None else None,
-            quantize=quantize,
-            pow2=options.scales_pow2,
-        )
+        return quant_layer(i, layer, adapter, options, Q, stats, record)
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
     if options.rotate_qk:
@@ -315,6 +306,20 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
             groups.hadamard_factors(adapter.hidden)  # raises a clear error if no construction exists
     if options.sort_channels and (not options.for_quantization or not options.scales or options.residual != "none"):
         raise ValueError("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
+    if options.target not in (None, "weights", "gguf-imatrix"):
+        raise ValueError(f"unknown --target {options.target!r} (weights, gguf-imatrix)")
+    if options.target == "gguf-imatrix":
+        from .quantization.llamacpp import FTYPES
+
+        if not (options.for_quantization and options.scales):
+            raise ValueError("--target gguf-imatrix needs --for-quantization with --scales (a llama-quantize type)")
+        if options.scales not in FTYPES:
+            raise ValueError(
+                f"--target gguf-imatrix: --scales {options.scales!r} is no emulated llama-quantize type "
+                f"({', '.join(FTYPES)})"
+            )
+        if options.learn:
+            raise ValueError("--learn fits the rotation to a weight_quant quantizer, not to --target gguf-imatrix")
 
 
 def _rotate(
@@ -325,7 +330,11 @@ def _rotate(
     progress: bool,
     calibration=None,
     placement=None,
-) -> tuple[dict, bool]:
+    record: dict | None = None,
+) -> tuple[dict, bool, list[str]]:
+    """Rotate ``source`` into ``sink``: ``(new config, embeddings untied, transforms applied)``; ``record`` gets each
+    ``--for-quantization`` layer's log (:func:`.quantization.preset.quant_layer`)."""
+    record = {} if record is None else record
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
     plan_checks(adapter, options, keys)
@@ -336,6 +345,8 @@ def _rotate(
                 "--for-quantization supports RMSNorm families with a gated FFN (Llama, Mistral, Qwen2, ...)"
             )
         if options.learn and Q is not None:
+            from .quantization.preset import learn_checkpoint_rotation
+
             Q = learn_checkpoint_rotation(source, adapter, options, Q, progress)
     stats = None
     if options.for_quantization and options.scales:
@@ -357,12 +368,13 @@ def _rotate(
         perm = residual_order(stats)  # plan_checks made sure there are statistics and no rotation
         stats = permute_stats(stats, perm)
     if centres_layer_norms(adapter, options):
-        return rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress), True
+        new_config = rotate_layer_norm_decoder(source, adapter, config, options, Q, sink, progress)
+        return new_config, True, options.symmetries()
     transform_checkpoint(
         source,
         adapter,
         sink,
-        layer_fn=lambda i, layer: transform_layer(i, permuted_layer(layer, perm), adapter, options, Q, stats),
+        layer_fn=lambda i, layer: transform_layer(i, permuted_layer(layer, perm), adapter, options, Q, stats, record),
         globals_fn=lambda g: transform_globals(permuted_globals(g, perm), adapter, Q),
         progress=progress,
         desc="rotate",
@@ -373,7 +385,11 @@ def _rotate(
     untied = Q is not None and adapter.spec.lm_head is not None and adapter.tied_embeddings
     if untied:
         new_config["tie_word_embeddings"] = False
-    return new_config, untied
+    if options.for_quantization:
+        from .quantization.preset import applied_transforms
+
+        return new_config, untied, applied_transforms(options, Q is not None, record)
+    return new_config, untied, options.symmetries()
 
 
 def rotate_layer_norm_decoder(
@@ -424,25 +440,41 @@ def rotate_state_dict(
     progress: bool = False,
     calibration=None,
     placement=None,
+    info: dict | None = None,
 ) -> tuple[Tensors, dict]:
     """In-memory rotation: returns (new state dict, new config dict). ``calibration`` (with
     ``options.scales``): calibration token ids, or precomputed :func:`.quantization.scales.layer_stats`;
-    ``placement``: where those statistics' forward passes run (default: the CPU)."""
+    ``placement``: where those statistics' forward passes run (default: the CPU). ``info`` gets ``applied``
+    (the transforms that changed weights) and ``record`` (each ``--for-quantization`` layer's log)."""
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     sink = DictSink()
-    new_config, _ = _rotate(DictSource(state_dict), config, options, sink, progress, calibration, placement)
+    record: dict = {}
+    new_config, _, applied = _rotate(
+        DictSource(state_dict), config, options, sink, progress, calibration, placement, record
+    )
+    if info is not None:
+        info.update(applied=applied, record=record)
     return dict(sink), new_config
 
 
-def rotate_card_data(src, out, options: RotateOptions, family: str, untied: bool) -> dict:
-    """What the model card says about a rotation (exactness figures are added once verified)."""
-    params = {k: v for k, v in asdict(options).items() if k != "seed"}
+def rotate_card_data(
+    src, out, options: RotateOptions, family: str, untied: bool, applied: list[str] | None = None
+) -> dict:
+    """What the model card says about a rotation (exactness figures are added once verified): the options in
+    force (:func:`.quantization.preset.options_in_force`) and the transforms ``applied``."""
+    from .quantization.preset import options_in_force
+
     return {
         "title": Path(out).name,
         "inputs": [str(src)],
-        "parameters": params,
+        "parameters": options_in_force(options),
         "seed": options.seed,
-        "extra": {"applied": options.symmetries(), "untied_embeddings": untied, "family": family},
+        "extra": {
+            "applied": options.symmetries() if applied is None else applied,
+            "untied_embeddings": untied,
+            "family": family,
+            "for_quantization": options.for_quantization,
+        },
     }
 
 
@@ -454,10 +486,15 @@ def rotate_checkpoint(
     max_shard_size: str | int = "2GB",
     progress: bool = True,
     placement=None,
+    imatrix_out: str | Path | None = None,
 ) -> RotateReport:
     """Stream ``src`` (an HF safetensors folder) into a rotated copy at ``out``. ``placement``
     (:func:`hf_symmetry.devices.resolve`): where ``--scales``' calibration forward passes run, one layer
-    at a time (default: the CPU); the rotation itself streams on the CPU in float64."""
+    at a time (default: the CPU); the rotation itself streams on the CPU in float64. ``imatrix_out``: also
+    write the importance matrix of the output model over the calibration tokens (llama.cpp's GGUF imatrix
+    format, :mod:`.quantization.imatrix`), for ``llama-quantize --imatrix``."""
+    if imatrix_out is not None and not (options.for_quantization and options.scales):
+        raise ValueError("--write-imatrix needs --for-quantization with activation-aware --scales")
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
@@ -473,48 +510,34 @@ def rotate_checkpoint(
             calibration = calibration_ids(
                 AutoTokenizer.from_pretrained(src), options.calibration_text, options.calibration_tokens
             )
-        new_config, untied = _rotate(reader, reader.config, options, writer, progress, calibration, placement)
+        record: dict = {}
+        new_config, untied, applied = _rotate(
+            reader, reader.config, options, writer, progress, calibration, placement, record
+        )
         writer.close()
         write_config(tmp, new_config)
         if centres_layer_norms(adapter, options):
             copy_remote_code(tmp)
         copy_side_files(reader.path, tmp)
-        write_card(tmp, "rotate", rotate_card_data(src, out, options, adapter.family, untied))
+        write_card(tmp, "rotate", rotate_card_data(src, out, options, adapter.family, untied, applied))
+    if imatrix_out is not None:
+        from .quantization.imatrix import write_imatrix
+        from .quantization.preset import written_imatrix
+
+        seq = 512  # layer_stats' sequence length: one chunk per 512 calibration tokens
+        write_imatrix(
+            imatrix_out,
+            written_imatrix(record, adapter.n_layers, int(calibration.numel())),
+            [options.calibration_text],
+            chunk_count=-(-int(calibration.numel()) // seq),
+            chunk_size=seq,
+        )
     return RotateReport(
         source=str(src),
         output=str(out),
         family=adapter.family,
         options=asdict(options),
-        applied=options.symmetries(),
+        applied=applied,
         untied_embeddings=untied,
         seconds=time.perf_counter() - start,
     )
-
-
-def learn_checkpoint_rotation(source, adapter, options, Q0, progress: bool = False) -> torch.Tensor:
-    """The residual rotation of ``rotate --for-quantization --learn QTYPE``:
-    :func:`.quantization.rotation.learn_rotation` over every decoder layer's readers and writers, from
-    the randomised Hadamard ``Q0``, against the named quantizer (:mod:`hf_symmetry.evaluation.weight_quant`)
-    with the checkpoint's column balancing.
-    Holds every layer's linears in float32 (about 4 bytes per parameter)."""
-    from ..evaluation.weight_quant import roundtrip
-    from .quantization.rotation import balanced, layer_matrices, learn_rotation
-    from .stream import partition_keys
-
-    _, per_layer, _ = partition_keys(adapter, source.keys())
-    readers, writers = [], []
-    for i in range(adapter.n_layers):
-        r, w = layer_matrices(adapter.read_layer(i, source.get(per_layer[i])), adapter.layout, options.seed, i)
-        readers += r
-        writers += w
-    quantize = balanced(lambda A: roundtrip(A, options.learn), options.balance_alpha)
-    log = print if progress else None
-    Q, _ = learn_rotation(
-        readers,
-        writers,
-        quantize,
-        [Q0.dense() if hasattr(Q0, "dense") else Q0],
-        iterations=options.learn_iterations,
-        log=log,
-    )
-    return Q

@@ -158,15 +158,19 @@ def transform_layer(
     vo_hadamard: bool = True,
     balance: QuantBalance = QuantBalance(),
     stats: Tensors | None = None,
-    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    quantize: Callable[[torch.Tensor], torch.Tensor] | dict | None = None,
     scale_log: dict | None = None,
     pow2: bool = False,
 ) -> Tensors:
     """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
     ``Q`` (None: no residual rotation, norms stay unfolded), Hadamard the V/O heads, then set the
-    exact column scales: searched against ``quantize`` on the calibration second moments ``stats``
-    (:mod:`.scales`, AWQ's criterion) when given, else the data-free max-abs balancing."""
+    exact column scales: searched against ``quantize`` (one quantizer, or one per site) on the calibration
+    second moments ``stats`` (:mod:`.scales`, AWQ's criterion) when given, else the data-free max-abs
+    balancing. ``scale_log`` gets what was done: the search's report per site (:func:`.scales.apply_scales`)
+    and ``basis_diag`` (the diagonal of each site's second moment in the layer's basis before the scales), or
+    ``balanced`` (the max-abs balancings applied)."""
     layer = dict(layer)
+    log = scale_log if scale_log is not None else {}
     gammas = (layer["attn_norm.weight"], layer["ffn_norm.weight"])
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
@@ -176,15 +180,20 @@ def transform_layer(
     if stats is not None:
         from .scales import apply_scales, to_layer_basis
 
-        return apply_scales(
-            layer, layout, to_layer_basis(stats, gammas, Q, vo, layout), quantize, log=scale_log, pow2=pow2
-        )
+        H = to_layer_basis(stats, gammas, Q, vo, layout)
+        log["basis_diag"] = {site: H[site].diagonal().to(torch.float64).clone() for site in H}
+        return apply_scales(layer, layout, H, quantize, log=log, pow2=pow2)
+    balanced_sites = []
     if balance.vo:
         layer = balance_vo(layer, layout, balance.alpha)
-    if balance.ffn:
+        balanced_sites.append("o")
+    if balance.ffn and "gate.weight" in layer:
         layer = balance_ffn(layer, balance.alpha)
+        balanced_sites.append("down")
     if Q is not None and balance.norms:  # last: V's and up's rows (reader rows) were rescaled above
         layer = balance_norms(layer, balance.alpha)
+        balanced_sites += ["attn_norm", "ffn_norm"]
+    log["balanced"] = balanced_sites
     return layer
 
 

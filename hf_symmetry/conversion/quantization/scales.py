@@ -76,10 +76,17 @@ def _normalised(c: torch.Tensor, alpha: float) -> torch.Tensor:
 
 def scale_error(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, quantize: Quantizer) -> float:
     """``tr(ΔW' diag(1/s) H diag(1/s) ΔW'ᵀ)``, ``ΔW' = q(W diag(s)) − W diag(s)``: the mean square output
-    error of the scaled layer under ``quantize`` for inputs of second moment ``H`` (float32 arithmetic)."""
+    error of the scaled layer under ``quantize`` for inputs of second moment ``H`` (float32 arithmetic). A
+    quantizer that weighs columns by their importance (``uses_importance``: llama.cpp's ``--imatrix``
+    quantizers, :mod:`.llamacpp`) gets ``diag(H) / s²``, the mean square input of the *scaled* layer: what
+    ``llama-imatrix`` would collect on the converted model."""
     s32 = s.to(torch.float32)
     A = W.to(torch.float32) * s32[None, :]
-    E = (quantize(A).to(torch.float32) - A) / s32[None, :]
+    if getattr(quantize, "uses_importance", False):
+        q = quantize(A, (H.diagonal().to(torch.float64) / s.to(torch.float64) ** 2).to(torch.float32))
+    else:
+        q = quantize(A)
+    E = (q.to(torch.float32) - A) / s32[None, :]
     return ((E @ H.to(torch.float32)) * E).sum().item()
 
 
@@ -143,7 +150,7 @@ def apply_scales(
     layer: Tensors,
     layout: HeadLayout,
     H: Tensors,
-    quantize: Quantizer,
+    quantize: Quantizer | dict[str, Quantizer],
     grid=GRID,
     log: dict | None = None,
     pow2: bool = False,
@@ -151,18 +158,29 @@ def apply_scales(
     """Search and apply the four exact scalings of one layer: V → O and up → down first (they rescale
     reader *rows* of the attention and FFN groups, which a row-grouped quantizer does not see), then
     attention norm → q, k, v and FFN norm → gate, up. ``H``: the layer's input second moments *in the
-    layer's current basis*, keys of :data:`SITES`."""
+    layer's current basis*, keys of :data:`SITES`. ``quantize``: one quantizer for every site, or one per site
+    (``{"o", "down", "attn_norm", "ffn_norm"}``: llama-quantize's mixture gives each linear its own type).
+    ``log`` gets, per site, the chosen ``alpha``, the errors, whether any factor differs from 1 (``changed``)
+    and the factors' mean square inverse ``inv_s2`` (what the site's input second moments are divided by)."""
     from .rotation import scale_ffn_channels, scale_vo_channels
 
+    def q(site):
+        return quantize[site] if isinstance(quantize, dict) else quantize
+
+    def note(info, s):
+        return {**info, "changed": bool((s != 1).any()), "inv_s2": (1.0 / s.to(torch.float64) ** 2)}
+
     out = dict(layer)
-    s, info = search_scales(out["o.weight"], H["o_in"], quantize, grid, tie=_group_tie(layout), pow2=pow2)
+    s, info = search_scales(out["o.weight"], H["o_in"], q("o"), grid, tie=_group_tie(layout), pow2=pow2)
     per_kv = s.reshape(layout.n_kv_heads, layout.group_size, layout.head_dim)[:, 0].reshape(-1)
     out = scale_vo_channels(out, layout, per_kv)
-    report = {"o": info}
-    s, report["down"] = search_scales(out["down.weight"], H["down_in"], quantize, grid, pow2=pow2)
+    report = {"o": note(info, s)}
+    s, info = search_scales(out["down.weight"], H["down_in"], q("down"), grid, pow2=pow2)
+    report["down"] = note(info, s)
     out = scale_ffn_channels(out, 1.0 / s)
     for norm, readers, site in (("attn_norm", ("q", "k", "v"), "attn_in"), ("ffn_norm", ("gate", "up"), "ffn_in")):
-        s, report[norm] = search_scales(_cat(out, readers), H[site], quantize, grid, pow2=pow2)
+        s, info = search_scales(_cat(out, readers), H[site], q(norm), grid, pow2=pow2)
+        report[norm] = note(info, s)
         out = scale_norm_readers(out, norm, readers, s)
     if log is not None:
         log.update(report)
