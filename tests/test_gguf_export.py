@@ -85,7 +85,9 @@ def test_stock_slice_round_trips_through_gguf(bpe_llama, tmp_path, round_to, cls
         )
         == 0
     )
-    assert "greedy text equal" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "greedy text equal" in printed
+    assert printed.strip().splitlines()[-1].endswith("(whole command, verification included)")  # --check ran
     check = json.loads((tmp_path / "f32.json").read_text())["check"]
     assert check["same_text"] and check["max_abs_dlogit"] < 1e-5 and check["class"] == cls
     assert check["read_by"].startswith(read_by) and check["same_tokenization"] is True
