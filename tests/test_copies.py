@@ -46,33 +46,65 @@ def test_every_copied_from_marker_names_an_existing_transformers_object(file, ta
     pytest.fail(f"{file}: cannot import any module of {target}")
 
 
-HF_MARKER = re.compile(r"#\s*Copied from (hf_symmetry\.modeling\.[\w.]+)\n(?:@.*\n)*(?:class|def) (\w+)")
+# a marker right above a top-level class/def, or above a method (indented, named Class.method)
+HF_MARKER = re.compile(
+    r"^([ \t]*)#\s*Copied from (hf_symmetry\.modeling\.[\w.]+)\n(?:[ \t]*@.*\n)*[ \t]*(?:class|def) (\w+)", re.M
+)
 
 
 def _hf_symmetry_copies() -> list[tuple[str, str, str]]:
-    """(file, marked source, name defined right after the marker) of every block copied between families."""
-    return [
-        (path.name, target, name)
-        for path in sorted(MODELING.glob("modeling_*.py"))
-        for target, name in HF_MARKER.findall(path.read_text())
-    ]
+    """(file, marked source, name defined right after the marker: ``Class.method`` for a method) of every
+    block copied between families."""
+    found = []
+    for path in sorted(MODELING.glob("modeling_*.py")):
+        text = path.read_text()
+        for m in HF_MARKER.finditer(text):
+            indent, target, name = m.groups()
+            if indent:  # a method: the top-level class above the marker holds it
+                name = re.findall(r"^class (\w+)", text[: m.start()], re.M)[-1] + "." + name
+            found.append((path.name, target, name))
+    return found
+
+
+def _object(module: str, dotted: str):
+    obj = importlib.import_module(module)
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def test_the_rms_decoder_family_carries_marked_copies_of_the_structured_linears():
     copied = {name for file, _, name in _hf_symmetry_copies() if file == "modeling_rms_decoder.py"}
     assert {"LowRankLinear", "KroneckerLinear", "GSLinear", "OrthogonalSkip", "cayley_decode"} <= copied
+    assert {"StructuredEmbedding", "RMSDecoderForCausalLM.forward"} <= copied
+
+
+def test_a_drifted_method_copy_is_caught(monkeypatch):
+    """Negative control of the method markers: a marked method whose source differs is reported."""
+    copies = [c for c in _hf_symmetry_copies() if c[2] == "RMSDecoderForCausalLM.forward"]
+    assert copies, "the RMS decoder's forward carries no marker"
+    cls = modeling_rms_decoder.RMSDecoderForCausalLM
+    monkeypatch.setattr(cls, "forward", modeling_rms_decoder.RMSDecoderModel.forward)
+    with pytest.raises(AssertionError, match="drifted"):
+        _check_copy(*copies[0])
 
 
 @pytest.mark.parametrize("file,target,name", _hf_symmetry_copies())
 def test_every_copy_of_an_hf_symmetry_block_is_identical_to_its_source(file, target, name):
     """Blocks copied from one flat family into another (``# Copied from hf_symmetry.modeling.<file>.<name>``)
     must be the marked object's source, character for character, and defined right after the marker."""
+    _check_copy(file, target, name)
+
+
+def _check_copy(file: str, target: str, name: str) -> None:
     import inspect
 
-    module, source_name = target.rsplit(".", 1)
-    assert name == source_name, f"{file}: the marker names {target} but {name} follows it"
-    original = inspect.getsource(getattr(importlib.import_module(module), source_name))
-    copy = inspect.getsource(getattr(importlib.import_module(f"hf_symmetry.modeling.{file[:-3]}"), name))
+    parts = target.split(".")
+    module = ".".join(parts[:3])  # hf_symmetry.modeling.<file>
+    source_name = ".".join(parts[3:])
+    assert name.split(".")[-1] == source_name.split(".")[-1], f"{file}: the marker names {target} but {name} follows it"
+    original = inspect.getsource(_object(module, source_name))
+    copy = inspect.getsource(_object(f"hf_symmetry.modeling.{file[:-3]}", name))
     assert copy == original, f"{file}: {name} drifted from {target}"
 
 

@@ -81,13 +81,13 @@ def test_the_check_catches_a_module_that_calls_a_deprecated_signature(tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(folder, bad)
     code = (bad / "modeling_rms_decoder.py").read_text()
-    call = "create_causal_mask(self.config, inputs_embeds, attention_mask, cache, mask_positions)"
+    call = "create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)"
     assert call in code
     (bad / "modeling_rms_decoder.py").write_text(
         code.replace(
             call,
             "create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, "
-            "past_key_values=cache, position_ids=mask_positions)",
+            "past_key_values=cache, position_ids=position_ids)",
         )
     )
     found = _deprecations(bad)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
 
 
 @strict
@@ -35,6 +34,9 @@ class RMSDecoderConfig(PreTrainedConfig):
         head_dim: ``hidden_size // num_attention_heads`` unless given.
         rotary: rotary position embeddings (``rope_parameters``, rotate-half pairing, on the first
             ``partial_rotary_factor`` of each head, as GPT-NeoX) instead of a learned position table.
+            Only a rotary config has ``rope_parameters`` (one with learned positions has no RoPE to
+            scale); the ``rope_parameters`` that configs with learned positions written before carry
+            are dropped on loading.
         parallel_block: attention and FFN both read the layer's input and both add to it (GPT-NeoX's
             ``use_parallel_residual``); otherwise the FFN reads the stream after attention.
         layer_structures: per layer, ``{module: structure}`` for ``q_proj``, ``k_proj``, ``v_proj``,
@@ -64,7 +66,6 @@ class RMSDecoderConfig(PreTrainedConfig):
     max_position_embeddings: int = 2048
     position_offset: int = 0
     rotary: bool = False
-    rope_parameters: RopeParameters | dict | None = None
     parallel_block: bool = False
     positions_from_mask: bool = False
     rms_norm_eps: float = 1e-5
@@ -88,6 +89,9 @@ class RMSDecoderConfig(PreTrainedConfig):
             self.residual_size = self.hidden_size
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        rope_parameters = kwargs.pop("rope_parameters", None)
+        if self.rotary:  # set before PreTrainedConfig standardises it (defaults, legacy rope_theta/rope_scaling)
+            self.rope_parameters = rope_parameters
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):

@@ -39,6 +39,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_compressed_llama import CompressedLlamaConfig
 
@@ -51,6 +54,10 @@ from .configuration_compressed_llama import CompressedLlamaConfig
 def cache_field() -> str:
     """The name of the KV cache field of the installed transformers' model outputs."""
     return "cache" if any(f.name == "cache" for f in dataclasses.fields(BaseModelOutputWithPast)) else "past_key_values"
+
+
+#: read once at import: a forward pass must not call ``dataclasses.fields`` (torch.compile cannot trace it)
+CACHE_FIELD = cache_field()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +73,12 @@ class _StructuredLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
+        """``x Wᵀ (+ b)``; with ``embed``, ``x`` holds token ids and the rows ``W[x]`` come back (the
+        embedding's lookup goes through this module's call, so that hooks on it see its parameters:
+        accelerate's offloading loads them there)."""
+        if embed:
+            return self.rows(x)
         y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -214,15 +226,48 @@ def structured_linear(in_features: int, out_features: int, spec: dict) -> _Struc
     raise ValueError(f"unknown structure type {kind!r}")
 
 
-class StructuredEmbedding(nn.Module):
-    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``)."""
+class StructuredEmbedding(nn.Embedding):
+    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``), looked up through the
+    matrix module's own call (so that hooks on it, such as accelerate's offloading, see its parameters).
+
+    An ``nn.Embedding`` as transformers' ``resize_token_embeddings`` needs one: when the matrix is dense,
+    ``weight`` is its ``[vocab, d]`` table, and setting ``weight`` (the resize swaps in a longer table)
+    sets the dense matrix's. A structured matrix has no table of rows to extend: its ``weight`` is an
+    ``AttributeError`` that says so."""
 
     def __init__(self, vocab_size: int, dim: int, spec: dict):
-        super().__init__()
+        nn.Module.__init__(self)  # no table of its own: the rows come from `matrix`
+        self.num_embeddings, self.embedding_dim, self.padding_idx = vocab_size, dim, None
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.matrix = structured_linear(dim, vocab_size, {**spec, "bias": False})
 
+    def __getattr__(self, name: str):
+        if name == "weight":
+            matrix = self._modules["matrix"]
+            if isinstance(matrix, DenseLinear):
+                return matrix.weight
+            raise AttributeError(
+                f"this token embedding is a {type(matrix).__name__} (structured) matrix and has no dense `weight` "
+                "table: resize_token_embeddings needs a dense embedding"
+            )
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            if not isinstance(self.matrix, DenseLinear):
+                raise AttributeError(f"a {type(self.matrix).__name__} token embedding cannot take a dense `weight`")
+            self.matrix.weight = value
+            self.matrix.out_features = value.shape[0]
+            return
+        super().__setattr__(name, value)
+        if name == "num_embeddings" and isinstance(self._modules.get("matrix"), DenseLinear):
+            self.matrix.out_features = value  # the table was resized in place (resize_token_embeddings)
+
     def forward(self, input_ids):
-        return self.matrix.rows(input_ids)
+        return self.matrix(input_ids, embed=True)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,32 +307,40 @@ def cayley_decode(k: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 class OrthogonalSkip(nn.Module):
     """``x -> x S`` for an orthogonal ``S = Q_prevᵀ Q_next`` stored as ``d(d+1)/2`` numbers
-    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once and cached; the cache is
-    rebuilt only when ``skip_k`` changes (loading, ``.to()``, in-place edits) — and on every call while
-    training with a trainable ``skip_k``, so that gradients flow."""
+    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once into the non-persistent buffer
+    ``skip_matrix``: at initialisation and after loading (``_init_weights``), and again by an eager call
+    when ``skip_k`` or ``skip_signs`` changed (``.to()``, in-place edits, optimizer steps). Compiled and
+    exported graphs read the buffer as it is (they cannot see tensor versions): after editing the
+    parameters, ``refresh()`` (or one eager call) before compiling. While training with a trainable
+    ``skip_k``, S is formed on every call, so that gradients flow."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.dim = dim
         self.skip_k = nn.Parameter(torch.zeros(dim * (dim - 1) // 2))
         self.register_buffer("skip_signs", torch.ones(dim))
-        self._cache: tuple | None = None
+        self.register_buffer("skip_matrix", torch.eye(dim), persistent=False)  # S of skip_k = 0, signs = 1
+        self._formed_from: tuple | None = None  # the parameters skip_matrix was formed from
+
+    def _parameters_now(self) -> tuple:
+        k, signs = self.skip_k, self.skip_signs
+        return (k.data_ptr(), k._version, signs.data_ptr(), signs._version, k.dtype, k.device)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Form ``S`` from ``skip_k`` and ``skip_signs`` into ``skip_matrix`` (skipped while the parameters
+        are on the meta device: offloaded or not loaded yet)."""
+        if self.skip_k.is_meta or self.skip_signs.is_meta:
+            return
+        self.skip_matrix = cayley_decode(self.skip_k.detach(), self.skip_signs)
+        self._formed_from = self._parameters_now()
 
     def matrix(self) -> torch.Tensor:
         if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
             return cayley_decode(self.skip_k, self.skip_signs)
-        key = (
-            self.skip_k.data_ptr(),
-            self.skip_k._version,
-            self.skip_signs.data_ptr(),
-            self.skip_signs._version,
-            self.skip_k.dtype,
-            self.skip_k.device,
-        )
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, cayley_decode(self.skip_k.detach(), self.skip_signs))
-        return self._cache[1]
+        if not torch.compiler.is_compiling() and self._formed_from != self._parameters_now():
+            self.refresh()
+        return self.skip_matrix
 
     def forward(self, x):
         return x @ self.matrix()
@@ -344,7 +397,7 @@ class CompressedLlamaAttention(nn.Module):
             self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)
@@ -404,7 +457,7 @@ class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
         self.out_width = config.segment_width(2 * layer_idx + 2)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
-        attn, weights = self.self_attn(
+        attn, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
@@ -415,7 +468,7 @@ class CompressedLlamaDecoderLayer(GradientCheckpointingLayer):
         hidden_states = resize_stream(skip, self.mid_width) + attn
         mlp = self.mlp(self.post_attention_layernorm(hidden_states))
         skip = hidden_states if self.mlp_skip is None else self.mlp_skip(hidden_states)
-        return resize_stream(skip, self.out_width) + mlp, weights
+        return resize_stream(skip, self.out_width) + mlp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,7 +485,8 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = False
     _supports_attention_backend = True
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": CompressedLlamaDecoderLayer, "attentions": CompressedLlamaAttention}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -453,6 +507,9 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
         elif isinstance(module, OrthogonalSkip):
             init.zeros_(module.skip_k)
             init.ones_(module.skip_signs)
+            module.refresh()  # S of the loaded (or initialised) parameters
+        elif isinstance(module, StructuredEmbedding):
+            pass  # its matrix is initialised as a structured linear
         elif isinstance(module, DenseSkip) or (
             isinstance(module, nn.Linear) and getattr(module, "_is_head_mix", False)
         ):
@@ -481,6 +538,8 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids=None,
@@ -489,57 +548,35 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
         cache=None,
         inputs_embeds=None,
         use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
         past_key_values=None,
         **kwargs,
-    ):
+    ) -> BaseModelOutputWithPast:
         cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
-        cfg = self.config
-        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
-        use_cache = use_cache if use_cache is not None else cfg.use_cache
-        return_dict = return_dict if return_dict is not None else cfg.return_dict
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if self.gradient_checkpointing and self.training and use_cache:
-            use_cache = False
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
-            cache = DynamicCache(config=cfg)
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
         # positional: the cache argument's keyword is `cache` from transformers 5.24, `past_key_values` before
-        causal_mask = create_causal_mask(cfg, inputs_embeds, attention_mask, cache, position_ids)
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        all_hidden, all_attn = (), ()
-        for layer in self.layers[: cfg.num_hidden_layers]:
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
-            hidden_states, weights = layer(
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
+                position_ids=position_ids,
                 cache=cache,
-                output_attentions=output_attentions,
+                use_cache=use_cache,
                 **kwargs,
             )
-            if output_attentions:
-                all_attn += (weights,)
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden += (hidden_states,)
-        out = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **{cache_field(): cache if use_cache else None},
-            hidden_states=all_hidden or None,
-            attentions=all_attn or None,
-        )
-        return out if return_dict else out.to_tuple()
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache if use_cache else None})
 
 
 class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin):
@@ -568,6 +605,9 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
     def get_output_embeddings(self):
         return self.lm_head
 
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
     def logits_from_hidden(self, hidden_states):
         if self.lm_head is not None:
             return self.lm_head(hidden_states)
@@ -575,6 +615,7 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
             hidden_states = self.head_mix(hidden_states)
         return self.model.embed_tokens.matrix(hidden_states)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -584,14 +625,10 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
         inputs_embeds=None,
         labels=None,
         use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
         **kwargs,
-    ):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+    ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -599,9 +636,6 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -610,14 +644,13 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(
+        return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **{cache_field(): getattr(outputs, cache_field())},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
-        return out if return_dict else out.to_tuple()
 
 
 # Checkpoint names, for converters (hf_symmetry's compress writes through these and spells no layer path)

@@ -133,7 +133,7 @@ class FarrLlamaPreTrainedModel(LlamaPreTrainedModel):
     _no_split_modules = ["FarrLlamaDecoderLayer"]
     _supports_flash_attn = False  # flash kernels need equal query/key and value head dims
     _supports_flex_attn = False
-    _can_compile_fullgraph = False
+    _can_compile_fullgraph = True  # Llama's forward, static cache and masks; only the head dims differ
     _can_record_outputs = {"hidden_states": FarrLlamaDecoderLayer, "attentions": FarrLlamaAttention}
 
 

@@ -29,6 +29,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding, apply_rotary_pos_emb
+from transformers.utils import can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_rms_decoder import RMSDecoderConfig
 
@@ -41,6 +44,10 @@ from .configuration_rms_decoder import RMSDecoderConfig
 def cache_field() -> str:
     """The name of the KV cache field of the installed transformers' model outputs."""
     return "cache" if any(f.name == "cache" for f in dataclasses.fields(BaseModelOutputWithPast)) else "past_key_values"
+
+
+#: read once at import: a forward pass must not call ``dataclasses.fields`` (torch.compile cannot trace it)
+CACHE_FIELD = cache_field()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,7 +66,12 @@ class _StructuredLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
+        """``x Wᵀ (+ b)``; with ``embed``, ``x`` holds token ids and the rows ``W[x]`` come back (the
+        embedding's lookup goes through this module's call, so that hooks on it see its parameters:
+        accelerate's offloading loads them there)."""
+        if embed:
+            return self.rows(x)
         y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -213,15 +225,48 @@ def structured_linear(in_features: int, out_features: int, spec: dict) -> _Struc
 
 
 # Copied from hf_symmetry.modeling.modeling_compressed_llama.StructuredEmbedding
-class StructuredEmbedding(nn.Module):
-    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``)."""
+class StructuredEmbedding(nn.Embedding):
+    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``), looked up through the
+    matrix module's own call (so that hooks on it, such as accelerate's offloading, see its parameters).
+
+    An ``nn.Embedding`` as transformers' ``resize_token_embeddings`` needs one: when the matrix is dense,
+    ``weight`` is its ``[vocab, d]`` table, and setting ``weight`` (the resize swaps in a longer table)
+    sets the dense matrix's. A structured matrix has no table of rows to extend: its ``weight`` is an
+    ``AttributeError`` that says so."""
 
     def __init__(self, vocab_size: int, dim: int, spec: dict):
-        super().__init__()
+        nn.Module.__init__(self)  # no table of its own: the rows come from `matrix`
+        self.num_embeddings, self.embedding_dim, self.padding_idx = vocab_size, dim, None
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.matrix = structured_linear(dim, vocab_size, {**spec, "bias": False})
 
+    def __getattr__(self, name: str):
+        if name == "weight":
+            matrix = self._modules["matrix"]
+            if isinstance(matrix, DenseLinear):
+                return matrix.weight
+            raise AttributeError(
+                f"this token embedding is a {type(matrix).__name__} (structured) matrix and has no dense `weight` "
+                "table: resize_token_embeddings needs a dense embedding"
+            )
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            if not isinstance(self.matrix, DenseLinear):
+                raise AttributeError(f"a {type(self.matrix).__name__} token embedding cannot take a dense `weight`")
+            self.matrix.weight = value
+            self.matrix.out_features = value.shape[0]
+            return
+        super().__setattr__(name, value)
+        if name == "num_embeddings" and isinstance(self._modules.get("matrix"), DenseLinear):
+            self.matrix.out_features = value  # the table was resized in place (resize_token_embeddings)
+
     def forward(self, input_ids):
-        return self.matrix.rows(input_ids)
+        return self.matrix(input_ids, embed=True)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
 # Copied from hf_symmetry.modeling.modeling_compressed_llama.cayley_decode
@@ -241,32 +286,40 @@ def cayley_decode(k: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 # Copied from hf_symmetry.modeling.modeling_compressed_llama.OrthogonalSkip
 class OrthogonalSkip(nn.Module):
     """``x -> x S`` for an orthogonal ``S = Q_prevᵀ Q_next`` stored as ``d(d+1)/2`` numbers
-    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once and cached; the cache is
-    rebuilt only when ``skip_k`` changes (loading, ``.to()``, in-place edits) — and on every call while
-    training with a trainable ``skip_k``, so that gradients flow."""
+    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once into the non-persistent buffer
+    ``skip_matrix``: at initialisation and after loading (``_init_weights``), and again by an eager call
+    when ``skip_k`` or ``skip_signs`` changed (``.to()``, in-place edits, optimizer steps). Compiled and
+    exported graphs read the buffer as it is (they cannot see tensor versions): after editing the
+    parameters, ``refresh()`` (or one eager call) before compiling. While training with a trainable
+    ``skip_k``, S is formed on every call, so that gradients flow."""
 
     def __init__(self, dim: int):
         super().__init__()
         self.dim = dim
         self.skip_k = nn.Parameter(torch.zeros(dim * (dim - 1) // 2))
         self.register_buffer("skip_signs", torch.ones(dim))
-        self._cache: tuple | None = None
+        self.register_buffer("skip_matrix", torch.eye(dim), persistent=False)  # S of skip_k = 0, signs = 1
+        self._formed_from: tuple | None = None  # the parameters skip_matrix was formed from
+
+    def _parameters_now(self) -> tuple:
+        k, signs = self.skip_k, self.skip_signs
+        return (k.data_ptr(), k._version, signs.data_ptr(), signs._version, k.dtype, k.device)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Form ``S`` from ``skip_k`` and ``skip_signs`` into ``skip_matrix`` (skipped while the parameters
+        are on the meta device: offloaded or not loaded yet)."""
+        if self.skip_k.is_meta or self.skip_signs.is_meta:
+            return
+        self.skip_matrix = cayley_decode(self.skip_k.detach(), self.skip_signs)
+        self._formed_from = self._parameters_now()
 
     def matrix(self) -> torch.Tensor:
         if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
             return cayley_decode(self.skip_k, self.skip_signs)
-        key = (
-            self.skip_k.data_ptr(),
-            self.skip_k._version,
-            self.skip_signs.data_ptr(),
-            self.skip_signs._version,
-            self.skip_k.dtype,
-            self.skip_k.device,
-        )
-        if self._cache is None or self._cache[0] != key:
-            with torch.no_grad():
-                self._cache = (key, cayley_decode(self.skip_k.detach(), self.skip_signs))
-        return self._cache[1]
+        if not torch.compiler.is_compiling() and self._formed_from != self._parameters_now():
+            self.refresh()
+        return self.skip_matrix
 
     def forward(self, x):
         return x @ self.matrix()
@@ -402,6 +455,8 @@ class RMSDecoderPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = True
     _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": RMSDecoderLayer, "attentions": RMSDecoderAttention}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -422,6 +477,9 @@ class RMSDecoderPreTrainedModel(PreTrainedModel):
         elif isinstance(module, OrthogonalSkip):
             init.zeros_(module.skip_k)
             init.ones_(module.skip_signs)
+            module.refresh()  # S of the loaded (or initialised) parameters
+        elif isinstance(module, StructuredEmbedding):
+            pass  # its matrix is initialised as a structured linear
         else:
             super()._init_weights(module)
         if isinstance(module, _StructuredLinear) and module.bias is not None:
@@ -459,6 +517,8 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
             return pos[:, past_seen : past_seen + n]
         return (torch.arange(n, device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids=None,
@@ -475,23 +535,24 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        past_seen = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
+            past_seen = cache.get_seq_length() if cache is not None else 0
             position_ids = self._positions(inputs_embeds, attention_mask, past_seen)
         if self.config.rotary:
             hidden_states = inputs_embeds
             kwargs["position_embeddings"] = self.rotary_emb(hidden_states, position_ids)
         else:
             hidden_states = inputs_embeds + self.embed_positions(position_ids + self.config.position_offset)
-        mask_positions = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        # positional: the cache argument's keyword is `cache` from transformers 5.24, `past_key_values` before
-        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, mask_positions)
+        # the real positions: sequences packed in one row restart them (padding-free batches), and the mask
+        # keeps each to itself. Positional: the cache argument's keyword is `cache` from transformers 5.24
+        causal_mask = create_causal_mask(self.config, inputs_embeds, attention_mask, cache, position_ids)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask=causal_mask, cache=cache, **kwargs)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{cache_field(): cache})
+            hidden_states = layer(
+                hidden_states, attention_mask=causal_mask, position_ids=position_ids, cache=cache, **kwargs
+            )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
 
 
 class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
@@ -508,6 +569,11 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def logits_from_hidden(self, hidden_states):
+        return self.lm_head(hidden_states)
+
+    # Copied from hf_symmetry.modeling.modeling_compressed_llama.CompressedLlamaForCausalLM.forward
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -521,7 +587,7 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
         past_key_values=None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        out = self.model(
+        outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -530,13 +596,19 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             **kwargs,
         )
-        hidden = out.last_hidden_state
+        hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, keep, :])
+        logits = self.logits_from_hidden(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{cache_field(): getattr(out, cache_field())})
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
+        )
 
 
 RMSDecoderModel.register_for_auto_class("AutoModel")
