@@ -3,6 +3,9 @@ enforced on every import, those inside functions too (parsed with ``ast``, nothi
 
 * a module may import from its own layer or the layers below it, never from one above;
 * the packages may not import each other in a cycle (within a layer too);
+* nor may the files (modules) of the package, within one package or across them: a cycle of
+  imports between files is a cycle however the imports are placed (inside functions, under
+  ``TYPE_CHECKING``), except the ones in :data:`FILE_CYCLES`, a list that may only shrink;
 * a private name (``_x``) is not imported from another module, except the ones in
   :data:`PRIVATE_IMPORTS`, a list that may only shrink (a stale entry fails too).
 
@@ -59,6 +62,15 @@ PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 #: (importing package, imported package): upward imports left in code another piece of work owns,
 #: each with its reason. May only shrink, like :data:`PRIVATE_IMPORTS`.
 UPWARD_IMPORTS: dict[tuple[str, str], str] = {}
+
+
+#: cycles between files left in code another piece of work owns (each a sorted list of modules under
+#: ``hf_symmetry.``), with the reason. May only shrink, like :data:`PRIVATE_IMPORTS`.
+FILE_CYCLES: dict[tuple[str, ...], str] = {
+    # KNOWN: the rotate --for-quantization transforms are being reworked in another piece of work;
+    # remove this entry when rotation.py and scales.py no longer import each other
+    ("conversion.quantization.rotation", "conversion.quantization.scales"): "owned by the quantization work",
+}
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -164,6 +176,50 @@ def package_cycles(edges, top: str = "hf_symmetry") -> list[list[str]]:
     return out
 
 
+def _strongly_connected(succ: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one node of the graph ``succ`` (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(succ[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def file_cycles(edges, modules, top: str = "hf_symmetry") -> list[tuple[str, ...]]:
+    """Strongly connected sets of more than one module (file), named under ``top.``. An import of
+    a name resolves to the module that holds it: ``from .pkg import name`` to ``pkg``'s ``__init__``
+    (or to the submodule ``pkg.name``), ``import pkg.mod`` to ``pkg.mod``."""
+    succ: dict[str, set[str]] = {m: set() for m in modules}
+    for module, target, _, _ in edges:
+        while target not in modules and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in modules and target != module and target != top:  # every module imports the root
+            succ[module].add(target)
+    return [tuple(m.removeprefix(top + ".") for m in scc) for scc in _strongly_connected(succ)]
+
+
 def private_imports(edges, top: str = "hf_symmetry") -> set[tuple[str, str, str]]:
     """(importing module, imported module, private name), both modules named under ``top.``."""
 
@@ -213,6 +269,15 @@ def test_no_import_runs_up_the_layers():
 
 def test_no_cycle_between_packages():
     assert package_cycles(graph(package_sources())) == []
+
+
+def test_no_cycle_between_files():
+    sources = package_sources()
+    found = file_cycles(graph(sources), sources)
+    new = [c for c in found if c not in FILE_CYCLES]
+    assert not new, "files that import each other (directly or round a cycle):\n" + "\n".join(map(str, new))
+    stale = sorted(set(FILE_CYCLES) - set(found))
+    assert not stale, f"fixed: remove from FILE_CYCLES: {stale}"
 
 
 def test_private_names_stay_in_their_module():
@@ -275,6 +340,36 @@ def test_a_planted_cycle_fails():
     )
     assert package_cycles(graph(sources)) == [["conversion.compress", "conversion.farr"]]
     assert package_cycles(graph(_planted({"hf_symmetry.hub.push": "from ..evaluation import bridge\n"}))) == []
+
+
+def test_a_planted_file_cycle_fails():
+    # two files of one package, one import inside a function, the other under TYPE_CHECKING
+    sources = _planted(
+        {
+            "hf_symmetry.calibration.engine": "from .run import Run\n",
+            "hf_symmetry.calibration.run": "if TYPE_CHECKING:\n    from .engine import Engine\n",
+            "hf_symmetry.calibration.data": "def f():\n    from .engine import Engine\n",
+        }
+    )
+    assert file_cycles(graph(sources), sources) == [("calibration.engine", "calibration.run")]
+    # round three files, through a package's __init__ that re-exports a submodule's name
+    sources = _planted(
+        {
+            "hf_symmetry.architectures": "from .adapter import Adapter\n",
+            "hf_symmetry.architectures.adapter": "def f():\n    from .capabilities import require\n",
+            "hf_symmetry.architectures.capabilities": "from . import Adapter\n",
+            "hf_symmetry.architectures.spec": "import hf_symmetry.architectures.adapter\n",
+        },
+        packages=("hf_symmetry.architectures",),
+    )
+    assert file_cycles(graph(sources), sources) == [
+        ("architectures", "architectures.adapter", "architectures.capabilities")
+    ]
+    # one direction only: no cycle
+    sources = _planted(
+        {"hf_symmetry.calibration.engine": "from .run import Run\n", "hf_symmetry.calibration.run": "import torch\n"}
+    )
+    assert file_cycles(graph(sources), sources) == []
 
 
 def test_a_planted_private_import_fails():

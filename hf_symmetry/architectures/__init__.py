@@ -1,6 +1,7 @@
 """Declarative per-family maps of checkpoints (spec) and the adapter that reads them."""
 
-from .adapter import Adapter, UnsupportedSymmetry, adapter_for
+from .adapter import Adapter, adapter_for
+from .capabilities import UnsupportedSymmetry
 from .spec import SPECS, SUPPORTED_MODEL_TYPES, ArchSpec, spec_for_model_type
 
 __all__ = [

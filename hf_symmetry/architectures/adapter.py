@@ -25,13 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from ..symmetry.layout import HeadLayout
+from .capabilities import SYMMETRIES, require
 from .spec import ArchSpec, spec_for_model_type
 
 Tensors = dict[str, torch.Tensor]
-
-
-class UnsupportedSymmetry(ValueError):
-    """The model family does not have the requested symmetry; refusing beats a wrong model."""
 
 
 def _cfg_get(config, names: tuple[str, ...], default=None):
@@ -125,13 +122,11 @@ class Adapter:
 
     # ---------------------------------------------------------------- refusals
     def check_supports(self, symmetry: str) -> None:
-        """Raise :class:`UnsupportedSymmetry` (with the structural reason) when ``symmetry`` is not
-        one of this checkpoint's; see :mod:`hf_symmetry.architectures.capabilities`.
+        """Raise :class:`~.capabilities.UnsupportedSymmetry` (with the structural reason) when
+        ``symmetry`` is not one of this checkpoint's; see :mod:`hf_symmetry.architectures.capabilities`.
 
         ``symmetry`` is one of ``qk_rotation``, ``qk_scaling``, ``vo_rotation``, ``vo_scaling``,
         ``ffn_permutation``, ``residual_rotation``."""
-        from .capabilities import SYMMETRIES, require
-
         if symmetry not in SYMMETRIES:
             raise ValueError(f"unknown symmetry {symmetry!r}")
         require(self, symmetry)

@@ -5,7 +5,8 @@
 block), those that vary between checkpoints from its config (sliding windows, NoPE layers,
 soft-capping, partial rotary, tying). :func:`reason` derives, for each symmetry and conversion,
 ``None`` (allowed) or the one-line structural reason it is not; :func:`require` raises
-:class:`~.adapter.UnsupportedSymmetry` with that reason before any work.
+:class:`UnsupportedSymmetry` with that reason before any work. The adapter (:mod:`.adapter`) asks
+these rules and this module never imports it: an adapter is read as what it holds (its spec and config).
 
 The conversions that write a new model family (compress, SliceGPT, FaRR, to-tpa, and residual
 rotation of LayerNorm decoders) can only write what that family can express. What an output
@@ -21,6 +22,11 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .spec import SPECS, ArchSpec, spec_for_model_type
+
+
+class UnsupportedSymmetry(ValueError):
+    """The model family does not have the requested symmetry; refusing beats a wrong model."""
+
 
 SYMMETRIES = ("qk_rotation", "qk_scaling", "vo_rotation", "vo_scaling", "ffn_permutation", "residual_rotation")
 CONVERSIONS = ("match", "merge", "compress", "slicegpt", "farr_vo", "farr_qk", "to_tpa")
@@ -147,11 +153,10 @@ def _partial_rotary(cfg, spec: ArchSpec) -> bool:
 
 
 def facts(obj) -> Facts:
-    """Facts of an :class:`~.adapter.Adapter`, a config (object or dict), or a spec (its
-    first model type's transformers default config)."""
-    from .adapter import Adapter
-
-    if isinstance(obj, Adapter):
+    """Facts of an :class:`~.adapter.Adapter` (anything holding its :class:`ArchSpec` as ``spec``
+    and its config as ``config``), a config (object or dict), or a spec (its first model type's
+    transformers default config)."""
+    if isinstance(getattr(obj, "spec", None), ArchSpec):  # an Adapter
         cfg, spec = _config_object(obj.config), obj.spec
     elif isinstance(obj, ArchSpec):
         from transformers import CONFIG_MAPPING
@@ -490,9 +495,7 @@ def allows(obj, what: str) -> bool:
 
 
 def require(obj, what: str) -> None:
-    """Raise :class:`~.adapter.UnsupportedSymmetry` naming the structural reason, before any work."""
-    from .adapter import UnsupportedSymmetry
-
+    """Raise :class:`UnsupportedSymmetry` naming the structural reason, before any work."""
     why = reason(obj, what)
     if why is not None:
         raise UnsupportedSymmetry(f"{LABELS[what]}: {why}")

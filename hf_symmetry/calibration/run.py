@@ -7,18 +7,14 @@ statistics and hands its outputs on (:class:`CalibrationRun`), and the step it y
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
 from .memory import release_free_memory
+from .model import CalibrationModel, Tensors
 from .statistics import FINAL_SITES, Accumulator, LayerStats, StatsRequest, base_site, capture_sites
-
-if TYPE_CHECKING:
-    from .engine import CalibrationEngine
-
-Tensors = dict[str, torch.Tensor]
 
 
 def _first(output):
@@ -93,9 +89,7 @@ class CalibrationRun:
     """The state of one pass: the activations entering the next layer (and, with
     ``carry_original``, the original model's), and each layer's recorded arguments."""
 
-    def __init__(
-        self, engine: CalibrationEngine, batches, records: list[dict], acts: Activations, carry_original: bool
-    ):
+    def __init__(self, engine: CalibrationModel, batches, records: list[dict], acts: Activations, carry_original: bool):
         self.engine, self.records = engine, records
         self.tokens = int(sum(b.numel() for b in batches))
         self.stream = acts
