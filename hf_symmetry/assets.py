@@ -97,12 +97,9 @@ def _publish_model(tmp: Path, final: Path) -> Path:
 def _split_as_llamacpp(tokenizer, gguf: Path) -> None:
     """The tokenizer transformers built from ``gguf`` made to split text as llama.cpp does for the file's
     ``tokenizer.ggml.pre`` (:func:`hf_symmetry.conversion.gguf_pretokenizer.split_as_llamacpp`)."""
-    from transformers.integrations.gguf import get_gguf_tokenizer
+    from .conversion.gguf_pretokenizer import gguf_tokenizer_kind, split_as_llamacpp
 
-    from .conversion.gguf_pretokenizer import split_as_llamacpp
-
-    _, tokenizer_dict, _ = get_gguf_tokenizer(str(gguf))
-    split_as_llamacpp(tokenizer.backend_tokenizer, tokenizer_dict)
+    split_as_llamacpp(tokenizer.backend_tokenizer, *gguf_tokenizer_kind(gguf))
 
 
 def _pip(*args: str) -> None:

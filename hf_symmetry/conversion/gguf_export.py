@@ -39,7 +39,7 @@ import torch
 
 from ..architectures.spec import SPECS, find_spec
 from ..checkpoint import CheckpointReader
-from .gguf_pretokenizer import PreTokenizer, split_as_llamacpp
+from .gguf_pretokenizer import PreTokenizer, gguf_tokenizer_kind, split_as_llamacpp
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -437,7 +437,7 @@ def _same_tokenization(out: Path, tok, prompt: str, result: dict) -> bool | None
         if not tokenizer_dict:
             return None
         fast, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        split_as_llamacpp(fast, tokenizer_dict)  # the file's split, as llama.cpp reads it
+        split_as_llamacpp(fast, *gguf_tokenizer_kind(out))  # the file's split, as llama.cpp reads it
     except Exception as e:  # no tokenizer, or one transformers cannot convert
         result["tokenizer_error"] = f"{type(e).__name__}: {e}"[:200]
         return None

@@ -150,14 +150,27 @@ def llamacpp_pre_tokenizer(name: str | None):
     )
 
 
-def split_as_llamacpp(backend, tokenizer_dict: dict) -> str | None:
+def gguf_tokenizer_kind(path) -> tuple[str | None, str | None]:
+    """``(tokenizer.ggml.model, tokenizer.ggml.pre)`` of a GGUF file, read with the gguf package (transformers'
+    own GGUF tokenizer helpers changed between releases: 5.17's refuses every architecture but one)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+
+    def text(key: str) -> str | None:
+        field = fields.get(key)
+        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+
+    return text("tokenizer.ggml.model"), text("tokenizer.ggml.pre")
+
+
+def split_as_llamacpp(backend, model: str | None, pre: str | None) -> str | None:
     """Give ``backend`` (a ``tokenizers.Tokenizer`` built by transformers from a GGUF) llama.cpp's split for the
-    file's pre-tokenizer; ``tokenizer_dict``: transformers' ``get_gguf_tokenizer`` view of the file. Returns
-    the name whose rule was applied, ``None`` where transformers' own split stands (a name this module does
-    not list, or not a byte-level BPE file)."""
-    name = tokenizer_dict.get("pre_tokenizer_type")
-    pre = llamacpp_pre_tokenizer(name) if tokenizer_dict.get("tokenizer_type") == "gpt2" else None
-    if pre is None:
+    file's pre-tokenizer; ``model``, ``pre``: the file's ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre``
+    (:func:`gguf_tokenizer_kind`). Returns the name whose rule was applied, ``None`` where transformers' own
+    split stands (a name this module does not list, or not a byte-level BPE file)."""
+    rule = llamacpp_pre_tokenizer(pre) if model == "gpt2" else None
+    if rule is None:
         return None
-    backend.pre_tokenizer = pre
-    return name
+    backend.pre_tokenizer = rule
+    return pre

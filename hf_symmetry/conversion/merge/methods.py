@@ -1,245 +1,181 @@
-"""Merge rules on tensors (docs/math.md §2). Pure float64 math, no I/O: the pipeline in
-:mod:`hf_symmetry.conversion.merge` feeds them one tensor (or one linear layer) at a time.
-
-Weight-only rules follow mergekit's definitions and defaults, so that recipes mean the same
-thing in both tools: ``linear``/average (normalised weights), ``task_arithmetic`` (not
-normalised, ``lambda``), ``ties`` (magnitude trim to ``density`` per tensor, sign elected by the
-weighted sum, disjoint weighted mean, ``lambda``).
-"""
+"""The merge methods as classes (:class:`MergeMethod`): each owns what differs between methods — its
+parameters and their defaults, whether it needs a base model, calibration data and which statistics
+(Fishers, Grams), whether a tensor's rows merge on their own, how it combines tensors, whether it spills
+to a work folder, what its model card adds. A recipe's method name (the YAML's ``merge_method``, the
+CLI's ``--method``) is parsed once, by :func:`method_named` through :data:`MERGE_METHODS`; everything
+after asks the object."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .methods import fisher_average, task_arithmetic, ties, weighted_average
+from .statistics import check_fisher_memory, statistics_dtype
 
 Tensor = torch.Tensor
 
 
-def _stack(tensors: list[Tensor]) -> Tensor:
-    return torch.stack([t.to(torch.float64) for t in tensors])
+class MergeMethod:
+    """One merge method. ``defaults``: its parameters and their defaults (mergekit's where mergekit has
+    the method). Stateless: the recipe's parameters and model entries come with each call."""
+
+    name: str = ""
+    defaults: dict = {}
+    needs_base = False  # merges task vectors (model − base)
+    uses_fishers = False  # Fisher merging: a diagonal Fisher per merged model, on the matched models
+    uses_grams = False  # RegMean: Gram matrices of each linear layer's input
+    row_separable = True  # each row of a tensor merged on its own (the globals can go a block of rows at a time)
+    has_densities = False  # per-model ``density`` (TIES' trim)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether it runs the models on calibration text (for its statistics)."""
+        return self.uses_fishers or self.uses_grams
+
+    @property
+    def spills(self) -> bool:
+        """Whether a merge of folders keeps statistics (and, for Fisher, the matched inputs) in a work
+        folder beside the output rather than in memory."""
+        return self.needs_calibration
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def parameter_error(self, params: dict) -> str | None:
+        """What is wrong with the method's parameters, if anything."""
+        return None
+
+    def weights_error(self, params: dict, weights: list[float]) -> str | None:
+        """What is wrong with the models' weights for this method, if anything."""
+        return None
+
+    def combine(
+        self, models: list[Tensor], base: Tensor | None, entries: list, params: dict, fishers: list[Tensor] | None
+    ) -> Tensor:
+        """The merged tensor (float64) of the merged models' ``models`` (and the base's ``base``),
+        weighted by ``entries`` (:class:`~.recipe.ModelEntry`)."""
+        raise NotImplementedError
+
+    def check_model(self, adapter) -> None:
+        """Refuse, before any work, an architecture the method cannot merge."""
+
+    def check_fits(self, source, placement) -> None:
+        """Refuse, before any work, a model whose statistics cannot be computed where placed."""
+
+    def card_model(self, entry) -> dict:
+        """What the model card lists for a merged model beyond its name and weight."""
+        return {}
 
 
-def _expand(weights: list[float], like: Tensor) -> Tensor:
-    w = torch.tensor(weights, dtype=torch.float64)
-    return w.reshape(-1, *([1] * (like.dim() - 1)))
+class Average(MergeMethod):
+    """``linear``/average: ``Σ w_i θ_i / Σ w_i`` (not divided with ``normalize: false``)."""
+
+    name = "average"
+    defaults = {"normalize": True}
+
+    def weights_error(self, params: dict, weights: list[float]) -> str | None:
+        if params.get("normalize", True) and sum(weights) == 0:
+            return "model weights sum to zero, so they cannot be normalised"
+        return None
+
+    def combine(self, models, base, entries, params, fishers):
+        return weighted_average(models, [e.weight for e in entries], params["normalize"])
 
 
-def weighted_average(tensors: list[Tensor], weights: list[float], normalize: bool = True) -> Tensor:
-    """``Σ w_i θ_i`` (divided by ``Σ w_i`` when normalising)."""
-    x = _stack(tensors)
-    w = _expand(weights, x)
-    out = (w * x).sum(0)
-    return out / w.sum() if normalize else out
+class TaskArithmetic(MergeMethod):
+    """``base + λ Σ w_i (θ_i − base)`` (not normalised unless ``normalize: true``)."""
+
+    name = "task_arithmetic"
+    defaults = {"lambda": 1.0, "normalize": False}
+    needs_base = True
+
+    def combine(self, models, base, entries, params, fishers):
+        return task_arithmetic(base, models, [e.weight for e in entries], params["lambda"], params["normalize"])
 
 
-def task_arithmetic(
-    base: Tensor, tensors: list[Tensor], weights: list[float], lam: float = 1.0, normalize: bool = False
-) -> Tensor:
-    """``base + λ Σ w_i (θ_i − base)`` (Ilharco et al.); ``normalize`` divides by ``Σ w_i``."""
-    b = base.to(torch.float64)
-    delta = weighted_average([t.to(torch.float64) - b for t in tensors], weights, normalize)
-    return b + lam * delta
+class Ties(MergeMethod):
+    """TIES: task vectors trimmed to each model's density, signs elected, agreeing entries averaged. The
+    trim ranks a whole tensor's entries, so its rows do not merge on their own."""
 
+    name = "ties"
+    defaults = {"lambda": 1.0, "normalize": True}
+    needs_base = True
+    row_separable = False
+    has_densities = True
 
-def magnitude_trim(delta: Tensor, density: float) -> Tensor:
-    """Keep the ``max(1, int(density · n))`` largest-magnitude entries of ``delta`` (TIES' trim)."""
-    if density >= 1:
-        return delta
-    if density <= 0 or delta.numel() == 0:
-        return torch.zeros_like(delta)
-    k = max(1, int(density * delta.numel()))
-    keep = torch.argsort(delta.abs().reshape(-1), descending=True, stable=True)[:k]
-    mask = torch.zeros(delta.numel(), dtype=torch.bool)
-    mask[keep] = True
-    return delta * mask.reshape(delta.shape)
-
-
-def ties(
-    base: Tensor,
-    tensors: list[Tensor],
-    weights: list[float],
-    densities: list[float],
-    lam: float = 1.0,
-    normalize: bool = True,
-) -> Tensor:
-    """TIES-merging (Yadav et al.): trim each task vector to its density, elect each entry's sign
-    as the sign of the weighted sum of trimmed task vectors (≥ 0 counts as +), then average only
-    the task vectors that agree with it, weighted (``Σ w_i τ_i m_i / Σ w_i m_i``)."""
-    b = base.to(torch.float64)
-    deltas = _stack([magnitude_trim(t.to(torch.float64) - b, d) for t, d in zip(tensors, densities)])
-    w = _expand(weights, deltas)
-    weighted = deltas * w
-    elected = torch.where(weighted.sum(0) >= 0, 1.0, -1.0).to(torch.float64)
-    agree = weighted.sign() == elected
-    merged = (weighted * agree).sum(0)
-    if normalize:
-        divisor = (w * agree).sum(0)
-        merged = merged / torch.where(divisor == 0, torch.ones_like(divisor), divisor)
-    return b + lam * merged
-
-
-def fisher_average(tensors: list[Tensor], fishers: list[Tensor], weights: list[float], floor: float = 1e-12) -> Tensor:
-    """Element-wise ``Σ w_i F_i θ_i / Σ w_i F_i`` (Matena & Raffel) with diagonal Fisher ``F_i``.
-    ``floor`` is added to every Fisher entry so that parameters no calibration token touched fall
-    back to the weighted average instead of 0/0."""
-    x = _stack(tensors)
-    w = _expand(weights, x)
-    F = _stack(fishers) + floor
-    return (w * F * x).sum(0) / (w * F).sum(0)
-
-
-def _regularised_(G: Tensor, alpha: float, scale: float, offset: int = 0) -> Tensor:
-    """``scale · (α G + (1 − α) diag(G))`` in place (float64; the operations of the textbook form,
-    signed zeros included, so results are bitwise those of computing it out of place). ``G`` may be
-    the rows ``offset:`` of the Gram (its diagonal then starts at column ``offset``)."""
-    diag = torch.diagonal(G, offset=offset)
-    d = alpha * diag + (1 - alpha) * diag
-    G.mul_(alpha).add_(0.0)
-    diag.copy_(d)
-    return G.mul_(scale)
-
-
-def _factor(lhs: Tensor) -> tuple[Tensor, Tensor]:
-    """LU factors of the summed Gram (``torch.linalg.solve`` factors the same way, so solving with
-    them is bitwise ``solve``). A column-major ``lhs`` (LAPACK's layout) is factored in place: no
-    second ``in × in`` matrix."""
-    if lhs.dim() == 2 and lhs.mT.is_contiguous():
-        pivots = torch.empty(lhs.shape[-1], dtype=torch.int32, device=lhs.device)
-        info = torch.empty((), dtype=torch.int32, device=lhs.device)
-        LU, pivots, info = torch.linalg.lu_factor_ex(lhs, out=(lhs, pivots, info))
-    else:
-        LU, pivots, info = torch.linalg.lu_factor_ex(lhs)
-    if info.item() > 0:
-        raise ValueError(
-            "RegMean: the summed Gram matrix is singular (some input channel never saw signal); "
-            "use alpha < 1 or more calibration tokens"
+    def combine(self, models, base, entries, params, fishers):
+        return ties(
+            base,
+            models,
+            [e.weight for e in entries],
+            [e.density for e in entries],
+            params["lambda"],
+            params["normalize"],
         )
-    return LU, pivots
+
+    def card_model(self, entry) -> dict:
+        return {"density": entry.density}
 
 
-def _check_alpha(alpha: float) -> None:
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"RegMean alpha must be in [0, 1]; got {alpha}")
+class Fisher(MergeMethod):
+    """Fisher merging: element-wise average weighted by each model's diagonal Fisher (computed on the
+    matched models, a backward pass over the whole model, so it needs a language-model head and memory
+    for the whole model). Rows are not merged a block at a time: it reads its Fishers beside each tensor."""
+
+    name = "fisher"
+    defaults = {"fisher_floor": 1e-12}
+    uses_fishers = True
+    row_separable = False
+
+    def parameter_error(self, params: dict) -> str | None:
+        return "fisher_floor must be >= 0" if params["fisher_floor"] < 0 else None
+
+    def combine(self, models, base, entries, params, fishers):
+        return fisher_average(models, fishers, [e.weight for e in entries], params["fisher_floor"])
+
+    def check_model(self, adapter) -> None:
+        if adapter.spec.lm_head is None:
+            raise ValueError(
+                f"Fisher merging needs a language-model head to define a likelihood; {adapter.family} "
+                "base models have none (use average or regmean)"
+            )
+
+    def check_fits(self, source, placement) -> None:
+        check_fisher_memory(source.shapes(), statistics_dtype(source), placement)
 
 
-def _draining(items: list):
-    """The items of a list, each dropped from it as it is handed out."""
-    for k in range(len(items)):
-        item, items[k] = items[k], None
-        yield item
+class RegMean(MergeMethod):
+    """RegMean: each linear weight solved from the models' Grams of its input (:class:`~.rule.MergeRule`
+    and :mod:`.stream` call the solvers); every other tensor (biases, norms, embeddings) averaged."""
+
+    name = "regmean"
+    defaults = {"alpha": 0.9}
+    uses_grams = True
+
+    def parameter_error(self, params: dict) -> str | None:
+        return None if 0 <= params["alpha"] <= 1 else f"alpha must be in [0, 1]; got {params['alpha']}"
+
+    def combine(self, models, base, entries, params, fishers):
+        return weighted_average(models, [e.weight for e in entries])
 
 
-GRAM_BLOCK_ELEMENTS = 1 << 20  # rows of a Gram used (or read from its file) at a time: 8 MB of float64
+MERGE_METHODS: dict[str, type[MergeMethod]] = {
+    m.name: m for m in (Average, TaskArithmetic, Ties, Fisher, RegMean)
+}  # the one table from names to classes
+METHOD_ALIASES = {"linear": "average"}
+METHODS = tuple(MERGE_METHODS)  # the user-facing names, in the order help and errors list them
 
 
-def _views(G: Tensor):
-    """The rows of an in-memory Gram, a block at a time (views)."""
-    n = G.shape[0]
-    step = max(1, GRAM_BLOCK_ELEMENTS // n)
-    for start in range(0, n, step):
-        yield start, min(n, start + step), G[start : start + step]
-
-
-def _stored_blocks(G, alpha: float, scale: float, device):
-    """The regularised rows of a stored Gram (``G.rows(start, stop)``), a block at a time."""
-    n = G.shape[0]
-    step = max(1, GRAM_BLOCK_ELEMENTS // n)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        block = G.rows(start, stop).to(device=device, dtype=torch.float64)
-        yield start, stop, _regularised_(block, alpha, scale, offset=start)
-        del block
-
-
-def regmean_group(models, model_weights: list[float], alpha: float = 0.9, device=None) -> list[Tensor]:
-    """RegMean (Jin et al.) of the linear layers ``[out, in]`` that read one input (q, k and v; gate
-    and up; or one layer): for each, the W minimising ``Σ_i w_i ‖X_i Wᵀ − X_i W_iᵀ‖²``, i.e.
-    ``Wᵀ = (Σ w_i G̃_i)⁻¹ Σ w_i G̃_i W_iᵀ`` with ``G̃ = α G + (1 − α) diag(G)`` (off-diagonals
-    scaled by α, which keeps the sum invertible wherever every input channel saw some signal).
-
-    ``models`` yields, one merged model at a time, ``(G_i, W_i of each layer)`` (the weights as a
-    list or any iterable, e.g. read one at a time). Each model's Gram becomes its share of the
-    summed Gram in place (it is consumed) and each weight is dropped once used, so memory holds the
-    running sums and one model's Gram and one weight, not every model's; the summed Gram is factored
-    once for all the layers. Computed on ``device`` (results
-    there), in float64.
-
-    A ``G_i`` that is not a tensor is a stored Gram (e.g. a file): it has ``shape`` and
-    ``rows(start, stop)``, and is read a block of rows at a time (once for the summed Gram, once
-    per weight), so memory never holds it whole; the summed Gram is then built column-major and
-    factored in place."""
-    _check_alpha(alpha)
-    lhs, rhs = None, None
-    for (G, Ws), mw in zip(models, model_weights):
-        first = rhs is None
-        rhs = [] if first else rhs
-        n = G.shape[0]
-        if isinstance(G, Tensor):
-            G = _regularised_(G.to(device=device, dtype=torch.float64), alpha, mw)
-            blocks = functools.partial(_views, G)
-        else:  # stored: read a block of rows at a time, for the summed Gram now and for each weight
-            blocks = functools.partial(_stored_blocks, G, alpha, mw, device)
-            if lhs is None:
-                lhs = torch.empty((n, n), dtype=torch.float64, device=device).T  # column-major
-                for start, stop, block in blocks():
-                    lhs[start:stop] = block.add_(0.0)
-            else:
-                for start, stop, block in blocks():
-                    lhs[start:stop].add_(block)
-        for k, W in enumerate(_draining(Ws) if isinstance(Ws, list) else Ws):
-            W = W.to(device=device, dtype=torch.float64)
-            # G̃ Wᵀ a block of rows at a time: the temporaries are blocks, not a second right-hand side
-            r = torch.empty((n, W.shape[0]), dtype=torch.float64, device=device) if first else rhs[k]
-            for start, stop, block in blocks():
-                if first:
-                    r[start:stop] = block @ W.T
-                else:
-                    r[start:stop].add_(block @ W.T)
-            if first:
-                rhs.append(r.add_(0.0))
-            del W, r
-        if isinstance(G, Tensor):
-            lhs = G.add_(0.0) if lhs is None else lhs.add_(G)
-        del G, blocks
-    LU, pivots = _factor(lhs)
-    del lhs
-    out = []
-    for k in range(len(rhs)):
-        r, rhs[k] = rhs[k], None
-        out.append(torch.linalg.lu_solve(LU, pivots, r).T)
-        del r
-    return out
-
-
-def regmean(weights: list[Tensor], grams: list[Tensor], model_weights: list[float], alpha: float = 0.9) -> Tensor:
-    """RegMean of one linear layer (:func:`regmean_group` with one layer; ``grams`` are not modified)."""
-    return regmean_group(((G.to(torch.float64, copy=True), [W]) for W, G in zip(weights, grams)), model_weights, alpha)[
-        0
-    ]
-
-
-class RegMeanSolver:
-    """RegMean of one linear layer given a block of its output rows at a time (a vocabulary-sized
-    LM head): the summed Gram is factored once, each block of rows is solved with it. Holds every
-    model's regularised Gram (``in × in``), so it suits layers with a small input width."""
-
-    def __init__(self, grams: list[Tensor], model_weights: list[float], alpha: float = 0.9, device=None):
-        _check_alpha(alpha)
-        self.device = device
-        self.grams = [
-            _regularised_(G.to(device=device, dtype=torch.float64, copy=True), alpha, mw)
-            for G, mw in zip(grams, model_weights)
-        ]
-        lhs = None
-        for G in self.grams:
-            lhs = G.clone().add_(0.0) if lhs is None else lhs.add_(G)
-        self.LU, self.pivots = _factor(lhs)
-
-    def solve(self, weights: list[Tensor]) -> Tensor:
-        """The merged rows for the models' rows ``weights`` (each ``[rows, in]``)."""
-        rhs = None
-        for G, W in zip(self.grams, weights):
-            t = G @ W.to(device=self.device, dtype=torch.float64).T
-            rhs = t.add_(0.0) if rhs is None else rhs.add_(t)
-        return torch.linalg.lu_solve(self.LU, self.pivots, rhs).T
+def method_named(name: str) -> MergeMethod | None:
+    """The method a recipe names (aliases resolved), or None for a name that is no method."""
+    cls = MERGE_METHODS.get(METHOD_ALIASES.get(name, name))
+    return cls() if cls is not None else None
