@@ -8,6 +8,7 @@ the backend, bf16 autocast in a run told to use the CPU, a command without ``--d
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -174,10 +175,17 @@ def test_cuda_rotate_for_quantization_calibrates_on_the_gpu_and_stays_exact(tiny
 
     from hf_symmetry.cli import main
 
+    # widths that Q4_0's blocks of 32 fill (the default preset's scales are searched against Q4_0; the
+    # 48-wide tiny_dir is refused, as GGUF would refuse it)
+    src = tmp_path / "src"
+    shape = dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    tiny_model("llama", dtype=torch.float32, **shape).save_pretrained(src)
+    for f in tiny_dir.glob("tokenizer*"):
+        shutil.copy(f, src / f.name)
     out = tmp_path / "q"
-    assert main(["rotate", str(tiny_dir), str(out), "--for-quantization", "--device", "cuda", "--quiet"]) == 0
+    assert main(["rotate", str(src), str(out), "--for-quantization", "--device", "cuda", "--quiet"]) == 0
     ids = torch.arange(1, 97)[None]
-    a = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)(ids).logits
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(ids).logits
     b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
     assert (a - b).abs().max().item() < 1e-4
 
@@ -369,7 +377,7 @@ def test_float64_calibration_on_a_device_computes_only_the_rotary_tables_in_floa
 
 def test_svd_factors_have_one_sign_whatever_the_backend_picks():
     """FaRR's factors on the GPU must be the CPU's tensors, not the same product with flipped pairs."""
-    from hf_symmetry.symmetry import fused
+    from hf_symmetry.solvers import fused
 
     g = torch.Generator().manual_seed(0)
     A, B = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randn(5, 9, generator=g, dtype=torch.float64)
@@ -385,8 +393,8 @@ def test_svd_factors_have_one_sign_whatever_the_backend_picks():
 def test_a_run_told_to_use_the_cpu_trains_in_float32_even_beside_a_gpu(monkeypatch, tmp_path):
     """Failure 6: with CUDA visible, ``heal --device cpu`` trained under bf16 autocast on the CPU (its
     two-process run then drifted from the one-process run by more than 2e-6)."""
-    from hf_symmetry.training import run as run_module
-    from hf_symmetry.training.run import TrainSettings, training_arguments
+    from hf_symmetry.training import trainer as run_module
+    from hf_symmetry.training.trainer import TrainSettings, training_arguments
 
     monkeypatch.setattr(run_module, "bf16_available", lambda: True)
     args = training_arguments(TrainSettings(output_dir=str(tmp_path), max_steps=1, use_cpu=True), has_eval=False)
@@ -447,7 +455,7 @@ def test_cuda_eval_and_verification_place_their_inputs_on_the_model(tiny_dir, tm
 # ------------------------------------------------------------------------ the solver's host synchronisations
 def _descent_one_sync_per_scalar(value_and_grad, X0, lipschitz, iters, tol):
     """segments._descent as it was before its step scalars were fetched together (the reference)."""
-    from hf_symmetry.symmetry.segments import _retract
+    from hf_symmetry.solvers.segments import _retract
 
     def riemannian(X, G):
         A = X.T @ G
@@ -492,7 +500,7 @@ def _descent_one_sync_per_scalar(value_and_grad, X0, lipschitz, iters, tol):
 
 @pytest.mark.parametrize("n_pairs", [1, 2])
 def test_weighted_procrustes_fetching_its_step_scalars_together_gives_the_same_bits(monkeypatch, n_pairs):
-    from hf_symmetry.symmetry import segments
+    from hf_symmetry.solvers import segments
 
     g = torch.Generator().manual_seed(n_pairs)
     d = 24
