@@ -8,6 +8,8 @@ shows that the check fails on it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -360,3 +362,22 @@ def test_resizing_a_structured_embedding_is_refused_clearly():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cpu_and_disk_device_map(family, tmp_path):
     check_disk_offload(family_model(family), tmp_path)
+
+
+def test_learned_position_rms_decoders_carry_no_rope_parameters_and_read_the_old_configs(tmp_path):
+    """An RMS decoder with learned positions has no RoPE (so nothing offers to scale one); configs written
+    before issue 37 carry a default ``rope_parameters`` all the same, which loading drops (same logits)."""
+    model = family_model("rms-opt")
+    assert not hasattr(model.config, "rope_parameters")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" not in config
+    config["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "default"}  # as the code before wrote it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not hasattr(loaded.config, "rope_parameters")
+    x = ids(1, 7)
+    with torch.no_grad():
+        _close(loaded(input_ids=x).logits, model(input_ids=x).logits, 0, "logits of the old config")
+    rotary = family_model("rms-neox").config.rope_parameters  # a rotary one keeps its own
+    assert rotary == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
