@@ -353,6 +353,22 @@ def test_resize_token_embeddings(family, tmp_path):
     check_resize(family_model(family, **dense), tmp_path)
 
 
+def test_fullgraph_compiled_forward_with_a_group_and_shuffle_embedding():
+    """A GS embedding's row lookup groups the tokens by block (data-dependent shapes) in eager mode; compiled,
+    it takes every block's rows and picks (one graph, the same logits)."""
+    model = family_model("compressed", embed_structure={"type": "gs", "rank": 4, "blocks": [4, 2]})
+    x = ids(2, 9, seed=19)
+    with torch.no_grad():
+        want = model(input_ids=x, use_cache=False).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        try:
+            got = compiled(input_ids=x, use_cache=False).logits
+        finally:
+            torch._dynamo.reset()
+    _close(got, want, 1e-5, "compiled logits of a GS embedding")
+
+
 def test_resizing_a_structured_embedding_is_refused_clearly():
     model = family_model("compressed")
     with pytest.raises(AttributeError, match="needs a dense embedding"):

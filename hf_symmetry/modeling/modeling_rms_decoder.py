@@ -190,6 +190,13 @@ class GSLinear(_StructuredLinear):
         flat = ids.reshape(-1)
         bl = self.out_features // kl
         right = self.gs_right.view(kr, kl, b, -1)
+        if torch.compiler.is_compiling():  # no data-dependent shapes: each block's rows for every token, then pick
+            block, out = flat // bl, None
+            for i in range(kl):
+                left = self.gs_left[i][flat % bl].view(-1, kr, b).transpose(0, 1)  # [kr, N, b]
+                rows_i = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
+                out = rows_i if out is None else torch.where((block == i)[:, None], rows_i, out)
+            return out.reshape(*ids.shape, self.in_features)
         out = torch.empty(flat.shape[0], self.in_features, dtype=self.gs_left.dtype, device=flat.device)
         for i in range(kl):
             sel = (flat // bl) == i
