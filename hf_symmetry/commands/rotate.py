@@ -99,13 +99,13 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--target",
-        choices=["weights", "gguf-imatrix"],
+        choices=["weights", "gguf", "gguf-imatrix"],
         default=None,
         help="with --for-quantization: what --scales names and how the search measures the error. 'weights' "
-        "(default): a weight quantizer, rounding without activation data. 'gguf-imatrix': a llama-quantize type "
-        "(Q4_K_M by default; Q4_0, Q3_K_M, IQ4_NL, ...), with llama.cpp's per-tensor mixture and its "
-        "importance-matrix-weighted quantizers emulated bit for bit, the importance matrix being the scaled "
-        "model's own (use it with --write-imatrix)",
+        "(default): a weight quantizer, rounding without activation data. 'gguf': a llama-quantize type "
+        "(Q4_K_M by default; Q4_0, Q3_K_M, IQ4_NL, ...) with llama.cpp's per-tensor mixture, its quantizers "
+        "emulated bit for bit, no importance matrix. 'gguf-imatrix': the same with llama-quantize --imatrix, "
+        "the importance matrix being the scaled model's own (write it with --write-imatrix)",
     )
     p.add_argument(
         "--write-imatrix",
@@ -159,7 +159,7 @@ def resolve_quantization_preset(args) -> None:
     if args.vo_hadamard is None:
         args.vo_hadamard = rotated or not quant
     if args.scales is None and quant and not rotated:
-        args.scales = "Q4_K_M" if args.target == "gguf-imatrix" else "Q4_0"
+        args.scales = "Q4_K_M" if args.target in ("gguf", "gguf-imatrix") else "Q4_0"
     if args.scales == "none":
         args.scales = None
     if args.sort_channels is None:

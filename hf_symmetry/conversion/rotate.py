@@ -67,8 +67,8 @@ class RotateOptions:
     # activation RMS, so that channels of like scale share a quantization block (exact; norms keep their γ)
     sort_channels: bool = False
     # what ``scales`` names: "weights" (None): a quantizer of :mod:`hf_symmetry.evaluation.weight_quant`, applied
-    # without activation data; "gguf-imatrix": a llama-quantize file type (Q4_K_M, Q3_K_M, ...), its mixture
-    # emulated with the importance matrix of the scaled model (:mod:`.quantization.llamacpp`)
+    # without activation data; "gguf" / "gguf-imatrix": a llama-quantize file type (Q4_K_M, Q3_K_M, ...), its
+    # mixture emulated without / with the importance matrix of the scaled model (:mod:`.quantization.llamacpp`)
     target: str | None = None
 
     @property
@@ -306,20 +306,20 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
             groups.hadamard_factors(adapter.hidden)  # raises a clear error if no construction exists
     if options.sort_channels and (not options.for_quantization or not options.scales or options.residual != "none"):
         raise ValueError("--sort-channels needs --scales and --residual none (a rotation mixes every channel)")
-    if options.target not in (None, "weights", "gguf-imatrix"):
-        raise ValueError(f"unknown --target {options.target!r} (weights, gguf-imatrix)")
-    if options.target == "gguf-imatrix":
+    if options.target not in (None, "weights", "gguf", "gguf-imatrix"):
+        raise ValueError(f"unknown --target {options.target!r} (weights, gguf, gguf-imatrix)")
+    if options.target in ("gguf", "gguf-imatrix"):
         from .quantization.llamacpp import FTYPES
 
         if not (options.for_quantization and options.scales):
-            raise ValueError("--target gguf-imatrix needs --for-quantization with --scales (a llama-quantize type)")
+            raise ValueError(f"--target {options.target} needs --for-quantization and --scales (a llama-quantize type)")
         if options.scales not in FTYPES:
             raise ValueError(
-                f"--target gguf-imatrix: --scales {options.scales!r} is no emulated llama-quantize type "
+                f"--target {options.target}: --scales {options.scales!r} is no emulated llama-quantize type "
                 f"({', '.join(FTYPES)})"
             )
         if options.learn:
-            raise ValueError("--learn fits the rotation to a weight_quant quantizer, not to --target gguf-imatrix")
+            raise ValueError(f"--learn fits the rotation to a weight_quant quantizer, not to --target {options.target}")
 
 
 def _rotate(

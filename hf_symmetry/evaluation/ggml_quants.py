@@ -14,9 +14,8 @@ multiply-add in ggml-base (x86-64 with ``GGML_NATIVE=OFF``); a build that contra
 round an occasional tie differently.
 
 Types: ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0`` (blocks of 32), ``Q3_K``, ``Q4_K``, ``Q5_K``, ``Q6_K``
-(super-blocks of 256), ``IQ4_NL`` (blocks of 32, non-uniform levels). Without an importance matrix only
-``Q4_0``, ``Q5_0``, ``Q8_0``, ``Q6_K`` and ``IQ4_NL`` are emulated (llama.cpp's unweighted reference paths of
-the others are different searches).
+(super-blocks of 256), ``IQ4_NL`` (blocks of 32, non-uniform levels), each with an importance matrix and
+without one (llama.cpp's reference quantizers, ``quantize_row_*_ref``).
 
 :func:`roundtrip` returns the dequantized weight for ``[rows, n_per_row]`` float32 input and an importance
 vector of length ``n_per_row`` (or None).
@@ -124,6 +123,43 @@ def make_qx_quants(x: np.ndarray, nmax: int, qw: np.ndarray | None) -> tuple[np.
     scale = np.where(zero, F32(0), scale).astype(F32)
     L = np.where(zero[:, None], 0, L)
     return scale, L
+
+
+def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's ``make_q3_quants(n, nmax, x, L, do_rmse=true)`` (Q3_K without an importance matrix): round to the
+    max-scaled grid, then 5 coordinate passes on ``x²``-weighted least squares. Returns ``(scale, L)``,
+    ``L`` in 0..2·nmax−1."""
+    x = x.astype(F32, copy=False)
+    mx, amax = _signed_max(x)
+    zero = amax < GROUP_MAX_EPS
+    iscale = (F32(-nmax) / np.where(zero, F32(1), mx)).astype(F32)
+    L = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1)
+    w = (x * x).astype(F32)
+    lf = L.astype(F32)
+    sumlx, suml2 = _seq_sum(w * x * lf), _seq_sum(w * lf * lf)
+    for _ in range(5):
+        changed = np.zeros(x.shape[0], dtype=bool)
+        for i in range(x.shape[1]):
+            wi, xi, li = w[:, i], x[:, i], L[:, i].astype(F32)
+            slx = (sumlx - wi * xi * li).astype(F32)
+            sl2 = (suml2 - wi * li * li).astype(F32)
+            ok = slx > 0
+            with np.errstate(divide="ignore", invalid="ignore"):
+                new_l = np.clip(_nearest_int(np.where(ok, xi * sl2 / slx, F32(0))), -nmax, nmax - 1)
+            ok &= new_l != L[:, i]
+            nf = new_l.astype(F32)
+            slx2 = (slx + wi * xi * nf).astype(F32)
+            sl22 = (sl2 + wi * nf * nf).astype(F32)
+            take = ok & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            L[:, i] = np.where(take, new_l, L[:, i])
+            sumlx = np.where(take, slx2, sumlx)
+            suml2 = np.where(take, sl22, suml2)
+            changed |= take
+        if not changed.any():
+            break
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0)).astype(F32)
+    return np.where(zero, F32(0), scale).astype(F32), np.where(zero[:, None], 0, L + nmax)
 
 
 def make_qkx3_quants(
@@ -272,10 +308,16 @@ def _q_sym32(x, qw, nmax):
 
 def _q_asym32(x, qw, nmax):
     """Q4_1 / Q5_1 with an imatrix: ``make_qkx3_quants(32, nmax, ..., -0.9, 0.05, 36)``; ``L·d + m``."""
-    if qw is None:
-        raise NotImplementedError("Q4_1/Q5_1 without an importance matrix are not emulated")
     rows = x.shape[0]
     xb = _blocks(x, 32)
+    if qw is None:  # quantize_row_q{4,5}_1_ref: min/max, (x − min)·id + 0.5 truncated
+        mn, mx = xb.min(axis=-1).astype(F32), xb.max(axis=-1).astype(F32)
+        d = ((mx - mn) / F32(nmax)).astype(F32)
+        with np.errstate(divide="ignore"):
+            idd = np.where(d != 0, F32(1) / d, F32(0)).astype(F32)
+        L = np.trunc(((xb - mn[:, None]) * idd[:, None] + F32(0.5)).astype(F32)).astype(np.int32)
+        L = np.minimum(L, nmax) if nmax == 15 else L
+        return L.astype(F32) * _fp16(d)[:, None] + _fp16(mn)[:, None]
     w = _weights(xb, _tile(qw, rows, 32), _row_sigma2(x, 32))
     d, the_min, L = make_qkx3_quants(xb, nmax, w)
     return L.astype(F32) * _fp16(d)[:, None] + _fp16(-the_min)[:, None]
@@ -298,20 +340,32 @@ def _superblock_sigma2(xs: np.ndarray) -> np.ndarray:
 
 def _q_k_asym(x, qw, nmax):
     """Q4_K (nmax 15) / Q5_K (nmax 31) with an imatrix: ``quantize_row_q{4,5}_K_impl``."""
-    if qw is None:
-        raise NotImplementedError("Q4_K/Q5_K without an importance matrix are not emulated")
     rows = x.shape[0]
     xs = _blocks(x, QK_K)
     nsb = xs.shape[0]
-    sigma2 = _superblock_sigma2(xs)
     xb = xs.reshape(nsb * 8, 32)
-    w = _weights(xb, _tile(qw, rows, 32), np.repeat(sigma2, 8))
-    sw = _seq_sum(w).reshape(nsb, 8)
-    scales, mins, L = make_qkx3_quants(xb, nmax, w)
-    d_block, Ls = make_qp_quants(scales.reshape(nsb, 8), 63, sw)
-    m_block, Lm = make_qp_quants(mins.reshape(nsb, 8), 63, sw)
-    Ls, Lm = np.minimum(Ls, 63), np.minimum(Lm, 63)
-    dd, dm = _fp16(d_block), _fp16(m_block)
+    if qw is None:  # quantize_row_q{4,5}_K_ref: weights av_x + |x| per sub-block, 6-bit scales over the max
+        av_x = np.sqrt((_seq_sum(xb * xb) / F32(32)).astype(F32))
+        w = (av_x[:, None] + np.abs(xb)).astype(F32)
+        step = (-1.0, 0.1, 20) if nmax == 15 else (-0.5, 0.1, 15)
+        scales, mins, L = make_qkx3_quants(xb, nmax, w, *step)
+        max_scale = np.maximum(scales.reshape(nsb, 8).max(axis=-1), F32(0)).astype(F32)
+        max_min = np.maximum(mins.reshape(nsb, 8).max(axis=-1), F32(0)).astype(F32)
+        with np.errstate(divide="ignore"):
+            inv_s = np.where(max_scale > 0, F32(63) / max_scale, F32(0)).astype(F32)
+            inv_m = np.where(max_min > 0, F32(63) / max_min, F32(0)).astype(F32)
+        Ls = np.minimum(_nearest_int(inv_s[:, None] * scales.reshape(nsb, 8)), 63)
+        Lm = np.minimum(_nearest_int(inv_m[:, None] * mins.reshape(nsb, 8)), 63)
+        dd, dm = _fp16(max_scale / F32(63)), _fp16(max_min / F32(63))
+    else:
+        sigma2 = _superblock_sigma2(xs)
+        w = _weights(xb, _tile(qw, rows, 32), np.repeat(sigma2, 8))
+        sw = _seq_sum(w).reshape(nsb, 8)
+        scales, mins, L = make_qkx3_quants(xb, nmax, w)
+        d_block, Ls = make_qp_quants(scales.reshape(nsb, 8), 63, sw)
+        m_block, Lm = make_qp_quants(mins.reshape(nsb, 8), 63, sw)
+        Ls, Lm = np.minimum(Ls, 63), np.minimum(Lm, 63)
+        dd, dm = _fp16(d_block), _fp16(m_block)
     d = (dd[:, None] * Ls.astype(F32)).astype(F32).reshape(-1)
     m = (dm[:, None] * Lm.astype(F32)).astype(F32).reshape(-1)
     live = d != 0
@@ -346,18 +400,26 @@ def _q6_k(x, qw):
 
 def _q3_k(x, qw):
     """Q3_K with an imatrix: ``quantize_row_q3_K_impl``."""
-    if qw is None:
-        raise NotImplementedError("Q3_K without an importance matrix is not emulated")
     rows = x.shape[0]
     xs = _blocks(x, QK_K)
     nsb = xs.shape[0]
-    sigma2 = _superblock_sigma2(xs)
     xb = xs.reshape(nsb * 16, 16)
-    w = _weights(xb, _tile(qw, rows, 16), np.repeat(sigma2, 16))
-    sw = _seq_sum(w).reshape(nsb, 16)
-    scales, L = make_qx_quants(xb, 4, w)
-    d_block, Ls = make_qx_quants(scales.reshape(nsb, 16), 32, sw)
-    d = (np.repeat(_fp16(d_block), 16) * (Ls.reshape(-1) - 32).astype(F32)).astype(F32)
+    if qw is None:  # quantize_row_q3_K_ref: make_q3_quants, then 6-bit scales over the largest
+        scales, L = make_q3_quants(xb, 4)
+        max_scale, _ = _signed_max(scales.reshape(nsb, 16))
+        live_sb = max_scale != 0
+        iscale = (F32(-32) / np.where(live_sb, max_scale, F32(1))).astype(F32)
+        Ls = np.clip(_nearest_int(iscale[:, None] * scales.reshape(nsb, 16)), -32, 31) + 32
+        Ls = np.where(live_sb[:, None], Ls, 0)
+        d_sb = np.where(live_sb, _fp16(F32(1) / iscale), F32(0)).astype(F32)
+    else:
+        sigma2 = _superblock_sigma2(xs)
+        w = _weights(xb, _tile(qw, rows, 16), np.repeat(sigma2, 16))
+        sw = _seq_sum(w).reshape(nsb, 16)
+        scales, L = make_qx_quants(xb, 4, w)
+        d_block, Ls = make_qx_quants(scales.reshape(nsb, 16), 32, sw)
+        d_sb = _fp16(d_block)
+    d = (np.repeat(d_sb, 16) * (Ls.reshape(-1) - 32).astype(F32)).astype(F32)
     live = d != 0
     with np.errstate(divide="ignore", invalid="ignore"):
         l2 = np.clip(_nearest_int((xb / np.where(live, d, F32(1))[:, None]).astype(F32)), -4, 3) + 4

@@ -27,20 +27,22 @@ ORDER = (
     "attn_norm_scaling",
     "ffn_norm_scaling",
 )
-TARGETS = ("weights", "gguf-imatrix")
+TARGETS = ("weights", "gguf", "gguf-imatrix")
 
 
 def layer_quantizer(options, layer: dict, i: int, adapter):
     """What the scale search of layer ``i`` measures its error under: the named quantizer of
-    :mod:`hf_symmetry.evaluation.weight_quant`, or (``target="gguf-imatrix"``) per site the types llama-quantize's
-    ``options.scales`` mixture gives its readers, with the importance matrix of the scaled layer."""
+    :mod:`hf_symmetry.evaluation.weight_quant`, or (``target="gguf"``, ``"gguf-imatrix"``) per site the types
+    llama-quantize's ``options.scales`` mixture gives its readers, without an importance matrix or with the
+    importance matrix of the scaled layer."""
     if not options.scales:
         return None
-    if options.target == "gguf-imatrix":
+    if options.target in ("gguf", "gguf-imatrix"):
         from .llamacpp import layer_quantizers
 
         L = adapter.layout
-        return layer_quantizers(options.scales, layer, i, adapter.n_layers, L.n_heads // L.n_kv_heads)
+        gqa = L.n_heads // L.n_kv_heads
+        return layer_quantizers(options.scales, layer, i, adapter.n_layers, gqa, options.target == "gguf-imatrix")
     from ...evaluation.weight_quant import roundtrip
 
     return lambda A: roundtrip(A, options.scales)
