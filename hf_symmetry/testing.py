@@ -185,6 +185,17 @@ def outputs(model, ids: torch.Tensor) -> torch.Tensor:
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
+def float64_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits (or last hidden states) of a float64 copy of ``model`` on ``ids`` (``[L]`` or ``[B, L]``); the
+    model itself is left as it is. Exactness of a converted checkpoint is checked this way: in float64 what is
+    left is the checkpoint's own rounding to its dtype, the same on every machine, thread count and load,
+    where a float32 comparison sits on the accumulation-order floor, which moves with all three."""
+    import copy
+
+    twin = copy.deepcopy(model).to(torch.float64)
+    return outputs(twin, ids.reshape(1, -1) if ids.dim() == 1 else ids)
+
+
 #: first lines of every remote-code check: the interpreter runs with ``-S`` (no ``.pth`` files, so an
 #: editable hf_symmetry is invisible), site-packages is appended by hand, and the check refuses to run
 #: where hf_symmetry is importable anyway (it would then prove nothing)

@@ -94,6 +94,14 @@ def eval_ids(smollm2_tokenizer):
     return tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-eval")), max_tokens=512)
 
 
+@pytest.fixture(scope="session")
+def smollm2_logits64(smollm2, eval_ids):
+    """SmolLM2's float64 logits on ``eval_ids``: the reference of the float64 exactness checks."""
+    from hf_symmetry.testing import float64_logits
+
+    return float64_logits(smollm2, eval_ids)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny Llama folder with a word-level tokenizer over the words "0" … "96" (its vocabulary)."""
