@@ -14,7 +14,14 @@ import torch
 import hf_symmetry
 from hf_symmetry import TPAConfig, TPAForCausalLM, TPAModel
 from hf_symmetry.testing import run_without_hf_symmetry
-from hf_symmetry.modeling.modeling_tpa import TPACache, TPAFactorLinear, _compose, apply_rotary, eager_attention_forward
+from hf_symmetry.modeling.modeling_tpa import (
+    TPACache,
+    TPACacheLayer,
+    TPAFactorLinear,
+    _compose,
+    apply_rotary,
+    eager_attention_forward,
+)
 
 V = 61
 BASE = dict(
@@ -267,7 +274,8 @@ def test_generate_uses_the_factorised_cache():
     out = model.generate(
         ids_batch(b=1, t=5), max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0
     )
-    assert isinstance(out.past_key_values, TPACache)
+    # generate's DynamicCache, its layers turned into factor layers in place (the object generate holds fills)
+    assert all(isinstance(layer, TPACacheLayer) for layer in out.past_key_values.layers)
     layer = out.past_key_values.layers[0]
     assert layer.keys.shape == (1, 7, 2, 6) and layer.values.shape == (1, 7, 3, 6)
     assert layer.key_a.shape == (2, 3) and layer.value_a.shape == (3, 3)  # stored once
@@ -311,12 +319,17 @@ def test_a_non_factorised_cache_is_refused_once_filled():
     from transformers import DynamicCache
 
     model = make_model("contextual")
+    ids = ids_batch(t=5)
+    empty = DynamicCache()
     with torch.no_grad():
-        out = model(ids_batch(t=4), past_key_values=DynamicCache())  # empty: swapped for a TPACache
-    assert isinstance(out.past_key_values, TPACache)
+        out = model(ids[:, :4], past_key_values=empty)  # empty: its layers become factor layers in place
+        assert out.past_key_values is empty and all(isinstance(x, TPACacheLayer) for x in empty.layers)
+        # the caller's object is the cache that filled: reusing it continues the sequence
+        nxt = model(ids[:, 4:], past_key_values=empty).logits[:, -1]
+        assert (nxt - model(ids).logits[:, -1]).abs().max().item() <= 1e-4
     filled = DynamicCache()
     filled.update(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 3, 4), 0)
-    with pytest.raises(ValueError, match="TPACache"):
+    with pytest.raises(ValueError, match="already holds K/V"):
         model(ids_batch(t=1), past_key_values=filled)
 
 
@@ -472,7 +485,8 @@ def test_save_load_roundtrip_and_remote_code_without_hf_symmetry(tmp_path):
         "AutoConfig": "configuration_tpa.TPAConfig",
         "AutoModelForCausalLM": "modeling_tpa.TPAForCausalLM",
     }
-    assert (folder / "configuration_tpa.py").is_file() and (folder / "modeling_tpa.py").is_file()
+    for name in ("configuration_tpa.py", "modeling_tpa.py", "cache_tpa.py"):  # the sibling the model imports too
+        assert (folder / name).is_file(), name
     ids = ids_batch(b=1, t=7)
     with torch.no_grad():
         ref = model(ids).logits
@@ -499,14 +513,14 @@ def test_modeling_files_only_import_torch_and_transformers():
 
     folder = Path(hf_symmetry.__file__).parent / "modeling"
     allowed = {"torch", "transformers", "huggingface_hub", "__future__", "dataclasses", "math", "typing"}
-    for name in ("modeling_tpa.py", "configuration_tpa.py"):
+    for name in ("modeling_tpa.py", "configuration_tpa.py", "cache_tpa.py"):
         tree = ast.parse((folder / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 assert {a.name.split(".")[0] for a in node.names} <= allowed, name
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    assert node.level == 1 and node.module == "configuration_tpa", name
+                    assert node.level == 1 and node.module in ("configuration_tpa", "cache_tpa"), name
                 else:
                     assert node.module.split(".")[0] in allowed, name
 

@@ -31,13 +31,23 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
+from .cache_tpa import (
+    TPACache,
+    TPACacheLayer,
+    TPAQuantizedCache,
+    TPAQuantizedLayer,
+    TPAStaticCache,
+    TPAStaticLayer,
+    as_factor_cache,
+)
 from .configuration_tpa import TPAConfig
 
 
@@ -50,160 +60,8 @@ def cache_field() -> str:
     return "cache" if any(f.name == "cache" for f in dataclasses.fields(BaseModelOutputWithPast)) else "past_key_values"
 
 
-# ----------------------------------------------------------------------------------------------
-# Cache
-# ----------------------------------------------------------------------------------------------
-class TPACacheLayer(DynamicLayer):
-    """One layer of a factorised KV cache.
-
-    Token-major tensors (sequence on dim 1, so ``[B, S*R, d]`` views are free):
-
-    * ``keys``    – pre-rotated ``B_K``: ``[batch, seq, R_K, d_h]``
-    * ``values``  – ``B_V``: ``[batch, seq, R_V, d_h]``
-    * ``key_a``   – ``A_K``: ``[batch, seq, R_K, h]`` (contextual) or ``[R_K, h]`` stored once
-    * ``value_a`` – ``A_V``: ``[batch, seq, R_V, h]`` (contextual) or ``[R_V, h]`` stored once
-    """
-
-    is_compileable = False
-    is_sliding = False
-    is_croppable = True
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.key_a: torch.Tensor | None = None
-        self.value_a: torch.Tensor | None = None
-
-    # -- helpers ---------------------------------------------------------------------------------
-    def _per_token_names(self) -> list[str]:
-        names = ["keys", "values"]
-        for name in ("key_a", "value_a"):
-            t = getattr(self, name)
-            if t is not None and t.dim() == 4:
-                names.append(name)
-        return names
-
-    def per_token_tensors(self) -> list[torch.Tensor]:
-        """The tensors that grow with the sequence (for memory accounting)."""
-        if not self.is_initialized or self.keys is None:
-            return []
-        return [getattr(self, n) for n in self._per_token_names()]
-
-    def constant_tensors(self) -> list[torch.Tensor]:
-        """Tensors stored once per layer (non-contextual A factors)."""
-        return [t for t in (self.key_a, self.value_a) if t is not None and t.dim() == 2]
-
-    def _apply(self, fn) -> None:
-        if self.get_seq_length() > 0:
-            for name in self._per_token_names():
-                setattr(self, name, fn(getattr(self, name)))
-
-    # -- CacheLayerMixin API -----------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = self.values = None
-        self.is_initialized = True
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        *args,
-        key_a: torch.Tensor | None = None,
-        value_a: torch.Tensor | None = None,
-        **kwargs,
-    ):
-        """Append the new tokens' factors. ``key_states``/``value_states`` are ``B_K`` (rotated) and ``B_V``
-        ``[B, T, R, d_h]``; ``key_a``/``value_a`` are per-token ``[B, T, R, h]`` or constant ``[R, h]``.
-        Returns the full ``(B_K, B_V)``; the A factors are in ``key_a``/``value_a``."""
-        if key_a is None or value_a is None:
-            raise ValueError("TPACacheLayer.update needs the A factors (key_a=..., value_a=...)")
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        first = self.keys is None
-        self.keys = key_states if first else torch.cat([self.keys, key_states], dim=1)
-        self.values = value_states if first else torch.cat([self.values, value_states], dim=1)
-        for name, new in (("key_a", key_a), ("value_a", value_a)):
-            if new.dim() == 2:  # non-contextual: stored once
-                setattr(self, name, new)
-            else:
-                old = getattr(self, name)
-                setattr(self, name, new if first or old is None else torch.cat([old, new], dim=1))
-        return self.keys, self.values
-
-    def factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(A_K, B_K, A_V, B_V)`` for the whole cached sequence."""
-        return self.key_a, self.keys, self.value_a, self.values
-
-    def get_seq_length(self) -> int:
-        if not self.is_initialized or self.keys is None:
-            return 0
-        return self.keys.shape[1]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.keys = self.values = self.key_a = self.value_a = None
-        self.is_initialized = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove")
-        if tokens_to_remove == 0 or self.get_seq_length() == 0:
-            return
-        n = abs(tokens_to_remove)
-        self._apply(lambda t: t[:, :-n])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._apply(lambda t: t[indices, ...])
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def offload(self):
-        if self.get_seq_length() > 0:
-            self._apply(lambda t: t.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.get_seq_length() > 0 and self.keys.device != self.device:
-            self._apply(lambda t: t.to(self.device, non_blocking=True))
-
-
-class TPACache(Cache):
-    """A dynamic cache of TPA factors (one :class:`TPACacheLayer` per decoder layer)."""
-
-    def __init__(self, config: TPAConfig | None = None, num_layers: int | None = None, **kwargs):
-        if config is not None:
-            num_layers = config.get_text_config(decoder=True).num_hidden_layers
-        if num_layers is not None:
-            super().__init__(layers=[TPACacheLayer() for _ in range(num_layers)], **kwargs)
-        else:
-            super().__init__(layer_class_to_replicate=TPACacheLayer, **kwargs)
-
-    def update_factors(self, layer_idx: int, a_k, b_k, a_v, b_v):
-        """Append new factors for ``layer_idx`` and return the cached ``(A_K, B_K, A_V, B_V)``."""
-        self.update(b_k, b_v, layer_idx, key_a=a_k, value_a=a_v)
-        return self.layers[layer_idx].factors()
-
-    def cached_elements(self) -> dict[str, int]:
-        """Element counts actually held: ``per_token`` (tensors that grow with the sequence, all
-        layers and batch rows) and ``constant`` (non-contextual A factors, stored once per layer)."""
-        per_token = sum(t.numel() for layer in self.layers for t in layer.per_token_tensors())
-        constant = sum(t.numel() for layer in self.layers for t in layer.constant_tensors())
-        return {"per_token": per_token, "constant": constant}
-
-    def cached_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.layers
-            for t in layer.per_token_tensors() + layer.constant_tensors()
-        )
+#: the installed transformers' cache field name, read once (``dataclasses.fields`` cannot run under dynamo)
+CACHE_FIELD = cache_field()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +165,9 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    if key.shape[1] != query.shape[1]:  # grouped keys/values (GQA): each serves a block of query heads
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
@@ -340,7 +201,10 @@ class TPAAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_rank, self.k_rank, self.v_rank = config.q_rank, config.k_rank, config.v_rank
         self.contextual_a = config.contextual_a
-        self.num_key_value_groups = 1  # K/V are materialised per head (used by HF's attention functions)
+        # query heads per K/V head, read by transformers' attention functions: 1 (K/V composed per head), except
+        # during a grouped call (:meth:`grouped_attention`)
+        self.num_key_value_groups = 1
+        self._groups_key, self._groups = None, False
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
@@ -447,24 +311,101 @@ class TPAAttention(nn.Module):
         return self.attention_plan(T, S) != ("k", "v")
 
     # -- attention ---------------------------------------------------------------------------------
-    def materialized_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False):
-        q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
-        k = _compose(a_k, b_k, self.k_rank)
-        v = _compose(a_v, b_v, self.v_rank)
+    def head_chunk(self) -> int:
+        """Query heads per call of the attention function when K/V are composed (:meth:`materialized_attention`):
+        ``R_K`` (at most all heads), so that the K and V composed for one call hold no more elements per token
+        than the cached factors they come from. Composing all heads at once would hold ``h/R_K`` times more
+        (three times for a converted 9-head, 3-KV-head model): transient, but in a CPU process that memory
+        stays with the heap as fragments (measured: peak decode RSS twice the source model's)."""
+        return max(1, min(self.num_heads, self.k_rank))
+
+    def _attention_interface(self, output_attentions: bool):
         impl = self.config._attn_implementation
         if output_attentions or impl in (None, "eager"):
-            attention_interface = eager_attention_forward
-        else:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-        return attention_interface(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-        )
+            return eager_attention_forward
+        return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+
+    def factor_groups(self) -> bool:
+        """Whether the (non-contextual) A factors are a grouping of the heads: ``R_K = R_V = R`` dividing ``h``,
+        and column ``i`` of both ``A_K`` and ``A_V`` nonzero only in row ``i // (h/R)``. Then head ``i``'s key
+        is ``(A_K[g,i]/R) B_K[g]`` (likewise V): GQA with the factors as the K/V heads, which
+        :meth:`grouped_attention` runs without composing K or V (a converted GQA model at full rank, any model
+        at rank 1). Checked on the values (one host sync, cached until A changes); never while tracing, nor
+        when gradients flow into A (the zeros of A have gradients too)."""
+        if self.contextual_a or self.k_rank != self.v_rank or self.num_heads % self.k_rank:
+            return False
+        if torch.compiler.is_compiling():
+            return False
+        a_k, a_v = self.k_a, self.v_a
+        if torch.is_grad_enabled() and (a_k.requires_grad or a_v.requires_grad):
+            return False
+        key = (a_k.data_ptr(), a_k._version, a_v.data_ptr(), a_v._version)
+        if self._groups_key != key:
+            h, r = self.num_heads, self.k_rank
+            heads = torch.arange(h, device=a_k.device)
+            owner = torch.zeros(r, h, dtype=torch.bool, device=a_k.device)
+            owner[heads // (h // r), heads] = True
+            self._groups = bool(((a_k != 0) == owner).all() and ((a_v != 0) == owner).all())
+            self._groups_key = key
+        return self._groups
+
+    def grouped_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False, **kwargs):
+        """Attention when :meth:`factor_groups` holds: the cached ``B_K``/``B_V`` are the K/V heads of a GQA call
+        of the attention function (eager, SDPA or a registered backend), each query head scaled by its
+        ``A_K[g,i]/R`` and each output head by its ``A_V[g,i]/R``. No K or V is composed: the same work and
+        memory as the GQA model it came from. Returns ``([B,T,h,d], weights or None)``."""
+        h, r = self.num_heads, self.k_rank
+        heads = torch.arange(h, device=a_k.device)
+        groups = heads // (h // r)
+        k_scale, v_scale = a_k[groups, heads] / r, a_v[groups, heads] / r
+        q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
+        q = q * k_scale.to(q.dtype).view(1, h, 1, 1)
+        self.num_key_value_groups = h // r
+        try:
+            out, weights = self._attention_interface(output_attentions)(
+                self,
+                q,
+                b_k.transpose(1, 2),
+                b_v.transpose(1, 2),
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )
+        finally:
+            self.num_key_value_groups = 1
+        return out * v_scale.to(out.dtype).view(1, 1, h, 1), weights
+
+    def materialized_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False, **kwargs):
+        """Compose Q, K, V and call the configured attention function (eager, SDPA or a registered backend),
+        :meth:`head_chunk` query heads at a time (each call composes only its heads' K and V).
+        Returns ``([B,T,h,d], weights or None)``."""
+        q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
+        attention_interface = self._attention_interface(output_attentions)
+        dropout = 0.0 if not self.training else self.attention_dropout
+        h, step = self.num_heads, self.head_chunk()
+        outs, weights = [], []
+        for i in range(0, h, step):
+            heads = slice(i, min(i + step, h))
+            mask = attention_mask
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == h and h > 1:
+                mask = mask[:, heads]
+            out, w = attention_interface(
+                self,
+                q[:, heads],
+                _compose(a_k[..., heads], b_k, self.k_rank),
+                _compose(a_v[..., heads], b_v, self.v_rank),
+                mask,
+                dropout=dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )
+            outs.append(out)
+            weights.append(w)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if weights[0] is None:
+            return out, None
+        return out, weights[0] if len(weights) == 1 else torch.cat(weights, dim=1)
 
     def factor_attention(
         self,
@@ -544,22 +485,28 @@ class TPAAttention(nn.Module):
         out = (out / rv).transpose(1, 2).contiguous()
         return out, (probs if output_attentions else None)
 
-    def forward(
-        self, hidden_states, position_embeddings, attention_mask=None, cache=None, output_attentions=False, **kwargs
-    ):
+    def uses_attention_function(self) -> bool:
+        """Whether every route must go through the configured attention function: a registered backend other
+        than eager/SDPA takes masks in its own format, which only it reads (the factor-space routes read
+        tensor masks)."""
+        return self.config._attn_implementation not in (None, "eager", "sdpa")
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         B, T, _ = hidden_states.shape
+        output_attentions = bool(kwargs.pop("output_attentions", False))
         cos, sin = position_embeddings
         f = self.compute_factors(hidden_states, cos, sin)
         a_k, b_k, a_v, b_v = f["a_k"], f["b_k"], f["a_v"], f["b_v"]
         if cache is not None:
-            a_k, b_k, a_v, b_v = cache.update_factors(self.layer_idx, a_k, b_k, a_v, b_v)
-        score_route, value_route = self.attention_plan(T, b_k.shape[1])
-        if (score_route, value_route) != ("k", "v"):
+            a_k, b_k, a_v, b_v = cache.layers[self.layer_idx].update_factors(a_k, b_k, a_v, b_v)
+        plan = ("k", "v") if self.uses_attention_function() else self.attention_plan(T, b_k.shape[1])
+        if plan != ("k", "v"):
             out, weights = self.factor_attention(
-                f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, route=score_route, value_route=value_route
+                f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, route=plan[0], value_route=plan[1]
             )
         else:
-            out, weights = self.materialized_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions)
+            attend = self.grouped_attention if self.factor_groups() else self.materialized_attention
+            out, weights = attend(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, **kwargs)
         out = self.o_proj(out.reshape(B, T, -1).contiguous())
         return out, weights
 
@@ -572,27 +519,20 @@ class TPADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = TPARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = TPARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_embeddings=None,
-        cache=None,
-        use_cache=False,
-        output_attentions=False,
-        **kwargs,
-    ):
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        """The new hidden states (attention weights, when asked for, are recorded from the attention module by
+        transformers' output capturing, as in Llama)."""
+        kwargs.pop("use_cache", None)
         residual = hidden_states
-        hidden_states, attn_weights = self.self_attn(
+        hidden_states, _ = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
-            output_attentions=output_attentions,
+            **kwargs,
         )
         hidden_states = residual + hidden_states
-        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states, attn_weights
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -608,8 +548,9 @@ class TPAPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
-    _supports_attention_backend = False
-    _can_compile_fullgraph = False
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True
+    _can_record_outputs = {"hidden_states": TPADecoderLayer, "attentions": TPAAttention}
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -650,20 +591,7 @@ class TPAModel(TPAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _as_tpa_cache(self, cache):
-        """``cache`` as a :class:`TPACache`. ``generate`` hands the model an empty generic cache
-        (a ``DynamicCache``) unless it was given one: that one is swapped for the factorised cache here, and
-        the model's output carries the swap back to ``generate``."""
-        if cache is None or isinstance(cache, TPACache):
-            return cache
-        if (
-            isinstance(cache, Cache)
-            and cache.get_seq_length() == 0
-            and all(isinstance(layer, DynamicLayer) for layer in cache.layers)
-        ):
-            return TPACache(config=self.config)  # an empty generic cache: swap in the factorised one
-        raise ValueError(f"TPA models need a TPACache (factorised KV cache), got {type(cache).__name__}")
-
+    @capture_outputs
     def forward(
         self,
         input_ids=None,
@@ -672,18 +600,12 @@ class TPAModel(TPAPreTrainedModel):
         cache=None,
         inputs_embeds=None,
         use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
         past_key_values=None,
         **kwargs,
     ):
         cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         cfg = self.config
-        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
         use_cache = use_cache if use_cache is not None else cfg.use_cache
-        return_dict = return_dict if return_dict is not None else cfg.return_dict
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if self.gradient_checkpointing and self.training and use_cache:
@@ -692,7 +614,8 @@ class TPAModel(TPAPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = TPACache(config=cfg)
-        cache = self._as_tpa_cache(cache)
+        # an empty DynamicCache/StaticCache/QuantizedCache (what generate builds) becomes a factor cache in place
+        cache = as_factor_cache(cache, cfg)
 
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
@@ -703,30 +626,18 @@ class TPAModel(TPAPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        all_hidden, all_attn = (), ()
+        kwargs.pop("output_hidden_states", None)
         for layer in self.layers[: cfg.num_hidden_layers]:
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
-            hidden_states, attn = layer(
+            hidden_states = layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
+                position_ids=position_ids,
                 cache=cache,
-                use_cache=use_cache,
-                output_attentions=output_attentions,
+                **kwargs,
             )
-            if output_attentions:
-                all_attn += (attn,)
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden += (hidden_states,)
-        out = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            **{cache_field(): cache if use_cache else None},
-            hidden_states=all_hidden or None,
-            attentions=all_attn or None,
-        )
-        return out if return_dict else out.to_tuple()
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache if use_cache else None})
 
 
 class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
@@ -751,6 +662,7 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -760,14 +672,10 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
         inputs_embeds=None,
         labels=None,
         use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
         **kwargs,
     ):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -775,9 +683,8 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
             return_dict=True,
+            **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -785,14 +692,13 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        out = CausalLMOutputWithPast(
+        return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **{cache_field(): getattr(outputs, cache_field())},
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return out if return_dict else out.to_tuple()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -822,4 +728,14 @@ GLOBAL_MODULES = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm
 TPAModel.register_for_auto_class("AutoModel")
 TPAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["TPACache", "TPACacheLayer", "TPAForCausalLM", "TPAModel", "TPAPreTrainedModel"]
+__all__ = [
+    "TPACache",
+    "TPACacheLayer",
+    "TPAForCausalLM",
+    "TPAModel",
+    "TPAPreTrainedModel",
+    "TPAQuantizedCache",
+    "TPAQuantizedLayer",
+    "TPAStaticCache",
+    "TPAStaticLayer",
+]
