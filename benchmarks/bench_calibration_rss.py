@@ -77,7 +77,7 @@ def make_checkpoint(folder: Path, n_layers: int, shape: str = "bench", seed: int
     from transformers import LlamaConfig
 
     from hf_symmetry.assets import smollm2_dir
-    from hf_symmetry.checkpoint import ShardedWriter
+    from hf_symmetry.checkpoint_io import ShardedWriter
 
     if (folder / "config.json").is_file():
         return sum(f.stat().st_size for f in folder.glob("*.safetensors"))

@@ -41,7 +41,7 @@ from hf_symmetry.evaluation.compare import load_model, load_tokenizer
 from hf_symmetry.evaluation.perplexity import perplexity
 from hf_symmetry.text import read_text, tokenize_text
 from hf_symmetry.modeling.modeling_compressed_llama import structured_linear
-from hf_symmetry.symmetry.linalg import limit_threads
+from hf_symmetry.solvers.linalg import limit_threads
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / "_cache" / "compress"

@@ -111,7 +111,7 @@ def run_row(row: dict, args, results: dict) -> dict:
 
     torch.set_num_threads(1)
     from hf_symmetry.assets import smollm2_dir, text_path
-    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.conversion import compress as C
     from hf_symmetry.evaluation.compare import load_model, load_tokenizer
     from hf_symmetry.evaluation.perplexity import PPL, perplexity
@@ -223,12 +223,12 @@ def segment_objectives(args) -> dict:
     from bench_stage_w_reference import build_terms, score, segment_problems
 
     from hf_symmetry.assets import smollm2_dir, text_path
-    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.conversion import compress as C
     from hf_symmetry.conversion.compress.pca import pca
     from hf_symmetry.evaluation.compare import load_tokenizer
     from hf_symmetry.text import read_text, tokenize_text
-    from hf_symmetry.symmetry.segments import solve_segment
+    from hf_symmetry.solvers.segments import solve_segment
 
     problems = segment_problems([("ffn", 5), ("attn", 5)], 16384)
     reader = CheckpointReader(smollm2_dir())

@@ -73,7 +73,7 @@ def make_synthetic_checkpoint(folder: Path, n_layers: int) -> Path:
     """Write a random Llama checkpoint shard by shard (never the whole model in memory)."""
     import torch
 
-    from hf_symmetry.checkpoint import ShardedWriter, write_config
+    from hf_symmetry.checkpoint_io import ShardedWriter, write_config
 
     if (folder / "config.json").exists():
         return folder

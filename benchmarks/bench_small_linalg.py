@@ -1,6 +1,6 @@
 """Time the solver's small dense factorisations (float64 symmetric eigendecomposition and SVD) on the CPU
 (one thread, as the solver runs them) and, where CUDA is available, on the GPU: the measurements behind
-``hf_symmetry.symmetry.linalg.HOST_LINALG_MAX`` (which orders are decomposed on the host when their
+``hf_symmetry.solvers.linalg.HOST_LINALG_MAX`` (which orders are decomposed on the host when their
 matrix lives on an accelerator). Also a batch of 16 problems of each order in one batched call against
 16 separate calls.
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hf_symmetry.symmetry.linalg import limit_threads, svd, symmetric_eigh
+from hf_symmetry.solvers.linalg import limit_threads, svd, symmetric_eigh
 
 ORDERS = (32, 64, 128, 256, 576, 1024, 1536)
 

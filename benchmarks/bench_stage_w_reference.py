@@ -6,7 +6,7 @@ readers, norm-folded), the same calibration covariances (this project's one-pass
 configuration: Kronecker rank 3 with a 1x4 / 4x1 factor on the residual side, i.e. 75 % of each
 compressed matrix; V dense) and the same starting rotation (this project's stage F from Q = I).
 
-* ours: :func:`hf_symmetry.symmetry.segments.solve_segment` (float32 iterations, float64 result), run to
+* ours: :func:`hf_symmetry.solvers.segments.solve_segment` (float32 iterations, float64 result), run to
   convergence by its stopping rule (``ours_converged``: relative decrease per alternation below 1e-3,
   over-relaxation on) and, for comparison, the previous fixed single alternation (``ours_one_alternation``);
 * the reference: ``procrustes.wopp.weighted_procrustes_als`` of github.com/GrishKate/ProcrustesGPT
@@ -61,7 +61,7 @@ def segment_problems(segments: list[tuple[str, int]], calib_tokens: int, damping
     if missing:
         from hf_symmetry.assets import smollm2_dir, text_path
         from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
-        from hf_symmetry.checkpoint import CheckpointReader
+        from hf_symmetry.checkpoint_io import CheckpointReader
         from hf_symmetry.conversion import compress as C
         from hf_symmetry.evaluation.compare import load_tokenizer
         from hf_symmetry.text import read_text, tokenize_text
@@ -107,7 +107,7 @@ def damped(G: torch.Tensor, damping: float) -> torch.Tensor:
 
 def _paper_structure(role: str, name: str, shape: tuple[int, int]):
     """The reference comparison's structures: Kronecker sums, V dense."""
-    from hf_symmetry.symmetry import structured as S
+    from hf_symmetry.solvers import structures as S
 
     return S.Dense(shape) if name == "v" else S.Kron(shape, RANK, (1, FACTOR))
 
@@ -115,8 +115,8 @@ def _paper_structure(role: str, name: str, shape: tuple[int, int]):
 def build_terms(p: dict, stage: str, structure_of=_paper_structure):
     """Our :class:`Term` list (balanced as ``compress`` balances) for stage ``f`` or ``w``;
     ``structure_of(role, name, shape)`` gives each matrix's structure."""
-    from hf_symmetry.symmetry import structured as S
-    from hf_symmetry.symmetry.segments import Term, balance
+    from hf_symmetry.solvers import structures as S
+    from hf_symmetry.solvers.segments import Term, balance
 
     terms, readers = [], []
     for key, M in p.items():
@@ -177,14 +177,14 @@ def score(p: dict, Q: torch.Tensor, approx: dict) -> dict:
 
 # ----------------------------------------------------------------------------- our side
 def stage_f(p: dict, iters: int) -> torch.Tensor:
-    from hf_symmetry.symmetry.segments import solve_segment
+    from hf_symmetry.solvers.segments import solve_segment
 
     d = p["reader_cov"].shape[0]
     return solve_segment(build_terms(p, "f"), torch.eye(d, dtype=torch.float64), iters=iters).Q
 
 
 def run_ours(p: dict, Q_F: torch.Tensor, **kwargs) -> dict:
-    from hf_symmetry.symmetry.segments import solve_segment
+    from hf_symmetry.solvers.segments import solve_segment
 
     terms = build_terms(p, "w")
     t0, c0 = time.perf_counter(), time.process_time()

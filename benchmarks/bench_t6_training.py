@@ -1,7 +1,7 @@
 """T6 (TPA) against Llama MHA, Llama GQA and MLA at equal parameters: pretraining from scratch on CPU.
 
 Reproduces the setup of the TPA paper at a size this machine can train: the four configurations come
-from ``hf_symmetry.training.arch_configs.equal_size_configs`` (same depth, width and FFN; heads chosen
+from ``hf_symmetry.training.tpa_paper_configs.equal_size_configs`` (same depth, width and FFN; heads chosen
 for equal attention parameters), all trained with the shared Trainer setup (``hf_symmetry.training``,
 the one ``examples/train_clm.py`` uses) on the same tokens in the same order with the same steps and
 cosine schedule, two seeds each.
@@ -115,7 +115,7 @@ def worker(arch: str, seed: int, opts: dict, work: Path) -> dict:
     import torch
 
     from hf_symmetry.training import TrainSettings, train
-    from hf_symmetry.training.arch_configs import build_model, equal_size_configs, kv_cache_elements
+    from hf_symmetry.training.tpa_paper_configs import build_model, equal_size_configs, kv_cache_elements
 
     torch.set_num_threads(1)
     train_ds, val_ds, vocab, ids, data_info, full_vocab = prepared_data(work, opts["seq_len"], opts["val_tokens"])
@@ -174,7 +174,7 @@ def throughput(opts: dict, work: Path, rounds: int = 6) -> dict:
 
     import torch
 
-    from hf_symmetry.training.arch_configs import build_model, equal_size_configs
+    from hf_symmetry.training.tpa_paper_configs import build_model, equal_size_configs
 
     torch.set_num_threads(1)
     train_ds, _, vocab, ids, _, _ = prepared_data(work, opts["seq_len"], opts["val_tokens"])

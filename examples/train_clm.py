@@ -5,7 +5,7 @@ In the style of transformers' ``run_clm.py``, offline: text files or JSONL (``"t
 into training and validation by document, tokenised (SmolLM2's tokenizer by default) and packed into
 fixed-length sequences. ``--params`` is the size without embeddings; the four architectures come out
 equal at that size (same depth, width and FFN; the heads are chosen as in the TPA paper, see
-``hf_symmetry.training.arch_configs``). Training is hf_symmetry's shared Trainer setup (the one
+``hf_symmetry.training.tpa_paper_configs``). Training is hf_symmetry's shared Trainer setup (the one
 ``hf-symmetry heal`` uses): AdamW, cosine schedule with warmup, clipping, a progress bar, held-out loss
 every ``--eval-steps``, checkpoints every ``--save-steps`` and ``--resume``.
 
@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # only the main process judges OUT: the others may start after it has begun writing there
     if is_main_process() and out.is_dir() and any(out.iterdir()) and not args.resume:
         fail(f"--out {out} is not empty; pass --resume to continue its run or choose another folder")
-    from hf_symmetry.training.arch_configs import parse_parameter_count
+    from hf_symmetry.training.tpa_paper_configs import parse_parameter_count
 
     try:
         args.params_count = parse_parameter_count(args.params)
@@ -128,7 +128,7 @@ def main(argv=None, callbacks=()) -> int:
     from transformers import AutoTokenizer
 
     from hf_symmetry.training import TrainSettings, build_datasets, is_main_process, train, world_size
-    from hf_symmetry.training.arch_configs import build_model, equal_size_configs, kv_cache_elements
+    from hf_symmetry.training.tpa_paper_configs import build_model, equal_size_configs, kv_cache_elements
 
     def fail(msg):
         print(f"train_clm.py: error: {msg}", file=sys.stderr)

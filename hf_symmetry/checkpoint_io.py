@@ -39,6 +39,8 @@ SIDE_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+#: files of which one makes a folder's tokenizer loadable by AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def parse_size(size: str | int) -> int:

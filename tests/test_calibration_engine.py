@@ -319,7 +319,7 @@ def test_farr_streams_its_calibrated_metric_one_layer_at_a_time(tmp_path, family
     """Calibrated FaRR's first pass runs inside the engine (metric and spectra per layer, the metrics
     kept in files for the second pass): the same tensors and ranks as FaRR on the whole set of
     input moments, and the files are gone afterwards."""
-    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.conversion.farr import (
         FarrOptions,
         LayerWeights,
@@ -383,7 +383,7 @@ def test_cuda_statistics_equal_cpu(tmp_path, exact_rmsnorm):
 def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     """FaRR (calibrated, window 20) of the tiny float64 Llama in ``folder`` and a RegMean merge of two
     tiny Llamas, both calibrated on 60 tokens in windows of 20 on ``placement``: their output tensors."""
-    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, calibrated_analysis, run_farr
     from hf_symmetry.conversion.merge import run_merge
     from hf_symmetry.conversion.merge.recipe import recipe_from_dict

@@ -1,7 +1,7 @@
 """``--q-mode global``: one rotation over every segment, solved with the weights streamed from the
 checkpoint on each alternation (:class:`hf_symmetry.conversion.compress.global_q.GlobalSolve`). It must
 give the same rotation and factors as the whole problem held in memory and solved at once
-(:func:`hf_symmetry.symmetry.segments.solve_segment` on every term), and read the layers again on
+(:func:`hf_symmetry.solvers.segments.solve_segment` on every term), and read the layers again on
 each alternation instead of holding them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
-from hf_symmetry.symmetry.segments import solve_segment
+from hf_symmetry.solvers.segments import solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
 
 SV = importlib.import_module("hf_symmetry.conversion.compress.solve")  # the module (the package exports solve())

@@ -15,7 +15,7 @@ import torch
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.symmetry import structured as S
+from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
@@ -308,7 +308,7 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     GS embedding's row factor streamed a block of rows at a time (:class:`RowBlocks`; GS: ``[1, vocab,
     c]``; Kronecker: ``B [vocab, r, n2]``): the files hold exactly the tensors ``compress_tensors``
     collects in memory from the same tokens."""
-    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.evaluation.compare import load_tokenizer
     from hf_symmetry.text import read_text, tokenize_text
 

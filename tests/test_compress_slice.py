@@ -9,7 +9,7 @@ import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.symmetry import structured as S
+from hf_symmetry.solvers import structures as S
 from hf_symmetry.testing import input_ids, outputs, tiny_model
 
 

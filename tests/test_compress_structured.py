@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_symmetry.modeling.modeling_compressed_llama import OrthogonalSkip, cayley_decode, structured_linear
-from hf_symmetry.symmetry import structured as S
+from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.symmetry.segments import Term, cayley_encode, objective, solve_segment, weighted_procrustes
-from hf_symmetry.symmetry.linalg import weighted_error
+from hf_symmetry.solvers.segments import Term, cayley_encode, objective, solve_segment, weighted_procrustes
+from hf_symmetry.solvers.linalg import weighted_error
 
 M, N = 24, 36
 STRUCTURES = {

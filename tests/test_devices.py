@@ -85,7 +85,7 @@ def test_cli_refuses_a_bad_device_with_one_line_and_writes_nothing(argv, tmp_pat
 
 _KILLED_RUN = textwrap.dedent("""
     import sys, time
-    from hf_symmetry.checkpoint import atomic_output_dir
+    from hf_symmetry.checkpoint_io import atomic_output_dir
     with atomic_output_dir(sys.argv[1]) as tmp:
         (tmp / "model.safetensors").write_bytes(b"x" * 1000)
         print(tmp.name, flush=True)
@@ -94,7 +94,7 @@ _KILLED_RUN = textwrap.dedent("""
 
 
 def test_a_run_killed_by_sigkill_leaves_out_untouched_and_the_next_run_cleans_up(tmp_path, capfd):
-    from hf_symmetry.checkpoint import atomic_output_dir
+    from hf_symmetry.checkpoint_io import atomic_output_dir
 
     out = tmp_path / "OUT"
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, str(out)], stdout=subprocess.PIPE, text=True)

@@ -18,7 +18,7 @@ from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa, convert_model_to_tpa
-from hf_symmetry.symmetry import structured as S
+from hf_symmetry.solvers import structures as S
 from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model, run_without_hf_symmetry
 
 

@@ -25,7 +25,7 @@ from hf_symmetry.conversion.farr import (
 from hf_symmetry.conversion.stream import DictSource, partition_keys
 from hf_symmetry.conversion.farr.fused_check import check_fused_layout
 from hf_symmetry.modeling.configuration_farr import qk_parameters, vo_parameters
-from hf_symmetry.symmetry import fused
+from hf_symmetry.solvers import fused
 from hf_symmetry.symmetry.actions import NotASymmetry
 from hf_symmetry.symmetry.layout import HeadLayout
 from hf_symmetry.testing import input_ids, outputs, tiny_model, run_without_hf_symmetry

@@ -14,11 +14,11 @@ import yaml
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import merge as merge_module
 from hf_symmetry.conversion.merge import fisher as merge_fisher
-from hf_symmetry.conversion.merge import methods as merge_methods
+from hf_symmetry.conversion.merge import tensor_rules
 from hf_symmetry.conversion.merge import stream as merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
 from hf_symmetry.conversion.merge import merge_state_dicts
-from hf_symmetry.conversion.merge.methods import fisher_average, regmean, task_arithmetic, ties, weighted_average
+from hf_symmetry.conversion.merge.tensor_rules import fisher_average, regmean, task_arithmetic, ties, weighted_average
 from hf_symmetry.conversion.merge.recipe import load_recipe, recipe_from_dict
 from hf_symmetry.conversion.rotate import RotateOptions, rotate_state_dict
 from hf_symmetry.evaluation.compare import model_from_state_dict
@@ -553,7 +553,7 @@ def _textbook_regmean(weights, grams, model_weights, alpha):
 def test_regmean_group_and_row_block_solver_equal_the_textbook_formula():
     """One factorisation for the linears that share an input, Grams consumed one model at a time:
     bitwise the textbook result; the LM head's row blocks agree to rounding."""
-    from hf_symmetry.conversion.merge.methods import RegMeanSolver, regmean_group
+    from hf_symmetry.conversion.merge.tensor_rules import RegMeanSolver, regmean_group
 
     gen = torch.Generator().manual_seed(3)
     X = [torch.randn(200, 24, generator=gen, dtype=torch.float64) for _ in range(3)]
@@ -601,7 +601,7 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
 
     monkeypatch.setattr(merge_stream.LayerGramSet, "__init__", spy)
     monkeypatch.setattr(merge_stream, "BLOCK_ELEMENTS", 10 * models[0].config.hidden_size)  # 10 rows a block
-    monkeypatch.setattr(merge_methods, "GRAM_BLOCK_ELEMENTS", 500)  # a Gram read 6-10 rows at a time
+    monkeypatch.setattr(tensor_rules, "GRAM_BLOCK_ELEMENTS", 500)  # a Gram read 6-10 rows at a time
     reads = []
     real_rows = merge_stream.StoredGram.rows
     monkeypatch.setattr(

@@ -49,7 +49,7 @@ def test_written_imatrix_is_the_converted_models_second_moments(tmp_path, capsys
     from transformers import AutoTokenizer
 
     from hf_symmetry.calibration.data import calibration_ids
-    from hf_symmetry.checkpoint import CheckpointReader
+    from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.cli import main
     from hf_symmetry.conversion.quantization.scales import layer_stats
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.symmetry import linalg
-from hf_symmetry.symmetry import structured as S
-from hf_symmetry.symmetry.segments import Term, objective
+from hf_symmetry.solvers import linalg
+from hf_symmetry.solvers import structures as S
+from hf_symmetry.solvers.segments import Term, objective
 
 
 def _psd(n: int, rank: int | None = None, batch: tuple = (), seed: int = 0) -> torch.Tensor:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.symmetry import structured as S
+from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.symmetry.linalg import limit_threads
-from hf_symmetry.symmetry.segments import Term, balance, objective, solve_segment, weighted_procrustes
+from hf_symmetry.solvers.linalg import limit_threads
+from hf_symmetry.solvers.segments import Term, balance, objective, solve_segment, weighted_procrustes
 
 D = 24
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from hf_symmetry import cli
-from hf_symmetry.checkpoint import CheckpointReader, ShardedWriter
+from hf_symmetry.checkpoint_io import CheckpointReader, ShardedWriter
 from hf_symmetry.conversion import rotate
 from hf_symmetry.conversion.rotate import RotateOptions, rotate_checkpoint, rotate_state_dict
 from hf_symmetry.testing import tiny_model
@@ -182,7 +182,7 @@ def test_writer_streams_row_blocks(tmp_path):
     """A :class:`RowBlocks` tensor (made a block of rows at a time, e.g. a low-rank embedding's row
     factor) is written as its blocks come, cast to its dtype, between whole tensors: the file holds
     exactly the tensor the blocks make. Blocks that do not add up to its rows are an error."""
-    from hf_symmetry.checkpoint import RowBlocks
+    from hf_symmetry.checkpoint_io import RowBlocks
 
     W = torch.randn(10, 3, dtype=torch.float64)
     lazy = RowBlocks((10, 3), torch.float64, lambda: (W[i : i + 4] for i in range(0, 10, 4))).to(torch.float32)
@@ -201,7 +201,7 @@ def test_row_blocks_along_another_dimension_and_permuted(tmp_path):
     """Row blocks along dimension 1 (a Kronecker factor ``[r, vocab, n2]``) are not contiguous pieces
     of the tensor: the writer makes them whole; permuted to ``[vocab, r, n2]`` (the module's layout)
     they are, and stream. Both files hold the tensor the blocks make."""
-    from hf_symmetry.checkpoint import RowBlocks
+    from hf_symmetry.checkpoint_io import RowBlocks
 
     B = torch.randn(3, 10, 2, dtype=torch.float64)
     math = RowBlocks(B.shape, torch.float64, lambda: (B[:, i : i + 4] for i in range(0, 10, 4)), row_dim=1)

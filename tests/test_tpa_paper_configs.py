@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.training.arch_configs import (
+from hf_symmetry.training.tpa_paper_configs import (
     ARCHS,
     build_model,
     count_non_embedding_parameters,

@@ -146,7 +146,7 @@ def test_two_processes_give_the_weights_of_one_process(corpus, tmp_path):
     assert cfg["model_type"] == "deepseek_v3" and cfg["first_k_dense_replace"] == cfg["num_hidden_layers"]
     from transformers import AutoConfig
 
-    from hf_symmetry.training.arch_configs import build_model
+    from hf_symmetry.training.tpa_paper_configs import build_model
 
     torch.manual_seed(0)  # the script's initialisation (seed 0), to measure how far training moved each tensor
     init = build_model(AutoConfig.from_pretrained(tmp_path / "one")).state_dict()

@@ -78,7 +78,7 @@ class CalibrationResult:
 class CalibrationEngine(CalibrationModel):
     """Layer-wise calibration over a checkpoint (see the module docstring).
 
-    ``source``: an HF model folder (read with :class:`hf_symmetry.checkpoint.CheckpointReader`)
+    ``source``: an HF model folder (read with :class:`hf_symmetry.checkpoint_io.CheckpointReader`)
     or any tensor source with ``keys()``/``get(names)`` (e.g. an in-memory state dict wrapped in
     :class:`hf_symmetry.conversion.stream.DictSource`) together with its ``config`` (dict).
     ``placement``: the checked device and calibration dtype (:func:`hf_symmetry.devices.resolve`;

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..architectures import Adapter
-from ..checkpoint import CheckpointReader
+from ..checkpoint_io import CheckpointReader
 from ..devices import Placement, exact_float64, resolve
 from .capture import rotary_on_host
 
@@ -24,7 +24,7 @@ Tensors = dict[str, torch.Tensor]
 class CalibrationModel:
     """A checkpoint's family modules on the calibration device, one layer at a time.
 
-    ``source``: an HF model folder (read with :class:`hf_symmetry.checkpoint.CheckpointReader`)
+    ``source``: an HF model folder (read with :class:`hf_symmetry.checkpoint_io.CheckpointReader`)
     or any tensor source with ``keys()``/``get(names)`` together with its ``config`` (dict).
     ``placement``: the checked device and calibration dtype (default CPU float32). ``stats_device``:
     where statistics accumulate (``None``: where the activations are). ``progress``: show progress bars."""

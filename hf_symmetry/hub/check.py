@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint_io import TOKENIZER_FILES
+
 # the module, not the function of the same name that hf_symmetry.evaluation re-exports
 perplexity_module = importlib.import_module("hf_symmetry.evaluation.perplexity")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 
 # Runs in the isolated interpreter: only torch, transformers, safetensors. The one piece of
 # hf_symmetry it uses, the sliding-window perplexity, is loaded from its file as a standalone

@@ -25,8 +25,8 @@ from typing import Iterator, Literal
 
 import torch
 
-from .actions import NotASymmetry
-from .layout import HeadLayout
+from ..symmetry.actions import NotASymmetry
+from ..symmetry.layout import HeadLayout
 
 Tensors = dict[str, torch.Tensor]
 MapKind = Literal["vo", "qk"]

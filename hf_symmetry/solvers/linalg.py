@@ -1,4 +1,4 @@
-"""The dense linear algebra of the structured solvers (:mod:`.structured`, :mod:`.segments`): SVD and
+"""The dense linear algebra of the structured solvers (:mod:`.structures`, :mod:`.segments`): SVD and
 symmetric eigendecompositions (SciPy's LAPACK for CPU matrices), the row weightings :class:`Gram`,
 pseudo-inverse solves of PSD normal equations (one matrix or a batch), and the thread limit the small
 problems run under.

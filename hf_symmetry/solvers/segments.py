@@ -13,7 +13,7 @@ The solver alternates exact steps, each of which never increases the objective:
 
 * projection: each matrix's structured factors, given Q (closed form for Frobenius, alternating
   least squares started from the better of the previous factors and the Frobenius projection for
-  weighted terms, :mod:`.structured`);
+  weighted terms, :mod:`.structures`);
 * rotation: given the factors. Without reader covariances the objective is linear in Q, solved by
   orthogonal Procrustes (stage F). With them it is a weighted orthogonal Procrustes problem
   ``min −2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)`` (stage W), solved by Riemannian gradient descent on
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .procrustes import orthogonal_procrustes
+from ..symmetry.procrustes import orthogonal_procrustes
 from .linalg import Gram, factorisation_device, limit_threads, symmetric_eigh, weighted_error
-from .structured import Dense, Factors, Structure
+from .structures import Dense, Factors, Structure
 
 Tensor = torch.Tensor
 

@@ -15,7 +15,7 @@ The steps, one module each:
 - :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity (:mod:`.allocate_widths`:
   SliceGPT's per-segment widths);
 - :mod:`.solve` — rotations (stage F / W) and structured factors, segment by segment (the structures
-  themselves are :mod:`...symmetry.structured`'s classes);
+  themselves are :mod:`...solvers.structures`'s classes);
 - :mod:`.pca` — SliceGPT's rotations, from one pass or sequential;
 - :mod:`.global_q` — one global rotation, the weights streamed from the checkpoint on each alternation;
 - :mod:`.targets` — the solvers' damped weights and sequential calibration's matched targets;

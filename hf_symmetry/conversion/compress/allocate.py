@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...symmetry import structured as st
+from ...solvers import structures as st
 from .options import CompressOptions
 from .plan import Entry, in_policy, shared_factor, structure_for
 

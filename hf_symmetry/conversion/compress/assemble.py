@@ -10,9 +10,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ...architectures import Adapter
-from ...checkpoint import RowBlocks
-from ...symmetry import structured as st
-from ...symmetry.segments import cayley_encode
+from ...checkpoint_io import RowBlocks
+from ...solvers import structures as st
+from ...solvers.segments import cayley_encode
 from ...modeling import modeling_compressed_llama as family
 from ...modeling.configuration_compressed_llama import CompressedLlamaConfig
 from .folded import FoldedLayers, global_row_blocks
@@ -47,9 +47,9 @@ class Assembler:
     dropped once written), and whatever is left at the end (:meth:`finish`). Dense matrices are
     rotated and sliced one matrix at a time from the norm-folded layers and globals (the vocabulary-sized
     ones a block of rows at a time). ``sink``: called with each module's tensors as they are made (e.g.
-    a :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them in :attr:`out`; a sink
+    a :class:`...checkpoint_io.ShardedWriter`'s ``add``) instead of collecting them in :attr:`out`; a sink
     with a true ``row_blocks`` attribute is handed vocabulary-sized row factors as
-    :class:`...checkpoint.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
+    :class:`...checkpoint_io.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
 
     def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink=None):
         self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = (
@@ -69,7 +69,7 @@ class Assembler:
         self.layer_map = LayerMapRecorder(plan.n_layers, plan.hidden, "compress")
 
     def put(self, prefix: str, tensors: Tensors) -> None:
-        """Cast and hand on one module's tensors (a :class:`...checkpoint.RowBlocks` factor is streamed
+        """Cast and hand on one module's tensors (a :class:`...checkpoint_io.RowBlocks` factor is streamed
         into the sink, or made whole when the tensors are collected)."""
         made = {
             f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
@@ -189,7 +189,7 @@ def assemble(
 ) -> Tensors:
     """The compressed model's state dict (cast to ``dtype``) from the norm-folded layers and globals and
     the final norm's γ. ``sink``: called with each module's tensors as they are made (e.g. a
-    :class:`...checkpoint.ShardedWriter`'s ``add``) instead of collecting them; the result is then empty.
+    :class:`...checkpoint_io.ShardedWriter`'s ``add``) instead of collecting them; the result is then empty.
     (:class:`Assembler` writes the parts as a solver finishes them.)"""
     return Assembler(plan, layers, globals_, gamma, dtype, sink).finish(res, progress)
 

@@ -1,7 +1,7 @@
 """One global rotation (``--q-mode global``): stage F/W with one Q for every residual segment, solved
 over all the compressed matrices together, with the weights streamed from the checkpoint.
 
-The alternation of :func:`...symmetry.segments.solve_segment` needs every matrix at each projection
+The alternation of :func:`...solvers.segments.solve_segment` needs every matrix at each projection
 step, but between projections only their summaries: the rotation step minimises
 ``C − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``, where the constant C, ``K`` (``d × d``) and one ``H_p`` per
 segment with compressed readers (stage W; ``Σ_p`` is that segment's column weight) are sums over the
@@ -15,7 +15,7 @@ factors (Kronecker/GS with a weight), those factors are kept, spilled to safeten
 scratch folder. Nothing holds a matrix between sweeps, so memory does not grow with depth beyond
 those summaries. The last sweep fits the matrices at the final Q in float64, keeps their factors
 and hands each finished segment on (``on_segment``). The solve equals
-:func:`~...symmetry.segments.solve_segment` on all the terms at once, to round-off (tested)."""
+:func:`~...solvers.segments.solve_segment` on all the terms at once, to round-off (tested)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from ...symmetry.segments import (
+from ...solvers.segments import (
     Summary,
     Term,
     balance,
@@ -141,7 +141,7 @@ class GlobalSolve:
         on_segment=None,
         scratch: str | Path | None = None,
     ) -> tuple[Tensor, list[float]]:
-        """Alternate sweeps and rotation steps from ``Q0`` as :func:`...symmetry.segments.solve_segment`
+        """Alternate sweeps and rotation steps from ``Q0`` as :func:`...solvers.segments.solve_segment`
         does (its stopping rule, over-relaxation and float32 iterations of ``options``), then
         :meth:`finish` at the final Q (``final=False``: the factors are not wanted, e.g. stage F's
         before stage W; the trace then ends with the objective after the last rotation step).

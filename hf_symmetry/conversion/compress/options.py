@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from ...symmetry import structured as st
+from ...solvers import structures as st
 
-#: ``--structure``: a structure class by its name (:data:`...symmetry.structured.CLASSES`), or SliceGPT
+#: ``--structure``: a structure class by its name (:data:`...solvers.structures.CLASSES`), or SliceGPT
 STRUCTURES = ("kron", "gs", "lowrank", "slice")
 #: the option that sets each sizing argument of a structure class (:attr:`...structured.Structure.sizing`)
 _SIZING_OPTIONS = {"factor": "kron_factor", "blocks": "gs_blocks"}
@@ -262,7 +262,7 @@ class CompressOptions:
         return out
 
     def stopping(self, stage: str = "w") -> dict:
-        """Stage F/W's stopping rule and acceleration (:func:`...symmetry.segments.solve_segment`'s
+        """Stage F/W's stopping rule and acceleration (:func:`...solvers.segments.solve_segment`'s
         keywords): both stages stop by ``tol``; stage W over-relaxes Q between alternations
         (``extrapolate``)."""
         return {"tol": self.tol, "wopp_tol": self.wopp_tol, "extrapolate": self.extrapolate and stage == "w"}

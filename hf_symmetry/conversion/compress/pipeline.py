@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
-from ...symmetry.linalg import limit_threads
+from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
+from ...solvers.linalg import limit_threads
 from ..stream import DictSource, TensorSource
 from .allocate import allocate_for
 from .allocate_widths import allocate_slice_for

@@ -16,7 +16,7 @@ import torch
 
 from ...architectures import Adapter
 from ...architectures.capabilities import require
-from ...symmetry import structured as st
+from ...solvers import structures as st
 from ..stream import DictSource, TensorSource
 from .options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 

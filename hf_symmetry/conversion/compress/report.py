@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ...checkpoint import copy_side_files
+from ...checkpoint_io import copy_side_files
 from ...hub.cards import public_report
 from .card import write_card
 from .options import CompressOptions

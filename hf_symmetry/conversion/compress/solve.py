@@ -2,7 +2,7 @@
 
 Stage ``none`` (plain projection, Q = I), stage ``f`` (alternating Frobenius projection / Procrustes per
 segment), stage ``w`` (from stage F's Q: weighted projections and weighted Procrustes with the
-calibration covariances), see :mod:`...symmetry.segments`; either one Q per residual segment (skip
+calibration covariances), see :mod:`...solvers.segments`; either one Q per residual segment (skip
 connections carry ``Q_prevᵀ Q_next``) or one global Q. SliceGPT: PCA of the stream per segment (one pass
 or sequential) or globally, then slicing. Which path runs is :attr:`CompressOptions.solver`."""
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ...symmetry import structured as st
-from ...symmetry.segments import Term, balance, solve_segment
+from ...solvers import structures as st
+from ...solvers.segments import Term, balance, solve_segment
 from . import targets
 from .moments import CalibrationInput, CalibrationStats, sequential_weighted
 from .options import CompressOptions
@@ -48,7 +48,7 @@ def _terms(
 ) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
     ``only`` filled when given: sequential calibration has the statistics of one segment at a time),
-    balanced (:func:`...symmetry.segments.balance`); the terms are those of :func:`_each_term`."""
+    balanced (:func:`...solvers.segments.balance`); the terms are those of :func:`_each_term`."""
     segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(2 * plan.n_layers + 1)]
     for m, term in _each_term(plan, layers, globals_, stats, stage, options, only, device, row_dtype, consume):
         terms, readers = segments[m.segment]

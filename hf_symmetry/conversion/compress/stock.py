@@ -176,7 +176,7 @@ def compressed_plan_at(source: TensorSource, config: dict, options: CompressOpti
     from dataclasses import replace
 
     from .plan import accounting, plan_for
-    from ...symmetry import structured as st
+    from ...solvers import structures as st
 
     plan, _ = plan_for(source, config, options.with_(tolerance=1.0))
     plan.residual = int(width)
@@ -391,7 +391,7 @@ def compress_stock_checkpoint(
 ):
     """:func:`.pipeline.compress_checkpoint` where :func:`why_not_stock` allows: ``out`` holds the
     source's own stock family at ``hidden_size = d′`` (no remote code), its report and card."""
-    from ...checkpoint import (
+    from ...checkpoint_io import (
         CheckpointReader,
         ShardedWriter,
         atomic_output_dir,

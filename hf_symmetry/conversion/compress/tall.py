@@ -9,9 +9,9 @@ import weakref
 
 import torch
 
-from ...checkpoint import RowBlocks
-from ...symmetry import structured as st
-from ...symmetry.segments import Term
+from ...checkpoint_io import RowBlocks
+from ...solvers import structures as st
+from ...solvers.segments import Term
 from .folded import global_row_blocks, global_rows
 from .plan import MatrixPlan
 
@@ -84,7 +84,7 @@ class TallTerm:
         """The full matrix's factors and its relative error ``‖M Q − Ŵ‖ / ‖M‖`` (from ``MᵀM``:
         ``Ŵ = M R Ŵ'``, Ŵ' the reduced term's approximation). The vocabulary-sized row factor
         ``M (R f₀)`` (low rank; GS: ``[1, vocab, c]``; Kronecker: the ``B_s``, ``[r, vocab, n₂]``) is a
-        :class:`...checkpoint.RowBlocks` in the
+        :class:`...checkpoint_io.RowBlocks` in the
         output's dtype: made a block of rows of M at a time, read again from the checkpoint, when it
         is written (the output's shard writer streams it), so it is never in memory whole (220 MB in
         float32 for a 49152 × 1117 factor)."""

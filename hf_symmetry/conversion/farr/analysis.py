@@ -10,7 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...architectures import Adapter
-from ...symmetry import fused
+from ...solvers import fused
 from ...symmetry.actions import fold_layer_norms
 from ..layer_parts import ffn_modules, module_of, read_part, stand_ins
 from ..stream import Tensors, TensorSource, partition_keys

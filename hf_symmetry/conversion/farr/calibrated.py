@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ...symmetry import fused
+from ...solvers import fused
 from ..layer_parts import attention_modules, module_of, read_part, stand_ins
 from ..stream import DictSource, partition_keys
 from .analysis import LayerAnalysis, analyze_layer

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ...architectures import Adapter
-from ...checkpoint import (
+from ...checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,

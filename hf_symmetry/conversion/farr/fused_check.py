@@ -25,7 +25,7 @@ import torch
 
 from ...architectures import Adapter
 from ...devices import to_model
-from ...symmetry import fused
+from ...solvers import fused
 from ...symmetry.layout import HeadLayout
 from ..stream import partition_keys
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...symmetry import fused
+from ...solvers import fused
 
 
 @dataclass(frozen=True)

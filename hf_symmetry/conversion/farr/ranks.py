@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...symmetry import fused
+from ...solvers import fused
 from .analysis import LayerAnalysis
 from .options import FarrOptions
 from .target import FarrTarget

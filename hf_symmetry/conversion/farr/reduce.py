@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ...architectures import Adapter
 from ...calibration.memory import release_free_memory
-from ...symmetry import fused
+from ...solvers import fused
 from ...symmetry.actions import fold_norm
 from ..layer_parts import ffn_modules, module_of, read_part, stand_ins
 from ..stream import Tensors, TensorSource, partition_keys

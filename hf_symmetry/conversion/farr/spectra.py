@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...architectures import Adapter
-from ...symmetry import fused
+from ...solvers import fused
 from ..stream import TensorSource
 from .analysis import LayerAnalysis, analyze
 from .calibrated import calibrated_analysis

@@ -11,7 +11,7 @@ from ...architectures import Adapter
 from ...architectures.capabilities import require
 from ...modeling import configuration_farr, modeling_farr
 from ...modeling.configuration_farr import qk_parameters, vo_parameters
-from ...symmetry import fused
+from ...solvers import fused
 from .options import FarrOptions
 
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ...checkpoint import (
+from ...checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,

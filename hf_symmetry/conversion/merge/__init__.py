@@ -7,7 +7,7 @@ Pipeline (docs/math.md §2):
 2. the anchor: the base model when one is given, else the input nearest the mean of all inputs
    (or the one the recipe names); every other input is matched to it
    (:mod:`hf_symmetry.conversion.match`);
-3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge.methods`).
+3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge.tensor_rules`).
 
 Weight-only methods (average, task arithmetic, TIES) and RegMean stream layer by layer
 (:mod:`hf_symmetry.conversion.merge.stream`): each layer of every input is read, matched and merged
@@ -24,9 +24,9 @@ by accelerate (:func:`hf_symmetry.conversion.merge.statistics.fisher_model`).
 The pieces, one module each:
 
 - :mod:`.recipe` — the YAML recipe (:class:`MergeRecipe`);
-- :mod:`.kinds` — the merge methods as classes (:class:`~.kinds.MergeMethod`: what each needs and
+- :mod:`.methods` — the merge methods as classes (:class:`~.methods.MergeMethod`: what each needs and
   how it combines tensors; the recipe's method name is parsed into one once);
-- :mod:`.methods` — the merge rules on tensors; :mod:`.rule` — :class:`MergeRule`, a method applied to
+- :mod:`.tensor_rules` — the merge rules on tensors; :mod:`.rule` — :class:`MergeRule`, a method applied to
   canonical layers and globals;
 - :mod:`.anchor` — the anchor the inputs are matched to;
 - :mod:`.statistics` — Fisher and Gram statistics; :mod:`.fisher` — Fisher merging's passes (matched

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ...assets import resolve_model, resolve_text
-from ...checkpoint import (
+from ...checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,

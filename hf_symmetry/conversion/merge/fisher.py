@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ...architectures import Adapter
-from ...checkpoint import CheckpointReader, ShardedWriter, parse_size
+from ...checkpoint_io import CheckpointReader, ShardedWriter, parse_size
 from ..match.options import MatchPlan
 from ..match.pair import run_pair
 from ..stream import DictSink, DictSource, TensorSource

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .methods import fisher_average, task_arithmetic, ties, weighted_average
+from .tensor_rules import fisher_average, task_arithmetic, ties, weighted_average
 from .statistics import check_fisher_memory, statistics_dtype
 
 Tensor = torch.Tensor

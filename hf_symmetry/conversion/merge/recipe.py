@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from ..match.options import MatchOptions
-from .kinds import METHODS, MergeMethod, method_named
+from .methods import METHODS, MergeMethod, method_named
 
 MODEL_PARAMETERS = {"weight": 1.0, "density": 1.0}  # density: ties only
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -68,7 +68,7 @@ class EvaluationSpec:
 
 @dataclass
 class MergeRecipe:
-    method: MergeMethod  # parsed from the recipe's name once (:func:`~.kinds.method_named`)
+    method: MergeMethod  # parsed from the recipe's name once (:func:`~.methods.method_named`)
     models: list[ModelEntry]
     base_model: str | None = None
     parameters: dict = field(default_factory=dict)

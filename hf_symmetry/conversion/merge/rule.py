@@ -1,4 +1,4 @@
-"""The merge rule (:class:`MergeRule`): one merge method (:class:`~.kinds.MergeMethod`) applied to
+"""The merge rule (:class:`MergeRule`): one merge method (:class:`~.methods.MergeMethod`) applied to
 canonical tensors, a layer, the globals or a tensor outside the layout at a time, with the statistics
 (Fishers, Grams) it needs."""
 
@@ -11,8 +11,8 @@ import torch
 from ...architectures import Adapter
 from ..match.residual import with_lm_head
 from ..stream import TensorSource, partition_keys
-from .kinds import MergeMethod
-from .methods import RegMeanSolver
+from .methods import MergeMethod
+from .tensor_rules import RegMeanSolver
 from .recipe import ModelEntry
 from .stream import GRAM_OF
 

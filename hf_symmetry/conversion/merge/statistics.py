@@ -49,7 +49,7 @@ def gram_matrices(
     if isinstance(source, torch.nn.Module):
         source, config = DictSource(source.state_dict()), source.config.to_dict()
     if placement is None:
-        from ...checkpoint import CheckpointReader
+        from ...checkpoint_io import CheckpointReader
 
         probe = CheckpointReader(source) if not hasattr(source, "keys") else source
         placement = resolve("cpu", statistics_dtype(probe))

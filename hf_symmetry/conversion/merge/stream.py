@@ -6,7 +6,7 @@ Host memory (docs/calibration.md, "What each conversion keeps"):
 
 * **Layers** come in groups (the norms; q, k, v; o; gate, up; down): without matching, each group
   is read from every input and merged before the next is read. The linear layers of one group read
-  one input, so RegMean sums and factors one Gram for them (:func:`~.methods.regmean_group`),
+  one input, so RegMean sums and factors one Gram for them (:func:`~.tensor_rules.regmean_group`),
   taking the inputs one at a time and consuming each input's Gram. With matching, the whole layer
   is read (the match is solved on it) and its tensors are handed out group by group.
 * **RegMean's Grams** (:class:`LayerGrams`): one calibration run per input, advanced one decoder
@@ -32,7 +32,7 @@ from ...architectures import Adapter
 from ...calibration.memory import release_free_memory, return_large_blocks_at_once
 from ..layer_parts import read_part, stand_ins
 from ..match.residual import with_lm_head
-from .methods import regmean_group
+from .tensor_rules import regmean_group
 from ..stream import TensorSource, partition_keys
 
 Tensors = dict[str, torch.Tensor]
@@ -60,7 +60,7 @@ BLOCK_ELEMENTS = 1 << 20  # rows per block of the globals: ~8 MB in float64
 
 class StoredGram:
     """A Gram matrix waiting in a raw float64 file, read a block of rows at a time by
-    :func:`~.methods.regmean_group` (so host memory never holds it whole)."""
+    :func:`~.tensor_rules.regmean_group` (so host memory never holds it whole)."""
 
     def __init__(self, path: Path, shape: tuple):
         self.path, self.shape = Path(path), tuple(shape)

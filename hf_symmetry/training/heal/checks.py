@@ -45,7 +45,7 @@ def check_student(folder: Path) -> dict:
 def check_output(out: Path, overwrite: bool, resume: bool) -> Path:
     """The run folder, after refusing an OUT that exists (unless ``overwrite``), a ``resume`` with no
     interrupted run and a fresh run where an interrupted one waits."""
-    from ...checkpoint import check_output_dir
+    from ...checkpoint_io import check_output_dir
 
     check_output_dir(out, overwrite)
     run = run_dir_for(out)

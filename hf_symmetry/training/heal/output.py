@@ -29,7 +29,7 @@ def write_output(
     options: HealOptions,
     plan,
 ) -> None:
-    from ...checkpoint import atomic_output_dir
+    from ...checkpoint_io import atomic_output_dir
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if plan is not None:

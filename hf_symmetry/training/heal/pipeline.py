@@ -59,7 +59,7 @@ def heal_checkpoint(
     )
     from ...conversion.layer_map import read_layer_map
     from ..peft_targets import apply_lora, lora_plan
-    from ..run import TrainSettings, per_device_batch
+    from ..trainer import TrainSettings, per_device_batch
 
     t_start = time.perf_counter()
     # ---- 1. checks (nothing written) -------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ....architectures import Adapter
-from ....checkpoint import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, write_config
+from ....checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, write_config
 from ...rotate import copy_remote_code
 from ...stream import DictSink, DictSource
 from ..moments import read_calibration

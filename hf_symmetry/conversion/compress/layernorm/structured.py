@@ -24,8 +24,8 @@ import torch
 
 from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
-from ....symmetry import structured as st
-from ....symmetry.linalg import limit_threads
+from ....solvers import structures as st
+from ....solvers.linalg import limit_threads
 from ...stream import TensorSource, partition_keys
 from ....devices import linalg_device
 from ..assemble import assemble
