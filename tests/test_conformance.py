@@ -353,6 +353,15 @@ def test_resize_token_embeddings(family, tmp_path):
     check_resize(family_model(family, **dense), tmp_path)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_causal_lm_class_names_generation_mixin(family):
+    """transformers' rule (its test_inherits_generation_mixin): a generative class lists GenerationMixin
+    among its own bases rather than getting it through a parent."""
+    from transformers import GenerationMixin
+
+    assert GenerationMixin in type(family_model(family)).__bases__
+
+
 def test_fullgraph_compiled_forward_with_a_group_and_shuffle_embedding():
     """A GS embedding's row lookup groups the tokens by block (data-dependent shapes) in eager mode; compiled,
     it takes every block's rows and picks (one graph, the same logits)."""

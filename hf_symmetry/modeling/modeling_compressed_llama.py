@@ -23,8 +23,6 @@ This file is copied next to saved checkpoints for ``trust_remote_code`` loading:
 transformers and its sibling ``configuration_compressed_llama``.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import torch
 import torch.nn.functional as F
@@ -39,7 +37,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, eager_attention_forward
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -58,6 +58,15 @@ def cache_field() -> str:
 
 #: read once at import: a forward pass must not call ``dataclasses.fields`` (torch.compile cannot trace it)
 CACHE_FIELD = cache_field()
+
+
+def renamed_cache_kwarg(forward):
+    """``forward`` taking the KV cache as ``cache`` or ``past_key_values``: where the installed transformers
+    names it ``cache`` (5.24 and later) the old name is deprecated as in its own models (a warning), before
+    that it is the name ``generate`` passes (no warning)."""
+    if CACHE_FIELD != "cache":
+        return forward
+    return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -545,6 +554,7 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @renamed_cache_kwarg
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -556,7 +566,7 @@ class CompressedLlamaModel(CompressedLlamaPreTrainedModel):
         inputs_embeds=None,
         use_cache=None,
         past_key_values=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -622,6 +632,7 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
             hidden_states = self.head_mix(hidden_states)
         return self.model.embed_tokens.matrix(hidden_states)
 
+    @renamed_cache_kwarg
     @can_return_tuple
     def forward(
         self,
@@ -634,7 +645,7 @@ class CompressedLlamaForCausalLM(CompressedLlamaPreTrainedModel, GenerationMixin
         use_cache=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from torch import nn
+from transformers import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.bert.modeling_bert import (
@@ -155,7 +156,7 @@ class FarrLlamaModel(FarrLlamaPreTrainedModel, LlamaModel):
     forward = Qwen2Model.forward
 
 
-class FarrLlamaForCausalLM(FarrLlamaPreTrainedModel, LlamaForCausalLM):
+class FarrLlamaForCausalLM(FarrLlamaPreTrainedModel, LlamaForCausalLM, GenerationMixin):  # mixin named, as required
     def __init__(self, config: FarrLlamaConfig):
         FarrLlamaPreTrainedModel.__init__(self, config)
         self.model = FarrLlamaModel(config)

@@ -12,8 +12,6 @@ This file is copied next to saved checkpoints for ``trust_remote_code`` loading:
 torch, transformers and its sibling ``configuration_rms_decoder``.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Callable
 
@@ -29,7 +27,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding, apply_rotary_pos_emb
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
@@ -48,6 +48,16 @@ def cache_field() -> str:
 
 #: read once at import: a forward pass must not call ``dataclasses.fields`` (torch.compile cannot trace it)
 CACHE_FIELD = cache_field()
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.renamed_cache_kwarg
+def renamed_cache_kwarg(forward):
+    """``forward`` taking the KV cache as ``cache`` or ``past_key_values``: where the installed transformers
+    names it ``cache`` (5.24 and later) the old name is deprecated as in its own models (a warning), before
+    that it is the name ``generate`` passes (no warning)."""
+    if CACHE_FIELD != "cache":
+        return forward
+    return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -524,6 +534,7 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
             return pos[:, past_seen : past_seen + n]
         return (torch.arange(n, device=inputs_embeds.device) + past_seen).unsqueeze(0)
 
+    @renamed_cache_kwarg
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -535,7 +546,7 @@ class RMSDecoderModel(RMSDecoderPreTrainedModel):
         inputs_embeds=None,
         use_cache=None,
         past_key_values=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
         cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         if (input_ids is None) ^ (inputs_embeds is not None):
@@ -580,6 +591,7 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
         return self.lm_head(hidden_states)
 
     # Copied from hf_symmetry.modeling.modeling_compressed_llama.CompressedLlamaForCausalLM.forward
+    @renamed_cache_kwarg
     @can_return_tuple
     def forward(
         self,
@@ -592,7 +604,7 @@ class RMSDecoderForCausalLM(RMSDecoderPreTrainedModel, GenerationMixin):
         use_cache=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
