@@ -287,9 +287,9 @@ def _group_size(n: int, group: int) -> int:
 
 def quantize_rows(x: torch.Tensor, nbits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of ``x`` ``[..., n]`` in groups of ``group`` consecutive elements of the
-    last dim (``group`` must divide ``n``). Returns ``(codes, scale, low)``: ``codes`` uint8 ``[..., n * nbits /
-    8]`` (``8 / nbits`` codes per byte, lowest bits first), ``scale`` and ``low`` float16 ``[..., n / group]``
-    (the dequantized value is ``low + code * scale``)."""
+    last dim (``group`` must divide ``n``). Returns ``(codes, scale, low)``: ``codes`` uint8 ``[..., ⌈n · nbits /
+    8⌉]`` (``8 / nbits`` codes per byte, lowest bits first, the last byte zero-padded), ``scale`` and ``low``
+    float16 ``[..., n / group]`` (the dequantized value is ``low + code * scale``, :func:`dequantize_rows`)."""
     if nbits not in (2, 4, 8):
         raise ValueError(f"nbits must be 2, 4 or 8, got {nbits}")
     n = x.shape[-1]
@@ -301,30 +301,31 @@ def quantize_rows(x: torch.Tensor, nbits: int, group: int) -> tuple[torch.Tensor
     codes = ((g - low.float()) / scale.float()).round_().clamp_(0, qmax).to(torch.uint8).reshape(x.shape)
     per = 8 // nbits
     if per > 1:
-        codes = codes.reshape(*x.shape[:-1], n // per, per)
+        if n % per:
+            codes = torch.nn.functional.pad(codes, (0, per - n % per))
+        codes = codes.reshape(*x.shape[:-1], -1, per)
         shifts = torch.arange(0, 8, nbits, device=x.device, dtype=torch.uint8)
         codes = (codes << shifts).sum(-1, dtype=torch.uint8)
     return codes, scale.squeeze(-1), low.squeeze(-1)
 
 
 def dequantize_rows(
-    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nbits: int, dtype: torch.dtype
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nbits: int, dtype: torch.dtype, n: int
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_rows` (up to the rounding): ``[..., n]`` in ``dtype``."""
+    """Inverse of :func:`quantize_rows` (up to the rounding): rows of ``n`` elements, ``[..., n]`` in ``dtype``."""
     per = 8 // nbits
     if per > 1:
         shifts = torch.arange(0, 8, nbits, device=codes.device, dtype=torch.uint8)
         codes = (codes.unsqueeze(-1) >> shifts) & ((1 << nbits) - 1)
-        codes = codes.reshape(*codes.shape[:-2], -1)
-    groups = scale.shape[-1]
-    g = codes.reshape(*codes.shape[:-1], groups, -1).float()
+        codes = codes.reshape(*codes.shape[:-2], -1)[..., :n]
+    g = codes.reshape(*codes.shape[:-1], scale.shape[-1], -1).float()
     out = g * scale.float().unsqueeze(-1) + low.float().unsqueeze(-1)
-    return out.reshape(codes.shape).to(dtype)
+    return out.reshape(*codes.shape[:-1], n).to(dtype)
 
 
 def quantized_row_bytes(n: int, nbits: int, group: int) -> int:
     """Bytes of one quantized row of ``n`` elements: the codes plus a float16 scale and low per group."""
-    return n * nbits // 8 + 4 * (n // _group_size(n, group))
+    return -(-n * nbits // 8) + 4 * (n // _group_size(n, group))
 
 
 class _QuantizedFactor:
@@ -332,9 +333,11 @@ class _QuantizedFactor:
 
     def __init__(self):
         self.codes = self.scale = self.low = None
+        self.n = 0
 
     def append(self, x: torch.Tensor, nbits: int, group: int) -> None:
-        parts = quantize_rows(x, nbits, _group_size(x.shape[-1], group))
+        self.n = x.shape[-1]
+        parts = quantize_rows(x, nbits, _group_size(self.n, group))
         if self.codes is None:
             self.codes, self.scale, self.low = parts
         else:
@@ -343,7 +346,7 @@ class _QuantizedFactor:
             )
 
     def dequantize(self, nbits: int, dtype: torch.dtype) -> torch.Tensor | None:
-        return None if self.codes is None else dequantize_rows(self.codes, self.scale, self.low, nbits, dtype)
+        return None if self.codes is None else dequantize_rows(self.codes, self.scale, self.low, nbits, dtype, self.n)
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.codes is None else [self.codes, self.scale, self.low]
