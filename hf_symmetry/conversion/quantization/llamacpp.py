@@ -89,9 +89,22 @@ class GGMLQuantizer:
 
     uses_importance = True
 
-    def __init__(self, segments: list[tuple[int, str]], imatrix: bool = True):
+    def __init__(self, segments: list[tuple[int, str]], imatrix: bool = True, stride: int = 1):
         self.segments = segments
         self.imatrix = imatrix
+        self.stride = stride
+        self.sample = self._sample if stride > 1 else None
+
+    def _sample(self) -> tuple[torch.Tensor, GGMLQuantizer]:
+        """Every ``stride``-th row of each segment and the quantizer of those rows: llama.cpp quantizes rows
+        independently, so the scale search can measure its error on a sample of rows (``stride`` times faster)."""
+        rows, segments, start = [], [], 0
+        for n, qtype in self.segments:
+            keep = torch.arange(start, start + n, self.stride)
+            rows.append(keep)
+            segments.append((len(keep), qtype))
+            start += n
+        return torch.cat(rows), GGMLQuantizer(segments, self.imatrix)
 
     def __call__(self, A: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         from ...evaluation.ggml_quants import roundtrip
@@ -109,6 +122,8 @@ class GGMLQuantizer:
         return f"GGMLQuantizer({self.segments}, imatrix={self.imatrix})"
 
 
+#: the scale search measures the emulated quantizers' error on every 4th row (4x faster; rows are independent)
+SEARCH_STRIDE = 4
 SITE_READERS = {"o": ("o",), "down": ("down",), "attn_norm": ("q", "k", "v"), "ffn_norm": ("gate", "up")}
 
 
@@ -122,14 +137,17 @@ def layer_types(ftype: str, layer: dict, i: int, n_layers: int, n_gqa: int, imat
 
 
 def layer_quantizers(
-    ftype: str, layer: dict, i: int, n_layers: int, n_gqa: int, imatrix: bool = True
+    ftype: str, layer: dict, i: int, n_layers: int, n_gqa: int, imatrix: bool = True, stride: int = SEARCH_STRIDE
 ) -> dict[str, GGMLQuantizer]:
     """One :class:`GGMLQuantizer` per exact scaling site of :func:`.scales.apply_scales` (``o``, ``down``,
-    ``attn_norm`` for q, k, v, ``ffn_norm`` for gate, up), each with its readers' llama-quantize types."""
+    ``attn_norm`` for q, k, v, ``ffn_norm`` for gate, up), each with its readers' llama-quantize types; the search
+    measures the error on every ``stride``-th row."""
     types = layer_types(ftype, layer, i, n_layers, n_gqa, imatrix)
     return {
         site: GGMLQuantizer(
-            [(layer[f"{lin}.weight"].shape[0], types[lin]) for lin in readers if lin in types], imatrix=imatrix
+            [(layer[f"{lin}.weight"].shape[0], types[lin]) for lin in readers if lin in types],
+            imatrix=imatrix,
+            stride=stride,
         )
         for site, readers in SITE_READERS.items()
     }

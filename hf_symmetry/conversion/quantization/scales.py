@@ -80,6 +80,9 @@ def scale_error(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, quantize: Qua
     quantizer that weighs columns by their importance (``uses_importance``: llama.cpp's ``--imatrix``
     quantizers, :mod:`.llamacpp`) gets ``diag(H) / s²``, the mean square input of the *scaled* layer: what
     ``llama-imatrix`` would collect on the converted model."""
+    if getattr(quantize, "sample", None) is not None:  # a row-grouped quantizer's error, estimated on some rows
+        rows, quantize = quantize.sample()
+        W = W[rows]
     s32 = s.to(torch.float32)
     A = W.to(torch.float32) * s32[None, :]
     if getattr(quantize, "uses_importance", False):
