@@ -250,7 +250,9 @@ def test_two_processes_give_the_weights_of_one_process(folders, tmp_path, monkey
         text=True,
         timeout=600,
     )
-    assert res.returncode == 0, res.stderr[-3000:]
+    # every rank's own lines first (the first failing rank's traceback is not at the end), then the tail
+    ranks = "\n".join(line for line in res.stderr.splitlines() if "[rank" in line and "]:" in line)
+    assert res.returncode == 0, ranks[:3000] + "\n...\n" + res.stderr[-1500:]
     report = json.loads((tmp_path / "two" / "heal_report.json").read_text())
     assert report["processes"] == 2 and report["teacher_samples"] == 8  # half of the 16 sequences
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
