@@ -1,9 +1,15 @@
 """Where calibration and the heavy linear algebra run: ``--device`` and ``--calib-dtype``.
 
-``resolve_device("auto")`` is CUDA when torch sees a GPU, else the CPU; ``cuda``, ``cuda:N``,
-``mps`` and ``cpu`` name one device. A CUDA device always carries its index (``auto`` and ``cuda``
-become ``cuda:<torch.cuda.current_device()>``), so ``torch.cuda.set_device``, memory queries and
-device comparisons all work on what it returns. :func:`resolve` checks a device/dtype pair before any work and
+:func:`parse_device` is the one reading of a ``--device`` string; every consumer (calibration through
+:func:`resolve`, verification's model loading, ``heal``) calls it. ``auto`` has one meaning: the current
+CUDA device when torch sees a GPU, else the CPU; ``cuda``, ``cuda:N``, ``mps`` and ``cpu`` name one
+device. A CUDA device always carries its index (``auto`` and ``cuda`` become
+``cuda:<torch.cuda.current_device()>``), so ``torch.cuda.set_device``, memory queries and device
+comparisons all work on what it returns. What a consumer does beyond that one device is its own
+placement step, told whether the user named the device or left it to ``auto``
+(:attr:`DeviceRequest.auto`): a whole model loaded for evaluation may then spread over the GPUs, the
+CPU and disk (:attr:`DeviceRequest.device_map`), and ``heal`` under several processes trains each on
+its own GPU. :func:`resolve` checks a device/dtype pair before any work and
 raises :class:`DeviceError` (a ``ValueError``) with one line naming what is wrong: an unknown
 device, a device this machine does not have, or a calibration dtype the device cannot compute in.
 Nothing here allocates more than a one-element probe tensor.
@@ -44,13 +50,43 @@ class Placement:
         return f"{self.device} ({str(self.dtype).removeprefix('torch.')})"
 
 
-def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
-    """The device ``spec`` names, checked against this machine (see the module docstring)."""
+#: the placement of a library call given none (the command line's ``--device`` default is ``auto``)
+DEFAULT_DEVICE = "cpu"
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """A ``--device`` read by :func:`parse_device`: the one device it names, and whether the user left
+    the choice to hf_symmetry (``auto``)."""
+
+    device: torch.device
+    auto: bool
+
+    @property
+    def device_map(self) -> str:
+        """What a whole model loaded for evaluation is given as ``device_map``: ``"auto"`` when the user
+        left the choice to hf_symmetry (accelerate then starts from the GPUs and spreads a model too large
+        for them over the CPU and disk), else the named device (the whole model there)."""
+        return "auto" if self.auto else str(self.device)
+
+
+def parse_device(spec: str | torch.device | None = "auto") -> DeviceRequest:
+    """The one reading of a ``--device`` string (or a ``torch.device``; None means ``auto``), checked
+    against this machine (see the module docstring); raises :class:`DeviceError`."""
     if isinstance(spec, torch.device):
         spec = str(spec)
     spec = (spec or "auto").strip().lower()
     if spec == "auto":
-        return _current_cuda() if torch.cuda.is_available() else torch.device("cpu")
+        return DeviceRequest(_current_cuda() if torch.cuda.is_available() else torch.device("cpu"), auto=True)
+    return DeviceRequest(_named_device(spec), auto=False)
+
+
+def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
+    """The device ``spec`` names (:func:`parse_device`)."""
+    return parse_device(spec).device
+
+
+def _named_device(spec: str) -> torch.device:
     if spec == "cpu":
         return torch.device("cpu")
     m = re.fullmatch(r"cuda(?::(\d+))?", spec)
@@ -113,6 +149,12 @@ def resolve(device: str | torch.device | None = "auto", dtype: str | torch.dtype
     """Check a ``--device``/``--calib-dtype`` pair; call before any work."""
     dev = resolve_device(device)
     return Placement(dev, resolve_dtype(dtype, dev))
+
+
+def default_placement(dtype: str | torch.dtype = "float32") -> Placement:
+    """The placement of a library call given none: :data:`DEFAULT_DEVICE` in ``dtype`` (float32 unless
+    the caller's weights ask for float64)."""
+    return resolve(DEFAULT_DEVICE, dtype)
 
 
 def linalg_device(placement: Placement | torch.device | None) -> torch.device:

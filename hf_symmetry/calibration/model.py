@@ -15,7 +15,7 @@ import torch
 
 from ..architectures import Adapter
 from ..checkpoint_io import CheckpointReader
-from ..devices import Placement, exact_float64, resolve
+from ..devices import Placement, default_placement, exact_float64
 from .capture import rotary_on_host
 
 Tensors = dict[str, torch.Tensor]
@@ -45,7 +45,7 @@ class CalibrationModel:
         self.config = config
         self.keys = list(source.keys())
         self.adapter = Adapter.from_config(config, self.keys)
-        self.placement = placement or resolve("cpu", "float32")
+        self.placement = placement or default_placement()
         self.progress = progress
         self.stats_device = None if stats_device is None else torch.device(stats_device)
         if self.stats_device is not None and self.stats_device.type == "mps":

@@ -29,14 +29,13 @@ DEFAULT_TEXT = "britannica-eval"
 
 
 def device_map_spec(device: str | None) -> str:
-    """Where verification loads a model: ``auto`` (or None) stays ``auto`` (accelerate's device map
-    over the GPUs, the CPU and disk); anything else must name a device this machine has
-    (:func:`hf_symmetry.devices.resolve_device`, where ``auto`` means one device)."""
-    from ..devices import resolve_device as checked
+    """Where verification loads a model: ``--device`` read by :func:`hf_symmetry.devices.parse_device`,
+    as accelerate's ``device_map`` (:attr:`~hf_symmetry.devices.DeviceRequest.device_map`: ``auto``,
+    or None, lets accelerate spread the model over the GPUs, the CPU and disk; a named device holds it
+    all)."""
+    from ..devices import parse_device
 
-    if device is None or str(device).strip().lower() == "auto":
-        return "auto"
-    return str(checked(device))
+    return parse_device(device).device_map
 
 
 _OFFLOAD: list[str] = []
@@ -86,9 +85,9 @@ def load_for_eval(
         if "no_split" not in str(exc).lower():
             raise
         # a custom class without _no_split_modules: accelerate cannot split it, so one device it is
-        from ..devices import resolve_device as checked
+        from ..devices import parse_device
 
-        kwargs.update(device_map={"": str(checked("auto"))})
+        kwargs.update(device_map={"": str(parse_device("auto").device)})
         kwargs.pop("offload_folder", None)
         model = cls.from_pretrained(path, **kwargs)
     return model.eval()

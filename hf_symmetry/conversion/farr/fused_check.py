@@ -131,12 +131,10 @@ def check_fused_layout_layerwise(
     attention, float32 on the CPU unless ``placement`` says otherwise), runs it on its inputs with the
     hooks on, and only that layer's attention tensors are read for the fused maps."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...devices import resolve
     from ..layer_parts import attention_modules, module_of, read_part, stand_ins
 
-    engine = CalibrationEngine(
-        source, placement=placement or resolve("cpu", "float32"), progress=progress, attn_implementation="eager"
-    )
+    # placement None: the engine's default (devices.default_placement)
+    engine = CalibrationEngine(source, placement=placement, progress=progress, attn_implementation="eager")
     adapter = engine.adapter
     wanted = set(range(adapter.n_layers) if layers is None else layers)
     _, per_layer, _ = partition_keys(adapter, engine.keys)

@@ -43,7 +43,7 @@ def gram_matrices(
     runs it one layer at a time on ``placement`` (default: CPU, float64 for float64 weights, else
     float32)."""
     from ...calibration import CalibrationEngine, StatsRequest
-    from ...devices import resolve
+    from ...devices import default_placement
     from ..stream import DictSource
 
     if isinstance(source, torch.nn.Module):
@@ -52,7 +52,7 @@ def gram_matrices(
         from ...checkpoint_io import CheckpointReader
 
         probe = CheckpointReader(source) if not hasattr(source, "keys") else source
-        placement = resolve("cpu", statistics_dtype(probe))
+        placement = default_placement(statistics_dtype(probe))
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
     has_head = engine.adapter.spec.lm_head is not None and engine.skeleton().get_output_embeddings() is not None
     result = engine.collect(

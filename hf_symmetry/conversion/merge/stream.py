@@ -143,7 +143,7 @@ class LayerGrams:
         spill: Path | None = None,
     ):
         from ...calibration import CalibrationEngine, StatsRequest
-        from ...devices import linalg_device, resolve
+        from ...devices import default_placement, linalg_device
         from .statistics import statistics_dtype
 
         return_large_blocks_at_once()  # freed per-batch temporaries leave at once (calibration.memory)
@@ -160,7 +160,7 @@ class LayerGrams:
             engine = CalibrationEngine(
                 source,
                 config,
-                placement=placement or resolve("cpu", statistics_dtype(source)),
+                placement=placement or default_placement(statistics_dtype(source)),
                 progress=False,
                 stats_device=self.device,
             )

@@ -1,11 +1,13 @@
 """What one healing run is asked to do: :class:`HealOptions` (the recipe: token budget, batches, LoRA or
 full fine-tuning, loss weights, teacher samples and cache) with its checks and the figures derived
-from it (learning rate, teacher samples, text tokens, steps)."""
+from it (learning rate, teacher samples, text tokens, steps), and :class:`HealJob` (the recipe with the
+run's inputs and how it runs: what :func:`~.pipeline.heal_checkpoint` is called with, as one object)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -85,3 +87,26 @@ class HealOptions:
         d["teacher_samples"] = self.sample_count()
         d["steps"] = self.steps()
         return d
+
+
+@dataclass
+class HealJob:
+    """One healing run as one object: the inputs, the recipe and how the run goes (the arguments of
+    :func:`~.pipeline.heal_checkpoint`, which documents them)."""
+
+    converted: str | Path
+    out: str | Path
+    teacher: str | Path
+    texts: str | Path | list
+    options: HealOptions
+    overwrite: bool = False
+    resume: bool = False
+    progress: bool = True
+    device: str = "auto"
+    teacher_device: str | None = None
+    save_adapter: bool = False
+    eval_texts: list[str] | tuple[str, ...] | None = ("britannica-eval",)
+    eval_tokens: int = 2048
+    heldout_kl_sequences: int = 16
+    keep_run_dir: bool = False
+    callbacks: tuple | list = ()

@@ -11,24 +11,16 @@ from pathlib import Path
 import torch
 
 from .checks import read_config
-from .options import HealOptions
 from .report import HealReport
 
 ADAPTER_DIR = "adapter"
 
 
 def write_output(
-    trained,
-    tok,
-    src: Path,
-    tea: Path,
-    out: Path,
-    overwrite: bool,
-    report: HealReport,
-    save_adapter: bool,
-    options: HealOptions,
-    plan,
+    trained, tok, src: Path, out: Path, report: HealReport, plan, *, overwrite: bool, save_adapter: bool
 ) -> None:
+    """The healed folder ``out`` from the trained model (with adapters when ``plan`` is a LoRA plan),
+    the tokenizer and ``src``'s side files; ``report`` gains the adapter folder when it is saved."""
     from ...checkpoint_io import atomic_output_dir
 
     with atomic_output_dir(out, overwrite=overwrite) as tmp:

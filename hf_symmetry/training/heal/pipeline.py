@@ -1,5 +1,14 @@
-"""The healing run (:func:`heal_checkpoint`): checks, data, teacher samples and cache, before-figures,
-adapters, training, then the output, the after-figures and the card."""
+"""The healing run (:func:`heal_checkpoint`), one function per step: the refusals before any work
+(:func:`check_inputs`), the data and the LoRA plan (:func:`prepare_data`), the layer targets
+(:func:`layer_targets`), the processes' placement (:func:`place_processes`), the models
+(:func:`load_models`), the teacher's samples and cache (:func:`teacher_data`), the before-figures and
+adapters (:func:`before_training`), the training (:func:`train_student`), the report
+(:func:`heal_report`), then the output, the after-figures and the card (:func:`finish`).
+
+What the run is asked to do travels as one :class:`~.options.HealJob`; what it has built so far as one
+:class:`HealState`. The imports of transformers' Trainer, peft, accelerate and the distillation code stay
+inside the steps that use them, as before the split: ``import hf_symmetry.training.heal`` stays cheap for
+the command line, which imports it to parse ``heal``'s arguments."""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,7 +25,7 @@ import torch
 from ...assets import resolve_model, resolve_text
 from .checks import check_output, check_student
 from .models import load_quietly, perplexities, skeleton
-from .options import HealOptions
+from .options import HealJob, HealOptions
 from .output import write_output
 from .report import HealReport, last_loss, write_heal_card
 
@@ -44,40 +54,109 @@ def heal_checkpoint(
     ``eval_texts``: texts scored for perplexity (teacher, before, after) on the main process; empty
     or ``None`` skips (``--no-verify``). ``callbacks``: extra ``TrainerCallback`` objects. Returns a
     :class:`HealReport` on every process (figures that
-    only the main process measures are ``None``/empty elsewhere)."""
+    only the main process measures are ``None``/empty elsewhere). The arguments are those of
+    :class:`~.options.HealJob`; :func:`run_heal` takes one."""
+    job = HealJob(
+        converted,
+        out,
+        teacher,
+        texts,
+        options,
+        overwrite=overwrite,
+        resume=resume,
+        progress=progress,
+        device=device,
+        teacher_device=teacher_device,
+        save_adapter=save_adapter,
+        eval_texts=eval_texts,
+        eval_tokens=eval_tokens,
+        heldout_kl_sequences=heldout_kl_sequences,
+        keep_run_dir=keep_run_dir,
+        callbacks=callbacks,
+    )
+    return run_heal(job)
+
+
+@dataclass
+class HealState:
+    """What a healing run has built so far, filled in step by step (see the module docstring)."""
+
+    t_start: float
+    options: HealOptions  # the recipe in force (no teacher samples where the tokenizer cannot start one)
+    out: Path
+    run: Path  # the run folder (``<OUT>.heal-run``)
+    src: Path
+    tea: Path
+    student_cfg: dict
+    teacher_cfg: dict
+    text_paths: list[Path]
+    eval_texts: list[str]
+    dev: torch.device
+    tdev: torch.device | None  # the teacher's own device (``--teacher-device``), else None
+    tok: object
+    per_device: int = 0
+    plan: object = None  # the LoRA plan; None for full fine-tuning
+    data: object = None
+    layer_map: object = None
+    layer_targets: str = "off"
+    processes: object = None  # accelerate's PartialState
+    main: bool = True
+    student: object = None
+    tmodel: object = None
+    n_samples: int = 0
+    samples_reused: bool = False
+    train_ds: object = None
+    val_seqs: torch.Tensor | None = None
+    ppl: dict = field(default_factory=dict)
+    kl_before: float | None = None
+    model: object = None  # the model trained: the student, or the student with adapters
+    trainable: int = 0
+    result: object = None  # the training's outcome
+
+
+def run_heal(job: HealJob) -> HealReport:
+    """The healing run of ``job`` (see :func:`heal_checkpoint`)."""
+    s = check_inputs(job)
+    prepare_data(job, s)
+    layer_targets(s)
+    s.processes, s.dev = place_processes(s.dev)
+    load_models(job, s)
+    teacher_data(job, s)
+    before_training(job, s)
+    train_student(job, s)
+    report = heal_report(s)
+    if not s.main:
+        return report
+    return finish(job, s, report)
+
+
+# ---- 1. checks (nothing written) --------------------------------------------------------------------
+def check_inputs(job: HealJob) -> HealState:
+    """Every refusal that needs no data: options, OUT and the run folder, both models, the texts, the
+    devices, the shared tokenizer."""
     from ...devices import resolve_device
     from ...evaluation.compare import load_tokenizer
-    from .. import build_datasets, is_main_process, train, world_size
-    from ..data import PackedDataset, read_documents
-    from ..distill import (
-        DistillationLoss,
-        build_teacher_cache,
-        cached_teacher_samples,
-        check_same_tokenizer,
-        load_teacher_cache,
-        mean_kl,
-    )
-    from ...conversion.layer_map import read_layer_map
-    from ..peft_targets import apply_lora, lora_plan
-    from ..trainer import TrainSettings, per_device_batch
+    from ..data import read_documents
+    from ..distill import check_same_tokenizer
 
     t_start = time.perf_counter()
-    # ---- 1. checks (nothing written) -------------------------------------------------------
+    options = job.options
     options.validate()
-    out = Path(out).absolute()
-    run = check_output(out, overwrite, resume)
-    src, tea = resolve_model(converted), resolve_model(teacher)
+    out = Path(job.out).absolute()
+    run = check_output(out, job.overwrite, job.resume)
+    src, tea = resolve_model(job.converted), resolve_model(job.teacher)
     student_cfg = check_student(src)
     teacher_cfg = check_student(tea)
+    texts = job.texts
     text_paths = [resolve_text(t) for t in ([texts] if isinstance(texts, (str, Path)) else list(texts))]
     read_documents(text_paths)  # empty / non-UTF-8 / bad JSONL fail here
-    eval_texts = list(eval_texts or [])
+    eval_texts = list(job.eval_texts or [])
     for t in eval_texts:
         resolve_text(t)
-    if eval_texts and eval_tokens < 2:
-        raise ValueError(f"--ppl-tokens must be 0 (skip) or at least 2, got {eval_tokens}")
-    dev = resolve_device(device)
-    tdev = resolve_device(teacher_device) if teacher_device else None
+    if eval_texts and job.eval_tokens < 2:
+        raise ValueError(f"--ppl-tokens must be 0 (skip) or at least 2, got {job.eval_tokens}")
+    dev = resolve_device(job.device)
+    tdev = resolve_device(job.teacher_device) if job.teacher_device else None
     tok = load_tokenizer(src)
     check_same_tokenizer(tok, load_tokenizer(tea), student_cfg.get("vocab_size"), teacher_cfg.get("vocab_size"))
     if options.teacher_samples is None and options.sample_count() and tok.bos_token_id is tok.eos_token_id is None:
@@ -88,120 +167,178 @@ def heal_checkpoint(
             flush=True,
         )
         options = dataclasses.replace(options, teacher_sample_fraction=0.0)
-    per_device = per_device_batch(options.batch_size, options.grad_accum)
-    plan = None if options.full else lora_plan(skeleton(src), options.lora_rank)  # rank check, no weights read
-    data = build_datasets(
-        tok,
-        text_paths,
+    return HealState(
+        t_start, options, out, run, src, tea, student_cfg, teacher_cfg, text_paths, eval_texts, dev, tdev, tok
+    )
+
+
+def prepare_data(job: HealJob, s: HealState) -> None:
+    """The per-device batch, the LoRA plan (its rank checked on the weightless skeleton) and the packed
+    train/held-out datasets."""
+    from .. import build_datasets
+    from ..peft_targets import lora_plan
+    from ..trainer import per_device_batch
+
+    options = s.options
+    s.per_device = per_device_batch(options.batch_size, options.grad_accum)
+    s.plan = None if options.full else lora_plan(skeleton(s.src), options.lora_rank)  # rank check, no weights read
+    s.data = build_datasets(
+        s.tok,
+        s.text_paths,
         options.seq_len,
         options.validation_fraction,
         max_train_tokens=options.text_tokens(),
         seed=options.seed,
     )
-    layer_map, layer_targets = None, "off"
-    if options.layer_loss_weight > 0:
-        layer_map = read_layer_map(src)
-        why = (
-            f"{src.name} has no layer map (layer_map.safetensors)"
-            if layer_map is None
-            else layer_map.mismatch(teacher_cfg, student_cfg)
-        )
-        if why:
-            layer_map, layer_targets = None, f"none: {why}"
-            if is_main_process():
-                print(f"hf-symmetry heal: {why}: distilling the logits only", file=sys.stderr, flush=True)
-        else:
-            n, lo, hi = len(layer_map.bases), min(layer_map.layer_width), max(layer_map.layer_width)
-            layer_targets = layer_map.kind + (
-                f" ({n} rotation{'s' * (n > 1)}, width {lo}" + (f"-{hi}" if hi > lo else "") + ")"
-                if layer_map.kind == "rotation"
-                else ""
-            )
 
-    # ---- 2. teacher, data extras (run folder from here on) -----------------------------------
+
+def layer_targets(s: HealState) -> None:
+    """With ``layer_loss_weight > 0``: the student's layer map, or, where it has none or it does not fit
+    the teacher, one line saying so (the logits alone are distilled)."""
+    from ...conversion.layer_map import read_layer_map
+    from .. import is_main_process
+
+    if s.options.layer_loss_weight <= 0:
+        return
+    layer_map = read_layer_map(s.src)
+    why = (
+        f"{s.src.name} has no layer map (layer_map.safetensors)"
+        if layer_map is None
+        else layer_map.mismatch(s.teacher_cfg, s.student_cfg)
+    )
+    if why:
+        s.layer_map, s.layer_targets = None, f"none: {why}"
+        if is_main_process():
+            print(f"hf-symmetry heal: {why}: distilling the logits only", file=sys.stderr, flush=True)
+        return
+    n, lo, hi = len(layer_map.bases), min(layer_map.layer_width), max(layer_map.layer_width)
+    s.layer_map = layer_map
+    s.layer_targets = layer_map.kind + (
+        f" ({n} rotation{'s' * (n > 1)}, width {lo}" + (f"-{hi}" if hi > lo else "") + ")"
+        if layer_map.kind == "rotation"
+        else ""
+    )
+
+
+# ---- 2. teacher, data extras (run folder from here on) ----------------------------------------------
+def place_processes(dev: torch.device):
+    """accelerate's process state for a run on the resolved device ``dev``, and the device this process
+    trains on: ``dev`` itself in one process; under several processes on CUDA, each process's own GPU
+    (LOCAL_RANK), as the Trainer places it."""
     from accelerate import PartialState
+
+    from .. import world_size
 
     if dev.type == "cuda" and world_size() == 1:
         torch.cuda.set_device(dev)  # resolve_device always names the index
     state = PartialState(cpu=dev.type == "cpu")
     if dev.type == "cuda" and world_size() > 1:
         dev = state.device  # each process its own GPU (LOCAL_RANK), as the Trainer places it
-    if state.is_main_process:
-        run.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(options.seed)
-    student = load_quietly(src, progress)
-    tmodel = load_quietly(tea, progress)
-    train_seqs = data.train.sequences
-    samples_reused = False
-    n_samples = options.sample_count()
-    if n_samples:
+    return state, dev
+
+
+def load_models(job: HealJob, s: HealState) -> None:
+    """The run folder (main process), the seed, then the student and the teacher in float32 on the CPU."""
+    if s.processes.is_main_process:
+        s.run.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(s.options.seed)
+    s.student = load_quietly(s.src, job.progress)
+    s.tmodel = load_quietly(s.tea, job.progress)
+
+
+def teacher_data(job: HealJob, s: HealState) -> None:
+    """The training sequences with the teacher's samples (sampled by the main process, or read from the
+    cache) and, with ``teacher_cache``, its cached top-k logits; the held-out sequences for the KL."""
+    from ..data import PackedDataset
+    from ..distill import build_teacher_cache, cached_teacher_samples, load_teacher_cache
+
+    options, state = s.options, s.processes
+    train_seqs = s.data.train.sequences
+    s.n_samples = options.sample_count()
+    if s.n_samples:
         with state.main_process_first():  # the main process samples (or reads the cache), the others read
-            sampled, _, samples_reused = cached_teacher_samples(
-                tmodel,
-                tok,
-                tea,
-                n_samples,
+            sampled, _, s.samples_reused = cached_teacher_samples(
+                s.tmodel,
+                s.tok,
+                s.tea,
+                s.n_samples,
                 options.seq_len,
                 seed=options.seed,
-                device=tdev or dev,
-                progress=progress and state.is_main_process,
+                device=s.tdev or s.dev,
+                progress=job.progress and state.is_main_process,
             )
         train_seqs = torch.cat([train_seqs, sampled])
     extras = None
     if options.teacher_cache:
-        path = run / f"teacher-top{options.cache_k}.safetensors"
+        path = s.run / f"teacher-top{options.cache_k}.safetensors"
         with state.main_process_first():
             build_teacher_cache(
-                tmodel,
+                s.tmodel,
                 train_seqs,
                 path,
                 k=options.cache_k,
-                teacher_id=str(tea),
-                device=tdev or dev,
-                progress=progress and state.is_main_process,
+                teacher_id=str(s.tea),
+                device=s.tdev or s.dev,
+                progress=job.progress and state.is_main_process,
             )
             extras = load_teacher_cache(path, train_seqs)
-        tmodel.to("cpu")
-    train_ds = PackedDataset(train_seqs, extras)
-    val_seqs = data.validation.sequences[:heldout_kl_sequences] if data.validation is not None else None
+        s.tmodel.to("cpu")
+    s.train_ds = PackedDataset(train_seqs, extras)
+    data = s.data
+    s.val_seqs = data.validation.sequences[: job.heldout_kl_sequences] if data.validation is not None else None
 
-    # ---- 3. before-figures, adapters ---------------------------------------------------------
-    ppl = {}
-    kl_before = None
-    main = is_main_process()
-    if main:
-        tmodel.to(tdev or dev)
-        student.to(dev)
-        if eval_texts:
-            tp = perplexities(tmodel, tok, eval_texts, eval_tokens, progress)
-            bp = perplexities(student, tok, eval_texts, eval_tokens, progress)
-            ppl = {t: {"teacher": tp[t], "before": bp[t], "tokens": eval_tokens} for t in eval_texts}
-        if val_seqs is not None:
-            kl_before = mean_kl(student, tmodel, val_seqs, temperature=options.temperature)
-        student.to("cpu")
-    if options.full:
-        student.requires_grad_(True)
-        model = student
+
+# ---- 3. before-figures, adapters ----------------------------------------------------------------------
+def before_training(job: HealJob, s: HealState) -> None:
+    """On the main process, the teacher's and the student's perplexities and the student's held-out KL
+    before training; then the model to train: the student (``full``) or the student with LoRA adapters."""
+    from .. import is_main_process
+    from ..distill import mean_kl
+    from ..peft_targets import apply_lora
+
+    s.main = is_main_process()
+    if s.main:
+        s.tmodel.to(s.tdev or s.dev)
+        s.student.to(s.dev)
+        if s.eval_texts:
+            tp = perplexities(s.tmodel, s.tok, s.eval_texts, job.eval_tokens, job.progress)
+            bp = perplexities(s.student, s.tok, s.eval_texts, job.eval_tokens, job.progress)
+            s.ppl = {t: {"teacher": tp[t], "before": bp[t], "tokens": job.eval_tokens} for t in s.eval_texts}
+        if s.val_seqs is not None:
+            s.kl_before = mean_kl(s.student, s.tmodel, s.val_seqs, temperature=s.options.temperature)
+        s.student.to("cpu")
+    if s.options.full:
+        s.student.requires_grad_(True)
+        s.model = s.student
     else:
-        model = apply_lora(student, plan)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        s.model = apply_lora(s.student, s.plan)
+    s.trainable = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
 
-    # ---- 4. training -------------------------------------------------------------------------
+
+# ---- 4. training ----------------------------------------------------------------------------------------
+def train_student(job: HealJob, s: HealState) -> None:
+    """Distil the teacher into :attr:`HealState.model` with the shared Trainer setup."""
+    from .. import train
+    from ..data import PackedDataset
+    from ..distill import DistillationLoss
+    from ..trainer import TrainSettings
+
+    options, tmodel, data = s.options, s.tmodel, s.data
     # with layer targets the teacher runs alongside even with --teacher-cache (its states are not cached)
     loss = DistillationLoss(
-        None if options.teacher_cache and layer_map is None else tmodel,
+        None if options.teacher_cache and s.layer_map is None else tmodel,
         options.temperature,
         options.lm_weight,
-        teacher_device=tdev,
-        layer_map=layer_map,
-        layer_weight=options.layer_loss_weight if layer_map is not None else 0.0,
+        teacher_device=s.tdev,
+        layer_map=s.layer_map,
+        layer_weight=options.layer_loss_weight if s.layer_map is not None else 0.0,
         chunk_tokens=options.logit_chunk or None,
     )
     steps = options.steps()
     settings = TrainSettings(
-        output_dir=str(run),
+        output_dir=str(s.run),
         max_steps=steps,
-        per_device_batch_size=per_device,
+        per_device_batch_size=s.per_device,
         gradient_accumulation_steps=options.grad_accum,
         learning_rate=options.learning_rate,
         warmup_steps=options.warmup_steps,
@@ -212,57 +349,70 @@ def heal_checkpoint(
         save_total_limit=2,
         logging_steps=max(1, min(10, steps // 20)),
         seed=options.seed,
-        use_cpu=dev.type == "cpu",
-        resume=resume,
-        progress=progress,
+        use_cpu=s.dev.type == "cpu",
+        resume=job.resume,
+        progress=job.progress,
         loss_name="kd_loss",
     )
     eval_ds = PackedDataset(data.validation.sequences) if (data.validation is not None and options.eval_steps) else None
     if eval_ds is not None and options.teacher_cache:
         loss.teacher = tmodel  # held-out batches carry no cached logits
         loss.__post_init__()
-    result = train(model, train_ds, eval_ds, settings, loss_fn=loss, callbacks=callbacks)
-    trained = result.model
+    s.result = train(s.model, s.train_ds, eval_ds, settings, loss_fn=loss, callbacks=job.callbacks)
 
-    # ---- 5. output (main process) ------------------------------------------------------------
-    report = HealReport(
-        source=str(src),
-        teacher=str(tea),
-        output=str(out),
-        model_type=student_cfg["model_type"],
+
+# ---- 5. output (main process) -----------------------------------------------------------------------------
+def heal_report(s: HealState) -> HealReport:
+    """The report of the run so far (every process); the main process adds the after-figures."""
+    from .. import world_size
+
+    options, result = s.options, s.result
+    return HealReport(
+        source=str(s.src),
+        teacher=str(s.tea),
+        output=str(s.out),
+        model_type=s.student_cfg["model_type"],
         mode="full" if options.full else "lora",
         options=options.as_dict(),
-        data=data.as_dict(),
-        lora=None if plan is None else plan.as_dict(),
-        trainable_params=trainable,
+        data=s.data.as_dict(),
+        lora=None if s.plan is None else s.plan.as_dict(),
+        trainable_params=s.trainable,
         steps=result.global_step,
         train_tokens=result.train_tokens,
         tokens_per_second=result.tokens_per_second,
         seconds=0.0,
         resumed_from=result.resumed_from,
         final_train_loss=last_loss(result.log_history),
-        teacher_samples=n_samples,
-        teacher_samples_reused=samples_reused,
-        layer_targets=layer_targets,
-        device=str(dev),
+        teacher_samples=s.n_samples,
+        teacher_samples_reused=s.samples_reused,
+        layer_targets=s.layer_targets,
+        device=str(s.dev),
         processes=world_size(),
         train_cpu_seconds=result.cpu_seconds,
     )
-    if not main:
-        return report
-    write_output(trained, tok, src, tea, out, overwrite, report, save_adapter, options, plan)
-    merged = load_quietly(out, progress).to(dev)
-    tmodel.to(tdev or dev)
+
+
+def finish(job: HealJob, s: HealState, report: HealReport) -> HealReport:
+    """Main process: the healed folder, the perplexities and held-out KL after training, the card; the run
+    folder is removed unless kept."""
+    from ..distill import mean_kl
+
+    tok, eval_texts = s.tok, s.eval_texts
+    write_output(
+        s.result.model, tok, s.src, s.out, report, s.plan, overwrite=job.overwrite, save_adapter=job.save_adapter
+    )
+    merged = load_quietly(s.out, job.progress).to(s.dev)
+    s.tmodel.to(s.tdev or s.dev)
     if eval_texts:
-        ap = perplexities(merged, tok, eval_texts, eval_tokens, progress)
+        ap = perplexities(merged, tok, eval_texts, job.eval_tokens, job.progress)
         for t in eval_texts:
-            ppl[t]["after"] = ap[t]
-    if val_seqs is not None:
-        report.heldout_kl_before = kl_before
-        report.heldout_kl_after = mean_kl(merged, tmodel, val_seqs, temperature=options.temperature)
-    report.perplexity = ppl
-    report.seconds = time.perf_counter() - t_start
-    write_heal_card(out, report, tok)
-    if not keep_run_dir:
-        shutil.rmtree(run, ignore_errors=True)
+            s.ppl[t]["after"] = ap[t]
+    if s.val_seqs is not None:
+        report.heldout_kl_before = s.kl_before
+        report.heldout_kl_after = mean_kl(merged, s.tmodel, s.val_seqs, temperature=s.options.temperature)
+    report.perplexity = s.ppl
+    report.seconds = time.perf_counter() - s.t_start
+    write_heal_card(s.out, report, tok)
+    if not job.keep_run_dir:
+        shutil.rmtree(s.run, ignore_errors=True)
     return report
