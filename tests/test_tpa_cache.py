@@ -116,15 +116,22 @@ def test_static_cache_crop_and_beam_reorder():
 
 
 @pytest.mark.slow
-def test_fullgraph_compiled_decoding_with_the_static_cache_matches_eager():
-    """A fullgraph-compiled decode step (what ``generate`` compiles with a static cache) gives the eager logits."""
-    model = make_model("contextual", num_hidden_layers=1)
+@pytest.mark.parametrize("variant", ["contextual", "grouped"])
+def test_fullgraph_compiled_decoding_with_the_static_cache_matches_eager(variant):
+    """A fullgraph-compiled decode step (what ``generate`` compiles with a static cache) gives the eager logits:
+    factor-space decoding (contextual A) and GQA on the factors (grouped A, the route checked eagerly first)."""
+    if variant == "grouped":
+        kw = dict(num_attention_heads=6, head_dim=4, hidden_size=24, k_rank=3, v_rank=3, num_hidden_layers=1)
+        model = _gqa_like(make_model("kv_only_noncontextual", **kw))
+    else:
+        model = make_model("contextual", num_hidden_layers=1)
     ids = ids_batch(b=2, t=6)
     cache = TPAStaticCache(model.config, max_cache_len=10)
     step = torch.compile(model.forward, fullgraph=True)
     seq = ids
     with torch.no_grad():
         nxt = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        assert model.model.layers[0].self_attn.factor_groups() == (variant == "grouped")
         for i in range(3):
             seq = torch.cat([seq, nxt], 1)
             out = step(input_ids=nxt, position_ids=torch.full((2, 1), 6 + i), past_key_values=cache)
@@ -305,3 +312,21 @@ def test_cache_module_is_standalone():
             assert node.level == 0 and node.module.split(".")[0] in ("torch", "transformers", "__future__")
         elif isinstance(node, ast.Import):
             assert {a.name.split(".")[0] for a in node.names} <= {"torch"}
+
+
+def test_grouped_decoding_with_left_padding_equals_the_composing_route():
+    """Decoding a grouped model (its queries packed per group against the cached factors) gives the scores of the
+    same model forced to compose K/V (``tpa_decode_path="materialize"``), left padding included."""
+    kw = dict(num_attention_heads=6, head_dim=4, hidden_size=24, k_rank=3, v_rank=3)
+    model = _gqa_like(make_model("kv_only_noncontextual", dtype=torch.float64, **kw), scale=torch.arange(1.0, 7.0))
+    ids = ids_batch(b=3, t=9)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :1] = 0
+    with torch.no_grad():
+        assert model.model.layers[0].self_attn.factor_groups()
+        seq_g, scores_g, _ = greedy(model, ids, mask)
+        model.config.tpa_decode_path = "materialize"
+        assert not model.model.layers[0].self_attn.factor_groups()
+        seq_m, scores_m, _ = greedy(model, ids, mask)
+    assert torch.equal(seq_g, seq_m) and (scores_g - scores_m).abs().max().item() <= 1e-9

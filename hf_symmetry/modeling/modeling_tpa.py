@@ -330,13 +330,18 @@ class TPAAttention(nn.Module):
         and column ``i`` of both ``A_K`` and ``A_V`` nonzero only in row ``i // (h/R)``. Then head ``i``'s key
         is ``(A_K[g,i]/R) B_K[g]`` (likewise V): GQA with the factors as the K/V heads, which
         :meth:`grouped_attention` runs without composing K or V (a converted GQA model at full rank, any model
-        at rank 1). Checked on the values (one host sync, cached until A changes); never while tracing, nor
-        when gradients flow into A (the zeros of A have gradients too)."""
+        at rank 1). Checked on the values (one host sync, cached until A changes; while tracing, e.g.
+        ``torch.compile``, the last eager check is used), never when gradients flow into A (the zeros of A
+        have gradients too). Only with ``tpa_decode_path="auto"``."""
         if self.contextual_a or self.k_rank != self.v_rank or self.num_heads % self.k_rank:
             return False
-        if torch.compiler.is_compiling():
+        if self.config.tpa_decode_path != "auto":
             return False
         a_k, a_v = self.k_a, self.v_a
+        if torch.is_grad_enabled() and (a_k.requires_grad or a_v.requires_grad):
+            return False
+        if torch.compiler.is_compiling():
+            return self._groups if self._groups_key is not None else False
         if torch.is_grad_enabled() and (a_k.requires_grad or a_v.requires_grad):
             return False
         key = (a_k.data_ptr(), a_k._version, a_v.data_ptr(), a_v._version)
@@ -353,27 +358,52 @@ class TPAAttention(nn.Module):
         """Attention when :meth:`factor_groups` holds: the cached ``B_K``/``B_V`` are the K/V heads of a GQA call
         of the attention function (eager, SDPA or a registered backend), each query head scaled by its
         ``A_K[g,i]/R`` and each output head by its ``A_V[g,i]/R``. No K or V is composed: the same work and
-        memory as the GQA model it came from. Returns ``([B,T,h,d], weights or None)``."""
+        memory as the GQA model it came from. A single new token (decoding) with eager/SDPA attention and a mask
+        shared by the heads runs as ``R`` heads of ``h/R`` query rows each (the queries of a group packed, as
+        transformers' SDPA does for GQA decoding). Returns ``([B,T,h,d], weights or None)``."""
         h, r = self.num_heads, self.k_rank
         heads = torch.arange(h, device=a_k.device)
         groups = heads // (h // r)
         k_scale, v_scale = a_k[groups, heads] / r, a_v[groups, heads] / r
         q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
         q = q * k_scale.to(q.dtype).view(1, h, 1, 1)
-        self.num_key_value_groups = h // r
-        try:
+        B, T = q.shape[0], q.shape[2]
+        dropout = 0.0 if not self.training else self.attention_dropout
+        mask = attention_mask
+        packed = (
+            T == 1
+            and not self.uses_attention_function()
+            and (mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == 1))
+        )
+        if packed:  # [B, R, h/R, d] queries against [B, R, S, d] factors; every row may see every cached slot
             out, weights = self._attention_interface(output_attentions)(
                 self,
-                q,
+                q.reshape(B, r, h // r, q.shape[-1]),
                 b_k.transpose(1, 2),
                 b_v.transpose(1, 2),
-                attention_mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
+                mask,
+                dropout=dropout,
                 scaling=self.scaling,
+                is_causal=False,
                 **kwargs,
             )
-        finally:
-            self.num_key_value_groups = 1
+            out = out.reshape(B, h // r, r, -1).transpose(1, 2).reshape(B, 1, h, -1)
+            weights = None if weights is None else weights.reshape(B, h, 1, -1)
+        else:
+            self.num_key_value_groups = h // r
+            try:
+                out, weights = self._attention_interface(output_attentions)(
+                    self,
+                    q,
+                    b_k.transpose(1, 2),
+                    b_v.transpose(1, 2),
+                    mask,
+                    dropout=dropout,
+                    scaling=self.scaling,
+                    **kwargs,
+                )
+            finally:
+                self.num_key_value_groups = 1
         return out * v_scale.to(out.dtype).view(1, 1, h, 1), weights
 
     def materialized_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False, **kwargs):
@@ -500,13 +530,16 @@ class TPAAttention(nn.Module):
         if cache is not None:
             a_k, b_k, a_v, b_v = cache.layers[self.layer_idx].update_factors(a_k, b_k, a_v, b_v)
         plan = ("k", "v") if self.uses_attention_function() else self.attention_plan(T, b_k.shape[1])
-        if plan != ("k", "v"):
+        if self.factor_groups():  # GQA on the factors, prefill and decoding alike
+            out, weights = self.grouped_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, **kwargs)
+        elif plan != ("k", "v"):
             out, weights = self.factor_attention(
                 f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, route=plan[0], value_route=plan[1]
             )
         else:
-            attend = self.grouped_attention if self.factor_groups() else self.materialized_attention
-            out, weights = attend(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, **kwargs)
+            out, weights = self.materialized_attention(
+                f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, **kwargs
+            )
         out = self.o_proj(out.reshape(B, T, -1).contiguous())
         return out, weights
 

@@ -1,0 +1,470 @@
+"""Decoding with SmolLM2-135M-Instruct converted to Tensor Product Attention, against the source model with its
+own cache and with transformers' QuantizedCache (issue 37).
+
+Models: the source (SDPA), its ``hf-symmetry to-tpa`` conversions at full rank (exact: the cache equals the
+source's) and at k/v ranks 2 and 1 (calibrated on britannica-calib; not healed: ``hf-symmetry heal`` takes hours
+on this CPU). Caches: transformers' dynamic cache (TPA: the factor cache), ``generate(cache_implementation=
+"quantized", cache_config={"backend": "hqq", "nbits": n, "q_group_size": 64, "residual_length": 128})`` (the
+source: transformers' HQQ QuantizedCache; a TPA model turns the same request into its quantized *factor* cache,
+same nbits, group and residual window), and a static cache for compiled decoding.
+
+Every measurement runs in a fresh subprocess (one configuration, context length and batch):
+
+* ``eager``: ``generate`` of 32 new tokens (greedy, forced length) after a prompt of L tokens of hamlet, batch B.
+  Prefill time and decode ms/token from a stopping-criteria clock; memory: resident set (``/proc/self/statm``,
+  sampled every 0.5 ms by a thread) above the level before ``generate`` (weights touched by a warm-up forward),
+  peak during prefill and peak during decode (the decode peak includes the cache and whatever the allocator kept
+  from prefill: what a user sees); on a GPU ``torch.cuda.max_memory_allocated`` instead. The cache's bytes are
+  summed over the tensors it holds after ``generate`` and compared with the formula.
+* ``compiled``: a static cache (``StaticCache``; a TPA model fills it with preallocated factors), eager prefill,
+  8 eager decode steps, then ``torch.compile(model.forward, fullgraph=True)`` steps: 2 warm-up (compile) steps
+  and 32 timed ones.
+* ``ppl``: held-out quality on hamlet: the project's perplexity (``hf_symmetry.evaluation.perplexity``: 2048
+  tokens, window 512, stride 256; no cache involved: the model) and the perplexity *through the cache*: a prefill
+  of 512 tokens, then 256 tokens fed one at a time through the configured cache (quantized caches quantize the
+  prompt at once), each scored.
+
+    python benchmarks/bench_tpa_decode.py                      # the default grid (hours on a 2-core CPU)
+    python benchmarks/bench_tpa_decode.py --contexts 512 --batches 1 --configs source tpa-exact
+    python benchmarks/bench_tpa_decode.py --device cuda        # on a GPU
+
+Results are merged into benchmarks/results/tpa_decode.json (one record per configuration, mode, L and B; a
+rerun replaces its own records) with the tables BENCHMARKS.md shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "tpa_decode.json"
+NEW_TOKENS = 32
+QCACHE = {"backend": "hqq", "q_group_size": 64, "residual_length": 128}
+#: name -> (model, cache): model "source" or a TPA folder name; cache None (dynamic) or quantized nbits
+CONFIGS = {
+    "source": ("source", None),
+    "source-hqq4": ("source", 4),
+    "source-hqq2": ("source", 2),
+    "tpa-exact": ("exact", None),
+    "tpa-r2": ("r2", None),
+    "tpa-r1": ("r1", None),
+    "tpa-exact-q4": ("exact", 4),
+    "tpa-r2-q4": ("r2", 4),
+    "tpa-r2-q2": ("r2", 2),
+}
+RANKS = {"exact": None, "r2": 2, "r1": 1}
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent: models, the grid, the tables
+# ----------------------------------------------------------------------------------------------
+def build_models(work: Path) -> dict[str, str]:
+    """The source folder and the TPA conversions (made once with ``hf-symmetry to-tpa``, reused)."""
+    from hf_symmetry.assets import smollm2_dir
+
+    folders = {"source": str(smollm2_dir())}
+    for name, rank in RANKS.items():
+        out = work / name
+        if not (out / "config.json").is_file():
+            argv = [sys.executable, "-m", "hf_symmetry.cli", "to-tpa", "smollm2", str(out), "--quiet", "--no-verify"]
+            if rank is not None:
+                argv += ["--k-rank", str(rank), "--v-rank", str(rank), "--calib", "britannica-calib", "--overwrite"]
+            subprocess.run(argv, check=True, cwd=ROOT)
+        folders[name] = str(out)
+    return folders
+
+
+def machine(device: str) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    out = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def run_child(job: dict, timeout: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-1500:]
+        return {**job, "error": tail, "wall_s": round(time.time() - t0, 1)}
+    return {**job, **json.loads(lines[-1]), "wall_s": round(time.time() - t0, 1)}
+
+
+def key(record: dict) -> tuple:
+    return record["config"], record["mode"], record.get("context"), record.get("batch")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--modes", nargs="+", default=["eager", "compiled", "ppl"], choices=["eager", "compiled", "ppl"])
+    p.add_argument("--compiled-contexts", nargs="+", type=int, default=[512, 2048])
+    p.add_argument("--compiled-batches", nargs="+", type=int, default=[1])
+    p.add_argument("--skip", nargs="*", default=[], help="CONTEXTxBATCH combinations to leave out, e.g. 8192x4")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--work", default=str(Path.home() / ".cache" / "hf_symmetry" / "bench_tpa_decode"))
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per subprocess")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    folders = build_models(work)
+    out = Path(args.out)
+    data = json.loads(out.read_text()) if out.is_file() else {"runs": []}
+    runs = {key(r): r for r in data.get("runs", [])}
+    jobs = []
+    for mode in args.modes:  # configurations side by side for each L x B, so that they run under similar load
+        if mode == "ppl":
+            jobs += [dict(config=config, mode=mode) for config in args.configs]
+            continue
+        contexts = args.compiled_contexts if mode == "compiled" else args.contexts
+        batches = args.compiled_batches if mode == "compiled" else args.batches
+        for L in contexts:
+            for B in batches:
+                for config in args.configs:
+                    if f"{L}x{B}" in args.skip or (mode == "compiled" and CONFIGS[config][1] is not None):
+                        continue  # quantized caches are not compileable
+                    jobs.append(dict(config=config, mode=mode, context=L, batch=B))
+    for job in jobs:
+        model, nbits = CONFIGS[job["config"]]
+        job.update(folder=folders[model], tpa=model != "source", nbits=nbits, device=args.device)
+        print(f"{job['config']} {job['mode']} {job.get('context', '')}x{job.get('batch', '')} ...", flush=True)
+        record = run_child(job, args.timeout)
+        record.pop("folder")
+        record["load_avg"] = round(os.getloadavg()[0], 1)
+        runs[key(record)] = record
+        print("  ", {k: v for k, v in record.items() if k not in job}, flush=True)
+        data.update(
+            machine=machine(args.device),
+            date=time.strftime("%Y-%m-%d", time.gmtime()),
+            command="python benchmarks/bench_tpa_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            runs=sorted(runs.values(), key=lambda r: (r["mode"], r.get("context") or 0, r.get("batch") or 0)),
+        )
+        from tpa_decode_tables import tables
+
+        data["tables"] = tables(data["runs"])
+        out.write_text(json.dumps(data, indent=1) + "\n")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Child: one configuration in a fresh process
+# ----------------------------------------------------------------------------------------------
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Memory:
+    """Peak memory above a baseline: resident set sampled by a thread (CPU) or CUDA's allocator peak."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        self.peak = 0
+        self.running = not self.cuda
+        if self.running:
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.0005)
+
+    def now(self) -> int:
+        return self.torch.cuda.memory_allocated() if self.cuda else rss()
+
+    def start(self) -> int:
+        """Reset the peak; return the current level."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+        self.peak = self.now()
+        return self.peak
+
+    def read(self) -> int:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated()
+        return max(self.peak, rss())
+
+    def stop(self):
+        self.running = False
+
+
+def cache_bytes(cache) -> dict:
+    """Bytes the cache holds (per-token tensors; non-contextual A is the model's own parameter) and its tokens."""
+    import torch
+
+    held = 0
+    for layer in cache.layers:
+        if hasattr(layer, "per_token_tensors"):  # TPA factor layers
+            held += sum(t.numel() * t.element_size() for t in layer.per_token_tensors())
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            held += t.numel() * t.element_size() if t is not None and t.dim() == 4 else 0
+        for name in ("_quantized_keys", "_quantized_values"):  # transformers' QuantizedLayer: (codes, meta)
+            q = getattr(layer, name, None)
+            if q is not None:
+                codes, meta = q
+                held += codes.numel() * codes.element_size()
+                held += sum(v.numel() * v.element_size() for v in meta.values() if isinstance(v, torch.Tensor))
+    return {"bytes": held, "tokens": int(cache.get_seq_length())}
+
+
+def formula_bytes(model, prompt: int, tokens: int, batch: int, nbits, residual: int) -> int:
+    """The cache's bytes by the formula: float32 K/V (source) or factors (TPA), quantized tokens at the
+    quantized bytes per token (TPA: the factor rows' codes + float16 scale/low per group of 64; HQQ: the codes +
+    a float32 scale and zero per group of 64 elements) and the residual window in float32."""
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    if getattr(cfg, "k_rank", None) is not None:
+        from hf_symmetry.modeling.cache_tpa import TPAQuantizedLayer
+
+        full = 4 * cfg.kv_cache_elements_per_token()
+        quant = (
+            0
+            if nbits is None
+            else TPAQuantizedLayer.bytes_per_token(
+                cfg.k_rank, cfg.v_rank, cfg.num_attention_heads, cfg.head_dim, cfg.contextual_a, nbits, 64
+            )
+        )
+    else:
+        elems = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        full, quant = 4 * elems, (0 if nbits is None else elems * nbits / 8 + 2 * 4 * elems / 64)
+    if nbits is None:
+        return int(full * tokens * batch * layers)
+    # the prompt is quantized at once; new tokens wait in the residual window until it holds `residual` of them
+    q_tokens = prompt + (tokens - prompt) // residual * residual
+    return int((quant * q_tokens + full * (tokens - q_tokens)) * batch * layers)
+
+
+def routes(model) -> tuple[dict, object]:
+    """Which attention route each phase takes (layer 0), recorded while the returned ``restore`` is not called."""
+    cfg = model.config
+    if getattr(cfg, "k_rank", None) is None:
+        impl = cfg._attn_implementation
+        return {"prefill": {f"{impl} (GQA)"}, "decode": {f"{impl} (GQA)"}}, lambda: None
+    from hf_symmetry.modeling import modeling_tpa
+
+    originals = {}
+
+    att = model.model.layers[0].self_attn
+    seen = {}
+    for name in ("grouped_attention", "materialized_attention", "factor_attention"):
+        original = getattr(modeling_tpa.TPAAttention, name)
+
+        def spy(self, *a, _name=name, _original=original, **kw):
+            if self is att:
+                label = _name.replace("_attention", "")
+                if _name == "factor_attention":
+                    label = f"factor ({kw.get('route')}/{kw.get('value_route')})"
+                elif _name == "materialized_attention":
+                    label = f"composed K/V, {self.head_chunk()} heads per call"
+                seen.setdefault("prefill" if a[0].get("b_k", a[0].get("q")).shape[1] > 1 else "decode", set()).add(
+                    f"{label}, {cfg._attn_implementation}"
+                )
+            return _original(self, *a, **kw)
+
+        originals[name] = original
+        setattr(modeling_tpa.TPAAttention, name, spy)
+
+    def restore():
+        for name, original in originals.items():
+            setattr(modeling_tpa.TPAAttention, name, original)
+
+    return seen, restore
+
+
+def hamlet_ids(tokenizer, n: int):
+    import torch
+
+    from hf_symmetry.assets import text_path
+    from hf_symmetry.text import read_text, tokenize_text
+
+    ids = tokenize_text(tokenizer, read_text(text_path("hamlet")))
+    reps = -(-n // ids.numel())
+    return torch.cat([ids] * reps)[:n]
+
+
+def child(job: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+    import hf_symmetry  # noqa: F401  (registers the TPA family: the same code a saved folder carries)
+
+    torch.manual_seed(0)
+    device = torch.device(job["device"])
+    if device.type == "cpu" and os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32, attn_implementation="sdpa")
+    model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(job["folder"])
+    out = {}
+    if job["mode"] == "ppl":
+        return ppl(model, tok, job, device)
+
+    L, B = job["context"], job["batch"]
+    ids = hamlet_ids(tok, L * B).view(B, L).to(device)
+    with torch.no_grad():
+        model(ids[:1, :16])  # touch every weight (memory-mapped safetensors) before the baseline
+    seen, restore = routes(model)
+    mem = Memory(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    if job["mode"] == "eager":
+        stamps = []
+
+        class Clock(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                sync()
+                stamps.append((time.perf_counter(), mem.read()))
+                if len(stamps) == 1:
+                    mem.start()  # the decode peak starts after the first token
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        extra = {} if job["nbits"] is None else {"cache_implementation": "quantized"}
+        if job["nbits"] is not None:
+            extra["cache_config"] = {**QCACHE, "nbits": job["nbits"]}
+        base = mem.start()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+                return_dict_in_generate=True,
+                stopping_criteria=StoppingCriteriaList([Clock()]),
+                **extra,
+            )
+        decode_peak = mem.read()
+        cache = gen.past_key_values
+        held = cache_bytes(cache)
+        out.update(
+            prefill_s=round(stamps[0][0] - t0, 3),
+            decode_ms=round(1000 * (stamps[-1][0] - stamps[0][0]) / (len(stamps) - 1), 2),
+            prefill_peak_mb=round((stamps[0][1] - base) / 1e6, 1),
+            decode_peak_mb=round((decode_peak - base) / 1e6, 1),
+            cache_mb=round(held["bytes"] / 1e6, 2),
+            cache_tokens=held["tokens"],
+            formula_mb=round(
+                formula_bytes(model, L, held["tokens"], B, job["nbits"], QCACHE["residual_length"]) / 1e6, 2
+            ),
+            cache_layer=type(cache.layers[0]).__name__,
+        )
+    else:  # compiled
+        from transformers import StaticCache
+
+        steps_eager, warm = 8, 2
+        cache = StaticCache(config=model.config, max_cache_len=L + steps_eager + warm + NEW_TOKENS + 1)
+        base = mem.start()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+            sync()
+            out["prefill_s"] = round(time.perf_counter() - t0, 3)
+            nxt = logits[:, -1:].argmax(-1)
+            pos = L
+
+            def run(step, n):
+                nonlocal nxt, pos
+                sync()
+                t = time.perf_counter()
+                for _ in range(n):
+                    position = torch.full((B, 1), pos, device=device)
+                    logits = step(input_ids=nxt, position_ids=position, past_key_values=cache, logits_to_keep=1).logits
+                    nxt, pos = logits[:, -1:].argmax(-1), pos + 1
+                sync()
+                return time.perf_counter() - t
+
+            out["static_eager_ms"] = round(1000 * run(model.forward, steps_eager) / steps_eager, 2)
+            restore()  # the route spies are Python side effects: not inside the compiled graph
+            compiled = torch.compile(model.forward, fullgraph=True)
+            out["compile_s"] = round(run(compiled, warm), 1)
+            out["decode_ms"] = round(1000 * run(compiled, NEW_TOKENS) / NEW_TOKENS, 2)
+        out["decode_peak_mb"] = round((mem.read() - base) / 1e6, 1)
+        held = cache_bytes(cache)
+        out.update(cache_mb=round(held["bytes"] / 1e6, 2), cache_layer=type(cache.layers[0]).__name__)
+    mem.stop()
+    out["route"] = {phase: sorted(labels) for phase, labels in seen.items()}
+    return out
+
+
+def ppl(model, tok, job: dict, device) -> dict:
+    """The model's perplexity (the project's definition) and the perplexity through the configured cache."""
+    import math
+
+    import torch
+    from transformers import DynamicCache, QuantizedCache
+
+    from hf_symmetry.evaluation.perplexity import PPL, perplexity
+
+    ids = hamlet_ids(tok, max(PPL.tokens, 512 + 256 + 1)).to(device)
+    out = {"ppl_model": round(perplexity(model, ids[: PPL.tokens], progress=False).perplexity, 3)}
+    cfg = model.config
+    if job["nbits"] is None:
+        cache = DynamicCache(config=cfg)
+    else:
+        cache = QuantizedCache(config=cfg, nbits=job["nbits"], **QCACHE)
+    prefill, steps = 512, 256
+    nll = 0.0
+    with torch.no_grad():
+        logits = model(ids[None, :prefill], past_key_values=cache).logits[:, -1]
+        for t in range(prefill, prefill + steps):
+            nll += torch.nn.functional.cross_entropy(logits.float(), ids[t : t + 1]).item()
+            logits = model(ids[None, t : t + 1], past_key_values=cache).logits[:, -1]
+    out.update(ppl_cache=round(math.exp(nll / steps), 3), ppl_cache_tokens=f"{prefill}+{steps}")
+    out["cache_layer"] = type(cache.layers[0]).__name__
+    return out
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    sys.exit(main())
