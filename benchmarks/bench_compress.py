@@ -284,13 +284,13 @@ def main() -> None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
         calib_in = C.CalibrationInput(source, config, calib_ids, 512) if options.sequential else None
         with limit_threads(1):
-            res = C.solve(
+            res = C.solve.solve(
                 plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, calib=calib_in
             )
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0
-        state = C.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
+        state = C.assemble.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
         compressed, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
         acc = plan.accounting
         row = {

@@ -39,7 +39,8 @@ import yaml
 from hf_symmetry.assets import smollm2_dir, text_path
 from hf_symmetry.conversion.match import MatchOptions, match_checkpoint, match_state_dict
 from hf_symmetry.conversion.merge import merge_state_dicts
-from hf_symmetry.evaluation import perplexity, read_text, tokenize_text
+from hf_symmetry.evaluation.perplexity import perplexity
+from hf_symmetry.text import read_text, tokenize_text
 from hf_symmetry.evaluation.compare import load_model, load_tokenizer, model_from_state_dict
 
 HERE = Path(__file__).resolve().parent

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from hf_symmetry.assets import resolve_model, resolve_text
     from hf_symmetry.conversion.gguf_export import export_gguf, load_gguf
-    from hf_symmetry.evaluation import perplexity, read_text, tokenize_text
+    from hf_symmetry.evaluation.perplexity import perplexity
+    from hf_symmetry.text import read_text, tokenize_text
     from hf_symmetry.evaluation.compare import load_model, model_output
 
     extra = shlex.split(args.quantize_args)

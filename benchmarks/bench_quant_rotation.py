@@ -102,7 +102,7 @@ def build(variant: str, model, config: dict, quantizer: str | None = None):
 
         from hf_symmetry.assets import text_path
         from hf_symmetry.conversion.quantization.rotation import massive_channels
-        from hf_symmetry.evaluation import read_text, tokenize_text
+        from hf_symmetry.text import read_text, tokenize_text
 
         tok = AutoTokenizer.from_pretrained(model.config._name_or_path)
         calib = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=128)
@@ -136,7 +136,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from hf_symmetry.assets import resolve_model, resolve_text
-    from hf_symmetry.evaluation import perplexity, read_text, tokenize_text
+    from hf_symmetry.evaluation.perplexity import perplexity
+    from hf_symmetry.text import read_text, tokenize_text
     from hf_symmetry.evaluation.compare import load_model, model_output
     from hf_symmetry.evaluation.weight_quant import bits_per_weight, quantize_model_
 

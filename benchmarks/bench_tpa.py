@@ -212,7 +212,8 @@ def smollm2_rank_curve(eval_tokens: int, calib_tokens: int, ranks) -> dict:
 
     from hf_symmetry.assets import smollm2_dir, text_path
     from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_model_to_tpa
-    from hf_symmetry.evaluation import perplexity, read_text, tokenize_text
+    from hf_symmetry.evaluation.perplexity import perplexity
+    from hf_symmetry.text import read_text, tokenize_text
 
     path = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -89,7 +89,7 @@ def smollm2_tokenizer(smollm2_dir):
 def eval_ids(smollm2_tokenizer):
     """512 tokens of real held-out prose (SmolLM2 tokenizer)."""
     from hf_symmetry.assets import text_path
-    from hf_symmetry.evaluation import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
 
     return tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-eval")), max_tokens=512)
 

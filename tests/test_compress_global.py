@@ -6,18 +6,15 @@ each alternation instead of holding them."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
+from hf_symmetry.conversion.compress import solve as SV
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.solvers.segments import solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
-
-SV = importlib.import_module("hf_symmetry.conversion.compress.solve")  # the module (the package exports solve())
 
 
 def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama"):

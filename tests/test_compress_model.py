@@ -4,7 +4,6 @@ the CLI, and on SmolLM2: full-rank exactness and loading as remote code without 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import textwrap
@@ -15,6 +14,10 @@ import torch
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
+from hf_symmetry.conversion.compress import assemble as assemble_module
+from hf_symmetry.conversion.compress import folded as folded_mod
+from hf_symmetry.conversion.compress import solve as solve_mod
+from hf_symmetry.conversion.compress import targets as targets_mod
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
@@ -211,8 +214,8 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
     one_pass = C.collect_statistics(
         _source(model), model.config.to_dict(), calib, 40, want_normed=True, want_stream=False, progress=False
     )
-    res = C.solve(plan, layers, globals_, one_pass, options, progress=False, calib=calib_input)
-    state = C.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
+    res = solve_mod.solve(plan, layers, globals_, one_pass, options, progress=False, calib=calib_input)
+    state = assemble_module.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
     compressed = C.build_model(
         state, C.compressed_config(model.config.to_dict(), plan, options, model.config), torch.float64
     )[0]
@@ -290,7 +293,6 @@ def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False, reader_
     """``matched_target`` as computed before the ridge went onto the diagonals (dense ``[k, k]`` ridge matrix),
     from the statistics alone (nothing consumed, nothing damped in place): the target and a writer's
     damped moments."""
-    targets_mod = importlib.import_module("hf_symmetry.conversion.compress.targets")
     if m.role == "reader":
         G, Cx = stats.normed[m.segment], stats.normed_cross[m.segment]
         ridge = targets_mod.damped(G, damping) - G
@@ -312,7 +314,6 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     from hf_symmetry.evaluation.compare import load_tokenizer
     from hf_symmetry.text import read_text, tokenize_text
 
-    solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(300)))
     options = C.CompressOptions(
@@ -332,7 +333,6 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
 
 def _whole_reader_moments(segment, stats, damping, device, matched):
     """``consume_reader_moments`` as a dense-ridge computation that leaves the statistics in place."""
-    targets_mod = importlib.import_module("hf_symmetry.conversion.compress.targets")
     G = stats.normed[segment]
     ridge = targets_mod.damped(G, damping) - G
     A = torch.linalg.solve(G + ridge, stats.normed_cross[segment] + ridge) if matched else None
@@ -353,9 +353,6 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     whole-matrix computation, with at most three rotations held: the vocabulary-sized matrices reduced
     and lifted inside ``solve_segment``, a dense ridge, everything assembled at the end. Negative
     control: a 1 % change of the damping is seen at this tolerance."""
-    solve_mod = importlib.import_module("hf_symmetry.conversion.compress.solve")
-    folded_mod = importlib.import_module("hf_symmetry.conversion.compress.folded")
-    targets_mod = importlib.import_module("hf_symmetry.conversion.compress.targets")
     model = tiny_model("llama", tie_word_embeddings=tied)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
@@ -853,11 +850,10 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     over-relaxation; stage F stops by the same rule, without it. ``--w-iters 1 --tol 0 --no-extrapolate``
     is the single alternation of the paper, and the card lists the settings that apply."""
     from hf_symmetry.commands.compress import options_from_args
-    import importlib
 
     from hf_symmetry.cli import build_parser
 
-    solve_module = importlib.import_module("hf_symmetry.conversion.compress.solve")
+    solve_module = solve_mod
 
     calls = []
     real = solve_module.solve_segment
@@ -945,7 +941,7 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     the readers' normalised-stream moments, consumed once their shared column weight and map are made."""
     import copy
 
-    S = importlib.import_module("hf_symmetry.conversion.compress.solve")  # the module (the package exports solve())
+    S = solve_mod
     model = tiny_model("llama")
     calib = input_ids(batch=1, length=110, seed=3)[0]
     config, src = model.config.to_dict(), _source(model)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from hf_symmetry.evaluation import perplexity
+from hf_symmetry.evaluation.perplexity import perplexity
 
 
 class _Recorder(torch.nn.Module):
@@ -61,7 +61,7 @@ def test_bad_stride_is_refused():
 def test_eval_cli_on_default_model(capsys, smollm2, smollm2_tokenizer):
     from hf_symmetry import cli
     from hf_symmetry.assets import text_path
-    from hf_symmetry.evaluation import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
 
     assert cli.main(["eval", "--max-tokens", "400", "--quiet"]) == 0
     out = capsys.readouterr().out

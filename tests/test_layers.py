@@ -217,6 +217,32 @@ def private_imports(edges, top: str = "hf_symmetry") -> set[tuple[str, str, str]
     }
 
 
+def shadowed_submodules(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """``package.name`` where a package's ``__init__`` binds ``name`` (by import, ``def``, ``class`` or
+    assignment) to something other than its submodule ``name``: ``from .perplexity import perplexity``
+    makes ``package.perplexity`` the function, and the module can then only be reached with importlib."""
+    out = []
+    for module, (source, is_package) in sources.items():
+        if not is_package:
+            continue
+        for node in ast.parse(source).body:
+            bound = []
+            if isinstance(node, ast.ImportFrom):
+                base = module.split(".")[: len(module.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                bound = [(a.asname or a.name, f"{target}.{a.name}") for a in node.names]
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                bound = [(node.name, None)]
+            elif isinstance(node, ast.Assign):
+                bound = [(t.id, None) for t in node.targets if isinstance(t, ast.Name)]
+            out += [
+                f"{module}.{name}"
+                for name, what in bound
+                if f"{module}.{name}" in sources and what != f"{module}.{name}"
+            ]
+    return sorted(out)
+
+
 def package_sources() -> dict[str, tuple[str, bool]]:
     return {
         _module_name(p, PACKAGE): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
@@ -264,6 +290,10 @@ def test_no_cycle_between_files():
     assert not new, "files that import each other (directly or round a cycle):\n" + "\n".join(map(str, new))
     stale = sorted(set(FILE_CYCLES) - set(found))
     assert not stale, f"fixed: remove from FILE_CYCLES: {stale}"
+
+
+def test_no_package_hides_a_submodule_behind_a_name():
+    assert shadowed_submodules(package_sources()) == []
 
 
 def test_private_names_stay_in_their_module():
@@ -366,6 +396,26 @@ def test_a_planted_file_cycle_fails():
         {"hf_symmetry.calibration.engine": "from .run import Run\n", "hf_symmetry.calibration.run": "import torch\n"}
     )
     assert file_cycles(graph(sources), sources) == []
+
+
+def test_a_planted_shadowed_submodule_fails():
+    sources = _planted(
+        {
+            "hf_symmetry.evaluation": "from ..text import read_text\nfrom .perplexity import perplexity\n"
+            "from . import compare\nfrom .compare import load_model\n",
+            "hf_symmetry.evaluation.perplexity": "def perplexity(): ...\n",
+            "hf_symmetry.evaluation.compare": "def load_model(): ...\n",
+            "hf_symmetry.hub": "def push(): ...\nverify = None\n",
+            "hf_symmetry.hub.push": "",
+            "hf_symmetry.hub.verify": "",
+        },
+        packages=("hf_symmetry.evaluation", "hf_symmetry.hub"),
+    )
+    assert shadowed_submodules(sources) == [
+        "hf_symmetry.evaluation.perplexity",
+        "hf_symmetry.hub.push",
+        "hf_symmetry.hub.verify",
+    ]
 
 
 def test_a_planted_private_import_fails():

@@ -583,7 +583,7 @@ def test_streamed_regmean_of_checkpoints_equals_the_in_memory_merge(tmp_path, mo
     from safetensors.torch import load_file
 
     from hf_symmetry.assets import resolve_text
-    from hf_symmetry.evaluation import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
     from hf_symmetry.evaluation.compare import load_tokenizer
 
     models = [tiny_model("llama", seed=s, tie_word_embeddings=False) for s in (0, 7)]

@@ -245,7 +245,7 @@ def test_smollm2_stock_slice_equals_the_compressed_family(smollm2, smollm2_token
     """SmolLM2 (tied, 9 heads, d = 576) at d′ = 384 (25 % of the width off, a multiple of 64): a
     MistralForCausalLM (384 is not a multiple of 9 heads) equal to the compressed family in float32."""
     from hf_symmetry.assets import text_path
-    from hf_symmetry.evaluation import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
 
     calib = tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-calib")), max_tokens=1024)
     stock, report, compressed = _same_slice(smollm2, 384, calib)

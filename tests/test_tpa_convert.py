@@ -201,7 +201,7 @@ def smol():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_symmetry.assets import smollm2_dir, text_path
-    from hf_symmetry.evaluation import read_text, tokenize_text
+    from hf_symmetry.text import read_text, tokenize_text
 
     path = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

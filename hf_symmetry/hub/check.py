@@ -12,7 +12,6 @@ in the folder), a forward pass is run on real tokens, and the results are compar
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -25,9 +24,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint_io import TOKENIZER_FILES
-
-# the module, not the function of the same name that hf_symmetry.evaluation re-exports
-perplexity_module = importlib.import_module("hf_symmetry.evaluation.perplexity")
+from ..evaluation import perplexity as perplexity_module
 
 # Runs in the isolated interpreter: only torch, transformers, safetensors. The one piece of
 # hf_symmetry it uses, the sliding-window perplexity, is loaded from its file as a standalone

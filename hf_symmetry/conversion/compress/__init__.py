@@ -32,7 +32,7 @@ The steps, one module each:
 from __future__ import annotations
 
 from ..stream import DictSource, TensorSource
-from .assemble import Assembler, assemble, build_model, compressed_config, config_object, module_tensors
+from .assemble import Assembler, build_model, compressed_config, config_object, module_tensors
 from .folded import FoldedGlobals, FoldedLayers, read_folded
 from .moments import (
     CalibrationInput,
@@ -47,7 +47,7 @@ from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
 from .pipeline import compress_checkpoint, compress_model, compress_tensors
 from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
 from .report import REPORT_FILE, CompressReport, record_verification
-from .solve import SolveResult, solve
+from .solve import SolveResult
 from .targets import matched_target
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "Assembler",
     "FoldedGlobals",
     "FoldedLayers",
-    "assemble",
     "build_model",
     "compressed_config",
     "config_object",
@@ -91,6 +90,5 @@ __all__ = [
     "plan_for",
     "source_numels",
     "SolveResult",
-    "solve",
     "matched_target",
 ]
