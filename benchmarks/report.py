@@ -11,8 +11,8 @@ Inputs:
 * ``benchmarks/sections/*.md``: one file per section, in file-name order. A few header lines
   (``title:``, ``sources:`` (result stems, comma-separated), ``machine:`` (the conditions, preferred to
   the file's platform string), and ``command:``, ``date:`` used where the first source does not state
-  them), a line ``---``, then the section's prose with ``{{name}}`` (or ``{{stem.name}}``) where a table
-  goes.
+  them, and ``tokenizer:``, which tokenizer the figures were measured with where that is not today's),
+  a line ``---``, then the section's prose with ``{{name}}`` (or ``{{stem.name}}``) where a table goes.
 
 The tables come from the results only. A results file with a renderer in ``report_sections.py`` is
 drawn by it; any other file by the generic renderer (its ``tables``, or every list or mapping of
@@ -35,7 +35,7 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 SECTIONS = HERE / "sections"
 OUTPUT = ROOT / "BENCHMARKS.md"
-META_KEYS = ("title", "machine", "date", "command", "source")
+META_KEYS = ("title", "machine", "date", "command", "tokenizer", "source")
 
 sys.path.insert(0, str(HERE))
 from report_sections import renderer_for  # noqa: E402
@@ -191,7 +191,7 @@ def render_section(fields: dict[str, str], body: str, results: dict[str, object]
             )
             tables.update({f"{stem}:{k}": v for k, v in generic_tables(data, stem).items()})
     lines = [f"## {fields.get('title', ', '.join(sources))}", ""]
-    for key in ("machine", "date", "command"):
+    for key in ("machine", "date", "command", "tokenizer"):
         # the header's machine describes the conditions (shared, threads) better than a platform string
         value = (fields.get(key) or _meta(first, key)) if key == "machine" else (_meta(first, key) or fields.get(key))
         if value:
