@@ -58,7 +58,6 @@ RESULTS = HERE / "results" / "quant_llamacpp.json"
 TYPES = ("Q4_K_M", "Q3_K_M", "IQ4_NL", "Q4_0")
 TOOLS = ("quantize", "imatrix", "perplexity")
 CRASH = (139, 132, -11, -4, -7)  # SIGSEGV / SIGILL / SIGBUS, as a shell or as Python reports them
-PPL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
 def llama_bin(path: str | None) -> dict[str, Path]:
@@ -104,14 +103,21 @@ class Llama:
         return done, self.no_repack
 
     def perplexity(self, model: Path, text: Path) -> dict:
+        """llama-perplexity's estimate over the first ``chunks`` chunks: the running value it prints after chunk
+        ``chunks`` (``[N]x``, what ``Final estimate`` says for a run of ``N`` chunks). Its logger is asynchronous and
+        never flushed at exit (llama.cpp issue 22142): on a loaded machine a run's last lines are lost, so the run
+        goes one pass of 4 chunks further and that value is read while the next pass computes."""
         t = time.perf_counter()
         log = self.work / f"{model.stem}.{text.stem}.ppl.log"
-        cmd = [self.bins["perplexity"], "-m", model, "-f", text, "--chunks", self.chunks]
-        done, nr = self._with_repack_retry(cmd, log)
-        m = PPL.search(done.stdout + done.stderr)
-        if not m:
-            raise RuntimeError(f"no final perplexity in {log}")
-        return {"ppl": float(m.group(1)), "pm": float(m.group(2)), "no_repack": nr, "s": round(time.perf_counter() - t)}
+        cmd = [self.bins["perplexity"], "-m", model, "-f", text, "--chunks", self.chunks + 4]
+        for attempt in range(3):
+            done, nr = self._with_repack_retry(cmd, log)
+            last = re.search(rf"\[{self.chunks}\]([0-9.]+),", done.stdout + done.stderr)
+            if last:
+                break
+        else:
+            raise RuntimeError(f"no perplexity after chunk {self.chunks} in {log} (3 runs)")
+        return {"ppl": float(last.group(1)), "no_repack": nr, "runs": attempt + 1, "s": round(time.perf_counter() - t)}
 
     def imatrix(self, model: Path, text: Path, out: Path) -> dict:
         t = time.perf_counter()
@@ -129,7 +135,15 @@ class Llama:
 
 
 def measure_variant(
-    llama: Llama, name: str, folder: Path, args, texts: dict, imatrix_text: Path, own: Path | None, previous=None
+    llama: Llama,
+    name: str,
+    folder: Path,
+    args,
+    texts: dict,
+    imatrix_text: Path,
+    own: Path | None,
+    previous=None,
+    checkpoint=None,
 ):
     """One checkpoint: F32 perplexities, its llama-imatrix file, and every type in every ``--modes`` entry (merged
     into ``previous``, the checkpoint's results so far)."""
@@ -157,6 +171,8 @@ def measure_variant(
             row["types"].setdefault(qtype, {})[mode] = info
             print(f"  {qtype} {mode}: { ({t: v['ppl'] for t, v in info['ppl'].items()}) }", flush=True)
             q.unlink()
+            if checkpoint:
+                checkpoint(row)
     f32.unlink()
     return row
 
@@ -271,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
             resolve_text(args.imatrix_text),
             own_file,
             entry["variants"].get(name),
+            checkpoint=lambda row, name=name: (
+                entry["variants"].__setitem__(name, row),
+                write(out, results, llama, args),
+            ),
         )
         write(out, results, llama, args)
     write(out, results, llama, args)

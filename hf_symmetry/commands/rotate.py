@@ -57,7 +57,10 @@ def register(sub) -> None:
         "Default preset: AWQ-style exact scales searched against --scales (default Q4_0) on "
         "--calibration-text; no rotation. "
         "QuaRot-style: --residual hadamard --vo-hadamard --scales none (on SmolLM2 that quantizes worse "
-        "than the original; docs/quantization.md). --heads/--ffn/--scaling are ignored",
+        "than the original; docs/quantization.md). --heads/--ffn/--scaling are ignored. Which pipeline it helps: "
+        "quantization WITHOUT an importance matrix (SmolLM2 through llama.cpp: Q4_0 0.58x, Q4_K_M 0.67x the "
+        "original's loss); with llama-quantize --imatrix the original quantized better (issue 39: Q4_K_M "
+        "1.10-1.20x, Q3_K_M 1.14x), and --target gguf-imatrix did not beat the imatrix either",
     )
     p.add_argument(
         "--learn",
@@ -178,12 +181,13 @@ def pipeline_notes(args) -> list[str]:
 
 
 IMATRIX_WARNING = (
-    "  warning: scales fitted to llama-quantize's importance-matrix quantizers: quantize with the written "
-    "--write-imatrix file; docs/quantization.md gives what they measured against the original with an imatrix"
+    "  warning: with an importance matrix, no exact scaling measured so far beats the original model quantized with "
+    "its own llama-imatrix matrix (docs/quantization.md, issue 39): compare against that before using these files"
 )
 NO_IMATRIX_NOTE = (
-    "  note: these scales are fitted to quantization WITHOUT an importance matrix; with llama-quantize --imatrix "
-    "they made SmolLM2 worse than the original (docs/quantization.md): for that pipeline use --target gguf-imatrix"
+    "  note: these scales are fitted to quantization WITHOUT an importance matrix (SmolLM2 through llama.cpp: Q4_0 "
+    "0.58x, Q4_K_M 0.67x the original's loss); with llama-quantize --imatrix the original quantized better "
+    "(1.10-1.20x at Q4_K_M, issue 39): docs/quantization.md"
 )
 
 
