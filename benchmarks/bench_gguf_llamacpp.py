@@ -4,7 +4,7 @@ HF folder.
 
 llama.cpp picks its pre-tokenizer (the regexes that split text before BPE) by the file's
 ``tokenizer.ggml.pre``. ``export-gguf`` names it as llama.cpp's converter does (check-text hash ->
-name, hf_symmetry/conversion/gguf_pretokenizer.py); before, it always wrote ``default``. Both are
+name, hf_symmetry/gguf_pretokenizer.py); before, it always wrote ``default``. Both are
 measured: per variant, one F32 file as ``export-gguf`` writes it and one with the name forced to
 ``default`` (the old behaviour, the negative control), everything else identical.
 
@@ -157,7 +157,7 @@ def llama_generate(binary: Path, gguf: Path, prompt: str, new_tokens: int) -> st
 def export_pair(folder: Path, name: str, work: Path) -> tuple[Path, Path, str]:
     """The F32 file as export-gguf writes it, and the same with ``tokenizer.ggml.pre = default``."""
     from hf_symmetry.conversion.gguf_export import export_gguf
-    from hf_symmetry.conversion.gguf_pretokenizer import PreTokenizer
+    from hf_symmetry.gguf_pretokenizer import PreTokenizer
 
     new = work / f"{name}-f32.gguf"
     report = export_gguf(folder, new, type="f32", overwrite=True, progress=False)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_symmetry.assets import resolve_model, resolve_text
-    from hf_symmetry.conversion.gguf_pretokenizer import CHECK_TEXT
+    from hf_symmetry.gguf_pretokenizer import CHECK_TEXT
     from hf_symmetry.text import read_text
 
     work = Path(args.work)

@@ -96,8 +96,8 @@ def _publish_model(tmp: Path, final: Path) -> Path:
 
 def _split_as_llamacpp(tokenizer, gguf: Path) -> None:
     """The tokenizer transformers built from ``gguf`` made to split text as llama.cpp does for the file's
-    ``tokenizer.ggml.pre`` (:func:`hf_symmetry.conversion.gguf_pretokenizer.split_as_llamacpp`)."""
-    from .conversion.gguf_pretokenizer import gguf_tokenizer_kind, split_as_llamacpp
+    ``tokenizer.ggml.pre`` (:func:`hf_symmetry.gguf_pretokenizer.split_as_llamacpp`)."""
+    from .gguf_pretokenizer import gguf_tokenizer_kind, split_as_llamacpp
 
     split_as_llamacpp(tokenizer.backend_tokenizer, *gguf_tokenizer_kind(gguf))
 

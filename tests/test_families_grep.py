@@ -17,7 +17,7 @@ HOMES = ("architectures/", "modeling/")
 #: modules outside them that name families by design, with the reason
 EXEMPT = {
     "testing.py": "the tiny-model zoo for tests: one hand-written config per family, as tests name families",
-    "conversion/gguf_pretokenizer.py": "llama.cpp's table of pre-tokenizer names (tokenizer.ggml.pre): its "
+    "gguf_pretokenizer.py": "llama.cpp's table of pre-tokenizer names (tokenizer.ggml.pre): its "
     "'qwen2' names a tokenizer, not a model_type",
 }
 # Modules that may still offend, each with its reason (the test fails both on a new offender and on a

@@ -15,7 +15,7 @@ import torch
 import hf_symmetry  # noqa: F401
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import gguf_export as G
-from hf_symmetry.conversion.gguf_pretokenizer import CHECK_TEXT, FALLBACK, PreTokenizer, check_hash
+from hf_symmetry.gguf_pretokenizer import CHECK_TEXT, FALLBACK, PreTokenizer, check_hash
 
 
 def _gguf_string(path, key: str) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import hf_symmetry  # noqa: F401
-from hf_symmetry.conversion.gguf_pretokenizer import llamacpp_pre_tokenizer, split_as_llamacpp
+from hf_symmetry.gguf_pretokenizer import llamacpp_pre_tokenizer, split_as_llamacpp
 
 LLAMACPP_COMMIT = "0c1e57098"
 #: (text, llama.cpp's ids)

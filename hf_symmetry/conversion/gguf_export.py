@@ -15,7 +15,7 @@ evaluation. Written with the ``gguf`` package's writer, in llama.cpp's conventio
 - a byte-level BPE tokenizer (SmolLM2, Qwen, Llama 3: ``tokenizer.ggml.model = gpt2``) with its merges,
   special tokens and chat template, and the pre-tokenizer name llama.cpp splits text by
   (``tokenizer.ggml.pre``: ``smollm``, ``qwen2``, ``llama-bpe`` …, found by llama.cpp's check-text hash,
-  :mod:`.gguf_pretokenizer`; an unknown tokenizer gets ``default`` and a warning); other tokenizers are
+  :mod:`hf_symmetry.gguf_pretokenizer`; an unknown tokenizer gets ``default`` and a warning); other tokenizers are
   left out (the report says so).
 
 Architectures: ``LlamaForCausalLM`` and ``MistralForCausalLM`` (GGUF ``llama``; what stock SliceGPT writes
@@ -39,7 +39,7 @@ import torch
 
 from ..architectures.spec import SPECS, find_spec
 from ..checkpoint import CheckpointReader
-from .gguf_pretokenizer import PreTokenizer, gguf_tokenizer_kind, split_as_llamacpp
+from ..gguf_pretokenizer import PreTokenizer, gguf_tokenizer_kind, split_as_llamacpp
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)
 TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
