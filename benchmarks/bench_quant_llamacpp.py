@@ -131,6 +131,8 @@ class Llama:
         done = run(cmd, self.work / f"{dst.stem}.quantize.log")
         if done.returncode != 0:
             raise RuntimeError(f"llama-quantize {qtype} failed ({done.returncode}): {done.stderr[-800:]}")
+        version = [x.strip() for x in (done.stdout + done.stderr).splitlines() if x.startswith("version:")]
+        self.build = self.build or (version[0] if version else "")
         return {"seconds": round(time.perf_counter() - t), "bytes": dst.stat().st_size}
 
 
