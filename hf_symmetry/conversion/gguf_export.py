@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..architectures.spec import SPECS, find_spec
+from ..architectures.spec import LLAMA, SPECS, find_spec
 from ..checkpoint import CheckpointReader
 from ..gguf_pretokenizer import PreTokenizer, gguf_tokenizer_kind, split_as_llamacpp
 
@@ -199,7 +199,7 @@ def special_token_flags(folder: Path, tok: dict, arch: str, vocab_size: int) -> 
     for name in ("bos", "eos"):
         if isinstance(config.get(f"add_{name}_token"), bool):
             flags.setdefault(name, config[f"add_{name}_token"])
-    if arch == "llama" and vocab_size == 49152:
+    if arch == LLAMA.gguf_arch and vocab_size == 49152:  # convert_hf_to_gguf.py LlamaModel's rule
         flags["bos"] = False
     if len(flags) < 2:
         flags = {**_observed_flags(folder), **flags}

@@ -347,7 +347,8 @@ def _rotate(
         if options.learn and Q is not None:
             from .quantization.preset import learn_checkpoint_rotation
 
-            Q = learn_checkpoint_rotation(source, adapter, options, Q, progress)
+            _, per_layer, _ = partition_keys(adapter, source.keys())
+            Q = learn_checkpoint_rotation(source, per_layer, adapter, options, Q, progress)
     stats = None
     if options.for_quantization and options.scales:
         from .quantization.scales import layer_stats

@@ -131,16 +131,15 @@ def written_imatrix(record: dict, n_layers: int, tokens: int) -> dict:
     return out
 
 
-def learn_checkpoint_rotation(source, adapter, options, Q0, progress: bool = False) -> torch.Tensor:
+def learn_checkpoint_rotation(source, per_layer, adapter, options, Q0, progress: bool = False) -> torch.Tensor:
     """The residual rotation of ``rotate --for-quantization --learn QTYPE``:
     :func:`.rotation.learn_rotation` over every decoder layer's readers and writers, from the randomised
     Hadamard ``Q0``, against the named quantizer (:mod:`hf_symmetry.evaluation.weight_quant`) with the
-    checkpoint's column balancing. Holds every layer's linears in float32 (about 4 bytes per parameter)."""
+    checkpoint's column balancing; ``per_layer``: each layer's keys of ``source`` (the caller's partition).
+    Holds every layer's linears in float32 (about 4 bytes per parameter)."""
     from ...evaluation.weight_quant import roundtrip
-    from ..stream import partition_keys
     from .rotation import balanced, layer_matrices, learn_rotation
 
-    _, per_layer, _ = partition_keys(adapter, source.keys())
     readers, writers = [], []
     for i in range(adapter.n_layers):
         r, w = layer_matrices(adapter.read_layer(i, source.get(per_layer[i])), adapter.layout, options.seed, i)
