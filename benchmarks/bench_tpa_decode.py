@@ -106,7 +106,7 @@ def machine(device: str) -> dict:
 
 
 def run_child(job: dict, timeout: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(job)],
@@ -123,6 +123,14 @@ def run_child(job: dict, timeout: int) -> dict:
     return {**job, **json.loads(lines[-1]), "wall_s": round(time.time() - t0, 1)}
 
 
+def command(data: dict, argv) -> str:
+    """The invocations that produced the file's records, this one added (``;``-separated)."""
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if os.environ.get("OMP_NUM_THREADS") else ""
+    this = f"{threads}python benchmarks/bench_tpa_decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    done = [c for c in data.get("command", "").split("; ") if c]
+    return "; ".join(done + ([this.strip()] if this.strip() not in done else []))
+
+
 def key(record: dict) -> tuple:
     return record["config"], record["mode"], record.get("context"), record.get("batch")
 
@@ -132,7 +140,11 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
-    p.add_argument("--modes", nargs="+", default=["eager", "compiled", "ppl"], choices=["eager", "compiled", "ppl"])
+    p.add_argument(
+        "--modes", nargs="+", default=["eager", "compiled", "ppl"], choices=["eager", "compiled", "ppl", "latency"]
+    )
+    p.add_argument("--latency-contexts", nargs="+", type=int, default=[2048])
+    p.add_argument("--latency-batches", nargs="+", type=int, default=[1])
     p.add_argument("--compiled-contexts", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--compiled-batches", nargs="+", type=int, default=[1])
     p.add_argument("--skip", nargs="*", default=[], help="CONTEXTxBATCH combinations to leave out, e.g. 8192x4")
@@ -157,6 +169,12 @@ def main(argv=None) -> int:
         if mode == "ppl":
             jobs += [dict(config=config, mode=mode) for config in args.configs]
             continue
+        if mode == "latency":
+            for L in args.latency_contexts:
+                for B in args.latency_batches:
+                    specs = {c: {"folder": folders[CONFIGS[c][0]], "nbits": CONFIGS[c][1]} for c in args.configs}
+                    jobs.append(dict(config="side by side", mode=mode, context=L, batch=B, configs=specs))
+            continue
         contexts = args.compiled_contexts if mode == "compiled" else args.contexts
         batches = args.compiled_batches if mode == "compiled" else args.batches
         for L in contexts:
@@ -166,18 +184,20 @@ def main(argv=None) -> int:
                         continue  # quantized caches are not compileable
                     jobs.append(dict(config=config, mode=mode, context=L, batch=B))
     for job in jobs:
-        model, nbits = CONFIGS[job["config"]]
+        model, nbits = CONFIGS.get(job["config"], ("source", None))
         job.update(folder=folders[model], tpa=model != "source", nbits=nbits, device=args.device)
         print(f"{job['config']} {job['mode']} {job.get('context', '')}x{job.get('batch', '')} ...", flush=True)
         record = run_child(job, args.timeout)
         record.pop("folder")
+        if "configs" in record:
+            record["configs"] = list(record["configs"])
         record["load_avg"] = round(os.getloadavg()[0], 1)
         runs[key(record)] = record
         print("  ", {k: v for k, v in record.items() if k not in job}, flush=True)
         data.update(
             machine=machine(args.device),
             date=time.strftime("%Y-%m-%d", time.gmtime()),
-            command="python benchmarks/bench_tpa_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            command=command(data, argv),
             runs=sorted(runs.values(), key=lambda r: (r["mode"], r.get("context") or 0, r.get("batch") or 0)),
         )
         from tpa_decode_tables import tables
@@ -190,6 +210,19 @@ def main(argv=None) -> int:
 # ----------------------------------------------------------------------------------------------
 # Child: one configuration in a fresh process
 # ----------------------------------------------------------------------------------------------
+def trim() -> None:
+    """Hand the C heap's free memory back to the system (glibc), so that the baseline holds no free memory left
+    over from loading (it would hide what ``generate`` allocates): measurement hygiene, not part of any model."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -341,9 +374,16 @@ def child(job: dict) -> dict:
     device = torch.device(job["device"])
     if device.type == "cpu" and os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32, attn_implementation="sdpa")
-    model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(job["folder"])
+
+    def load(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+        return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+
+    if job["mode"] == "latency":
+        from tpa_decode_latency import latency
+
+        return latency(job, load, hamlet_ids, QCACHE)
+    model, tok = load(job["folder"])
     out = {}
     if job["mode"] == "ppl":
         return ppl(model, tok, job, device)
@@ -352,6 +392,7 @@ def child(job: dict) -> dict:
     ids = hamlet_ids(tok, L * B).view(B, L).to(device)
     with torch.no_grad():
         model(ids[:1, :16])  # touch every weight (memory-mapped safetensors) before the baseline
+    trim()
     seen, restore = routes(model)
     mem = Memory(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
