@@ -330,3 +330,29 @@ def test_grouped_decoding_with_left_padding_equals_the_composing_route():
         assert not model.model.layers[0].self_attn.factor_groups()
         seq_m, scores_m, _ = greedy(model, ids, mask)
     assert torch.equal(seq_g, seq_m) and (scores_g - scores_m).abs().max().item() <= 1e-9
+
+
+def test_shared_factor_decoding_equals_the_composing_route(monkeypatch):
+    """Non-contextual dense A (a reduced-rank conversion): one new token attends through one SDPA/eager call with
+    the concatenated cached factors as a single shared head; the scores equal the composing route's, left padding
+    included, and the route is the one taken."""
+    model = make_model("kv_only_noncontextual", dtype=torch.float64)
+    ids = ids_batch(b=3, t=9)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    calls = []
+    original = modeling_tpa.TPAAttention.shared_factor_attention
+
+    def spy(self, *args, **kwargs):
+        calls.append(args[2].shape[1])  # cached tokens
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_tpa.TPAAttention, "shared_factor_attention", spy)
+    with torch.no_grad():
+        seq_s, scores_s, _ = greedy(model, ids, mask)
+        assert calls and not model.model.layers[0].self_attn.factor_groups()
+        model.config.tpa_decode_path = "materialize"
+        n = len(calls)
+        seq_m, scores_m, _ = greedy(model, ids, mask)
+    assert len(calls) == n  # not taken when told to compose
+    assert torch.equal(seq_s, seq_m) and (scores_s - scores_m).abs().max().item() <= 1e-9

@@ -406,6 +406,32 @@ class TPAAttention(nn.Module):
                 self.num_key_value_groups = 1
         return out * v_scale.to(out.dtype).view(1, 1, h, 1), weights
 
+    def shared_factor_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, **kwargs):
+        """Factor-space decoding of one new token with non-contextual A, as one call of the attention function:
+        the cached ``B_K``/``B_V`` rows of a token, concatenated (``[B, S, R·d_h]``, a free view), are a single
+        key/value head shared by all heads, and query head ``i`` becomes ``[A_K[0,i] q_i, …, A_K[R-1,i] q_i] /
+        R_K``, so that its dot product with a token's concatenated ``B_K`` is ``q_i · K_i``; the output of head
+        ``i`` is ``Σ_u A_V[u,i] Y_i[u] / R_V``. The work of the ``"q"``/``"factor"`` routes, fused (SDPA
+        attends without materialising the scores). Returns ``([B,1,h,d], None)``."""
+        h, dh, rk, rv = self.num_heads, self.head_dim, self.k_rank, self.v_rank
+        B, S = b_k.shape[0], b_k.shape[1]
+        q = f["q"] if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank).transpose(1, 2)
+        q = (q.reshape(B, h, 1, dh) * (a_k.t() / rk).to(q.dtype).unsqueeze(-1)).reshape(B, 1, h, rk * dh)
+        out, _ = self._attention_interface(False)(
+            self,
+            q,
+            b_k.reshape(B, 1, S, rk * dh),
+            b_v.reshape(B, 1, S, rv * dh),
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            is_causal=False,
+            **kwargs,
+        )  # [B, h, 1, R_V d]
+        y = out.reshape(B, h, rv, dh)
+        out = torch.matmul((a_v.t() / rv).to(y.dtype).unsqueeze(-2), y)  # [B, h, 1, d]
+        return out.transpose(1, 2), None
+
     def materialized_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False, **kwargs):
         """Compose Q, K, V and call the configured attention function (eager, SDPA or a registered backend),
         :meth:`head_chunk` query heads at a time (each call composes only its heads' K and V).
@@ -532,6 +558,14 @@ class TPAAttention(nn.Module):
         plan = ("k", "v") if self.uses_attention_function() else self.attention_plan(T, b_k.shape[1])
         if self.factor_groups():  # GQA on the factors, prefill and decoding alike
             out, weights = self.grouped_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, **kwargs)
+        elif (
+            plan == ("q", "factor")
+            and T == 1
+            and not output_attentions
+            and not self.contextual_a
+            and (attention_mask is None or attention_mask.shape[1] == 1)
+        ):
+            out, weights = self.shared_factor_attention(f, a_k, b_k, a_v, b_v, attention_mask, **kwargs)
         elif plan != ("k", "v"):
             out, weights = self.factor_attention(
                 f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, route=plan[0], value_route=plan[1]
