@@ -107,6 +107,8 @@ def machine(device: str) -> dict:
 
 def run_child(job: dict, timeout: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    if job["mode"] == "live":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
     t0 = time.time()
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(job)],
@@ -141,7 +143,12 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     p.add_argument(
-        "--modes", nargs="+", default=["eager", "compiled", "ppl"], choices=["eager", "compiled", "ppl", "latency"]
+        "--modes",
+        nargs="+",
+        default=["eager", "compiled", "ppl"],
+        choices=["eager", "live", "compiled", "ppl", "latency"],
+        help="live: as eager, with glibc's mmap threshold at 64 KiB (MALLOC_MMAP_THRESHOLD_), so that freed "
+        "tensors leave the resident set at once and its peak is the peak of live memory",
     )
     p.add_argument("--latency-contexts", nargs="+", type=int, default=[2048])
     p.add_argument("--latency-batches", nargs="+", type=int, default=[1])
@@ -397,7 +404,7 @@ def child(job: dict) -> dict:
     mem = Memory(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    if job["mode"] == "eager":
+    if job["mode"] in ("eager", "live"):
         stamps = []
 
         class Clock(StoppingCriteria):

@@ -38,7 +38,10 @@ def tables(runs: list[dict]) -> list[dict]:
     for r in eager:
         src = by.get(("source", "eager", r["context"], r["batch"]))
         comp = by.get((r["config"], "compiled", r["context"], r["batch"]))
+        live = by.get((r["config"], "live", r["context"], r["batch"]))
+        live_src = by.get(("source", "live", r["context"], r["batch"]))
         ratio = r["decode_peak_mb"] / src["decode_peak_mb"] if src and src["decode_peak_mb"] > 0 else None
+        live_ratio = live["decode_peak_mb"] / live_src["decode_peak_mb"] if live and live_src else None
         rows.append(
             [
                 f"{r['context']} × {r['batch']}",
@@ -47,6 +50,7 @@ def tables(runs: list[dict]) -> list[dict]:
                 _f(r["formula_mb"]),
                 _f(r["decode_peak_mb"], 0),
                 _f(ratio, 2),
+                f"{live['decode_peak_mb']:.0f} ({live_ratio:.2f})" if live and live_ratio else "–",
                 _f(r["prefill_s"]),
                 _f(r["decode_ms"], 0),
                 _f(comp["decode_ms"], 0) if comp else "–",
@@ -56,7 +60,9 @@ def tables(runs: list[dict]) -> list[dict]:
         "name": "decode",
         "caption": "Eager `generate` (32 new tokens): cache MB held after generate (measured, and by the formula), "
         "peak decode MB above the level before generate and its ratio to the source's in the same row group, "
-        "prefill seconds, decode ms/token; compiled ms/token from the static-cache run where there is one.",
+        "the same with glibc's mmap threshold at 64 KiB (freed tensors leave the resident set at once: the peak of "
+        "live memory) where measured, prefill seconds, decode ms/token of this one run (the side-by-side table "
+        "compares speeds under equal load); compiled ms/token from the static-cache run where there is one.",
         "columns": [
             "L × batch",
             "configuration",
@@ -64,6 +70,7 @@ def tables(runs: list[dict]) -> list[dict]:
             "formula MB",
             "peak decode MB",
             "× source",
+            "live peak MB (× source)",
             "prefill s",
             "eager ms/token",
             "compiled ms/token",
