@@ -244,6 +244,6 @@ def run(args) -> int:
     report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))
     summary = asdict(report)
     summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start))
+    lines.append(total_time_line(start, verified=bool(report.verification)))
     emit(summary, lines, args.json_out)
     return 0
