@@ -68,11 +68,7 @@ PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
 
 #: (importing package, imported package): upward imports left in code another piece of work owns,
 #: each with its reason. May only shrink, like :data:`PRIVATE_IMPORTS`.
-UPWARD_IMPORTS: dict[tuple[str, str], str] = {
-    # KNOWN: symmetry/fused.py re-exports solvers.fused.check_tau for commands/spectra.py, which another
-    # piece of work is editing; remove with that re-export once spectra.py imports ..solvers.fused
-    ("symmetry", "solvers"): "symmetry/fused.py: re-export for commands/spectra.py (issue 40)",
-}
+UPWARD_IMPORTS: dict[tuple[str, str], str] = {}
 
 
 #: cycles between files left in code another piece of work owns (each a sorted list of modules under

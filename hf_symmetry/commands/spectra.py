@@ -15,7 +15,7 @@ from ..evaluation.compare import load_tokenizer, write_json
 from ..conversion.farr.fused_check import check_fused_layout_layerwise
 from ..text import read_text, tokenize_text
 from ..evaluation.spectra_plots import plot_layer_spectra, plot_rank_heatmaps
-from ..symmetry.fused import check_tau
+from ..solvers.fused import check_tau
 from .common import add_device_args, emit
 
 REPORT = "report.json"
