@@ -335,7 +335,7 @@ def routes(model) -> tuple[dict, object]:
 
     att = model.model.layers[0].self_attn
     seen = {}
-    for name in ("grouped_attention", "materialized_attention", "factor_attention", "shared_factor_attention"):
+    for name in ("grouped_attention", "materialized_attention", "factor_attention"):
         original = getattr(modeling_tpa.TPAAttention, name)
 
         def spy(self, *a, _name=name, _original=original, **kw):
@@ -345,9 +345,7 @@ def routes(model) -> tuple[dict, object]:
                     label = f"factor ({kw.get('route')}/{kw.get('value_route')})"
                 elif _name == "materialized_attention":
                     label = f"composed K/V, {self.head_chunk()} heads per call"
-                elif _name == "shared_factor_attention":
-                    label = "factors as one shared head"
-                seen.setdefault("prefill" if a[0].get("b_k", a[0].get("q")).shape[1] > 1 else "decode", set()).add(
+                seen.setdefault("prefill" if a[0].get("b_k", a[0].get("q")).shape[2] > 1 else "decode", set()).add(
                     f"{label}, {cfg._attn_implementation}"
                 )
             return _original(self, *a, **kw)

@@ -137,4 +137,33 @@ def tables(runs: list[dict]) -> list[dict]:
         "columns": ["configuration", "KiB/token", "perplexity (model)", "perplexity (through cache)", "route"],
         "rows": quality,
     }
-    return [decode, comp_table, qual]
+    lat_rows = []
+    for r in sorted((r for r in ok if r["mode"] == "latency"), key=lambda r: (r["context"], r["batch"])):
+        for config in ORDER:
+            m = r["latency"].get(config)
+            if not m:
+                continue
+
+            def cell(variant, m=m):
+                v = m.get(variant)
+                return f"{v['best_ms']:.0f} ({v['median_ms']:.0f})" if v else "–"
+
+            lat_rows.append(
+                [
+                    f"{r['context']} × {r['batch']}",
+                    LABELS[config],
+                    cell("eager"),
+                    cell("static eager"),
+                    cell("compiled"),
+                    _f(m.get("compile_s"), 0),
+                ]
+            )
+    latency = {
+        "name": "latency",
+        "caption": "Decode ms/token side by side (one process, every configuration prefilled, then interleaved "
+        "rounds of 4 steps each: best round (median round)): eager with the dynamic (or quantized) cache, eager "
+        "with a static cache, and `torch.compile(model.forward, fullgraph=True)` with the static cache.",
+        "columns": ["L × batch", "configuration", "eager", "static eager", "compiled", "compile s"],
+        "rows": lat_rows,
+    }
+    return [decode, latency, comp_table, qual]

@@ -76,12 +76,12 @@ def test_generate_static_cache_preallocates_factors_and_equals_dynamic(variant):
     assert type(cache) is StaticCache and all(type(layer) is TPAStaticLayer for layer in cache.layers)
     layer, L = cache.layers[0], cache.layers[0].max_cache_len
     assert L >= 12 and int(layer.get_seq_length()) == 12  # 7 + 6 generated, the last one not fed back
-    # the factors are preallocated (batch, slots, rank, width), never K/V (batch, heads, slots, head_dim)
-    assert layer.keys.shape == (2, L, cfg.k_rank, cfg.head_dim) and layer.values.shape == (2, L, cfg.v_rank, 6)
+    # the factors are preallocated (batch, factors, slots, width), never K/V (batch, heads, slots, head_dim)
+    assert layer.keys.shape == (2, cfg.k_rank, L, cfg.head_dim) and layer.values.shape == (2, cfg.v_rank, L, 6)
     per_token = sum(t.numel() for t in layer.per_token_tensors()) // (2 * L)
     assert per_token == cfg.kv_cache_elements_per_token()
     if variant == "contextual":
-        assert layer.key_a.shape == (2, L, cfg.k_rank, cfg.num_attention_heads)
+        assert layer.key_a.shape == (2, cfg.k_rank, L, cfg.num_attention_heads)
     else:
         assert layer.key_a is model.model.layers[0].self_attn.k_a  # stored once: the parameter itself
 
@@ -330,29 +330,3 @@ def test_grouped_decoding_with_left_padding_equals_the_composing_route():
         assert not model.model.layers[0].self_attn.factor_groups()
         seq_m, scores_m, _ = greedy(model, ids, mask)
     assert torch.equal(seq_g, seq_m) and (scores_g - scores_m).abs().max().item() <= 1e-9
-
-
-def test_shared_factor_decoding_equals_the_composing_route(monkeypatch):
-    """Non-contextual dense A (a reduced-rank conversion): one new token attends through one SDPA/eager call with
-    the concatenated cached factors as a single shared head; the scores equal the composing route's, left padding
-    included, and the route is the one taken."""
-    model = make_model("kv_only_noncontextual", dtype=torch.float64)
-    ids = ids_batch(b=3, t=9)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    calls = []
-    original = modeling_tpa.TPAAttention.shared_factor_attention
-
-    def spy(self, *args, **kwargs):
-        calls.append(args[2].shape[1])  # cached tokens
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(modeling_tpa.TPAAttention, "shared_factor_attention", spy)
-    with torch.no_grad():
-        seq_s, scores_s, _ = greedy(model, ids, mask)
-        assert calls and not model.model.layers[0].self_attn.factor_groups()
-        model.config.tpa_decode_path = "materialize"
-        n = len(calls)
-        seq_m, scores_m, _ = greedy(model, ids, mask)
-    assert len(calls) == n  # not taken when told to compose
-    assert torch.equal(seq_s, seq_m) and (scores_s - scores_m).abs().max().item() <= 1e-9

@@ -277,7 +277,7 @@ def test_generate_uses_the_factorised_cache():
     # generate's DynamicCache, its layers turned into factor layers in place (the object generate holds fills)
     assert all(isinstance(layer, TPACacheLayer) for layer in out.past_key_values.layers)
     layer = out.past_key_values.layers[0]
-    assert layer.keys.shape == (1, 7, 2, 6) and layer.values.shape == (1, 7, 3, 6)
+    assert layer.keys.shape == (1, 2, 7, 6) and layer.values.shape == (1, 3, 7, 6)  # factor-major: [B, R, S, d_h]
     assert layer.key_a.shape == (2, 3) and layer.value_a.shape == (3, 3)  # stored once
 
 
@@ -363,13 +363,13 @@ def test_factor_space_attention_equals_materialized(q_rank, contextual, mask_kin
     g = torch.Generator().manual_seed(T + 10 * (q_rank or 0) + contextual)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     f = (
-        {"q": r(B, T, h, dh)}
+        {"q": r(B, h, T, dh)}
         if q_rank is None
-        else {"a_q": r(B, T, rq, h) if contextual else r(rq, h), "b_q": r(B, T, rq, dh)}
+        else {"a_q": r(B, rq, T, h) if contextual else r(rq, h), "b_q": r(B, rq, T, dh)}
     )
-    a_k = r(B, S, rk, h) if contextual else r(rk, h)
-    a_v = r(B, S, rv, h) if contextual else r(rv, h)
-    b_k, b_v = r(B, S, rk, dh), r(B, S, rv, dh)
+    a_k = r(B, rk, S, h) if contextual else r(rk, h)
+    a_v = r(B, rv, S, h) if contextual else r(rv, h)
+    b_k, b_v = r(B, rk, S, dh), r(B, rv, S, dh)
     causal = torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(B, 1, T, S)
     if mask_kind == "causal":
         mask, float_mask = None, torch.zeros(B, 1, T, S, dtype=torch.float64).masked_fill(~causal, -1e300)
@@ -378,7 +378,7 @@ def test_factor_space_attention_equals_materialized(q_rank, contextual, mask_kin
         keep[..., -1] = True
         float_mask = torch.zeros(B, 1, T, S, dtype=torch.float64).masked_fill(~keep, torch.finfo(torch.float64).min)
         mask = keep if mask_kind == "bool" else float_mask
-    q = f["q"].transpose(1, 2) if q_rank is None else _compose(f["a_q"], f["b_q"], rq)
+    q = f["q"] if q_rank is None else _compose(f["a_q"], f["b_q"], rq)
     ref, ref_w = eager_attention_forward(
         attn, q, _compose(a_k, b_k, rk), _compose(a_v, b_v, rv), float_mask, scaling=dh**-0.5
     )
@@ -422,18 +422,18 @@ def test_rotating_b_then_forming_k_equals_forming_k_then_rotating():
     B, T, R, h, dh = 2, 9, 5, 3, 6
     g = torch.Generator().manual_seed(0)
     a, b = (
-        torch.randn(B, T, R, h, generator=g, dtype=torch.float64),
-        torch.randn(B, T, R, dh, generator=g, dtype=torch.float64),
+        torch.randn(B, R, T, h, generator=g, dtype=torch.float64),
+        torch.randn(B, R, T, dh, generator=g, dtype=torch.float64),
     )
     pos = torch.arange(T).unsqueeze(0) + 17
     cos, sin = model.model.rotary_emb(b, pos)
-    k_then_rot = apply_rotary(_compose(a, b, R).transpose(1, 2), cos, sin)  # [B,T,h,dh]
-    rot_then_k = _compose(a, apply_rotary(b, cos, sin), R).transpose(1, 2)
+    k_then_rot = apply_rotary(_compose(a, b, R), cos, sin)  # [B,h,T,dh]
+    rot_then_k = _compose(a, apply_rotary(b, cos, sin), R)
     assert (k_then_rot - rot_then_k).abs().max().item() < 1e-12
     # and the rotation is HF's rotate_half convention with HF's sign
     k = _compose(a, b, R)  # [B,h,T,dh]
     hf_k, _ = apply_rotary_pos_emb(k, k, cos, sin)
-    assert (hf_k.transpose(1, 2) - k_then_rot).abs().max().item() < 1e-12
+    assert (hf_k - k_then_rot).abs().max().item() < 1e-12
 
 
 @pytest.mark.parametrize("variant", ["contextual", "kv_only_noncontextual", "bias_partial_rope"])
@@ -600,3 +600,15 @@ def test_tiny_t6_trains_with_the_hf_trainer(tmp_path):
     Trainer(model=model, args=args, train_dataset=DS()).train()
     after = loss()
     assert after < 0.7 * before, (before, after)
+
+
+def test_attentions_asked_for_in_the_config_are_returned():
+    """``config.output_attentions = True`` (no argument) returns one attention map per layer, as in Llama."""
+    model = make_model("contextual", attn="eager")
+    model.config.output_attentions = True
+    with torch.no_grad():
+        out = model(ids_batch(b=1, t=5))
+    assert len(out.attentions) == model.config.num_hidden_layers and out.attentions[0].shape == (1, 3, 5, 5)
+    model.config.output_attentions = False
+    with torch.no_grad():
+        assert model(ids_batch(b=1, t=5)).attentions is None

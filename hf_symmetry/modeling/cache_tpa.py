@@ -45,12 +45,13 @@ def factor_elements_per_token(k_rank: int, v_rank: int, num_heads: int, head_dim
 class TPACacheLayer(DynamicLayer):
     """One layer of a dynamic (growing) factor cache.
 
-    Token-major tensors (sequence on dim 1, so ``[B, S*R, d]`` views are free):
+    Factor-major tensors, as transformers lays out K/V heads (the sequence on dim 2, the factors where the heads
+    would be; a converted GQA model's factors are its K/V heads):
 
-    * ``keys``    – pre-rotated ``B_K``: ``[batch, seq, R_K, d_h]``
-    * ``values``  – ``B_V``: ``[batch, seq, R_V, d_h]``
-    * ``key_a``   – ``A_K``: ``[batch, seq, R_K, h]`` (contextual) or ``[R_K, h]`` stored once
-    * ``value_a`` – ``A_V``: ``[batch, seq, R_V, h]`` (contextual) or ``[R_V, h]`` stored once
+    * ``keys``    – pre-rotated ``B_K``: ``[batch, R_K, seq, d_h]``
+    * ``values``  – ``B_V``: ``[batch, R_V, seq, d_h]``
+    * ``key_a``   – ``A_K``: ``[batch, R_K, seq, h]`` (contextual) or ``[R_K, h]`` stored once
+    * ``value_a`` – ``A_V``: ``[batch, R_V, seq, h]`` (contextual) or ``[R_V, h]`` stored once
     """
 
     is_compileable = False
@@ -102,21 +103,22 @@ class TPACacheLayer(DynamicLayer):
         **kwargs,
     ):
         """Append the new tokens' factors. ``key_states``/``value_states`` are ``B_K`` (rotated) and ``B_V``
-        ``[B, T, R, d_h]``; ``key_a``/``value_a`` are per-token ``[B, T, R, h]`` or constant ``[R, h]``.
-        Returns the full ``(B_K, B_V)``; the A factors are in ``key_a``/``value_a``."""
+        ``[B, R, T, d_h]``; ``key_a``/``value_a`` are per-token ``[B, R, T, h]`` or constant ``[R, h]``.
+        Returns the full ``(B_K, B_V)``; the A factors are in ``key_a``/``value_a``. The first tokens are copied
+        (the model hands over views of its projections)."""
         if key_a is None or value_a is None:
             raise ValueError("TPACacheLayer.update needs the A factors (key_a=..., value_a=...)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.keys is None
-        self.keys = key_states if first else torch.cat([self.keys, key_states], dim=1)
-        self.values = value_states if first else torch.cat([self.values, value_states], dim=1)
+        self.keys = key_states.contiguous() if first else torch.cat([self.keys, key_states], dim=2)
+        self.values = value_states.contiguous() if first else torch.cat([self.values, value_states], dim=2)
         for name, new in (("key_a", key_a), ("value_a", value_a)):
             if new.dim() == 2:  # non-contextual: stored once
                 setattr(self, name, new)
             else:
                 old = getattr(self, name)
-                setattr(self, name, new if first or old is None else torch.cat([old, new], dim=1))
+                setattr(self, name, new.contiguous() if first or old is None else torch.cat([old, new], dim=2))
         return self.keys, self.values
 
     def update_factors(self, a_k, b_k, a_v, b_v) -> tuple[torch.Tensor, ...]:
@@ -131,7 +133,7 @@ class TPACacheLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         if not self.is_initialized or self.keys is None:
             return 0
-        return self.keys.shape[1]
+        return self.keys.shape[2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -152,7 +154,7 @@ class TPACacheLayer(DynamicLayer):
         if tokens_to_remove == 0 or self.get_seq_length() == 0:
             return
         n = abs(tokens_to_remove)
-        self._apply(lambda t: t[:, :-n])
+        self._apply(lambda t: t[:, :, :-n])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -176,9 +178,9 @@ class TPACacheLayer(DynamicLayer):
 # Static
 # ----------------------------------------------------------------------------------------------
 class TPAStaticLayer(StaticLayer):
-    """One layer of a preallocated factor cache (``torch.compile``-able): ``keys`` ``[batch, max_cache_len, R_K,
-    d_h]``, ``values`` ``[batch, max_cache_len, R_V, d_h]`` and, with contextual A, ``key_a``/``value_a``
-    ``[batch, max_cache_len, R, h]``; written in place at the cache positions. Non-contextual A is the model's
+    """One layer of a preallocated factor cache (``torch.compile``-able): ``keys`` ``[batch, R_K, max_cache_len,
+    d_h]``, ``values`` ``[batch, R_V, max_cache_len, d_h]`` and, with contextual A, ``key_a``/``value_a``
+    ``[batch, R, max_cache_len, h]``; written in place at the cache positions. Non-contextual A is the model's
     parameter, referenced, not copied. Attention runs over all ``max_cache_len`` slots; the causal mask
     (``get_mask_sizes``) hides the ones not written yet."""
 
@@ -211,11 +213,11 @@ class TPAStaticLayer(StaticLayer):
         self.max_batch_size = self.batch_size = key_states.shape[0]
         n, L = self.max_batch_size, self.max_cache_len
         zeros = lambda *shape: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self.keys = zeros(n, L, self.k_rank, self.head_dim)
-        self.values = zeros(n, L, self.v_rank, self.head_dim)
+        self.keys = zeros(n, self.k_rank, L, self.head_dim)
+        self.values = zeros(n, self.v_rank, L, self.head_dim)
         if self.contextual:
-            self.key_a = zeros(n, L, self.k_rank, self.heads)
-            self.value_a = zeros(n, L, self.v_rank, self.heads)
+            self.key_a = zeros(n, self.k_rank, L, self.heads)
+            self.value_a = zeros(n, self.v_rank, L, self.heads)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
             for t in (self.keys, self.values, self.key_a, self.value_a, self.cumulative_length):
@@ -228,14 +230,14 @@ class TPAStaticLayer(StaticLayer):
         ``(A_K, B_K, A_V, B_V)`` (``max_cache_len`` slots; A stays ``[R, h]`` when non-contextual)."""
         if not self.is_initialized:
             self.lazy_initialization(b_k, b_v)
-        T = b_k.shape[1]
+        T = b_k.shape[2]
         positions = torch.arange(T, device=self.device) + self.cumulative_length
         self.cumulative_length.add_(T)
-        self.keys.index_copy_(1, positions, b_k)
-        self.values.index_copy_(1, positions, b_v)
+        self.keys.index_copy_(2, positions, b_k)
+        self.values.index_copy_(2, positions, b_v)
         if self.contextual:
-            self.key_a.index_copy_(1, positions, a_k)
-            self.value_a.index_copy_(1, positions, a_v)
+            self.key_a.index_copy_(2, positions, a_k)
+            self.value_a.index_copy_(2, positions, a_v)
             return self.key_a, self.keys, self.value_a, self.values
         if self.key_a is None:  # non-contextual: the model's [R, h] parameters, referenced (for accounting)
             self.key_a, self.value_a = a_k, a_v
@@ -343,7 +345,7 @@ def quantized_row_bytes(n: int, nbits: int, group: int) -> int:
 
 
 class _QuantizedFactor:
-    """One growing factor ``[batch, seq, R, n]`` stored quantized (row-wise groups along ``n``)."""
+    """One growing factor ``[batch, R, seq, n]`` stored quantized (row-wise groups along ``n``)."""
 
     def __init__(self):
         self.codes = self.scale = self.low = None
@@ -356,7 +358,7 @@ class _QuantizedFactor:
             self.codes, self.scale, self.low = parts
         else:
             self.codes, self.scale, self.low = (
-                torch.cat([old, new], dim=1) for old, new in zip((self.codes, self.scale, self.low), parts)
+                torch.cat([old, new], dim=2) for old, new in zip((self.codes, self.scale, self.low), parts)
             )
 
     def dequantize(self, nbits: int, dtype: torch.dtype, tail: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -364,12 +366,12 @@ class _QuantizedFactor:
         in one new buffer."""
         if self.codes is None:
             return tail
-        B, S, R = self.codes.shape[:3]
-        extra = 0 if tail is None else tail.shape[1]
-        out = torch.empty(B, S + extra, R, self.n, dtype=dtype, device=self.codes.device)
-        dequantize_rows(self.codes, self.scale, self.low, nbits, dtype, self.n, out=out[:, :S])
+        B, R, S = self.codes.shape[:3]
+        extra = 0 if tail is None else tail.shape[2]
+        out = torch.empty(B, R, S + extra, self.n, dtype=dtype, device=self.codes.device)
+        dequantize_rows(self.codes, self.scale, self.low, nbits, dtype, self.n, out=out[:, :, :S])
         if extra:
-            out[:, S:].copy_(tail)
+            out[:, :, S:].copy_(tail)
         return out
 
     def tensors(self) -> list[torch.Tensor]:
@@ -380,7 +382,7 @@ class _QuantizedFactor:
             self.codes, self.scale, self.low = fn(self.codes), fn(self.scale), fn(self.low)
 
     def length(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[1]
+        return 0 if self.codes is None else self.codes.shape[2]
 
 
 class TPAQuantizedLayer(TPACacheLayer):
@@ -429,7 +431,7 @@ class TPAQuantizedLayer(TPACacheLayer):
         residual copied after it)."""
         self.update(b_k, b_v, key_a=a_k, value_a=a_v)  # the residual, in full precision
         full = self.factors()
-        if self.keys.shape[1] >= self.residual_length:  # flush the residual into the quantized store
+        if self.keys.shape[2] >= self.residual_length:  # flush the residual into the quantized store
             for name in self._per_token_names():
                 self._q[name].append(getattr(self, name), self.nbits, self.q_group_size)
             self.keys = self.values = None

@@ -19,8 +19,6 @@ This file is copied next to saved checkpoints for ``trust_remote_code`` loading:
 torch, transformers and its sibling ``configuration_tpa``.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from typing import Callable
@@ -36,7 +34,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import can_return_tuple
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache_tpa import (
@@ -128,9 +127,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[B, T, N, d]`` (N = heads or ranks) with ``cos``/``sin`` ``[B|1, T, rot]``;
-    a rotary dim below d rotates the first ``rot`` dims only (partial rotary)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    """Rotate ``x`` of shape ``[B, N, T, d]`` (N = heads or factors, as transformers lays out heads) with
+    ``cos``/``sin`` ``[B|1, T, rot]``; a rotary dim below d rotates the first ``rot`` dims only (partial rotary)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
@@ -178,11 +177,11 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 def _compose(a: torch.Tensor, b: torch.Tensor, rank: int) -> torch.Tensor:
-    """``(1/R) A^T B`` per token: ``a`` ``[B,T,R,h]`` or ``[R,h]``, ``b`` ``[B,T,R,d]`` -> ``[B,h,T,d]``."""
+    """``(1/R) A^T B`` per token: ``a`` ``[B,R,T,h]`` or ``[R,h]``, ``b`` ``[B,R,T,d]`` -> ``[B,h,T,d]``."""
     if a.dim() == 2:
-        out = torch.einsum("rh,btrd->bhtd", a, b)
+        out = torch.einsum("rh,brtd->bhtd", a, b)
     else:
-        out = torch.einsum("btrh,btrd->bhtd", a, b)
+        out = torch.einsum("brth,brtd->bhtd", a, b)
     return out / rank
 
 
@@ -204,7 +203,7 @@ class TPAAttention(nn.Module):
         # query heads per K/V head, read by transformers' attention functions: 1 (K/V composed per head), except
         # during a grouped call (:meth:`grouped_attention`)
         self.num_key_value_groups = 1
-        self._groups_key, self._groups = None, False
+        self._groups_key, self._groups, self._unit_scales = None, False, False
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
@@ -235,27 +234,37 @@ class TPAAttention(nn.Module):
     # -- factors ---------------------------------------------------------------------------------
     def _a(self, name: str, x: torch.Tensor, rank: int) -> torch.Tensor:
         if self.contextual_a:
-            return getattr(self, f"{name}_a_proj")(x).view(*x.shape[:-1], rank, self.num_heads)
+            B, T, _ = x.shape
+            return getattr(self, f"{name}_a_proj")(x).view(B, T, rank, self.num_heads).transpose(1, 2)
         return getattr(self, f"{name}_a")
 
-    def compute_factors(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
-        """Factors of the current tokens (B's of Q and K rotated). Keys: ``q`` (KV-only: rotated
-        ``[B,T,h,d_h]``) or ``a_q``/``b_q``; ``a_k``, ``b_k``, ``a_v``, ``b_v``."""
+    def _b(self, proj: nn.Module, x: torch.Tensor, n: int) -> torch.Tensor:
+        """``proj(x)`` as ``n`` rows of ``d_h`` per token, factor-major: ``[B, n, T, d_h]`` (a view)."""
         B, T, _ = x.shape
+        return proj(x).view(B, T, n, self.head_dim).transpose(1, 2)
+
+    def compute_factors(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict:
+        """Factors of the current tokens (B's of Q and K rotated), factor-major as transformers lays out heads
+        (factor, then token): ``q`` (KV-only: rotated queries ``[B,h,T,d_h]``) or ``a_q``/``b_q``; ``a_k``,
+        ``b_k``, ``a_v``, ``b_v``. B factors are ``[B,R,T,d_h]``; A factors ``[B,R,T,h]`` (contextual) or the
+        ``[R,h]`` parameter."""
         out = {}
         if self.q_rank is None:
-            q = self._qk_normed("q", self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+            q = self._qk_normed("q", self._b(self.q_proj, x, self.num_heads))
             out["q"] = apply_rotary(q, cos, sin)
         else:
             out["a_q"] = self._a("q", x, self.q_rank)
-            b_q = self._qk_normed("q", self.q_b_proj(x).view(B, T, self.q_rank, self.head_dim))
+            b_q = self._qk_normed("q", self._b(self.q_b_proj, x, self.q_rank))
             out["b_q"] = apply_rotary(b_q, cos, sin)
         out["a_k"] = self._a("k", x, self.k_rank)
-        b_k = self._qk_normed("k", self.k_b_proj(x).view(B, T, self.k_rank, self.head_dim))
-        out["b_k"] = apply_rotary(b_k, cos, sin)
+        out["b_k"] = apply_rotary(self._qk_normed("k", self._b(self.k_b_proj, x, self.k_rank)), cos, sin)
         out["a_v"] = self._a("v", x, self.v_rank)
-        out["b_v"] = self.v_b_proj(x).view(B, T, self.v_rank, self.head_dim)
+        out["b_v"] = self._b(self.v_b_proj, x, self.v_rank)
         return out
+
+    def _queries(self, f: dict) -> torch.Tensor:
+        """The composed queries ``[B,h,T,d_h]``."""
+        return f["q"] if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
 
     # -- path selection ----------------------------------------------------------------------------
     def _score_routes(self, T: int, S: int) -> tuple[float, float]:
@@ -342,8 +351,6 @@ class TPAAttention(nn.Module):
             return False
         if torch.compiler.is_compiling():
             return self._groups if self._groups_key is not None else False
-        if torch.is_grad_enabled() and (a_k.requires_grad or a_v.requires_grad):
-            return False
         key = (a_k.data_ptr(), a_k._version, a_v.data_ptr(), a_v._version)
         if self._groups_key != key:
             h, r = self.num_heads, self.k_rank
@@ -351,6 +358,8 @@ class TPAAttention(nn.Module):
             owner = torch.zeros(r, h, dtype=torch.bool, device=a_k.device)
             owner[heads // (h // r), heads] = True
             self._groups = bool(((a_k != 0) == owner).all() and ((a_v != 0) == owner).all())
+            # a converted GQA model: A = R on its grouping, so every scale of grouped_attention is 1
+            self._unit_scales = self._groups and bool((a_k[owner] == r).all() and (a_v[owner] == r).all())
             self._groups_key = key
         return self._groups
 
@@ -362,11 +371,11 @@ class TPAAttention(nn.Module):
         shared by the heads runs as ``R`` heads of ``h/R`` query rows each (the queries of a group packed, as
         transformers' SDPA does for GQA decoding). Returns ``([B,T,h,d], weights or None)``."""
         h, r = self.num_heads, self.k_rank
-        heads = torch.arange(h, device=a_k.device)
-        groups = heads // (h // r)
-        k_scale, v_scale = a_k[groups, heads] / r, a_v[groups, heads] / r
-        q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
-        q = q * k_scale.to(q.dtype).view(1, h, 1, 1)
+        q = self._queries(f)
+        if not self._unit_scales:
+            heads = torch.arange(h, device=a_k.device)
+            k_scale, v_scale = a_k[heads // (h // r), heads] / r, a_v[heads // (h // r), heads] / r
+            q = q * k_scale.to(q.dtype).view(1, h, 1, 1)
         B, T = q.shape[0], q.shape[2]
         dropout = 0.0 if not self.training else self.attention_dropout
         mask = attention_mask
@@ -379,8 +388,8 @@ class TPAAttention(nn.Module):
             out, weights = self._attention_interface(output_attentions)(
                 self,
                 q.reshape(B, r, h // r, q.shape[-1]),
-                b_k.transpose(1, 2),
-                b_v.transpose(1, 2),
+                b_k,
+                b_v,
                 mask,
                 dropout=dropout,
                 scaling=self.scaling,
@@ -395,8 +404,8 @@ class TPAAttention(nn.Module):
                 out, weights = self._attention_interface(output_attentions)(
                     self,
                     q,
-                    b_k.transpose(1, 2),
-                    b_v.transpose(1, 2),
+                    b_k,
+                    b_v,
                     mask,
                     dropout=dropout,
                     scaling=self.scaling,
@@ -404,39 +413,13 @@ class TPAAttention(nn.Module):
                 )
             finally:
                 self.num_key_value_groups = 1
-        return out * v_scale.to(out.dtype).view(1, 1, h, 1), weights
-
-    def shared_factor_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, **kwargs):
-        """Factor-space decoding of one new token with non-contextual A, as one call of the attention function:
-        the cached ``B_K``/``B_V`` rows of a token, concatenated (``[B, S, R·d_h]``, a free view), are a single
-        key/value head shared by all heads, and query head ``i`` becomes ``[A_K[0,i] q_i, …, A_K[R-1,i] q_i] /
-        R_K``, so that its dot product with a token's concatenated ``B_K`` is ``q_i · K_i``; the output of head
-        ``i`` is ``Σ_u A_V[u,i] Y_i[u] / R_V``. The work of the ``"q"``/``"factor"`` routes, fused (SDPA
-        attends without materialising the scores). Returns ``([B,1,h,d], None)``."""
-        h, dh, rk, rv = self.num_heads, self.head_dim, self.k_rank, self.v_rank
-        B, S = b_k.shape[0], b_k.shape[1]
-        q = f["q"] if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank).transpose(1, 2)
-        q = (q.reshape(B, h, 1, dh) * (a_k.t() / rk).to(q.dtype).unsqueeze(-1)).reshape(B, 1, h, rk * dh)
-        out, _ = self._attention_interface(False)(
-            self,
-            q,
-            b_k.reshape(B, 1, S, rk * dh),
-            b_v.reshape(B, 1, S, rv * dh),
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            is_causal=False,
-            **kwargs,
-        )  # [B, h, 1, R_V d]
-        y = out.reshape(B, h, rv, dh)
-        out = torch.matmul((a_v.t() / rv).to(y.dtype).unsqueeze(-2), y)  # [B, h, 1, d]
-        return out.transpose(1, 2), None
+        return (out if self._unit_scales else out * v_scale.to(out.dtype).view(1, 1, h, 1)), weights
 
     def materialized_attention(self, f: dict, a_k, b_k, a_v, b_v, attention_mask, output_attentions=False, **kwargs):
         """Compose Q, K, V and call the configured attention function (eager, SDPA or a registered backend),
         :meth:`head_chunk` query heads at a time (each call composes only its heads' K and V).
         Returns ``([B,T,h,d], weights or None)``."""
-        q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
+        q = self._queries(f)
         attention_interface = self._attention_interface(output_attentions)
         dropout = 0.0 if not self.training else self.attention_dropout
         h, step = self.num_heads, self.head_chunk()
@@ -475,45 +458,43 @@ class TPAAttention(nn.Module):
         route: str | None = None,
         value_route: str = "factor",
     ):
-        """Attention from the factors. Shapes: ``b_k [B,S,R_K,d]``, ``a_k [B,S,R_K,h]`` or ``[R_K,h]``
-        (same for V). ``route`` picks the score route: ``"p"`` (via ``P = B_Q B_K^T``, never forming Q or K),
-        ``"q"`` (composed query against ``B_K``, never forming K) or ``"k"`` (composed K); default: the
-        cheaper of ``"p"``/``"q"``. ``value_route`` ``"factor"`` never forms V; ``"v"`` composes V first
-        (cheaper for prefill and training). Every route is differentiable (training uses them).
+        """Attention from the factors. Shapes: ``b_k [B,R_K,S,d]``, ``a_k [B,R_K,S,h]`` or ``[R_K,h]`` (same for
+        V). ``route`` picks the score route: ``"p"`` (via ``P = B_Q B_K^T``, never forming Q or K), ``"q"``
+        (composed query against each ``B_K`` factor, weighted by ``A_K``, never forming K) or ``"k"`` (composed K);
+        default: the cheaper of ``"p"``/``"q"``. ``value_route`` ``"factor"`` never forms V; ``"v"`` composes V
+        first (cheaper for prefill and training). Every route is differentiable (training uses them).
         Returns ``([B,T,h,d], probs or None)``."""
         h, dh, rk, rv = self.num_heads, self.head_dim, self.k_rank, self.v_rank
-        B, S = b_k.shape[0], b_k.shape[1]
+        B, S = b_k.shape[0], b_k.shape[2]
         if route is None:
-            via_q, via_p = self._score_routes(f.get("b_q", f.get("q")).shape[1], S)
+            via_q, via_p = self._score_routes(f.get("b_q", f.get("q")).shape[2], S)
             route = "p" if via_p <= via_q else "q"
         if route == "k":
-            q = f["q"].transpose(1, 2) if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank)
+            q = self._queries(f)
             T = q.shape[2]
             scores = torch.matmul(q, _compose(a_k, b_k, rk).transpose(2, 3)) * self.scaling
         elif self.q_rank is not None and route == "p":
             b_q, a_q = f["b_q"], f["a_q"]
-            T, rq = b_q.shape[1], self.q_rank
-            # P[b,t,r,(s,u)] = B_Q[b,t,r] · B_K[b,s,u]: shared by every head
-            P = torch.matmul(b_q.reshape(B, T * rq, dh), b_k.reshape(B, S * rk, dh).transpose(1, 2))
-            P = P.view(B, T, rq, S * rk)
-            aq = a_q.transpose(-1, -2)  # [B,T,h,R_Q] or [h,R_Q]
-            X = torch.matmul(aq, P).view(B, T, h, S, rk)  # Σ_r A_Q[r,i] P[r,(s,u)]
+            T, rq = b_q.shape[2], self.q_rank
+            # P[b,t,r,(u,s)] = B_Q[b,r,t] · B_K[b,u,s]: shared by every head
+            P = torch.matmul(b_q.transpose(1, 2).reshape(B, T * rq, dh), b_k.reshape(B, rk * S, dh).transpose(1, 2))
+            aq = a_q.t() if a_q.dim() == 2 else a_q.permute(0, 2, 3, 1)  # [h,R_Q] or [B,T,h,R_Q]
+            X = torch.matmul(aq, P.view(B, T, rq, rk * S)).view(B, T, h, rk, S)  # Σ_r A_Q[r,i] P[r,(u,s)]
             if a_k.dim() == 2:
-                scores = torch.matmul(X, a_k.t().reshape(1, 1, h, rk, 1)).squeeze(-1)
+                scores = torch.matmul(a_k.t().reshape(1, 1, h, 1, rk), X).squeeze(-2)
             else:
-                scores = (X * a_k.permute(0, 3, 1, 2).unsqueeze(1)).sum(-1)
+                scores = (X * a_k.permute(0, 3, 1, 2).unsqueeze(1)).sum(3)
             scores = scores.transpose(1, 2) * (self.scaling / (rq * rk))  # [B,h,T,S]
         else:
-            q = f["q"] if self.q_rank is None else _compose(f["a_q"], f["b_q"], self.q_rank).transpose(1, 2)
-            T = q.shape[1]
-            qh = q.transpose(1, 2)  # [B,h,T,d]
+            q = self._queries(f)  # [B,h,T,d]
+            T = q.shape[2]
             if a_k.dim() == 2:
-                # scores = Σ_u A_K[u,i] q_i · B_K[s,u] as one matmul over the (u, d) pair
-                qa = (qh.unsqueeze(3) * a_k.t().reshape(1, h, 1, rk, 1)).reshape(B, h * T, rk * dh)
-                scores = torch.matmul(qa, b_k.reshape(B, S, rk * dh).transpose(1, 2)).view(B, h, T, S)
+                # scores = Σ_u A_K[u,i] q_i · B_K[u]: one matmul per factor, over all heads at once
+                qa = (q.unsqueeze(1) * a_k.view(1, rk, h, 1, 1)).reshape(B, rk, h * T, dh)
+                scores = torch.matmul(qa, b_k.transpose(-1, -2)).sum(1).view(B, h, T, S)
             else:
-                qb = torch.matmul(qh.reshape(B, h * T, dh), b_k.reshape(B, S * rk, dh).transpose(1, 2))
-                scores = (qb.view(B, h, T, S, rk) * a_k.permute(0, 3, 1, 2).unsqueeze(2)).sum(-1)
+                qb = torch.matmul(q.reshape(B, h * T, dh), b_k.reshape(B, rk * S, dh).transpose(1, 2))
+                scores = (qb.view(B, h, T, rk, S) * a_k.permute(0, 3, 1, 2).unsqueeze(2)).sum(3)
             scores = scores * (self.scaling / rk)
 
         scores = scores.to(_softmax_dtype(scores.dtype))
@@ -532,12 +513,12 @@ class TPAAttention(nn.Module):
             out = torch.matmul(probs, _compose(a_v, b_v, rv)).transpose(1, 2).contiguous()
             return out, (probs if output_attentions else None)
         if a_v.dim() == 2:
-            # out_i = Σ_u A_V[u,i] (α_i · B_V[:,u])
-            Y = torch.matmul(probs.reshape(B, h * T, S), b_v.reshape(B, S, rv * dh)).view(B, h, T, rv, dh)
-            out = torch.matmul(a_v.t().reshape(1, h, 1, 1, rv), Y).squeeze(3)
+            # out_i = Σ_u A_V[u,i] (α_i · B_V[u]): one matmul per factor, over all heads at once
+            Y = torch.matmul(probs.reshape(B, 1, h * T, S), b_v).view(B, rv, h, T, dh)
+            out = (Y * a_v.view(1, rv, h, 1, 1)).sum(1)
         else:
-            W = probs.unsqueeze(-1) * a_v.permute(0, 3, 1, 2).unsqueeze(2)  # [B,h,T,S,R_V]
-            out = torch.matmul(W.reshape(B, h * T, S * rv), b_v.reshape(B, S * rv, dh)).view(B, h, T, dh)
+            W = probs.unsqueeze(3) * a_v.permute(0, 3, 1, 2).unsqueeze(2)  # [B,h,T,R_V,S]
+            out = torch.matmul(W.reshape(B, h * T, rv * S), b_v.reshape(B, rv * S, dh)).view(B, h, T, dh)
         out = (out / rv).transpose(1, 2).contiguous()
         return out, (probs if output_attentions else None)
 
@@ -555,17 +536,9 @@ class TPAAttention(nn.Module):
         a_k, b_k, a_v, b_v = f["a_k"], f["b_k"], f["a_v"], f["b_v"]
         if cache is not None:
             a_k, b_k, a_v, b_v = cache.layers[self.layer_idx].update_factors(a_k, b_k, a_v, b_v)
-        plan = ("k", "v") if self.uses_attention_function() else self.attention_plan(T, b_k.shape[1])
+        plan = ("k", "v") if self.uses_attention_function() else self.attention_plan(T, b_k.shape[2])
         if self.factor_groups():  # GQA on the factors, prefill and decoding alike
             out, weights = self.grouped_attention(f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, **kwargs)
-        elif (
-            plan == ("q", "factor")
-            and T == 1
-            and not output_attentions
-            and not self.contextual_a
-            and (attention_mask is None or attention_mask.shape[1] == 1)
-        ):
-            out, weights = self.shared_factor_attention(f, a_k, b_k, a_v, b_v, attention_mask, **kwargs)
         elif plan != ("k", "v"):
             out, weights = self.factor_attention(
                 f, a_k, b_k, a_v, b_v, attention_mask, output_attentions, route=plan[0], value_route=plan[1]
@@ -668,7 +641,7 @@ class TPAModel(TPAPreTrainedModel):
         inputs_embeds=None,
         use_cache=None,
         past_key_values=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         cache = cache if cache is not None else past_key_values  # the name before transformers 5.24
         cfg = self.config
@@ -694,6 +667,8 @@ class TPAModel(TPAPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         kwargs.pop("output_hidden_states", None)
+        if kwargs.get("output_attentions") is None:  # asked for in the config only: the layers must know too
+            kwargs["output_attentions"] = cfg.output_attentions
         for layer in self.layers[: cfg.num_hidden_layers]:
             hidden_states = layer(
                 hidden_states,
@@ -741,7 +716,7 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
         use_cache=None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         outputs = self.model(
             input_ids=input_ids,
