@@ -30,9 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "foundations",
-        # "checkpoint": checkpoint.py re-exports checkpoint_io for modules another piece of work is editing
-        # (issue 40); drop it from this list with that file
-        ("hf_symmetry", "devices", "assets", "checkpoint_io", "checkpoint", "text", "gguf_pretokenizer"),
+        ("hf_symmetry", "devices", "assets", "checkpoint_io", "text", "gguf_pretokenizer"),
         "the root (version, registration), devices, offline assets, safetensors I/O, text reading and naming",
     ),
     ("symmetry", ("symmetry",), "the groups, head layouts and group actions on canonical layers"),

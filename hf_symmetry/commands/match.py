@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..hub.values import fmt_number
-from ..conversion.match.checkpoint import match_checkpoint
+from ..conversion.match.on_disk import match_checkpoint
 from ..conversion.match.checks import vocabulary_fingerprint
 from ..conversion.match.options import MatchOptions
 from .common import (

@@ -8,7 +8,7 @@ import argparse
 import time
 from dataclasses import asdict
 
-from ..conversion.merge.checkpoint import merge_checkpoints
+from ..conversion.merge.on_disk import merge_checkpoints
 from ..conversion.merge.evaluate import evaluate_merge
 from ..conversion.merge.kinds import METHOD_ALIASES, METHODS
 from ..conversion.merge.recipe import load_recipe, recipe_from_dict

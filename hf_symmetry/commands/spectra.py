@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..assets import MODEL_ALIASES, resolve_model, resolve_text
-from ..checkpoint import CheckpointReader, atomic_output_dir, check_output_dir
+from ..checkpoint_io import CheckpointReader, atomic_output_dir, check_output_dir
 from ..conversion.farr import calibration_tokens, spectra_report
 from ..evaluation.compare import load_tokenizer, write_json
 from ..conversion.farr.fused_check import check_fused_layout_layerwise

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..architectures.spec import LLAMA, SPECS, find_spec
-from ..checkpoint import CheckpointReader
+from ..checkpoint_io import CheckpointReader
 from ..gguf_pretokenizer import PreTokenizer, gguf_tokenizer_kind, split_as_llamacpp
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)

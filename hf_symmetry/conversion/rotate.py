@@ -21,7 +21,7 @@ import torch
 
 from ..architectures import Adapter
 from ..architectures.capabilities import facts
-from ..checkpoint import (
+from ..checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
     atomic_output_dir,

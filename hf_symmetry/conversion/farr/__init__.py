@@ -32,7 +32,7 @@ The steps, one module each:
 - :mod:`.ranks` — per-layer ranks from τ or from the parameter budget;
 - :mod:`.reduce` — the reduction pass (truncate, split back, stream the layers to a sink);
 - :mod:`.in_memory` — the state-dict and loaded-model entry points;
-- :mod:`.checkpoint` — the checkpoint-folder entry point (remote code, report, calibration tokens);
+- :mod:`.on_disk` — the checkpoint-folder entry point (remote code, report, calibration tokens);
 - :mod:`.card` — the effective-rank heatmap and the model card;
 - :mod:`.spectra` — the ``spectra`` report;
 - :mod:`.fused_check` — the fused maps checked against the module's own forward, with hooks
@@ -44,7 +44,7 @@ from __future__ import annotations
 from .analysis import LayerAnalysis, analyze, analyze_layer, prepare_layer
 from .calibrated import LayerWeights, attention_input_moments, calibrated_analysis
 from .card import CARD_TAUS, HEATMAP_FILE, farr_card_data, write_rank_heatmap
-from .checkpoint import REPORT_FILE, calibration_tokens, farr_checkpoint, save_farr_config
+from .on_disk import REPORT_FILE, calibration_tokens, farr_checkpoint, save_farr_config
 from .in_memory import build_farr_model, farr_model, farr_state_dict
 from .options import FarrOptions
 from .ranks import RankPlan, plan_ranks, ranks_for_tau

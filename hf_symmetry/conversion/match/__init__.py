@@ -30,10 +30,10 @@ The pieces, one module each:
 - :mod:`.pair` — one pair, streaming (:class:`PairMatcher`, :func:`run_pair`);
 - :mod:`.checks` — the refusals before any work (:func:`plan_pair`), shared with ``merge``;
 - :mod:`.in_memory` — :func:`match_state_dict`, :func:`fold_state_dict`;
-- :mod:`.checkpoint` — :func:`match_checkpoint` on HF folders, with its report and card.
+- :mod:`.on_disk` — :func:`match_checkpoint` on HF folders, with its report and card.
 """
 
-from .checkpoint import MatchReport, match_checkpoint
+from .on_disk import MatchReport, match_checkpoint
 from .distances import squared_distances
 from .in_memory import MatchResult, fold_state_dict, match_state_dict
 from .options import MatchOptions, MatchPlan

@@ -33,11 +33,11 @@ The pieces, one module each:
   inputs and Fishers, spilled to files);
 - :mod:`.stream` — the streaming layer-by-layer merge and its Gram store;
 - :mod:`.pipeline` — :func:`run_merge`: checks, anchor, match and merge on tensor sources;
-- :mod:`.in_memory` — :func:`merge_state_dicts`; :mod:`.checkpoint` — :func:`merge_checkpoints` on HF
+- :mod:`.in_memory` — :func:`merge_state_dicts`; :mod:`.on_disk` — :func:`merge_checkpoints` on HF
   folders, with its report and card; :mod:`.evaluate` — :func:`evaluate_merge`.
 """
 
-from .checkpoint import MergeReport, merge_checkpoints
+from .on_disk import MergeReport, merge_checkpoints
 from .evaluate import evaluate_merge
 from .in_memory import MergeResult, merge_state_dicts
 from .pipeline import MergeOutcome, run_merge

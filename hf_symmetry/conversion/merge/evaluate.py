@@ -9,7 +9,7 @@ from ...assets import resolve_model
 from ...hub.cards import update_card
 from ...hub.lineage import public_model_labels
 from ...text import public_text_label
-from .checkpoint import tokenizer_folder
+from .on_disk import tokenizer_folder
 from .recipe import EvaluationSpec, MergeRecipe
 
 

@@ -32,13 +32,13 @@ The pieces, one module each:
   streamed layer passes through, the globals;
 - :mod:`.grams` — the attention-input Grams the reduction is fitted to, from the calibration engine;
 - :mod:`.report` — :class:`LayerError`, :class:`ToTPAReport` and the model card;
-- :mod:`.in_memory` — :func:`convert_model_to_tpa` on a loaded model; :mod:`.checkpoint` —
+- :mod:`.in_memory` — :func:`convert_model_to_tpa` on a loaded model; :mod:`.on_disk` —
   :func:`convert_checkpoint_to_tpa`, streaming a checkpoint folder into a TPA folder.
 """
 
 from __future__ import annotations
 
-from .checkpoint import convert_checkpoint_to_tpa
+from .on_disk import convert_checkpoint_to_tpa
 from .factor import group_masks
 from .grams import attention_input_grams
 from .in_memory import convert_model_to_tpa

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ...architectures import Adapter
 from ...architectures.capabilities import require
-from ...checkpoint import atomic_output_dir, check_output_dir, copy_side_files
+from ...checkpoint_io import atomic_output_dir, check_output_dir, copy_side_files
 from ...hub.cards import write_card
 from ...hub.lineage import public_report
 from ...modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
@@ -49,7 +49,7 @@ def convert_checkpoint_to_tpa(
     from ...assets import resolve_model, resolve_text
     from ...calibration import calibration_ids
     from ...calibration.memory import release_free_memory
-    from ...checkpoint import CheckpointReader, ShardedWriter, parse_size
+    from ...checkpoint_io import CheckpointReader, ShardedWriter, parse_size
     from ...devices import linalg_device
 
     t0 = time.time()
