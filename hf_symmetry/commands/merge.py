@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from ..conversion.merge.on_disk import merge_checkpoints
 from ..conversion.merge.evaluate import evaluate_merge
-from ..conversion.merge.kinds import METHOD_ALIASES, METHODS
+from ..conversion.merge.methods import METHOD_ALIASES, METHODS
 from ..conversion.merge.recipe import load_recipe, recipe_from_dict
 from ..hub.values import fmt_number
 from .common import (
