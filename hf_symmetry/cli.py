@@ -25,10 +25,6 @@ COMMAND_MODULES = [
 ]
 
 
-class CLIError(Exception):
-    """A user error: printed as one line, exit status 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -53,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hf-symmetry: interrupted", file=sys.stderr)
         return 130
-    except (CLIError, FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, NotImplementedError) as exc:
         # One line, no traceback: these are the user's input, not our bugs.
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"hf-symmetry {args.command}: error: {msg}", file=sys.stderr)

@@ -83,11 +83,6 @@ def add_verify_args(
     add_device_arg(g)
 
 
-def add_text_args(p, default: str = "britannica-eval") -> None:
-    """Kept for older callers: :func:`add_verify_args` without ``--no-verify``."""
-    add_verify_args(p, default_text=default, no_verify=False)
-
-
 #: files of which one makes a folder's tokenizer loadable by AutoTokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
