@@ -83,15 +83,12 @@ def add_verify_args(
     add_device_arg(g)
 
 
-#: files of which one makes a folder's tokenizer loadable by AutoTokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
 def check_verify_args(args, tokenizer_from=None) -> None:
     """Refuse bad verification flags before any work. ``tokenizer_from``: the model folder (or
     alias) whose tokenizer the verification will use; a folder without one is refused here, rather
     than after the conversion has written its output."""
     from ..assets import resolve_model, resolve_text
+    from ..checkpoint_io import TOKENIZER_FILES
     from ..evaluation.verification import device_map_spec
 
     if getattr(args, "no_verify", False):
