@@ -36,6 +36,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.output_capturing import capture_outputs
 
 from .cache_tpa import (
@@ -61,6 +62,16 @@ def cache_field() -> str:
 
 #: the installed transformers' cache field name, read once (``dataclasses.fields`` cannot run under dynamo)
 CACHE_FIELD = cache_field()
+
+
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.renamed_cache_kwarg
+def renamed_cache_kwarg(forward):
+    """``forward`` taking the KV cache as ``cache`` or ``past_key_values``: where the installed transformers
+    names it ``cache`` (5.24 and later) the old name is deprecated as in its own models (a warning), before
+    that it is the name ``generate`` passes (no warning)."""
+    if CACHE_FIELD != "cache":
+        return forward
+    return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -704,6 +715,11 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def logits_from_hidden(self, hidden_states):
+        return self.lm_head(hidden_states)
+
+    # Copied from hf_symmetry.modeling.modeling_compressed_llama.CompressedLlamaForCausalLM.forward
+    @renamed_cache_kwarg
     @can_return_tuple
     def forward(
         self,
@@ -717,7 +733,7 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values=None,
         **kwargs: Unpack[TransformersKwargs],
-    ):
+    ) -> CausalLMOutputWithPast:
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -725,21 +741,20 @@ class TPAForCausalLM(TPAPreTrainedModel, GenerationMixin):
             cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            return_dict=True,
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
+        logits = self.logits_from_hidden(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
 
 
