@@ -34,8 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType, quants
+from gguf.vocab import BpeVocab
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from ..architectures.spec import LLAMA, SPECS, find_spec
 from ..checkpoint_io import CheckpointReader
@@ -64,8 +72,6 @@ class GGUFReport:
 
 
 def _file_type(name: str) -> int:
-    from gguf import LlamaFileType
-
     return {
         "f32": LlamaFileType.ALL_F32,
         "f16": LlamaFileType.MOSTLY_F16,
@@ -79,8 +85,6 @@ def _file_type(name: str) -> int:
 
 
 def _qtype(name: str):
-    from gguf import GGMLQuantizationType as T
-
     return {
         "f32": T.F32,
         "f16": T.F16,
@@ -124,9 +128,6 @@ def permute_rope_rows(W: torch.Tensor, n_heads: int) -> torch.Tensor:
 def _tokenizer(writer, folder: Path, vocab_size: int) -> tuple[str, PreTokenizer | None]:
     """Writes a byte-level BPE tokenizer (``tokenizer.json``) into ``writer``; returns what was written
     (or why nothing was) and its pre-tokenizer."""
-    import gguf
-    from gguf.vocab import BpeVocab
-
     path = folder / "tokenizer.json"
     if not path.is_file():
         return "none (no tokenizer.json)", None
@@ -209,8 +210,6 @@ def special_token_flags(folder: Path, tok: dict, arch: str, vocab_size: int) -> 
 def _observed_flags(folder: Path) -> dict[str, bool]:
     """Whether transformers' tokenizer of ``folder`` puts its BOS first and its EOS last (False where it
     cannot be loaded)."""
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         plain = tokenizer.encode("a", add_special_tokens=False)
@@ -240,10 +239,6 @@ def export_gguf(
     progress: bool = True,
 ) -> GGUFReport:
     """Write the stock folder ``src`` as the GGUF file ``out`` (tensors in ``type``, see :data:`TYPES`)."""
-    import gguf
-    from gguf import quants
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     if type not in TYPES:
         raise ValueError(f"unknown GGUF type {type!r}; choose one of {', '.join(TYPES)}")
@@ -347,9 +342,6 @@ def load_gguf(out: str | Path, folder: str | Path | None = None, dtype: torch.dt
     ``mistral`` architecture for transformers' name map): then the folder's class is filled by
     transformers' own ``load_gguf_checkpoint``, after checking that the file's hyperparameters are the
     folder's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     out = Path(out)
     try:
         model = AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name, dtype=dtype)
@@ -399,8 +391,6 @@ def round_trip(
     """The folder's model against the GGUF file read back through transformers: greedy continuations of
     ``prompt`` (the folder's tokenizer; the file's own where it carries one, as a second check) and the
     logits over the prompt and continuation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = Path(folder)
     tok = AutoTokenizer.from_pretrained(folder)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
@@ -430,8 +420,6 @@ def _same_tokenization(out: Path, tok, prompt: str, result: dict) -> bool | None
     """Whether the tokenizer the file carries (read by transformers' GGUF tokenizer converter, with the split
     llama.cpp uses for its ``tokenizer.ggml.pre``) tokenizes ``prompt`` as the folder's does; ``None`` for a
     file without one."""
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
     try:
         architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(out))
         if not tokenizer_dict:

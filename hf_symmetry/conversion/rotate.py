@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from transformers import CONFIG_MAPPING, AutoTokenizer
 
 from ..architectures import Adapter
 from ..architectures.capabilities import facts
+from ..calibration.data import calibration_ids
 from ..checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
@@ -31,7 +33,20 @@ from ..checkpoint_io import (
     write_config,
 )
 from ..hub.cards import write_card
+from ..modeling import configuration_rms_decoder, modeling_rms_decoder
+from ..modeling.configuration_rms_decoder import RMSDecoderConfig
 from ..symmetry import actions, groups
+from .quantization.imatrix import write_imatrix
+from .quantization.llamacpp import FTYPES
+from .quantization.preset import (
+    applied_transforms,
+    learn_checkpoint_rotation,
+    options_in_force,
+    quant_layer,
+    written_imatrix,
+)
+from .quantization.rotation import hadamard_except
+from .quantization.scales import layer_stats, permute_stats, residual_order
 from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
 
 Tensors = dict[str, torch.Tensor]
@@ -117,8 +132,6 @@ class RotateReport:
 def residual_rotation(options: RotateOptions, hidden: int) -> torch.Tensor | None:
     gen = groups.rng(options.seed, _RESIDUAL)
     if options.residual == "hadamard" and options.hold_out:
-        from .quantization.rotation import hadamard_except
-
         return hadamard_except(hidden, tuple(options.hold_out), gen)
     if options.residual == "hadamard":
         return groups.random_hadamard(hidden, gen)
@@ -144,8 +157,6 @@ def transform_layer(
     ``--for-quantization`` layer step did, :func:`.quantization.preset.quant_layer`)."""
     L, seed = adapter.layout, options.seed
     if options.for_quantization:
-        from .quantization.preset import quant_layer
-
         return quant_layer(i, layer, adapter, options, Q, stats, record)
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
@@ -206,7 +217,6 @@ def rms_decoder_config(
 ) -> dict:
     """The RMS-decoder config of a centred LayerNorm decoder (OPT, GPT-2); ``residual_size`` below the
     hidden size for a sliced one (SliceGPT)."""
-    from ..modeling.configuration_rms_decoder import RMSDecoderConfig
 
     def get(*names, default=None):
         return next((config[n] for n in names if config.get(n) is not None), default)
@@ -214,8 +224,6 @@ def rms_decoder_config(
     f = facts(config)
     rotary = {}
     if f.rope != "none":  # the family's own config object standardises old rotary fields (rotary_pct, ...)
-        from transformers import CONFIG_MAPPING
-
         rope = getattr(CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)), "rope_parameters", None) or {}
         L = adapter.layout  # GPT-J names its rotary width (rotary_dim) and has no rope_parameters
         rope = {
@@ -268,8 +276,6 @@ def check_layer_norm_decoder(config: dict) -> None:
 
 def copy_remote_code(dst: Path) -> None:
     """The RMS-decoder family's flat files next to the weights (``trust_remote_code`` loading)."""
-    from ..modeling import configuration_rms_decoder, modeling_rms_decoder
-
     for module in (configuration_rms_decoder, modeling_rms_decoder):
         shutil.copyfile(module.__file__, Path(dst) / Path(module.__file__).name)
 
@@ -309,8 +315,6 @@ def plan_checks(adapter: Adapter, options: RotateOptions, source_keys: list[str]
     if options.target not in (None, "weights", "gguf", "gguf-imatrix"):
         raise ValueError(f"unknown --target {options.target!r} (weights, gguf, gguf-imatrix)")
     if options.target in ("gguf", "gguf-imatrix"):
-        from .quantization.llamacpp import FTYPES
-
         if not (options.for_quantization and options.scales):
             raise ValueError(f"--target {options.target} needs --for-quantization and --scales (a llama-quantize type)")
         if options.scales not in FTYPES:
@@ -345,14 +349,10 @@ def _rotate(
                 "--for-quantization supports RMSNorm families with a gated FFN (Llama, Mistral, Qwen2, ...)"
             )
         if options.learn and Q is not None:
-            from .quantization.preset import learn_checkpoint_rotation
-
             _, per_layer, _ = partition_keys(adapter, source.keys())
             Q = learn_checkpoint_rotation(source, per_layer, adapter, options, Q, progress)
     stats = None
     if options.for_quantization and options.scales:
-        from .quantization.scales import layer_stats
-
         if calibration is None:
             raise ValueError(
                 "--scales needs calibration: token ids, or the layer statistics of quantization.scales.layer_stats"
@@ -364,8 +364,6 @@ def _rotate(
         )
     perm = None
     if options.sort_channels:
-        from .quantization.scales import permute_stats, residual_order
-
         perm = residual_order(stats)  # plan_checks made sure there are statistics and no rotation
         stats = permute_stats(stats, perm)
     if centres_layer_norms(adapter, options):
@@ -387,8 +385,6 @@ def _rotate(
     if untied:
         new_config["tie_word_embeddings"] = False
     if options.for_quantization:
-        from .quantization.preset import applied_transforms
-
         return new_config, untied, applied_transforms(options, Q is not None, record)
     return new_config, untied, options.symmetries()
 
@@ -463,8 +459,6 @@ def rotate_card_data(
 ) -> dict:
     """What the model card says about a rotation (exactness figures are added once verified): the options in
     force (:func:`.quantization.preset.options_in_force`) and the transforms ``applied``."""
-    from .quantization.preset import options_in_force
-
     return {
         "title": Path(out).name,
         "inputs": [str(src)],
@@ -504,10 +498,6 @@ def rotate_checkpoint(
         writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "rotate"})
         calibration = None
         if options.for_quantization and options.scales:
-            from transformers import AutoTokenizer
-
-            from ..calibration.data import calibration_ids
-
             calibration = calibration_ids(
                 AutoTokenizer.from_pretrained(src), options.calibration_text, options.calibration_tokens
             )
@@ -522,9 +512,6 @@ def rotate_checkpoint(
         copy_side_files(reader.path, tmp)
         write_card(tmp, "rotate", rotate_card_data(src, out, options, adapter.family, untied, applied))
     if imatrix_out is not None:
-        from .quantization.imatrix import write_imatrix
-        from .quantization.preset import written_imatrix
-
         seq = 512  # layer_stats' sequence length: one chunk per 512 calibration tokens
         write_imatrix(
             imatrix_out,

@@ -11,8 +11,10 @@ perplexity of :data:`~.perplexity.PPL`. One progress bar covers the whole step.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -20,9 +22,13 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig
 
 from ..assets import resolve_model, resolve_text
+from ..devices import parse_device, to_model
+from ..modeling import register_auto_classes
 from ..text import public_text_label, read_text, tokenize_text
+from .compare import auto_class, load_tokenizer
 from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, windows
 
 DEFAULT_TEXT = "britannica-eval"
@@ -33,8 +39,6 @@ def device_map_spec(device: str | None) -> str:
     as accelerate's ``device_map`` (:attr:`~hf_symmetry.devices.DeviceRequest.device_map`: ``auto``,
     or None, lets accelerate spread the model over the GPUs, the CPU and disk; a named device holds it
     all)."""
-    from ..devices import parse_device
-
     return parse_device(device).device_map
 
 
@@ -44,9 +48,6 @@ _OFFLOAD: list[str] = []
 def _offload_dir() -> str:
     """A private folder for accelerate's disk offload, removed when the process exits."""
     if not _OFFLOAD:
-        import atexit
-        import shutil
-
         _OFFLOAD.append(tempfile.mkdtemp(prefix="hf_symmetry-offload-"))
         atexit.register(shutil.rmtree, _OFFLOAD[0], True)
     return _OFFLOAD[0]
@@ -62,11 +63,6 @@ def load_for_eval(
     """A saved model (LM class when it has one, else its base model) in eval mode, placed by
     accelerate: ``device_map="auto"`` spreads it over the visible GPUs and offloads what does not
     fit to CPU memory and then to ``offload_folder``; a named device puts it all there."""
-    from transformers import AutoConfig
-
-    from ..modeling import register_auto_classes
-    from .compare import auto_class
-
     register_auto_classes()
 
     path = resolve_model(path)
@@ -85,7 +81,6 @@ def load_for_eval(
         if "no_split" not in str(exc).lower():
             raise
         # a custom class without _no_split_modules: accelerate cannot split it, so one device it is
-        from ..devices import parse_device
 
         kwargs.update(device_map={"": str(parse_device("auto").device)})
         kwargs.pop("offload_folder", None)
@@ -94,8 +89,6 @@ def load_for_eval(
 
 
 def _output(model, ids: torch.Tensor) -> tuple[torch.Tensor, str]:
-    from ..devices import to_model
-
     with torch.no_grad():
         out = model(input_ids=to_model(ids.reshape(1, -1), model))
     if getattr(out, "logits", None) is not None:
@@ -163,8 +156,6 @@ def verify(
     ``tokens`` tokens (hidden states and their mean cosine for encoders) and, for causal LMs,
     both perplexities over ``ppl_tokens`` tokens (:data:`PPL`'s window and stride; 0 skips).
     The two models are loaded one after the other, so memory holds one model at a time."""
-    from .compare import load_tokenizer
-
     if tokens < 2 or ppl_tokens < 0:
         raise ValueError(f"need --tokens >= 2 and --ppl-tokens >= 0; got {tokens} and {ppl_tokens}")
     start = time.perf_counter()
@@ -216,8 +207,6 @@ def perplexities(
 ):
     """``{name: PerplexityResult}`` for several causal LMs on the same tokens of ``text``
     (:data:`PPL`), loading one model at a time. Returns (results, text path)."""
-    from .compare import load_tokenizer
-
     if ppl_tokens < 2:
         raise ValueError(f"perplexity needs at least 2 tokens; got {ppl_tokens}")
     tokenizer = load_tokenizer(tokenizer_from or next(iter(models.values())))

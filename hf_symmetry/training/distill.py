@@ -41,14 +41,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
+from ..assets import cache_dir
+from ..devices import to_model
 from ..modeling import cache_field
+from .logit_loss import chunked_logit_loss, final_hidden, head_is_plain, output_head
 
 __all__ = [
     "DistillationLoss",
@@ -173,7 +179,6 @@ class DistillationLoss:
         dev = torch.device(self.teacher_device) if self.teacher_device is not None else input_ids.device
         if next(self.teacher.parameters()).device != dev:
             self.teacher.to(dev)
-        from ..devices import to_model
 
         if not states:
             return self.teacher(input_ids=to_model(input_ids, self.teacher), use_cache=False).logits.to(
@@ -190,8 +195,6 @@ class DistillationLoss:
 
     def _plain(self, model: torch.nn.Module, ids: torch.Tensor) -> bool:
         """Whether the chunked path applies to ``model`` (its logits are its head's output; checked once)."""
-        from .logit_loss import head_is_plain
-
         key = id(model)
         if key not in self._plain_heads:
             was = model.training
@@ -242,11 +245,6 @@ class DistillationLoss:
     def _chunked(self, model, inputs: dict):
         """The same loss with the heads applied ``chunk_tokens`` positions at a time
         (:mod:`.logit_loss`): no ``[B, L, V]`` logits of either model."""
-        from contextlib import ExitStack
-
-        from ..devices import to_model
-        from .logit_loss import chunked_logit_loss, final_hidden, output_head
-
         ids = inputs["input_ids"]
         layers = self.uses_layers
         with ExitStack() as stack:
@@ -290,8 +288,6 @@ class DistillationLoss:
 def mean_kl(student, teacher, sequences: torch.Tensor, batch_size: int = 8, temperature: float = 1.0) -> float:
     """Mean per-position ``KL(teacher ‖ student)`` (nats, temperature ``T``, times ``T²``) over
     ``sequences [n, L]`` — the held-out figure the tests and the card report."""
-    from ..devices import to_model
-
     total, count = 0.0, 0
     for i in range(0, sequences.shape[0], batch_size):
         ids = sequences[i : i + batch_size]
@@ -352,14 +348,10 @@ def build_teacher_cache(
     ``path`` (safetensors: ``topk_values`` float32, ``topk_indices`` int32, ``sequences`` int64 and a
     fingerprint of teacher id, k and sequences in the metadata). An existing file with the same
     fingerprint is reused as is. Written to a temporary name and renamed, so a crash leaves no half file."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
     path = Path(path)
     fp = _fingerprint(sequences, k, teacher_id)
     if path.is_file() and _read_fingerprint(path) == fp:
         return path
-    from ..devices import to_model
 
     teacher.eval()
     dev = torch.device(device) if device is not None else next(teacher.parameters()).device
@@ -390,8 +382,6 @@ def build_teacher_cache(
 
 
 def _read_fingerprint(path: Path) -> str | None:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), "pt") as f:
             return (f.metadata() or {}).get("fingerprint")
@@ -402,8 +392,6 @@ def _read_fingerprint(path: Path) -> str | None:
 def load_teacher_cache(path: str | Path, sequences: torch.Tensor) -> dict[str, torch.Tensor]:
     """The cached ``{"teacher_topk_values", "teacher_topk_indices"}`` for ``sequences`` (checked equal
     to the cached ones), ready to pass as ``PackedDataset(..., extras=...)``."""
-    from safetensors.torch import load_file
-
     data = load_file(str(path))
     if not torch.equal(data["sequences"], sequences):
         raise ValueError(f"teacher cache {path} was built for other training sequences")
@@ -437,8 +425,6 @@ def teacher_samples(
     each starting from the BOS token (EOS when there is none): data-free distillation material.
     Generated ``batch_size`` sequences at a time with the KV cache, sampled on the teacher's device
     (a generator of that device): deterministic for a given seed, batch size and device."""
-    from tqdm.auto import tqdm
-
     start = _start_token(tokenizer)
     dev = torch.device(device) if device is not None else next(teacher.parameters()).device
     batch_size = batch_size or default_sample_batch(dev)
@@ -492,12 +478,7 @@ def cached_teacher_samples(
     under a key of the teacher's fingerprint (:func:`teacher_fingerprint`), n, seq_len, seed, batch
     size, start token and device type; an existing file with that key is read instead of sampling.
     Written to a temporary name and renamed: concurrent runs never see half a file."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     if cache is None:
-        from ..assets import cache_dir
-
         cache = cache_dir() / "teacher-samples"
     dev = torch.device(device) if device is not None else next(teacher.parameters()).device
     batch_size = batch_size or default_sample_batch(dev)

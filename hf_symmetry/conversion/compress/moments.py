@@ -20,6 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ...calibration import CalibrationEngine, StatsRequest
+from ...calibration import token_batches as batches
+from ...calibration.run import Activations
+from ...calibration.statistics import base_site
+from ...evaluation.compare import load_tokenizer
+from ...symmetry import actions
+from ...text import read_text, tokenize_text
+
 Tensors = dict[str, torch.Tensor]
 
 
@@ -50,8 +58,6 @@ class CalibrationStats:
 def token_sequences(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     """Consecutive chunks of ``seq_len`` tokens (the last one may be shorter, never below 2): the 1-D
     view of :func:`hf_symmetry.calibration.data.token_batches`, which the engine runs."""
-    from ...calibration import token_batches as batches
-
     return [b.reshape(-1) for b in batches(ids, seq_len)]
 
 
@@ -59,9 +65,6 @@ def read_calibration(src, calib_text, options) -> torch.Tensor | None:
     """The calibration text ``calib_text`` (a UTF-8 file or an embedded name) as token ids of the
     tokenizer of the folder ``src``, at most ``options.calib_tokens``; ``None`` where ``options`` needs
     no calibration. The text is read even then, so an empty file fails before any work."""
-    from ...evaluation.compare import load_tokenizer
-    from ...text import read_text, tokenize_text
-
     calib = read_text(calib_text) if calib_text is not None else None
     if options.needs_calibration and calib is None:
         raise ValueError(
@@ -146,9 +149,6 @@ def collect_statistics(
     ``stream_sum``: keep only the running sum of the trace-normalised raw-stream moments
     (``stats.stream_sum``, all one global PCA needs: one ``d × d`` matrix whatever the depth) instead of
     every segment's (``stats.stream``)."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-
     vocab = int(config["vocab_size"])
     stats = CalibrationStats(0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab])
     if not (want_normed or want_stream):
@@ -227,9 +227,6 @@ def one_pass_on_demand(
     (``stats.release_segment(k)``) then holds about one layer's moments (the FFN's ``4d × 4d`` input
     moments among them), not every layer's. The values are those of :func:`collect_statistics` bit for
     bit (the output stream of layer i is the input stream of layer i + 1 and, after the last, the final one)."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-
     vocab = int(config["vocab_size"])
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
     L = engine.adapter.n_layers
@@ -302,8 +299,6 @@ _FFN_SITES = ("down_in", "ffn_norm_in", "normed:layer_out", "layer_out")
 
 
 def _request(sites: tuple[str, str, str, str], match_original: bool):
-    from ...calibration import StatsRequest
-
     writer, before, normed, after = sites
     if not match_original:
         return StatsRequest(grams=(writer, normed))
@@ -362,12 +357,6 @@ def sequential_weighted(
     replaced, segment 2i+2 (down, and the next layer's q/k/v or the head) with o/gate/up replaced too;
     the fully replaced layer's outputs are handed on. Segment 0 (the embedding and layer 0's q/k/v) is
     measured on the embeddings, and the compressed embedding's rows then enter layer 0."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-    from ...calibration.run import Activations
-    from ...calibration.statistics import base_site
-    from ...symmetry import actions
-
     engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
     adapter = engine.adapter
     L = adapter.n_layers

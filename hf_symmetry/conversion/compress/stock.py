@@ -30,16 +30,30 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ...architectures import Adapter
 from ...architectures.spec import SPECS, find_spec
+from ...checkpoint_io import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    parse_size,
+    write_config,
+)
+from ...solvers import structures as st
 from ...symmetry import actions
-from ..stream import TensorSource, transform_checkpoint
+from ..stream import DictSink, DictSource, TensorSource, transform_checkpoint
+from .moments import one_pass_statistics, read_calibration
 from .options import CompressOptions
-from .plan import check_family, in_policy, matrix_entries, source_numels
+from .pca import pca_rotations
+from .plan import accounting, check_family, in_policy, matrix_entries, plan_for, source_numels
+from .report import CompressReport, finish_folder
 
 #: model types whose stock RMSNorm is ``weight · x · rsqrt(mean(x²) + config.rms_norm_eps)`` and whose
 #: config takes an explicit ``head_dim`` (the sliced hidden size no longer fixes it): ``ArchSpec.stock_slice``
@@ -86,7 +100,6 @@ def stock_class(config: dict) -> str:
     archs = config.get("architectures")
     if archs:
         return archs[0]
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
 
@@ -173,11 +186,6 @@ def compressed_plan_at(source: TensorSource, config: dict, options: CompressOpti
     """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
     ratio's: the same slice as :func:`stock_slice_tensors` at that width, in the remote-code family (for
     comparisons; the ratio's tolerance does not apply)."""
-    from dataclasses import replace
-
-    from .plan import accounting, plan_for
-    from ...solvers import structures as st
-
     plan, _ = plan_for(source, config, options.with_(tolerance=1.0))
     plan.residual = int(width)
     plan.matrices = [replace(m, structure=st.Dense((m.structure.shape[0], int(width)))) for m in plan.matrices]
@@ -213,10 +221,6 @@ def stock_slice_tensors(
     overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``, principal directions
     first). ``constant`` / ``rescale_eps`` (for the negative controls only): leave the constant ``c``
     out of the readers, or keep ε as it was."""
-    from .moments import one_pass_statistics
-    from .pca import pca_rotations
-    from .report import CompressReport
-
     options.validate()
     stock.validate()
     reason = why_not_stock(config, options, untie=True)
@@ -346,10 +350,6 @@ def stock_slice_model(
 ):
     """In memory: a loaded Llama / Mistral / Qwen2 / Qwen3 / Phi-3 ``...ForCausalLM`` -> (the same stock
     class at ``hidden_size = d′``, report). A tied source is untied (as ``--untie``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..stream import DictSink, DictSource
-
     dtype = next(model.parameters()).dtype
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     sink = DictSink()
@@ -391,17 +391,6 @@ def compress_stock_checkpoint(
 ):
     """:func:`.pipeline.compress_checkpoint` where :func:`why_not_stock` allows: ``out`` holds the
     source's own stock family at ``hidden_size = d′`` (no remote code), its report and card."""
-    from ...checkpoint_io import (
-        CheckpointReader,
-        ShardedWriter,
-        atomic_output_dir,
-        check_output_dir,
-        parse_size,
-        write_config,
-    )
-    from .moments import read_calibration
-    from .report import finish_folder
-
     options.validate()
     stock.validate()
     check_output_dir(out, overwrite)

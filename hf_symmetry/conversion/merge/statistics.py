@@ -11,8 +11,19 @@ The Fisher is keyed by parameter name, like the state dict.
 
 from __future__ import annotations
 
+import math
+
 import torch
+from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
+from accelerate.utils import get_max_memory, set_module_tensor_to_device
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ...calibration import CalibrationEngine, StatsRequest
+from ...checkpoint_io import CheckpointReader
+from ...devices import default_placement, to_model
+from ...modeling import register_auto_classes
+from ..stream import DictSource
 
 Tensors = dict[str, torch.Tensor]
 
@@ -42,15 +53,9 @@ def gram_matrices(
     or an in-memory model (``config`` ignored: the model's own); the layer-wise calibration engine
     runs it one layer at a time on ``placement`` (default: CPU, float64 for float64 weights, else
     float32)."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...devices import default_placement
-    from ..stream import DictSource
-
     if isinstance(source, torch.nn.Module):
         source, config = DictSource(source.state_dict()), source.config.to_dict()
     if placement is None:
-        from ...checkpoint_io import CheckpointReader
-
         probe = CheckpointReader(source) if not hasattr(source, "keys") else source
         placement = default_placement(statistics_dtype(probe))
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
@@ -78,8 +83,6 @@ def _available_memory() -> dict:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
         budget["cpu"] = int(info.get("MemAvailable", info.get("MemFree", 0)) * 0.8)
     except OSError:  # not Linux: let accelerate ask psutil
-        from accelerate.utils import get_max_memory
-
         budget = get_max_memory()
     return budget
 
@@ -99,8 +102,6 @@ def check_fisher_memory(shapes: dict[str, tuple], dtype: torch.dtype = torch.flo
     """Refuse, with one line, a Fisher merge whose backward pass cannot fit: the model's weights,
     their gradients and the float32 Fisher (``shapes``: the checkpoint's tensor shapes) against
     the free memory of the visible GPUs and the host (the CPU only with ``--device cpu``)."""
-    import math
-
     params = sum(math.prod(s) for k, s in shapes.items() if not k.endswith(("position_ids", "token_type_ids")))
     element = torch.empty((), dtype=dtype).element_size()
     needed = params * (2 * element + 4)  # weights, gradients, float32 Fisher
@@ -121,12 +122,6 @@ def fisher_model(config: dict, state_dict, dtype: torch.dtype = torch.float32, p
     weights, gradients and Fisher accumulators do not fit in the memory there is is refused with
     one clear error (:class:`FisherMemoryError`) before anything is loaded, instead of failing out
     of memory half-way. ``state_dict``: any mapping (``in`` and ``[]``), read one tensor at a time."""
-    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ...modeling import register_auto_classes
-
     register_auto_classes()
 
     cfg = dict(config)
@@ -172,7 +167,6 @@ def fisher_diagonal(model, batches: list[torch.Tensor], progress: bool = True, d
             f"Fisher merging needs a language-model head to define a likelihood; "
             f"{type(model).__name__} has none (use average or regmean)"
         )
-    from ...devices import to_model
 
     params = {n: p for n, p in model.named_parameters()}
     fisher = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}

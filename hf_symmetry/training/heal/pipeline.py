@@ -21,8 +21,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 
 from ...assets import resolve_model, resolve_text
+from ...conversion.layer_map import read_layer_map
+from ...devices import resolve_device
+from ...evaluation.compare import load_tokenizer
+from .. import build_datasets, is_main_process, train, world_size
+from ..data import PackedDataset, read_documents
+from ..distill import (
+    DistillationLoss,
+    build_teacher_cache,
+    cached_teacher_samples,
+    check_same_tokenizer,
+    load_teacher_cache,
+    mean_kl,
+)
+from ..peft_targets import apply_lora, lora_plan
+from ..trainer import TrainSettings, per_device_batch
 from .checks import check_output, check_student
 from .models import load_quietly, perplexities, skeleton
 from .options import HealJob, HealOptions
@@ -134,11 +150,6 @@ def run_heal(job: HealJob) -> HealReport:
 def check_inputs(job: HealJob) -> HealState:
     """Every refusal that needs no data: options, OUT and the run folder, both models, the texts, the
     devices, the shared tokenizer."""
-    from ...devices import resolve_device
-    from ...evaluation.compare import load_tokenizer
-    from ..data import read_documents
-    from ..distill import check_same_tokenizer
-
     t_start = time.perf_counter()
     options = job.options
     options.validate()
@@ -175,10 +186,6 @@ def check_inputs(job: HealJob) -> HealState:
 def prepare_data(job: HealJob, s: HealState) -> None:
     """The per-device batch, the LoRA plan (its rank checked on the weightless skeleton) and the packed
     train/held-out datasets."""
-    from .. import build_datasets
-    from ..peft_targets import lora_plan
-    from ..trainer import per_device_batch
-
     options = s.options
     s.per_device = per_device_batch(options.batch_size, options.grad_accum)
     s.plan = None if options.full else lora_plan(skeleton(s.src), options.lora_rank)  # rank check, no weights read
@@ -195,9 +202,6 @@ def prepare_data(job: HealJob, s: HealState) -> None:
 def layer_targets(s: HealState) -> None:
     """With ``layer_loss_weight > 0``: the student's layer map, or, where it has none or it does not fit
     the teacher, one line saying so (the logits alone are distilled)."""
-    from ...conversion.layer_map import read_layer_map
-    from .. import is_main_process
-
     if s.options.layer_loss_weight <= 0:
         return
     layer_map = read_layer_map(s.src)
@@ -225,10 +229,6 @@ def place_processes(dev: torch.device):
     """accelerate's process state for a run on the resolved device ``dev``, and the device this process
     trains on: ``dev`` itself in one process; under several processes on CUDA, each process's own GPU
     (LOCAL_RANK), as the Trainer places it."""
-    from accelerate import PartialState
-
-    from .. import world_size
-
     if dev.type == "cuda" and world_size() == 1:
         torch.cuda.set_device(dev)  # resolve_device always names the index
     state = PartialState(cpu=dev.type == "cpu")
@@ -249,9 +249,6 @@ def load_models(job: HealJob, s: HealState) -> None:
 def teacher_data(job: HealJob, s: HealState) -> None:
     """The training sequences with the teacher's samples (sampled by the main process, or read from the
     cache) and, with ``teacher_cache``, its cached top-k logits; the held-out sequences for the KL."""
-    from ..data import PackedDataset
-    from ..distill import build_teacher_cache, cached_teacher_samples, load_teacher_cache
-
     options, state = s.options, s.processes
     train_seqs = s.data.train.sequences
     s.n_samples = options.sample_count()
@@ -292,10 +289,6 @@ def teacher_data(job: HealJob, s: HealState) -> None:
 def before_training(job: HealJob, s: HealState) -> None:
     """On the main process, the teacher's and the student's perplexities and the student's held-out KL
     before training; then the model to train: the student (``full``) or the student with LoRA adapters."""
-    from .. import is_main_process
-    from ..distill import mean_kl
-    from ..peft_targets import apply_lora
-
     s.main = is_main_process()
     if s.main:
         s.tmodel.to(s.tdev or s.dev)
@@ -318,11 +311,6 @@ def before_training(job: HealJob, s: HealState) -> None:
 # ---- 4. training ----------------------------------------------------------------------------------------
 def train_student(job: HealJob, s: HealState) -> None:
     """Distil the teacher into :attr:`HealState.model` with the shared Trainer setup."""
-    from .. import train
-    from ..data import PackedDataset
-    from ..distill import DistillationLoss
-    from ..trainer import TrainSettings
-
     options, tmodel, data = s.options, s.tmodel, s.data
     # with layer targets the teacher runs alongside even with --teacher-cache (its states are not cached)
     loss = DistillationLoss(
@@ -364,8 +352,6 @@ def train_student(job: HealJob, s: HealState) -> None:
 # ---- 5. output (main process) -----------------------------------------------------------------------------
 def heal_report(s: HealState) -> HealReport:
     """The report of the run so far (every process); the main process adds the after-figures."""
-    from .. import world_size
-
     options, result = s.options, s.result
     return HealReport(
         source=str(s.src),
@@ -395,8 +381,6 @@ def heal_report(s: HealState) -> HealReport:
 def finish(job: HealJob, s: HealState, report: HealReport) -> HealReport:
     """Main process: the healed folder, the perplexities and held-out KL after training, the card; the run
     folder is removed unless kept."""
-    from ..distill import mean_kl
-
     tok, eval_texts = s.tok, s.eval_texts
     write_output(
         s.result.model, tok, s.src, s.out, report, s.plan, overwrite=job.overwrite, save_adapter=job.save_adapter
