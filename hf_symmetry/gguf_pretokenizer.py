@@ -26,6 +26,10 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGUFReader
+from tokenizers import Regex, pre_tokenizers
+from transformers import AutoTokenizer
+
 #: llama.cpp's check text (``chktxt`` in convert_hf_to_gguf.py / ``CHK_TXT`` in
 #: convert_hf_to_gguf_update.py, llama.cpp 0c1e57098), verbatim: whitespace runs, emoji, digit runs,
 #: Khmer, Chinese, Cyrillic, punctuation runs and English contractions in mixed case
@@ -86,8 +90,6 @@ class PreTokenizer:
     def of_folder(cls, folder: str | Path) -> PreTokenizer:
         """The pre-tokenizer of the folder's tokenizer, loaded as llama.cpp's converter loads it
         (``AutoTokenizer.from_pretrained(folder)``)."""
-        from transformers import AutoTokenizer
-
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # a tokenizer.json transformers cannot load: no hash to look up
@@ -137,8 +139,6 @@ def llamacpp_pre_tokenizer(name: str | None):
     """The ``tokenizers`` pre-tokenizer that splits text as llama.cpp does for a byte-level GGUF whose
     ``tokenizer.ggml.pre`` is ``name`` (its regexes, then the byte-to-unicode mapping), or ``None`` for a name
     not in :data:`LLAMACPP_SPLITS`."""
-    from tokenizers import Regex, pre_tokenizers
-
     splits = LLAMACPP_SPLITS.get(name or "")
     if splits is None:
         return None
@@ -153,8 +153,6 @@ def llamacpp_pre_tokenizer(name: str | None):
 def gguf_tokenizer_kind(path) -> tuple[str | None, str | None]:
     """``(tokenizer.ggml.model, tokenizer.ggml.pre)`` of a GGUF file, read with the gguf package (transformers'
     own GGUF tokenizer helpers changed between releases: 5.17's refuses every architecture but one)."""
-    from gguf import GGUFReader
-
     fields = GGUFReader(str(path)).fields
 
     def text(key: str) -> str | None:

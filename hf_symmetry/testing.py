@@ -4,7 +4,16 @@ GQA where the family has it; odd-ish sizes so head/group slicing mistakes show."
 
 from __future__ import annotations
 
+import copy
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
 import torch
+import transformers as T
 
 TINY_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3", "gpt2", "opt", "gptj", "bert", "roberta")
 # Families added with structural capabilities: sandwich norms and (1+γ) RMSNorms (Gemma), fused
@@ -16,8 +25,6 @@ ALL_TINY_FAMILIES = TINY_FAMILIES + NEW_TINY_FAMILIES
 
 
 def tiny_config(family: str, **overrides):
-    import transformers as T
-
     common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80)
     if family in ("llama", "mistral", "smollm3", "qwen2", "qwen3"):
         cls = {
@@ -155,8 +162,6 @@ def tiny_config(family: str, **overrides):
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """A randomly initialised model whose norms and biases are all non-trivial."""
-    import transformers as T
-
     cfg = tiny_config(family, **overrides)
     cls = {"bert": T.BertModel, "roberta": T.RobertaModel}.get(family, T.AutoModelForCausalLM)
     torch.manual_seed(seed)
@@ -190,8 +195,6 @@ def float64_logits(model, ids: torch.Tensor) -> torch.Tensor:
     model itself is left as it is. Exactness of a converted checkpoint is checked this way: in float64 what is
     left is the checkpoint's own rounding to its dtype, the same on every machine, thread count and load,
     where a float32 comparison sits on the accumulation-order floor, which moves with all three."""
-    import copy
-
     twin = copy.deepcopy(model).to(torch.float64)
     return outputs(twin, ids.reshape(1, -1) if ids.dim() == 1 else ids)
 
@@ -215,13 +218,6 @@ def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constant
     offline, with a private HF cache under ``workdir`` and ``constants`` defined as globals (their
     ``repr``); returns the JSON object printed on its last stdout line. What a user without
     hf_symmetry gets from ``trust_remote_code=True``."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import sysconfig
-    from pathlib import Path
-
     workdir = Path(workdir)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(

@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
+
+from .assets import TEXT_NAMES, cache_dir
 
 
 def read_text(path: str | Path) -> str:
@@ -22,8 +25,6 @@ def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.
     Only about ``16 * max_tokens`` characters are tokenised, so a long text costs nothing extra
     and the tokenizer's "longer than the specified maximum sequence length" warning, which
     does not apply here (the ids are windowed afterwards), is silenced."""
-    import transformers
-
     if max_tokens:
         text = _prefix_with_tokens(tokenizer, text, max_tokens)
     verbosity = transformers.logging.get_verbosity()
@@ -51,8 +52,6 @@ def _prefix_with_tokens(tokenizer, text: str, max_tokens: int) -> str:
 
 def public_text_label(text: str | os.PathLike) -> str:
     """An embedded text by its name, a file by its base name (local paths stay private)."""
-    from .assets import TEXT_NAMES, cache_dir
-
     s = str(text)
     if s in TEXT_NAMES:
         return s

@@ -138,7 +138,7 @@ def test_rotate_scales_calibrate_on_the_device_flag(tiny_dir, tmp_path, monkeypa
     """``rotate --for-quantization``'s calibration forward passes (the heavy step of ``--scales``) ran on
     the CPU whatever ``--device`` said; they run on the resolved device, and a failure leaves no folder."""
     from hf_symmetry.cli import main
-    from hf_symmetry.conversion.quantization import scales
+    from hf_symmetry.conversion import rotate
 
     class Stop(Exception):
         pass
@@ -149,7 +149,7 @@ def test_rotate_scales_calibrate_on_the_device_flag(tiny_dir, tmp_path, monkeypa
         seen.append(placement)
         raise Stop
 
-    monkeypatch.setattr(scales, "layer_stats", spy)
+    monkeypatch.setattr(rotate, "layer_stats", spy)  # where rotate looks it up
     _fake_cuda(monkeypatch, current=1)
     monkeypatch.setattr(devices, "resolve_dtype", lambda dtype, device: torch.float32)  # no CUDA op to try
     out = tmp_path / "q"

@@ -21,6 +21,12 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from transformers import CONFIG_MAPPING
+
+from ..modeling.configuration_compressed_llama import CompressedLlamaConfig
+from ..modeling.configuration_farr import FarrLlamaConfig
+from ..modeling.configuration_rms_decoder import RMSDecoderConfig
+from ..modeling.configuration_tpa import TPAConfig
 from .spec import SPECS, ArchSpec, spec_for_model_type
 
 
@@ -109,7 +115,6 @@ def _config_object(config):
     defaults such as Qwen2's ``use_sliding_window`` or Gemma2's ``layer_types`` apply)."""
     if not isinstance(config, dict):
         return config
-    from transformers import CONFIG_MAPPING
 
     model_type = config.get("model_type")
     if model_type in CONFIG_MAPPING:
@@ -159,8 +164,6 @@ def facts(obj) -> Facts:
     if isinstance(getattr(obj, "spec", None), ArchSpec):  # an Adapter
         cfg, spec = _config_object(obj.config), obj.spec
     elif isinstance(obj, ArchSpec):
-        from transformers import CONFIG_MAPPING
-
         spec, cfg = obj, CONFIG_MAPPING[obj.model_types[0]]()
     else:
         cfg = _config_object(obj)
@@ -287,26 +290,18 @@ class Target:
 
 
 def _compressed():
-    from ..modeling.configuration_compressed_llama import CompressedLlamaConfig
-
     return CompressedLlamaConfig
 
 
 def _farr():
-    from ..modeling.configuration_farr import FarrLlamaConfig
-
     return FarrLlamaConfig
 
 
 def _tpa():
-    from ..modeling.configuration_tpa import TPAConfig
-
     return TPAConfig
 
 
 def _ln_decoder():
-    from ..modeling.configuration_rms_decoder import RMSDecoderConfig
-
     return RMSDecoderConfig
 
 
@@ -509,8 +504,6 @@ def table_rows() -> list[tuple[str, dict[str, str | None]]]:
     rows = []
     for spec in SPECS:
         for model_type in spec.model_types:
-            from transformers import CONFIG_MAPPING
-
             f = facts(CONFIG_MAPPING[model_type]())
             rows.append((model_type, {key: _RULES[key](f) for key, _ in COLUMNS}))
     return rows

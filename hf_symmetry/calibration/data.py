@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
+from ..assets import resolve_text
+from ..text import read_text, tokenize_text
+
 
 def calibration_ids(tokenizer, text: str | Path, tokens: int) -> torch.Tensor:
     """The first ``tokens`` token ids (1-D, no special tokens) of ``text``: a file or an embedded
     text name (e.g. ``britannica-calib``)."""
-    from ..assets import resolve_text
-    from ..text import read_text, tokenize_text
-
     if tokens <= 0:
         raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
     return tokenize_text(tokenizer, read_text(resolve_text(text)), max_tokens=tokens)

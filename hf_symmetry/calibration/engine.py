@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from accelerate.utils import set_module_tensor_to_device
 from tqdm.auto import tqdm
 
 from ..devices import Placement, to_model
@@ -117,7 +118,6 @@ class CalibrationEngine(CalibrationModel):
         embed_keys = self.adapter.input_global_keys(self.keys)
         embedded = []
         # materialise the input-side globals of the skeleton in place, and drop them afterwards
-        from accelerate.utils import set_module_tensor_to_device
 
         params = dict(model.named_parameters())
         token_key = f"{self.adapter.prefix}{self.adapter.spec.embed}.weight"

@@ -12,10 +12,15 @@ import copy
 from pathlib import Path
 
 import torch
+import transformers
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from transformers import AutoConfig
 
 from ..architectures import Adapter
 from ..checkpoint_io import CheckpointReader
 from ..devices import Placement, default_placement, exact_float64
+from ..modeling import register_auto_classes
 from .capture import rotary_on_host
 
 Tensors = dict[str, torch.Tensor]
@@ -77,10 +82,6 @@ class CalibrationModel:
 
     def hf_config(self):
         """The checkpoint's config as its transformers config class."""
-        from transformers import AutoConfig
-
-        from ..modeling import register_auto_classes
-
         register_auto_classes()
 
         cfg = {k: v for k, v in self.config.items() if k not in ("transformers_version",)}
@@ -94,9 +95,6 @@ class CalibrationModel:
         """The model with every parameter on the meta device (buffers real, on the CPU, computed as
         ``from_pretrained`` computes them)."""
         if self._skeleton is None:
-            import transformers
-            from accelerate import init_empty_weights
-
             hf = self.hf_config()
             arch = (getattr(hf, "architectures", None) or [None])[0]
             cls = getattr(transformers, arch, None) if arch else None
@@ -128,8 +126,6 @@ class CalibrationModel:
         """Load ``module``'s parameters (checkpoint keys ``prefix + name``) onto the device in the
         calibration dtype; buffers move to the device too (floating ones keep their dtype).
         ``values``: take the parameters from this dict (checkpoint keys) instead of the checkpoint."""
-        from accelerate.utils import set_module_tensor_to_device
-
         names = [n for n, _ in module.named_parameters()]
         keys = {prefix + n for n in names}
         have = set(self.keys) if values is None else set(values)

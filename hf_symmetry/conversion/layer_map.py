@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 __all__ = ["LayerMap", "LayerMapRecorder", "read_layer_map", "MAP_FILE"]
 
@@ -73,8 +75,6 @@ class LayerMap:
         return None
 
     def save(self, folder: str | Path) -> Path:
-        from safetensors.torch import save_file
-
         path = Path(folder) / MAP_FILE
         tensors = {f"basis.{k}": b.to(torch.float32).contiguous() for k, b in enumerate(self.bases)}
         tensors["layer_basis"] = torch.tensor(self.layer_basis, dtype=torch.int64)
@@ -96,8 +96,6 @@ class LayerMap:
 def read_layer_map(folder: str | Path) -> LayerMap | None:
     """The layer map stored in ``folder`` (``None`` when there is none). A file of another format
     raises ``ValueError``."""
-    from safetensors import safe_open
-
     path = Path(folder) / MAP_FILE
     if not path.is_file():
         return None

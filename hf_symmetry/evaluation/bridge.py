@@ -19,10 +19,11 @@ import random
 import re
 from pathlib import Path
 
-from ..assets import resolve_text
+from ..assets import cache_dir, resolve_text
 from ..text import read_text, tokenize_text
 from .compare import is_causal_lm, load_model, load_tokenizer
 from .perplexity import PPL, PerplexityResult, perplexity
+from .verification import load_for_eval
 
 SMOKE_TASK = "hf_symmetry_smoke_cloze"
 
@@ -50,8 +51,6 @@ def text_perplexity(
         if device is None:
             model = load_model(model_or_path, trust_remote_code=trust_remote_code)
         else:
-            from .verification import load_for_eval
-
             model = load_for_eval(model_or_path, device=device, trust_remote_code=trust_remote_code)
     else:
         model = model_or_path
@@ -67,7 +66,7 @@ def text_perplexity(
 
 def require_lm_eval():
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval  # optional dependency  # noqa: F401
     except ImportError:
         raise ValueError("lm-eval tasks need lm-eval: pip install 'hf_symmetry[eval]'") from None
     return lm_eval
@@ -93,9 +92,9 @@ def run_lm_eval(
     """lm-eval's ``simple_evaluate`` on a model loaded by hf_symmetry (so its own families work
     without remote code); returns lm-eval's results dict."""
     require_lm_eval()
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
+    from lm_eval import simple_evaluate  # optional dependency
+    from lm_eval.models.huggingface import HFLM  # optional dependency
+    from lm_eval.tasks import TaskManager  # optional dependency
 
     names = parse_tasks(tasks)
     if task_dir is not None and not Path(task_dir).is_dir():
@@ -148,8 +147,6 @@ def _sentences(text: str, min_words: int = 12, max_words: int = 40) -> list[str]
 
 def builtin_smoke_task_dir() -> Path:
     """The built-in smoke task (40 items from britannica-eval), written once into the cache."""
-    from ..assets import cache_dir
-
     folder = cache_dir() / "lm_eval_tasks" / "smoke-v1"
     if not (folder / f"{SMOKE_TASK}.yaml").is_file():
         write_smoke_task(folder)

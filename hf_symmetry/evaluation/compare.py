@@ -6,17 +6,18 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+from transformers.initialization import no_init_weights
 
+from ..architectures import SUPPORTED_MODEL_TYPES, spec_for_model_type
 from ..assets import resolve_model
+from ..devices import to_model
+from ..modeling import register_auto_classes
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """An HF model folder as its LM class when it has one (logits), else its base model
     (hidden states), in eval mode. hf_symmetry's own families are registered on import."""
-    from transformers import AutoConfig
-
-    from ..modeling import register_auto_classes
-
     register_auto_classes()
 
     path = resolve_model(path)
@@ -28,8 +29,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, trust_remot
 def auto_class(config, has_lm_head: bool = False):
     """The Auto class :func:`load_model` uses: the LM class when the config names one (or, for a
     config without ``architectures``, when the weights hold an ``lm_head``), else the base model."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
-
     arch = " ".join(getattr(config, "architectures", None) or [])
     if "CausalLM" in arch or "LMHead" in arch or (not arch and has_lm_head):
         return AutoModelForCausalLM
@@ -41,20 +40,14 @@ def auto_class(config, has_lm_head: bool = False):
 def model_from_state_dict(config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
     """An in-memory state dict (e.g. a matched or merged one) as a model in eval mode, without a
     round trip through disk. Refuses missing or unexpected tensors (a tied LM head may be absent)."""
-    from transformers import AutoConfig
-
-    from ..modeling import register_auto_classes
-
     register_auto_classes()
 
     cfg = dict(config)
     cfg = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    from ..architectures import SUPPORTED_MODEL_TYPES, spec_for_model_type
 
     has_head = "lm_head.weight" in state_dict or (
         cfg.model_type in SUPPORTED_MODEL_TYPES and spec_for_model_type(cfg.model_type).lm_head is not None
     )
-    from transformers.initialization import no_init_weights
 
     with no_init_weights():  # every weight is loaded below; random init would cost seconds for nothing
         model = auto_class(cfg, has_lm_head=has_head).from_config(cfg, dtype=dtype)
@@ -73,15 +66,11 @@ def model_from_state_dict(config: dict, state_dict: dict[str, torch.Tensor], dty
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(resolve_model(path))
 
 
 def model_output(model, ids: torch.Tensor) -> torch.Tensor:
     """Logits when the model has an LM head, else the last hidden state."""
-    from ..devices import to_model
-
     with torch.no_grad():
         out = model(input_ids=to_model(ids.reshape(1, -1) if ids.dim() == 1 else ids, model))
     return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()

@@ -59,7 +59,7 @@ def input_device(model) -> torch.device:
     """Where a model's inputs go: its embedding's device (:func:`hf_symmetry.devices.module_device`;
     accelerate's execution device, else the CPU, when it offloaded the embedding)."""
     try:
-        from ..devices import module_device
+        from ..devices import module_device  # lazy: runs in the isolated check's interpreter
     except ImportError:
         # executed as a standalone file by hub.check's isolated loader, where hf_symmetry cannot be
         # imported: a model loaded there whole, on one device, takes its inputs where its embedding is

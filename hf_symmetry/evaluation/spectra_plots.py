@@ -11,10 +11,10 @@ PATH_TITLES = {"vo": "value path W_O W_V", "qk": "score path W_Q^T W_K"}
 
 
 def pyplot():
-    import matplotlib
+    import matplotlib  # lazy: keeps `hf-symmetry --help` fast
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: keeps `hf-symmetry --help` fast
 
     return plt
 

@@ -28,8 +28,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import gguf
 import numpy as np
 import torch
+from gguf import quants
+
+from ..architectures import adapter_for
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,6 @@ class GGUFQuantizer(WeightQuantizer):
         return self.BITS[self.name]
 
     def _roundtrip(self, W: torch.Tensor) -> torch.Tensor:
-        import gguf
-        from gguf import quants
-
         qtype = gguf.GGMLQuantizationType[self.name]
         q = quants.quantize(W.numpy(), qtype)
         return torch.from_numpy(np.ascontiguousarray(quants.dequantize(q, qtype)))
@@ -117,7 +118,7 @@ class HQQQuantizer(WeightQuantizer):
 
     def _roundtrip(self, W: torch.Tensor) -> torch.Tensor:
         try:
-            from hqq.core.quantize import Quantizer
+            from hqq.core.quantize import Quantizer  # optional dependency
         except ImportError as e:  # pragma: no cover - optional
             raise ImportError(
                 f"{self.name} needs the 'hqq' package: pip install 'hf-symmetry[quant]' (or pip install hqq)"
@@ -150,7 +151,7 @@ def _bnb_functional():
     notice = _DropKernelsHubNotice()
     log.addFilter(notice)
     try:
-        import bitsandbytes.functional as F
+        import bitsandbytes.functional as F  # optional dependency
     except ImportError as e:  # pragma: no cover - optional
         raise ImportError(
             "bitsandbytes quantizers need the 'bitsandbytes' package: pip install 'hf-symmetry[quant]'"
@@ -224,8 +225,6 @@ def bits_per_weight(name: str | WeightQuantizer) -> float:
 def decoder_linears(model) -> list[tuple[str, torch.nn.Linear]]:
     """Every ``nn.Linear`` inside the decoder layers (not the head, not the embeddings), the layers
     found through the family's adapter."""
-    from ..architectures import adapter_for
-
     adapter = adapter_for(model.config, list(model.state_dict()))
     layers = model.get_submodule(adapter.prefix + adapter.spec.layers)
     return [

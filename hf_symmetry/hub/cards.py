@@ -26,19 +26,24 @@ import os
 import re
 from pathlib import Path
 
+import jinja2
+from huggingface_hub import ModelCard, ModelCardData
+
+from .. import __version__
 from ..text import public_text_label
 from .eval_results import eval_result, merge_results
+
+# moved beside this module; still importable from here for the callers outside hub/ that use this path
+from .eval_results import perplexity_result as perplexity_result
+from .eval_results import remembered_texts as remembered_texts
 from .lineage import base_models, public_model_labels, scrub_paths
+from .lineage import public_model_label as public_model_label
+from .lineage import public_report as public_report
+from .measure import count_stored_parameters as count_stored_parameters
+from .measure import kv_cache_bytes_per_token as kv_cache_bytes_per_token
 from .measure import measure_folder
 from .references import REFERENCES
 from .values import fmt_number, plain
-
-# moved beside this module; still importable from here for the callers outside hub/ that use this path
-from .eval_results import perplexity_result as perplexity_result, remembered_texts as remembered_texts
-from .lineage import public_model_label as public_model_label, public_report as public_report
-from .measure import count_stored_parameters as count_stored_parameters
-from .measure import kv_cache_bytes_per_token as kv_cache_bytes_per_token
-
 
 CARD_RECORD = "hf_symmetry_card.json"
 README = "README.md"
@@ -62,8 +67,6 @@ def template_for(kind: str) -> Path:
 
 def card_eval_results(path: str | os.PathLike) -> list:
     """The eval results of a card (``README.md`` or its folder), parsed by huggingface_hub."""
-    from huggingface_hub import ModelCard
-
     path = Path(path)
     card = ModelCard.load(path / README if path.is_dir() else path)
     return list(card.data.eval_results or [])
@@ -85,10 +88,6 @@ def _config_of(folder: Path) -> dict:
 
 
 def _card_metadata(kind: str, data: dict, size: dict, results: list, folder_name: str):
-    from huggingface_hub import ModelCardData
-
-    from .. import __version__
-
     record = {
         "kind": kind,
         "method": data.get("method") or kind,
@@ -119,8 +118,6 @@ def _card_metadata(kind: str, data: dict, size: dict, results: list, folder_name
 
 
 def _environment():
-    import jinja2
-
     # A loader (not ModelCard.from_template's bare Template) so kind templates can extend generic.md.
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
@@ -151,8 +148,6 @@ def display_name(folder: Path) -> str:
 def render_card(out_dir: str | os.PathLike, kind: str, data: dict):
     """The ``ModelCard`` (not yet saved) for the conversion written to ``out_dir``; ``data`` as
     :func:`publishable` returns it."""
-    from huggingface_hub import ModelCard
-
     folder = Path(out_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"cannot write a card: {folder} is not a folder")
@@ -241,8 +236,6 @@ def update_card(out_dir: str | os.PathLike, eval_results: list | None = None, **
 
 
 def _update_foreign_card(folder: Path, eval_results: list, changes: dict) -> Path:
-    from huggingface_hub import ModelCard
-
     card = ModelCard.load(folder / README)
     if eval_results:
         merged = merge_results(list(card.data.eval_results or []), eval_results)

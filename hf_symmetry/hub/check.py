@@ -22,9 +22,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file, save_file
 
+from ..assets import TEXT_NAMES, resolve_text
 from ..checkpoint_io import TOKENIZER_FILES
 from ..evaluation import perplexity as perplexity_module
+from ..evaluation.compare import load_model, load_tokenizer, model_output
+from ..text import read_text, tokenize_text
+from .cards import CARD_RECORD, README
+from .eval_results import file_sha256, remembered_texts
 
 # Runs in the isolated interpreter: only torch, transformers, safetensors. The one piece of
 # hf_symmetry it uses, the sliding-window perplexity, is loaded from its file as a standalone
@@ -108,9 +115,6 @@ def has_tokenizer(folder: Path) -> bool:
 def _check_ids(config: dict, tokenizer, text: str | None, tokens: int) -> torch.Tensor:
     """Real text tokens when the folder has a tokenizer, else fixed pseudo-random ids."""
     if tokenizer is not None:
-        from ..assets import resolve_text
-        from ..text import read_text, tokenize_text
-
         limit = config.get("max_position_embeddings") or tokens
         return tokenize_text(
             tokenizer, read_text(resolve_text(text or "britannica-eval")), max_tokens=min(tokens, limit)
@@ -122,14 +126,11 @@ def _check_ids(config: dict, tokenizer, text: str | None, tokens: int) -> torch.
 def _card_entries(folder: Path) -> list[dict]:
     """Eval entries of the folder's card: from the local conversion record when there is one
     (it keeps local text paths), else from README.md's metadata."""
-    from .cards import CARD_RECORD, README
-
     record = folder / CARD_RECORD
     if record.is_file():
         return list(json.loads(record.read_text())["data"].get("eval_results") or [])
     if not (folder / README).is_file():
         return []
-    from huggingface_hub import ModelCard
 
     card = ModelCard.load(folder / README, ignore_metadata_errors=True)
     return [dict(r.__dict__) for r in card.data.eval_results or []]
@@ -137,12 +138,8 @@ def _card_entries(folder: Path) -> list[dict]:
 
 def _find_text(entry: dict, extra: list[str]) -> Path | None:
     """The text a perplexity entry was measured on, if it is here (matched by name and sha256)."""
-    from ..assets import TEXT_NAMES, resolve_text
-    from .eval_results import file_sha256
-
     args = entry.get("dataset_args") or {}
     label = str(args.get("text") or "")
-    from .eval_results import remembered_texts
 
     known = remembered_texts(args["text_sha256"]) if "text_sha256" in args else []
     candidates = [entry.get("_text_path"), *extra, *known] + ([resolve_text(label)] if label in TEXT_NAMES else [])
@@ -218,8 +215,6 @@ def run_isolated_many(jobs: list[dict], work: Path, env: dict, timeout: float = 
     """:func:`run_isolated` for several models in one interpreter (one import of torch and
     transformers). Each job: ``model``, ``ids``, optional ``tokenizer`` and ``perplexity``
     (dicts with ``ids``, ``window``, ``stride``)."""
-    from safetensors.torch import load_file, save_file
-
     specs = []
     for n, job in enumerate(jobs):
         tensors = {"ids": job["ids"].contiguous()}
@@ -273,9 +268,6 @@ def prepush_check(
 ) -> LoadCheck:
     """Raise ``ValueError`` unless ``folder`` loads and runs without hf_symmetry and agrees with
     hf_symmetry's own load and with the perplexities recorded in its card."""
-    from ..evaluation.compare import load_model, load_tokenizer, model_output
-    from ..text import read_text, tokenize_text
-
     start = time.perf_counter()
     folder = Path(folder).resolve()
     config = json.loads((folder / "config.json").read_text())

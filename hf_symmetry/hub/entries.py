@@ -84,7 +84,7 @@ def _task_dataset(name: str, config: dict) -> dict:
 
 def lm_eval_card_entries(results: dict) -> list[dict]:
     """Card entries for every (task, metric) lm-eval reported, stderr left out."""
-    import lm_eval
+    import lm_eval  # optional dependency
 
     entries = []
     for task, metrics in results["results"].items():

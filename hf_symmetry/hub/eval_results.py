@@ -5,17 +5,17 @@ card's list (:func:`merge_results`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from huggingface_hub import EvalResult
+
+from ..assets import cache_dir
 from ..text import public_text_label
 from .values import plain
-
-if TYPE_CHECKING:
-    from huggingface_hub import EvalResult
 
 _EVAL_FIELDS = (
     "task_type",
@@ -39,8 +39,6 @@ _EVAL_FIELDS = (
 def eval_result(entry) -> "EvalResult":
     """An ``EvalResult`` from itself or from a dict of its fields (extra keys are ignored,
     so a dict may carry display-only fields such as ``notes``)."""
-    from huggingface_hub import EvalResult
-
     if isinstance(entry, EvalResult):
         return entry
     missing = [
@@ -52,8 +50,6 @@ def eval_result(entry) -> "EvalResult":
 
 
 def file_sha256(path: str | os.PathLike, chars: int = 16) -> str:
-    import hashlib
-
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:chars]
 
 
@@ -101,8 +97,6 @@ TEXT_INDEX = "text_index.json"
 def remember_text(path: str | os.PathLike) -> str:
     """sha256 of a local text file, recorded with its path in the user's hf_symmetry cache (never
     in an output folder), so a card can name the text by label and hash only."""
-    from ..assets import cache_dir
-
     sha = file_sha256(path)
     index = cache_dir() / TEXT_INDEX
     try:
@@ -124,8 +118,6 @@ def remember_text(path: str | os.PathLike) -> str:
 
 def remembered_texts(sha: str) -> list[str]:
     """Local paths of texts with this sha256 that an earlier card entry measured."""
-    from ..assets import cache_dir
-
     index = cache_dir() / TEXT_INDEX
     try:
         return list(json.loads(index.read_text()).get(sha, [])) if index.is_file() else []

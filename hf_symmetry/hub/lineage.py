@@ -9,6 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import ModelCard
+
+from ..assets import TEXT_NAMES, cache_dir
 from ..text import public_text_label
 
 # Hub ids of the embedded offline assets (hf_symmetry.assets), for ``base_model``.
@@ -44,8 +47,6 @@ def hub_id_of(model: str | os.PathLike | None) -> str | None:
         readme = path / "README.md"  # an hf_symmetry card (cards.README) names its base_model
         if readme.is_file():
             try:
-                from huggingface_hub import ModelCard
-
                 base = ModelCard.load(readme, ignore_metadata_errors=True).data.get("base_model")
             except Exception:  # a foreign, unparsable README says nothing about lineage
                 return None
@@ -80,8 +81,6 @@ def public_model_label(model: str | os.PathLike) -> str:
 
 def _asset_hub_id(path: Path) -> str | None:
     """The Hub id of an embedded asset's folder (SmolLM2, MiniLM) in the hf_symmetry cache."""
-    from ..assets import cache_dir
-
     try:
         inside = path.resolve().is_relative_to(cache_dir().resolve())
     except OSError:
@@ -126,8 +125,6 @@ _PATH_IN_TEXT = re.compile(r"(?<![\w.:/~-])(?:~|\.{1,2})?/(?:[^\s/`'\"()\[\]{},;
 
 
 def _public_path(s: str) -> str:
-    from ..assets import TEXT_NAMES
-
     name = Path(s.rstrip("/")).name
     return public_text_label(s) if Path(s).stem in TEXT_NAMES else (name or s)
 

@@ -8,6 +8,8 @@ import math
 import os
 from pathlib import Path
 
+from safetensors import safe_open
+from transformers import CONFIG_MAPPING
 
 _DTYPE_BYTES = {
     "float64": 8,
@@ -42,8 +44,6 @@ def count_stored_parameters(folder: str | os.PathLike) -> int:
 def _parameter_count(folder: Path) -> tuple[int, str | None]:
     """Parameters stored in the folder's safetensors (floating-point tensors, each stored tensor
     counted once) and the dtype most of them have."""
-    from safetensors import safe_open
-
     total, by_dtype = 0, {}
     for f in _safetensors_files(folder):
         with safe_open(f, framework="pt") as st:
@@ -73,7 +73,6 @@ def kv_cache_elements_per_token(config: dict) -> int | None:
         return None
     head_dim = config.get("head_dim") or hidden // heads
     kv_heads = config.get("num_key_value_heads") or heads
-    from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None
     if cls is not None and hasattr(cls, "kv_cache_elements_per_token"):  # hf_symmetry's own families say it

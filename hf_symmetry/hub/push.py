@@ -18,7 +18,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from huggingface_hub import CommitOperationAdd, HfApi, constants, get_token
+from huggingface_hub.utils import HFValidationError
+from huggingface_hub.utils import validate_repo_id as hf_validate
+
+from .. import __version__
 from .cards import CARD_RECORD, update_card
+from .check import prepush_check
+from .entries import lm_eval_results, text_perplexity_result
 
 # Never published: pickles (hf_symmetry writes safetensors only), local clutter, and the local
 # conversion record (it may hold local paths; the card's metadata carries its public part).
@@ -44,8 +51,6 @@ class PushResult:
 
 def resolve_token(token: str | None = None) -> str:
     """The token given, else ``HF_TOKEN`` / the one saved by ``hf auth login``."""
-    from huggingface_hub import get_token
-
     token = token or get_token()
     if not token:
         raise ValueError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (pushing needs write access)")
@@ -53,8 +58,6 @@ def resolve_token(token: str | None = None) -> str:
 
 
 def validate_repo_id(repo_id: str) -> str:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id as hf_validate
-
     if not repo_id or repo_id.count("/") != 1:
         raise ValueError(f"repo id must be 'user/name' or 'org/name', got {repo_id!r}")
     try:
@@ -65,8 +68,6 @@ def validate_repo_id(repo_id: str) -> str:
 
 
 def check_online() -> None:
-    from huggingface_hub import constants
-
     if constants.is_offline_mode():
         raise ValueError("HF_HUB_OFFLINE is set: pushing needs the network (unset HF_HUB_OFFLINE)")
 
@@ -115,8 +116,6 @@ def _eval_for_card(
     limit: int | None,
     progress: bool,
 ) -> list[dict]:
-    from .entries import lm_eval_results, text_perplexity_result
-
     results = []
     if eval_text:
         results.append(text_perplexity_result(folder, eval_text, progress=progress))
@@ -142,8 +141,6 @@ def push_folder(
     progress: bool = True,
 ) -> PushResult:
     """Publish ``folder`` as ``repo_id`` in one commit (see the module docstring)."""
-    from huggingface_hub import CommitOperationAdd, HfApi
-
     start = time.perf_counter()
     validate_repo_id(repo_id)
     token = resolve_token(token)
@@ -186,8 +183,6 @@ def push_folder(
 
 def prepush_check_for(folder: Path, text: str | None = None):
     """The pre-push check, on the text the card's exactness figures were measured on."""
-    from .check import prepush_check
-
     if text is None:
         record = folder / CARD_RECORD
         if record.is_file():
@@ -198,8 +193,6 @@ def prepush_check_for(folder: Path, text: str | None = None):
 
 
 def _default_message(folder: Path) -> str:
-    from .. import __version__
-
     kind = ""
     record = folder / CARD_RECORD
     if record.is_file():

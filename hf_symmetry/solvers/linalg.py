@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import scipy.linalg
 import torch
 
 Tensor = torch.Tensor
@@ -77,7 +78,6 @@ def svd(A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if not _host_lapack(A):
         with limit_threads():
             return torch.linalg.svd(A, full_matrices=False)
-    import scipy.linalg
 
     U, S, Vh = scipy.linalg.svd(A.detach().numpy(), full_matrices=False, check_finite=False, lapack_driver="gesdd")
     return torch.from_numpy(U), torch.from_numpy(S), torch.from_numpy(Vh)
@@ -94,7 +94,6 @@ def symmetric_eigh(A: Tensor) -> tuple[Tensor, Tensor]:
     if not _host_lapack(S):
         with limit_threads():
             return torch.linalg.eigh(S)
-    import scipy.linalg
 
     lam, V = scipy.linalg.eigh(S.numpy(), overwrite_a=True, check_finite=False, driver="evd")
     return torch.from_numpy(lam), torch.from_numpy(V)

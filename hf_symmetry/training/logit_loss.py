@@ -27,6 +27,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from ..devices import to_model
+
 __all__ = ["CHUNK_TOKENS", "LogitHead", "chunked_logit_loss", "final_hidden", "head_is_plain", "output_head"]
 
 CHUNK_TOKENS = 2048  # positions per chunk: 2048 × 49 152 float32 logits = 0.4 GB per tensor
@@ -124,8 +126,6 @@ def final_hidden(model: torch.nn.Module):
 def head_is_plain(model: torch.nn.Module, input_ids: torch.Tensor, positions: int = 8) -> bool:
     """Whether ``model``'s logits are its head applied to the final hidden states (no scaling or
     soft-capping after the head), checked on the first ``positions`` tokens of one sequence."""
-    from ..devices import to_model
-
     ids = to_model(input_ids[:1, :positions], model)
     try:
         head = output_head(model)

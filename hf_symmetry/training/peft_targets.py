@@ -19,8 +19,10 @@ A requested rank larger than a projection's smaller dimension (``min(in, out)``)
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 
+from peft import LoraConfig, get_peft_model
 from torch import nn
 
 __all__ = ["LoraPlan", "lora_plan", "apply_lora", "STRUCTURED_CLASSES"]
@@ -39,8 +41,6 @@ class LoraPlan:
     projections: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (out, in)
 
     def lora_config(self):
-        from peft import LoraConfig
-
         pattern = {re.escape(k): v for k, v in self.rank_caps.items()}
         return LoraConfig(
             r=self.rank,
@@ -113,10 +113,6 @@ def lora_plan(model: nn.Module, rank: int) -> LoraPlan:
 
 def apply_lora(model: nn.Module, plan: LoraPlan):
     """``peft.get_peft_model`` with ``plan``'s config: only the adapters are trainable."""
-    import warnings
-
-    from peft import get_peft_model
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT warns about nested ParamWrappers on structured layers
         return get_peft_model(model, plan.lora_config())

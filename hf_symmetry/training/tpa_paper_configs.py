@@ -30,6 +30,10 @@ import re
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, MistralConfig
+
+from ..modeling.configuration_tpa import TPAConfig
+from ..modeling.modeling_tpa import TPAForCausalLM
 
 ARCHS = ("t6", "mha", "gqa", "mla")
 HEAD_DIM = 64
@@ -171,8 +175,6 @@ def make_config(
     **token_ids,
 ):
     """One architecture's configuration at the given width and depth (heads chosen for equal size)."""
-    from transformers import DeepseekV3Config, LlamaConfig
-
     d = hidden_size
     if d % HEAD_DIM:
         raise ValueError(f"hidden_size must be a multiple of {HEAD_DIM}, got {d}")
@@ -200,14 +202,11 @@ def make_config(
             )
         # LlamaConfig refuses a hidden size that the head count does not divide, even with head_dim set.
         # Mistral without a sliding window is the same network (RMSNorm, SwiGLU, RoPE, no biases).
-        from transformers import MistralConfig
 
         return MistralConfig(
             num_attention_heads=h, num_key_value_heads=GQA_KV_HEADS, head_dim=HEAD_DIM, sliding_window=None, **common
         )
     if arch == "t6":
-        from ..modeling.configuration_tpa import TPAConfig
-
         rq, rk, rv = TPA_RANKS
         if 4 * d <= HEAD_DIM * sum(TPA_RANKS) + HEAD_DIM:
             raise ValueError(
@@ -243,14 +242,8 @@ def make_config(
 
 def build_model(config, attn_implementation: str | None = None):
     """A freshly initialised causal LM for any of the four configurations (T6 through hf_symmetry)."""
-    from transformers import AutoModelForCausalLM
-
-    from ..modeling.configuration_tpa import TPAConfig
-
     kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if isinstance(config, TPAConfig):
-        from ..modeling.modeling_tpa import TPAForCausalLM
-
         return TPAForCausalLM._from_config(config, **kw)
     return AutoModelForCausalLM.from_config(config, **kw)
 
@@ -270,8 +263,6 @@ def count_non_embedding_parameters(config) -> int:
 def kv_cache_elements(config, per_layer: bool = False) -> int:
     """Elements cached per token (all layers unless ``per_layer``): MHA/GQA ``2 · kv_heads · d_h``,
     MLA its KV latent plus RoPE key ``d_c + d_h^R``, T6 ``(R_K + R_V)(h + d_h)``."""
-    from ..modeling.configuration_tpa import TPAConfig
-
     mt = config.model_type
     if isinstance(config, TPAConfig):
         per = config.kv_cache_elements_per_token(per_layer=True)

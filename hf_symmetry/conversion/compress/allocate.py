@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...calibration import CalibrationEngine, StatsRequest
+from ...calibration import token_batches as batches
 from ...solvers import structures as st
-from .options import CompressOptions
-from .plan import Entry, in_policy, shared_factor, structure_for
+from .options import LAYER_MODULES, CompressOptions
+from .plan import Entry, check_family, in_policy, matrix_entries, shared_factor, structure_for
 
 #: sizes at which sensitivity is measured, and the finer grid the allocator chooses from
 MEASURED = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
@@ -170,8 +172,6 @@ def _projected(M: torch.Tensor, s: st.Structure) -> torch.Tensor:
 
 
 def _compressed_layer(module: torch.nn.Module, es: list[Entry], options, kron_q, keep, adapter) -> torch.nn.Module:
-    from .options import LAYER_MODULES
-
     new = copy.deepcopy(module)
     with torch.no_grad():
         for e, s in zip(es, _structures(es, options, kron_q, keep)):
@@ -219,9 +219,6 @@ def measure_sensitivity(
 ) -> dict[str, list[tuple[float, float]]]:
     """Per group: ``[(fraction of parameters kept, relative output error)]`` at the sizes of
     :data:`MEASURED` (see the module docstring)."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-
     groups = group_entries(entries, options)
     if kron_q is None:
         kron_q = kron_factor(entries, options, 1 - options.ratio)
@@ -302,8 +299,6 @@ def allocate_for(
     """``(keep map, report)``: measure each group's sensitivity and allocate the budget of the
     ``uniform`` plan (same ratio, same rotations and skips) between the groups (SliceGPT's widths:
     :func:`.allocate_widths.allocate_slice_for`)."""
-    from .plan import check_family, matrix_entries
-
     adapter = check_family(config, source.keys())
     entries = matrix_entries(config, source.keys(), adapter)
     kron_q = uniform.accounting.get("kron_factor")

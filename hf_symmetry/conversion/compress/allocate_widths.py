@@ -13,9 +13,13 @@ import copy
 import numpy as np
 import torch
 
+from ...calibration import CalibrationEngine, StatsRequest
+from ...calibration import token_batches as batches
 from .allocate import Choice, Group, adapter_path, allocate, trace_of
+from .moments import collect_statistics
 from .options import CompressOptions
-from .plan import Entry
+from .pca import pca
+from .plan import Entry, check_family, final_gamma, matrix_entries
 
 #: widths (fractions of the hidden size) at which the sliced layers are measured; full width is exact
 MEASURED_WIDTHS = (0.15, 0.3, 0.45, 0.6, 0.7, 0.8, 0.9)
@@ -128,9 +132,6 @@ def measure_slice_sensitivity(
     Measured on SmolLM2 (BENCHMARKS.md), neither this nor the structured classes' normalisation (the
     layer's residual update) gives widths that beat one uniform width: a direction dropped at one
     segment is gone from every later one, which no layer-local error sees."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-
     d = Q.shape[0]
     widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]
     curves: dict[str, list[tuple[float, float]]] = {}
@@ -162,8 +163,6 @@ def tied_head_curve(source, adapter, Q: torch.Tensor, stream_last: torch.Tensor)
     of the logits ``h γ (I − P) Eᵀ`` over the calibration tokens' final stream ``h`` (its raw second
     moment, the norm's per-token scale left out), ``tr(B₂₂ A₂₂) / tr(B A)`` in the principal basis with
     ``B = Qᵀ EᵀE Q``, ``A = Qᵀ γ C γ Q``. Added to the embedding's group error."""
-    from .plan import final_gamma
-
     key = f"{adapter.prefix}{adapter.spec.embed}.weight"
     E = source.get([key])[key].to(torch.float64) @ Q
     gamma = final_gamma(source, adapter).to(Q)
@@ -266,10 +265,6 @@ def allocate_slice_for(
     """``(keep map, report)`` for SliceGPT with one global PCA: the global rotation from ``stats``
     (one-pass stream moments, as the solve takes it), each group's sensitivity measured at several
     widths, then per-segment widths at the uniform plan's total (``keep``: ``segment{k}`` → width / d)."""
-    from .moments import collect_statistics
-    from .pca import pca
-    from .plan import check_family, matrix_entries
-
     adapter = check_family(config, source.keys())
     entries = matrix_entries(config, source.keys(), adapter)
     if stats is None or stats.stream is None:

@@ -11,10 +11,12 @@ from tqdm.auto import tqdm
 
 from ...architectures import Adapter
 from ...checkpoint_io import RowBlocks
-from ...solvers import structures as st
-from ...solvers.segments import cayley_encode
 from ...modeling import modeling_compressed_llama as family
 from ...modeling.configuration_compressed_llama import CompressedLlamaConfig
+from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
+from ...solvers import structures as st
+from ...solvers.segments import cayley_encode
+from ..layer_map import LayerMapRecorder
 from .folded import FoldedLayers, global_row_blocks
 from .options import LAYER_MODULES, CompressOptions
 from .plan import MatrixPlan, Plan
@@ -63,7 +65,6 @@ class Assembler:
         self.out: Tensors = {}
         self.done: set = set()  # "embed", "head", layer indices
         self.written: set = set()  # names of the layer matrices written
-        from ..layer_map import LayerMapRecorder
 
         # how each decoder layer's output relates to the original's (read by ``heal``)
         self.layer_map = LayerMapRecorder(plan.n_layers, plan.hidden, "compress")
@@ -277,8 +278,6 @@ def config_object(config: dict):
 
 def build_model(state: Tensors, config: dict, dtype: torch.dtype = torch.float32):
     """A :class:`CompressedLlamaForCausalLM` holding ``state`` (strict: every parameter accounted for)."""
-    from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
-
     model = CompressedLlamaForCausalLM(config_object(config)).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...hub.cards import perplexity_result, public_model_label, public_text_label
+from ...hub.cards import write_card as render
 from .options import CompressOptions
 
 
 def write_card(folder: Path, report, options: CompressOptions) -> None:
     """A README model card via :mod:`hf_symmetry.hub.cards`, listing only the settings that apply to
     the method."""
-    from ...hub.cards import perplexity_result, public_model_label, public_text_label, write_card as render
-
     acc, method = report.accounting, options.label
     results = []
     if report.perplexity:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ...architectures import Adapter
+from ...calibration import CalibrationEngine, StatsRequest
+from ...calibration import token_batches as batches
 from .moments import CalibrationStats
 
 
@@ -88,10 +91,6 @@ def sequential_stream_pca(
     and the stream second moments they were taken of (``stats.stream``, before each segment's own
     projection). With ``width`` equal to the hidden size nothing is sliced: the statistics are those of
     one pass of the original model."""
-    from ...architectures import Adapter
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ...calibration import token_batches as batches
-
     adapter = Adapter.from_config(config, source.keys())
     attention = adapter.spec.attention.o.rsplit(".", 1)[0]
     vocab = int(config["vocab_size"])

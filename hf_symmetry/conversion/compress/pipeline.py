@@ -7,8 +7,13 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig
+from transformers.dynamic_module_utils import custom_object_save
 
 from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
+from ...devices import linalg_device
+from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ...solvers.linalg import limit_threads
 from ..stream import DictSource, TensorSource
 from .allocate import allocate_for
@@ -96,7 +101,6 @@ def compress_tensors(
     elif options.sequential:
         require_calibration(options, calib_ids)
         calib = CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement)
-    from ...devices import linalg_device
 
     with limit_threads(1):
         res = solve(
@@ -187,8 +191,6 @@ def compress_checkpoint(
     compressed tensors are written to safetensors shards as they are assembled. Perplexity before/after is the
     command's verification
     step (:func:`record_verification`), run on the written folder."""
-    from transformers import AutoConfig
-
     options.validate()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
@@ -240,11 +242,6 @@ def compress_checkpoint(
 def _save_config(config: dict, dtype: torch.dtype, folder: Path) -> None:
     """config.json with ``auto_map`` plus the flat remote-code files, as ``save_pretrained`` writes them
     (the weights are streamed separately)."""
-    from accelerate import init_empty_weights
-    from transformers.dynamic_module_utils import custom_object_save
-
-    from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
-
     with init_empty_weights():
         skeleton = CompressedLlamaForCausalLM(config_object(config))
     skeleton.config.dtype = str(dtype).split(".")[1]

@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import safe_open
 
-from ...architectures import Adapter
+from ...architectures import Adapter, UnsupportedSymmetry
 from ...architectures.capabilities import require
 from ...solvers import structures as st
 from ..stream import DictSource, TensorSource
@@ -79,8 +80,6 @@ def check_family(config: dict, keys: list[str]) -> Adapter:
     adapter = Adapter.from_config(config, keys)
     require(adapter, "compress")
     if adapter.spec.norm_kind == "layer":  # compressed, but through the RMS-decoder family (.layernorm)
-        from ...architectures import UnsupportedSymmetry
-
         raise UnsupportedSymmetry(
             f"compress: {adapter.family} uses LayerNorm and the compressed family is "
             "RMSNorm-based (compress_model / compress_checkpoint write it as the RMS-decoder "
@@ -351,7 +350,6 @@ def source_numels(source: TensorSource, keys: list[str], tied: bool) -> int:
     keys = [k for k in keys if not (tied and k == "lm_head.weight")]
     if isinstance(source, DictSource):
         return sum(source.state_dict[k].numel() for k in keys)
-    from safetensors import safe_open
 
     total = 0
     by_file: dict[str, list[str]] = {}

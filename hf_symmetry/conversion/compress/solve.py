@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from ...solvers import structures as st
 from ...solvers.segments import Term, balance, solve_segment
 from . import targets
+from .global_q import GlobalSolve
 from .moments import CalibrationInput, CalibrationStats, sequential_weighted
 from .options import CompressOptions
 from .pca import pca_rotations
@@ -242,8 +243,6 @@ def _solve_stage(
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     if options.q_mode == "global":
-        from .global_q import GlobalSolve
-
         Qs: list = []
 
         def each(k: int):

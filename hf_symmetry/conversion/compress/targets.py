@@ -8,6 +8,8 @@ their own damped system, in place where the statistics are consumed (:func:`_cho
 from __future__ import annotations
 
 import torch
+from scipy.linalg.blas import dtrsm
+from scipy.linalg.lapack import dpotrf
 
 from .moments import CalibrationStats
 from .plan import MatrixPlan
@@ -86,9 +88,6 @@ def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[tor
     like ``B``): ``A``'s memory receives its Cholesky factor L (LAPACK ``dpotrf``) and ``B``'s becomes
     ``Z = L⁻¹B``, whose ``ZᵀZ = XᵀAX`` is taken, and then X (BLAS ``dtrsm`` from the right on ``Bᵀ``,
     which is ``B``'s buffer read in Fortran order). Both are destroyed; no matrix-sized copy is made."""
-    from scipy.linalg.blas import dtrsm
-    from scipy.linalg.lapack import dpotrf
-
     # A is symmetric: its C-ordered buffer read as a Fortran-ordered matrix is A itself
     L, info = dpotrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     if info != 0:

@@ -9,7 +9,10 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from ...calibration import CalibrationEngine, StatsRequest, token_batches
+from ...devices import linalg_device
 from ...solvers import fused
 from ..layer_parts import attention_modules, module_of, read_part, stand_ins
 from ..stream import DictSource, partition_keys
@@ -34,8 +37,6 @@ class LayerWeights:
         return self.folder / f"layer-{i:05d}.safetensors"
 
     def put(self, i: int, w: fused.InputWeights) -> None:
-        from safetensors.torch import save_file
-
         tensors = {f: getattr(w, f).cpu().contiguous() for f in self._FIELDS if getattr(w, f) is not None}
         if self.folder is None:
             self._memory[i] = fused.InputWeights(**{f: tensors.get(f) for f in self._FIELDS})
@@ -46,7 +47,6 @@ class LayerWeights:
     def __getitem__(self, i: int) -> fused.InputWeights:
         if self.folder is None:
             return self._memory[i]
-        from safetensors.torch import load_file
 
         tensors = load_file(self._file(i))
         return fused.InputWeights(**{f: tensors.get(f) for f in self._FIELDS})
@@ -79,9 +79,6 @@ def calibrated_analysis(
     reduction pass. Nothing but the spectra outlives a layer.
 
     ``model``: an HF model folder, a tensor source with its ``config``, or an in-memory model."""
-    from ...calibration import StatsRequest, token_batches
-    from ...devices import linalg_device
-
     engine = _engine(model, config, placement, progress)
     device = linalg_device(engine.placement)
     engine.stats_device = device
@@ -115,8 +112,6 @@ def calibrated_analysis(
 
 
 def _engine(model, config, placement, progress):
-    from ...calibration import CalibrationEngine
-
     if isinstance(model, (str, Path)) or config is not None:
         return CalibrationEngine(model, config, placement=placement, progress=progress)
     return CalibrationEngine(
@@ -134,8 +129,6 @@ def attention_input_moments(
     ``model``: an HF model folder (the calibration engine reads one layer at a time; the model is
     never loaded whole), a tensor source with its ``config``, or an in-memory model.
     ``placement``: device and calibration dtype (:func:`hf_symmetry.devices.resolve`)."""
-    from ...calibration import StatsRequest, token_batches
-
     engine = _engine(model, config, placement, progress)
     window = min(window, engine.config.get("max_position_embeddings") or window)
     result = engine.collect(token_batches(ids, window), StatsRequest(grams=("v_in",), sums=("v_in",)))

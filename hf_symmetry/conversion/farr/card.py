@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...architectures import Adapter
+from ...evaluation.spectra_plots import plot_rank_heatmaps
 from ...hub.lineage import public_model_label
 from .analysis import LayerAnalysis
 from .reduce import FarrReport
 from .spectra import analysis_report
-
 
 HEATMAP_FILE = "effective_rank.png"
 CARD_TAUS = (0.99, 0.999)
@@ -21,8 +21,6 @@ def write_rank_heatmap(
 ) -> dict:
     """The `spectra` effective-rank heatmap of the maps FaRR truncated (from the spectra it already
     computed, so no second pass), written to ``folder``; returns the card's plot entry."""
-    from ...evaluation.spectra_plots import plot_rank_heatmaps
-
     adapter = Adapter.from_config(config, keys)
     tau = report.options.get("tau")
     taus = sorted({*CARD_TAUS, tau} if tau is not None else set(CARD_TAUS))

@@ -22,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from ...architectures import Adapter
+from ...calibration import CalibrationEngine, StatsRequest
 from ...devices import to_model
 from ...solvers import fused
 from ...symmetry.layout import HeadLayout
+from ..layer_parts import attention_modules, module_of, read_part, stand_ins
 from ..stream import partition_keys
 
 
@@ -108,7 +111,6 @@ def check_fused_layout(
             c.remove()
     report = LayoutCheck(tokens=ids.numel(), tolerance=tolerance)
     causal = adapter.spec.is_decoder  # decoders (with an LM head) are causal, encoders are not
-    from tqdm.auto import tqdm
 
     for i in tqdm(layers, desc="layout check", unit="layer", disable=not progress, leave=False):
         layer = adapter.read_layer(i, {k: state[k] for k in per_layer[i]})
@@ -130,9 +132,6 @@ def check_fused_layout_layerwise(
     calibration engine builds one decoder layer at a time as the family's own module (eager
     attention, float32 on the CPU unless ``placement`` says otherwise), runs it on its inputs with the
     hooks on, and only that layer's attention tensors are read for the fused maps."""
-    from ...calibration import CalibrationEngine, StatsRequest
-    from ..layer_parts import attention_modules, module_of, read_part, stand_ins
-
     # placement None: the engine's default (devices.default_placement)
     engine = CalibrationEngine(source, placement=placement, progress=progress, attn_implementation="eager")
     adapter = engine.adapter

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from ...architectures import Adapter
+from ...assets import resolve_text
+from ...calibration import calibration_ids
 from ...checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
@@ -19,11 +21,13 @@ from ...checkpoint_io import (
     copy_side_files,
     parse_size,
 )
-from ...evaluation.compare import write_json
+from ...devices import linalg_device
+from ...evaluation.compare import load_tokenizer, write_json
 from ...hub.cards import write_card
 from ...hub.lineage import public_report
 from ...hub.measure import count_stored_parameters
 from ...modeling import configuration_farr, modeling_farr
+from ..layer_map import LayerMap
 from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis
 from .card import farr_card_data, write_rank_heatmap
@@ -63,8 +67,6 @@ def farr_checkpoint(
     ``calib_tokens`` tokens (activation-aware metric) on ``placement``
     (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too,
     and its SVDs and eigendecompositions run on that device."""
-    from ...devices import linalg_device
-
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
@@ -95,8 +97,7 @@ def farr_checkpoint(
         writer.close()
         farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
         save_farr_config(farr_config, tmp)
-        from ..layer_map import LayerMap  # the residual stream is untouched: heal's layer targets are the original's
-
+        # the residual stream is untouched: heal's layer targets are the original's
         LayerMap.identity(farr_config.num_hidden_layers, farr_config.hidden_size, "farr").save(tmp)
         copy_side_files(reader.path, tmp)
         report.source, report.output = str(src), str(out)
@@ -112,10 +113,6 @@ def farr_checkpoint(
 def calibration_tokens(src, text, tokens: int) -> tuple[torch.Tensor, dict]:
     """The first ``tokens`` token ids of ``text`` in the tokenizer of the model folder ``src``, and a
     record of what was used."""
-    from ...assets import resolve_text
-    from ...calibration import calibration_ids
-    from ...evaluation.compare import load_tokenizer
-
     if tokens <= 0:
         raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
     path = resolve_text(text)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from transformers import CONFIG_MAPPING
+
 from ...architectures import Adapter
 from ...architectures.capabilities import require
 from ...modeling import configuration_farr, modeling_farr
@@ -58,8 +60,6 @@ class FarrTarget:
             )
             config = configuration_farr.FarrLlamaConfig(**cfg)
         else:
-            from transformers import CONFIG_MAPPING
-
             source_class = CONFIG_MAPPING[self.source_config["model_type"]]  # the FaRR encoder of that class
             cls = next(
                 c
@@ -74,8 +74,6 @@ class FarrTarget:
 def normalised_config(config) -> dict:
     """The source config as its own transformers class writes it (legacy keys such as a top-level
     ``rope_theta`` become ``rope_parameters``)."""
-    from transformers import CONFIG_MAPPING
-
     if not isinstance(config, dict):
         return config.to_dict()
     return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config)).to_dict()

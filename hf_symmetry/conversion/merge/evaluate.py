@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 from ...assets import resolve_model
+from ...evaluation.verification import perplexities
 from ...hub.cards import update_card
+from ...hub.entries import perplexity_card_entry
 from ...hub.lineage import public_model_labels
 from ...text import public_text_label
 from .on_disk import tokenizer_folder
@@ -30,9 +32,6 @@ def evaluate_merge(
     definition, :func:`hf_symmetry.evaluation.verification.perplexities`), recorded in the card:
     the merge's as model-index metadata, every input's in the card's table. Returns the figures
     (empty when the inputs are not causal LMs or have no tokenizer)."""
-    from ...evaluation.verification import perplexities
-    from ...hub.entries import perplexity_card_entry
-
     spec = recipe.evaluation or EvaluationSpec()
     text, tokens = text or spec.text, tokens or spec.tokens
     folders = [resolve_model(m) for m in recipe.inputs]

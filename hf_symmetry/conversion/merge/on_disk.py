@@ -20,9 +20,10 @@ from ...checkpoint_io import (
     parse_size,
     write_config,
 )
+from ...evaluation.compare import load_tokenizer
 from ...hub.cards import write_card
 from ...hub.lineage import hub_id_of, public_model_labels
-from ...text import public_text_label
+from ...text import public_text_label, read_text, tokenize_text
 from ..match.checks import vocabulary_fingerprint
 from .pipeline import MergeOutcome, run_merge
 from .recipe import MergeRecipe
@@ -73,9 +74,6 @@ def merge_checkpoints(
     inputs' tokenizer and a model card (with the perplexities of the merge and of every input
     on the recipe's evaluation text, for causal LMs). ``placement`` (:func:`hf_symmetry.devices.resolve`):
     where RegMean's layer-wise calibration runs."""
-    from ...text import read_text, tokenize_text
-    from ...evaluation.compare import load_tokenizer
-
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     folders = [resolve_model(m) for m in recipe.inputs]

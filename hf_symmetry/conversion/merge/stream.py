@@ -29,11 +29,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ...architectures import Adapter
+from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration.memory import release_free_memory, return_large_blocks_at_once
+from ...devices import default_placement, linalg_device
 from ..layer_parts import read_part, stand_ins
 from ..match.residual import with_lm_head
-from .tensor_rules import regmean_group
 from ..stream import TensorSource, partition_keys
+from .statistics import statistics_dtype
+from .tensor_rules import regmean_group
 
 Tensors = dict[str, torch.Tensor]
 
@@ -142,10 +145,6 @@ class LayerGrams:
         progress: bool = True,
         spill: Path | None = None,
     ):
-        from ...calibration import CalibrationEngine, StatsRequest
-        from ...devices import default_placement, linalg_device
-        from .statistics import statistics_dtype
-
         return_large_blocks_at_once()  # freed per-batch temporaries leave at once (calibration.memory)
         # one sequence per forward: the Grams are sums over tokens (the same for any grouping, to
         # rounding), and a layer's per-forward temporaries (its activations, the statistics' float64
@@ -191,8 +190,6 @@ class LayerGrams:
         return out
 
     def final(self, matchers: list | None = None, head: bool = True) -> list[Tensors]:
-        from ...calibration import StatsRequest
-
         out = []
         for j, (run, steps) in enumerate(zip(self.runs, self.steps)):
             for _ in steps:  # hand the last layer's outputs on (no layer is left to measure)

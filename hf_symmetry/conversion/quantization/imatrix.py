@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
@@ -57,8 +58,6 @@ def entries_from_stats(stats: list[dict[str, torch.Tensor]], tokens: int, linear
 def write_imatrix(path: str | Path, entries: dict, datasets: list[str], chunk_count: int, chunk_size: int) -> Path:
     """Write ``entries`` (``{gguf name: (in_sum2, count)}``) as a GGUF imatrix file, the keys and tensor layout
     of ``llama-imatrix``'s own."""
-    import gguf
-
     path = Path(path)
     writer = gguf.GGUFWriter(path, arch="")
     writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)  # llama-imatrix writes no architecture
@@ -80,8 +79,6 @@ def write_imatrix(path: str | Path, entries: dict, datasets: list[str], chunk_co
 def read_imatrix(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     """``({gguf name: in_sum2 / counts (float32)}, {datasets, chunk_count, chunk_size, type})`` of a GGUF imatrix
     file, read with the ``gguf`` package."""
-    import gguf
-
     reader = gguf.GGUFReader(str(path))
 
     def field(key):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ...evaluation.ggml_quants import BLOCK, roundtrip
+
 #: llama-quantize file type -> the base type of its matrices
 FTYPES = {
     "Q4_0": "Q4_0",
@@ -73,7 +75,6 @@ def tensor_type(
             t = "Q4_1" if ftype == "Q4_0" else "Q5_1"
     elif linear == "o" and ftype == "Q3_K_M":
         t = "Q4_K"
-    from ...evaluation.ggml_quants import BLOCK
 
     if n_cols % BLOCK[t]:
         t = FALLBACK.get(t, t)
@@ -107,8 +108,6 @@ class GGMLQuantizer:
         return torch.cat(rows), GGMLQuantizer(segments, self.imatrix)
 
     def __call__(self, A: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        from ...evaluation.ggml_quants import roundtrip
-
         h = h.to(torch.float32) if (self.imatrix and h is not None) else None
         out, start = [], 0
         for rows, qtype in self.segments:

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ...evaluation.weight_quant import roundtrip
+from .imatrix import ROLES, gguf_name
+from .llamacpp import layer_quantizers
+from .rotation import QuantBalance, balanced, layer_matrices, learn_rotation, transform_layer
+
 #: the exact scalings, by the site :func:`.scales.apply_scales` reports them under (o: V → O; down: up → down)
 SCALINGS = {
     "o": "vo_scaling",
@@ -38,12 +43,9 @@ def layer_quantizer(options, layer: dict, i: int, adapter):
     if not options.scales:
         return None
     if options.target in ("gguf", "gguf-imatrix"):
-        from .llamacpp import layer_quantizers
-
         L = adapter.layout
         gqa = L.n_heads // L.n_kv_heads
         return layer_quantizers(options.scales, layer, i, adapter.n_layers, gqa, options.target == "gguf-imatrix")
-    from ...evaluation.weight_quant import roundtrip
 
     return lambda A: roundtrip(A, options.scales)
 
@@ -51,8 +53,6 @@ def layer_quantizer(options, layer: dict, i: int, adapter):
 def quant_layer(i: int, layer: dict, adapter, options, Q, stats, record: dict | None = None) -> dict:
     """Layer ``i`` of a ``--for-quantization`` checkpoint (:func:`.rotation.transform_layer`); ``record[i]``
     gets its log (which scalings changed weights, the search's report, the site statistics)."""
-    from .rotation import QuantBalance, transform_layer
-
     log: dict = {}
     out = transform_layer(
         i,
@@ -118,8 +118,6 @@ def written_imatrix(record: dict, n_layers: int, tokens: int) -> dict:
     """``{gguf name: (in_sum2, count)}`` of the written model: each site's input second moment in the layer's
     basis, divided by the square of the scale the search chose (what ``llama-imatrix`` collects on the converted
     model over the same calibration tokens)."""
-    from .imatrix import ROLES, gguf_name
-
     out = {}
     for i in range(n_layers):
         log = record[i]
@@ -137,9 +135,6 @@ def learn_checkpoint_rotation(source, per_layer, adapter, options, Q0, progress:
     Hadamard ``Q0``, against the named quantizer (:mod:`hf_symmetry.evaluation.weight_quant`) with the
     checkpoint's column balancing; ``per_layer``: each layer's keys of ``source`` (the caller's partition).
     Holds every layer's linears in float32 (about 4 bytes per parameter)."""
-    from ...evaluation.weight_quant import roundtrip
-    from .rotation import balanced, layer_matrices, learn_rotation
-
     readers, writers = [], []
     for i in range(adapter.n_layers):
         r, w = layer_matrices(adapter.read_layer(i, source.get(per_layer[i])), adapter.layout, options.seed, i)

@@ -32,6 +32,7 @@ import torch
 
 from ...symmetry import actions, groups
 from ...symmetry.layout import HeadLayout
+from ...symmetry.procrustes import orthogonal_procrustes
 
 Tensors = dict[str, torch.Tensor]
 
@@ -178,7 +179,7 @@ def transform_layer(
     if vo is not None:
         layer = actions.rotate_vo(layer, layout, vo)
     if stats is not None:
-        from .scales import apply_scales, to_layer_basis
+        from .scales import apply_scales, to_layer_basis  # lazy: avoids an import cycle
 
         H = to_layer_basis(stats, gammas, Q, vo, layout)
         log["basis_diag"] = {site: H[site].diagonal().to(torch.float64).clone() for site in H}
@@ -237,8 +238,6 @@ def learn_rotation(
     so the error never increases; group-scaled grids move with ``Q``, so the best iterate over all
     starts is returned, with the error of every iterate (``history``).
     """
-    from ...symmetry.procrustes import orthogonal_procrustes
-
     best, best_err, history = None, float("inf"), []
     for start in starts:
         Q = start.to(torch.float64)

@@ -27,6 +27,9 @@ from typing import Callable
 
 import torch
 
+from ...calibration.data import token_batches
+from ...calibration.engine import CalibrationEngine
+from ...calibration.statistics import StatsRequest
 from ...symmetry import actions
 from ...symmetry.layout import HeadLayout
 
@@ -44,10 +47,6 @@ def layer_stats(
     output, γ included), gate/up, o and down, over the calibration token ids ``ids``. The forward passes
     run one layer at a time on ``placement`` (:func:`hf_symmetry.devices.resolve`; default: the CPU in
     float32)."""
-    from ...calibration.data import token_batches
-    from ...calibration.engine import CalibrationEngine
-    from ...calibration.statistics import StatsRequest
-
     engine = CalibrationEngine(source, config=config, placement=placement, progress=progress)
     result = engine.collect(token_batches(ids, seq_len), StatsRequest(grams=SITES))
     return [{site: s.grams[site] / result.tokens for site in SITES} for s in result.layers]
@@ -165,7 +164,7 @@ def apply_scales(
     (``{"o", "down", "attn_norm", "ffn_norm"}``: llama-quantize's mixture gives each linear its own type).
     ``log`` gets, per site, the chosen ``alpha``, the errors, whether any factor differs from 1 (``changed``)
     and the factors' mean square inverse ``inv_s2`` (what the site's input second moments are divided by)."""
-    from .rotation import scale_ffn_channels, scale_vo_channels
+    from .rotation import scale_ffn_channels, scale_vo_channels  # lazy: avoids an import cycle
 
     def q(site):
         return quantize[site] if isinstance(quantize, dict) else quantize

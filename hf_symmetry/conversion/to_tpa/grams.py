@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ...calibration import CalibrationEngine, StatsRequest, token_batches
 from ..stream import DictSource
 
 
@@ -21,8 +22,6 @@ def attention_input_grams(
     device and calibration dtype (:func:`hf_symmetry.devices.resolve`; default CPU float32).
     ``lazy``: an iterator that calibrates layer ``i`` only when its Gram is asked for, so a caller
     that converts each layer before asking for the next holds one Gram at a time (a list otherwise)."""
-    from ...calibration import CalibrationEngine, StatsRequest, token_batches
-
     if isinstance(model, (str, Path)):
         engine = CalibrationEngine(model, placement=placement, progress=progress)
     else:

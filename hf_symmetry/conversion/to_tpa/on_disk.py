@@ -9,13 +9,27 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer
 
 from ...architectures import Adapter
 from ...architectures.capabilities import require
-from ...checkpoint_io import atomic_output_dir, check_output_dir, copy_side_files
+from ...assets import resolve_model, resolve_text
+from ...calibration import calibration_ids
+from ...calibration.memory import release_free_memory
+from ...checkpoint_io import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    copy_side_files,
+    parse_size,
+)
+from ...devices import linalg_device
 from ...hub.cards import write_card
+from ...hub.entries import verify_and_record_folder
 from ...hub.lineage import public_report
 from ...modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
+from ..layer_map import LayerMap
 from ..layer_parts import read_part, stand_ins
 from .grams import attention_input_grams
 from .layer import layout_keys, split_layer_keys, tpa_globals, tpa_layer, tpa_name
@@ -44,14 +58,6 @@ def convert_checkpoint_to_tpa(
     ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place. With ``calib`` the
     attention inputs are measured by the layer-wise calibration engine on ``placement``
     (:func:`hf_symmetry.devices.resolve`), and the head-mode reductions run on that device too."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from ...assets import resolve_model, resolve_text
-    from ...calibration import calibration_ids
-    from ...calibration.memory import release_free_memory
-    from ...checkpoint_io import CheckpointReader, ShardedWriter, parse_size
-    from ...devices import linalg_device
-
     t0 = time.time()
     src = resolve_model(source)
     out = Path(out)
@@ -113,8 +119,7 @@ def convert_checkpoint_to_tpa(
             writer.add(tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
         save_tpa_config(tcfg, dtype, tmp)
-        from ..layer_map import LayerMap  # the residual stream is untouched: heal's layer targets are the original's
-
+        # the residual stream is untouched: heal's layer targets are the original's
         LayerMap.identity(adapter.n_layers, tcfg.hidden_size, "to_tpa").save(tmp)
         if not copy_side_files(Path(src), tmp):
             report.notes.append("the source folder has no tokenizer to copy")
@@ -122,8 +127,6 @@ def convert_checkpoint_to_tpa(
         (tmp / "tpa_conversion.json").write_text(json.dumps(public_report(report.as_dict()), indent=2) + "\n")
         write_card(tmp, "to_tpa", tpa_card_data(src, out, report))
     if verify_text is not None:  # the shared verification of every conversion, on the written folder
-        from ...hub.entries import verify_and_record_folder
-
         report.verification = verify_and_record_folder(
             src, out, verify_text, verify_tokens, ppl_tokens, progress=progress
         ).as_dict()

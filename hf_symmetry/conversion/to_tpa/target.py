@@ -7,6 +7,8 @@ import copy
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
+from transformers.dynamic_module_utils import custom_object_save
 
 from ...architectures import Adapter
 from ...architectures.capabilities import require
@@ -93,9 +95,6 @@ def source_biases(canon0: dict) -> dict:
 def save_tpa_config(tcfg: TPAConfig, dtype: torch.dtype, folder: Path) -> None:
     """config.json with ``auto_map`` plus the flat remote-code files, as ``save_pretrained`` writes
     them (the weights are streamed separately)."""
-    from accelerate import init_empty_weights
-    from transformers.dynamic_module_utils import custom_object_save
-
     with init_empty_weights():
         skeleton = TPAForCausalLM(tcfg)
     skeleton.config.dtype = str(dtype).split(".")[1]
@@ -107,7 +106,7 @@ def save_tpa_config(tcfg: TPAConfig, dtype: torch.dtype, folder: Path) -> None:
 def empty_model(config: TPAConfig) -> TPAForCausalLM:
     """A TPA model whose weights are about to be overwritten: skip the (slow) random initialisation."""
     try:
-        from transformers.initialization import no_init_weights
+        from transformers.initialization import no_init_weights  # optional dependency
     except ImportError:  # older transformers: just initialise
         return TPAForCausalLM(config)
     with no_init_weights():

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import transformers
+
+from ...checkpoint_io import check_output_dir
 from ...modeling import causal_lm_model_types
 
 
@@ -22,8 +25,6 @@ def read_config(folder: Path) -> dict:
 
 def check_student(folder: Path) -> dict:
     """The student's config, or ``ValueError`` if it is not a causal LM heal can train."""
-    import transformers
-
     cfg = read_config(folder)
     arch = " ".join(cfg.get("architectures") or [])
     mt = cfg.get("model_type")
@@ -45,8 +46,6 @@ def check_student(folder: Path) -> dict:
 def check_output(out: Path, overwrite: bool, resume: bool) -> Path:
     """The run folder, after refusing an OUT that exists (unless ``overwrite``), a ``resume`` with no
     interrupted run and a fresh run where an interrupted one waits."""
-    from ...checkpoint_io import check_output_dir
-
     check_output_dir(out, overwrite)
     run = run_dir_for(out)
     if resume and not (run.is_dir() and any(run.glob("checkpoint-*"))):

@@ -6,16 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from ...assets import resolve_text
+from ...evaluation.compare import load_model
+from ...evaluation.perplexity import perplexity
+from ...modeling import register_auto_classes
+from ...text import read_text, tokenize_text
 
 
 def load_quietly(folder: Path, progress: bool = True):
     """The model of ``folder`` in float32, without transformers' progress bar unless ``progress``."""
-    from transformers.utils import logging as hf_logging
-
-    from ...evaluation.compare import load_model
-
     was = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -28,10 +30,6 @@ def load_quietly(folder: Path, progress: bool = True):
 
 def skeleton(folder: Path):
     """The model of ``folder`` built on the meta device from its config (structure only, no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ...modeling import register_auto_classes
-
     register_auto_classes()
 
     config = AutoConfig.from_pretrained(folder)
@@ -41,9 +39,6 @@ def skeleton(folder: Path):
 
 def perplexities(model, tokenizer, texts: list[str], eval_tokens: int, progress: bool) -> dict:
     """``{text: perplexity}`` of ``model`` on the first ``eval_tokens`` tokens of each text."""
-    from ...evaluation.perplexity import perplexity
-    from ...text import read_text, tokenize_text
-
     out = {}
     for text in texts:
         ids = tokenize_text(tokenizer, read_text(resolve_text(text)), max_tokens=eval_tokens)

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+from ...checkpoint_io import atomic_output_dir
+from ...conversion.layer_map import MAP_FILE
+from ...hub.lineage import public_report
 from .checks import read_config
 from .report import HealReport
 
@@ -21,8 +24,6 @@ def write_output(
 ) -> None:
     """The healed folder ``out`` from the trained model (with adapters when ``plan`` is a LoRA plan),
     the tokenizer and ``src``'s side files; ``report`` gains the adapter folder when it is saved."""
-    from ...checkpoint_io import atomic_output_dir
-
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if plan is not None:
             if save_adapter:
@@ -38,7 +39,6 @@ def write_output(
         gen = src / "generation_config.json"
         if gen.is_file() and not (tmp / "generation_config.json").is_file():
             shutil.copy2(gen, tmp / "generation_config.json")
-        from ...conversion.layer_map import MAP_FILE
 
         if (src / MAP_FILE).is_file():  # the healed model relates to the original as its input did
             shutil.copy2(src / MAP_FILE, tmp / MAP_FILE)
@@ -48,8 +48,6 @@ def write_output(
 
 
 def public_heal_report(d: dict) -> dict:
-    from ...hub.lineage import public_report
-
     return public_report({**d, "teacher": Path(d["teacher"]).name})
 
 

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...assets import resolve_text
+from ...hub.cards import write_card
+from ...hub.eval_results import perplexity_result
+from ...hub.lineage import public_model_label
 
 
 @dataclass
@@ -47,10 +50,6 @@ def last_loss(history: list[dict]) -> float | None:
 
 
 def write_heal_card(out: Path, report: HealReport, tok) -> None:
-    from ...hub.cards import write_card
-    from ...hub.eval_results import perplexity_result
-    from ...hub.lineage import public_model_label
-
     o = report.options
     results = []
     for text, p in report.perplexity.items():

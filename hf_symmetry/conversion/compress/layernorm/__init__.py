@@ -21,6 +21,8 @@ import torch
 
 from ....architectures import Adapter
 from ....checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, write_config
+from ....modeling.configuration_rms_decoder import RMSDecoderConfig
+from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from ...rotate import copy_remote_code
 from ...stream import DictSink, DictSource
 from ..moments import read_calibration
@@ -28,16 +30,13 @@ from ..options import CompressOptions
 from ..report import finish_folder
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
-from .slice import centred_rotation, plan_width, sliced_params, slice_tensors
+from .slice import centred_rotation, plan_width, slice_tensors, sliced_params
 from .structured import layer_norm_plan, plan_structured, structured_tensors
 
 
 def build(state: dict, config: dict, dtype: torch.dtype):
     """The RMS-decoder model holding ``state`` (strict), and its counted parameters (with the ±1 signs of
     orthogonal skips, as the compressed family counts them)."""
-    from ....modeling.configuration_rms_decoder import RMSDecoderConfig
-    from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
-
     model = RMSDecoderForCausalLM(RMSDecoderConfig.from_dict(config)).to(dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     counted = sum(p.numel() for p in model.parameters()) + sum(
