@@ -7,6 +7,9 @@ import argparse
 import importlib
 import sys
 
+from . import __version__
+from .commands.common import progress_bars
+
 # Order here is the order of ``hf-symmetry --help``.
 COMMAND_MODULES = [
     "rotate",
@@ -26,8 +29,6 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="hf-symmetry",
         description="Exact transformer weight symmetries: rotate, verify, evaluate, match, merge, compress.",
@@ -40,8 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .commands.common import progress_bars
-
     args = build_parser().parse_args(argv)
     try:
         with progress_bars(not getattr(args, "quiet", False)):

@@ -694,6 +694,11 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
     monkeypatch.setattr(hub_push, "resolve_token", lambda token=None: "token")  # no token nor network in tests
     monkeypatch.setattr(hub_push, "check_online", lambda: None)
     monkeypatch.setattr(hub_push, "push_folder", fake_push)
+    from hf_symmetry.commands import common  # the command module looks them up in its own namespace
+
+    monkeypatch.setattr(common, "resolve_token", lambda token=None: "token")
+    monkeypatch.setattr(common, "check_online", lambda: None)
+    monkeypatch.setattr(common, "push_folder", fake_push)
     calib, held = tmp_path / "calib.txt", tmp_path / "eval.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(400)))
     held.write_text(" ".join(str((11 * i + 5) % 97) for i in range(300)))

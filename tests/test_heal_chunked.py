@@ -152,7 +152,7 @@ def test_final_hidden_restores_the_head_and_direct_use_matches():
 
 
 def test_cli_passes_the_logit_chunk_and_a_negative_one_is_refused(monkeypatch):
-    import hf_symmetry.training.heal as heal_module
+    import hf_symmetry.commands.heal as heal_module  # where the heal command looks heal_checkpoint up
     from hf_symmetry.cli import main as cli
     from hf_symmetry.training.heal import HealOptions
 

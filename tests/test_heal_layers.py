@@ -338,7 +338,7 @@ def test_default_heal_draws_half_its_sequences_from_the_teacher(root, tpa, tmp_p
 
 
 def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
-    import hf_symmetry.training.heal as heal_module
+    import hf_symmetry.commands.heal as heal_module  # where the heal command looks heal_checkpoint up
     from hf_symmetry.cli import main as cli
 
     seen = []
@@ -356,7 +356,7 @@ def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
 
 
 def test_cli_passes_the_layer_loss_weight(monkeypatch):
-    import hf_symmetry.training.heal as heal_module
+    import hf_symmetry.commands.heal as heal_module  # where the heal command looks heal_checkpoint up
     from hf_symmetry.cli import main as cli
 
     seen = {}

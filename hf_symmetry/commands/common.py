@@ -5,7 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from contextlib import contextmanager
+
+from huggingface_hub import utils as hub_utils
+from transformers.utils import logging as hf_logging
+
+from ..assets import resolve_model, resolve_text
+from ..checkpoint_io import TOKENIZER_FILES
+from ..devices import CALIB_DTYPES, DEVICE_CHOICES, resolve
+from ..evaluation.perplexity import LOGIT_TOKENS, PPL
+from ..evaluation.verification import device_map_spec, verify
+from ..hub.cards import update_card
+from ..hub.entries import verification_card_entries
+from ..hub.push import check_online, push_folder, resolve_token, validate_repo_id
+from ..hub.values import fmt_number
 
 
 def add_output_args(p) -> None:
@@ -18,8 +32,6 @@ def add_device_arg(p, extra: str = "") -> None:
     """The one ``--device`` flag of every command that loads a model (conversions, ``verify``,
     ``eval``, ``heal``), resolved by :func:`hf_symmetry.devices.resolve_device` (``auto`` and ``cuda``
     become ``cuda:<current index>``). ``p``: a parser or an argument group; added once per parser."""
-    from ..devices import DEVICE_CHOICES
-
     if "--device" in p._option_string_actions:  # (an argument group shares its parser's)
         return
     p.add_argument(
@@ -34,8 +46,6 @@ def add_device_arg(p, extra: str = "") -> None:
 def add_device_args(p, calib_dtype: bool = True) -> None:
     """``--device`` (:func:`add_device_arg`) and ``--calib-dtype`` for commands that calibrate,
     checked by :func:`placement_from_args` before any work."""
-    from ..devices import CALIB_DTYPES
-
     add_device_arg(p)
     if calib_dtype and "--calib-dtype" not in p._option_string_actions:
         p.add_argument(
@@ -49,8 +59,6 @@ def add_device_args(p, calib_dtype: bool = True) -> None:
 def placement_from_args(args):
     """The :class:`~hf_symmetry.devices.Placement` of a command's ``--device``/``--calib-dtype`` flags
     (:func:`add_device_args`); an unusable device or dtype fails here, before any work."""
-    from ..devices import resolve
-
     return resolve(getattr(args, "device", "auto"), getattr(args, "calib_dtype", "float32"))
 
 
@@ -60,8 +68,6 @@ def add_verify_args(
     """The one set of verification flags every conversion takes: ``--no-verify``, ``--text``,
     ``--tokens``, ``--ppl-tokens`` (and ``--device``). The perplexity definition is the shared one
     (:data:`hf_symmetry.evaluation.perplexity.PPL`: window 512, stride 256)."""
-    from ..evaluation.perplexity import LOGIT_TOKENS, PPL
-
     g = p.add_argument_group("verification (after the folder is written)")
     if no_verify:
         g.add_argument("--no-verify", action="store_true", help=f"skip comparing OUT with {what}")
@@ -87,10 +93,6 @@ def check_verify_args(args, tokenizer_from=None) -> None:
     """Refuse bad verification flags before any work. ``tokenizer_from``: the model folder (or
     alias) whose tokenizer the verification will use; a folder without one is refused here, rather
     than after the conversion has written its output."""
-    from ..assets import resolve_model, resolve_text
-    from ..checkpoint_io import TOKENIZER_FILES
-    from ..evaluation.verification import device_map_spec
-
     if getattr(args, "no_verify", False):
         return
     if args.tokens < 2 or args.ppl_tokens < 0 or args.ppl_tokens == 1:
@@ -127,8 +129,6 @@ class _PushTarget(argparse.Action):
     that cannot happen fails before the conversion does any work."""
 
     def __call__(self, parser, namespace, value, option_string=None):
-        from ..hub.push import check_online, resolve_token, validate_repo_id
-
         try:
             validate_repo_id(value)
             resolve_token()
@@ -158,7 +158,6 @@ def push_if_requested(args, out_dir, lines: list[str] | None = None) -> dict | N
     repo_id = getattr(args, "push_to_hub", None)
     if not repo_id:
         return None
-    from ..hub.push import push_folder
 
     result = push_folder(
         out_dir, repo_id, private=getattr(args, "private", False), progress=not getattr(args, "quiet", False)
@@ -182,11 +181,6 @@ def verify_and_record(
     ``lines`` and record them in the folder's model card, formatted as the card formats them.
     ``extra(verification)`` may return more ``(figures, lines)`` for both. Returns the
     exactness figures, or None with ``--no-verify``."""
-    from ..evaluation.verification import verify
-    from ..hub.cards import update_card
-    from ..hub.values import fmt_number
-    from ..hub.entries import verification_card_entries
-
     if getattr(args, "no_verify", False):
         return None
     v = verify(
@@ -220,8 +214,6 @@ def verify_and_record(
 def total_time_line(start: float, verified: bool = True) -> str:
     """The last line of a conversion: wall time of the whole command; ``verified``: whether a verification
     ran in it (only then does the line say it is included)."""
-    import time
-
     return f"done in {time.perf_counter() - start:.1f} s (whole command{', verification included' if verified else ''})"
 
 
@@ -231,9 +223,6 @@ def progress_bars(enabled: bool):
     commands' own bars follow ``progress=not args.quiet``; this turns off, for the command, the bars of the
     libraries it calls (transformers' "Loading weights" and "Writing model shards", huggingface_hub's
     uploads), and restores their previous state afterwards."""
-    from huggingface_hub import utils as hub_utils
-    from transformers.utils import logging as hf_logging
-
     if enabled:
         yield
         return

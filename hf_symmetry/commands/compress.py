@@ -5,8 +5,10 @@ written as the source's own stock class instead (no remote code)."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from pathlib import Path
 
 from ..assets import resolve_model, resolve_text
 from ..conversion.compress import (
@@ -18,6 +20,7 @@ from ..conversion.compress import (
     compress_checkpoint,
     record_verification,
 )
+from ..conversion.compress.stock import StockOptions, why_not_stock
 from .common import (
     add_device_args,
     add_output_args,
@@ -25,6 +28,7 @@ from .common import (
     add_verify_args,
     check_verify_args,
     emit,
+    placement_from_args,
     push_if_requested,
     total_time_line,
     verify_and_record,
@@ -218,8 +222,6 @@ def options_from_args(args) -> CompressOptions:
 def stock_from_args(args, options):
     """The stock-output settings of a SliceGPT run (``None``: the compressed family, as for every other
     structure)."""
-    from ..conversion.compress.stock import StockOptions
-
     if not options.slicing:
         if args.untie or args.round_to is not None or args.remote_code:
             raise ValueError("--untie, --round-to and --remote-code apply to --structure slice")
@@ -234,8 +236,6 @@ def stock_from_args(args, options):
 def _stock_lines(report, options, stock, config) -> list[str]:
     """What the size report says about the output family: the stock class and its width rounding, or
     why the output stays in the compressed family (and, for a tied head, what untying would cost)."""
-    from ..conversion.compress.stock import why_not_stock
-
     if not options.slicing:
         return []
     acc = report.accounting
@@ -264,15 +264,10 @@ def _stock_lines(report, options, stock, config) -> list[str]:
 
 
 def _config(src) -> dict:
-    import json
-    from pathlib import Path
-
     return json.loads((Path(src) / "config.json").read_text())
 
 
 def run(args) -> int:
-    from .common import placement_from_args
-
     start = time.perf_counter()
     options = options_from_args(args)
     stock = stock_from_args(args, options)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..evaluation.bridge import parse_tasks, run_lm_eval, text_perplexity
+from ..devices import resolve_device
+from ..evaluation.bridge import parse_tasks, require_lm_eval, run_lm_eval, text_perplexity
 from ..evaluation.perplexity import PPL
-from ..hub.values import fmt_number
+from ..evaluation.verification import device_map_spec
+from ..hub.cards import update_card
 from ..hub.entries import lm_eval_card_entries, perplexity_card_entry
+from ..hub.values import fmt_number
 from .common import add_device_arg, emit
 
 
@@ -63,13 +66,9 @@ def register(sub) -> None:
 
 def _check_args(args) -> list[str] | None:
     """Refuse bad combinations before loading anything (an unusable --device among them)."""
-    from ..evaluation.verification import device_map_spec
-
     device_map_spec(args.device)
     tasks = parse_tasks(args.tasks) if args.tasks else None
     if tasks:
-        from ..evaluation.bridge import require_lm_eval
-
         require_lm_eval()
     if args.task_dir and not Path(args.task_dir).is_dir():
         raise FileNotFoundError(f"task folder {args.task_dir} does not exist")
@@ -79,8 +78,6 @@ def _check_args(args) -> list[str] | None:
 
 
 def run(args) -> int:
-    from ..devices import resolve_device
-
     tasks = _check_args(args)
     text = args.text or (None if tasks else "britannica-eval")
     summary, lines, entries = {"model": str(args.model)}, [], []
@@ -120,8 +117,6 @@ def run(args) -> int:
             )
     summary["card_entries"] = entries
     if args.update_card:
-        from ..hub.cards import update_card
-
         lines.append(f"card updated: {update_card(args.model, eval_results=entries)}")
     emit(summary, lines, args.json_out)
     return 0

@@ -10,9 +10,10 @@ tokenize differently from transformers."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from ..assets import resolve_model
-from ..conversion.gguf_export import TYPES, export_gguf
+from ..conversion.gguf_export import TYPES, export_gguf, round_trip
 from .common import emit, total_time_line
 
 
@@ -60,8 +61,6 @@ def _same(flag) -> str:
 
 
 def run(args) -> int:
-    from dataclasses import asdict
-
     start = time.perf_counter()
     src = resolve_model(args.model)
     report = export_gguf(
@@ -75,8 +74,6 @@ def run(args) -> int:
     ]
     summary = asdict(report)
     if args.check:
-        from ..conversion.gguf_export import round_trip
-
         check = round_trip(src, args.out, prompt=args.prompt, new_tokens=args.new_tokens)
         summary["check"] = check
         lines.append(

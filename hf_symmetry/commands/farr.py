@@ -21,6 +21,7 @@ from .common import (
     add_verify_args,
     check_verify_args,
     emit,
+    placement_from_args,
     push_if_requested,
     total_time_line,
     verify_and_record,
@@ -77,8 +78,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .common import placement_from_args
-
     start = time.perf_counter()
     placement = placement_from_args(args)  # an unusable device fails before any work
     options = FarrOptions(tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 
+from ..evaluation.perplexity import PPL
+from ..training import is_main_process
+from ..training.heal import HealOptions, heal_checkpoint
 from .common import add_device_arg, add_output_args, emit
 
 
 def register(sub) -> None:
-    from ..evaluation.perplexity import PPL
-
     p = sub.add_parser(
         "heal",
         help="recovery fine-tuning of a converted model by distillation (LoRA or full)",
@@ -150,9 +151,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..training.heal import HealOptions, heal_checkpoint
-    from ..training import is_main_process
-
     options = HealOptions(
         tokens=args.tokens,
         seq_len=args.seq_len,

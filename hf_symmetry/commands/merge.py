@@ -8,9 +8,9 @@ import argparse
 import time
 from dataclasses import asdict
 
-from ..conversion.merge.on_disk import merge_checkpoints
 from ..conversion.merge.evaluate import evaluate_merge
 from ..conversion.merge.methods import METHOD_ALIASES, METHODS
+from ..conversion.merge.on_disk import merge_checkpoints
 from ..conversion.merge.recipe import load_recipe, recipe_from_dict
 from ..hub.values import fmt_number
 from .common import (
@@ -20,6 +20,7 @@ from .common import (
     add_verify_args,
     check_verify_args,
     emit,
+    placement_from_args,
     push_if_requested,
     total_time_line,
 )
@@ -159,8 +160,6 @@ def evaluation_of(args, recipe) -> tuple[str, int] | None:
 
 
 def run(args) -> int:
-    from .common import placement_from_args
-
     start = time.perf_counter()
     placement = placement_from_args(args)  # an unusable device fails before any work
     recipe, out = recipe_from_args(args)

@@ -11,12 +11,13 @@ import torch
 from ..assets import MODEL_ALIASES, resolve_model, resolve_text
 from ..checkpoint_io import CheckpointReader, atomic_output_dir, check_output_dir
 from ..conversion.farr import calibration_tokens, spectra_report
-from ..evaluation.compare import load_tokenizer, write_json
 from ..conversion.farr.fused_check import check_fused_layout_layerwise
-from ..text import read_text, tokenize_text
+from ..devices import resolve
+from ..evaluation.compare import load_tokenizer, write_json
 from ..evaluation.spectra_plots import plot_layer_spectra, plot_rank_heatmaps
 from ..solvers.fused import check_tau
-from .common import add_device_args, emit
+from ..text import read_text, tokenize_text
+from .common import add_device_args, emit, placement_from_args
 
 REPORT = "report.json"
 HEATMAP = "effective_rank.png"
@@ -64,8 +65,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .common import placement_from_args
-
     taus = [check_tau(t) for t in args.tau]  # bad input fails before any work
     placement = placement_from_args(args)
     src = resolve_model(args.model)
@@ -112,7 +111,6 @@ def _layout_check(reader: CheckpointReader, text: str, tokens: int, progress: bo
         ids = None
     if ids is None or int(ids.max()) >= vocab:  # no usable tokenizer: any token ids exercise the layout
         ids = torch.arange(tokens) * 7919 % vocab
-    from ..devices import resolve
 
     # float32 whatever --calib-dtype says: the check's tolerance is for float32 forwards
     placement = None if placement is None else resolve(placement.device, "float32")

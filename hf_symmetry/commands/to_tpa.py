@@ -17,6 +17,7 @@ from .common import (
     check_verify_args,
     emit,
     fmt,
+    placement_from_args,
     push_if_requested,
     total_time_line,
     verify_and_record,
@@ -50,8 +51,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .common import placement_from_args
-
     start = time.perf_counter()
     placement = placement_from_args(args)  # an unusable device fails before any work
     for name in ("k_rank", "v_rank"):

@@ -22,7 +22,6 @@ import re
 import warnings
 from dataclasses import dataclass, field
 
-from peft import LoraConfig, get_peft_model
 from torch import nn
 
 __all__ = ["LoraPlan", "lora_plan", "apply_lora", "STRUCTURED_CLASSES"]
@@ -41,6 +40,8 @@ class LoraPlan:
     projections: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (out, in)
 
     def lora_config(self):
+        from peft import LoraConfig  # lazy: keeps `hf-symmetry --help` fast
+
         pattern = {re.escape(k): v for k, v in self.rank_caps.items()}
         return LoraConfig(
             r=self.rank,
@@ -113,6 +114,8 @@ def lora_plan(model: nn.Module, rank: int) -> LoraPlan:
 
 def apply_lora(model: nn.Module, plan: LoraPlan):
     """``peft.get_peft_model`` with ``plan``'s config: only the adapters are trainable."""
+    from peft import get_peft_model  # lazy: keeps `hf-symmetry --help` fast
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT warns about nested ParamWrappers on structured layers
         return get_peft_model(model, plan.lora_config())

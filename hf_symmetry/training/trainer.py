@@ -33,9 +33,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from transformers import Trainer, TrainingArguments
-from transformers.trainer_callback import ProgressCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 __all__ = [
     "TrainSettings",
@@ -81,6 +78,8 @@ def bf16_available() -> bool:
 
 def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The newest ``checkpoint-N`` folder under ``output_dir`` (``None`` if there is none)."""
+    from transformers.trainer_utils import get_last_checkpoint  # lazy: keeps `hf-symmetry --help` fast
+
     return get_last_checkpoint(str(output_dir)) if Path(output_dir).is_dir() else None
 
 
@@ -171,6 +170,8 @@ class TrainOutcome:
 
 
 def _make_trainer_class():
+    from transformers import Trainer  # lazy: keeps `hf-symmetry --help` fast
+
     class HFSymmetryTrainer(Trainer):
         """``Trainer`` with a pluggable loss (``loss_fn``) and logged loss components."""
 
@@ -205,6 +206,8 @@ def _make_trainer_class():
 
 
 def _progress_callback(loss_name: str):
+    from transformers.trainer_callback import ProgressCallback  # lazy: keeps `hf-symmetry --help` fast
+
     class LossProgressCallback(ProgressCallback):
         """The Trainer's progress bar with the running loss as its postfix; eval losses are printed."""
 
@@ -223,6 +226,8 @@ def _progress_callback(loss_name: str):
 
 def training_arguments(settings: TrainSettings, has_eval: bool):
     """The ``TrainingArguments`` :func:`train` uses (exposed for inspection and tests)."""
+    from transformers import TrainingArguments  # lazy: keeps `hf-symmetry --help` fast
+
     s = settings
     warmup = (
         s.warmup_steps
@@ -290,6 +295,8 @@ def train(
     Returns a :class:`TrainOutcome`. Saving the final model is the caller's job (only on
     :func:`is_main_process`); checkpoints for ``resume`` are written here.
     """
+    from transformers.trainer_callback import ProgressCallback  # lazy: keeps `hf-symmetry --help` fast
+
     settings.validate()
     if len(train_dataset) < settings.per_device_batch_size * world_size():
         raise ValueError(
