@@ -7,7 +7,8 @@ enforced on every import, those inside functions too (parsed with ``ast``, nothi
   imports between files is a cycle however the imports are placed (inside functions, under
   ``TYPE_CHECKING``), except the ones in :data:`FILE_CYCLES`, a list that may only shrink;
 * a private name (``_x``) is not imported from another module, except the ones in
-  :data:`PRIVATE_IMPORTS`, a list that may only shrink (a stale entry fails too).
+  :data:`PRIVATE_IMPORTS`, a list that may only shrink (a stale entry fails too);
+* an import inside a function says why it is not at module level (:data:`IMPORT_REASONS`).
 
 Each check has a negative control: planted sources fed to the same functions make it fail."""
 
@@ -237,6 +238,34 @@ def shadowed_submodules(sources: dict[str, tuple[str, bool]]) -> list[str]:
     return sorted(out)
 
 
+#: the reasons an import may stay inside a function (issue 40); anything else is hoisted to module level
+IMPORT_REASONS = (
+    "# optional dependency",
+    "# lazy: keeps `hf-symmetry --help` fast",
+    "# lazy: avoids an import cycle",
+    "# lazy: runs in the isolated check's interpreter",
+)
+
+
+def unexplained_function_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """``module:line`` of every import inside a function body whose first or last line does not say
+    why it is there (one of :data:`IMPORT_REASONS`); ``hf_symmetry.modeling`` is left out."""
+    out = []
+    for module, (source, _) in sources.items():
+        if module == "hf_symmetry.modeling" or module.startswith("hf_symmetry.modeling."):
+            continue
+        lines = source.splitlines()
+        for fn in ast.walk(ast.parse(source)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    said = lines[node.lineno - 1] + lines[node.end_lineno - 1]
+                    if not any(reason in said for reason in IMPORT_REASONS):
+                        out.append(f"{module}:{node.lineno}")
+    return sorted(set(out))
+
+
 def package_sources() -> dict[str, tuple[str, bool]]:
     return {
         _module_name(p, PACKAGE): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
@@ -307,6 +336,14 @@ def test_docs_show_the_layer_table_the_test_checks():
                 assert re.search(rf"`{re.escape(p.replace('.', '/'))}/`", internals), (
                     f"docs/internals.md has no paragraph on `{p.replace('.', '/')}/`"
                 )
+
+
+def test_imports_inside_functions_say_why():
+    found = unexplained_function_imports(package_sources())
+    assert not found, (
+        "imports inside functions without a reason (hoist them, or end the line with one of "
+        f"{IMPORT_REASONS}):\n" + "\n".join(found)
+    )
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -417,3 +454,17 @@ def test_a_planted_private_import_fails():
         {"hf_symmetry.conversion.merge": "from .rotate import _centre_layer, public\nfrom .. import __version__\n"}
     )
     assert private_imports(graph(sources)) == {("conversion.merge", "conversion.rotate", "_centre_layer")}
+
+
+def test_a_planted_unexplained_function_import_fails():
+    sources = _planted(
+        {
+            "hf_symmetry.hub.push": "import json\n\ndef f():\n"
+            "    from .cards import write_card\n    return write_card\n",
+            "hf_symmetry.evaluation.bridge": "def f():\n    import lm_eval  # optional dependency\n"
+            "    from transformers import (\n        Trainer,\n    )  # lazy: keeps `hf-symmetry --help` fast\n",
+            "hf_symmetry.conversion.rotate": "class A:\n    def m(self):\n        import torch  # we like it here\n",
+            "hf_symmetry.modeling.modeling_tpa": "def f():\n    import torch\n",
+        }
+    )
+    assert unexplained_function_imports(sources) == ["hf_symmetry.conversion.rotate:3", "hf_symmetry.hub.push:4"]
