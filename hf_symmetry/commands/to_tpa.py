@@ -2,7 +2,10 @@
 windows, Qwen2, Qwen3, Phi-3/Phi-4; ``hf-symmetry families`` says why any other is refused) into a Tensor Product
 Attention (T6-style, TPA-KV-only, non-contextual A) model. Exact at full rank (the default,
 ``--k-rank = --v-rank = number of KV heads``); below it the KV-head mode is reduced by a head-mode SVD,
-optionally fitted to the attention inputs of a calibration text (``--calib``)."""
+optionally fitted to the attention inputs of a calibration text (``--calib``). At the exact ranks the cache is
+the source's (no memory saved); below them it shrinks, at a loss of quality until the model is healed
+(``hf-symmetry heal``). Without healing, transformers' own quantized KV cache on the source
+(``cache_implementation="quantized"``) is the smaller cache: see docs/tpa.md."""
 
 from __future__ import annotations
 
