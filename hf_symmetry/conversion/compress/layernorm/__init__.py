@@ -23,7 +23,7 @@ from ....architectures import Adapter
 from ....checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, write_config
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
-from ...rotate import copy_remote_code
+from ...rms_decoder import copy_remote_code
 from ...stream import DictSink, DictSource
 from ..moments import read_calibration
 from ..options import CompressOptions

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ....architectures import Adapter
-from ...rotate import centre_globals, centre_layer, check_layer_norm_decoder, rms_decoder_config
+from ...rms_decoder import centre_globals, centre_layer, check_layer_norm_decoder, rms_decoder_config
 from ...stream import partition_keys
 from ....symmetry import actions
 
