@@ -6,7 +6,6 @@ LayerNorm route both use it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from ..architectures.capabilities import facts
 from ..modeling import configuration_rms_decoder, modeling_rms_decoder
 from ..modeling.configuration_rms_decoder import RMSDecoderConfig
 from ..symmetry import actions
+from .remote_code import copy_family_files
 
 Tensors = dict[str, torch.Tensor]
 
@@ -114,5 +114,4 @@ def check_layer_norm_decoder(config: dict) -> None:
 
 def copy_remote_code(dst: Path) -> None:
     """The RMS-decoder family's flat files next to the weights (``trust_remote_code`` loading)."""
-    for module in (configuration_rms_decoder, modeling_rms_decoder):
-        shutil.copyfile(module.__file__, Path(dst) / Path(module.__file__).name)
+    copy_family_files(dst, configuration_rms_decoder, modeling_rms_decoder)

@@ -7,14 +7,13 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from transformers import AutoConfig
-from transformers.dynamic_module_utils import custom_object_save
 
 from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
 from ...devices import linalg_device
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ...solvers.linalg import limit_threads
+from ..remote_code import save_family_config
 from ..stream import DictSource, TensorSource
 from .allocate import allocate_for
 from .allocate_widths import allocate_slice_for
@@ -234,17 +233,6 @@ def compress_checkpoint(
         writer.close()
         if getattr(sink, "layer_map", None) is not None:
             sink.layer_map.save(tmp)
-        _save_config(new_config, dtype, tmp)
+        save_family_config(CompressedLlamaForCausalLM, config_object(new_config), dtype, tmp)
         finish_folder(tmp, report, options, src, reader.path, out, counted)
     return report
-
-
-def _save_config(config: dict, dtype: torch.dtype, folder: Path) -> None:
-    """config.json with ``auto_map`` plus the flat remote-code files, as ``save_pretrained`` writes them
-    (the weights are streamed separately)."""
-    with init_empty_weights():
-        skeleton = CompressedLlamaForCausalLM(config_object(config))
-    skeleton.config.dtype = str(dtype).split(".")[1]
-    skeleton.config.architectures = [type(skeleton).__name__]
-    custom_object_save(skeleton, folder, config=skeleton.config)
-    skeleton.config.save_pretrained(folder)

@@ -4,7 +4,6 @@ model folder with its remote code, report, heatmap and card; and the calibration
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from ...hub.lineage import public_report
 from ...hub.measure import count_stored_parameters
 from ...modeling import configuration_farr, modeling_farr
 from ..layer_map import LayerMap
+from ..remote_code import copy_family_files
 from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis
 from .card import farr_card_data, write_rank_heatmap
@@ -47,8 +47,7 @@ def save_farr_config(farr_config, folder: Path) -> None:
         **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()},
     }
     farr_config.save_pretrained(folder)  # also copies configuration_farr.py (register_for_auto_class)
-    shutil.copyfile(modeling_farr.__file__, folder / "modeling_farr.py")
-    shutil.copyfile(configuration_farr.__file__, folder / "configuration_farr.py")
+    copy_family_files(folder, modeling_farr, configuration_farr)
 
 
 def farr_checkpoint(

@@ -29,12 +29,14 @@ from ...hub.cards import write_card
 from ...hub.entries import verify_and_record_folder
 from ...hub.lineage import public_report
 from ...modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
+from ...modeling.modeling_tpa import TPAForCausalLM
 from ..layer_map import LayerMap
 from ..layer_parts import read_part, stand_ins
+from ..remote_code import save_family_config
 from .grams import attention_input_grams
 from .layer import layout_keys, split_layer_keys, tpa_globals, tpa_layer, tpa_name
 from .report import LayerError, ToTPAReport, tpa_card_data
-from .target import check_ranks, heads, save_tpa_config, source_biases, tpa_config_from
+from .target import check_ranks, heads, source_biases, tpa_config_from
 
 
 def convert_checkpoint_to_tpa(
@@ -118,7 +120,7 @@ def convert_checkpoint_to_tpa(
         for k in global_keys:  # vocabulary-sized: one at a time, as read
             writer.add(tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
-        save_tpa_config(tcfg, dtype, tmp)
+        save_family_config(TPAForCausalLM, tcfg, dtype, tmp)
         # the residual stream is untouched: heal's layer targets are the original's
         LayerMap.identity(adapter.n_layers, tcfg.hidden_size, "to_tpa").save(tmp)
         if not copy_side_files(Path(src), tmp):

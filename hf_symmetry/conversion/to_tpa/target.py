@@ -4,11 +4,7 @@ work), the ranks, the :class:`TPAConfig` of a source and the config and remote c
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
-import torch
-from accelerate import init_empty_weights
-from transformers.dynamic_module_utils import custom_object_save
 
 from ...architectures import Adapter
 from ...architectures.capabilities import require
@@ -90,17 +86,6 @@ def source_biases(canon0: dict) -> dict:
         "mlp_bias": "gate.bias" in canon0 or "up.bias" in canon0,
         "qk_norm": "q_norm.weight" in canon0,
     }
-
-
-def save_tpa_config(tcfg: TPAConfig, dtype: torch.dtype, folder: Path) -> None:
-    """config.json with ``auto_map`` plus the flat remote-code files, as ``save_pretrained`` writes
-    them (the weights are streamed separately)."""
-    with init_empty_weights():
-        skeleton = TPAForCausalLM(tcfg)
-    skeleton.config.dtype = str(dtype).split(".")[1]
-    skeleton.config.architectures = [type(skeleton).__name__]
-    custom_object_save(skeleton, folder, config=skeleton.config)
-    skeleton.config.save_pretrained(folder)
 
 
 def empty_model(config: TPAConfig) -> TPAForCausalLM:
