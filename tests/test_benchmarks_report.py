@@ -34,9 +34,37 @@ def test_check_flag_fails_on_a_stale_file(report, tmp_path, monkeypatch):
     assert report.main(["--check"]) == 0
 
 
+def test_benchmarks_checks_md_is_what_the_generator_writes(report):
+    current = (ROOT / "benchmarks" / "CHECKS.md").read_text(encoding="utf-8")
+    assert current == report.build(audience="checks"), "benchmarks/CHECKS.md is out of date: run benchmarks/report.py"
+
+
+def test_the_projects_own_checks_stay_out_of_benchmarks_md(report):
+    """BENCHMARKS.md holds users' figures; byte-identity records and the GPU kit's runs go to CHECKS.md."""
+    results = report.load_results()
+    users, checks = report.build(results), report.build(results, audience="checks")
+    for title in ("compress output bytes across the refactoring", "GPU check (one NVIDIA H100"):
+        assert title in checks and title not in users, title
+    assert "## Rotation (`hf-symmetry rotate`)" in users and "## Rotation" not in checks
+    # negative control: a results file that says it is a check is drawn in CHECKS.md only
+    results["zz_own_check"] = {
+        "audience": "checks",
+        "title": "An own check",
+        "machine": "m",
+        "date": "d",
+        "command": "c",
+        "rows": [{"a": 1}],
+    }
+    assert "## An own check" in report.build(results, audience="checks")
+    assert "## An own check" not in report.build(results)
+    del results["zz_own_check"]["audience"]
+    assert "## An own check" in report.build(results)
+
+
 def test_every_results_file_has_a_section_with_machine_date_and_command(report):
-    text = report.build()
-    sections = text.split("\n## ")[2:]
+    users, checks = report.build(), report.build(audience="checks")
+    text = users + checks
+    sections = users.split("\n## ")[2:] + checks.split("\n## ")[2:]
     for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
         assert f"`benchmarks/results/{path.name}`" in text, path.name
     for section in sections:
