@@ -393,6 +393,33 @@ def make_skip(config: CompressedLlamaConfig) -> nn.Module | None:
 # ----------------------------------------------------------------------------------------------
 # Decoder
 # ----------------------------------------------------------------------------------------------
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling):
+    """SDPA attention of one new token in a GQA layer, the query heads of each KV head packed as its rows:
+    ``[B, KV, groups, d]`` queries against the cached ``[B, KV, S, d]`` keys/values, no K/V repeated. It is
+    what transformers' SDPA function runs when decoding eagerly (the same call, the same result); under
+    ``torch.compile`` that function repeats K and V instead, which made compiled decoding slower than eager.
+    Returns ``[B, 1, h, d_v]``, or ``None`` where the configured attention function runs as it is: another
+    implementation than SDPA, more than one token, no grouping, a mask per head, or no mask and equal head
+    dims (transformers then passes ``enable_gqa``, compiled or not)."""
+    B, h, T, _ = query.shape
+    groups, mask = module.num_key_value_groups, attention_mask
+    if T != 1 or groups == 1 or module.config._attn_implementation != "sdpa":
+        return None
+    if mask is None and key.shape[-1] == value.shape[-1] <= 256:
+        return None
+    if mask is not None and not (mask.dim() == 4 and mask.shape[1] == 1):
+        return None
+    out = F.scaled_dot_product_attention(
+        query.reshape(B, h // groups, groups, query.shape[-1]),
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=module.attention_dropout if module.training else 0.0,
+        scale=scaling,
+    )
+    return out.reshape(B, h, 1, value.shape[-1]).transpose(1, 2).contiguous()
+
+
 class CompressedLlamaAttention(nn.Module):
     def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
         super().__init__()
@@ -426,19 +453,22 @@ class CompressedLlamaAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, weights = attention_interface(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
-        )
+        # decoding one token with SDPA: the queries packed per KV head (no K/V repeated, compiled or not)
+        out, weights = grouped_decode_attention(self, q, k, v, attention_mask, self.scaling), None
+        if out is None:
+            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, eager_attention_forward
+            )
+            out, weights = attention_interface(
+                self,
+                q,
+                k,
+                v,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                **kwargs,
+            )
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -56,6 +57,34 @@ from .configuration_farr import FarrBertConfig, FarrLlamaConfig, FarrRobertaConf
 # ----------------------------------------------------------------------------------------------
 # Decoder (Llama family)
 # ----------------------------------------------------------------------------------------------
+# Copied from hf_symmetry.modeling.modeling_compressed_llama.grouped_decode_attention
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling):
+    """SDPA attention of one new token in a GQA layer, the query heads of each KV head packed as its rows:
+    ``[B, KV, groups, d]`` queries against the cached ``[B, KV, S, d]`` keys/values, no K/V repeated. It is
+    what transformers' SDPA function runs when decoding eagerly (the same call, the same result); under
+    ``torch.compile`` that function repeats K and V instead, which made compiled decoding slower than eager.
+    Returns ``[B, 1, h, d_v]``, or ``None`` where the configured attention function runs as it is: another
+    implementation than SDPA, more than one token, no grouping, a mask per head, or no mask and equal head
+    dims (transformers then passes ``enable_gqa``, compiled or not)."""
+    B, h, T, _ = query.shape
+    groups, mask = module.num_key_value_groups, attention_mask
+    if T != 1 or groups == 1 or module.config._attn_implementation != "sdpa":
+        return None
+    if mask is None and key.shape[-1] == value.shape[-1] <= 256:
+        return None
+    if mask is not None and not (mask.dim() == 4 and mask.shape[1] == 1):
+        return None
+    out = F.scaled_dot_product_attention(
+        query.reshape(B, h // groups, groups, query.shape[-1]),
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=module.attention_dropout if module.training else 0.0,
+        scale=scaling,
+    )
+    return out.reshape(B, h, 1, value.shape[-1]).transpose(1, 2).contiguous()
+
+
 class FarrLlamaAttention(nn.Module):
     """Llama attention with per-layer query/key and value/output head dims, Qwen3's optional QK-norm
     and SmolLM3's NoPE layers (no rotary embedding)."""
@@ -100,20 +129,24 @@ class FarrLlamaAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, llama_eager_attention_forward
-        )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
+        # decoding one token with SDPA: the queries packed per KV head (no K/V repeated, compiled or not)
+        attn_weights = None
+        attn_output = grouped_decode_attention(self, query, key, value, attention_mask, self.scaling)
+        if attn_output is None:
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, llama_eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                **kwargs,
+            )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
