@@ -30,14 +30,14 @@ def one(args) -> dict:
     from bench_heal import training_plays
 
     from hf_symmetry.assets import resolve_model
-    from hf_symmetry.devices import resolve_device
+    from hf_symmetry.devices import parse_device
     from hf_symmetry.evaluation.compare import load_model, load_tokenizer
     from hf_symmetry.training.data import build_datasets
     from hf_symmetry.training.distill import DistillationLoss
     from hf_symmetry.training.peft_targets import apply_lora, lora_plan
 
     torch.manual_seed(0)
-    dev = resolve_device(args.device)
+    dev = parse_device(args.device).device
     student_dir, teacher_dir = resolve_model(args.student), resolve_model("smollm2")
     tok = load_tokenizer(teacher_dir)
     data = build_datasets(tok, training_plays(), args.seq_len, 0.05, max_train_tokens=args.batch * args.seq_len * 2)

@@ -1,18 +1,20 @@
 """Where calibration and the heavy linear algebra run: ``--device`` and ``--calib-dtype``.
 
-:func:`parse_device` is the one reading of a ``--device`` string; every consumer (calibration through
-:func:`resolve`, verification's model loading, ``heal``) calls it. ``auto`` has one meaning: the current
-CUDA device when torch sees a GPU, else the CPU; ``cuda``, ``cuda:N``, ``mps`` and ``cpu`` name one
-device. A CUDA device always carries its index (``auto`` and ``cuda`` become
-``cuda:<torch.cuda.current_device()>``), so ``torch.cuda.set_device``, memory queries and device
-comparisons all work on what it returns. What a consumer does beyond that one device is its own
-placement step, told whether the user named the device or left it to ``auto``
-(:attr:`DeviceRequest.auto`): a whole model loaded for evaluation may then spread over the GPUs, the
-CPU and disk (:attr:`DeviceRequest.device_map`), and ``heal`` under several processes trains each on
-its own GPU. :func:`resolve` checks a device/dtype pair before any work and
-raises :class:`DeviceError` (a ``ValueError``) with one line naming what is wrong: an unknown
-device, a device this machine does not have, or a calibration dtype the device cannot compute in.
-Nothing here allocates more than a one-element probe tensor.
+:func:`parse_device` is the one reading of a ``--device`` string, and every command calls it (through
+:func:`resolve` when a calibration dtype comes with it). ``auto`` has one meaning: the current CUDA
+device when torch sees a GPU, else the CPU; ``cuda``, ``cuda:N``, ``mps`` and ``cpu`` name one device.
+A CUDA device always carries its index (``auto`` and ``cuda`` become ``cuda:<torch.cuda.current_device()>``),
+so ``torch.cuda.set_device``, memory queries and device comparisons all work on what it returns. The
+:class:`DeviceRequest` it returns also says whether the user left the choice to hf_symmetry
+(:attr:`DeviceRequest.spread`): a whole model loaded for evaluation may then be spread by accelerate over
+the GPUs, the CPU and disk when it does not fit the device (:attr:`DeviceRequest.device_map`), and
+``heal`` under several processes trains each on its own GPU. :func:`parse_device` takes a
+:class:`DeviceRequest` back unchanged, so a command reads ``--device`` once and hands the result on.
+:func:`resolve` checks a device/dtype pair before any work and raises :class:`DeviceError` (a
+``ValueError``) with one line naming what is wrong: an unknown device, a device this machine does not
+have, or a calibration dtype the device cannot compute in. The placement of a library call given none
+is named once: :data:`DEFAULT_DEVICE` (:func:`default_placement`). Nothing here allocates more than a
+one-element probe tensor.
 
 The model's device is the source of truth for what enters a model: :func:`to_model` moves a tensor
 (token ids, an attention mask, an activation) to the device of the module that consumes it, the
@@ -63,27 +65,31 @@ class DeviceRequest:
     auto: bool
 
     @property
+    def spread(self) -> bool:
+        """Whether a whole model loaded for evaluation may be spread by accelerate over the GPUs, the CPU
+        and disk when it does not fit :attr:`device`: only when the user left the choice to ``auto``; a
+        named device holds the whole model."""
+        return self.auto
+
+    @property
     def device_map(self) -> str:
-        """What a whole model loaded for evaluation is given as ``device_map``: ``"auto"`` when the user
-        left the choice to hf_symmetry (accelerate then starts from the GPUs and spreads a model too large
-        for them over the CPU and disk), else the named device (the whole model there)."""
-        return "auto" if self.auto else str(self.device)
+        """What a whole model loaded for evaluation is given as ``device_map``: ``"auto"`` when it may be
+        spread (:attr:`spread`), else the named device."""
+        return "auto" if self.spread else str(self.device)
 
 
-def parse_device(spec: str | torch.device | None = "auto") -> DeviceRequest:
+def parse_device(spec: str | torch.device | DeviceRequest | None = "auto") -> DeviceRequest:
     """The one reading of a ``--device`` string (or a ``torch.device``; None means ``auto``), checked
-    against this machine (see the module docstring); raises :class:`DeviceError`."""
+    against this machine (see the module docstring); raises :class:`DeviceError`. A
+    :class:`DeviceRequest` (already read) comes back unchanged."""
+    if isinstance(spec, DeviceRequest):
+        return spec
     if isinstance(spec, torch.device):
         spec = str(spec)
     spec = (spec or "auto").strip().lower()
     if spec == "auto":
         return DeviceRequest(_current_cuda() if torch.cuda.is_available() else torch.device("cpu"), auto=True)
     return DeviceRequest(_named_device(spec), auto=False)
-
-
-def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
-    """The device ``spec`` names (:func:`parse_device`)."""
-    return parse_device(spec).device
 
 
 def _named_device(spec: str) -> torch.device:
@@ -145,9 +151,12 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def resolve(device: str | torch.device | None = "auto", dtype: str | torch.dtype = "float32") -> Placement:
-    """Check a ``--device``/``--calib-dtype`` pair; call before any work."""
-    dev = resolve_device(device)
+def resolve(
+    device: str | torch.device | DeviceRequest | None = "auto", dtype: str | torch.dtype = "float32"
+) -> Placement:
+    """Check a ``--device``/``--calib-dtype`` pair (the device read by :func:`parse_device`); call before
+    any work."""
+    dev = parse_device(device).device
     return Placement(dev, resolve_dtype(dtype, dev))
 
 

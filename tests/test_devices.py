@@ -12,11 +12,11 @@ import textwrap
 import pytest
 import torch
 
-from hf_symmetry.devices import DeviceError, default_placement, parse_device, resolve, resolve_device
+from hf_symmetry.devices import DeviceError, default_placement, parse_device, resolve
 
 
 def test_auto_is_cuda_when_present_else_cpu():
-    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert parse_device("auto").device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve("cpu", "bfloat16").dtype == torch.bfloat16
     assert resolve("cpu", "float32").label == "cpu (float32)"
 
@@ -24,18 +24,19 @@ def test_auto_is_cuda_when_present_else_cpu():
 def test_one_reading_of_device_for_calibration_verification_and_heal():
     """``--device`` is read by ``parse_device`` alone: ``auto`` is one device everywhere (the current CUDA
     device, else the CPU); only whether it was ``auto`` tells verification to let accelerate spread a
-    whole model (``device_map="auto"``)."""
-    from hf_symmetry.evaluation.verification import device_map_spec
+    whole model (``device_map="auto"``: :attr:`DeviceRequest.spread`), and a request already read passes
+    through unchanged."""
+    from hf_symmetry.evaluation.verification import load_for_eval
 
     auto = parse_device("auto")
-    assert auto.auto and auto.device == resolve_device("auto") == resolve("auto").device
-    assert parse_device(None) == parse_device(" AUTO ") == auto
-    assert device_map_spec("auto") == device_map_spec(None) == auto.device_map == "auto"
+    assert auto.auto and auto.spread and auto.device == resolve("auto").device
+    assert parse_device(None) == parse_device(" AUTO ") == parse_device(auto) == auto
+    assert parse_device("auto").device_map == parse_device(None).device_map == auto.device_map == "auto"
     named = parse_device("cpu")
-    assert not named.auto and named.device == torch.device("cpu")
-    assert device_map_spec("cpu") == named.device_map == "cpu"
+    assert not named.auto and not named.spread and named.device == torch.device("cpu")
+    assert parse_device(named) is named and named.device_map == "cpu" and resolve(named).device == named.device
     # negative control: a device that names no device here is refused by the same reading on every path
-    for read in (parse_device, resolve_device, device_map_spec, resolve):
+    for read in (parse_device, resolve, lambda d: load_for_eval("default", device=d)):
         with pytest.raises(DeviceError, match="unknown device 'tpu'"):
             read("tpu")
     # the library's default placement, named once

@@ -33,14 +33,12 @@ def _fake_cuda(monkeypatch, current: int = 1, count: int = 2) -> None:
 def test_a_resolved_cuda_device_always_carries_its_index(monkeypatch):
     _fake_cuda(monkeypatch, current=1)
     for spec in ("auto", "cuda", "CUDA", " auto ", None, torch.device("cuda")):
-        dev = devices.resolve_device(spec)
+        dev = devices.parse_device(spec).device
         assert dev == torch.device("cuda", 1) and dev.index == 1, spec
-    assert devices.resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert devices.parse_device("cuda:0").device == torch.device("cuda", 0)
     with pytest.raises(devices.DeviceError, match="only 2 CUDA device"):
-        devices.resolve_device("cuda:2")
-    from hf_symmetry.evaluation.verification import device_map_spec as for_verification
-
-    assert for_verification("auto") == "auto" and for_verification("cuda") == "cuda:1"
+        devices.parse_device("cuda:2")
+    assert devices.parse_device("auto").device_map == "auto" and devices.parse_device("cuda").device_map == "cuda:1"
 
 
 def test_heal_hands_torch_cuda_set_device_an_indexed_device(monkeypatch, tmp_path):
@@ -49,7 +47,7 @@ def test_heal_hands_torch_cuda_set_device_an_indexed_device(monkeypatch, tmp_pat
     from heal_models import byte_tokenizer, tiny as tiny_heal
 
     from hf_symmetry.assets import resolve_text
-    from hf_symmetry.training.heal import HealOptions, heal_checkpoint
+    from hf_symmetry.training.heal import HealJob, HealOptions, heal_checkpoint
 
     tok = byte_tokenizer()
     for name, seed in (("teacher", 0), ("student", 1)):
@@ -70,14 +68,16 @@ def test_heal_hands_torch_cuda_set_device_an_indexed_device(monkeypatch, tmp_pat
     options = HealOptions(tokens=8 * 32 * 2, seq_len=32, batch_size=8, lora_rank=2, validation_fraction=0.1)
     with pytest.raises(Stop):
         heal_checkpoint(
-            tmp_path / "student",
-            tmp_path / "out",
-            tmp_path / "teacher",
-            [tmp_path / "train.txt"],
-            options,
-            progress=False,
-            device="auto",
-            eval_texts=None,
+            HealJob(
+                tmp_path / "student",
+                tmp_path / "out",
+                tmp_path / "teacher",
+                [tmp_path / "train.txt"],
+                options,
+                progress=False,
+                device="auto",
+                eval_texts=None,
+            )
         )
     assert seen and isinstance(seen[0], torch.device) and seen[0].index == 0
 
@@ -408,7 +408,7 @@ def test_cuda_fisher_and_layerwise_layout_check_run_on_the_gpu(tmp_path):
     from hf_symmetry.conversion.merge.statistics import fisher_diagonal
     from hf_symmetry.conversion.farr.fused_check import check_fused_layout_layerwise
 
-    dev = devices.resolve_device("auto")
+    dev = devices.parse_device("auto").device
     assert dev.type == "cuda" and dev.index is not None
     model = tiny_model("llama", dtype=torch.float32)
     batches = [input_ids(batch=2, length=12)]

@@ -20,7 +20,7 @@ from heal_models import FAMILIES, byte_tokenizer, save_tiny, tiny  # noqa: E402
 
 from hf_symmetry.assets import resolve_text  # noqa: E402
 from hf_symmetry.cli import main as cli  # noqa: E402
-from hf_symmetry.training.heal import HealOptions, heal_checkpoint, run_dir_for  # noqa: E402
+from hf_symmetry.training.heal import HealJob, HealOptions, heal_checkpoint, run_dir_for  # noqa: E402
 from hf_symmetry.training.peft_targets import apply_lora, lora_plan  # noqa: E402
 
 SEQ = 32
@@ -56,16 +56,18 @@ def _opts(**kw) -> HealOptions:
 def _heal(folders, family, out, **kw):
     extra = {k: kw.pop(k) for k in ("resume", "callbacks", "save_adapter") if k in kw}
     return heal_checkpoint(
-        folders / family,
-        out,
-        folders / "teacher",
-        [folders / "train.txt"],
-        _opts(**kw),
-        progress=False,
-        device="cpu",
-        eval_texts=None,
-        heldout_kl_sequences=8,
-        **extra,
+        HealJob(
+            folders / family,
+            out,
+            folders / "teacher",
+            [folders / "train.txt"],
+            _opts(**kw),
+            progress=False,
+            device="cpu",
+            eval_texts=None,
+            heldout_kl_sequences=8,
+            **extra,
+        )
     )
 
 
@@ -405,14 +407,16 @@ def test_a_rotated_layer_norm_decoder_heals(folders, tmp_path, tok):
     rotate_checkpoint(src, student, RotateOptions(residual="hadamard", heads="none", ffn=False), progress=False)
     assert check_student(student)["model_type"] == "hf_symmetry_rms_decoder"
     r = heal_checkpoint(
-        student,
-        tmp_path / "out",
-        folders / "teacher",
-        [folders / "train.txt"],
-        _opts(full=True, lr=3e-3),
-        progress=False,
-        device="cpu",
-        eval_texts=None,
-        heldout_kl_sequences=8,
+        HealJob(
+            student,
+            tmp_path / "out",
+            folders / "teacher",
+            [folders / "train.txt"],
+            _opts(full=True, lr=3e-3),
+            progress=False,
+            device="cpu",
+            eval_texts=None,
+            heldout_kl_sequences=8,
+        )
     )
     assert r.steps == 8 and r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)

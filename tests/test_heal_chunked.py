@@ -158,8 +158,8 @@ def test_cli_passes_the_logit_chunk_and_a_negative_one_is_refused(monkeypatch):
 
     seen = {}
 
-    def fake(model, out, teacher, texts, options, **kw):
-        seen["options"] = options
+    def fake(job):
+        seen["options"] = job.options
         raise ValueError("stop here")
 
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)

@@ -190,31 +190,33 @@ def test_a_lossy_slice_records_its_narrower_width(root):
 
 # ----------------------------------------------------------------------------- heal with layer targets
 def _heal(root, student, out, **kw):
-    from hf_symmetry.training.heal import HealOptions, heal_checkpoint
+    from hf_symmetry.training.heal import HealJob, HealOptions, heal_checkpoint
 
     opts = dict(
         tokens=8 * SEQ * 4, seq_len=SEQ, batch_size=8, lora_rank=4, lr=3e-2, validation_fraction=0.1, save_steps=100
     )
     opts["teacher_sample_fraction"] = 0.0  # text only unless a test asks (the default: test_default_heal_...)
     return heal_checkpoint(
-        student,
-        out,
-        root / "teacher",
-        [root / "train.txt"],
-        HealOptions(**{**opts, **kw}),
-        progress=False,
-        device="cpu",
-        eval_texts=None,
-        heldout_kl_sequences=4,
+        HealJob(
+            student,
+            out,
+            root / "teacher",
+            [root / "train.txt"],
+            HealOptions(**{**opts, **kw}),
+            progress=False,
+            device="cpu",
+            eval_texts=None,
+            heldout_kl_sequences=4,
+        )
     )
 
 
 def test_heal_distils_the_layer_states_through_the_map(root, tmp_path):
-    from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa
+    from hf_symmetry.conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
 
     student = root / "tpa-lossy"
     if not student.exists():
-        convert_checkpoint_to_tpa(root / "teacher", student, k_rank=1, v_rank=1, progress=False)
+        convert_checkpoint_to_tpa(root / "teacher", student, ToTPAOptions(k_rank=1, v_rank=1), progress=False)
     before = _loss(student, root / "teacher")
     r = _heal(root, student, tmp_path / "out", layer_loss_weight=1.0)
     assert r.layer_targets == "identity"
@@ -255,14 +257,14 @@ def test_negative_layer_loss_weight_is_refused():
 
 
 # ----------------------------------------------------------------------------- teacher samples
-def test_teacher_samples_are_deterministic_cached_reused_and_invalidated(root, tmp_path):
+def test_teacher_samples_are_deterministic_cached_reused_and_invalidated(root, tmp_path, monkeypatch):
     from hf_symmetry.training.distill import cached_teacher_samples, teacher_samples
 
     tok = byte_tokenizer()
     teacher = _load(root / "teacher").float()
-    a = teacher_samples(teacher, tok, 5, 12, seed=7, batch_size=2, device="cpu", progress=False)
-    b = teacher_samples(teacher, tok, 5, 12, seed=7, batch_size=2, device="cpu", progress=False)
-    c = teacher_samples(teacher, tok, 5, 12, seed=8, batch_size=2, device="cpu", progress=False)
+    a = teacher_samples(teacher, tok, 5, 12, seed=7, batch_size=2, progress=False)
+    b = teacher_samples(teacher, tok, 5, 12, seed=7, batch_size=2, progress=False)
+    c = teacher_samples(teacher, tok, 5, 12, seed=8, batch_size=2, progress=False)
     assert a.shape == (5, 12) and torch.equal(a, b) and not torch.equal(a, c)
     assert (a[:, 0] == tok.bos_token_id).all() and len(set(a[:, 1:].flatten().tolist())) > 10
 
@@ -270,27 +272,20 @@ def test_teacher_samples_are_deterministic_cached_reused_and_invalidated(root, t
     import shutil
 
     shutil.copytree(root / "teacher", folder)
-    cache = tmp_path / "cache"
-    s1, p1, reused1 = cached_teacher_samples(
-        teacher, tok, folder, 5, 12, seed=7, device="cpu", batch_size=2, cache=cache, progress=False
-    )
+    monkeypatch.setenv("HF_SYMMETRY_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "cache" / "teacher-samples"
+    s1, p1, reused1 = cached_teacher_samples(teacher, tok, folder, 5, 12, seed=7, batch_size=2, progress=False)
     assert not reused1 and p1.is_file() and torch.equal(s1, a)
-    s2, p2, reused2 = cached_teacher_samples(
-        teacher, tok, folder, 5, 12, seed=7, device="cpu", batch_size=2, cache=cache, progress=False
-    )
+    s2, p2, reused2 = cached_teacher_samples(teacher, tok, folder, 5, 12, seed=7, batch_size=2, progress=False)
     assert reused2 and p2 == p1 and torch.equal(s2, s1)
     # another seed is another file; a changed teacher (new weights file) samples anew
-    _, p3, reused3 = cached_teacher_samples(
-        teacher, tok, folder, 5, 12, seed=8, device="cpu", batch_size=2, cache=cache, progress=False
-    )
+    _, p3, reused3 = cached_teacher_samples(teacher, tok, folder, 5, 12, seed=8, batch_size=2, progress=False)
     assert not reused3 and p3 != p1
     changed = _load(folder)
     with torch.no_grad():
         changed.lm_head.weight.mul_(3.0)
     changed.save_pretrained(folder)
-    s4, p4, reused4 = cached_teacher_samples(
-        changed.float(), tok, folder, 5, 12, seed=7, device="cpu", batch_size=2, cache=cache, progress=False
-    )
+    s4, p4, reused4 = cached_teacher_samples(changed.float(), tok, folder, 5, 12, seed=7, batch_size=2, progress=False)
     assert not reused4 and p4 != p1 and p1.is_file()
     assert len(list(cache.glob("*.safetensors"))) == 3 and not list(cache.glob(".*"))
 
@@ -343,8 +338,8 @@ def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
 
     seen = []
 
-    def fake(model, out, teacher, texts, options, **kw):
-        seen.append(options)
+    def fake(job):
+        seen.append(job.options)
         raise ValueError("stop here")
 
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
@@ -361,8 +356,8 @@ def test_cli_passes_the_layer_loss_weight(monkeypatch):
 
     seen = {}
 
-    def fake(model, out, teacher, texts, options, **kw):
-        seen["options"] = options
+    def fake(job):
+        seen["options"] = job.options
         raise ValueError("stop here")
 
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)

@@ -13,9 +13,9 @@ from transformers.utils import logging as hf_logging
 
 from ..assets import resolve_model, resolve_text
 from ..checkpoint_io import TOKENIZER_FILES
-from ..devices import CALIB_DTYPES, DEVICE_CHOICES, resolve
+from ..devices import CALIB_DTYPES, DEVICE_CHOICES, parse_device, resolve
 from ..evaluation.perplexity import LOGIT_TOKENS, PPL
-from ..evaluation.verification import device_map_spec, verify
+from ..evaluation.verification import verify
 from ..hub.cards import update_card
 from ..hub.entries import verification_card_entries
 from ..hub.push import check_online, push_folder, resolve_token, validate_repo_id
@@ -30,7 +30,7 @@ def add_output_args(p) -> None:
 
 def add_device_arg(p, extra: str = "") -> None:
     """The one ``--device`` flag of every command that loads a model (conversions, ``verify``,
-    ``eval``, ``heal``), resolved by :func:`hf_symmetry.devices.resolve_device` (``auto`` and ``cuda``
+    ``eval``, ``heal``), read by :func:`hf_symmetry.devices.parse_device` alone (``auto`` and ``cuda``
     become ``cuda:<current index>``). ``p``: a parser or an argument group; added once per parser."""
     if "--device" in p._option_string_actions:  # (an argument group shares its parser's)
         return
@@ -58,7 +58,8 @@ def add_device_args(p, calib_dtype: bool = True) -> None:
 
 def placement_from_args(args):
     """The :class:`~hf_symmetry.devices.Placement` of a command's ``--device``/``--calib-dtype`` flags
-    (:func:`add_device_args`); an unusable device or dtype fails here, before any work."""
+    (:func:`add_device_args`; the device read by :func:`hf_symmetry.devices.parse_device`); an unusable
+    device or dtype fails here, before any work."""
     return resolve(getattr(args, "device", "auto"), getattr(args, "calib_dtype", "float32"))
 
 
@@ -100,7 +101,7 @@ def check_verify_args(args, tokenizer_from=None) -> None:
             f"--tokens must be at least 2 and --ppl-tokens 0 or at least 2; got {args.tokens} and {args.ppl_tokens}"
         )
     resolve_text(args.text)
-    device_map_spec(getattr(args, "device", "auto"))
+    parse_device(getattr(args, "device", "auto"))
     if tokenizer_from is not None:
         folder = resolve_model(tokenizer_from)
         if not any((folder / f).is_file() for f in TOKENIZER_FILES):

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..devices import resolve_device
+from ..devices import parse_device
 from ..evaluation.bridge import parse_tasks, require_lm_eval, run_lm_eval, text_perplexity
 from ..evaluation.perplexity import PPL
-from ..evaluation.verification import device_map_spec
 from ..hub.cards import update_card
 from ..hub.entries import lm_eval_card_entries, perplexity_card_entry
 from ..hub.values import fmt_number
@@ -64,9 +63,10 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _check_args(args) -> list[str] | None:
-    """Refuse bad combinations before loading anything (an unusable --device among them)."""
-    device_map_spec(args.device)
+def _check_args(args):
+    """Refuse bad combinations before loading anything. Returns the lm-eval tasks (or None) and
+    ``--device`` read once (:func:`~hf_symmetry.devices.parse_device`: an unusable one is refused here)."""
+    device = parse_device(args.device)
     tasks = parse_tasks(args.tasks) if args.tasks else None
     if tasks:
         require_lm_eval()
@@ -74,11 +74,11 @@ def _check_args(args) -> list[str] | None:
         raise FileNotFoundError(f"task folder {args.task_dir} does not exist")
     if args.update_card and not (Path(args.model) / "config.json").is_file():
         raise ValueError("--update-card needs MODEL to be a model folder (its README.md is the card)")
-    return tasks
+    return tasks, device
 
 
 def run(args) -> int:
-    tasks = _check_args(args)
+    tasks, device = _check_args(args)
     text = args.text or (None if tasks else "britannica-eval")
     summary, lines, entries = {"model": str(args.model)}, [], []
     if text:
@@ -90,7 +90,7 @@ def run(args) -> int:
             stride=args.stride,
             trust_remote_code=args.trust_remote_code,
             progress=not args.quiet,
-            device=args.device,
+            device=device,
         )
         entry = perplexity_card_entry(r, text, args.max_tokens or None)
         entries.append(entry)
@@ -104,7 +104,7 @@ def run(args) -> int:
             limit=args.limit,
             num_fewshot=args.num_fewshot,
             trust_remote_code=args.trust_remote_code,
-            device=str(resolve_device(args.device)),
+            device=str(device.device),
         )
         task_entries = lm_eval_card_entries(results)
         entries += task_entries

@@ -19,7 +19,7 @@ import argparse
 
 from ..evaluation.perplexity import PPL
 from ..training import is_main_process
-from ..training.heal import HealOptions, heal_checkpoint
+from ..training.heal import HealJob, HealOptions, heal_checkpoint
 from .common import add_device_arg, add_output_args, emit
 
 
@@ -30,6 +30,18 @@ def register(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_inputs(p)
+    _add_budget(p)
+    _add_loss(p)
+    _add_run(p)
+    _add_heldout(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of data order and adapter initialisation (default: 0)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_inputs(p) -> None:
+    """CONVERTED, OUT, the teacher and the training text."""
     p.add_argument("model", metavar="CONVERTED", help="converted model folder (the student)")
     p.add_argument("out", metavar="OUT", help="output folder (must not exist unless --overwrite)")
     p.add_argument(
@@ -46,6 +58,10 @@ def register(sub) -> None:
         help='training text: a UTF-8 file, a JSONL file with a "text" field, or an embedded name '
         "(e.g. britannica-calib); repeat for several. Split by document into train/held-out",
     )
+
+
+def _add_budget(p) -> None:
+    """The token budget, the batches, LoRA or full fine-tuning, the learning rate and its warmup."""
     p.add_argument(
         "--tokens",
         type=int,
@@ -62,6 +78,10 @@ def register(sub) -> None:
     how.add_argument("--full", action="store_true", help="fine-tune every weight instead of LoRA adapters")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3 LoRA, 2e-5 --full)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 5%% of the steps)")
+
+
+def _add_loss(p) -> None:
+    """The distillation loss: temperature, LM weight, the teacher's cache and samples, layer targets, chunks."""
     p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
     p.add_argument(
         "--lm-weight",
@@ -112,6 +132,10 @@ def register(sub) -> None:
         help="form the student's and teacher's logits, the KL and the LM loss N positions at a time "
         "(no [batch, seq, vocab] logits; same loss and gradients); 0: all at once (default: 2048)",
     )
+
+
+def _add_run(p) -> None:
+    """How the run goes: held-out loss and checkpoints, resuming, devices, the adapter alone."""
     p.add_argument("--eval-steps", type=int, default=None, help="held-out KD loss every N steps (default: at the end)")
     p.add_argument(
         "--save-steps",
@@ -123,6 +147,10 @@ def register(sub) -> None:
     add_device_arg(p, "; under accelerate/torchrun each process uses its own GPU")
     p.add_argument("--teacher-device", default=None, help="run the teacher on another device (default: the student's)")
     p.add_argument("--save-adapter", action="store_true", help="also write the PEFT adapter alone to OUT/adapter/")
+
+
+def _add_heldout(p) -> None:
+    """The held-out perplexity before and after (``--eval-text``, ``--ppl-tokens``, ``--no-verify``)."""
     # --text/--tokens are the training text and budget here, so the held-out text of the shared
     # verification flags (commands/common.add_verify_args) is --eval-text; --ppl-tokens and --no-verify
     # mean what they mean in every other command.
@@ -145,12 +173,18 @@ def register(sub) -> None:
         f"(default: {PPL.tokens}; 0 skips)",
     )
     g.add_argument("--no-verify", action="store_true", help="skip the before/after perplexity")
-    p.add_argument("--seed", type=int, default=0, help="seed of data order and adapter initialisation (default: 0)")
-    add_output_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    r = heal_checkpoint(job_from_args(args))
+    if not is_main_process():
+        return 0
+    emit(r.as_dict(), summary_lines(r), args.json_out)
+    return 0
+
+
+def job_from_args(args) -> HealJob:
+    """The :class:`~hf_symmetry.training.heal.HealJob` of ``heal``'s parsed arguments."""
     options = HealOptions(
         tokens=args.tokens,
         seq_len=args.seq_len,
@@ -173,7 +207,7 @@ def run(args) -> int:
         seed=args.seed,
     )
     eval_texts = [] if (args.no_verify or args.eval_tokens == 0) else (args.eval_text or ["britannica-eval"])
-    r = heal_checkpoint(
+    return HealJob(
         args.model,
         args.out,
         args.teacher,
@@ -188,8 +222,10 @@ def run(args) -> int:
         eval_texts=eval_texts,
         eval_tokens=args.eval_tokens,
     )
-    if not is_main_process():
-        return 0
+
+
+def summary_lines(r) -> list[str]:
+    """The lines ``heal`` prints of its report ``r``."""
     lines = [
         f"heal {r.source} -> {r.output} ({r.model_type}, {r.mode}) in {r.seconds:.1f} s",
         f"  {r.steps} steps, {r.train_tokens:,} training tokens, {r.tokens_per_second:.0f} tokens/s "
@@ -214,5 +250,4 @@ def run(args) -> int:
         )
     if r.adapter_dir:
         lines.append(f"  adapter alone: {r.adapter_dir}")
-    emit(r.as_dict(), lines, args.json_out)
-    return 0
+    return lines

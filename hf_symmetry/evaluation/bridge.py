@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from ..assets import cache_dir, resolve_text
+from ..devices import DeviceRequest
 from ..text import read_text, tokenize_text
 from .compare import is_causal_lm, load_model, load_tokenizer
 from .perplexity import PPL, PerplexityResult, perplexity
@@ -38,25 +39,27 @@ def text_perplexity(
     window: int = PPL.window,
     stride: int = PPL.stride,
     trust_remote_code: bool = False,
-    tokenizer=None,
     progress: bool = True,
-    device: str | None = None,
+    device: str | DeviceRequest | None = None,
 ) -> PerplexityResult:
-    """Sliding-window perplexity of a causal LM (folder, alias or loaded model) on a text.
-    ``device`` (a folder or alias only): where it is loaded, as verification loads it
-    (:func:`~hf_symmetry.evaluation.verification.load_for_eval`: ``auto`` is accelerate's device map,
-    anything else one device); ``None``: float32 on the CPU."""
+    """Sliding-window perplexity of a causal LM on a text. ``model_or_path``: a folder or alias, or a
+    loaded ``(model, tokenizer)`` pair (as :func:`run_lm_eval` takes). ``device`` (a folder or alias
+    only): where it is loaded, as verification loads it
+    (:func:`~hf_symmetry.evaluation.verification.load_for_eval`: ``auto`` may spread it with accelerate's
+    device map, anything else is one device); ``None``: float32 on the CPU."""
     text_path = resolve_text(text)
-    if isinstance(model_or_path, (str, os.PathLike)):
-        if device is None:
-            model = load_model(model_or_path, trust_remote_code=trust_remote_code)
-        else:
-            model = load_for_eval(model_or_path, device=device, trust_remote_code=trust_remote_code)
+    folder = isinstance(model_or_path, (str, os.PathLike))
+    if not folder:
+        model, tokenizer = model_or_path
+    elif device is None:
+        model = load_model(model_or_path, trust_remote_code=trust_remote_code)
     else:
-        model = model_or_path
+        model = load_for_eval(model_or_path, device=device, trust_remote_code=trust_remote_code)
     if not is_causal_lm(model):
-        raise ValueError(f"{model_or_path} is not a causal LM ({type(model).__name__}); perplexity needs one")
-    tokenizer = tokenizer or load_tokenizer(model_or_path)
+        name = model_or_path if folder else "the model"
+        raise ValueError(f"{name} is not a causal LM ({type(model).__name__}); perplexity needs one")
+    if folder:
+        tokenizer = load_tokenizer(model_or_path)
     ids = tokenize_text(tokenizer, read_text(text_path), max_tokens)
     return perplexity(model, ids, window=window, stride=stride, progress=progress)
 

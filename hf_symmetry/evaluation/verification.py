@@ -2,11 +2,12 @@
 
 A conversion writes its folder; the command then calls :func:`verify` (one converted model
 against its original) or :func:`perplexities` (several models on one text, e.g. a merge and
-its inputs). Both load each model through accelerate's big-model loading
-(``device_map="auto"`` or one named device, with CPU/disk offload when it does not fit), one
-model at a time, and measure with the same definitions: max |Δ| over the first
-:data:`~.perplexity.LOGIT_TOKENS` tokens (logits, or hidden states for encoders) and the
-perplexity of :data:`~.perplexity.PPL`. One progress bar covers the whole step.
+its inputs). Both load each model through accelerate's big-model loading on the device
+:func:`hf_symmetry.devices.parse_device` reads (left to ``auto``, accelerate's ``device_map="auto"`` with
+CPU/disk offload when the model does not fit; a named device holds it all), one model at a time,
+and measure with the same definitions: max |Δ| over the first :data:`~.perplexity.LOGIT_TOKENS` tokens
+(logits, or hidden states for encoders) and the perplexity of :data:`~.perplexity.PPL`. One progress
+bar covers the whole step.
 """
 
 from __future__ import annotations
@@ -25,21 +26,13 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from ..assets import resolve_model, resolve_text
-from ..devices import parse_device, to_model
+from ..devices import DeviceRequest, parse_device, to_model
 from ..modeling import register_auto_classes
 from ..text import public_text_label, read_text, tokenize_text
 from .compare import auto_class, load_tokenizer
 from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, windows
 
 DEFAULT_TEXT = "britannica-eval"
-
-
-def device_map_spec(device: str | None) -> str:
-    """Where verification loads a model: ``--device`` read by :func:`hf_symmetry.devices.parse_device`,
-    as accelerate's ``device_map`` (:attr:`~hf_symmetry.devices.DeviceRequest.device_map`: ``auto``,
-    or None, lets accelerate spread the model over the GPUs, the CPU and disk; a named device holds it
-    all)."""
-    return parse_device(device).device_map
 
 
 _OFFLOAD: list[str] = []
@@ -55,34 +48,35 @@ def _offload_dir() -> str:
 
 def load_for_eval(
     path: str | os.PathLike,
-    device: str | None = "auto",
+    device: str | DeviceRequest | None = "auto",
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool | None = None,
     offload_folder: str | os.PathLike | None = None,
 ):
     """A saved model (LM class when it has one, else its base model) in eval mode, placed by
-    accelerate: ``device_map="auto"`` spreads it over the visible GPUs and offloads what does not
-    fit to CPU memory and then to ``offload_folder``; a named device puts it all there."""
+    accelerate on ``device`` (read by :func:`~hf_symmetry.devices.parse_device`): a device that may be
+    spread (:attr:`~hf_symmetry.devices.DeviceRequest.spread`, ``auto``) spreads it over the visible GPUs
+    and offloads what does not fit to CPU memory and then to ``offload_folder``; a named device puts it
+    all there."""
     register_auto_classes()
 
     path = resolve_model(path)
     trust = bool(trust_remote_code)  # hf_symmetry's own families are registered and need no remote code
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-    device = device_map_spec(device)
+    request = parse_device(device)
     cls = auto_class(config)
     kwargs = dict(dtype=dtype, trust_remote_code=trust)
-    if device == "auto":
-        kwargs.update(device_map="auto", offload_folder=str(offload_folder or _offload_dir()))
+    if request.spread:
+        kwargs.update(device_map=request.device_map, offload_folder=str(offload_folder or _offload_dir()))
     else:
-        kwargs.update(device_map={"": device})
+        kwargs.update(device_map={"": str(request.device)})
     try:
         model = cls.from_pretrained(path, **kwargs)
     except ValueError as exc:
         if "no_split" not in str(exc).lower():
             raise
-        # a custom class without _no_split_modules: accelerate cannot split it, so one device it is
-
-        kwargs.update(device_map={"": str(parse_device("auto").device)})
+        # a custom class without _no_split_modules: accelerate cannot split it, so the one device it is
+        kwargs.update(device_map={"": str(request.device)})
         kwargs.pop("offload_folder", None)
         model = cls.from_pretrained(path, **kwargs)
     return model.eval()
@@ -147,10 +141,9 @@ def verify(
     text: str | os.PathLike = DEFAULT_TEXT,
     tokens: int = LOGIT_TOKENS,
     ppl_tokens: int = PPL.tokens,
-    device: str | None = "auto",
+    device: str | DeviceRequest | None = "auto",
     trust_remote_code: bool | None = None,
     progress: bool = True,
-    tokenizer=None,
 ) -> Verification:
     """Compare ``converted`` with ``original`` on the first tokens of ``text``: max |Δlogit| over
     ``tokens`` tokens (hidden states and their mean cosine for encoders) and, for causal LMs,
@@ -159,8 +152,7 @@ def verify(
     if tokens < 2 or ppl_tokens < 0:
         raise ValueError(f"need --tokens >= 2 and --ppl-tokens >= 0; got {tokens} and {ppl_tokens}")
     start = time.perf_counter()
-    tokenizer = tokenizer or load_tokenizer(original)
-    ids, path = _text_ids(tokenizer, text, max(tokens, ppl_tokens))
+    ids, path = _text_ids(load_tokenizer(original), text, max(tokens, ppl_tokens))
     results, kind, causal = [], "logits", True
     bar = tqdm(desc="verifying", total=4, disable=not progress, leave=False, unit="step")
     try:
@@ -201,7 +193,7 @@ def perplexities(
     text: str | os.PathLike = DEFAULT_TEXT,
     ppl_tokens: int = PPL.tokens,
     tokenizer_from: str | os.PathLike | None = None,
-    device: str | None = "auto",
+    device: str | DeviceRequest | None = "auto",
     trust_remote_code: bool | None = None,
     progress: bool = True,
 ):

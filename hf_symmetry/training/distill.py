@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from ..assets import cache_dir
-from ..devices import to_model
+from ..devices import module_device, to_model
 from ..modeling import cache_field
 from .logit_loss import chunked_logit_loss, final_hidden, head_is_plain, output_head
 
@@ -341,11 +341,10 @@ def build_teacher_cache(
     k: int = 64,
     batch_size: int = 8,
     teacher_id: str = "",
-    device: str | torch.device | None = None,
     progress: bool = True,
 ) -> Path:
-    """Run ``teacher`` once over ``sequences [n, L]`` and write its top-``k`` logits per position to
-    ``path`` (safetensors: ``topk_values`` float32, ``topk_indices`` int32, ``sequences`` int64 and a
+    """Run ``teacher`` once, where it is, over ``sequences [n, L]`` and write its top-``k`` logits per
+    position to ``path`` (safetensors: ``topk_values`` float32, ``topk_indices`` int32, ``sequences`` int64 and a
     fingerprint of teacher id, k and sequences in the metadata). An existing file with the same
     fingerprint is reused as is. Written to a temporary name and renamed, so a crash leaves no half file."""
     path = Path(path)
@@ -354,8 +353,6 @@ def build_teacher_cache(
         return path
 
     teacher.eval()
-    dev = torch.device(device) if device is not None else next(teacher.parameters()).device
-    teacher.to(dev)
     vocab = None
     vals, idxs = [], []
     for i in tqdm(
@@ -418,17 +415,17 @@ def teacher_samples(
     seq_len: int,
     seed: int = 0,
     batch_size: int | None = None,
-    device: str | torch.device | None = None,
     progress: bool = True,
 ) -> torch.Tensor:
     """``[n, seq_len]`` sequences sampled from the teacher itself (temperature 1, no truncation),
     each starting from the BOS token (EOS when there is none): data-free distillation material.
-    Generated ``batch_size`` sequences at a time with the KV cache, sampled on the teacher's device
-    (a generator of that device): deterministic for a given seed, batch size and device."""
+    Generated ``batch_size`` sequences at a time with the KV cache, sampled where the teacher is
+    (:func:`~hf_symmetry.devices.module_device`, a generator of that device): deterministic for a given
+    seed, batch size and device."""
     start = _start_token(tokenizer)
-    dev = torch.device(device) if device is not None else next(teacher.parameters()).device
+    dev = module_device(teacher)
     batch_size = batch_size or default_sample_batch(dev)
-    teacher.eval().to(dev)
+    teacher.eval()
     gen = torch.Generator(device=dev).manual_seed(seed)
     out = []
     for i in tqdm(range(0, n, batch_size), desc="sampling from the teacher", disable=not progress, unit="batch"):
@@ -468,19 +465,17 @@ def cached_teacher_samples(
     n: int,
     seq_len: int,
     seed: int = 0,
-    device: str | torch.device | None = None,
     batch_size: int | None = None,
-    cache: str | Path | None = None,
     progress: bool = True,
 ) -> tuple[torch.Tensor, Path, bool]:
     """:func:`teacher_samples`, cached: ``(sequences [n, seq_len], file, reused)``. The token file
-    (safetensors, ``sequences`` int32) lives in ``cache`` (default ``<hf_symmetry cache>/teacher-samples``)
-    under a key of the teacher's fingerprint (:func:`teacher_fingerprint`), n, seq_len, seed, batch
-    size, start token and device type; an existing file with that key is read instead of sampling.
-    Written to a temporary name and renamed: concurrent runs never see half a file."""
-    if cache is None:
-        cache = cache_dir() / "teacher-samples"
-    dev = torch.device(device) if device is not None else next(teacher.parameters()).device
+    (safetensors, ``sequences`` int32) lives in ``<hf_symmetry cache>/teacher-samples``
+    (``HF_SYMMETRY_CACHE``) under a key of the teacher's fingerprint (:func:`teacher_fingerprint`), n,
+    seq_len, seed, batch size, start token and the type of the device the teacher is on; an existing file
+    with that key is read instead of sampling. Written to a temporary name and renamed: concurrent runs
+    never see half a file."""
+    cache = cache_dir() / "teacher-samples"
+    dev = module_device(teacher)
     batch_size = batch_size or default_sample_batch(dev)
     fp = teacher_fingerprint(teacher_folder)
     key = {
@@ -502,9 +497,7 @@ def cached_teacher_samples(
                     return f.get_tensor("sequences").long(), path, True
         except Exception:  # a damaged file: sample anew
             pass
-    seqs = teacher_samples(
-        teacher, tokenizer, n, seq_len, seed=seed, batch_size=batch_size, device=dev, progress=progress
-    )
+    seqs = teacher_samples(teacher, tokenizer, n, seq_len, seed=seed, batch_size=batch_size, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(

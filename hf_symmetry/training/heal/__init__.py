@@ -1,6 +1,6 @@
 """``heal``: recovery fine-tuning of a converted model by distillation from the original.
 
-Pipeline (:func:`heal_checkpoint`):
+Pipeline (:func:`heal_checkpoint`, given one :class:`HealJob`):
 
 1. **Checks, before any work** (one ``ValueError``/``FileExistsError`` each, nothing written): options,
    OUT (must not exist unless ``overwrite``), the run folder (``<OUT>.heal-run``: must exist for
@@ -27,10 +27,11 @@ Pipeline (:func:`heal_checkpoint`):
 
 The pieces, one module each:
 
-- :mod:`.options` — :class:`HealOptions`, the recipe of a run and the figures derived from it;
+- :mod:`.options` — :class:`HealOptions`, the recipe of a run and the figures derived from it, and
+  :class:`HealJob`, the run as one object (inputs, recipe, how it runs);
 - :mod:`.checks` — the refusals before any work: OUT and the run folder, the student's family;
 - :mod:`.models` — the models loaded in float32, the weightless skeleton, perplexities;
-- :mod:`.pipeline` — :func:`heal_checkpoint`, the run from the checks to the card;
+- :mod:`.pipeline` — :func:`heal_checkpoint`, the run from the checks to the card, one function per step;
 - :mod:`.output` — the healed folder (merged weights, tokenizer, layer map, ``adapter/``, report);
 - :mod:`.report` — :class:`HealReport` and the model card.
 """
@@ -38,9 +39,9 @@ The pieces, one module each:
 from __future__ import annotations
 
 from .checks import check_student, run_dir_for
-from .options import HealOptions
+from .options import HealJob, HealOptions
 from .output import ADAPTER_DIR
 from .pipeline import heal_checkpoint
 from .report import HealReport
 
-__all__ = ["HealOptions", "HealReport", "heal_checkpoint", "run_dir_for", "check_student", "ADAPTER_DIR"]
+__all__ = ["HealJob", "HealOptions", "HealReport", "heal_checkpoint", "run_dir_for", "check_student", "ADAPTER_DIR"]

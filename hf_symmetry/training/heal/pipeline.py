@@ -1,14 +1,15 @@
 """The healing run (:func:`heal_checkpoint`), one function per step: the refusals before any work
 (:func:`check_inputs`), the data and the LoRA plan (:func:`prepare_data`), the layer targets
-(:func:`layer_targets`), the processes' placement (:func:`place_processes`), the models
-(:func:`load_models`), the teacher's samples and cache (:func:`teacher_data`), the before-figures and
-adapters (:func:`before_training`), the training (:func:`train_student`), the report
-(:func:`heal_report`), then the output, the after-figures and the card (:func:`finish`).
+(:func:`layer_targets`), the processes' placement (:func:`place_processes`), the student
+(:func:`load_student`), the teacher, loaded once on its device (:func:`load_teacher`), the teacher's
+samples and cache (:func:`teacher_data`), the before-figures and adapters (:func:`before_training`), the
+training (:func:`train_student`), the report (:func:`heal_report`), then, on the main process, the healed
+folder (:func:`save_output`), the after-figures (:func:`verify_after`) and the card (:func:`write_card`).
 
-What the run is asked to do travels as one :class:`~.options.HealJob`; what it has built so far as one
-:class:`HealState`. The imports of transformers' Trainer, peft, accelerate and the distillation code stay
-inside the steps that use them, as before the split: ``import hf_symmetry.training.heal`` stays cheap for
-the command line, which imports it to parse ``heal``'s arguments."""
+What the run is asked to do travels as one :class:`~.options.HealJob` (the recipe, :class:`~.options.HealOptions`,
+inside it); what it has built so far as one :class:`HealState`. The teacher is named once in each form: its
+folder (:attr:`HealState.teacher_dir`), the model (:attr:`HealState.teacher`) and its device
+(:attr:`HealState.teacher_device`), where it is loaded and stays."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from accelerate import PartialState
 
 from ...assets import resolve_model, resolve_text
 from ...conversion.layer_map import read_layer_map
-from ...devices import resolve_device
+from ...devices import parse_device
 from ...evaluation.compare import load_tokenizer
 from .. import build_datasets, is_main_process, train, world_size
 from ..data import PackedDataset, read_documents
@@ -46,53 +47,6 @@ from .output import write_output
 from .report import HealReport, last_loss, write_heal_card
 
 
-def heal_checkpoint(
-    converted,
-    out,
-    teacher,
-    texts,
-    options: HealOptions,
-    *,
-    overwrite: bool = False,
-    resume: bool = False,
-    progress: bool = True,
-    device: str = "auto",
-    teacher_device: str | None = None,
-    save_adapter: bool = False,
-    eval_texts: list[str] | None = ("britannica-eval",),
-    eval_tokens: int = 2048,
-    heldout_kl_sequences: int = 16,
-    keep_run_dir: bool = False,
-    callbacks=(),
-) -> HealReport:
-    """Heal ``converted`` by distillation from ``teacher`` on ``texts``; write the result to ``out``.
-
-    ``eval_texts``: texts scored for perplexity (teacher, before, after) on the main process; empty
-    or ``None`` skips (``--no-verify``). ``callbacks``: extra ``TrainerCallback`` objects. Returns a
-    :class:`HealReport` on every process (figures that
-    only the main process measures are ``None``/empty elsewhere). The arguments are those of
-    :class:`~.options.HealJob`; :func:`run_heal` takes one."""
-    job = HealJob(
-        converted,
-        out,
-        teacher,
-        texts,
-        options,
-        overwrite=overwrite,
-        resume=resume,
-        progress=progress,
-        device=device,
-        teacher_device=teacher_device,
-        save_adapter=save_adapter,
-        eval_texts=eval_texts,
-        eval_tokens=eval_tokens,
-        heldout_kl_sequences=heldout_kl_sequences,
-        keep_run_dir=keep_run_dir,
-        callbacks=callbacks,
-    )
-    return run_heal(job)
-
-
 @dataclass
 class HealState:
     """What a healing run has built so far, filled in step by step (see the module docstring)."""
@@ -101,14 +55,14 @@ class HealState:
     options: HealOptions  # the recipe in force (no teacher samples where the tokenizer cannot start one)
     out: Path
     run: Path  # the run folder (``<OUT>.heal-run``)
-    src: Path
-    tea: Path
+    student_dir: Path
+    teacher_dir: Path
     student_cfg: dict
     teacher_cfg: dict
     text_paths: list[Path]
     eval_texts: list[str]
-    dev: torch.device
-    tdev: torch.device | None  # the teacher's own device (``--teacher-device``), else None
+    device: torch.device  # where this process trains the student
+    teacher_device_named: torch.device | None  # ``--teacher-device``; None: the teacher follows the student
     tok: object
     per_device: int = 0
     plan: object = None  # the LoRA plan; None for full fine-tuning
@@ -118,7 +72,7 @@ class HealState:
     processes: object = None  # accelerate's PartialState
     main: bool = True
     student: object = None
-    tmodel: object = None
+    teacher: object = None
     n_samples: int = 0
     samples_reused: bool = False
     train_ds: object = None
@@ -129,35 +83,47 @@ class HealState:
     trainable: int = 0
     result: object = None  # the training's outcome
 
+    @property
+    def teacher_device(self) -> torch.device:
+        """Where the teacher is loaded and stays: ``--teacher-device``, else the student's device."""
+        return self.teacher_device_named or self.device
 
-def run_heal(job: HealJob) -> HealReport:
-    """The healing run of ``job`` (see :func:`heal_checkpoint`)."""
+
+def heal_checkpoint(job: HealJob) -> HealReport:
+    """Heal ``job.converted`` by distillation from ``job.teacher`` on ``job.texts`` with the recipe
+    ``job.options``; write the result to ``job.out`` (:class:`~.options.HealJob` documents the rest).
+    Returns a :class:`HealReport` on every process (figures that only the main process measures are
+    ``None``/empty elsewhere)."""
     s = check_inputs(job)
-    prepare_data(job, s)
+    prepare_data(s)
     layer_targets(s)
-    s.processes, s.dev = place_processes(s.dev)
-    load_models(job, s)
+    s.processes, s.device = place_processes(s.device)
+    load_student(job, s)
+    load_teacher(job, s)
     teacher_data(job, s)
     before_training(job, s)
     train_student(job, s)
     report = heal_report(s)
     if not s.main:
         return report
-    return finish(job, s, report)
+    save_output(job, s, report)
+    verify_after(job, s, report)
+    write_card(job, s, report)
+    return report
 
 
 # ---- 1. checks (nothing written) --------------------------------------------------------------------
 def check_inputs(job: HealJob) -> HealState:
     """Every refusal that needs no data: options, OUT and the run folder, both models, the texts, the
-    devices, the shared tokenizer."""
+    devices (each ``--device`` read once, by :func:`~hf_symmetry.devices.parse_device`), the shared
+    tokenizer."""
     t_start = time.perf_counter()
     options = job.options
     options.validate()
     out = Path(job.out).absolute()
     run = check_output(out, job.overwrite, job.resume)
-    src, tea = resolve_model(job.converted), resolve_model(job.teacher)
-    student_cfg = check_student(src)
-    teacher_cfg = check_student(tea)
+    student_dir, teacher_dir = resolve_model(job.converted), resolve_model(job.teacher)
+    student_cfg, teacher_cfg = check_student(student_dir), check_student(teacher_dir)
     texts = job.texts
     text_paths = [resolve_text(t) for t in ([texts] if isinstance(texts, (str, Path)) else list(texts))]
     read_documents(text_paths)  # empty / non-UTF-8 / bad JSONL fail here
@@ -166,10 +132,10 @@ def check_inputs(job: HealJob) -> HealState:
         resolve_text(t)
     if eval_texts and job.eval_tokens < 2:
         raise ValueError(f"--ppl-tokens must be 0 (skip) or at least 2, got {job.eval_tokens}")
-    dev = resolve_device(job.device)
-    tdev = resolve_device(job.teacher_device) if job.teacher_device else None
-    tok = load_tokenizer(src)
-    check_same_tokenizer(tok, load_tokenizer(tea), student_cfg.get("vocab_size"), teacher_cfg.get("vocab_size"))
+    device = parse_device(job.device).device
+    teacher_device = parse_device(job.teacher_device).device if job.teacher_device else None
+    tok = load_tokenizer(student_dir)
+    check_same_tokenizer(tok, load_tokenizer(teacher_dir), student_cfg.get("vocab_size"), teacher_cfg.get("vocab_size"))
     if options.teacher_samples is None and options.sample_count() and tok.bos_token_id is tok.eos_token_id is None:
         # the default fraction needs a start token; an explicit --teacher-samples N is refused instead
         print(
@@ -179,16 +145,28 @@ def check_inputs(job: HealJob) -> HealState:
         )
         options = dataclasses.replace(options, teacher_sample_fraction=0.0)
     return HealState(
-        t_start, options, out, run, src, tea, student_cfg, teacher_cfg, text_paths, eval_texts, dev, tdev, tok
+        t_start=t_start,
+        options=options,
+        out=out,
+        run=run,
+        student_dir=student_dir,
+        teacher_dir=teacher_dir,
+        student_cfg=student_cfg,
+        teacher_cfg=teacher_cfg,
+        text_paths=text_paths,
+        eval_texts=eval_texts,
+        device=device,
+        teacher_device_named=teacher_device,
+        tok=tok,
     )
 
 
-def prepare_data(job: HealJob, s: HealState) -> None:
+def prepare_data(s: HealState) -> None:
     """The per-device batch, the LoRA plan (its rank checked on the weightless skeleton) and the packed
     train/held-out datasets."""
     options = s.options
     s.per_device = per_device_batch(options.batch_size, options.grad_accum)
-    s.plan = None if options.full else lora_plan(skeleton(s.src), options.lora_rank)  # rank check, no weights read
+    s.plan = None if options.full else lora_plan(skeleton(s.student_dir), options.lora_rank)  # no weights read
     s.data = build_datasets(
         s.tok,
         s.text_paths,
@@ -204,9 +182,9 @@ def layer_targets(s: HealState) -> None:
     the teacher, one line saying so (the logits alone are distilled)."""
     if s.options.layer_loss_weight <= 0:
         return
-    layer_map = read_layer_map(s.src)
+    layer_map = read_layer_map(s.student_dir)
     why = (
-        f"{s.src.name} has no layer map (layer_map.safetensors)"
+        f"{s.student_dir.name} has no layer map (layer_map.safetensors)"
         if layer_map is None
         else layer_map.mismatch(s.teacher_cfg, s.student_cfg)
     )
@@ -224,45 +202,45 @@ def layer_targets(s: HealState) -> None:
     )
 
 
-# ---- 2. teacher, data extras (run folder from here on) ----------------------------------------------
+# ---- 2. processes, models, teacher data (run folder from here on) -----------------------------------
 def place_processes(dev: torch.device):
     """accelerate's process state for a run on the resolved device ``dev``, and the device this process
     trains on: ``dev`` itself in one process; under several processes on CUDA, each process's own GPU
     (LOCAL_RANK), as the Trainer places it."""
     if dev.type == "cuda" and world_size() == 1:
-        torch.cuda.set_device(dev)  # resolve_device always names the index
+        torch.cuda.set_device(dev)  # parse_device always names the index
     state = PartialState(cpu=dev.type == "cpu")
     if dev.type == "cuda" and world_size() > 1:
         dev = state.device  # each process its own GPU (LOCAL_RANK), as the Trainer places it
     return state, dev
 
 
-def load_models(job: HealJob, s: HealState) -> None:
-    """The run folder (main process), the seed, then the student and the teacher in float32 on the CPU."""
+def load_student(job: HealJob, s: HealState) -> None:
+    """The run folder (main process), the seed, then the student in float32 on the CPU (the Trainer
+    places it)."""
     if s.processes.is_main_process:
         s.run.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.options.seed)
-    s.student = load_quietly(s.src, job.progress)
-    s.tmodel = load_quietly(s.tea, job.progress)
+    s.student = load_quietly(s.student_dir, job.progress)
+
+
+def load_teacher(job: HealJob, s: HealState) -> None:
+    """The teacher in float32 on its device (:attr:`HealState.teacher_device`), where it stays: it samples,
+    fills the cache, is measured and teaches there."""
+    s.teacher = load_quietly(s.teacher_dir, job.progress).to(s.teacher_device)
 
 
 def teacher_data(job: HealJob, s: HealState) -> None:
     """The training sequences with the teacher's samples (sampled by the main process, or read from the
     cache) and, with ``teacher_cache``, its cached top-k logits; the held-out sequences for the KL."""
     options, state = s.options, s.processes
+    progress = job.progress and state.is_main_process
     train_seqs = s.data.train.sequences
     s.n_samples = options.sample_count()
     if s.n_samples:
         with state.main_process_first():  # the main process samples (or reads the cache), the others read
             sampled, _, s.samples_reused = cached_teacher_samples(
-                s.tmodel,
-                s.tok,
-                s.tea,
-                s.n_samples,
-                options.seq_len,
-                seed=options.seed,
-                device=s.tdev or s.dev,
-                progress=job.progress and state.is_main_process,
+                s.teacher, s.tok, s.teacher_dir, s.n_samples, options.seq_len, seed=options.seed, progress=progress
             )
         train_seqs = torch.cat([train_seqs, sampled])
     extras = None
@@ -270,16 +248,9 @@ def teacher_data(job: HealJob, s: HealState) -> None:
         path = s.run / f"teacher-top{options.cache_k}.safetensors"
         with state.main_process_first():
             build_teacher_cache(
-                s.tmodel,
-                train_seqs,
-                path,
-                k=options.cache_k,
-                teacher_id=str(s.tea),
-                device=s.tdev or s.dev,
-                progress=job.progress and state.is_main_process,
+                s.teacher, train_seqs, path, k=options.cache_k, teacher_id=str(s.teacher_dir), progress=progress
             )
             extras = load_teacher_cache(path, train_seqs)
-        s.tmodel.to("cpu")
     s.train_ds = PackedDataset(train_seqs, extras)
     data = s.data
     s.val_seqs = data.validation.sequences[: job.heldout_kl_sequences] if data.validation is not None else None
@@ -291,14 +262,13 @@ def before_training(job: HealJob, s: HealState) -> None:
     before training; then the model to train: the student (``full``) or the student with LoRA adapters."""
     s.main = is_main_process()
     if s.main:
-        s.tmodel.to(s.tdev or s.dev)
-        s.student.to(s.dev)
+        s.student.to(s.device)
         if s.eval_texts:
-            tp = perplexities(s.tmodel, s.tok, s.eval_texts, job.eval_tokens, job.progress)
+            tp = perplexities(s.teacher, s.tok, s.eval_texts, job.eval_tokens, job.progress)
             bp = perplexities(s.student, s.tok, s.eval_texts, job.eval_tokens, job.progress)
             s.ppl = {t: {"teacher": tp[t], "before": bp[t], "tokens": job.eval_tokens} for t in s.eval_texts}
         if s.val_seqs is not None:
-            s.kl_before = mean_kl(s.student, s.tmodel, s.val_seqs, temperature=s.options.temperature)
+            s.kl_before = mean_kl(s.student, s.teacher, s.val_seqs, temperature=s.options.temperature)
         s.student.to("cpu")
     if s.options.full:
         s.student.requires_grad_(True)
@@ -311,19 +281,29 @@ def before_training(job: HealJob, s: HealState) -> None:
 # ---- 4. training ----------------------------------------------------------------------------------------
 def train_student(job: HealJob, s: HealState) -> None:
     """Distil the teacher into :attr:`HealState.model` with the shared Trainer setup."""
-    options, tmodel, data = s.options, s.tmodel, s.data
+    options, data = s.options, s.data
     # with layer targets the teacher runs alongside even with --teacher-cache (its states are not cached)
     loss = DistillationLoss(
-        None if options.teacher_cache and s.layer_map is None else tmodel,
+        None if options.teacher_cache and s.layer_map is None else s.teacher,
         options.temperature,
         options.lm_weight,
-        teacher_device=s.tdev,
+        teacher_device=s.teacher_device_named,
         layer_map=s.layer_map,
         layer_weight=options.layer_loss_weight if s.layer_map is not None else 0.0,
         chunk_tokens=options.logit_chunk or None,
     )
+    eval_ds = PackedDataset(data.validation.sequences) if (data.validation is not None and options.eval_steps) else None
+    if eval_ds is not None and options.teacher_cache:
+        loss.teacher = s.teacher  # held-out batches carry no cached logits
+        loss.__post_init__()
+    s.result = train(s.model, s.train_ds, eval_ds, train_settings(job, s), loss_fn=loss, callbacks=job.callbacks)
+
+
+def train_settings(job: HealJob, s: HealState) -> TrainSettings:
+    """The Trainer's settings of the run: the recipe's, the run folder, where it trains, ``resume``."""
+    options = s.options
     steps = options.steps()
-    settings = TrainSettings(
+    return TrainSettings(
         output_dir=str(s.run),
         max_steps=steps,
         per_device_batch_size=s.per_device,
@@ -337,25 +317,20 @@ def train_student(job: HealJob, s: HealState) -> None:
         save_total_limit=2,
         logging_steps=max(1, min(10, steps // 20)),
         seed=options.seed,
-        use_cpu=s.dev.type == "cpu",
+        use_cpu=s.device.type == "cpu",
         resume=job.resume,
         progress=job.progress,
         loss_name="kd_loss",
     )
-    eval_ds = PackedDataset(data.validation.sequences) if (data.validation is not None and options.eval_steps) else None
-    if eval_ds is not None and options.teacher_cache:
-        loss.teacher = tmodel  # held-out batches carry no cached logits
-        loss.__post_init__()
-    s.result = train(s.model, s.train_ds, eval_ds, settings, loss_fn=loss, callbacks=job.callbacks)
 
 
-# ---- 5. output (main process) -----------------------------------------------------------------------------
+# ---- 5. report, output, after-figures, card (main process) ------------------------------------------------
 def heal_report(s: HealState) -> HealReport:
     """The report of the run so far (every process); the main process adds the after-figures."""
     options, result = s.options, s.result
     return HealReport(
-        source=str(s.src),
-        teacher=str(s.tea),
+        source=str(s.student_dir),
+        teacher=str(s.teacher_dir),
         output=str(s.out),
         model_type=s.student_cfg["model_type"],
         mode="full" if options.full else "lora",
@@ -372,31 +347,42 @@ def heal_report(s: HealState) -> HealReport:
         teacher_samples=s.n_samples,
         teacher_samples_reused=s.samples_reused,
         layer_targets=s.layer_targets,
-        device=str(s.dev),
+        device=str(s.device),
         processes=world_size(),
         train_cpu_seconds=result.cpu_seconds,
     )
 
 
-def finish(job: HealJob, s: HealState, report: HealReport) -> HealReport:
-    """Main process: the healed folder, the perplexities and held-out KL after training, the card; the run
-    folder is removed unless kept."""
-    tok, eval_texts = s.tok, s.eval_texts
+def save_output(job: HealJob, s: HealState, report: HealReport) -> None:
+    """The healed folder: adapters merged, the model in its own family, tokenizer, side files, report."""
     write_output(
-        s.result.model, tok, s.src, s.out, report, s.plan, overwrite=job.overwrite, save_adapter=job.save_adapter
+        s.result.model,
+        s.tok,
+        s.student_dir,
+        s.out,
+        report,
+        s.plan,
+        overwrite=job.overwrite,
+        save_adapter=job.save_adapter,
     )
-    merged = load_quietly(s.out, job.progress).to(s.dev)
-    s.tmodel.to(s.tdev or s.dev)
-    if eval_texts:
-        ap = perplexities(merged, tok, eval_texts, job.eval_tokens, job.progress)
-        for t in eval_texts:
+
+
+def verify_after(job: HealJob, s: HealState, report: HealReport) -> None:
+    """The healed folder read back: its perplexities and held-out KL to the teacher, beside the before-figures."""
+    merged = load_quietly(s.out, job.progress).to(s.device)
+    if s.eval_texts:
+        ap = perplexities(merged, s.tok, s.eval_texts, job.eval_tokens, job.progress)
+        for t in s.eval_texts:
             s.ppl[t]["after"] = ap[t]
     if s.val_seqs is not None:
         report.heldout_kl_before = s.kl_before
-        report.heldout_kl_after = mean_kl(merged, s.tmodel, s.val_seqs, temperature=s.options.temperature)
+        report.heldout_kl_after = mean_kl(merged, s.teacher, s.val_seqs, temperature=s.options.temperature)
     report.perplexity = s.ppl
+
+
+def write_card(job: HealJob, s: HealState, report: HealReport) -> None:
+    """The run's time, the model card; the run folder is removed unless kept."""
     report.seconds = time.perf_counter() - s.t_start
-    write_heal_card(s.out, report, tok)
+    write_heal_card(s.out, report, s.tok)
     if not job.keep_run_dir:
         shutil.rmtree(s.run, ignore_errors=True)
-    return report
