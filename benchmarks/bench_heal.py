@@ -218,7 +218,7 @@ def machine(device: str) -> dict:
 
 
 def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_texts, teacher_dir) -> dict:
-    from hf_symmetry.training.heal import HealOptions, heal_checkpoint
+    from hf_symmetry.training.heal import HealJob, HealOptions, heal_checkpoint
 
     spec = RECIPES[recipe]
     full = spec.get("full", False)
@@ -255,16 +255,18 @@ def run_one(model_name: str, folder: Path, recipe: str, args, ids, texts, train_
     )
     t0, c0 = time.perf_counter(), time.process_time()
     r = heal_checkpoint(
-        folder,
-        out,
-        teacher_dir,
-        train_texts,
-        options,
-        progress=False,
-        device=args.device,
-        eval_texts=None,
-        heldout_kl_sequences=args.heldout_seqs,
-        callbacks=[cb],
+        HealJob(
+            folder,
+            out,
+            teacher_dir,
+            train_texts,
+            options,
+            progress=False,
+            device=args.device,
+            eval_texts=None,
+            heldout_kl_sequences=args.heldout_seqs,
+            callbacks=[cb],
+        )
     )
     row = {
         "model": model_name,
@@ -375,9 +377,9 @@ def main(argv=None) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    from hf_symmetry.devices import resolve_device
+    from hf_symmetry.devices import parse_device
 
-    dev = resolve_device(args.device)
+    dev = parse_device(args.device).device
     args.device = str(dev)
     cuda = dev.type == "cuda"
     args.seq_len = args.seq_len or (512 if cuda else 128)
