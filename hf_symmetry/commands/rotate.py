@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
-import time
+import argparse
 
 from ..assets import resolve_model
 from ..conversion.rotate import RotateOptions, rotate_checkpoint
@@ -13,12 +11,9 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
-    emit,
     placement_from_args,
-    push_if_requested,
-    total_time_line,
-    verify_and_record,
 )
+from .runner import Conversion, run_conversion
 
 
 def register(sub) -> None:
@@ -29,6 +24,19 @@ def register(sub) -> None:
         "model", nargs="?", default="default", help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)"
     )
     p.add_argument("out", help="output folder")
+    _add_symmetry_args(p)
+    _add_quantization_args(p)
+    _add_scale_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
+    add_verify_args(p, "the original")
+    add_output_args(p)
+    add_push_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_symmetry_args(p) -> None:
+    """The random exact symmetries: residual, head rotations, FFN permutation, scalings."""
     p.add_argument(
         "--residual",
         choices=["none", "hadamard", "random"],
@@ -45,11 +53,15 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--ffn",
-        action=__import__("argparse").BooleanOptionalAction,
+        action=argparse.BooleanOptionalAction,
         default=True,
         help="randomly permute FFN neurons (default: on)",
     )
     p.add_argument("--scaling", action="store_true", help="also apply random per-group QK and VO scalings")
+
+
+def _add_quantization_args(p) -> None:
+    """``--for-quantization`` and its residual rotation (learned, balanced, channels held out)."""
     p.add_argument(
         "--for-quantization",
         action="store_true",
@@ -92,6 +104,10 @@ def register(sub) -> None:
         help="with --for-quantization: residual channels the Hadamard leaves alone (e.g. the "
         "massive-activation channels; the remaining width needs a Hadamard construction)",
     )
+
+
+def _add_scale_args(p) -> None:
+    """``--for-quantization``'s exact scales (searched on calibration text), V/O Hadamards and channel order."""
     p.add_argument(
         "--scales",
         metavar="QTYPE",
@@ -132,24 +148,18 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--vo-hadamard",
-        action=__import__("argparse").BooleanOptionalAction,
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="with --for-quantization: per-head V/O Hadamard rotations (default: off; on with a residual rotation)",
     )
     p.add_argument(
         "--sort-channels",
-        action=__import__("argparse").BooleanOptionalAction,
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="with --for-quantization --scales and no residual rotation: permute the residual channels into "
         "the order of their calibration activation RMS, so that channels of like scale share a quantization "
         "block (exact; default: off: it helps some quantizers and hurts others, docs/quantization.md)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
-    add_verify_args(p, "the original")
-    add_output_args(p)
-    add_push_args(p)
-    p.set_defaults(func=run)
 
 
 def resolve_quantization_preset(args) -> None:
@@ -194,18 +204,54 @@ NO_IMATRIX_NOTE = (
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    check_verify_args(args, args.model)
-    src = resolve_model(args.model)
-    if (args.learn or args.scales or args.sort_channels or args.target or args.write_imatrix) and not (
-        args.for_quantization
-    ):
-        raise SystemExit("--learn, --scales, --sort-channels, --target and --write-imatrix need --for-quantization")
-    resolve_quantization_preset(args)
-    if args.write_imatrix and not args.scales:
-        raise SystemExit("--write-imatrix needs the activation-aware --scales (it writes their statistics)")
-    placement = placement_from_args(args)  # --scales' calibration runs there; an unusable device fails here
-    options = RotateOptions(
+    return run_conversion(Rotate(args))
+
+
+class Rotate(Conversion):
+    """``rotate``: refuse flag combinations, fill the ``--for-quantization`` preset, rotate, describe."""
+
+    names = ("original", "rotated")
+
+    def check(self) -> None:
+        args = self.args
+        check_verify_args(args, args.model)
+        self.original = resolve_model(args.model)
+        if (args.learn or args.scales or args.sort_channels or args.target or args.write_imatrix) and not (
+            args.for_quantization
+        ):
+            raise SystemExit("--learn, --scales, --sort-channels, --target and --write-imatrix need --for-quantization")
+        resolve_quantization_preset(args)
+        if args.write_imatrix and not args.scales:
+            raise SystemExit("--write-imatrix needs the activation-aware --scales (it writes their statistics)")
+        self.placement = placement_from_args(args)  # --scales' calibration runs there; an unusable device fails here
+
+    def convert(self):
+        args, src = self.args, self.original
+        report = rotate_checkpoint(
+            src,
+            args.out,
+            rotate_options(args),
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            progress=not args.quiet,
+            placement=self.placement,
+            imatrix_out=args.write_imatrix,
+        )
+        lines = [
+            f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",
+            f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})",
+        ]
+        if args.write_imatrix:
+            lines.append(f"  importance matrix of the output model -> {args.write_imatrix} (llama-quantize --imatrix)")
+        lines += pipeline_notes(args)
+        if report.untied_embeddings:
+            lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
+        return report, lines
+
+
+def rotate_options(args) -> RotateOptions:
+    """The flags (their preset filled in) as one :class:`RotateOptions`."""
+    return RotateOptions(
         residual=args.residual,
         heads=args.heads,
         ffn=args.ffn,
@@ -224,28 +270,3 @@ def run(args) -> int:
         sort_channels=args.sort_channels,
         target=args.target,
     )
-    report = rotate_checkpoint(
-        src,
-        args.out,
-        options,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-        progress=not args.quiet,
-        placement=placement,
-        imatrix_out=args.write_imatrix,
-    )
-    lines = [
-        f"rotated {report.family} model {src} -> {args.out} (conversion {report.seconds:.1f} s)",
-        f"  applied: {', '.join(report.applied) or 'nothing'} (seed {args.seed})",
-    ]
-    if args.write_imatrix:
-        lines.append(f"  importance matrix of the output model -> {args.write_imatrix} (llama-quantize --imatrix)")
-    lines += pipeline_notes(args)
-    if report.untied_embeddings:
-        lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
-    report.verification = verify_and_record(args, src, args.out, lines, ("original", "rotated"))
-    summary = asdict(report)
-    summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start, verified=bool(report.verification)))
-    emit(summary, lines, args.json_out)
-    return 0

@@ -1,0 +1,66 @@
+"""The one driver of the conversion commands (rotate, match, merge, to-tpa, farr, compress, export-gguf).
+
+A command is one small :class:`Conversion` object made from its parsed arguments; :func:`run_conversion` drives
+every one the same way: start the clock, :meth:`~Conversion.check` (refusals before any work),
+:meth:`~Conversion.convert` (the report and its printed lines), :meth:`~Conversion.verify` (the figures, added to
+the lines and the folder's card), :meth:`~Conversion.summary` (the ``--json`` summary), the push when
+``--push-to-hub`` was given, the total-time line, and :func:`~.common.emit`. A command supplies only its own parts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from .common import emit, push_if_requested, total_time_line, verify_and_record
+
+
+class Conversion:
+    """One run of a conversion command. ``args``: its parsed arguments. A subclass writes :meth:`convert` and,
+    where it refuses flags or resolves inputs before any work, :meth:`check`; it sets ``original`` (what the
+    verification compares OUT with) and, where OUT is not ``args.out``, ``out``. The defaults verify OUT
+    against ``original`` into ``report.verification`` and summarise the report as its dataclass fields."""
+
+    #: the two models' names in the verification lines
+    names: tuple[str, str] = ("original", "converted")
+    #: said after "max |Δlogit|" (e.g. " against SOURCE")
+    against: str = ""
+    #: whether the command takes ``--push-to-hub`` (its summary then has a "push" entry)
+    publishes: bool = True
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.out = getattr(args, "out", None)  # (merge's OUT is its last input: set by its check)
+        self.original = None
+
+    def check(self) -> None:
+        """Refuse bad flags and resolve the inputs, before any work (default: nothing to check)."""
+
+    def convert(self) -> tuple[object, list[str]]:
+        """Write OUT; return the conversion's report and the lines that describe it."""
+        raise NotImplementedError
+
+    def verify(self, report, lines: list[str]) -> bool:
+        """Compare OUT with ``original`` (:func:`~.common.verify_and_record`: lines and card); the figures
+        become ``report.verification``. Returns whether a verification ran (the last line says so)."""
+        report.verification = verify_and_record(
+            self.args, self.original, self.out, lines, self.names, against=self.against
+        )
+        return bool(report.verification)
+
+    def summary(self, report) -> dict:
+        """The ``--json`` summary (before the runner's "push" entry)."""
+        return asdict(report)
+
+
+def run_conversion(command: Conversion) -> int:
+    """Run one conversion command, every step in the same order for every command (module docstring)."""
+    start = time.perf_counter()
+    command.check()
+    report, lines = command.convert()
+    verified = command.verify(report, lines)
+    summary = command.summary(report)
+    if command.publishes:
+        summary["push"] = push_if_requested(command.args, command.out, lines)
+    lines.append(total_time_line(start, verified=verified))
+    emit(summary, lines, command.args.json_out)
+    return 0
