@@ -72,11 +72,7 @@ UPWARD_IMPORTS: dict[tuple[str, str], str] = {}
 
 #: cycles between files left in code another piece of work owns (each a sorted list of modules under
 #: ``hf_symmetry.``), with the reason. May only shrink, like :data:`PRIVATE_IMPORTS`.
-FILE_CYCLES: dict[tuple[str, ...], str] = {
-    # KNOWN: the rotate --for-quantization transforms are being reworked in another piece of work;
-    # remove this entry when rotation.py and scales.py no longer import each other
-    ("conversion.quantization.rotation", "conversion.quantization.scales"): "owned by the quantization work",
-}
+FILE_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -1,10 +1,14 @@
 """Rotations and scalings aimed at low-bit weight quantization (``rotate --for-quantization``):
-the exact transforms of one canonical layer (:mod:`.rotation`) and the activation-aware exact
-scales searched against a quantizer (:mod:`.scales`). :mod:`hf_symmetry.conversion.rotate` runs them
+the exact transforms of one canonical layer (:mod:`.rotation`), the activation-aware exact
+scales searched against a quantizer (:mod:`.scales`) and the exact channel scalings both set
+(:mod:`.channel_scales`). :mod:`hf_symmetry.conversion.rotate` runs them
 over a checkpoint."""
 
+from .channel_scales import scale_ffn_channels, scale_norm_readers, scale_vo_channels
 from .rotation import (
+    LayerSteps,
     QuantBalance,
+    ScaleSearch,
     balance_ffn,
     balance_norms,
     balance_vo,
@@ -15,8 +19,6 @@ from .rotation import (
     learn_rotation,
     massive_channels,
     rotation_error,
-    scale_ffn_channels,
-    scale_vo_channels,
     transform_layer,
 )
 from .scales import (
@@ -25,7 +27,6 @@ from .scales import (
     apply_scales,
     layer_stats,
     scale_error,
-    scale_norm_readers,
     search_scales,
     to_layer_basis,
 )
@@ -33,7 +34,9 @@ from .scales import (
 __all__ = [
     "GRID",
     "SITES",
+    "LayerSteps",
     "QuantBalance",
+    "ScaleSearch",
     "apply_scales",
     "balance_ffn",
     "balance_norms",

@@ -10,7 +10,7 @@ import torch
 from ...evaluation.weight_quant import roundtrip
 from .imatrix import ROLES, gguf_name
 from .llamacpp import layer_quantizers
-from .rotation import QuantBalance, balanced, layer_matrices, learn_rotation, transform_layer
+from .rotation import LayerSteps, QuantBalance, ScaleSearch, balanced, layer_matrices, learn_rotation, transform_layer
 
 #: the exact scalings, by the site :func:`.scales.apply_scales` reports them under (o: V → O; down: up → down)
 SCALINGS = {
@@ -54,19 +54,11 @@ def quant_layer(i: int, layer: dict, adapter, options, Q, stats, record: dict | 
     """Layer ``i`` of a ``--for-quantization`` checkpoint (:func:`.rotation.transform_layer`); ``record[i]``
     gets its log (which scalings changed weights, the search's report, the site statistics)."""
     log: dict = {}
-    out = transform_layer(
-        i,
-        layer,
-        adapter.layout,
-        Q,
-        seed=options.seed,
-        vo_hadamard=options.vo_hadamard,
-        balance=QuantBalance(alpha=options.balance_alpha),
-        stats=stats[i] if stats is not None else None,
-        quantize=layer_quantizer(options, layer, i, adapter),
-        scale_log=log,
-        pow2=options.scales_pow2,
+    steps = LayerSteps(
+        options.seed, options.vo_hadamard, QuantBalance(alpha=options.balance_alpha), options.scales_pow2
     )
+    search = ScaleSearch(stats[i], layer_quantizer(options, layer, i, adapter)) if stats is not None else None
+    out = transform_layer(i, layer, adapter.layout, Q, steps, search, scale_log=log)
     if record is not None:
         record[i] = log
     return out

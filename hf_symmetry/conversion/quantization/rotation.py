@@ -33,6 +33,8 @@ import torch
 from ...symmetry import actions, groups
 from ...symmetry.layout import HeadLayout
 from ...symmetry.procrustes import orthogonal_procrustes
+from .channel_scales import normalised, scale_ffn_channels, scale_vo_channels
+from .scales import apply_scales, to_layer_basis
 
 Tensors = dict[str, torch.Tensor]
 
@@ -56,13 +58,6 @@ def _col_maxabs(*Ws: torch.Tensor) -> torch.Tensor:
     return torch.stack([W.abs().amax(dim=0) for W in Ws]).amax(dim=0)
 
 
-def _normalised(c: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``c^alpha`` divided by its geometric mean (so the overall weight scale is kept); zeros -> 1."""
-    c = torch.where(c > 0, c, torch.ones_like(c)).to(torch.float64)
-    s = c.pow(alpha)
-    return s / s.log().mean().exp()
-
-
 def balance_norms(layer: Tensors, alpha: float = 1.0) -> Tensors:
     """For each pre-norm (whose γ must already be folded: weight 1), move a per-channel scale
     ``w`` into the norm weight and ``1/w`` into its readers' columns: ``w_j`` is the readers'
@@ -75,22 +70,10 @@ def balance_norms(layer: Tensors, alpha: float = 1.0) -> Tensors:
         if not torch.equal(out[key], torch.ones_like(out[key])):
             raise actions.NotASymmetry(f"balance_norms needs {norm} folded first")
         names = [n for n in readers if f"{n}.weight" in out]
-        w = _normalised(_col_maxabs(*(out[f"{n}.weight"] for n in names)), alpha)
+        w = normalised(_col_maxabs(*(out[f"{n}.weight"] for n in names)), alpha)
         for n in names:
             out[f"{n}.weight"] = out[f"{n}.weight"] / w[None, :]
         out[key] = w.to(out[key].dtype)
-    return out
-
-
-def scale_ffn_channels(layer: Tensors, s: torch.Tensor) -> Tensors:
-    """``up -> diag(s) up`` (and its bias), ``down -> down diag(1/s)``: exact for ``act(gate)·up``."""
-    if (s == 0).any():
-        raise actions.NotASymmetry("FFN scales must be non-zero")
-    out = dict(layer)
-    out["up.weight"] = out["up.weight"] * s[:, None]
-    if "up.bias" in out:
-        out["up.bias"] = out["up.bias"] * s
-    out["down.weight"] = out["down.weight"] / s[None, :]
     return out
 
 
@@ -99,27 +82,13 @@ def balance_ffn(layer: Tensors, alpha: float = 1.0) -> Tensors:
     gated FFN (with a plain ``act(up)`` only positive scales of a ReLU would be exact)."""
     if "gate.weight" not in layer:
         return layer
-    return scale_ffn_channels(layer, _normalised(layer["down.weight"].abs().amax(dim=0), alpha))
-
-
-def scale_vo_channels(layer: Tensors, layout: HeadLayout, t: torch.Tensor) -> Tensors:
-    """Per KV group g and channel c of ``head_dim``: V row ``/ t``, every O column of the group's
-    heads ``* t``. ``t`` has shape ``[n_kv_heads * head_dim]``."""
-    if (t == 0).any():
-        raise actions.NotASymmetry("VO scales must be non-zero")
-    out = dict(layer)
-    out["v.weight"] = out["v.weight"] / t[:, None]
-    if "v.bias" in out:
-        out["v.bias"] = out["v.bias"] / t
-    per_head = t.reshape(layout.n_kv_heads, layout.head_dim).repeat_interleave(layout.group_size, dim=0).reshape(-1)
-    out["o.weight"] = out["o.weight"] * per_head[None, :]
-    return out
+    return scale_ffn_channels(layer, normalised(layer["down.weight"].abs().amax(dim=0), alpha))
 
 
 def balance_vo(layer: Tensors, layout: HeadLayout, alpha: float = 1.0) -> Tensors:
     """Equalise O's column max-abs (per channel of each KV group, over the group's heads)."""
     c = layer["o.weight"].abs().amax(dim=0).reshape(layout.n_kv_heads, layout.group_size, layout.head_dim)
-    return scale_vo_channels(layer, layout, 1.0 / _normalised(c.amax(dim=1).reshape(-1), alpha))
+    return scale_vo_channels(layer, layout, 1.0 / normalised(c.amax(dim=1).reshape(-1), alpha))
 
 
 def hadamard_except(n: int, held: tuple[int, ...], gen) -> torch.Tensor:
@@ -150,23 +119,40 @@ def head_hadamards(layout: HeadLayout, seed: int, layer: int) -> list[torch.Tens
     return [groups.random_hadamard(layout.head_dim, gen).dense() for _ in range(layout.n_kv_heads)]
 
 
+@dataclass(frozen=True)
+class LayerSteps:
+    """The per-checkpoint settings of :func:`transform_layer`: the seed of the V/O Hadamards (``vo_hadamard``:
+    whether to apply them), the data-free balancing, and ``pow2`` (the searched scales rounded to powers of two,
+    :func:`.scales.search_scales`)."""
+
+    seed: int = 0
+    vo_hadamard: bool = True
+    balance: QuantBalance = QuantBalance()
+    pow2: bool = False
+
+
+@dataclass(frozen=True)
+class ScaleSearch:
+    """What the activation-aware search of one layer measures against: the calibration second moments
+    ``stats`` (keys of :data:`.scales.SITES`) and ``quantize`` (one quantizer, or one per site)."""
+
+    stats: Tensors
+    quantize: Callable[[torch.Tensor], torch.Tensor] | dict | None = None
+
+
 def transform_layer(
     i: int,
     layer: Tensors,
     layout: HeadLayout,
     Q,
-    seed: int = 0,
-    vo_hadamard: bool = True,
-    balance: QuantBalance = QuantBalance(),
-    stats: Tensors | None = None,
-    quantize: Callable[[torch.Tensor], torch.Tensor] | dict | None = None,
+    steps: LayerSteps = LayerSteps(),
+    search: ScaleSearch | None = None,
     scale_log: dict | None = None,
-    pow2: bool = False,
 ) -> Tensors:
     """Layer ``i`` of a ``--for-quantization`` checkpoint: fold the norms, rotate the residual by
     ``Q`` (None: no residual rotation, norms stay unfolded), Hadamard the V/O heads, then set the
-    exact column scales: searched against ``quantize`` (one quantizer, or one per site) on the calibration
-    second moments ``stats`` (:mod:`.scales`, AWQ's criterion) when given, else the data-free max-abs
+    exact column scales: searched against ``search.quantize`` (one quantizer, or one per site) on the calibration
+    second moments ``search.stats`` (:mod:`.scales`, AWQ's criterion) when given, else the data-free max-abs
     balancing. ``scale_log`` gets what was done: the search's report per site (:func:`.scales.apply_scales`)
     and ``basis_diag`` (the diagonal of each site's second moment in the layer's basis before the scales), or
     ``balanced`` (the max-abs balancings applied)."""
@@ -175,15 +161,14 @@ def transform_layer(
     gammas = (layer["attn_norm.weight"], layer["ffn_norm.weight"])
     if Q is not None:
         layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Q)
-    vo = head_hadamards(layout, seed, i) if vo_hadamard else None
+    vo = head_hadamards(layout, steps.seed, i) if steps.vo_hadamard else None
     if vo is not None:
         layer = actions.rotate_vo(layer, layout, vo)
-    if stats is not None:
-        from .scales import apply_scales, to_layer_basis  # lazy: avoids an import cycle
-
-        H = to_layer_basis(stats, gammas, Q, vo, layout)
+    if search is not None:
+        H = to_layer_basis(search.stats, gammas, Q, vo, layout)
         log["basis_diag"] = {site: H[site].diagonal().to(torch.float64).clone() for site in H}
-        return apply_scales(layer, layout, H, quantize, log=log, pow2=pow2)
+        return apply_scales(layer, layout, H, search.quantize, log=log, pow2=steps.pow2)
+    balance = steps.balance
     balanced_sites = []
     if balance.vo:
         layer = balance_vo(layer, layout, balance.alpha)
@@ -210,7 +195,7 @@ def balanced(quantize: Quantizer, alpha: float = 1.0) -> Quantizer:
     up). With an isotropic input, ``||A - result||`` is the output error that quantization causes."""
 
     def q(A: torch.Tensor) -> torch.Tensor:
-        t = _normalised(A.abs().amax(dim=0), alpha).to(A.dtype)
+        t = normalised(A.abs().amax(dim=0), alpha).to(A.dtype)
         return quantize(A / t[None, :]) * t[None, :]
 
     return q

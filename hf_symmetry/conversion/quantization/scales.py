@@ -30,8 +30,8 @@ import torch
 from ...calibration.data import token_batches
 from ...calibration.engine import CalibrationEngine
 from ...calibration.statistics import StatsRequest
-from ...symmetry import actions
 from ...symmetry.layout import HeadLayout
+from .channel_scales import normalised, scale_ffn_channels, scale_norm_readers, scale_vo_channels
 
 Tensors = dict[str, torch.Tensor]
 Quantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -65,12 +65,6 @@ def residual_order(stats: list[Tensors]) -> torch.Tensor:
 def permute_stats(stats: list[Tensors], perm: torch.Tensor) -> list[Tensors]:
     """The second moments seen by the readers after :func:`residual_order`'s permutation."""
     return [{**st, **{site: st[site][perm][:, perm] for site in ("attn_in", "ffn_in")}} for st in stats]
-
-
-def _normalised(c: torch.Tensor, alpha: float) -> torch.Tensor:
-    c = torch.where(c > 0, c, torch.ones_like(c)).to(torch.float64)
-    s = c.pow(alpha)
-    return s / s.log().mean().exp()
 
 
 def scale_error(W: torch.Tensor, H: torch.Tensor, s: torch.Tensor, quantize: Quantizer) -> float:
@@ -112,7 +106,7 @@ def search_scales(
     errors = {}
     best = (float("inf"), None, None)
     for a in grid:
-        s = _normalised(rms, a)
+        s = normalised(rms, a)
         if pow2:
             s = torch.exp2(torch.round(torch.log2(s)))
         err = scale_error(W, H, s, quantize)
@@ -120,18 +114,6 @@ def search_scales(
         if err < best[0]:
             best = (err, a, s)
     return best[2], {"alpha": best[1], "error": best[0], "unscaled": errors.get(0.0, float("nan"))}
-
-
-def scale_norm_readers(layer: Tensors, norm: str, readers: tuple[str, ...], s: torch.Tensor) -> Tensors:
-    """``norm.weight / s`` and every reader ``W diag(s)``: exact for any non-zero ``s``."""
-    if (s == 0).any():
-        raise actions.NotASymmetry("norm scales must be non-zero")
-    out = dict(layer)
-    out[f"{norm}.weight"] = out[f"{norm}.weight"] / s.to(out[f"{norm}.weight"].dtype)
-    for n in readers:
-        if f"{n}.weight" in out:
-            out[f"{n}.weight"] = out[f"{n}.weight"] * s.to(out[f"{n}.weight"].dtype)[None, :]
-    return out
 
 
 def _group_tie(layout: HeadLayout) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -164,7 +146,6 @@ def apply_scales(
     (``{"o", "down", "attn_norm", "ffn_norm"}``: llama-quantize's mixture gives each linear its own type).
     ``log`` gets, per site, the chosen ``alpha``, the errors, whether any factor differs from 1 (``changed``)
     and the factors' mean square inverse ``inv_s2`` (what the site's input second moments are divided by)."""
-    from .rotation import scale_ffn_channels, scale_vo_channels  # lazy: avoids an import cycle
 
     def q(site):
         return quantize[site] if isinstance(quantize, dict) else quantize
