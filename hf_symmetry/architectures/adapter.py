@@ -154,7 +154,7 @@ class Adapter:
         p = self.layer_prefix(i)
         fused = [n for n in (self.spec.attention.qkv, self.spec.ffn.gate_up) if n]
         names = list(self._layer_names().values()) + fused
-        return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
+        return {f"{p}{n}.{param}" for n in names for param in ("weight", "bias")}
 
     def layer_keys_of(self, i: int, modules: set[str]) -> set[str]:
         """Checkpoint keys (weight and bias, where present) of layer ``i`` that hold the canonical
@@ -166,7 +166,7 @@ class Adapter:
             names.append(spec.attention.qkv)
         if spec.ffn.gate_up and modules & {"gate", "up"}:
             names.append(spec.ffn.gate_up)
-        return {f"{p}{n}.{kind}" for n in names for kind in ("weight", "bias")}
+        return {f"{p}{n}.{param}" for n in names for param in ("weight", "bias")}
 
     def read_layer(
         self,
@@ -185,16 +185,16 @@ class Adapter:
         out: Tensors = {}
         for canon, name in self._layer_names().items():
             want = norm_dtype if (norm_dtype is not None and not self._is_linear(canon)) else dtype
-            for kind in ("weight", "bias"):
-                t = tensors.get(f"{p}{name}.{kind}")
+            for param in ("weight", "bias"):
+                t = tensors.get(f"{p}{name}.{param}")
                 if t is None:
                     continue
                 t = t.to(want or t.dtype, copy=True)
-                if kind == "weight" and self.spec.conv1d and self._is_linear(canon):
+                if param == "weight" and self.spec.conv1d and self._is_linear(canon):
                     t = t.T
-                if kind == "weight" and self._one_plus(canon):
+                if param == "weight" and self._one_plus(canon):
                     t = t + 1.0
-                out[f"{canon}.{kind}"] = t.contiguous()
+                out[f"{canon}.{param}"] = t.contiguous()
         if self.spec.attention.qkv and not (partial and f"{p}{self.spec.attention.qkv}.weight" not in tensors):
             self._split_qkv(tensors, p, out, dtype)
         if self.spec.ffn.gate_up:
@@ -213,7 +213,7 @@ class Adapter:
         p, keyset = self.layer_prefix(i), set(keys)
 
         def present(name: str) -> list[str]:
-            return [f"{p}{name}.{kind}" for kind in ("weight", "bias") if f"{p}{name}.{kind}" in keyset]
+            return [f"{p}{name}.{param}" for param in ("weight", "bias") if f"{p}{name}.{param}" in keyset]
 
         out = {c: present(n) for c, n in self._layer_names().items() if n}
         if self.spec.attention.qkv:
@@ -256,11 +256,11 @@ class Adapter:
 
     def _split_gate_up(self, tensors: Tensors, p: str, out: Tensors, dtype: torch.dtype | None = torch.float64) -> None:
         name = self.spec.ffn.gate_up
-        for kind in ("weight", "bias"):
-            t = tensors.get(f"{p}{name}.{kind}")
+        for param in ("weight", "bias"):
+            t = tensors.get(f"{p}{name}.{param}")
             if t is not None:
                 gate, up = t.to(dtype or t.dtype, copy=True).chunk(2, dim=0)
-                out[f"gate.{kind}"], out[f"up.{kind}"] = gate.contiguous(), up.contiguous()
+                out[f"gate.{param}"], out[f"up.{param}"] = gate.contiguous(), up.contiguous()
 
     def write_layer(self, i: int, canon: Tensors, like: dict) -> Tensors:
         """Checkpoint tensors of layer ``i`` from canonical ones, each cast to the dtype of the
@@ -268,15 +268,15 @@ class Adapter:
         p = self.layer_prefix(i)
         out: Tensors = {}
         for cname, name in self._layer_names().items():
-            for kind in ("weight", "bias"):
-                t = canon.get(f"{cname}.{kind}")
+            for param in ("weight", "bias"):
+                t = canon.get(f"{cname}.{param}")
                 if t is None:
                     continue
-                if kind == "weight" and self.spec.conv1d and self._is_linear(cname):
+                if param == "weight" and self.spec.conv1d and self._is_linear(cname):
                     t = t.T
-                if kind == "weight" and self._one_plus(cname):
+                if param == "weight" and self._one_plus(cname):
                     t = t - 1.0
-                key = f"{p}{name}.{kind}"
+                key = f"{p}{name}.{param}"
                 t = t.to(_dtype_of(like[key]) if key in like else self._dtype(like)).contiguous()
                 if key in out and not torch.equal(out[key], t):  # one norm read under two names
                     raise ValueError(f"layer {i}: {key} would be written with two different values")
@@ -295,10 +295,10 @@ class Adapter:
                 )
         gate_up = self.spec.ffn.gate_up
         if gate_up:
-            for kind in ("weight", "bias"):
-                if f"gate.{kind}" in canon:
-                    key = f"{p}{gate_up}.{kind}"
-                    t = torch.cat([canon[f"gate.{kind}"], canon[f"up.{kind}"]], dim=0)
+            for param in ("weight", "bias"):
+                if f"gate.{param}" in canon:
+                    key = f"{p}{gate_up}.{param}"
+                    t = torch.cat([canon[f"gate.{param}"], canon[f"up.{param}"]], dim=0)
                     out[key] = t.to(_dtype_of(like[key]) if key in like else self._dtype(like)).contiguous()
         return out
 
@@ -358,11 +358,11 @@ class Adapter:
         with ``dtype=None``: the tensors themselves where no conversion changes them (pass-through)."""
         out: Tensors = {}
         for canon, name in self._global_names().items():
-            for kind in ("weight", "bias"):
-                t = tensors.get(f"{name}.{kind}")
+            for param in ("weight", "bias"):
+                t = tensors.get(f"{name}.{param}")
                 if t is not None:
                     t = t.to(dtype or t.dtype, copy=copy)
-                    out[f"{canon}.{kind}"] = t + 1.0 if kind == "weight" and self._one_plus(canon) else t
+                    out[f"{canon}.{param}"] = t + 1.0 if param == "weight" and self._one_plus(canon) else t
         return out
 
     def write_globals(self, canon: Tensors, like: dict) -> Tensors:
@@ -372,11 +372,11 @@ class Adapter:
         embed_key = f"{self._global_names()['embed']}.weight"
         default = _dtype_of(like[embed_key] if embed_key in like else next(iter(like.values()), torch.float32))
         for cname, name in self._global_names().items():
-            for kind in ("weight", "bias"):
-                t = canon.get(f"{cname}.{kind}")
+            for param in ("weight", "bias"):
+                t = canon.get(f"{cname}.{param}")
                 if t is not None:
-                    key = f"{name}.{kind}"
-                    t = t - 1.0 if kind == "weight" and self._one_plus(cname) else t
+                    key = f"{name}.{param}"
+                    t = t - 1.0 if param == "weight" and self._one_plus(cname) else t
                     out[key] = t.to(_dtype_of(like[key]) if key in like else default).contiguous()
         return out
 

@@ -27,7 +27,7 @@ from ..modeling.configuration_compressed_llama import CompressedLlamaConfig
 from ..modeling.configuration_farr import FarrLlamaConfig
 from ..modeling.configuration_rms_decoder import RMSDecoderConfig
 from ..modeling.configuration_tpa import TPAConfig
-from .spec import SPECS, ArchSpec, spec_for_model_type
+from .spec import SPECS, ArchSpec, NormPosition, spec_for_model_type
 
 
 class UnsupportedSymmetry(ValueError):
@@ -83,7 +83,7 @@ class Facts:
     model_type: str
     decoder: bool
     norm_kind: str  # rms, rms_1p, layer
-    placement: str  # pre, sandwich, output, post
+    placement: NormPosition  # the spec's norm position (pre, sandwich, output, post), as measured
     qk_norm: str | None  # None, "head" or "all"
     fused_qkv: str | None  # None, "blocks" or "per_head"
     fused_gate_up: bool
@@ -169,7 +169,7 @@ def facts(obj) -> Facts:
         cfg = _config_object(obj)
         spec = spec_for_model_type(_get(cfg, "model_type"))
     a = spec.attention
-    placement = spec.placement
+    placement = spec.norm_position
     if _get(cfg, "do_layer_norm_before") is False:  # OPT-350m: post-LN
         placement = "post"
     hidden = next(_get(cfg, n) for n in spec.hidden_attr if _get(cfg, n) is not None)

@@ -21,7 +21,7 @@ NormKind = Literal["rms", "rms_1p", "layer"]
 # pre: a norm on each sublayer's input only; sandwich: also one on its output, before the
 # residual add (Gemma2/3); output: only on its output (OLMo2); post: on the residual stream
 # after the add (BERT's post-LN)
-Placement = Literal["pre", "sandwich", "output", "post"]
+NormPosition = Literal["pre", "sandwich", "output", "post"]
 RopeLayout = Literal["rotate_half", "interleaved", "none"]
 
 
@@ -68,7 +68,7 @@ class ArchSpec:
     attn_norm: NormSpec  # pre-LN/sandwich: on the attention input; post/output: after it
     ffn_norm: NormSpec
     norm_kind: NormKind
-    placement: Placement
+    norm_position: NormPosition
     final_norm: str | None  # pre-LN families only
     lm_head: str | None  # None: encoder without a head in the base model
     lm_head_aliases: tuple[str, ...] = ()  # the head's name in checkpoints, where it differs (GPT-NeoX: embed_out)
@@ -124,7 +124,7 @@ class ArchSpec:
     @property
     def sandwich_norms(self) -> bool:
         """A norm sits on each sublayer's output, before the residual add."""
-        return self.placement in ("sandwich", "output")
+        return self.norm_position in ("sandwich", "output")
 
 
 _LLAMA_ATTN = AttentionSpec(q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", o="self_attn.o_proj")
@@ -142,7 +142,7 @@ def _llama_like(family: str, model_types: tuple[str, ...], attention: AttentionS
         attn_norm=NormSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
         ffn_norm=NormSpec("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         norm_kind="rms",
-        placement="pre",
+        norm_position="pre",
         final_norm="model.norm",
         lm_head="lm_head",
         rope="rotate_half",
@@ -189,7 +189,7 @@ GPT2 = ArchSpec(
     attn_norm=NormSpec("ln_1", ("attn.c_attn",)),
     ffn_norm=NormSpec("ln_2", ("mlp.c_fc",)),
     norm_kind="layer",
-    placement="pre",
+    norm_position="pre",
     final_norm="transformer.ln_f",
     lm_head="lm_head",
     pos_embed=("transformer.wpe",),
@@ -211,7 +211,7 @@ OPT = ArchSpec(
     attn_norm=NormSpec("self_attn_layer_norm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ffn_norm=NormSpec("final_layer_norm", ("fc1",)),
     norm_kind="layer",
-    placement="pre",
+    norm_position="pre",
     final_norm="model.decoder.final_layer_norm",
     lm_head="lm_head",
     pos_embed=("model.decoder.embed_positions",),
@@ -234,7 +234,7 @@ GPTJ = ArchSpec(
     attn_norm=NormSpec("ln_1", ("attn.q_proj", "attn.k_proj", "attn.v_proj")),
     ffn_norm=NormSpec("ln_1", ("mlp.fc_in",)),
     norm_kind="layer",
-    placement="pre",
+    norm_position="pre",
     final_norm="transformer.ln_f",
     lm_head="lm_head",
     rope="interleaved",
@@ -253,7 +253,7 @@ _GEMMA_NORMS = dict(
     ffn_norm=NormSpec("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
     output_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
     norm_kind="rms_1p",
-    placement="sandwich",
+    norm_position="sandwich",
     embed_scale="sqrt_hidden",
 )
 GEMMA2 = ArchSpec(
@@ -299,7 +299,7 @@ PHI3 = ArchSpec(
     attn_norm=NormSpec("input_layernorm", ("self_attn.qkv_proj",)),
     ffn_norm=NormSpec("post_attention_layernorm", ("mlp.gate_up_proj",)),
     norm_kind="rms",
-    placement="pre",
+    norm_position="pre",
     final_norm="model.norm",
     lm_head="lm_head",
     rope="rotate_half",
@@ -325,7 +325,7 @@ OLMO2 = ArchSpec(
     attn_norm=NormSpec("post_attention_layernorm", ()),
     ffn_norm=NormSpec("post_feedforward_layernorm", ()),
     norm_kind="rms",
-    placement="output",
+    norm_position="output",
     final_norm="model.norm",
     lm_head="lm_head",
     rope="rotate_half",
@@ -343,7 +343,7 @@ GPT_NEOX = ArchSpec(
     attn_norm=NormSpec("input_layernorm", ("attention.query_key_value",)),
     ffn_norm=NormSpec("post_attention_layernorm", ("mlp.dense_h_to_4h",)),
     norm_kind="layer",
-    placement="pre",
+    norm_position="pre",
     final_norm="gpt_neox.final_layer_norm",
     lm_head="lm_head",
     rope="rotate_half",
@@ -365,7 +365,7 @@ BERT = ArchSpec(
     attn_norm=NormSpec("attention.output.LayerNorm", ()),
     ffn_norm=NormSpec("output.LayerNorm", ()),
     norm_kind="layer",
-    placement="post",
+    norm_position="post",
     final_norm=None,
     lm_head=None,
     pos_embed=("embeddings.position_embeddings", "embeddings.token_type_embeddings"),
@@ -389,7 +389,7 @@ RMS_DECODER = ArchSpec(
     attn_norm=NormSpec("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ffn_norm=NormSpec("post_attention_layernorm", ("mlp.up_proj",)),
     norm_kind="rms",
-    placement="pre",
+    norm_position="pre",
     final_norm="model.norm",
     lm_head="lm_head",
     pos_embed=("model.embed_positions",),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from ..assets import resolve_model, resolve_text
-from ..conversion.farr import FarrOptions, farr_checkpoint
+from ..conversion.farr import FarrCalibration, FarrOptions, farr_checkpoint
 from ..hub.values import fmt_number
 from ..text import public_text_label
 from .common import (
@@ -93,8 +93,7 @@ def run(args) -> int:
         overwrite=args.overwrite,
         max_shard_size=args.max_shard_size,
         progress=not args.quiet,
-        calib_text=args.calibrate,
-        calib_tokens=args.calib_tokens,
+        calibration=FarrCalibration(args.calibrate, args.calib_tokens),
         placement=placement,
     )
     lines = [

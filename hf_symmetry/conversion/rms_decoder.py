@@ -13,12 +13,14 @@ from transformers import CONFIG_MAPPING
 
 from ..architectures import Adapter
 from ..architectures.capabilities import facts
-from ..modeling import configuration_rms_decoder, modeling_rms_decoder
 from ..modeling.configuration_rms_decoder import RMSDecoderConfig
+from ..modeling.modeling_rms_decoder import RMSDecoderForCausalLM, RMSDecoderModel
 from ..symmetry import actions
-from .remote_code import copy_family_files
+from .remote_code import copy_family_files, family_auto_map, family_modules
 
 Tensors = dict[str, torch.Tensor]
+#: the auto classes the family's ``auto_map`` names
+MODEL_CLASSES = {"AutoModel": RMSDecoderModel, "AutoModelForCausalLM": RMSDecoderForCausalLM}
 
 
 def centre_layer(layer: Tensors) -> Tensors:
@@ -92,11 +94,7 @@ def rms_decoder_config(
         eos_token_id=get("eos_token_id"),
         tie_word_embeddings=False,
         architectures=["RMSDecoderForCausalLM"],
-        auto_map={
-            "AutoConfig": "configuration_rms_decoder.RMSDecoderConfig",
-            "AutoModel": "modeling_rms_decoder.RMSDecoderModel",
-            "AutoModelForCausalLM": "modeling_rms_decoder.RMSDecoderForCausalLM",
-        },
+        auto_map=family_auto_map(RMSDecoderConfig, MODEL_CLASSES),
     )
     out = cfg.to_dict()
     if config.get("dtype") or config.get("torch_dtype"):
@@ -114,4 +112,4 @@ def check_layer_norm_decoder(config: dict) -> None:
 
 def copy_remote_code(dst: Path) -> None:
     """The RMS-decoder family's flat files next to the weights (``trust_remote_code`` loading)."""
-    copy_family_files(dst, configuration_rms_decoder, modeling_rms_decoder)
+    copy_family_files(dst, *family_modules(RMSDecoderConfig, MODEL_CLASSES))

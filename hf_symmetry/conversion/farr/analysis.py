@@ -20,7 +20,7 @@ from .target import qk_fusable
 def prepare_layer(layer: Tensors, adapter: Adapter) -> Tensors:
     """Fold the pre-norms' γ (and β) into their readers, so the fused maps act on the normalised
     stream. Post-LN encoders read the residual stream itself: nothing to fold."""
-    return fold_layer_norms(layer) if adapter.spec.placement == "pre" else layer
+    return fold_layer_norms(layer) if adapter.spec.norm_position == "pre" else layer
 
 
 @dataclass

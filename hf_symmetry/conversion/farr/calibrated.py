@@ -33,6 +33,17 @@ class LayerWeights:
         self._memory: dict[int, fused.InputWeights] = {}
         self._layers: set[int] = set()
 
+    @classmethod
+    def from_moments(
+        cls, moments: dict[int, tuple[torch.Tensor, torch.Tensor]], augmented: bool, device: torch.device | str = "cpu"
+    ) -> "LayerWeights":
+        """In memory, from per layer ``(E[xxᵀ], E[x])`` (:func:`attention_input_moments`), moved to ``device``;
+        ``augmented``: with the bias-augmented metric the score path needs."""
+        weights = cls()
+        for i, m in moments.items():
+            weights.put(i, fused.InputWeights.from_moments(*(t.to(device) for t in m), augmented=augmented))
+        return weights
+
     def _file(self, i: int) -> Path:
         return self.folder / f"layer-{i:05d}.safetensors"
 
@@ -67,7 +78,6 @@ def calibrated_analysis(
     paths: tuple[str, ...],
     placement=None,
     progress: bool = False,
-    config: dict | None = None,
     detail: bool = False,
     store: LayerWeights | None = None,
     window: int = 512,
@@ -78,8 +88,9 @@ def calibrated_analysis(
     device), then that layer's fused spectra; with ``store`` the weights are kept there for the
     reduction pass. Nothing but the spectra outlives a layer.
 
-    ``model``: an HF model folder, a tensor source with its ``config``, or an in-memory model."""
-    engine = _engine(model, config, placement, progress)
+    ``model``: an HF model folder, an in-memory model, or the :class:`CalibrationEngine` of a tensor source
+    (which then sets the placement and progress)."""
+    engine = model if isinstance(model, CalibrationEngine) else _engine(model, None, placement, progress)
     device = linalg_device(engine.placement)
     engine.stats_device = device
     adapter = engine.adapter

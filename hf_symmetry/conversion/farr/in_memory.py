@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..stream import DictSink, DictSource, Tensors
-from .calibrated import attention_input_moments
+from .calibrated import LayerWeights, attention_input_moments
 from .options import FarrOptions
 from .reduce import INDEX_BUFFERS, run_farr, state_dict_parameters
 from .target import farr_classes, normalised_config
@@ -23,7 +23,8 @@ def farr_state_dict(
     :func:`attention_input_moments`) switches to the calibrated, activation-aware metric."""
     config = normalised_config(config)
     sink = DictSink()
-    farr_config, report, _ = run_farr(DictSource(state_dict), config, options, sink, progress, moments)
+    weights = LayerWeights.from_moments(moments, augmented=options.qk) if moments else None
+    farr_config, report, _ = run_farr(DictSource(state_dict), config, options, sink, progress, weights)
     tied = bool(config.get("tie_word_embeddings"))
     report.params_before, report.params_after = (
         state_dict_parameters(state_dict, tied),

@@ -25,13 +25,12 @@ from ...evaluation.compare import load_tokenizer, write_json
 from ...hub.cards import write_card
 from ...hub.lineage import public_report
 from ...hub.measure import count_stored_parameters
-from ...modeling import configuration_farr, modeling_farr
 from ..layer_map import LayerMap
-from ..remote_code import copy_family_files
+from ..remote_code import save_config_with_code
 from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis
 from .card import farr_card_data, write_rank_heatmap
-from .options import FarrOptions
+from .options import FarrCalibration, FarrOptions
 from .reduce import FarrReport, run_farr, state_dict_parameters
 from .target import farr_classes, farr_target
 
@@ -40,14 +39,8 @@ REPORT_FILE = "farr_report.json"
 
 def save_farr_config(farr_config, folder: Path) -> None:
     """config.json with ``auto_map`` plus the flat remote-code files, so the folder loads with
-    ``trust_remote_code=True`` where hf_symmetry is not installed."""
-    classes = farr_classes(farr_config)
-    farr_config.auto_map = {
-        "AutoConfig": f"configuration_farr.{type(farr_config).__name__}",
-        **{auto: f"modeling_farr.{cls.__name__}" for auto, cls in classes.items()},
-    }
-    farr_config.save_pretrained(folder)  # also copies configuration_farr.py (register_for_auto_class)
-    copy_family_files(folder, modeling_farr, configuration_farr)
+    ``trust_remote_code=True`` where hf_symmetry is not installed (:mod:`..remote_code`)."""
+    save_config_with_code(farr_config, farr_classes(farr_config), folder)
 
 
 def farr_checkpoint(
@@ -57,22 +50,21 @@ def farr_checkpoint(
     overwrite: bool = False,
     max_shard_size: str | int = "2GB",
     progress: bool = True,
-    calib_text: str | Path | None = None,
-    calib_tokens: int = 2048,
+    calibration: FarrCalibration = FarrCalibration(),
     placement=None,
 ) -> FarrReport:
     """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
-    ``calib_text`` the layer-wise calibration engine measures the attention inputs on the first
-    ``calib_tokens`` tokens (activation-aware metric) on ``placement``
+    ``calibration.text`` the layer-wise calibration engine measures the attention inputs on the first
+    ``calibration.tokens`` tokens (activation-aware metric) on ``placement``
     (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too,
     and its SVDs and eigendecompositions run on that device."""
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
     farr_target(Adapter.from_config(reader.config, reader.keys()), reader.config, reader.keys(), options)
-    ids, calibration = None, None
-    if calib_text is not None:
-        ids, calibration = calibration_tokens(src, calib_text, calib_tokens)
+    ids, record = None, None
+    if calibration.text is not None:
+        ids, record = calibration_tokens(src, calibration.text, calibration.tokens)
     with atomic_output_dir(out, overwrite) as tmp:
         weights = analysis = None
         if ids is not None:  # the metrics wait for the reduction pass in the (hidden) output folder
@@ -92,7 +84,7 @@ def farr_checkpoint(
         )
         if weights is not None:
             weights.close()
-        report.calibration = calibration
+        report.calibration = record
         writer.close()
         farr_config.dtype = reader.config.get("dtype") or reader.config.get("torch_dtype")
         save_farr_config(farr_config, tmp)

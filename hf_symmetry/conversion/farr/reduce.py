@@ -69,7 +69,7 @@ def reduce_layer(
     if weights is None:
         layer = prepare_layer(layer, adapter)
     layer = fused.fold_value_bias(layer, L)
-    if target.kind == "encoder":
+    if target.encoder:
         layer = fused.drop_key_bias(layer, L)
     kept = {}
     if options.vo:
@@ -91,21 +91,16 @@ def run_farr(
     options: FarrOptions,
     sink,
     progress: bool,
-    moments: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     weights: LayerWeights | None = None,
     analysis: list[LayerAnalysis] | None = None,
     device: torch.device | str = "cpu",
 ):
-    """The two passes. Calibrated: either ``moments`` (per layer ``(E[xxᵀ], E[x])``; the metrics are
-    computed here and kept in memory) or ``weights`` with the ``analysis`` of
-    :func:`calibrated_analysis`. The truncations run on ``device``."""
+    """The two passes. Calibrated: ``weights`` (:meth:`LayerWeights.from_moments`: the metrics are computed
+    here and kept in memory), or ``weights`` with the ``analysis`` of :func:`calibrated_analysis`. The
+    truncations run on ``device``."""
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
     target = farr_target(adapter, config, keys, options)
-    if moments:
-        weights = LayerWeights()
-        for i, m in moments.items():
-            weights.put(i, fused.InputWeights.from_moments(*(t.to(device) for t in m), augmented=options.qk))
     if analysis is None:
         analysis = analyze(source, adapter, options.paths, progress=progress, weights=weights, device=device)
     plan = plan_ranks(analysis, options, target)
@@ -144,7 +139,7 @@ def run_farr(
         del layer, new, w, raw, passthrough
         # the FFN, one module at a time in its own dtype: unchanged, but for the pre-norm's γ folded
         # into gate/up (as reduce_layer folds it on a whole layer), a block of rows at a time
-        fold = ffn_norm if adapter.spec.placement == "pre" and "weight" in ffn_norm else None
+        fold = ffn_norm if adapter.spec.norm_position == "pre" and "weight" in ffn_norm else None
         for module in sorted({module_of(adapter, i, k) for k in per_layer[i]} & ffn):
             names = [k for k in per_layer[i] if module_of(adapter, i, k) == module]
             part = read_part(adapter, i, stand, source.get(names), None)
@@ -155,10 +150,15 @@ def run_farr(
     if rest:
         sink.add(source.get(rest))
     farr_config = target.make_config(plan.ranks.get("vo"), plan.ranks.get("qk"))
+    return farr_config, _report(adapter, options, plan, kept, farr_config.model_type), analysis
+
+
+def _report(adapter: Adapter, options: FarrOptions, plan, kept: dict, model_type: str) -> FarrReport:
+    """The run's report, before the entry points add the source, output and parameter counts."""
     report = FarrReport(
         source="",
         output=None,
-        model_type=farr_config.model_type,
+        model_type=model_type,
         options=dataclasses.asdict(options),
         head_dim=adapter.layout.head_dim,
         ranks={p: [adapter.layout.head_dim if r is None else r for r in rs] for p, rs in plan.ranks.items()},
@@ -167,7 +167,7 @@ def run_farr(
         touchable_params_after=plan.touchable_after,
     )
     report.notes += _qk_notes(adapter, options)
-    return farr_config, report, analysis
+    return report
 
 
 def _dtypes(source: TensorSource) -> dict[str, torch.dtype]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...architectures import Adapter
+from ...calibration import CalibrationEngine
 from ...solvers import fused
 from ..stream import TensorSource
 from .analysis import LayerAnalysis, analyze
@@ -56,7 +57,8 @@ def spectra_report(
     qk_reason = None if fusable else fused.qk_fusion_blocker(L)
     paths = ("vo", "qk") if fusable else ("vo",)
     if calib_ids is not None:
-        analysis = calibrated_analysis(source, calib_ids, paths, placement, progress, config=config, detail=True)
+        engine = CalibrationEngine(source, config, placement=placement, progress=progress)
+        analysis = calibrated_analysis(engine, calib_ids, paths, detail=True)
     else:
         weights = {i: fused.InputWeights.from_moments(*m) for i, m in moments.items()} if moments else None
         analysis = analyze(source, adapter, paths, detail=True, progress=progress, weights=weights)
@@ -69,7 +71,7 @@ def spectra_report(
         "layout": plotted["layout"],
         "paths": list(paths),
         "taus": taus,
-        "norms_folded": adapter.spec.placement == "pre" and not calibrated,
+        "norms_folded": adapter.spec.norm_position == "pre" and not calibrated,
         "metric": "activation-aware" if calibrated else "data-free (Frobenius)",
         "qk": {
             "available": qk_reason is None,

@@ -21,7 +21,7 @@ from .options import FarrOptions
 class FarrTarget:
     """What the FaRR model of a source checkpoint looks like (facts read from config and keys)."""
 
-    kind: str  # "decoder" or "encoder"
+    encoder: bool  # a BERT-like encoder (else a decoder)
     source_config: dict  # normalised by the source's own config class
     hidden: int
     n_heads: int
@@ -45,7 +45,7 @@ class FarrTarget:
             for k, v in self.source_config.items()
             if k not in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path")
         }
-        if self.kind == "decoder":
+        if not self.encoder:
             fields = {f.name for f in dataclasses.fields(configuration_farr.FarrLlamaConfig)}
             cfg = {k: v for k, v in cfg.items() if k in fields or k.endswith("_token_id")}
             cfg.update(
@@ -104,10 +104,10 @@ def farr_target(adapter: Adapter, config: dict, keys: list[str], options: FarrOp
                 f"--qk is not possible for {model_type}: partially rotary heads are not supported "
                 "(the FaRR decoder applies RoPE to whole heads); reduce V/O only"
             )
-    has = lambda module, kind="bias": f"{adapter.layer_prefix(0)}{module}.{kind}" in set(keys)  # noqa: E731
+    has = lambda module: f"{adapter.layer_prefix(0)}{module}.bias" in set(keys)  # noqa: E731
     a, f = adapter.spec.attention, adapter.spec.ffn
     return FarrTarget(
-        kind="encoder" if encoder else "decoder",
+        encoder=encoder,
         source_config=src,
         hidden=adapter.hidden,
         n_heads=L.n_heads,
