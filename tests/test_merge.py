@@ -15,7 +15,7 @@ from hf_symmetry.cli import main
 from hf_symmetry.conversion import merge as merge_module
 from hf_symmetry.conversion.merge import fisher as merge_fisher
 from hf_symmetry.conversion.merge import tensor_rules
-from hf_symmetry.conversion.merge import stream as merge_stream
+from hf_symmetry.conversion.merge import merge_pass as merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
 from hf_symmetry.conversion.merge import merge_state_dicts
 from hf_symmetry.conversion.merge.tensor_rules import fisher_average, regmean, task_arithmetic, ties, weighted_average

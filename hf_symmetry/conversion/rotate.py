@@ -44,7 +44,7 @@ from .quantization.preset import (
 from .quantization.rotation import hadamard_except
 from .quantization.scales import layer_stats, permute_stats, residual_order
 from .rms_decoder import centre_globals, centre_layer, check_layer_norm_decoder, copy_remote_code, rms_decoder_config
-from .stream import DictSink, DictSource, TensorSource, partition_keys, transform_checkpoint
+from .stream import DictSink, DictSource, StreamOptions, TensorSource, partition_keys, transform_checkpoint
 
 Tensors = dict[str, torch.Tensor]
 
@@ -277,8 +277,7 @@ def _rotate(
         globals_fn=lambda g: transform_globals(permuted_globals(g, perm), adapter, Q),
         progress=progress,
         desc="rotate",
-        globals_dtype=None,
-        give_layers=True,
+        options=StreamOptions(globals_dtype=None, give_layers=True),
     )
     new_config = dict(config)
     untied = Q is not None and adapter.spec.lm_head is not None and adapter.tied_embeddings
@@ -301,7 +300,7 @@ def rotate_layer_norm_decoder(
 ) -> dict:
     """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family. ``Q`` is
     ``[d, w]`` with orthonormal columns: ``w = d`` rotates exactly; ``w < d`` also slices the stream to
-    its first ``w`` rotated coordinates (SliceGPT, :mod:`.compress.layernorm`)."""
+    its first ``w`` rotated coordinates (SliceGPT, :mod:`.compress.layernorm_decoders`)."""
     check_layer_norm_decoder(config)
     # the output config needs two shapes: the FFN width (layer 0) and the position table's rows
     layer0 = adapter.read_layer(0, source.get([k for k in source.keys() if adapter.layer_of(k) == 0]))
@@ -324,8 +323,7 @@ def rotate_layer_norm_decoder(
         globals_fn=lambda g: actions.rotate_residual_globals(centre_globals(g), Q),
         progress=progress,
         desc=desc,
-        globals_dtype=torch.float64,
-        writer=Adapter.from_config(new_config),
+        options=StreamOptions(globals_dtype=torch.float64, writer=Adapter.from_config(new_config)),
     )
     return new_config
 

@@ -5,6 +5,7 @@ in-memory state dicts (tests, in-process use) behind the same two methods."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -88,6 +89,19 @@ def write_globals_lean(
         sink.add((writer or adapter).write_globals({key: new.pop(key)}, dtypes))
 
 
+@dataclass(frozen=True)
+class StreamOptions:
+    """How :func:`transform_checkpoint` reads and writes. ``globals_dtype``: the dtype the globals are made
+    canonical in (None: the checkpoint's, :func:`write_globals_lean`). ``give_layers``: ``layer_fn`` gets each
+    canonical layer as :class:`OwnedTensors`, which the symmetry actions update in place (for conversions that
+    never look at a layer's old state). ``writer``: the adapter of a different output family (LayerNorm decoders
+    written as the RMS-decoder family); tensors outside the canonical form are then not carried over."""
+
+    globals_dtype: torch.dtype | None = torch.float64
+    give_layers: bool = False
+    writer: Adapter | None = None
+
+
 def transform_checkpoint(
     source: TensorSource,
     adapter: Adapter,
@@ -96,14 +110,12 @@ def transform_checkpoint(
     globals_fn: GlobalsFn,
     progress: bool = True,
     desc: str = "layers",
-    globals_dtype: torch.dtype | None = torch.float64,
-    give_layers: bool = False,
-    writer: Adapter | None = None,
+    options: StreamOptions = StreamOptions(),
 ) -> None:
-    """``give_layers``: ``layer_fn`` gets each canonical layer as :class:`OwnedTensors`, which the
-    symmetry actions update in place (for conversions that never look at a layer's old state).
-    ``writer``: the adapter of a different output family (LayerNorm decoders written as the
-    RMS-decoder family); tensors outside the canonical form are then not carried over."""
+    """Every layer of ``source`` read, made canonical, transformed by ``layer_fn`` and written to ``sink``; the
+    globals first, by ``globals_fn``; tensors the adapter does not model carried over as they are (``options``:
+    :class:`StreamOptions`)."""
+    globals_dtype, give_layers, writer = options.globals_dtype, options.give_layers, options.writer
     global_keys, per_layer, rest = partition_keys(adapter, source.keys())
     write_globals_lean(source.get(global_keys), adapter, sink, globals_fn, globals_dtype, writer)
     for i in tqdm(range(adapter.n_layers), desc=desc, disable=not progress, unit="layer"):
@@ -120,24 +132,34 @@ def transform_checkpoint(
         sink.add(source.get(rest))
 
 
+@dataclass(frozen=True)
+class Combination:
+    """How :func:`combine_checkpoints` makes one checkpoint of many: ``layer(i, layers)``, ``globals(globals)``,
+    and ``rest(key, tensors)`` for each tensor the adapter does not model. ``globals_last``: combine the globals
+    after the last layer (for rules that need statistics of the whole stack, e.g. RegMean's LM-head Gram)."""
+
+    layer: CombineLayersFn
+    globals: CombineGlobalsFn
+    rest: CombineRestFn
+    globals_last: bool = False
+
+
 def combine_checkpoints(
     sources: list[TensorSource],
     adapter: Adapter,
     sink: TensorSink,
-    layer_fn: CombineLayersFn,
-    globals_fn: CombineGlobalsFn,
-    rest_fn: CombineRestFn,
+    combination: Combination,
     like: int = 0,
     progress: bool = True,
     desc: str = "layers",
-    globals_last: bool = False,
 ) -> None:
     """The many-to-one twin of :func:`transform_checkpoint` (merging): layer i of every source is
-    read, made canonical and combined by ``layer_fn`` into one layer, written in the dtypes of
+    read, made canonical and combined by ``combination.layer`` into one layer, written in the dtypes of
     ``sources[like]``. Tensors the adapter does not model (in a layer or outside) are combined
-    one by one by ``rest_fn(key, tensors)``. Every source must hold the same keys, apart from a
-    tied ``lm_head``. ``globals_last``: combine the globals after the last layer (for rules that
-    need statistics of the whole stack, e.g. RegMean's LM-head Gram)."""
+    one by one by ``combination.rest(key, tensors)``. Every source must hold the same keys, apart from a
+    tied ``lm_head``."""
+    layer_fn, globals_fn, rest_fn = combination.layer, combination.globals, combination.rest
+    globals_last = combination.globals_last
     parts = [partition_keys(adapter, s.keys()) for s in sources]
 
     def write_globals() -> None:

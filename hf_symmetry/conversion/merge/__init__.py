@@ -10,10 +10,10 @@ Pipeline (docs/math.md §2):
 3. the merge rule, tensor by tensor (:mod:`hf_symmetry.conversion.merge.tensor_rules`).
 
 Weight-only methods (average, task arithmetic, TIES) and RegMean stream layer by layer
-(:mod:`hf_symmetry.conversion.merge.stream`): each layer of every input is read, matched and merged
+(:mod:`hf_symmetry.conversion.merge.merge_pass`): each layer of every input is read, matched and merged
 one group of tensors at a time before the next layer is read, and the vocabulary-sized globals a
 block of rows at a time where the rule allows. RegMean's Gram matrices are collected inside that
-pass (:class:`~hf_symmetry.conversion.merge.stream.LayerGrams`: one calibration run per input,
+pass (:class:`~hf_symmetry.conversion.merge.merge_pass.LayerGrams`: one calibration run per input,
 advanced one decoder layer at a time, so host memory holds one layer's Grams whatever the depth),
 on the inputs as given, and carried exactly through the match (``RᵀGR``, ``PᵀGP``;
 :meth:`~hf_symmetry.conversion.match.solution.MatchSolution.transform_grams`); the globals (LM head:
@@ -40,12 +40,13 @@ The pieces, one module each:
 from .on_disk import MergeReport, merge_checkpoints
 from .evaluate import evaluate_merge
 from .in_memory import MergeResult, merge_state_dicts
-from .pipeline import MergeOutcome, run_merge
+from .pipeline import MergeOutcome, Participants, run_merge
 
 __all__ = [
     "MergeOutcome",
     "MergeReport",
     "MergeResult",
+    "Participants",
     "evaluate_merge",
     "merge_checkpoints",
     "merge_state_dicts",

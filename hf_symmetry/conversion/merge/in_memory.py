@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..stream import DictSink, DictSource
-from .pipeline import MergeOutcome, run_merge
+from .pipeline import MergeOutcome, Participants, run_merge
 from .recipe import MergeRecipe, recipe_from_dict
 
 Tensors = dict[str, torch.Tensor]
@@ -38,9 +38,7 @@ def merge_state_dicts(
     dicts = list(state_dicts) + ([base] if base is not None else [])
     sink = DictSink()
     outcome = run_merge(
-        [DictSource(d) for d in dicts],
-        [config] * len(dicts),
-        recipe.inputs,
+        Participants([DictSource(d) for d in dicts], [config] * len(dicts), recipe.inputs),
         recipe,
         sink,
         calibration_ids,

@@ -25,7 +25,7 @@ from ...hub.cards import write_card
 from ...hub.lineage import hub_id_of, public_model_labels
 from ...text import public_text_label, read_text, tokenize_text
 from ..match.checks import vocabulary_fingerprint
-from .pipeline import MergeOutcome, run_merge
+from .pipeline import MergeOutcome, Participants, run_merge
 from .recipe import MergeRecipe
 
 Tensors = dict[str, torch.Tensor]
@@ -94,13 +94,10 @@ def merge_checkpoints(
         sink = _CastingSink(writer, _DTYPES[recipe.dtype] if recipe.dtype else None)
         spill = tmp / ".merge-work"  # Fisher's matched inputs and Fishers, RegMean's waiting Grams (removed)
         outcome = run_merge(
-            readers,
-            [r.config for r in readers],
-            recipe.inputs,
+            Participants(readers, [r.config for r in readers], recipe.inputs, folders),
             recipe,
             sink,
             calibration_ids,
-            folders,
             progress,
             placement,
             workdir=spill if recipe.method.spills else None,

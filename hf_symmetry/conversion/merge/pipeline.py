@@ -17,12 +17,12 @@ from ..match.options import MatchPlan
 from ..match.pair import PairMatcher
 from ..match.residual import with_lm_head
 from ..rotate import RotateOptions, plan_checks
-from ..stream import TensorSource, combine_checkpoints
+from ..stream import Combination, TensorSource, combine_checkpoints
 from .anchor import choose_anchor
 from .fisher import Spill, fisher_sources, matched_inputs
 from .recipe import MergeRecipe
 from .rule import MergeRule
-from .stream import LayerGrams, stream_merge
+from .merge_pass import LayerGrams, MergeInputs, stream_merge
 
 Tensors = dict[str, torch.Tensor]
 
@@ -44,39 +44,27 @@ def _tied_output(adapter: Adapter, configs: list[dict], plan: MatchPlan | None) 
 
 
 def merge_sources(
-    sources: list[TensorSource],
-    adapter: Adapter,
+    inputs: MergeInputs,
     rule: MergeRule,
     sink,
-    anchor: int,
     plan: MatchPlan | None,
-    tied_output: bool,
     progress: bool = True,
     layer_grams: "LayerGrams | None" = None,
 ) -> list[PairMatcher] | None:
-    """Stream every participant layer by layer, matched to ``sources[anchor]`` when ``plan`` is
-    given, merged by ``rule`` into ``sink``. ``layer_grams`` (RegMean): the Gram matrices of each
-    layer are collected as the layer comes (and the globals merged last). Returns the matchers
-    (solutions and distances)."""
+    """Stream every participant of ``inputs`` (whose ``matchers`` this sets) layer by layer, matched to
+    ``sources[anchor]`` when ``plan`` is given, merged by ``rule`` into ``sink``. ``layer_grams`` (RegMean):
+    the Gram matrices of each layer are collected as the layer comes (and the globals merged last). Returns the
+    matchers (solutions and distances)."""
+    sources, adapter, anchor, tied_output = inputs.sources, inputs.adapter, inputs.anchor, inputs.tied_output
     matchers = None
     if plan is not None:
         matchers = [PairMatcher(adapter, plan, identity=(j == anchor)) for j in range(len(sources))]
         for j, m in enumerate(matchers):
             m.solve_residual(sources[anchor], sources[j], progress)
 
+    inputs.matchers = matchers
     if not rule.method.uses_fishers:
-        stream_merge(
-            sources,
-            adapter,
-            rule,
-            sink,
-            anchor,
-            matchers,
-            tied_output,
-            progress,
-            f"{'match + ' if plan else ''}{rule.method.name}",
-            layer_grams,
-        )
+        stream_merge(inputs, rule, sink, progress, f"{'match + ' if plan else ''}{rule.method.name}", layer_grams)
         return matchers
 
     def globals_fn(gs: list[Tensors]) -> Tensors:
@@ -98,9 +86,7 @@ def merge_sources(
         sources,
         adapter,
         sink,
-        layer_fn,
-        globals_fn,
-        rule.rest,
+        Combination(layer_fn, globals_fn, rule.rest),
         like=anchor,
         progress=progress,
         desc=f"{'match + ' if plan else ''}{rule.method.name}",
@@ -108,22 +94,31 @@ def merge_sources(
     return matchers
 
 
+@dataclass
+class Participants:
+    """The inputs of a merge (the recipe's models, then its base): their tensor sources, configs and names,
+    and the folders they were read from (None: in memory; the vocabulary check reads their tokenizers)."""
+
+    sources: list[TensorSource]
+    configs: list[dict]
+    names: list[str]
+    folders: list | None = None
+
+
 def run_merge(
-    sources: list[TensorSource],
-    configs: list[dict],
-    names: list[str],
+    participants: Participants,
     recipe: MergeRecipe,
     sink,
     calibration_ids: torch.Tensor | None = None,
-    folders: list | None = None,
     progress: bool = True,
     placement=None,
     workdir: Path | None = None,
 ) -> MergeOutcome:
-    """The merge of ``sources`` (the recipe's models, then its base) into ``sink``; checks first.
+    """The merge of ``participants`` into ``sink``; checks first.
     ``workdir``: a folder for Fisher merging's matched inputs and Fishers and for the Grams RegMean keeps
     waiting while the next input's layer runs (default: memory)."""
-    folders = folders or [None] * len(sources)
+    sources, configs, names = participants.sources, participants.configs, participants.names
+    folders = participants.folders or [None] * len(sources)
     has_base = recipe.base_model is not None
     n_models = len(recipe.models)
     check_same_architecture([(n, c, s.shapes()) for n, c, s in zip(names, configs, sources)])
@@ -161,7 +156,7 @@ def run_merge(
         rule.fishers = fisher_sources(matched, config, batches, n_models, progress, placement, spill)
         timings["statistics"] = time.perf_counter() - start
         start = time.perf_counter()
-        merge_sources(matched, adapter, rule, sink, anchor, None, tied, progress)
+        merge_sources(MergeInputs(matched, adapter, anchor, None, tied), rule, sink, None, progress)
         timings["merge"] = time.perf_counter() - start
     else:
         layer_grams = None
@@ -176,7 +171,8 @@ def run_merge(
             )
             timings["calibration_embed"] = time.perf_counter() - start
             start = time.perf_counter()
-        matchers = merge_sources(sources, adapter, rule, sink, anchor, plan, tied, progress, layer_grams)
+        inputs = MergeInputs(sources, adapter, anchor, None, tied)
+        matchers = merge_sources(inputs, rule, sink, plan, progress, layer_grams)
         timings["match_and_merge" if plan else "merge"] = time.perf_counter() - start
     distances = {names[j]: m.distances.summary() for j, m in enumerate(matchers or []) if m and j != anchor}
     return MergeOutcome(

@@ -14,7 +14,7 @@ from ..stream import TensorSource, partition_keys
 from .methods import MergeMethod
 from .tensor_rules import RegMeanSolver
 from .recipe import ModelEntry
-from .stream import GRAM_OF
+from .merge_pass import GRAM_OF
 
 Tensors = dict[str, torch.Tensor]
 

@@ -22,6 +22,7 @@ Host memory (docs/calibration.md, "What each conversion keeps"):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -310,18 +311,25 @@ def _merge_group(
     return out
 
 
-def merge_layer(
-    i: int,
-    sources: list[TensorSource],
-    adapter: Adapter,
-    rule,
-    sink,
-    anchor: int,
-    parts: list,
-    shapes: dict,
-    matchers: list | None,
-    layer_grams: LayerGrams | None,
-) -> None:
+@dataclass
+class MergeInputs:
+    """The participants of a streamed merge: their tensor sources (read through ``adapter``), the one whose
+    dtypes and layout the output takes (``anchor``), the matchers that map each onto the anchor (None: no
+    match), and whether the output ties its LM head to the embedding. ``parts`` (keys by role, per source) and
+    ``shapes`` (of every key) are filled in by :func:`stream_merge`."""
+
+    sources: list[TensorSource]
+    adapter: Adapter
+    anchor: int
+    matchers: list | None
+    tied_output: bool
+    parts: list = field(default_factory=list)
+    shapes: dict = field(default_factory=dict)
+
+
+def merge_layer(i: int, inputs: MergeInputs, rule, sink, layer_grams: LayerGrams | None) -> None:
+    sources, adapter, anchor, matchers = inputs.sources, inputs.adapter, inputs.anchor, inputs.matchers
+    parts, shapes = inputs.parts, inputs.shapes
     n_inputs = len(sources)
     modeled = adapter.modeled_layer_keys(i)
     rest_keys = [k for k in parts[anchor][1][i] if k not in modeled]
@@ -364,21 +372,12 @@ def merge_layer(
         sink.add({k: rule.rest(k, ts)})
 
 
-def merge_globals(
-    sources: list[TensorSource],
-    adapter: Adapter,
-    rule,
-    sink,
-    anchor: int,
-    parts: list,
-    shapes: dict,
-    matchers: list | None,
-    tied_output: bool,
-    matched=None,
-) -> None:
+def merge_globals(inputs: MergeInputs, rule, sink, matched=None) -> None:
     """The globals of every participant matched and merged; vocabulary-sized ones a block of rows at
     a time where the rule and the match treat rows independently. ``matched()`` runs once the first
     block is matched (RegMean's LM-head Grams: their transform needs the match of the final norm)."""
+    sources, adapter, anchor, matchers = inputs.sources, inputs.adapter, inputs.anchor, inputs.matchers
+    parts, shapes, tied_output = inputs.parts, inputs.shapes, inputs.tied_output
     keys = [list(p[0]) for p in parts]
     union = sorted(set().union(*keys))
     canon = {k: next(iter(adapter.read_globals({k: torch.empty(shapes[k], device="meta")}))) for k in union}
@@ -433,43 +432,35 @@ def merge_globals(
 
 
 def stream_merge(
-    sources: list[TensorSource],
-    adapter: Adapter,
+    inputs: MergeInputs,
     rule,
     sink,
-    anchor: int,
-    matchers: list | None,
-    tied_output: bool,
     progress: bool = True,
     desc: str = "merge",
     layer_grams: LayerGrams | None = None,
 ) -> None:
     """Every participant merged by ``rule`` into ``sink`` (written in the dtypes of
-    ``sources[anchor]``), layer by layer, matched by ``matchers`` when given. With ``layer_grams``
+    ``sources[anchor]``), layer by layer, matched by ``inputs.matchers`` when given. With ``layer_grams``
     (RegMean) each layer's statistics are measured as the layer comes and the globals merged last
     (the LM head's Gram exists only after the last layer)."""
+    sources, adapter, anchor, matchers = inputs.sources, inputs.adapter, inputs.anchor, inputs.matchers
     parts = [partition_keys(adapter, s.keys()) for s in sources]
     shapes = sources[anchor].shapes()
     for s in sources:
         for k, shape in s.shapes().items():
             shapes.setdefault(k, shape)
+    inputs.parts, inputs.shapes = parts, shapes
     if layer_grams is None:
-        merge_globals(sources, adapter, rule, sink, anchor, parts, shapes, matchers, tied_output)
+        merge_globals(inputs, rule, sink)
     for i in tqdm(range(adapter.n_layers), desc=desc, disable=not progress, unit="layer"):
-        merge_layer(i, sources, adapter, rule, sink, anchor, parts, shapes, matchers, layer_grams)
+        merge_layer(i, inputs, rule, sink, layer_grams)
     if layer_grams is not None:
         release_free_memory()
         merge_globals(
-            sources,
-            adapter,
+            inputs,
             rule,
             sink,
-            anchor,
-            parts,
-            shapes,
-            matchers,
-            tied_output,
-            matched=lambda: rule.set_grams(layer_grams.final(matchers, head=not tied_output)),
+            matched=lambda: rule.set_grams(layer_grams.final(matchers, head=not inputs.tied_output)),
         )
         rule.set_grams(None)
     for k in parts[anchor][2]:
