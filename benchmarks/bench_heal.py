@@ -120,10 +120,14 @@ def convert(name: str, work: Path, progress: bool, placement=None) -> Path:
             placement=placement,
         )
     elif name == "tpa22":
-        from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa
+        from hf_symmetry.conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
 
         convert_checkpoint_to_tpa(
-            "smollm2", out, k_rank=2, v_rank=2, calib="britannica-calib", progress=progress, placement=placement
+            "smollm2",
+            out,
+            ToTPAOptions(k_rank=2, v_rank=2, calib="britannica-calib"),
+            progress=progress,
+            placement=placement,
         )
     else:
         raise ValueError(f"unknown student {name!r}: slice25, tpa22, dense or NAME=FOLDER")

@@ -385,7 +385,7 @@ def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     tiny Llamas, both calibrated on 60 tokens in windows of 20 on ``placement``: their output tensors."""
     from hf_symmetry.checkpoint_io import CheckpointReader
     from hf_symmetry.conversion.farr import FarrOptions, LayerWeights, calibrated_analysis, run_farr
-    from hf_symmetry.conversion.merge import run_merge
+    from hf_symmetry.conversion.merge import Participants, run_merge
     from hf_symmetry.conversion.merge.recipe import recipe_from_dict
     from hf_symmetry.conversion.stream import DictSink
 
@@ -400,9 +400,11 @@ def _farr_and_regmean(folder, placement) -> tuple[dict, dict]:
     # the recipe's calibration window, like FaRR's, fits the 60 tokens (its default is 256)
     recipe = recipe_from_dict({"merge_method": "regmean", "models": ["a", "b"], "calibration": {"seq_len": 20}})
     run_merge(
-        [DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
-        [tiny_model("llama").config.to_dict()] * 2,
-        ["a", "b"],
+        Participants(
+            [DictSource(tiny_model("llama", seed=s).state_dict()) for s in (0, 5)],
+            [tiny_model("llama").config.to_dict()] * 2,
+            ["a", "b"],
+        ),
         recipe,
         merged,
         calibration_ids=ids,
@@ -464,7 +466,12 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
     from hf_symmetry.architectures import Adapter
     from hf_symmetry.conversion.merge.statistics import gram_matrices
     from hf_symmetry.conversion.farr import attention_input_moments
-    from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_checkpoint_to_tpa, convert_model_to_tpa
+    from hf_symmetry.conversion.to_tpa import (
+        ToTPAOptions,
+        attention_input_grams,
+        convert_checkpoint_to_tpa,
+        convert_model_to_tpa,
+    )
 
     model, ids = smol["model"], smol["ids"]
     adapter = Adapter.from_config(model.config.to_dict(), list(model.state_dict()))
@@ -490,7 +497,10 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
         aug.append(torch.cat([torch.cat([G, s[:, None]], 1), torch.cat([s, torch.tensor([float(n)])])[None]], 0))
     before, _ = convert_model_to_tpa(model, k_rank=1, v_rank=2, calib_grams=aug, progress=False)
     report = convert_checkpoint_to_tpa(
-        smol["dir"], tmp_path / "tpa", k_rank=1, v_rank=2, calib="britannica-calib", calib_tokens=320, progress=False
+        smol["dir"],
+        tmp_path / "tpa",
+        ToTPAOptions(k_rank=1, v_rank=2, calib="britannica-calib", calib_tokens=320),
+        progress=False,
     )
     assert report.calibrated and report.calib_tokens == 320
     after = load_file(tmp_path / "tpa" / "model.safetensors")

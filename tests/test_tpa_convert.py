@@ -301,13 +301,13 @@ def test_checkpoint_conversion_passes_unchanged_matrices_through_and_writes_the_
     passes q, o and the FFN through in their own dtype, one at a time: it writes exactly the tensors
     of the whole-layer float64 conversion (float32, bfloat16, fused Phi-3 projections). Negative
     control: a different key rank changes them."""
-    from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa
+    from hf_symmetry.conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
     from hf_symmetry.testing import tiny_model
 
     model = (tiny_model("phi3") if family == "phi3" else tiny_source(family, n_kv=3)).to(dtype).eval()
     model.save_pretrained(tmp_path / "src")
     convert_checkpoint_to_tpa(
-        tmp_path / "src", tmp_path / "tpa", k_rank=1, v_rank=2, progress=False, max_shard_size=20_000
+        tmp_path / "src", tmp_path / "tpa", ToTPAOptions(k_rank=1, v_rank=2), progress=False, max_shard_size=20_000
     )  # several shards
     got = _written(tmp_path / "tpa")
     want = _whole_layer_reference(model, 1, 2)
@@ -326,7 +326,7 @@ def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_
 
     from hf_symmetry.assets import smollm2_dir
     from hf_symmetry.calibration import calibration_ids
-    from hf_symmetry.conversion.to_tpa import attention_input_grams, convert_checkpoint_to_tpa
+    from hf_symmetry.conversion.to_tpa import ToTPAOptions, attention_input_grams, convert_checkpoint_to_tpa
     from transformers import AutoTokenizer
 
     model = tiny_source("llama", n_kv=3, vocab=49152)  # SmolLM2's tokenizer
@@ -336,10 +336,7 @@ def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_
     report = convert_checkpoint_to_tpa(
         tmp_path / "src",
         tmp_path / "tpa",
-        k_rank=1,
-        v_rank=1,
-        calib="britannica-calib",
-        calib_tokens=96,
+        ToTPAOptions(k_rank=1, v_rank=1, calib="britannica-calib", calib_tokens=96),
         progress=False,
     )
     assert report.calibrated and report.calib_tokens == 96

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from ..conversion.to_tpa import convert_checkpoint_to_tpa
+from ..conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
 from .common import (
     add_device_args,
     add_output_args,
@@ -66,10 +66,7 @@ def run(args) -> int:
     report = convert_checkpoint_to_tpa(
         args.model,
         args.out,
-        k_rank=args.k_rank,
-        v_rank=args.v_rank,
-        calib=args.calib,
-        calib_tokens=args.calib_tokens,
+        ToTPAOptions(args.k_rank, args.v_rank, args.calib, args.calib_tokens),
         overwrite=args.overwrite,
         progress=not args.quiet,
         placement=placement,

@@ -38,7 +38,7 @@ The pieces, one module each:
 
 from __future__ import annotations
 
-from .on_disk import convert_checkpoint_to_tpa
+from .on_disk import ToTPAOptions, convert_checkpoint_to_tpa
 from .factor import group_masks
 from .grams import attention_input_grams
 from .in_memory import convert_model_to_tpa
@@ -47,6 +47,7 @@ from .target import check_supported, tpa_config_from
 
 __all__ = [
     "LayerError",
+    "ToTPAOptions",
     "ToTPAReport",
     "attention_input_grams",
     "check_supported",

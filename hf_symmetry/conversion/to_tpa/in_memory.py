@@ -15,9 +15,12 @@ from ...modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
 from ...modeling.modeling_tpa import TPAForCausalLM
 from ..stream import DictSource
 from .grams import attention_input_grams
-from .layer import layout_keys, tpa_globals, tpa_layer
+from .layer import LayerFit, layout_keys, tpa_globals, tpa_layer
 from .report import LayerError, ToTPAReport
 from .target import check_ranks, check_supported, empty_model, heads, source_biases, tpa_config_from
+
+#: the calibration windows (tokens) of ``convert_model_to_tpa(calib_ids=...)``
+CALIB_WINDOW = 512
 
 
 @torch.no_grad()
@@ -27,7 +30,6 @@ def convert_model_to_tpa(
     v_rank: int | None = None,
     calib_ids: torch.Tensor | None = None,
     calibrate: bool = True,
-    calib_window: int = 512,
     calib_grams: list[torch.Tensor] | None = None,
     group_of=None,
     progress: bool = True,
@@ -39,7 +41,8 @@ def convert_model_to_tpa(
     With ``calib_ids`` (and a reduced rank) the attention inputs on that text are collected: the
     head-mode reduction is fitted to them when ``calibrate`` (else it is the plain weight SVD) and
     the per-layer activation errors are reported either way. ``calib_grams`` (from
-    :func:`attention_input_grams`) can be passed instead of ``calib_ids`` to reuse them. ``group_of(i)``
+    :func:`attention_input_grams`) can be passed instead of ``calib_ids`` to reuse them (or to measure on
+    windows other than :data:`CALIB_WINDOW` tokens). ``group_of(i)``
     overrides the head grouping (a deliberately wrong grouping is the negative control of the tests)."""
     t0 = time.time()
     check_supported(model)
@@ -65,15 +68,14 @@ def convert_model_to_tpa(
     )
     grams = calib_grams
     if grams is None and calib_ids is not None and reduced:
-        grams = attention_input_grams(model, calib_ids, window=calib_window, progress=progress)
+        grams = attention_input_grams(model, calib_ids, window=CALIB_WINDOW, progress=progress)
 
     dtype = next(model.parameters()).dtype
     sd = tpa_globals(adapter, source.get(global_keys), tcfg.tie_word_embeddings)
+    fit = LayerFit(k_rank, v_rank, flags, calibrate, group_of)
     for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, leave=False):
         canon = adapter.read_layer(i, source.get(per_layer[i]))  # one float64 layer at a time
-        new, errs = tpa_layer(
-            canon, adapter.layout, k_rank, v_rank, flags, None if grams is None else grams[i], calibrate, group_of
-        )
+        new, errs = tpa_layer(canon, adapter.layout, fit, None if grams is None else grams[i])
         sd.update({TPA_LAYER_PREFIX.format(i) + k: v.to(dtype) for k, v in new.items()})
         report.layers.append(LayerError(i, *errs))
     tpa = empty_model(tcfg).to(dtype)

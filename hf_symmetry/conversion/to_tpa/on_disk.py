@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,21 +35,31 @@ from ..layer_map import LayerMap
 from ..layer_parts import read_part, stand_ins
 from ..remote_code import save_family_config
 from .grams import attention_input_grams
-from .layer import layout_keys, split_layer_keys, tpa_globals, tpa_layer, tpa_name
+from .layer import LayerFit, layout_keys, split_layer_keys, tpa_globals, tpa_layer, tpa_name
 from .report import LayerError, ToTPAReport, tpa_card_data
 from .target import check_ranks, heads, source_biases, tpa_config_from
+
+
+@dataclass(frozen=True)
+class ToTPAOptions:
+    """What ``to-tpa`` converts to: the K and V ranks (None: the number of KV heads, exact); ``calib``, a
+    calibration text whose first ``calib_tokens`` tokens the reduction is fitted to; ``verify_text``: the shared
+    verification of the written folder on that text (``verify_tokens`` compared, ``ppl_tokens`` for
+    perplexity)."""
+
+    k_rank: int | None = None
+    v_rank: int | None = None
+    calib: str | Path | None = None
+    calib_tokens: int = 2048
+    verify_text: str | Path | None = None
+    verify_tokens: int = 512
+    ppl_tokens: int = 2048
 
 
 def convert_checkpoint_to_tpa(
     source: str | Path,
     out: str | Path,
-    k_rank: int | None = None,
-    v_rank: int | None = None,
-    calib: str | Path | None = None,
-    calib_tokens: int = 2048,
-    verify_text: str | Path | None = None,
-    verify_tokens: int = 512,
-    ppl_tokens: int = 2048,
+    options: ToTPAOptions = ToTPAOptions(),
     overwrite: bool = False,
     progress: bool = True,
     placement=None,
@@ -57,7 +68,7 @@ def convert_checkpoint_to_tpa(
     """Convert the checkpoint ``source`` layer by layer (never loading the whole model; every layer
     read through the family's adapter) and write an HF folder (config with ``auto_map``,
     ``configuration_tpa.py``/``modeling_tpa.py``, weights, tokenizer, generation config,
-    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place. With ``calib`` the
+    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place. With ``options.calib`` the
     attention inputs are measured by the layer-wise calibration engine on ``placement``
     (:func:`hf_symmetry.devices.resolve`), and the head-mode reductions run on that device too."""
     t0 = time.time()
@@ -69,17 +80,16 @@ def convert_checkpoint_to_tpa(
     reader = CheckpointReader(src)
     adapter = Adapter.from_config(config, reader.keys())
     heads(adapter)
-    k_rank, v_rank = check_ranks(adapter, k_rank, v_rank)
+    k_rank, v_rank = check_ranks(adapter, options.k_rank, options.v_rank)
     n_kv = adapter.layout.n_kv_heads
     global_keys, per_layer = layout_keys(adapter, reader.keys())
-    if calib is not None:
-        calib = resolve_text(calib)
-    if verify_text is not None:
-        resolve_text(verify_text)  # a missing text fails before any work
+    calib = resolve_text(options.calib) if options.calib is not None else None
+    if options.verify_text is not None:
+        resolve_text(options.verify_text)  # a missing text fails before any work
     reduced = k_rank < n_kv or v_rank < n_kv
     grams, calib_n = None, 0
     if calib is not None:
-        ids = calibration_ids(AutoTokenizer.from_pretrained(src), calib, calib_tokens)
+        ids = calibration_ids(AutoTokenizer.from_pretrained(src), calib, options.calib_tokens)
         calib_n = int(ids.numel())
         if reduced:
             # one layer calibrated per converted layer: one Gram in memory, whatever the depth
@@ -92,31 +102,11 @@ def convert_checkpoint_to_tpa(
     report = ToTPAReport.start(
         str(src), adapter, tcfg, k_rank, v_rank, exact=not reduced, calibrated=grams is not None, calib_tokens=calib_n
     )
-    device = linalg_device(placement)
+    fit = LayerFit(k_rank, v_rank, flags, device=linalg_device(placement))
 
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size(max_shard_size))
-        for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, unit="layer"):
-            # the engine runs layer i (and lets it go) before this layer is read
-            gram = None if grams is None else next(grams).to(device)
-            keys = per_layer[i]
-            like = dtypes[keys[0]]  # every tensor of the layer is written in the dtype of its first
-            stand = stand_ins(keys, shapes, dtypes)
-            converted, passed = split_layer_keys(adapter, i, keys, shapes)
-            canon = read_part(adapter, i, stand, reader.get(converted), torch.float64)
-            new, errs = tpa_layer(canon, adapter.layout, k_rank, v_rank, flags, gram, True, None, device)
-            report.layers.append(LayerError(i, *errs))
-            prefix = TPA_LAYER_PREFIX.format(i)
-            writer.add(dict(sorted((prefix + k, v.to(like)) for k, v in new.items())))
-            del canon, new, gram
-            release_free_memory()
-            for key in passed:  # unchanged matrices: one at a time, in their own dtype
-                part = read_part(adapter, i, stand, reader.get([key]), None)
-                writer.add({prefix + tpa_name(name): t.to(like) for name, t in part.items()})
-                del part
-        if grams is not None:
-            grams.close()  # the calibration run's activations
-        release_free_memory()
+        _write_layers(reader, adapter, writer, fit, grams, report, progress)
         for k in global_keys:  # vocabulary-sized: one at a time, as read
             writer.add(tpa_globals(adapter, reader.get([k]), tcfg.tie_word_embeddings))
         writer.close()
@@ -128,8 +118,36 @@ def convert_checkpoint_to_tpa(
         report.seconds = time.time() - t0
         (tmp / "tpa_conversion.json").write_text(json.dumps(public_report(report.as_dict()), indent=2) + "\n")
         write_card(tmp, "to_tpa", tpa_card_data(src, out, report))
-    if verify_text is not None:  # the shared verification of every conversion, on the written folder
+    if options.verify_text is not None:  # the shared verification of every conversion, on the written folder
         report.verification = verify_and_record_folder(
-            src, out, verify_text, verify_tokens, ppl_tokens, progress=progress
+            src, out, options.verify_text, options.verify_tokens, options.ppl_tokens, progress=progress
         ).as_dict()
     return report
+
+
+def _write_layers(reader: CheckpointReader, adapter: Adapter, writer, fit: LayerFit, grams, report, progress) -> None:
+    """Every layer converted (its errors appended to ``report``) and written, one at a time; ``grams``: the
+    calibration engine's lazy Grams (the engine runs layer i, and lets it go, before layer i is read)."""
+    _, per_layer = layout_keys(adapter, reader.keys())
+    shapes, dtypes = reader.shapes(), reader.dtypes()
+    for i in tqdm(range(adapter.n_layers), desc="to-tpa", disable=not progress, unit="layer"):
+        # the engine runs layer i (and lets it go) before this layer is read
+        gram = None if grams is None else next(grams).to(fit.device)
+        keys = per_layer[i]
+        like = dtypes[keys[0]]  # every tensor of the layer is written in the dtype of its first
+        stand = stand_ins(keys, shapes, dtypes)
+        converted, passed = split_layer_keys(adapter, i, keys, shapes)
+        canon = read_part(adapter, i, stand, reader.get(converted), torch.float64)
+        new, errs = tpa_layer(canon, adapter.layout, fit, gram)
+        report.layers.append(LayerError(i, *errs))
+        prefix = TPA_LAYER_PREFIX.format(i)
+        writer.add(dict(sorted((prefix + k, v.to(like)) for k, v in new.items())))
+        del canon, new, gram
+        release_free_memory()
+        for key in passed:  # unchanged matrices: one at a time, in their own dtype
+            part = read_part(adapter, i, stand, reader.get([key]), None)
+            writer.add({prefix + tpa_name(name): t.to(like) for name, t in part.items()})
+            del part
+    if grams is not None:
+        grams.close()  # the calibration run's activations
+    release_free_memory()
