@@ -24,140 +24,175 @@ NEW_TINY_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox")
 ALL_TINY_FAMILIES = TINY_FAMILIES + NEW_TINY_FAMILIES
 
 
-def tiny_config(family: str, **overrides):
-    common = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80)
-    if family in ("llama", "mistral", "smollm3", "qwen2", "qwen3"):
-        cls = {
-            "llama": T.LlamaConfig,
-            "mistral": T.MistralConfig,
-            "smollm3": T.SmolLM3Config,
-            "qwen2": T.Qwen2Config,
-            "qwen3": T.Qwen3Config,
-        }[family]
-        kw = dict(
-            common,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=128,
-            tie_word_embeddings=family in ("llama", "qwen3"),
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        )
-        if family == "mistral":
-            kw["sliding_window"] = None
-        if family == "smollm3":  # layer 1 is NoPE (SmolLM3 itself: every 4th layer)
-            kw.update(
-                no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=None, bos_token_id=0, eos_token_id=0
-            )
-        cfg = cls(**{**kw, **overrides})
-    elif family == "gpt2":
-        cfg = T.GPT2Config(
-            vocab_size=97,
-            n_embd=48,
-            n_layer=2,
-            n_head=6,
-            n_positions=128,
-            n_inner=80,
-            bos_token_id=0,
-            eos_token_id=0,
-            **overrides,
-        )
-    elif family == "opt":
-        cfg = T.OPTConfig(
-            vocab_size=97,
-            hidden_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=6,
-            ffn_dim=80,
-            max_position_embeddings=128,
-            word_embed_proj_dim=48,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=1,
-            **overrides,
-        )
-    elif family == "gptj":  # interleaved, partial rotary: 6 of 8 head dims
-        cfg = T.GPTJConfig(
-            vocab_size=97,
-            n_embd=48,
-            n_layer=2,
-            n_head=6,
-            rotary_dim=6,
-            n_inner=80,
-            n_positions=128,
-            bos_token_id=0,
-            eos_token_id=0,
-            **overrides,
-        )
-    elif family in ("gemma2", "gemma3"):  # layer 0 sliding (window 8 < sequence), layer 1 global
-        cls = T.Gemma2Config if family == "gemma2" else T.Gemma3TextConfig
-        kw = dict(
-            common,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=128,
-            sliding_window=8,
-            query_pre_attn_scalar=8,
-            layer_types=["sliding_attention", "full_attention"],
-            hidden_activation="gelu_pytorch_tanh",
-            pad_token_id=0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        if family == "gemma2":
-            kw.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-        else:
-            kw.update(
-                rope_parameters={
-                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
-                }
-            )
-        cfg = cls(**{**kw, **overrides})
-    elif family == "phi3":  # partial rotary as in Phi-4-mini: 6 of 8 head dims
-        cfg = T.Phi3Config(
-            **{
-                **common,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 128,
-                "original_max_position_embeddings": 128,
-                "pad_token_id": 0,
-                "bos_token_id": 0,
-                "eos_token_id": 0,
-                "tie_word_embeddings": True,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
-                **overrides,
-            }
-        )
-    elif family == "olmo2":
-        cfg = T.Olmo2Config(
-            **{
-                **common,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 128,
-                "pad_token_id": 0,
-                "bos_token_id": 0,
-                "eos_token_id": 0,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                **overrides,
-            }
-        )
-    elif family == "gpt_neox":  # rotary on 4 of 8 head dims, parallel block, untied head
-        cfg = T.GPTNeoXConfig(
-            **{
-                **common,
-                "max_position_embeddings": 128,
-                "bos_token_id": 0,
-                "eos_token_id": 0,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-                **overrides,
-            }
-        )
-    elif family in ("bert", "roberta"):
-        cls = T.BertConfig if family == "bert" else T.RobertaConfig
-        cfg = cls(**{**common, "max_position_embeddings": 130, "pad_token_id": 1, **overrides})
+_COMMON = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, intermediate_size=80)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _llama_like(family: str, overrides: dict):
+    cls = {
+        "llama": T.LlamaConfig,
+        "mistral": T.MistralConfig,
+        "smollm3": T.SmolLM3Config,
+        "qwen2": T.Qwen2Config,
+        "qwen3": T.Qwen3Config,
+    }[family]
+    kw = dict(
+        _COMMON,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=family in ("llama", "qwen3"),
+        rope_parameters=dict(_ROPE),
+    )
+    if family == "mistral":
+        kw["sliding_window"] = None
+    if family == "smollm3":  # layer 1 is NoPE (SmolLM3 itself: every 4th layer)
+        kw.update(no_rope_layers=[1, 0], tie_word_embeddings=True, pad_token_id=None, bos_token_id=0, eos_token_id=0)
+    return cls(**{**kw, **overrides})
+
+
+def _gpt2(family: str, overrides: dict):
+    return T.GPT2Config(
+        vocab_size=97,
+        n_embd=48,
+        n_layer=2,
+        n_head=6,
+        n_positions=128,
+        n_inner=80,
+        bos_token_id=0,
+        eos_token_id=0,
+        **overrides,
+    )
+
+
+def _opt(family: str, overrides: dict):
+    return T.OPTConfig(
+        vocab_size=97,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        ffn_dim=80,
+        max_position_embeddings=128,
+        word_embed_proj_dim=48,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=1,
+        **overrides,
+    )
+
+
+def _gptj(family: str, overrides: dict):  # interleaved, partial rotary: 6 of 8 head dims
+    return T.GPTJConfig(
+        vocab_size=97,
+        n_embd=48,
+        n_layer=2,
+        n_head=6,
+        rotary_dim=6,
+        n_inner=80,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        **overrides,
+    )
+
+
+def _gemma(family: str, overrides: dict):  # layer 0 sliding (window 8 < sequence), layer 1 global
+    cls = T.Gemma2Config if family == "gemma2" else T.Gemma3TextConfig
+    kw = dict(
+        _COMMON,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        sliding_window=8,
+        query_pre_attn_scalar=8,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_activation="gelu_pytorch_tanh",
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    if family == "gemma2":
+        kw.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
     else:
+        kw.update(
+            rope_parameters={
+                "full_attention": dict(_ROPE),
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            }
+        )
+    return cls(**{**kw, **overrides})
+
+
+def _phi3(family: str, overrides: dict):  # partial rotary as in Phi-4-mini: 6 of 8 head dims
+    return T.Phi3Config(
+        **{
+            **_COMMON,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+            "original_max_position_embeddings": 128,
+            "pad_token_id": 0,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "tie_word_embeddings": True,
+            "rope_parameters": {**_ROPE, "partial_rotary_factor": 0.75},
+            **overrides,
+        }
+    )
+
+
+def _olmo2(family: str, overrides: dict):
+    return T.Olmo2Config(
+        **{
+            **_COMMON,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+            "pad_token_id": 0,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "rope_parameters": dict(_ROPE),
+            **overrides,
+        }
+    )
+
+
+def _gpt_neox(family: str, overrides: dict):  # rotary on 4 of 8 head dims, parallel block, untied head
+    return T.GPTNeoXConfig(
+        **{
+            **_COMMON,
+            "max_position_embeddings": 128,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            "rope_parameters": {**_ROPE, "partial_rotary_factor": 0.5},
+            **overrides,
+        }
+    )
+
+
+def _bert(family: str, overrides: dict):
+    cls = T.BertConfig if family == "bert" else T.RobertaConfig
+    return cls(**{**_COMMON, "max_position_embeddings": 130, "pad_token_id": 1, **overrides})
+
+
+#: the tiny config of each family, by the function that makes it
+_TINY_CONFIGS = {
+    **dict.fromkeys(("llama", "mistral", "smollm3", "qwen2", "qwen3"), _llama_like),
+    "gpt2": _gpt2,
+    "opt": _opt,
+    "gptj": _gptj,
+    "gemma2": _gemma,
+    "gemma3": _gemma,
+    "phi3": _phi3,
+    "olmo2": _olmo2,
+    "gpt_neox": _gpt_neox,
+    "bert": _bert,
+    "roberta": _bert,
+}
+
+
+def tiny_config(family: str, **overrides):
+    if family not in _TINY_CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; choose from {ALL_TINY_FAMILIES}")
-    return cfg
+    return _TINY_CONFIGS[family](family, overrides)
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):

@@ -6,7 +6,15 @@ the perplexities its card records; a folder that fails is not published. ``--eva
 
 from __future__ import annotations
 
-from ..hub.push import check_folder, check_online, push_folder, resolve_token, validate_repo_id
+from ..hub.push import (
+    CardEvaluation,
+    HubCommit,
+    check_folder,
+    check_online,
+    push_folder,
+    resolve_token,
+    validate_repo_id,
+)
 from .common import emit
 
 
@@ -53,12 +61,9 @@ def run(args) -> int:
         args.folder,
         args.repo_id,
         private=args.private,
-        eval_text=args.eval_text,
-        tasks=tasks,
-        task_dir=args.task_dir,
-        eval_limit=args.limit,
+        evaluation=CardEvaluation(args.eval_text, tasks, args.task_dir, args.limit),
         check=not args.no_check,
-        commit_message=args.commit_message,
+        commit=HubCommit(message=args.commit_message),
         progress=not args.quiet,
     )
     lines = []

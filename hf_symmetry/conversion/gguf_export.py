@@ -184,13 +184,13 @@ def special_token_flags(folder: Path, tok: dict, arch: str, vocab_size: int) -> 
     flags: dict[str, bool] = {}
     post = tok.get("post_processor") or {}
     for processor in post.get("processors", [post]) if post else []:
-        kind = processor.get("type")
-        if kind == "ByteLevel":
+        processor_type = processor.get("type")
+        if processor_type == "ByteLevel":
             flags.setdefault("bos", False)
             flags.setdefault("eos", False)
-        elif kind == "RobertaProcessing":
+        elif processor_type == "RobertaProcessing":
             flags.update(bos=True, eos=True)
-        elif kind == "TemplateProcessing":
+        elif processor_type == "TemplateProcessing":
             single = processor.get("single", [])
             if len(single) > 1:
                 if first := single[0].get("SpecialToken", {}).get("id"):
@@ -230,6 +230,48 @@ def _get(config: dict, *names, default=None):
     return default
 
 
+def _write_hyperparameters(writer, config: dict, name: str, type: str) -> None:
+    """The model's metadata: name, sizes, RoPE base, norm epsilon, file type."""
+    hidden, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    n_kv = int(_get(config, "num_key_value_heads", default=n_heads))
+    head_dim = int(_get(config, "head_dim", default=hidden // n_heads))
+    rope = config.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_context_length(int(_get(config, "max_position_embeddings", default=2048)))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(int(config["vocab_size"]))
+    writer.add_file_type(_file_type(type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _stored(data: np.ndarray, qtype) -> tuple[np.ndarray, "gguf.GGMLQuantizationType"]:
+    """One tensor as written, and its GGML type: vectors in F32; matrices in ``qtype``, or F16 where a row is
+    not a whole number of ``qtype``'s blocks."""
+    if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        ggml_type = gguf.GGMLQuantizationType.F32
+    else:
+        ggml_type = qtype
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if data.shape[-1] % block:
+            ggml_type = gguf.GGMLQuantizationType.F16
+    if ggml_type == gguf.GGMLQuantizationType.F16:
+        return data.astype(np.float16), ggml_type
+    if ggml_type == gguf.GGMLQuantizationType.F32:
+        return data.astype(np.float32), ggml_type
+    return quants.quantize(data, ggml_type), ggml_type
+
+
 def export_gguf(
     src: str | Path,
     out: str | Path,
@@ -250,35 +292,15 @@ def export_gguf(
     reader = CheckpointReader(src)
     config = reader.config
     arch, permute = check_config(config)
-    n_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
-    n_heads = int(config["num_attention_heads"])
+    n_layers, n_heads = int(config["num_hidden_layers"]), int(config["num_attention_heads"])
     n_kv = int(_get(config, "num_key_value_heads", default=n_heads))
-    head_dim = int(_get(config, "head_dim", default=hidden // n_heads))
-    vocab = int(config["vocab_size"])
     tied = bool(config.get("tie_word_embeddings", False))
-    rope = config.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(tmp, arch)
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name or Path(reader.path).name)
-    writer.add_context_length(int(_get(config, "max_position_embeddings", default=2048)))
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(n_layers)
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
-    writer.add_head_count(n_heads)
-    writer.add_head_count_kv(n_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(theta)
-    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(_file_type(type))
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokenizer, pre = _tokenizer(writer, Path(reader.path), vocab)
+    _write_hyperparameters(writer, config, name or Path(reader.path).name, type)
+    tokenizer, pre = _tokenizer(writer, Path(reader.path), int(config["vocab_size"]))
 
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), n_layers)
     qtype = _qtype(type)
@@ -294,26 +316,15 @@ def export_gguf(
         t = reader.get([key])[key].to(torch.float32)
         if permute and base.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             t = permute_rope_rows(t, n_heads if base.endswith("q_proj") else n_kv)
-        data = t.numpy()
-        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            kind = gguf.GGMLQuantizationType.F32
-        else:
-            kind = qtype
-            block = gguf.GGML_QUANT_SIZES[qtype][0]
-            if data.shape[-1] % block:
-                kind = gguf.GGMLQuantizationType.F16
-        if kind == gguf.GGMLQuantizationType.F16:
-            stored = data.astype(np.float16)
-        elif kind == gguf.GGMLQuantizationType.F32:
-            stored = data.astype(np.float32)
-        else:
-            stored = quants.quantize(data, kind)
+        stored, ggml_type = _stored(t.numpy(), qtype)
         writer.add_tensor(
             f"{gname}.{suffix}",
             stored,
-            raw_dtype=kind if kind not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32) else None,
+            raw_dtype=ggml_type
+            if ggml_type not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32)
+            else None,
         )
-        counts[kind.name] = counts.get(kind.name, 0) + 1
+        counts[ggml_type.name] = counts.get(ggml_type.name, 0) + 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)

@@ -4,10 +4,12 @@ in a Python where hf_symmetry cannot be imported (``prepush_check``)."""
 
 from .cards import CARD_RECORD, card_eval_results, template_dir, update_card, write_card
 from .check import LoadCheck, prepush_check
-from .push import PushResult, push_folder
+from .push import CardEvaluation, HubCommit, PushResult, push_folder
 
 __all__ = [
     "CARD_RECORD",
+    "CardEvaluation",
+    "HubCommit",
     "LoadCheck",
     "PushResult",
     "card_eval_results",

@@ -108,20 +108,34 @@ def check_folder(folder: str | os.PathLike) -> Path:
     return folder
 
 
-def _eval_for_card(
-    folder: Path,
-    eval_text: str | None,
-    tasks: list[str] | None,
-    task_dir: str | None,
-    limit: int | None,
-    progress: bool,
-) -> list[dict]:
+def _eval_for_card(folder: Path, evaluation: CardEvaluation, progress: bool) -> list[dict]:
     results = []
-    if eval_text:
-        results.append(text_perplexity_result(folder, eval_text, progress=progress))
-    if tasks:
-        results += lm_eval_results(folder, tasks, task_dir=task_dir, limit=limit)
+    if evaluation.text:
+        results.append(text_perplexity_result(folder, evaluation.text, progress=progress))
+    if evaluation.tasks:
+        results += lm_eval_results(folder, evaluation.tasks, task_dir=evaluation.task_dir, limit=evaluation.limit)
     return results
+
+
+@dataclass(frozen=True)
+class CardEvaluation:
+    """What is measured for the model card before a push: perplexity on ``text``, and the lm-eval ``tasks``
+    (from ``task_dir``, at most ``limit`` examples each)."""
+
+    text: str | None = None
+    tasks: list[str] | None = None
+    task_dir: str | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class HubCommit:
+    """How the push reaches the Hub: the ``token`` (None: the stored login), the ``endpoint`` (None:
+    ``HF_ENDPOINT``, else huggingface.co) and the commit ``message`` (None: the folder's name and kind)."""
+
+    token: str | None = None
+    endpoint: str | None = None
+    message: str | None = None
 
 
 def push_folder(
@@ -129,31 +143,26 @@ def push_folder(
     repo_id: str,
     *,
     private: bool = False,
-    token: str | None = None,
-    eval_text: str | None = None,
-    tasks: list[str] | None = None,
-    task_dir: str | None = None,
-    eval_limit: int | None = None,
+    evaluation: CardEvaluation = CardEvaluation(),
     check: bool = True,
     check_text: str | None = None,
-    commit_message: str | None = None,
-    endpoint: str | None = None,
+    commit: HubCommit = HubCommit(),
     progress: bool = True,
 ) -> PushResult:
     """Publish ``folder`` as ``repo_id`` in one commit (see the module docstring)."""
     start = time.perf_counter()
     validate_repo_id(repo_id)
-    token = resolve_token(token)
+    token = resolve_token(commit.token)
     check_online()
     folder = check_folder(folder)
 
-    results = _eval_for_card(folder, eval_text, tasks, task_dir, eval_limit, progress)
+    results = _eval_for_card(folder, evaluation, progress)
     update_card(folder, eval_results=results, repo_id=repo_id)
     check_report = prepush_check_for(folder, check_text) if check else None
 
     files = publishable_files(folder)
     # HF_ENDPOINT read now, not at huggingface_hub's import, so tests and scripts can point it anywhere.
-    api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
+    api = HfApi(endpoint=commit.endpoint or os.environ.get("HF_ENDPOINT") or None, token=token)
     try:
         existed = api.repo_exists(repo_id)
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -163,7 +172,7 @@ def push_folder(
         CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in files
     ]
     try:
-        info = api.create_commit(repo_id, operations, commit_message=commit_message or _default_message(folder))
+        info = api.create_commit(repo_id, operations, commit_message=commit.message or _default_message(folder))
     except Exception as exc:
         if not existed:
             _delete_quietly(api, repo_id)

@@ -451,19 +451,8 @@ def solve_segment(
     # one CPU thread: the matrices are at most d x d after the Gram reduction, where torch's thread pool
     # is slower than one thread, and on shared cores even small products are 10-100x slower with it
     with limit_threads(1) if device.type == "cpu" else contextlib.nullcontext():
-        return _solve(
-            terms,
-            Q0.to(device=device, dtype=torch.float64).clone(),
-            iters,
-            als_iters,
-            wopp_iters,
-            reduce,
-            dtype,
-            tol,
-            wopp_tol,
-            extrapolate,
-            keep_weights,
-        )
+        schedule = Alternation(iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate, keep_weights)
+        return _solve(terms, Q0.to(device=device, dtype=torch.float64).clone(), schedule)
 
 
 def work_term(t: Term, keep_weights: bool = True) -> tuple[Term, Tensor | None]:
@@ -479,9 +468,35 @@ def work_term(t: Term, keep_weights: bool = True) -> tuple[Term, Tensor | None]:
     return red, R
 
 
-def _solve(
-    terms, Q, iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate, keep_weights=True
-) -> SegmentResult:
+@dataclass(frozen=True)
+class Alternation:
+    """The settings of one :func:`solve_segment` run (see there)."""
+
+    iters: int
+    als_iters: int = 5
+    wopp_iters: int = 100
+    reduce: bool = True
+    dtype: torch.dtype = torch.float64
+    tol: float = 0.0
+    wopp_tol: float = 1e-9
+    extrapolate: bool = False
+    keep_weights: bool = True
+
+
+def _solve(terms, Q, schedule: Alternation) -> SegmentResult:
+    iters, als_iters, wopp_iters, reduce, dtype = (
+        schedule.iters,
+        schedule.als_iters,
+        schedule.wopp_iters,
+        schedule.reduce,
+        schedule.dtype,
+    )
+    tol, wopp_tol, extrapolate, keep_weights = (
+        schedule.tol,
+        schedule.wopp_tol,
+        schedule.extrapolate,
+        schedule.keep_weights,
+    )
     work, lifts = [], []
     for t in terms:
         w, R = work_term(t, keep_weights) if reduce else (t, None)
