@@ -4,8 +4,6 @@ ANCHOR (same function as SOURCE), ready for averaging-style merges."""
 from __future__ import annotations
 
 import argparse
-import time
-from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..hub.values import fmt_number
@@ -17,11 +15,8 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
-    emit,
-    push_if_requested,
-    total_time_line,
-    verify_and_record,
 )
+from .runner import Conversion, run_conversion
 
 
 def add_match_args(p, residual_help: str = "") -> None:
@@ -75,39 +70,48 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    check_verify_args(args, args.anchor)
-    anchor, source = resolve_model(args.anchor), resolve_model(args.source)
-    report = match_checkpoint(
-        anchor,
-        source,
-        args.out,
-        match_options(args),
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-        progress=not args.quiet,
-    )
-    lines = [
-        f"matched {report.family} model {source} to {anchor} -> {args.out} (conversion {report.seconds:.1f} s)",
-        f"  matched: {', '.join(report.symmetries) or 'nothing'}",
-    ]
-    if report.untied_embeddings:
-        lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
-    lines.append(f"  squared distance to the anchor{' (norm-folded)' if args.residual else ''}:")
-    for name, d in report.distances.items():
-        lines.append(
-            f"    {name:<10} {fmt_number(d['before'])} -> {fmt_number(d['after'])}  ({100 * d['reduction']:.1f} % less)"
+    return run_conversion(Match(args))
+
+
+class Match(Conversion):
+    """``match``: SOURCE aligned to ANCHOR, verified against SOURCE (when SOURCE has a tokenizer)."""
+
+    names = ("SOURCE", "matched")
+    against = " against SOURCE"
+
+    def check(self) -> None:
+        check_verify_args(self.args, self.args.anchor)
+        self.anchor, self.original = resolve_model(self.args.anchor), resolve_model(self.args.source)
+
+    def convert(self):
+        args, anchor, source = self.args, self.anchor, self.original
+        report = match_checkpoint(
+            anchor,
+            source,
+            args.out,
+            match_options(args),
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            progress=not args.quiet,
         )
-    if args.no_verify:
-        pass
-    elif vocabulary_fingerprint(source) is None:
-        lines.append("  verification skipped: SOURCE has no tokenizer")
-    else:
-        report.verification = verify_and_record(
-            args, source, args.out, lines, ("SOURCE", "matched"), against=" against SOURCE"
-        )
-    summary = asdict(report)
-    summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start, verified=bool(report.verification)))
-    emit(summary, lines, args.json_out)
-    return 0
+        lines = [
+            f"matched {report.family} model {source} to {anchor} -> {args.out} (conversion {report.seconds:.1f} s)",
+            f"  matched: {', '.join(report.symmetries) or 'nothing'}",
+        ]
+        if report.untied_embeddings:
+            lines.append("  embeddings untied (the final norm's γ is folded into lm_head)")
+        lines.append(f"  squared distance to the anchor{' (norm-folded)' if args.residual else ''}:")
+        for name, d in report.distances.items():
+            lines.append(
+                f"    {name:<10} {fmt_number(d['before'])} -> {fmt_number(d['after'])}  "
+                f"({100 * d['reduction']:.1f} % less)"
+            )
+        return report, lines
+
+    def verify(self, report, lines: list[str]) -> bool:
+        if self.args.no_verify:
+            return False
+        if vocabulary_fingerprint(self.original) is None:
+            lines.append("  verification skipped: SOURCE has no tokenizer")
+            return False
+        return super().verify(report, lines)

@@ -5,8 +5,6 @@ matching every input to an anchor first."""
 from __future__ import annotations
 
 import argparse
-import time
-from dataclasses import asdict
 
 from ..conversion.merge.evaluate import evaluate_merge
 from ..conversion.merge.methods import METHOD_ALIASES, METHODS
@@ -19,12 +17,10 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
-    emit,
     placement_from_args,
-    push_if_requested,
-    total_time_line,
 )
 from .match import add_match_args
+from .runner import Conversion, run_conversion
 
 # Flags that describe a merge; with a recipe file they would be ambiguous.
 _RECIPE_FLAGS = (
@@ -160,41 +156,55 @@ def evaluation_of(args, recipe) -> tuple[str, int] | None:
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    placement = placement_from_args(args)  # an unusable device fails before any work
-    recipe, out = recipe_from_args(args)
-    evaluation = evaluation_of(args, recipe)
-    if evaluation:
-        args.text, args.ppl_tokens = evaluation
-        check_verify_args(args)
-    report = merge_checkpoints(
-        recipe,
-        out,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-        progress=not args.quiet,
-        placement=placement,
-    )
-    lines = [
-        f"{recipe.method.name} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
-        f"  anchor: {report.anchor}" + ("" if recipe.match else " (no matching)"),
-    ]
-    for name, d in report.distances.items():
-        t = d["total"]
-        lines.append(
-            f"  matched {name}: squared distance {fmt_number(t['before'])} -> {fmt_number(t['after'])} "
-            f"({100 * t['reduction']:.1f} % less)"
+    return run_conversion(Merge(args))
+
+
+class Merge(Conversion):
+    """``merge``: the recipe (a file or the flags), merged; its evaluation is the perplexity of the merge and of
+    every input (:func:`~hf_symmetry.conversion.merge.evaluate.evaluate_merge`), not a comparison with one original."""
+
+    def check(self) -> None:
+        args = self.args
+        self.placement = placement_from_args(args)  # an unusable device fails before any work
+        self.recipe, self.out = recipe_from_args(args)
+        self.evaluation = evaluation_of(args, self.recipe)
+        if self.evaluation:
+            args.text, args.ppl_tokens = self.evaluation
+            check_verify_args(args)
+
+    def convert(self):
+        args, recipe, out = self.args, self.recipe, self.out
+        report = merge_checkpoints(
+            recipe,
+            out,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            progress=not args.quiet,
+            placement=self.placement,
         )
-    if evaluation:
-        report.evaluation = ev = evaluate_merge(out, recipe, *evaluation, device=args.device, progress=not args.quiet)
+        lines = [
+            f"{recipe.method.name} merge of {len(recipe.models)} models -> {out} (merge {report.seconds:.1f} s)",
+            f"  anchor: {report.anchor}" + ("" if recipe.match else " (no matching)"),
+        ]
+        for name, d in report.distances.items():
+            t = d["total"]
+            lines.append(
+                f"  matched {name}: squared distance {fmt_number(t['before'])} -> {fmt_number(t['after'])} "
+                f"({100 * t['reduction']:.1f} % less)"
+            )
+        return report, lines
+
+    def verify(self, report, lines: list[str]) -> bool:
+        if not self.evaluation:
+            return False
+        args = self.args
+        report.evaluation = ev = evaluate_merge(
+            self.out, self.recipe, *self.evaluation, device=args.device, progress=not args.quiet
+        )
         if ev:
             lines.append(
                 f"  perplexity (first {ev['tokens']} tokens of {ev['text']}, sliding window {ev['window']}, "
                 f"stride {ev['stride']}): merge {fmt_number(ev['merged'])}; "
                 + ", ".join(f"{n} {fmt_number(v)}" for n, v in ev["inputs"].items())
             )
-    summary = asdict(report)
-    summary["push"] = push_if_requested(args, out, lines)
-    lines.append(total_time_line(start, verified=bool(evaluation)))
-    emit(summary, lines, args.json_out)
-    return 0
+        return True
