@@ -63,7 +63,9 @@ def cached_stats(source, config, calib_ids, seq_len) -> C.CalibrationStats:
             [t[f"attn_out.{i}"] for i in range(L)],
             [t[f"mlp_hidden.{i}"] for i in range(L)],
         )
-    stats = C.collect_statistics(source, config, calib_ids, seq_len, want_normed=True, want_stream=True)
+    stats = C.collect_statistics(
+        C.CalibrationInput(source, config, calib_ids, seq_len), want_normed=True, want_stream=True
+    )
     tensors = {"tokens": torch.tensor([stats.tokens]), "token_counts": stats.token_counts}
     for name in ("normed", "stream", "attn_out", "mlp_hidden"):
         tensors.update({f"{name}.{k}": v.contiguous() for k, v in enumerate(getattr(stats, name))})
@@ -284,9 +286,7 @@ def main() -> None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
         calib_in = C.CalibrationInput(source, config, calib_ids, 512) if options.sequential else None
         with limit_threads(1):
-            res = C.solve.solve(
-                plan, layers, globals_, stats, solve_options, progress=True, rotations=rotations, calib=calib_in
-            )
+            res = C.solve.solve(plan, layers, globals_, stats, solve_options, rotations=rotations, calib=calib_in)
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0

@@ -150,7 +150,9 @@ def run_row(row: dict, args, results: dict) -> dict:
         opts["ratio"] = (acc["dense_model_params"] - target) / acc["dense_params_of_compressed_matrices"]
     options = C.CompressOptions.preset(row["preset"], **opts) if "preset" in row else C.CompressOptions(**opts)
     calib_ids = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens)
-    state, cfg, report = C.compress_tensors(reader, reader.config, options, calib_ids=calib_ids, progress=False)
+    state, cfg, report = C.compress_tensors(
+        reader, reader.config, options, calib_ids=calib_ids, run=C.TensorRun(progress=False)
+    )
     model, counted = C.build_model(state, cfg)
     state_norms = {k: float(v.double().pow(2).sum()) for k, v in state.items() if k.endswith(".weight")}
     del state
@@ -235,7 +237,9 @@ def segment_objectives(args) -> dict:
     ids = tokenize_text(
         load_tokenizer(smollm2_dir()), read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens
     )
-    stats = C.collect_statistics(reader, reader.config, ids, 512, want_normed=False, want_stream=True, progress=False)
+    stats = C.collect_statistics(
+        C.CalibrationInput(reader, reader.config, ids, 512), want_normed=False, want_stream=True, progress=False
+    )
     Qg = pca(sum(Cm / Cm.trace() for Cm in stats.stream))
     width = C.plan_for(reader, reader.config, C.CompressOptions(structure="slice", ratio=args.ratio))[0].residual
     names = {

@@ -14,7 +14,7 @@ embeddings match OPT's (within 1 %). Heads untied in both, so SliceGPT pays the 
 Then ``compress --structure slice --ratio R`` on each (R = 0.25, 0.4, 0.5), in memory (``compress_model``; the same
 ratio
 definition, so both end at about the same parameter count): Llama into the compressed family (one global
-PCA), OPT centred into the RMS-decoder family (``conversion/compress/layernorm/``). Then ``compress
+PCA), OPT centred into the RMS-decoder family (``conversion/compress/layernorm_decoders/``). Then ``compress
 --structure S --ratio 0.25`` for each S of ``--structures`` (low rank, Kronecker, GS; ``compress``'s defaults:
 stage W, one rotation per residual segment for Kronecker and GS), Llama into the compressed family, OPT into
 the RMS-decoder family's structured linears. Perplexity on the held-out split before and after. Calibration:

@@ -33,7 +33,9 @@ rot = None if structure == "lowrank" else load_rotations(f"{structure}_segment_f
 calib_in = C.CalibrationInput(source, config, calib_ids, 512) if seq else None
 t = time.perf_counter()
 with limit_threads(1):
-    res = C.solve.solve(plan, layers, globals_, stats, options, progress=False, rotations=rot, calib=calib_in)
+    res = C.solve.solve(
+        plan, layers, globals_, stats, options, rotations=rot, calib=calib_in, run=C.solve.SolveRun(False)
+    )
 state = C.assemble.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
 m, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
 p = perplexity(m, eval_ids, window=512, stride=512, progress=False).perplexity

@@ -124,7 +124,8 @@ def test_measured_sensitivity_grows_as_the_layer_shrinks():
     src = _source(model)
     adapter = check_family(config, src.keys())
     entries = matrix_entries(config, src.keys(), adapter)
-    curves = A.measure_sensitivity(src, config, adapter, entries, options, calib, progress=False)
+    calib_input = C.CalibrationInput(src, config, calib, options.calib_seq_len)
+    curves = A.measure_sensitivity(calib_input, adapter, entries, options, progress=False)
     assert set(curves) >= {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
@@ -198,9 +199,12 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     options = C.CompressOptions(structure="slice", ratio=0.3, allocation="sensitivity", calib_seq_len=40)
     src = _source(model)
     adapter = check_family(config, src.keys())
-    stats = C.collect_statistics(src, config, calib, 40, want_normed=False, want_stream=True, progress=False)
+    stats = C.collect_statistics(
+        C.CalibrationInput(src, config, calib, 40), want_normed=False, want_stream=True, progress=False
+    )
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
-    curves = W.measure_slice_sensitivity(src, config, adapter, Q, stats.stream[0], options, calib, progress=False)
+    calib_input = C.CalibrationInput(src, config, calib, options.calib_seq_len)
+    curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream[0], progress=False)
     assert set(curves) == {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]

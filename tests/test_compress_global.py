@@ -43,7 +43,7 @@ def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama")
 
 def _held(plan, layers, globals_, stats, stage, options, iters):
     """The whole problem in memory, solved at once (the reference)."""
-    segments = SV._terms(plan, layers, globals_, stats, stage, options)
+    segments = SV.segment_terms(SV.SolveInputs(plan, layers, globals_, stats), stage, options)
     terms = [t for seg, _ in segments for t in seg]
     res = solve_segment(
         terms,
@@ -72,19 +72,13 @@ def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure
     factors, rel = {}, {}
     segments_done = []
     Qs, traces = SV._solve_stage(
-        plan,
-        layers,
-        globals_,
-        stats,
-        stage,
+        SV.SolveInputs(plan, layers, globals_, stats),
         options,
+        SV.Stage(stage, iters, "t"),
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
-        iters,
-        "t",
-        False,
+        SV.SolveRun(False, on_segment=lambda k, Qs, f: segments_done.append(k)),
         factors,
         rel,
-        on_segment=lambda k, Qs, f: segments_done.append(k),
     )
     assert segments_done == list(range(plan.n_segments))  # each segment handed on once final
     assert torch.allclose(Qs[0], Q_ref, atol=1e-9, rtol=0)
@@ -112,16 +106,11 @@ def test_streamed_global_solve_in_float32_iterations_matches_closely():
     Q_ref, f_ref, trace_ref = _held(plan, layers, globals_, stats, "w", options, options.w_iters)
     factors, rel = {}, {}
     Qs, traces = SV._solve_stage(
-        plan,
-        layers,
-        globals_,
-        stats,
-        "w",
+        SV.SolveInputs(plan, layers, globals_, stats),
         options,
+        SV.Stage("w", options.w_iters, "t"),
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
-        options.w_iters,
-        "t",
-        False,
+        SV.SolveRun(False),
         factors,
         rel,
     )
@@ -135,7 +124,7 @@ def test_global_stage_f_before_stage_w_keeps_no_factors(monkeypatch):
     kept = []
     real = SV._keep
     monkeypatch.setattr(SV, "_keep", lambda terms, *a, **k: (kept.extend(t.name for t in terms), real(terms, *a, **k)))
-    res = SV.solve(plan, layers, globals_, stats, options, progress=False)
+    res = SV.solve(plan, layers, globals_, stats, options, run=SV.SolveRun(False))
     compressed = [m.name for m in plan.matrices if m.compressed]
     assert sorted(kept) == sorted(compressed)  # once each: stage W's, none of stage F's
     assert set(res.factors) == set(compressed)
@@ -169,7 +158,9 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
     calib = input_ids(batch=1, length=120, seed=5)[0]
     eager = one_pass_statistics(src, config, options, calib, progress=False)
     assert isinstance(eager.mlp_hidden, list)
-    ref, _, _ = compress_tensors(src, config, options, calib_ids=calib, stats=eager, progress=False)
+    ref, _, _ = compress_tensors(
+        src, config, options, calib_ids=calib, given=C.Given(stats=eager), run=C.TensorRun(progress=False)
+    )
 
     held = []
     real = MO.one_pass_on_demand
@@ -186,7 +177,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         return stats
 
     monkeypatch.setattr(MO, "one_pass_on_demand", watched)
-    out, _, report = compress_tensors(src, config, options, calib_ids=calib, progress=False)
+    out, _, report = compress_tensors(src, config, options, calib_ids=calib, run=C.TensorRun(progress=False))
     assert len(held) == 2 * model.config.num_hidden_layers + 1  # every segment released once solved
     assert max(held) == 1  # one layer's FFN moments at a time
     assert report.calibration_tokens == eager.tokens

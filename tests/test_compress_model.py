@@ -18,6 +18,7 @@ from hf_symmetry.conversion.compress import assemble as assemble_module
 from hf_symmetry.conversion.compress import folded as folded_mod
 from hf_symmetry.conversion.compress import solve as solve_mod
 from hf_symmetry.conversion.compress import targets as targets_mod
+from hf_symmetry.conversion.compress.tall import TallTerm
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
@@ -44,7 +45,12 @@ def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=tor
         Qs = [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg
     counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))  # stage F's token weights
     state, cfg, _ = C.compress_tensors(
-        src, config, options, dtype=dtype, progress=False, plan=plan, hf_config=model.config, rotations=Qs, stats=counts
+        src,
+        config,
+        options,
+        hf_config=model.config,
+        given=C.Given(plan=plan, rotations=Qs, stats=counts),
+        run=C.TensorRun(dtype=dtype, progress=False),
     )
     return C.build_model(state, cfg, dtype)[0], cfg
 
@@ -81,7 +87,13 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
     state, cfg, _ = C.compress_tensors(
-        src, config, options, calib_ids=calib, dtype=torch.float64, progress=False, plan=plan, hf_config=model.config
+        src,
+        config,
+        options,
+        calib_ids=calib,
+        hf_config=model.config,
+        given=C.Given(plan=plan),
+        run=C.TensorRun(dtype=torch.float64, progress=False),
     )
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ids = input_ids()
@@ -122,7 +134,10 @@ def _walk(model, calib, replace=lambda k, seq: []):
         progress=False,
     )
     ref = C.collect_statistics(
-        _source(model), config, calib, 40, want_normed=True, want_stream=False, placement=placement, progress=False
+        C.CalibrationInput(_source(model), config, calib, 40, placement),
+        want_normed=True,
+        want_stream=False,
+        progress=False,
     )
     return seq, ref
 
@@ -212,9 +227,12 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
     )
     plan, adapter, layers, globals_, gamma, calib_input = _walk_setup(model, options, calib, 40)
     one_pass = C.collect_statistics(
-        _source(model), model.config.to_dict(), calib, 40, want_normed=True, want_stream=False, progress=False
+        C.CalibrationInput(_source(model), model.config.to_dict(), calib, 40),
+        want_normed=True,
+        want_stream=False,
+        progress=False,
     )
-    res = solve_mod.solve(plan, layers, globals_, one_pass, options, progress=False, calib=calib_input)
+    res = solve_mod.solve(plan, layers, globals_, one_pass, options, calib=calib_input, run=solve_mod.SolveRun(False))
     state = assemble_module.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
     compressed = C.build_model(
         state, C.compressed_config(model.config.to_dict(), plan, options, model.config), torch.float64
@@ -273,12 +291,9 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
         config,
         options,
         calib_ids=calib,
-        dtype=torch.float64,
-        progress=False,
-        plan=plan,
         hf_config=model.config,
-        rotations=Qs if structure == "gs" else None,
-        placement=_placement64(),
+        given=C.Given(plan=plan, rotations=Qs if structure == "gs" else None),
+        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_placement64()),
     )
     assert report.options["sequential"] and any(
         k.startswith("W/segment") or k.startswith("segment") for k in report.objective
@@ -320,10 +335,12 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
         structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1, w_iters=1, tolerance=0.1
     )
     reader = CheckpointReader(tiny_dir)
-    assert solve_mod.TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
+    assert TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
     C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calib, progress=False)
     ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=options.calib_tokens)
-    state, _, _ = C.compress_tensors(reader, reader.config, options, calib_ids=ids, dtype=torch.float32, progress=False)
+    state, _, _ = C.compress_tensors(
+        reader, reader.config, options, calib_ids=ids, run=C.TensorRun(dtype=torch.float32, progress=False)
+    )
     written = CheckpointReader(tmp_path / "out")
     row_factor = {"lowrank": "lr_u", "gs": "gs_left", "kron": "kron_b"}[structure]
     assert set(written.keys()) == set(state) and any(k.endswith(row_factor) and "embed" in k for k in state)
@@ -369,8 +386,8 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     # (GS at Q = I: with rotation steps the round-off of a Gram summed by blocks is amplified by the
     # rotation search's line search to ~1e-4 relative, the same objective reached by another path)
     ms = C.plan_for(_source(model), config, options)[0].by_name()
-    assert solve_mod.TallTerm.applies(ms["embed"])
-    assert tied or solve_mod.TallTerm.applies(ms["lm_head"])
+    assert TallTerm.applies(ms["embed"])
+    assert tied or TallTerm.applies(ms["lm_head"])
     whole_read = folded_mod.FoldedGlobals.__getitem__
 
     def no_whole_head(self, key):
@@ -393,10 +410,8 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
             config,
             options.with_(**changes),
             calib_ids=calib,
-            dtype=torch.float64,
-            progress=False,
             hf_config=model.config,
-            placement=_placement64(),
+            run=C.TensorRun(dtype=torch.float64, progress=False, placement=_placement64()),
         )
         return state, report
 
@@ -405,7 +420,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     assert max(live) <= 3, live  # flat in depth: those of written layers released (segment 0 kept: tied head)
     with monkeypatch.context() as mp:
         mp.setattr(folded_mod.FoldedGlobals, "__getitem__", whole_read)
-        mp.setattr(solve_mod.TallTerm, "applies", staticmethod(lambda m: False))
+        mp.setattr(TallTerm, "applies", staticmethod(lambda m: False))
         mp.setattr(targets_mod, "matched_target", _whole_matched)
         mp.setattr(targets_mod, "consume_reader_moments", _whole_reader_moments)
         mp.setattr(C.Assembler, "segment_done", lambda self, k, Qs, f: None)
@@ -956,8 +971,8 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     seq, _ = _walk(model, calib)
     for k in (1, 2):  # layer 0's attention (o) and FFN (down) segments
         kept, eaten = copy.deepcopy(seq), copy.deepcopy(seq)
-        a, _ = S._terms(plan, layers, globals_, kept, "w", options, only=k)[k]
-        b, _ = S._terms(plan, layers, globals_, eaten, "w", options, only=k, consume=True)[k]
+        a, _ = S.segment_terms(S.SolveInputs(plan, layers, globals_, kept), "w", options, only=k)[k]
+        b, _ = S.segment_terms(S.SolveInputs(plan, layers, globals_, eaten), "w", options, only=k, consume=True)[k]
         assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
         for ta, tb in zip(a, b):
             assert _rel(tb.M, ta.M) < 1e-12, ta.name

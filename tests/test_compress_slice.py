@@ -56,7 +56,7 @@ def test_sequential_slicing_with_nothing_sliced_measures_the_one_pass_statistics
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=110, seed=3)[0]
     ref = C.collect_statistics(
-        src, config, calib, 40, want_normed=False, want_stream=True, progress=False, placement=_float64()
+        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True, progress=False
     )
     Qs, seq = C.sequential_stream_pca(src, config, calib, 40, config["hidden_size"], _float64(), progress=False)
     assert len(Qs) == len(seq.stream) == 2 * config["num_hidden_layers"] + 1 and seq.tokens == ref.tokens
@@ -78,10 +78,8 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
         config,
         options,
         calib_ids=calib,
-        dtype=torch.float64,
-        progress=False,
         hf_config=model.config,
-        placement=_float64(),
+        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
     )
     sliced = C.build_model(state, cfg, torch.float64)[0]
     dr = cfg["residual_size"]
@@ -105,7 +103,9 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
             sliced(input_ids=batch[None])
     for h in handles:
         h.remove()
-    one_pass = C.collect_statistics(src, config, calib, 40, False, True, placement=_float64())
+    one_pass = C.collect_statistics(
+        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True
+    )
     for k in range(len(Qs)):
         Qk = Qs[k][:, :dr]
         measured = acc[k] / calib.numel()
@@ -130,11 +130,9 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
         config,
         options,
         calib_ids=calib,
-        dtype=torch.float64,
-        progress=False,
-        plan=plan,
         hf_config=model.config,
-        placement=_float64(),
+        given=C.Given(plan=plan),
+        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
     )
     assert report.method == "SliceGPT (PCA per segment, sequential)"
     compressed = C.build_model(state, cfg, torch.float64)[0]
@@ -199,15 +197,13 @@ def _widths_model(model, widths, placement=None):
         config,
         options,
         calib_ids=calib,
-        dtype=torch.float64,
-        progress=False,
-        plan=plan,
         hf_config=model.config,
-        placement=_float64(),
+        given=C.Given(plan=plan),
+        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
     )
     compressed, counted = C.build_model(state, cfg, torch.float64)
     stats = C.collect_statistics(
-        src, config, calib, 40, want_normed=False, want_stream=True, progress=False, placement=_float64()
+        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True, progress=False
     )
     from hf_symmetry.conversion.compress.pca import pca_rotations
 
@@ -266,11 +262,9 @@ def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
         config,
         options,
         calib_ids=calib,
-        dtype=torch.float64,
-        progress=False,
-        plan=plan,
         hf_config=model.config,
-        placement=_float64(),
+        given=C.Given(plan=plan),
+        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
     )
     assert cfg["residual_sizes"] == [d] * (2 * L + 1)
     compressed = C.build_model(state, cfg, torch.float64)[0]
@@ -346,17 +340,13 @@ def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
     each = C.collect_statistics(
-        src, config, calib, 40, want_normed=False, want_stream=True, progress=False, placement=_float64()
+        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True, progress=False
     )
     summed = C.collect_statistics(
-        src,
-        config,
-        calib,
-        40,
+        C.CalibrationInput(src, config, calib, 40, _float64()),
         want_normed=False,
         want_stream=True,
         progress=False,
-        placement=_float64(),
         stream_sum=True,
     )
     n_seg = 2 * config["num_hidden_layers"] + 1

@@ -16,9 +16,15 @@ import hf_symmetry  # noqa: F401
 from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion.compress import CompressOptions, compress_model
-from hf_symmetry.conversion.compress.moments import collect_statistics
+from hf_symmetry.conversion.compress.moments import CalibrationInput, collect_statistics
 from hf_symmetry.conversion.compress.pca import pca
-from hf_symmetry.conversion.compress.layernorm import build, centred_rotation, compress_layer_norm_model, slice_tensors
+from hf_symmetry.conversion.compress.layernorm_decoders import (
+    build,
+    centred_rotation,
+    compress_layer_norm_model,
+    slice_tensors,
+)
+from hf_symmetry.conversion.compress.routes import TensorRun
 from hf_symmetry.conversion.stream import DictSink, DictSource
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
@@ -53,10 +59,9 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
             model.config.to_dict(),
             SLICE,
             None,
-            sink,
             width=d,
             rotation=haar_orthogonal(d, rng(0, 2)),
-            progress=False,
+            run=TensorRun(sink=sink, progress=False),
         )
         full = build(dict(sink), cfg, torch.float64)[0]
     assert isinstance(full, RMSDecoderForCausalLM) and full.config.residual_size == d
@@ -78,7 +83,12 @@ def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basi
     Q = haar_orthogonal(model.config.hidden_size, rng(0, 1))
     sink = DictSink()
     cfg, _ = slice_tensors(
-        DictSource(dict(model.state_dict())), model.config.to_dict(), SLICE, None, sink, rotation=Q, progress=False
+        DictSource(dict(model.state_dict())),
+        model.config.to_dict(),
+        SLICE,
+        None,
+        rotation=Q,
+        run=TensorRun(sink=sink, progress=False),
     )
     rand = build(dict(sink), cfg, torch.float64)[0]
     assert _delta(model, rand) > err_pca
@@ -89,10 +99,7 @@ def test_the_pca_is_taken_of_the_centred_stream():
     of that stream's energy at every width as PCA of the raw ``C``, and puts the mean direction last."""
     model = tiny_model("opt")
     stats = collect_statistics(
-        DictSource(dict(model.state_dict())),
-        model.config.to_dict(),
-        _calib(),
-        40,
+        CalibrationInput(DictSource(dict(model.state_dict())), model.config.to_dict(), _calib(), 40),
         want_normed=False,
         want_stream=True,
         progress=False,

@@ -19,7 +19,8 @@ import hf_symmetry  # noqa: F401
 from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, families_text, reason
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.conversion.compress.layernorm import build, layer_norm_plan, structured_tensors
+from hf_symmetry.conversion.compress.layernorm_decoders import build, layer_norm_plan, structured_tensors
+from hf_symmetry.conversion.compress.routes import Given, TensorRun
 from hf_symmetry.modeling.modeling_rms_decoder import GSLinear, KroneckerLinear, RMSDecoderForCausalLM
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
@@ -57,12 +58,8 @@ def _exact(model, structure: str, q_mode: str = "segment", seed: int = 0):
         config,
         options,
         None,
-        state.update,
-        torch.float64,
-        plan=plan,
-        stats=counts,
-        rotations=Qs,
-        progress=False,
+        given=Given(plan=plan, stats=counts, rotations=Qs),
+        run=TensorRun(sink=state.update, dtype=torch.float64, progress=False),
     )
     return build(state, cfg, torch.float64)[0], cfg
 

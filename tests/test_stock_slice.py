@@ -57,7 +57,12 @@ def _same_slice(model, width, calib, placement=None, **controls):
     plan = S.compressed_plan_at(usource, uconfig, OPTIONS, width)
     dtype = next(model.parameters()).dtype
     state, new_config, _ = C.compress_tensors(
-        usource, uconfig, OPTIONS, calib, dtype=dtype, progress=False, plan=plan, stats=stats
+        usource,
+        uconfig,
+        OPTIONS,
+        calib,
+        given=C.Given(plan=plan, stats=stats),
+        run=C.TensorRun(dtype=dtype, progress=False),
     )
     compressed, _ = C.build_model(state, new_config, dtype)
     return stock, report, compressed
@@ -197,7 +202,12 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
     source, cfg = _untied_view(model)
     stats = one_pass_statistics(source, cfg, options, calib_ids, None, progress=False)
     state, new_config, _ = C.compress_tensors(
-        source, cfg, options, calib_ids, progress=False, stats=stats, plan=S.compressed_plan_at(source, cfg, options, w)
+        source,
+        cfg,
+        options,
+        calib_ids,
+        given=C.Given(stats=stats, plan=S.compressed_plan_at(source, cfg, options, w)),
+        run=C.TensorRun(progress=False),
     )
     compressed, _ = C.build_model(state, new_config)
     ref = outputs(compressed, ids)

@@ -6,7 +6,6 @@ written as the source's own stock class instead (no remote code)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -20,7 +19,9 @@ from ..conversion.compress import (
     compress_checkpoint,
     record_verification,
 )
-from ..conversion.compress.stock import StockOptions, why_not_stock
+from ..conversion.compress.pipeline import route_for
+from ..conversion.compress.routes import FolderSettings
+from ..conversion.compress.stock import StockOptions
 from .common import (
     add_device_args,
     add_output_args,
@@ -49,6 +50,20 @@ def register(sub) -> None:
         help="structured compression (Kronecker / GS / low rank) with orthogonal transforms, or SliceGPT",
         description=__doc__,
     )
+    _add_method_args(p)
+    _add_rotation_args(p)
+    _add_solver_args(p)
+    _add_stock_args(p)
+    _add_calibration_size_args(p)
+    add_device_args(p)
+    add_verify_args(p, "the original (perplexity before and after)")
+    add_output_args(p)
+    add_push_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_method_args(p) -> None:
+    """The model, the output folder, the method and its size, and the calibration text."""
     p.add_argument(
         "model",
         nargs="?",
@@ -85,6 +100,10 @@ def register(sub) -> None:
         help="calibration text: a UTF-8 file or an embedded name such as britannica-calib "
         "(needed for stages f and w and for slice)",
     )
+
+
+def _add_rotation_args(p) -> None:
+    """The stage, the rotations and the structures' shapes."""
     p.add_argument(
         "--stage",
         choices=STAGES,
@@ -109,6 +128,10 @@ def register(sub) -> None:
     p.add_argument("--gs-blocks", metavar="KL,KR", help="GS tile grid of layer matrices (default: 4,4)")
     p.add_argument("--keep-embeddings", action="store_true", help="leave the embedding (and head) dense")
     p.add_argument("--compress-v", action="store_true", help="also compress v_proj (the paper keeps it dense)")
+
+
+def _add_solver_args(p) -> None:
+    """How far the stages run, sequential calibration and the allocation of sizes."""
     p.add_argument(
         "--f-iters", type=int, default=20, help="stage F alternations at most (default: 20; --tol stops earlier)"
     )
@@ -157,6 +180,10 @@ def register(sub) -> None:
         "alternation also tries a longer step along the last rotation change and keeps it only if "
         "the objective is lower; it reaches a lower objective in fewer alternations)",
     )
+
+
+def _add_stock_args(p) -> None:
+    """Which family a SliceGPT output is written as."""
     p.add_argument(
         "--untie",
         action="store_true",
@@ -178,13 +205,12 @@ def register(sub) -> None:
         help="slice: write the compressed (remote-code) family even where the source's stock family "
         "could hold the output",
     )
+
+
+def _add_calibration_size_args(p) -> None:
+    """How much calibration text is read, and in what batches."""
     p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
-    add_device_args(p)
-    add_verify_args(p, "the original (perplexity before and after)")
-    add_output_args(p)
-    add_push_args(p)
-    p.set_defaults(func=run)
 
 
 def options_from_args(args) -> CompressOptions:
@@ -215,8 +241,7 @@ def options_from_args(args) -> CompressOptions:
         options = CompressOptions.preset(args.preset, **chosen)
     else:
         options = CompressOptions(**chosen, ratio=0.25 if args.ratio is None else args.ratio)
-    options.validate()
-    return options
+    return options  # validated by compress_checkpoint, before any work
 
 
 def stock_from_args(args, options):
@@ -231,36 +256,6 @@ def stock_from_args(args, options):
     stock = StockOptions(untie=args.untie, round_to=64 if args.round_to is None else args.round_to)
     stock.validate()
     return None if args.remote_code else stock
-
-
-def _stock_lines(report, options, stock, config) -> list[str]:
-    """What the size report says about the output family: the stock class and its width rounding, or
-    why the output stays in the compressed family (and, for a tied head, what untying would cost)."""
-    if not options.slicing:
-        return []
-    acc = report.accounting
-    if acc.get("output_family") == "stock":
-        lines = [
-            f"  output: stock {acc['stock_class']} (no remote code), hidden size {acc['residual']} of "
-            f"{acc['hidden']}; width {acc['width_unrounded']} rounded to a multiple of {acc['round_to']} "
-            f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc['norm_constant']:.6g}, rms_norm_eps "
-            f"{acc['source_rms_norm_eps']:.6g} × d/d′ = {acc['rms_norm_eps']:.6g}"
-        ]
-        if acc["untied_head_params"]:
-            lines.append(
-                f"  untied head (--untie): vocab × width = {acc['untied_head_params']:,} parameters, "
-                "counted in the ratio"
-            )
-        return lines
-    reason = "--remote-code" if stock is None else why_not_stock(config, options, stock.untie)
-    lines = [f"  output: compressed family (trust_remote_code=True): {reason}"]
-    if acc.get("head_mix_params") and reason and "--untie" in reason:
-        width = math.isqrt(acc["head_mix_params"])  # the mix is width × width
-        lines.append(
-            f"  tied head: head mix {acc['head_mix_params']:,} parameters; --untie would cost vocab × width "
-            f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)"
-        )
-    return lines
 
 
 def _config(src) -> dict:
@@ -280,11 +275,12 @@ def run(args) -> int:
         args.out,
         options,
         calib,
-        overwrite=args.overwrite,
+        stock=stock,
         progress=not args.quiet,
         placement=placement,
-        stock=stock,
+        folder=FolderSettings(overwrite=args.overwrite),
     )
+    config = _config(src)
     acc = report.accounting
     lines = [
         f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
@@ -293,7 +289,7 @@ def run(args) -> int:
         f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
         f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
         f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
-        *_stock_lines(report, options, stock, _config(src)),
+        *route_for(config, options, stock).output_lines(report, config),
         f"  report: {args.out}/compression_report.json",
     ]
 

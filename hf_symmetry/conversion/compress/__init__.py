@@ -1,8 +1,8 @@
 """``compress``: ProcrustesGPT structured compression with orthogonal transforms, and SliceGPT as a
 built-in baseline, saved as loadable Hugging Face models (pre-norm RMSNorm decoders the compressed family
 can express: Llama, Mistral without sliding window, Qwen2, Qwen3, Phi-3 with full rotary; also LayerNorm
-decoders (OPT, GPT-2, GPT-NeoX, GPT-J), through the RMS-decoder family, :mod:`.layernorm`; ``hf-symmetry families``
-gives the reason for any other). See ``docs/compress.md``.
+decoders (OPT, GPT-2, GPT-NeoX, GPT-J), through the RMS-decoder family, :mod:`.layernorm_decoders`;
+``hf-symmetry families`` gives the reason for any other). See ``docs/compress.md``.
 
 The steps, one module each:
 
@@ -14,6 +14,7 @@ The steps, one module each:
 - :mod:`.folded` — the source checkpoint with its norms folded, read one matrix (or block of rows) at a time;
 - :mod:`.allocate` — non-uniform sizes at the same total, from measured sensitivity (:mod:`.allocate_widths`:
   SliceGPT's per-segment widths);
+- :mod:`.terms` — the solvers' terms: each compressed matrix weighted for its stage;
 - :mod:`.solve` — rotations (stage F / W) and structured factors, segment by segment (the structures
   themselves are :mod:`...solvers.structures`'s classes);
 - :mod:`.pca` — SliceGPT's rotations, from one pass or sequential;
@@ -21,10 +22,14 @@ The steps, one module each:
 - :mod:`.targets` — the solvers' damped weights and sequential calibration's matched targets;
 - :mod:`.tall` — the embedding and an untied head, solved and written a block of rows at a time;
 - :mod:`.assemble` — the compressed model's tensors (written part by part as the solver finishes them) and config;
-- :mod:`.layernorm` — LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J): centred, then sliced (SliceGPT) or
-  structured (the steps above on the centred model), written as the RMS-decoder family;
+- :mod:`.layernorm_decoders` — the compress route of LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J):
+  centred, then sliced (SliceGPT) or structured (the steps above on the centred model), written as the
+  RMS-decoder family;
 - :mod:`.stock` — SliceGPT written as the source's own stock family, where it can be;
-- :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder);
+- :mod:`.routes` — the routes of an output folder as objects (compressed family, stock, LayerNorm decoders)
+  and the folder steps they share;
+- :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder: the one folder entry
+  point, which decides the route once);
 - :mod:`.report` — the report and the finishing of an output folder, shared by every route;
 - :mod:`.card` — the model card.
 """
@@ -44,9 +49,10 @@ from .moments import (
 )
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
 from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
-from .pipeline import compress_checkpoint, compress_model, compress_tensors
+from .pipeline import compress_checkpoint, compress_model, compress_tensors, route_for
 from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
 from .report import REPORT_FILE, CompressReport, record_verification
+from .routes import FolderSettings, Given, Route, TensorRun
 from .solve import SolveResult
 from .targets import matched_target
 
@@ -82,6 +88,11 @@ __all__ = [
     "compress_checkpoint",
     "compress_model",
     "compress_tensors",
+    "route_for",
+    "FolderSettings",
+    "Given",
+    "TensorRun",
+    "Route",
     "record_verification",
     "MatrixPlan",
     "Plan",

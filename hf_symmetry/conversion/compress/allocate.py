@@ -30,6 +30,7 @@ import torch
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
 from ...solvers import structures as st
+from .moments import CalibrationInput
 from .options import LAYER_MODULES, CompressOptions
 from .plan import Entry, check_family, in_policy, matrix_entries, shared_factor, structure_for
 
@@ -206,19 +207,18 @@ def trace_of(t: torch.Tensor) -> float:
 
 
 def measure_sensitivity(
-    source,
-    config: dict,
+    calib: CalibrationInput,
     adapter,
     entries: list[Entry],
     options: CompressOptions,
-    ids: torch.Tensor,
     token_counts: torch.Tensor | None = None,
-    placement=None,
     progress: bool = True,
     kron_q: int | None = None,
 ) -> dict[str, list[tuple[float, float]]]:
     """Per group: ``[(fraction of parameters kept, relative output error)]`` at the sizes of
-    :data:`MEASURED` (see the module docstring)."""
+    :data:`MEASURED` (see the module docstring), on ``calib`` (source, config, token ids, batch length,
+    placement)."""
+    source, config, ids, placement = calib.source, calib.config, calib.ids, calib.placement
     groups = group_entries(entries, options)
     if kron_q is None:
         kron_q = kron_factor(entries, options, 1 - options.ratio)
@@ -254,7 +254,7 @@ def measure_sensitivity(
         return None
 
     engine.collect(
-        batches(ids, options.calib_seq_len),
+        batches(ids, calib.seq_len),
         StatsRequest(grams=("layer_in", "layer_out"), joint=(("layer_in", "layer_out"),)),
         on_layer=on_layer,
         carry_original=True,
@@ -302,9 +302,8 @@ def allocate_for(
     adapter = check_family(config, source.keys())
     entries = matrix_entries(config, source.keys(), adapter)
     kron_q = uniform.accounting.get("kron_factor")
-    curves = measure_sensitivity(
-        source, config, adapter, entries, options, ids, token_counts, placement, progress, kron_q
-    )
+    calib = CalibrationInput(source, config, ids, options.calib_seq_len, placement)
+    curves = measure_sensitivity(calib, adapter, entries, options, token_counts, progress, kron_q)
     budget = budget_of(uniform)
     groups = build_groups(entries, options, kron_q, curves)
     chosen = allocate(groups, budget)

@@ -16,7 +16,7 @@ import torch
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
 from .allocate import Choice, Group, adapter_path, allocate, trace_of
-from .moments import collect_statistics
+from .moments import CalibrationInput, collect_statistics
 from .options import CompressOptions
 from .pca import pca
 from .plan import Entry, check_family, final_gamma, matrix_entries
@@ -113,14 +113,10 @@ def _sliced_layer(module: torch.nn.Module, adapter, P: torch.Tensor) -> torch.nn
 
 
 def measure_slice_sensitivity(
-    source,
-    config: dict,
+    calib: CalibrationInput,
     adapter,
     Q: torch.Tensor,
     stream_first: torch.Tensor,
-    options: CompressOptions,
-    ids: torch.Tensor,
-    placement=None,
     progress: bool = True,
 ) -> dict[str, list[tuple[float, float]]]:
     """Per group: ``[(width / d, relative output error)]`` at :data:`MEASURED_WIDTHS`. A decoder layer's
@@ -132,6 +128,7 @@ def measure_slice_sensitivity(
     Measured on SmolLM2 (BENCHMARKS.md), neither this nor the structured classes' normalisation (the
     layer's residual update) gives widths that beat one uniform width: a direction dropped at one
     segment is gone from every later one, which no layer-local error sees."""
+    source, config, ids, placement = calib.source, calib.config, calib.ids, calib.placement
     d = Q.shape[0]
     widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]
     curves: dict[str, list[tuple[float, float]]] = {}
@@ -150,7 +147,7 @@ def measure_slice_sensitivity(
         return None
 
     engine.collect(
-        batches(ids, options.calib_seq_len), StatsRequest(grams=("layer_out",)), on_layer=on_layer, carry_original=True
+        batches(ids, calib.seq_len), StatsRequest(grams=("layer_out",)), on_layer=on_layer, carry_original=True
     )
     C = Q.T @ stream_first.to(Q) @ Q
     total = float(C.diagonal().sum())
@@ -269,18 +266,15 @@ def allocate_slice_for(
     entries = matrix_entries(config, source.keys(), adapter)
     if stats is None or stats.stream is None:
         stats = collect_statistics(
-            source,
-            config,
-            ids,
-            options.calib_seq_len,
+            CalibrationInput(source, config, ids, options.calib_seq_len, placement),
             want_normed=False,
             want_stream=True,
-            placement=placement,
             progress=progress,
         )
     Q = pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
     n_layers, d = adapter.n_layers, adapter.hidden
-    curves = measure_slice_sensitivity(source, config, adapter, Q, stats.stream[0], options, ids, placement, progress)
+    calib = CalibrationInput(source, config, ids, options.calib_seq_len, placement)
+    curves = measure_slice_sensitivity(calib, adapter, Q, stats.stream[0], progress)
     if uniform.tied:
         curves["embed"] = [
             (x, e + h) for (x, e), (_, h) in zip(curves["embed"], tied_head_curve(source, adapter, Q, stats.stream[-1]))

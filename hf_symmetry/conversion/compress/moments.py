@@ -112,13 +112,9 @@ def one_pass_statistics(
             progress=progress,
         )
     return collect_statistics(
-        source,
-        config,
-        calib_ids[: options.calib_tokens],
-        options.calib_seq_len,
+        CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement),
         want_normed=options.want_normed,
         want_stream=options.want_stream,
-        placement=placement,
         progress=progress,
         stream_sum=options.stream_sum,
     )
@@ -131,24 +127,22 @@ _ONE_PASS_SITES = {
 
 
 def collect_statistics(
-    source,
-    config: dict,
-    ids: torch.Tensor,
-    seq_len: int,
+    calib: CalibrationInput,
     want_normed: bool,
     want_stream: bool,
-    placement=None,
     progress: bool = True,
     stream_sum: bool = False,
 ) -> CalibrationStats:
-    """One pass of the original model over ``ids`` in chunks of ``seq_len``, layer by layer from the
-    checkpoint (:class:`hf_symmetry.calibration.CalibrationEngine`: one decoder layer in memory at a
-    time, on ``placement``'s device): per residual segment the second moments of the normalised and/or
-    raw stream, and the inputs of ``o_proj`` and ``down_proj``; ``source`` is a checkpoint reader or
-    any tensor source with ``config``. Each layer's moments are taken as the engine reaches it.
+    """One pass of the original model over ``calib.ids`` in chunks of ``calib.seq_len``, layer by layer
+    from the checkpoint (:class:`hf_symmetry.calibration.CalibrationEngine`: one decoder layer in memory
+    at a time, on ``calib.placement``'s device): per residual segment the second moments of the
+    normalised and/or raw stream, and the inputs of ``o_proj`` and ``down_proj``; ``calib.source`` is a
+    checkpoint reader or any tensor source with ``calib.config``. Each layer's moments are taken as the
+    engine reaches it.
     ``stream_sum``: keep only the running sum of the trace-normalised raw-stream moments
     (``stats.stream_sum``, all one global PCA needs: one ``d × d`` matrix whatever the depth) instead of
     every segment's (``stats.stream``)."""
+    source, config, ids, seq_len, placement = calib.source, calib.config, calib.ids, calib.seq_len, calib.placement
     vocab = int(config["vocab_size"])
     stats = CalibrationStats(0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab])
     if not (want_normed or want_stream):
@@ -281,8 +275,9 @@ def one_pass_on_demand(
 
 @dataclass
 class CalibrationInput:
-    """What sequential calibration runs on: the checkpoint (or tensor source with its config), the
-    calibration token ids, the batch length and the device placement of the calibration engine."""
+    """What calibration runs on (one pass, sequential, the sensitivity measurements): the checkpoint (or
+    tensor source with its config), the calibration token ids, the batch length and the device placement
+    of the calibration engine."""
 
     source: object
     config: dict
@@ -359,58 +354,22 @@ def sequential_weighted(
     measured on the embeddings, and the compressed embedding's rows then enter layer 0."""
     engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
     adapter = engine.adapter
-    L = adapter.n_layers
-    n_seg = 2 * L + 1
-    stats = CalibrationStats(0, token_counts, normed=[None] * n_seg, attn_out=[None] * L, mlp_hidden=[None] * L)
-    if match_original:
-        stats.normed_cross = [None] * n_seg
-        for name in ("attn_out_target", "mlp_hidden_target"):
-            setattr(stats, name, [None] * L)
+    stats = _sequential_stats(adapter.n_layers, token_counts, match_original)
     chunks = batches(calib.ids, calib.seq_len)
     run = engine.start(chunks, carry_original=match_original)
     stats.tokens = run.tokens
     first = StatsRequest(
         grams=("normed:layer_in",), cross=(("normed:layer_in", "normed:layer_in"),) if match_original else ()
     )
-    pending: dict[str, torch.Tensor] = {}  # canonical weights of the next layer's solved readers
-
-    def apply(replacements, layer: int, canon: Tensors) -> None:
-        for m, M in replacements:
-            if m.canon == "embed":  # the approximation, or its rows (a function of the token ids)
-                rows = M if callable(M) else (lambda idx, E=M.to(engine.dtype): E[idx.to(E.device)])
-                home = run.stream.batches[0].device
-                run.stream = Activations([rows(b).to(device=home, dtype=engine.dtype) for b in chunks])
-                continue
-            if m.canon == "lm_head":
-                continue  # nothing runs after the head
-            if callable(M):
-                M = M()  # made now: one float64 approximation at a time
-            # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
-            W = (M if m.role == "reader" else M.T).to(engine.dtype)
-            del M
-            if m.layer == layer:
-                canon[f"{m.canon}.weight"] = W
-            elif m.layer == layer + 1:
-                pending[f"{m.canon}.weight"] = W
-            else:
-                raise AssertionError(f"segment solve replaced {m.name} out of order (layer {layer})")
+    apply = _Replacements(engine, run, chunks)
 
     def module(i: int, like: dict, canon: "_Overlay") -> torch.nn.Module:
         """Layer ``i``'s module with the canonical tensors ``canon`` (norm-folded), built from the
         family's meta skeleton (the original layer's weights are not copied)."""
         return engine.layer_module(i, adapter.write_layer(i, canon, like))
 
-    # the original stream's sites the segments' cross statistics read (besides the layer's output), kept
-    # from the first pass: the original layer is released before the segments are measured and solved
-    kept = (
-        tuple(
-            sorted(
-                {base_site(b) for sites in (_ATTN_SITES, _FFN_SITES) for b in _request(sites, True).original_sites()}
-            )
-        )
-        if match_original
-        else ()
-    )
+    pending = apply.pending
+    kept = _kept_original_sites() if match_original else ()
     for step in run.layers(first, only={0}, keep_original=tuple(s for s in kept if s != "layer_out"), replaced=True):
         i = step.index
         layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
@@ -442,6 +401,60 @@ def sequential_weighted(
                 _release(stats, k, i, moments)
         step.replace(module(i, like, canon))
     return stats
+
+
+def _sequential_stats(n_layers: int, token_counts: torch.Tensor, match_original: bool) -> CalibrationStats:
+    """Empty per-segment statistics for :func:`sequential_weighted` to fill (and the matched targets'
+    cross moments with ``match_original``)."""
+    n_seg = 2 * n_layers + 1
+    stats = CalibrationStats(
+        0, token_counts, normed=[None] * n_seg, attn_out=[None] * n_layers, mlp_hidden=[None] * n_layers
+    )
+    if match_original:
+        stats.normed_cross = [None] * n_seg
+        for name in ("attn_out_target", "mlp_hidden_target"):
+            setattr(stats, name, [None] * n_layers)
+    return stats
+
+
+def _kept_original_sites() -> tuple[str, ...]:
+    """The original stream's sites the segments' cross statistics read (besides the layer's output), kept
+    from the first pass: the original layer is released before the segments are measured and solved."""
+    return tuple(
+        sorted({base_site(b) for sites in (_ATTN_SITES, _FFN_SITES) for b in _request(sites, True).original_sites()})
+    )
+
+
+class _Replacements:
+    """Puts a solved segment's approximations into the sequential calibration (:func:`sequential_weighted`):
+    the embedding's rows into the run's stream, a layer's matrices into its canonical tensors, the next
+    layer's solved readers into :attr:`pending` (nothing runs after the head)."""
+
+    def __init__(self, engine, run, chunks):
+        self.engine, self.run, self.chunks = engine, run, chunks
+        self.pending: dict[str, torch.Tensor] = {}  # canonical weights of the next layer's solved readers
+
+    def __call__(self, replacements, layer: int, canon: Tensors) -> None:
+        dtype = self.engine.dtype
+        for m, M in replacements:
+            if m.canon == "embed":  # the approximation, or its rows (a function of the token ids)
+                rows = M if callable(M) else (lambda idx, E=M.to(dtype): E[idx.to(E.device)])
+                home = self.run.stream.batches[0].device
+                self.run.stream = Activations([rows(b).to(device=home, dtype=dtype) for b in self.chunks])
+                continue
+            if m.canon == "lm_head":
+                continue  # nothing runs after the head
+            if callable(M):
+                M = M()  # made now: one float64 approximation at a time
+            # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
+            W = (M if m.role == "reader" else M.T).to(dtype)
+            del M
+            if m.layer == layer:
+                canon[f"{m.canon}.weight"] = W
+            elif m.layer == layer + 1:
+                self.pending[f"{m.canon}.weight"] = W
+            else:
+                raise AssertionError(f"segment solve replaced {m.name} out of order (layer {layer})")
 
 
 class _Overlay(Mapping):

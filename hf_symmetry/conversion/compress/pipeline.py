@@ -1,5 +1,6 @@
-"""Entry points: the whole pipeline on tensors, on a loaded model, and on a checkpoint folder (which
-hands the stock SliceGPT output to :mod:`.stock` and LayerNorm decoders to :mod:`.layernorm`)."""
+"""Entry points: the whole pipeline on tensors, on a loaded model, and on a checkpoint folder (the one
+folder entry point of every route: the compressed family here, the stock SliceGPT output in :mod:`.stock`,
+LayerNorm decoders in :mod:`.layernorm_decoders`)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from .allocate import allocate_for
 from .allocate_widths import allocate_slice_for
 from .assemble import Assembler, build_model, compressed_config, config_object
 from .folded import read_folded
-from .layernorm import compress_layer_norm_checkpoint, compress_layer_norm_model, through_rms_decoder
+from .layernorm_decoders import LayerNormDecoders, compress_layer_norm_model, through_rms_decoder
 from .moments import CalibrationInput, CalibrationStats, one_pass_statistics, read_calibration, require_calibration
 from .options import CompressOptions
 from .pca import sequential_stream_pca
 from .plan import Plan, check_family, plan_for
 from .report import CompressReport, finish_folder, summarise_traces
-from .solve import solve
-from .stock import compress_stock_checkpoint, why_not_stock
+from .routes import CountingSink, FolderJob, FolderSettings, Given, Route, TensorRun, checkpoint_dtype
+from .solve import SolveRun, solve
+from .stock import StockOptions, StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
 
@@ -36,25 +38,20 @@ def compress_tensors(
     config: dict,
     options: CompressOptions,
     calib_ids: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float32,
-    progress: bool = True,
-    plan: Plan | None = None,
-    stats: CalibrationStats | None = None,
     hf_config=None,
-    rotations: list[torch.Tensor] | None = None,
-    placement=None,
-    sink=None,
-    scratch=None,
+    given: Given = Given(),
+    run: TensorRun = TensorRun(),
 ) -> tuple[Tensors, dict, CompressReport]:
     """The whole pipeline on tensors: (compressed state dict, config dict, report). Calibration runs
-    the layer-wise engine over ``source`` on ``placement`` (:func:`hf_symmetry.devices.resolve`;
-    default CPU float32); ``stats`` may be passed in instead (e.g. cached by a benchmark); ``plan``
-    and ``rotations`` override the planned structures and the starting rotations (see :func:`solve`).
-    The norm-folded layers are read from ``source`` as the steps need them. ``sink``: receives the
+    the layer-wise engine over ``source`` on ``run.placement``; ``given`` (:class:`.routes.Given`) may
+    hand in the statistics, the planned structures and the starting rotations (see :func:`solve`).
+    The norm-folded layers are read from ``source`` as the steps need them. ``run.sink``: receives the
     compressed tensors as they are assembled, layer by layer (the returned state dict is then empty).
-    ``scratch``: a folder for the solver's temporary files (one global Q's warm starts)."""
+    ``run.scratch``: a folder for the solver's temporary files (one global Q's warm starts)."""
     times = {}
     t0 = time.perf_counter()
+    placement, progress = run.placement, run.progress
+    plan, stats = given.plan, given.stats
     if plan is None:
         plan, adapter = plan_for(source, config, options)
     else:
@@ -63,24 +60,8 @@ def compress_tensors(
         stats = one_pass_statistics(source, config, options, calib_ids, placement, progress, on_demand=True)
     times["calibration"] = time.perf_counter() - t0
     if options.allocation == "sensitivity" and plan.accounting.get("allocation") != "sensitivity":
-        require_calibration(options, calib_ids)
         t = time.perf_counter()
-        ids = calib_ids[: options.calib_tokens]
-        if options.slicing:
-            keep, allocation = allocate_slice_for(source, config, options, plan, ids, stats, placement, progress)
-        else:
-            keep, allocation = allocate_for(
-                source,
-                config,
-                options,
-                plan,
-                ids,
-                stats.token_counts if stats is not None else None,
-                placement,
-                progress,
-            )
-        plan, _ = plan_for(source, config, options, keep=keep)
-        plan.accounting["allocation_report"] = allocation
+        plan = _allocated_plan(source, config, options, plan, calib_ids, stats, run)
         times["allocation"] = time.perf_counter() - t
     t1 = time.perf_counter()
     # the solvers walk the segments in order (two layers at a time; sequential calibration holds its
@@ -89,9 +70,9 @@ def compress_tensors(
     layers, globals_, gamma = read_folded(
         source, adapter, source.keys(), plan.tied, lazy=True, keep=1 if options.slicing or options.sequential else 2
     )
-    assembler = Assembler(plan, layers, globals_, gamma, dtype, sink)
+    assembler = Assembler(plan, layers, globals_, gamma, run.dtype, run.sink)
     new_config = compressed_config(config, plan, options, hf_config)
-    calib = None
+    calib, rotations = None, given.rotations
     if options.solver == "pca-sequential":
         require_calibration(options, calib_ids)
         rotations, stats = sequential_stream_pca(
@@ -102,27 +83,21 @@ def compress_tensors(
         calib = CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement)
 
     with limit_threads(1):
-        res = solve(
-            plan,
-            layers,
-            globals_,
-            stats,
-            options,
+        solve_run = SolveRun(
             progress,
-            rotations,
-            calib,
-            device=linalg_device(placement),
+            linalg_device(placement),
             keep_stats=False,
             on_segment=assembler.segment_done,  # parts written as they are solved
-            row_dtype=dtype,
-            scratch=scratch,
+            row_dtype=run.dtype,
+            scratch=run.scratch,
         )
+        res = solve(plan, layers, globals_, stats, options, rotations, calib, solve_run)
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     state = assembler.finish(res, progress)
     times["assemble"] = time.perf_counter() - t2
-    if sink is not None and assembler.layer_map.complete():
-        sink.layer_map = assembler.layer_map.map  # written next to the weights (heal's layer targets)
+    if run.sink is not None and assembler.layer_map.complete():
+        run.sink.layer_map = assembler.layer_map.map  # written next to the weights (heal's layer targets)
     report = CompressReport(
         source="",
         output=None,
@@ -138,6 +113,21 @@ def compress_tensors(
     return state, new_config, report
 
 
+def _allocated_plan(source, config: dict, options: CompressOptions, plan: Plan, calib_ids, stats, run: TensorRun):
+    """``--allocation sensitivity``: the plan at the sizes measured per layer (SliceGPT: per segment), with
+    the allocation's report in its accounting."""
+    require_calibration(options, calib_ids)
+    ids = calib_ids[: options.calib_tokens]
+    if options.slicing:
+        keep, allocation = allocate_slice_for(source, config, options, plan, ids, stats, run.placement, run.progress)
+    else:
+        counts = stats.token_counts if stats is not None else None
+        keep, allocation = allocate_for(source, config, options, plan, ids, counts, run.placement, run.progress)
+    plan, _ = plan_for(source, config, options, keep=keep)
+    plan.accounting["allocation_report"] = allocation
+    return plan
+
+
 def compress_model(
     model,
     options: CompressOptions,
@@ -147,7 +137,7 @@ def compress_model(
     placement=None,
 ):
     """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report); an OPT / GPT-2
-    model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm`)."""
+    model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm_decoders`)."""
     options.validate()
     if through_rms_decoder(model.config):
         return compress_layer_norm_model(model, options, calib_ids, progress=progress, placement=placement)
@@ -159,15 +149,53 @@ def compress_model(
         config,
         options,
         calib_ids=calib_ids,
-        dtype=dtype,
-        progress=progress,
-        stats=stats,
         hf_config=model.config,
-        placement=placement,
+        given=Given(stats=stats),
+        run=TensorRun(placement, progress, dtype),
     )
     compressed, counted = build_model(state, new_config, dtype)
     report.accounting["compressed_model_params_counted"] = counted
     return compressed, report
+
+
+class CompressedFamily(Route):
+    """The compressed (remote-code) family: the plan (made by :meth:`check`), calibration, solvers and
+    assembly of this package."""
+
+    plan: Plan | None = None
+
+    def check(self, reader: CheckpointReader, options: CompressOptions) -> None:
+        self.plan, _ = plan_for(reader, reader.config, options)
+
+    def write(self, job: FolderJob) -> CompressReport:
+        hf_config = AutoConfig.from_pretrained(job.reader.path)
+        _, new_config, report = compress_tensors(
+            job.reader,
+            job.reader.config,
+            job.options,
+            calib_ids=job.calib_ids,
+            hf_config=hf_config,
+            given=Given(plan=self.plan),
+            run=TensorRun(job.placement, job.progress, job.dtype, job.sink, job.folder),
+        )
+        if job.sink.layer_map is not None:
+            job.sink.layer_map.save(job.folder)
+        save_family_config(CompressedLlamaForCausalLM, config_object(new_config), job.dtype, job.folder)
+        return report
+
+
+def route_for(config: dict, options: CompressOptions, stock: StockOptions | None = None) -> Route:
+    """The one decision of a folder's route: SliceGPT as the source's stock family where ``stock`` asks for
+    it and :func:`.stock.why_not_stock` allows; LayerNorm decoders through the RMS-decoder family; else
+    the compressed family."""
+    refusal = None
+    if options.slicing:
+        refusal = "--remote-code" if stock is None else why_not_stock(config, options, stock.untie)
+        if refusal is None:
+            return StockSlice(stock)
+    if through_rms_decoder(config):
+        return LayerNormDecoders(refusal)
+    return CompressedFamily(refusal)
 
 
 def compress_checkpoint(
@@ -175,64 +203,31 @@ def compress_checkpoint(
     out: str | Path,
     options: CompressOptions,
     calib_text: str | Path | None,
-    overwrite: bool = False,
+    stock: StockOptions | None = None,
     progress: bool = True,
     placement=None,
-    max_shard_size: str | int = "2GB",
-    stock=None,
+    folder: FolderSettings = FolderSettings(),
 ) -> CompressReport:
-    """Compress the HF folder ``src`` into ``out`` (loadable with ``trust_remote_code=True``). ``stock``
-    (a :class:`.stock.StockOptions`): where SliceGPT with one global PCA and one width can be written as
-    the source's own stock family (:func:`.stock.why_not_stock`), it is (no remote code). Every
-    input is checked before any work; ``out`` appears only when everything succeeded. The tokenizer is
-    loaded once; the source model is never loaded whole: calibration reads the checkpoint one decoder
-    layer at a time on ``placement``'s device, the solvers read the layers as they need them, and the
-    compressed tensors are written to safetensors shards as they are assembled. Perplexity before/after is the
-    command's verification
-    step (:func:`record_verification`), run on the written folder."""
+    """Compress the HF folder ``src`` into ``out``: the one entry point of every route (:func:`route_for`).
+    ``stock`` (a :class:`.stock.StockOptions`): where SliceGPT with one global PCA and one width can be
+    written as the source's own stock family (:func:`.stock.why_not_stock`), it is (no remote code);
+    otherwise the output loads with ``trust_remote_code=True``. Every input is checked before any work;
+    ``out`` appears only when everything succeeded. The tokenizer is loaded once; the source model is never
+    loaded whole: calibration reads the checkpoint one decoder layer at a time on ``placement``'s device,
+    the solvers read the layers as they need them, and the tensors are written to safetensors shards as
+    they are made. Perplexity before/after is the command's verification step
+    (:func:`record_verification`), run on the written folder."""
     options.validate()
-    check_output_dir(out, overwrite)
+    check_output_dir(out, folder.overwrite)
     reader = CheckpointReader(src)
-    if stock is not None:
-        if why_not_stock(reader.config, options, stock.untie) is None:
-            return compress_stock_checkpoint(
-                src, out, options, calib_text, stock, overwrite, progress, placement, max_shard_size
-            )
-    if through_rms_decoder(reader.config):  # LayerNorm decoders: via the RMS-decoder family
-        return compress_layer_norm_checkpoint(reader, out, options, calib_text, overwrite, progress, placement)
-    plan, adapter = plan_for(reader, reader.config, options)
+    route = route_for(reader.config, options, stock)
+    route.check(reader, options)
     calib_ids = read_calibration(src, calib_text, options)  # an empty file fails here, before any load
-    hf_config = AutoConfig.from_pretrained(src)
-    dtype = getattr(hf_config, "dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-    with atomic_output_dir(out, overwrite) as tmp:
-        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "compress"})
-        counted = 0
-
-        def sink(tensors: Tensors) -> None:  # one module's tensors at a time, straight to the shard
-            nonlocal counted
-            counted += sum(t.numel() for t in tensors.values())
-            writer.add(tensors)
-
-        sink.row_blocks = True  # the writer streams RowBlocks (Assembler.put)
-
-        _, new_config, report = compress_tensors(
-            reader,
-            reader.config,
-            options,
-            calib_ids=calib_ids,
-            dtype=dtype,
-            progress=progress,
-            plan=plan,
-            hf_config=hf_config,
-            placement=placement,
-            sink=sink,
-            scratch=tmp,
-        )
+    dtype = checkpoint_dtype(reader.config)
+    with atomic_output_dir(out, folder.overwrite) as tmp:
+        writer = ShardedWriter(tmp, parse_size(folder.max_shard_size), metadata={"hf_symmetry": "compress"})
+        sink = CountingSink(writer)
+        report = route.write(FolderJob(reader, options, calib_ids, dtype, sink, tmp, placement, progress))
         writer.close()
-        if getattr(sink, "layer_map", None) is not None:
-            sink.layer_map.save(tmp)
-        save_family_config(CompressedLlamaForCausalLM, config_object(new_config), dtype, tmp)
-        finish_folder(tmp, report, options, src, reader.path, out, counted)
+        finish_folder(tmp, report, options, src, reader.path, out, sink.counted)
     return report

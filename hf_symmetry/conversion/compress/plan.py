@@ -79,7 +79,7 @@ def check_family(config: dict, keys: list[str]) -> Adapter:
     cannot (:func:`hf_symmetry.architectures.capabilities.require`), before any work."""
     adapter = Adapter.from_config(config, keys)
     require(adapter, "compress")
-    if adapter.spec.norm_kind == "layer":  # compressed, but through the RMS-decoder family (.layernorm)
+    if adapter.spec.norm_kind == "layer":  # compressed, but through the RMS-decoder family (.layernorm_decoders)
         raise UnsupportedSymmetry(
             f"compress: {adapter.family} uses LayerNorm and the compressed family is "
             "RMSNorm-based (compress_model / compress_checkpoint write it as the RMS-decoder "
@@ -199,16 +199,9 @@ def plan_compression(
     gamma_is_one = final_gamma is None or bool(torch.all(final_gamma == 1))
     carried = 2 * n_layers * adapter.layout.head_dim if adapter.layout.qk_norm else 0  # q_norm, k_norm γ
 
-    widths = kron_q = None
+    widths = kron_q = kappa = None
     if options.slicing:
-        if keep is None:
-            residual, structures = plan_slice(entries, d, n_layers, tied, segment, target_total - carried)
-        else:
-            if segment:
-                raise ValueError("per-segment SliceGPT widths need one global rotation (--q-mode global)")
-            widths = segment_widths(keep, d, n_layers)
-            residual = max(widths)
-            structures = {e.name: st.Dense((e.shape[0], widths[e.segment])) for e in entries}
+        residual, widths, structures = _slice_structures(entries, adapter, segment, target_total - carried, keep)
         skip = "dense" if segment else "none"
         lm_head = "tied_mixed" if tied else "separate"
     else:
@@ -216,25 +209,7 @@ def plan_compression(
         skip = "orthogonal" if segment else "none"
         lm_head = ("tied" if gamma_is_one and not segment else "tied_mixed") if tied else "separate"
         overhead = rotation_overhead(d, n_layers, segment, lm_head) + carried
-        if options.matrix_keep is not None:  # the paper's fixed size per matrix, overheads on top
-            kappa = options.matrix_keep
-        else:
-            kappa = ((1 - options.ratio) * p_compressed - overhead) / p_compressed
-            if kappa <= 0:
-                raise ValueError(
-                    f"ratio {options.ratio} cannot be met: the skip/head matrices alone need "
-                    f"{overhead:,} parameters of the {(1 - options.ratio) * p_compressed:,.0f} left; "
-                    "use a smaller ratio or --q-mode global"
-                )
-        kron_q = shared_factor(options, d, kappa)
-        structures = {}
-        for e in entries:
-            k_e = kappa if keep is None else keep.get(e.name, kappa)
-            structures[e.name] = (
-                structure_for(options, e.name, *e.shape, k_e, kron_q, e.canon in ("embed", "lm_head"))
-                if in_policy(e.canon, options)
-                else st.Dense(e.shape)
-            )
+        kappa, kron_q, structures = _class_structures(entries, options, d, p_compressed, overhead, keep)
     matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
     plan = Plan(
         adapter.family,
@@ -268,6 +243,45 @@ def plan_compression(
             + ("; try another --kron-factor" if kron_q is not None else "")
         )
     return plan
+
+
+def _slice_structures(entries, adapter, segment: bool, budget: float, keep: dict[str, float] | None):
+    """SliceGPT's residual width, per-segment widths (``None``: one width, the ratio's) and dense
+    structures: the width meeting ``budget`` parameters, or the widths of ``keep`` (one global rotation)."""
+    d, n_layers = adapter.hidden, adapter.n_layers
+    if keep is None:
+        residual, structures = plan_slice(entries, d, n_layers, adapter.tied_embeddings, segment, budget)
+        return residual, None, structures
+    if segment:
+        raise ValueError("per-segment SliceGPT widths need one global rotation (--q-mode global)")
+    widths = segment_widths(keep, d, n_layers)
+    structures = {e.name: st.Dense((e.shape[0], widths[e.segment])) for e in entries}
+    return max(widths), widths, structures
+
+
+def _class_structures(entries, options: CompressOptions, d: int, p_compressed: int, overhead: int, keep):
+    """The structured classes' uniform kept fraction ``κ`` (the ratio's after ``overhead``, or the preset's),
+    the shared Kronecker split and each matrix's structure (``keep``'s fraction where it names one)."""
+    if options.matrix_keep is not None:  # the paper's fixed size per matrix, overheads on top
+        kappa = options.matrix_keep
+    else:
+        kappa = ((1 - options.ratio) * p_compressed - overhead) / p_compressed
+        if kappa <= 0:
+            raise ValueError(
+                f"ratio {options.ratio} cannot be met: the skip/head matrices alone need "
+                f"{overhead:,} parameters of the {(1 - options.ratio) * p_compressed:,.0f} left; "
+                "use a smaller ratio or --q-mode global"
+            )
+    kron_q = shared_factor(options, d, kappa)
+    structures = {}
+    for e in entries:
+        k_e = kappa if keep is None else keep.get(e.name, kappa)
+        structures[e.name] = (
+            structure_for(options, e.name, *e.shape, k_e, kron_q, e.canon in ("embed", "lm_head"))
+            if in_policy(e.canon, options)
+            else st.Dense(e.shape)
+        )
+    return kappa, kron_q, structures
 
 
 def rotation_overhead(d: int, n_layers: int, segment: bool, lm_head: str) -> int:

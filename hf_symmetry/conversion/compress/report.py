@@ -1,7 +1,7 @@
 """What every ``compress`` route ends with: the report (:class:`CompressReport`, ``compression_report.json``)
 and the finishing of an output folder (:func:`finish_folder`: side files, report, card), shared by the
 compressed family (:mod:`.pipeline`), the stock SliceGPT output (:mod:`.stock`) and the RMS-decoder
-family (:mod:`.layernorm`)."""
+family (:mod:`.layernorm_decoders`)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ or sequential) or globally, then slicing. Which path runs is :attr:`CompressOpti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,168 +16,29 @@ from tqdm.auto import tqdm
 
 from ...solvers import structures as st
 from ...solvers.segments import Term, balance, solve_segment
-from . import targets
 from .global_q import GlobalSolve
 from .moments import CalibrationInput, CalibrationStats, sequential_weighted
 from .options import CompressOptions
 from .pca import pca_rotations
 from .plan import MatrixPlan, Plan
-from .tall import TallTerm
+from .terms import SolveInputs, each_term, segment_terms
 
 Tensors = dict[str, torch.Tensor]
 
 
-def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch.Tensor:
-    if m.canon == "embed":
-        return globals_["embed.weight"]
-    if m.canon == "lm_head":
-        return globals_["lm_head.weight"]
-    W = layers[m.layer][f"{m.canon}.weight"]
-    return W if m.role == "reader" else W.T
+@dataclass(frozen=True)
+class SolveRun:
+    """How a solve runs and where its results go (see :func:`solve`): progress bars, the ``device`` of the
+    linear algebra, whether sequential calibration keeps its statistics (``keep_stats``), the consumer of
+    each finished segment (``on_segment``), the dtype the factors are kept in (``row_dtype``) and the
+    folder one global Q spills its warm starts to (``scratch``)."""
 
-
-def _terms(
-    plan: Plan,
-    layers,
-    globals_,
-    stats: CalibrationStats | None,
-    stage: str,
-    options: CompressOptions,
-    only: int | None = None,
-    device=None,
-    row_dtype=None,
-    consume: bool = False,
-) -> list[tuple[list[Term], list[Term]]]:
-    """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
-    ``only`` filled when given: sequential calibration has the statistics of one segment at a time),
-    balanced (:func:`...solvers.segments.balance`); the terms are those of :func:`_each_term`."""
-    segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(2 * plan.n_layers + 1)]
-    for m, term in _each_term(plan, layers, globals_, stats, stage, options, only, device, row_dtype, consume):
-        terms, readers = segments[m.segment]
-        terms.append(term)
-        if m.role == "reader":
-            readers.append(term)
-    for terms, readers in segments:
-        if stage != "none":
-            balance(terms, readers)
-    return segments
-
-
-def _reducible(m: MatrixPlan) -> bool:
-    """Whether ``m``'s term is solved on its Gram root (:meth:`Term.reducible`; shape and structure only)."""
-    return Term(m.name, torch.empty(m.structure.shape, device="meta"), m.structure).reducible()
-
-
-def _each_term(
-    plan: Plan,
-    layers,
-    globals_,
-    stats: CalibrationStats | None,
-    stage: str,
-    options: CompressOptions,
-    only: int | None = None,
-    device=None,
-    row_dtype=None,
-    consume: bool = False,
-):
-    """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
-    ``stage``, made one at a time when asked for (unbalanced: λ = 1). A low-rank, GS (one row block) or
-    Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced term (:class:`TallTerm`, read a block
-    of rows at a time; its row factor is
-    lifted into ``row_dtype``, default float64). ``consume``: the writers' statistics are dropped from
-    ``stats`` once their terms are built (see :func:`.targets.matched_target`)."""
-    token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))  # (√(D+1))²
-    weighted = stage == "w" and stats is not None and stats.normed is not None
-    matched = weighted and stats.normed_cross is not None
-    reader_cov: dict[int, torch.Tensor] = {}  # one tensor per segment, shared by its readers
-    reader_maps: dict[int, torch.Tensor] = {}  # ... and its matched targets' map A
-
-    def column_weight(segment: int) -> torch.Tensor:
-        if segment not in reader_cov:
-            if consume:  # the segment's readers' weight and map made at once, from its moments in place
-                reader_cov[segment], A = targets.consume_reader_moments(
-                    segment, stats, options.damping, device, matched
-                )
-                if A is not None:
-                    reader_maps.clear()
-                    reader_maps[segment] = A
-            else:
-                reader_cov[segment] = targets.damped(stats.normed[segment].to(device), options.damping)
-        return reader_cov[segment]
-
-    def reader_map(segment: int) -> torch.Tensor:
-        if consume:
-            column_weight(segment)
-        if segment not in reader_maps:
-            reader_maps.clear()  # segments come in order: one A held at a time
-            reader_maps[segment] = targets.segment_reader_map(segment, stats, options.damping, device)
-        return reader_maps[segment]
-
-    for m in plan.matrices:
-        if not m.compressed or (only is not None and m.segment != only):
-            continue
-        # embedding (stages F, W) and head (stage F): weighted by the token counts on their rows
-        token_rows = (
-            m.canon in ("embed", "lm_head")
-            and stage in ("f", "w")
-            and token_gram is not None
-            and (m.canon == "embed" or stage == "f")
-        )
-        if TallTerm.applies(m):  # weighted as below; a head's matched target a block of rows at a time
-            head = m.canon == "lm_head"
-            col = right = None
-            if weighted and head:
-                col = column_weight(m.segment)
-                if matched:
-                    right = reader_map(m.segment)
-            yield (
-                m,
-                TallTerm(m, globals_, token_gram.diag if token_rows else None, device, row_dtype, right, col).take(),
-            )
-            continue
-        row_metric = None  # a writer's damped input moments: its row weight (and matched_target's system)
-        rows_gram = None  # ... or only Mᵀ G M of them (a reducible writer, its statistics consumed)
-        if matched and m.canon != "embed":
-            if consume and m.role == "writer" and _reducible(m):  # M handed over: freed once used
-                M, rows_gram = targets.matched_target(
-                    m, _matrix_of(m, layers, globals_).to(device), stats, options.damping, consume=True, rows_gram=True
-                )
-            else:
-                M = _matrix_of(m, layers, globals_).to(device)
-                M, row_metric = targets.matched_target(
-                    m,
-                    M,
-                    stats,
-                    options.damping,
-                    consume=consume,
-                    reader_map=reader_map(m.segment) if m.role == "reader" else None,
-                )
-        else:
-            M = _matrix_of(m, layers, globals_).to(device)
-            if weighted and m.canon in ("o", "down"):
-                key = "attn_out" if m.canon == "o" else "mlp_hidden"
-                G = getattr(stats, key)[m.layer]
-                if consume:
-                    getattr(stats, key)[m.layer] = None
-                row_metric = targets.damped(G.to(device), options.damping, in_place=consume)
-                del G
-        term = Term(m.name, M, m.structure)
-        del M
-        if token_rows:
-            term.row_gram = token_gram
-        if weighted:
-            if m.role == "reader" and term.row_gram is None:
-                term.col_gram = column_weight(m.segment)
-            elif rows_gram is not None:
-                term.set_rows_gram(rows_gram)
-            elif row_metric is not None:
-                term.row_gram = st.Gram(matrix=row_metric)
-                del row_metric
-                if consume and term.reducible():  # its solve needs Mᵀ G M only: the [k, k] G goes now
-                    term.release_row_weight()
-        rows_gram = row_metric = None
-        yield m, term
-        del term
+    progress: bool = True
+    device: torch.device | str | None = None
+    keep_stats: bool = True
+    on_segment: Callable | None = None
+    row_dtype: torch.dtype | None = None
+    scratch: object = None
 
 
 @dataclass
@@ -213,91 +75,107 @@ def _keep(terms: list[Term], Q: torch.Tensor, factors: dict, rel: dict, dtype: t
         del D
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One stage's run: its ``name`` (``none``, ``f`` or ``w``: the weighting), its alternations at most,
+    its progress label, and whether its factors are kept (``False``: only the rotations are wanted, as
+    stage F's before stage W, which replaces every factor: none kept, ``on_segment`` not called)."""
+
+    name: str
+    iters: int
+    desc: str
+    keep_factors: bool = True
+
+
 def _solve_stage(
-    plan,
-    layers,
-    globals_,
-    stats,
-    stage,
-    options,
-    Q_init,
-    iters,
-    desc,
-    progress,
-    factors,
-    rel,
-    device=None,
-    on_segment=None,
-    row_dtype=None,
-    keep_factors=True,
-    scratch=None,
+    inputs: SolveInputs,
+    options: CompressOptions,
+    stage: Stage,
+    Q_init: list[torch.Tensor],
+    run: SolveRun,
+    factors: dict,
+    rel: dict,
 ):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together, streaming them from the checkpoint on each alternation
-    (:class:`.global_q.GlobalSolve`); one Q per segment builds, solves and drops the terms segment by
-    segment (the layers are read as the segments need them). Both keep only factors and errors, and
-    call ``on_segment(k, Qs, factors)`` once segment k's are final (see :func:`solve`).
-    ``keep_factors=False``: only the rotations are wanted (stage F before stage W, which replaces
-    every factor): no factors are kept and ``on_segment`` is not called. ``scratch``: the folder under
-    which one global Q spills its warm starts (default: the system's temporary folder)."""
+    (:class:`.global_q.GlobalSolve`, :func:`_solve_global`); one Q per segment builds, solves and drops the
+    terms segment by segment (the layers are read as the segments need them). Both keep only factors
+    and errors, and call ``run.on_segment(k, Qs, factors)`` once segment k's are final (see :func:`solve`)."""
+    if options.q_mode == "global":
+        return _solve_global(inputs, options, stage, Q_init, run, factors, rel)
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
-    if options.q_mode == "global":
-        Qs: list = []
-
-        def each(k: int):
-            return _each_term(plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype)
-
-        def keep(t: Term, Q: torch.Tensor) -> None:
-            _keep([t], Q, factors, rel, row_dtype)
-
-        def done(k: int, Q: torch.Tensor) -> None:
-            if not Qs:
-                Qs.extend([Q.cpu()] * plan.n_segments)
-            if on_segment is not None:
-                on_segment(k, Qs, factors)
-
-        Q, trace = GlobalSolve(each, plan.n_segments, stage, options, plan.hidden, device).solve(
-            Q_init[0],
-            iters,
-            progress,
-            desc=f"{desc} (global)",
-            final=keep_factors,
-            keep=keep,
-            on_segment=done,
-            scratch=scratch,
-        )
-        if not Qs:
-            Qs.extend([Q.cpu()] * plan.n_segments)
-        traces["global"] = trace
-        return Qs, traces
     Qs = []
     # statistics measured on demand are this solve's own: consumed in place (no copy of a writer's moments)
-    owned = stage == "w" and hasattr(stats, "release_segment")
-    for k in tqdm(range(plan.n_segments), desc=desc, unit="segment", disable=not progress):
-        terms, _ = _terms(
-            plan, layers, globals_, stats, stage, options, only=k, device=device, row_dtype=row_dtype, consume=owned
+    stats = inputs.stats
+    owned = stage.name == "w" and hasattr(stats, "release_segment")
+    on_segment = run.on_segment if stage.keep_factors else None
+    for k in tqdm(range(inputs.plan.n_segments), desc=stage.desc, unit="segment", disable=not run.progress):
+        terms, _ = segment_terms(
+            inputs, stage.name, options, only=k, device=run.device, row_dtype=run.row_dtype, consume=owned
         )[k]
         res = solve_segment(
             terms,
             Q_init[k],
-            iters,
+            stage.iters,
             options.als_iters,
             options.wopp_iters,
             dtype=dtype,
             keep_weights=False,
-            **options.stopping(stage),
+            **options.stopping(stage.name),
         )
-        Qs.append(_kept_rotation(res.Q, Q_init[k], iters))
+        Qs.append(_kept_rotation(res.Q, Q_init[k], stage.iters))
         traces[f"segment{k}"] = res.trace
-        if keep_factors:
-            _keep(terms, res.Q, factors, rel, row_dtype)
+        if stage.keep_factors:
+            _keep(terms, res.Q, factors, rel, run.row_dtype)
         del terms, res
-        if on_segment is not None and keep_factors:
+        if on_segment is not None:
             on_segment(k, Qs, factors)
         if owned:
             stats.release_segment(k)  # (statistics measured on demand: one layer's held)
     return Qs, traces
+
+
+def _solve_global(
+    inputs: SolveInputs,
+    options: CompressOptions,
+    stage: Stage,
+    Q_init: list[torch.Tensor],
+    run: SolveRun,
+    factors: dict,
+    rel: dict,
+):
+    """:func:`_solve_stage` with one global Q (:class:`.global_q.GlobalSolve`; ``run.scratch``: the folder
+    under which it spills its warm starts, default the system's temporary folder)."""
+    plan = inputs.plan
+    on_segment = run.on_segment if stage.keep_factors else None
+    Qs: list = []
+
+    def each(k: int):
+        return each_term(inputs, stage.name, options, only=k, device=run.device, row_dtype=run.row_dtype)
+
+    def keep(t: Term, Q: torch.Tensor) -> None:
+        _keep([t], Q, factors, rel, run.row_dtype)
+
+    def done(k: int, Q: torch.Tensor) -> None:
+        if not Qs:
+            Qs.extend([Q.cpu()] * plan.n_segments)
+        if on_segment is not None:
+            on_segment(k, Qs, factors)
+
+    Q, trace = GlobalSolve(each, plan.n_segments, stage.name, options, plan.hidden, run.device).solve(
+        Q_init[0],
+        stage.iters,
+        run.progress,
+        desc=f"{stage.desc} (global)",
+        final=stage.keep_factors,
+        keep=keep,
+        on_segment=done,
+        scratch=run.scratch,
+    )
+    if not Qs:
+        Qs.extend([Q.cpu()] * plan.n_segments)
+    return Qs, {"global": trace}
 
 
 def _each_at_fixed_rotation(
@@ -308,7 +186,7 @@ def _each_at_fixed_rotation(
     solved (on its Gram root where it is reducible), its factors kept (:func:`_keep`) and its
     ``approximation(term)`` made, and then dropped before the next is built, so one term's matrices
     and working set are held at a time instead of the segment's. Returns the ``(name, approximation)``
-    pairs and the segment's objective at Q, balanced as :func:`_terms` balances it: the writers' errors
+    pairs and the segment's objective at Q, balanced as :func:`.terms.segment_terms` balances it: the writers' errors
     plus λ times the readers', ``λ = Σ`` writers' energies ``/ Σ`` readers' (compressed terms only)."""
     approximations = []
     errors = {"writer": 0.0, "reader": 0.0}
@@ -329,21 +207,50 @@ def _each_at_fixed_rotation(
     return approximations, errors["writer"] + lam * errors["reader"]
 
 
+def _approximation(t: Term, Q: torch.Tensor, m: MatrixPlan):
+    """What replaces ``t``'s matrix in the sequential calibration from now on (see
+    :func:`.moments.sequential_weighted`): its approximation in the original basis, or a function making it
+    when it is applied."""
+    if hasattr(t, "tall"):
+        return t.tall.rows(Q)
+    Q = Q.to(t.factors[0].device)
+    if m.canon == "embed":
+        return t.structure.dense(t.factors) @ Q.T
+    return lambda s=t.structure, f=t.factors: s.dense(f) @ Q.T
+
+
+def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: CompressOptions, keep) -> tuple:
+    """One sequential segment's terms from the iterator ``each``, balanced and solved together from ``Q0``
+    (stage W's alternations); ``keep(terms, Q)`` records the factors. Returns (terms, result)."""
+    terms, readers = [], []
+    for m, t in each:
+        terms.append(t)
+        if m.role == "reader":
+            readers.append(t)
+    balance(terms, readers)
+    del readers
+    res = solve_segment(
+        terms,
+        Q0,
+        iters,
+        options.als_iters,
+        options.wopp_iters,
+        dtype=getattr(torch, options.solver_dtype),
+        keep_weights=False,
+        **options.stopping(),
+    )
+    keep(terms, res.Q)
+    return terms, res
+
+
 def _solve_sequential(
-    plan,
-    layers,
-    globals_,
-    stats,
-    options,
-    Q_init,
+    inputs: SolveInputs,
+    options: CompressOptions,
+    Q_init: list[torch.Tensor],
     calib: CalibrationInput,
-    progress,
-    factors,
-    rel,
-    device=None,
-    keep_stats=True,
-    on_segment=None,
-    row_dtype=None,
+    run: SolveRun,
+    factors: dict,
+    rel: dict,
 ):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
@@ -351,74 +258,61 @@ def _solve_sequential(
     by their approximations once solved. ``match_original``: each matrix then targets the original
     model's outputs and writers the original residual stream (:func:`.targets.matched_target`), instead of the
     matrix's own outputs on X̂."""
+    plan = inputs.plan
     iters = options.w_iters if options.rotates else 0
     dtype = getattr(torch, options.solver_dtype)
     ms = plan.by_name()
     Qs, traces = [None] * plan.n_segments, {}
-    bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not progress)
+    bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not run.progress)
 
-    def approximation(t: Term, Q: torch.Tensor):
-        """What replaces ``t``'s matrix in the calibration from now on (see :func:`sequential_weighted`):
-        its approximation in the original basis, or a function making it when it is applied."""
-        if hasattr(t, "tall"):
-            return t.tall.rows(Q)
-        Q = Q.to(t.factors[0].device)
-        if ms[t.name].canon == "embed":
-            return t.structure.dense(t.factors) @ Q.T
-        return lambda s=t.structure, f=t.factors: s.dense(f) @ Q.T
+    def keep(terms: list[Term], Q: torch.Tensor) -> None:
+        _keep(terms, Q, factors, rel, run.row_dtype)
 
     def segment(k: int, seq: CalibrationStats):
-        each = _each_term(
-            plan,
-            layers,
-            globals_,
-            seq,
+        each = each_term(
+            SolveInputs(plan, inputs.layers, inputs.globals_, seq),
             "w",
             options,
             only=k,
-            device=device,
-            row_dtype=row_dtype,
-            consume=not keep_stats,
+            device=run.device,
+            row_dtype=run.row_dtype,
+            consume=not run.keep_stats,
         )
         if iters == 0:  # Q fixed: the terms do not interact, each is solved and dropped in turn
             approximations, J = _each_at_fixed_rotation(
-                each, Q_init[k], options, dtype, factors, rel, row_dtype, lambda t: approximation(t, Q_init[k])
+                each,
+                Q_init[k],
+                options,
+                dtype,
+                factors,
+                rel,
+                run.row_dtype,
+                lambda t: _approximation(t, Q_init[k], ms[t.name]),
             )
             Qs[k] = Q_init[k]
             traces[f"segment{k}"] = [J]
         else:
-            terms, readers = [], []
-            for m, t in each:
-                terms.append(t)
-                if m.role == "reader":
-                    readers.append(t)
-            balance(terms, readers)
-            del readers
-            res = solve_segment(
-                terms,
-                Q_init[k],
-                iters,
-                options.als_iters,
-                options.wopp_iters,
-                dtype=dtype,
-                keep_weights=False,
-                **options.stopping(),
-            )
+            terms, res = _solve_rotating_segment(each, Q_init[k], iters, options, keep)
             Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
             traces[f"segment{k}"] = res.trace
-            _keep(terms, res.Q, factors, rel, row_dtype)
-            approximations = [(t.name, approximation(t, res.Q)) for t in terms]
+            approximations = [(t.name, _approximation(t, res.Q, ms[t.name])) for t in terms]
             del terms, res
         bar.update(1)
         # nothing runs after the head; the others' approximations are made one at a time when applied
         approximations = [(ms[name], a) for name, a in approximations if ms[name].canon != "lm_head"]
-        if on_segment is not None:
-            on_segment(k, Qs, factors)
+        if run.on_segment is not None:
+            run.on_segment(k, Qs, factors)
         return approximations
 
     try:
         seq = sequential_weighted(
-            calib, stats.token_counts, options.match_original, segment, progress, keep=keep_stats, folded=layers
+            calib,
+            inputs.stats.token_counts,
+            options.match_original,
+            segment,
+            progress=run.progress,
+            keep=run.keep_stats,
+            folded=inputs.layers,
         )
     finally:
         bar.close()
@@ -431,30 +325,25 @@ def solve(
     globals_: Tensors,
     stats: CalibrationStats | None,
     options: CompressOptions,
-    progress: bool = True,
     rotations: list[torch.Tensor] | None = None,
     calib: CalibrationInput | None = None,
-    device: torch.device | str | None = None,
-    keep_stats: bool = True,
-    on_segment=None,
-    row_dtype: torch.dtype | None = None,
-    scratch=None,
+    run: SolveRun = SolveRun(),
 ) -> SolveResult:
     """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
     ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
-    ``options.sequential`` runs on (checkpoint, token ids, device). ``device``: where the solvers' linear
-    algebra runs (the matrices and statistics of one segment are moved there; results come back to the
-    CPU). ``keep_stats=False``: sequential calibration drops each segment's statistics once it is solved
-    (``SolveResult.stats`` then holds none). ``on_segment(k, Qs, factors)``: called by the paths that
-    finish the segments one after the other (one rotation per segment, or none) once segment k's
-    rotation ``Qs[k]`` and factors are final, with those of every earlier segment (e.g.
-    :meth:`.assemble.Assembler.segment_done`, which writes what they complete and drops its factors from
-    ``factors``, the dict that becomes ``SolveResult.factors``). ``row_dtype``: the dtype the
-    solved factors are kept in, the vocabulary-sized row factor of a low-rank embedding included (the
-    output's: they are rounded to it when written anyway; default float64, the solver's). ``scratch``:
-    where one global Q spills its warm starts (:class:`.global_q.GlobalSolve`; default: the system's
-    temporary folder)."""
+    ``options.sequential`` runs on (checkpoint, token ids, device). ``run`` (:class:`SolveRun`):
+    ``device``: where the solvers' linear algebra runs (the matrices and statistics of one segment are
+    moved there; results come back to the CPU). ``keep_stats=False``: sequential calibration drops each
+    segment's statistics once it is solved (``SolveResult.stats`` then holds none).
+    ``on_segment(k, Qs, factors)``: called by the paths that finish the segments one after the other (one
+    rotation per segment, or none) once segment k's rotation ``Qs[k]`` and factors are final, with those
+    of every earlier segment (e.g. :meth:`.assemble.Assembler.segment_done`, which writes what they
+    complete and drops its factors from ``factors``, the dict that becomes ``SolveResult.factors``).
+    ``row_dtype``: the dtype the solved factors are kept in, the vocabulary-sized row factor of a low-rank
+    embedding included (the output's: they are rounded to it when written anyway; default float64, the
+    solver's). ``scratch``: where one global Q spills its warm starts (:class:`.global_q.GlobalSolve`;
+    default: the system's temporary folder)."""
     n_seg = plan.n_segments
     if options.sequential and not options.slicing and calib is None:
         raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
@@ -469,39 +358,21 @@ def solve(
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
     factors, rel = {}, {}
-    args = (plan, layers, globals_, stats)
-    out = (factors, rel, device)
-    more = {"on_segment": on_segment, "row_dtype": row_dtype, "scratch": scratch}
+    inputs = SolveInputs(plan, layers, globals_, stats)
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
-        Qs, traces = _solve_stage(*args, options.stage, options, Q0, 0, "projection", progress, *out, **more)
+        Qs, traces = _solve_stage(inputs, options, Stage(options.stage, 0, "projection"), Q0, run, factors, rel)
     elif not options.rotates:  # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(
-            *args, options, Q0, calib, progress, *out, keep_stats, on_segment=on_segment, row_dtype=row_dtype
-        )
+        Qs, traces, seq = _solve_sequential(inputs, options, Q0, calib, run, factors, rel)
     else:
-        last_f = options.stage == "f"
         # stage F's factors only where they are the result (stage W replaces every one of them)
-        Qs, traces = _solve_stage(
-            *args,
-            "f",
-            options,
-            Q0,
-            options.f_iters,
-            "stage F",
-            progress,
-            *out,
-            on_segment=on_segment if last_f else None,
-            row_dtype=row_dtype,
-            keep_factors=last_f,
-            scratch=scratch,
-        )
+        stage_f = Stage("f", options.f_iters, "stage F", keep_factors=options.stage == "f")
+        Qs, traces = _solve_stage(inputs, options, stage_f, Q0, run, factors, rel)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(
-                    *args, options, Qs, calib, progress, *out, keep_stats, on_segment=on_segment, row_dtype=row_dtype
-                )
+                Qs, w_traces, seq = _solve_sequential(inputs, options, Qs, calib, run, factors, rel)
             else:
-                Qs, w_traces = _solve_stage(*args, "w", options, Qs, options.w_iters, "stage W", progress, *out, **more)
+                stage_w = Stage("w", options.w_iters, "stage W")
+                Qs, w_traces = _solve_stage(inputs, options, stage_w, Qs, run, factors, rel)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
     return SolveResult(Qs, factors, traces, rel, seq)

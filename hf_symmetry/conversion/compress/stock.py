@@ -38,22 +38,16 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from ...architectures import Adapter
 from ...architectures.spec import SPECS, find_spec
-from ...checkpoint_io import (
-    CheckpointReader,
-    ShardedWriter,
-    atomic_output_dir,
-    check_output_dir,
-    parse_size,
-    write_config,
-)
+from ...checkpoint_io import write_config
 from ...solvers import structures as st
 from ...symmetry import actions
 from ..stream import DictSink, DictSource, TensorSource, transform_checkpoint
-from .moments import one_pass_statistics, read_calibration
+from .moments import one_pass_statistics
 from .options import CompressOptions
 from .pca import pca_rotations
 from .plan import accounting, check_family, in_policy, matrix_entries, plan_for, source_numels
-from .report import CompressReport, finish_folder
+from .report import CompressReport
+from .routes import Route, TensorRun
 
 #: model types whose stock RMSNorm is ``weight · x · rsqrt(mean(x²) + config.rms_norm_eps)`` and whose
 #: config takes an explicit ``head_dim`` (the sliced hidden size no longer fixes it): ``ArchSpec.stock_slice``
@@ -63,10 +57,13 @@ STOCK_TYPES = tuple(t for s in SPECS if s.stock_slice for t in s.model_types)
 @dataclass(frozen=True)
 class StockOptions:
     """How a stock SliceGPT output is written: ``untie`` a tied head (vocab × d′ parameters), widths
-    rounded to a multiple of ``round_to`` (1: no rounding)."""
+    rounded to a multiple of ``round_to`` (1: no rounding). ``constant`` / ``rescale_eps`` ``False`` (for
+    the negative controls only): leave the constant ``c`` out of the readers, or keep ε as it was."""
 
     untie: bool = False
     round_to: int = 64
+    constant: bool = True
+    rescale_eps: bool = True
 
     def validate(self) -> None:
         if not isinstance(self.round_to, int) or self.round_to < 1:
@@ -203,29 +200,71 @@ def normalisation(d: int, w: int, eps: float) -> tuple[float, float]:
     return math.sqrt(d / w), eps * d / w
 
 
+def _account_width(accounting: dict, config: dict, keys, adapter: Adapter, w: int) -> None:
+    """``accounting`` (:func:`plan_stock_width`'s) at the width ``w`` given instead of the ratio's."""
+    d, L = adapter.hidden, adapter.n_layers
+    if not 1 <= w <= d:
+        raise ValueError(f"width must be in [1, {d}], got {w}")
+    entries = matrix_entries(config, keys, adapter)
+    carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
+    total = _params_at(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
+    accounting.update(
+        residual=w,
+        compressed_model_params=total,
+        ratio_per_matrix_mean=1 - w / d,
+        ratio_over_model=1 - total / accounting["dense_model_params"],
+        ratio_over_compressed=(accounting["dense_model_params"] - total)
+        / accounting["dense_params_of_compressed_matrices"],
+        untied_head_params=accounting["untied_head_params"] and int(config["vocab_size"]) * w,
+        norm_params=(2 * L + 1) * w,
+        round_to=None,
+    )
+
+
+class _Slicer:
+    """The stock slice of each layer and of the globals: the stream rotated into the first ``d′`` principal
+    directions ``Qw``, norms folded, every reader of a norm times ``c`` (q and k times ``qk`` under QK-norm),
+    all norm weights 1."""
+
+    def __init__(self, Qw: torch.Tensor, c: float, qk: float):
+        self.Qw, self.c, self.qk, self.w = Qw, c, qk, Qw.shape[1]
+
+    def layer(self, i, layer):
+        c, qk = self.c, self.qk
+        layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), self.Qw)
+        for n in ("q", "k", "v", "gate", "up"):
+            s = qk if n in ("q", "k") else c
+            layer[f"{n}.weight"] = layer[f"{n}.weight"] * s
+            if f"{n}.bias" in layer and s != c:  # a reader's bias scales only with its output
+                layer[f"{n}.bias"] = layer[f"{n}.bias"] * (s / c)
+        for norm in ("attn_norm", "ffn_norm"):
+            layer[f"{norm}.weight"] = torch.ones(self.w, dtype=torch.float64)
+        return layer
+
+    def globals(self, g):
+        g = dict(g)
+        if "lm_head.weight" not in g:  # tied: untied here, the final norm's γ folds into it
+            g["lm_head.weight"] = g["embed.weight"].clone()
+        g = actions.rotate_residual_globals(actions.fold_final_norm(g), self.Qw)
+        g["lm_head.weight"] = g["lm_head.weight"] * self.c
+        g["final_norm.weight"] = torch.ones(self.w, dtype=torch.float64)
+        return g
+
+
 def stock_slice_tensors(
     source: TensorSource,
     config: dict,
     options: CompressOptions,
     calib_ids: torch.Tensor | None,
-    sink,
     stock: StockOptions = StockOptions(),
     width: int | None = None,
     rotation: torch.Tensor | None = None,
-    placement=None,
-    progress: bool = True,
-    constant: bool = True,
-    rescale_eps: bool = True,
+    run: TensorRun = TensorRun(),
 ):
-    """The stock SliceGPT route on tensors into ``sink``: (stock config dict, report). ``width``
+    """The stock SliceGPT route on tensors into ``run.sink``: (stock config dict, report). ``width``
     overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``, principal directions
-    first). ``constant`` / ``rescale_eps`` (for the negative controls only): leave the constant ``c``
-    out of the readers, or keep ε as it was."""
-    options.validate()
-    stock.validate()
-    reason = why_not_stock(config, options, untie=True)
-    if reason is not None:
-        raise ValueError(f"no stock output: {reason}")
+    first). ``options`` validated, and :func:`why_not_stock` asked, by the caller."""
+    placement, progress, sink = run.placement, run.progress, run.sink
     t0 = time.perf_counter()
     keys = source.keys()
     adapter = check_family(config, keys)
@@ -233,22 +272,7 @@ def stock_slice_tensors(
     d, L = adapter.hidden, adapter.n_layers
     if width is not None:
         w = int(width)
-        if not 1 <= w <= d:
-            raise ValueError(f"width must be in [1, {d}], got {w}")
-        entries = matrix_entries(config, keys, adapter)
-        carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
-        total = _params_at(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
-        accounting.update(
-            residual=w,
-            compressed_model_params=total,
-            ratio_per_matrix_mean=1 - w / d,
-            ratio_over_model=1 - total / accounting["dense_model_params"],
-            ratio_over_compressed=(accounting["dense_model_params"] - total)
-            / accounting["dense_params_of_compressed_matrices"],
-            untied_head_params=accounting["untied_head_params"] and int(config["vocab_size"]) * w,
-            norm_params=(2 * L + 1) * w,
-            round_to=None,
-        )
+        _account_width(accounting, config, keys, adapter, w)
     tokens = 0
     if rotation is None:
         stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
@@ -257,36 +281,15 @@ def stock_slice_tensors(
     t1 = time.perf_counter()
     Qw = rotation[:, :w].to(torch.float64).contiguous()
     c, eps = normalisation(d, w, adapter.eps)
-    if not constant:
+    if not stock.constant:
         c = 1.0
-    if not rescale_eps:
+    if not stock.rescale_eps:
         eps = adapter.eps
-    qk = c * c if adapter.layout.qk_norm else c  # q, k under QK-norm: q_stock = c q
-
-    def layer_fn(i, layer):
-        layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), Qw)
-        for n in ("q", "k", "v", "gate", "up"):
-            s = qk if n in ("q", "k") else c
-            layer[f"{n}.weight"] = layer[f"{n}.weight"] * s
-            if f"{n}.bias" in layer and s != c:  # a reader's bias scales only with its output
-                layer[f"{n}.bias"] = layer[f"{n}.bias"] * (s / c)
-        for norm in ("attn_norm", "ffn_norm"):
-            layer[f"{norm}.weight"] = torch.ones(w, dtype=torch.float64)
-        return layer
-
-    def globals_fn(g):
-        g = dict(g)
-        if "lm_head.weight" not in g:  # tied: untied here, the final norm's γ folds into it
-            g["lm_head.weight"] = g["embed.weight"].clone()
-        g = actions.rotate_residual_globals(actions.fold_final_norm(g), Qw)
-        g["lm_head.weight"] = g["lm_head.weight"] * c
-        g["final_norm.weight"] = torch.ones(w, dtype=torch.float64)
-        return g
-
+    slicer = _Slicer(Qw, c, c * c if adapter.layout.qk_norm else c)  # q, k under QK-norm: q_stock = c q
     new_config = stock_config(config, adapter, w, eps)
     accounting["stock_class"] = new_config["architectures"][0]
     transform_checkpoint(
-        source, adapter, sink, layer_fn=layer_fn, globals_fn=globals_fn, progress=progress, desc="slice"
+        source, adapter, sink, layer_fn=slicer.layer, globals_fn=slicer.globals, progress=progress, desc="slice"
     )
     accounting.update(norm_constant=c, rms_norm_eps=eps, source_rms_norm_eps=adapter.eps)
     report = CompressReport(
@@ -349,7 +352,12 @@ def stock_slice_model(
     **controls,
 ):
     """In memory: a loaded Llama / Mistral / Qwen2 / Qwen3 / Phi-3 ``...ForCausalLM`` -> (the same stock
-    class at ``hidden_size = d′``, report). A tied source is untied (as ``--untie``)."""
+    class at ``hidden_size = d′``, report). A tied source is untied (as ``--untie``). ``controls``:
+    :class:`StockOptions`' negative controls (``constant``, ``rescale_eps``)."""
+    options.validate()
+    reason = why_not_stock(model.config.to_dict(), options, untie=True)
+    if reason is not None:
+        raise ValueError(f"no stock output: {reason}")
     dtype = next(model.parameters()).dtype
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     sink = DictSink()
@@ -358,13 +366,10 @@ def stock_slice_model(
         model.config.to_dict(),
         options,
         calib_ids,
-        sink,
-        stock,
-        width=width,
-        rotation=rotation,
-        placement=placement,
-        progress=progress,
-        **controls,
+        replace(stock, **controls),
+        width,
+        rotation,
+        TensorRun(placement, progress, sink=sink),
     )
     cfg = AutoConfig.for_model(**{k: v for k, v in new_config.items() if k != "transformers_version"})
     out = AutoModelForCausalLM.from_config(cfg).to(dtype)
@@ -378,43 +383,42 @@ def stock_slice_model(
     return out.eval(), report
 
 
-def compress_stock_checkpoint(
-    src,
-    out,
-    options: CompressOptions,
-    calib_text,
-    stock: StockOptions = StockOptions(),
-    overwrite: bool = False,
-    progress: bool = True,
-    placement=None,
-    max_shard_size: str | int = "2GB",
-):
-    """:func:`.pipeline.compress_checkpoint` where :func:`why_not_stock` allows: ``out`` holds the
-    source's own stock family at ``hidden_size = d′`` (no remote code), its report and card."""
-    options.validate()
-    stock.validate()
-    check_output_dir(out, overwrite)
-    reader = CheckpointReader(src)
-    reason = why_not_stock(reader.config, options, stock.untie)
-    if reason is not None:
-        raise ValueError(f"no stock output: {reason}")
-    w, _ = plan_stock_width(reader, reader.config, options, stock)  # a bad --round-to fails here
-    stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)  # so does its class
-    calib_ids = read_calibration(src, calib_text, options)  # SliceGPT always calibrates
-    with atomic_output_dir(out, overwrite) as tmp:
-        writer = ShardedWriter(tmp, parse_size(max_shard_size), metadata={"hf_symmetry": "compress"})
-        counted = 0
+class StockSlice(Route):
+    """The folder route where :func:`why_not_stock` allows (:func:`.pipeline.route_for` decides): the
+    output holds the source's own stock family at ``hidden_size = d′`` (no remote code)."""
 
-        class _Counting:
-            def add(self, tensors):
-                nonlocal counted
-                counted += sum(t.numel() for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq"))
-                writer.add(tensors)
+    def __init__(self, stock: StockOptions):
+        super().__init__()
+        self.stock = stock
 
+    def check(self, reader, options: CompressOptions) -> None:
+        w, _ = plan_stock_width(reader, reader.config, options, self.stock)  # a bad --round-to fails here
+        stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)  # so does its class
+
+    def write(self, job) -> CompressReport:
         new_config, report = stock_slice_tensors(
-            reader, reader.config, options, calib_ids, _Counting(), stock, placement=placement, progress=progress
+            job.reader,
+            job.reader.config,
+            job.options,
+            job.calib_ids,
+            self.stock,
+            run=TensorRun(job.placement, job.progress, job.dtype, job.sink),
         )
-        writer.close()
-        write_config(tmp, new_config)
-        finish_folder(tmp, report, options, src, reader.path, out, counted)
-    return report
+        write_config(job.folder, new_config)
+        return report
+
+    def output_lines(self, report: CompressReport, config: dict) -> list[str]:
+        """The stock class and its width rounding (and what an untied head costs)."""
+        acc = report.accounting
+        lines = [
+            f"  output: stock {acc['stock_class']} (no remote code), hidden size {acc['residual']} of "
+            f"{acc['hidden']}; width {acc['width_unrounded']} rounded to a multiple of {acc['round_to']} "
+            f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc['norm_constant']:.6g}, rms_norm_eps "
+            f"{acc['source_rms_norm_eps']:.6g} × d/d′ = {acc['rms_norm_eps']:.6g}"
+        ]
+        if acc["untied_head_params"]:
+            lines.append(
+                f"  untied head (--untie): vocab × width = {acc['untied_head_params']:,} parameters, "
+                "counted in the ratio"
+            )
+        return lines

@@ -26,11 +26,12 @@ from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ...rotate import RotateOptions, rotate_layer_norm_decoder
 from ...stream import TensorSource, partition_keys
-from ..moments import collect_statistics, require_calibration
+from ..moments import CalibrationInput, collect_statistics, require_calibration
 from ..pca import pca
 from ..report import CompressReport
 from ..options import CompressOptions
 from ..plan import source_numels
+from ..routes import TensorRun
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
@@ -120,14 +121,13 @@ def slice_tensors(
     config: dict,
     options: CompressOptions,
     calib_ids: torch.Tensor | None,
-    sink,
     width: int | None = None,
     rotation: torch.Tensor | None = None,
-    placement=None,
-    progress: bool = True,
+    run: TensorRun = TensorRun(),
 ):
-    """The whole route on tensors into ``sink``: (RMS-decoder config dict, report). ``width`` overrides
+    """The whole route on tensors into ``run.sink``: (RMS-decoder config dict, report). ``width`` overrides
     the planned width (``d``: the exact, unsliced rotation); ``rotation`` the measured ``Q``."""
+    placement, progress = run.placement, run.progress
     t0 = time.perf_counter()
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
@@ -142,13 +142,9 @@ def slice_tensors(
     if rotation is None:
         require_calibration(options, calib_ids)
         stats = collect_statistics(
-            source,
-            config,
-            calib_ids[: options.calib_tokens],
-            options.calib_seq_len,
+            CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement),
             want_normed=False,
             want_stream=True,
-            placement=placement,
             progress=progress,
         )
         rotation, tokens = centred_rotation(stats.stream), stats.tokens
@@ -159,7 +155,7 @@ def slice_tensors(
         config,
         RotateOptions(heads="none", ffn=False),
         rotation[:, :w].contiguous(),
-        sink,
+        run.sink,
         progress,
         desc="slice",
     )

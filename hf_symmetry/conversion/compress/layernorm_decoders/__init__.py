@@ -10,24 +10,25 @@ into its readers, which leaves the function unchanged and makes the stream rotat
 - :mod:`.structured` — ProcrustesGPT (Kronecker sums, GS, low rank): the compressed family's plan,
   solvers and assembly on the centred model, biases and the position table kept dense;
 - :mod:`.checks` — what this route refuses, before any work;
-- here: the entry points on a loaded model and on a checkpoint folder.
+- here: the entry point on a loaded model, and the folder route (:class:`LayerNormDecoders`) that
+  :func:`..pipeline.compress_checkpoint` takes for these models.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
 from ....architectures import Adapter
-from ....checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, write_config
+from ....checkpoint_io import CheckpointReader, write_config
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from ...rms_decoder import copy_remote_code
 from ...stream import DictSink, DictSource
-from ..moments import read_calibration
 from ..options import CompressOptions
-from ..report import finish_folder
+from ..report import CompressReport
+from ..routes import FolderJob, Route, TensorRun
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
 from .slice import centred_rotation, plan_width, slice_tensors, sliced_params
@@ -45,13 +46,11 @@ def build(state: dict, config: dict, dtype: torch.dtype):
     return model.eval(), counted
 
 
-def _run(source, config: dict, options: CompressOptions, calib_ids, sink, dtype, placement, progress):
-    """Either route into ``sink`` (a :class:`DictSink` or a shard writer): (config dict, report)."""
+def _run(source, config: dict, options: CompressOptions, calib_ids, run: TensorRun):
+    """Either route into ``run.sink`` (a :class:`DictSink` or the folder's sink): (config dict, report)."""
     if options.slicing:
-        return slice_tensors(source, config, options, calib_ids, sink, placement=placement, progress=progress)
-    return structured_tensors(
-        source, config, options, calib_ids, sink.add, dtype, placement=placement, progress=progress
-    )
+        return slice_tensors(source, config, options, calib_ids, run=run)
+    return structured_tensors(source, config, options, calib_ids, run=replace(run, sink=run.sink.add))
 
 
 def compress_layer_norm_model(
@@ -69,58 +68,35 @@ def compress_layer_norm_model(
     source, config = DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
     check(Adapter.from_config(config, source.keys()), options, source.keys())
     sink = DictSink()
+    run = TensorRun(placement, progress, dtype, sink)
     if width is not None:
-        new_config, report = slice_tensors(
-            source, config, options, calib_ids, sink, width=width, placement=placement, progress=progress
-        )
+        new_config, report = slice_tensors(source, config, options, calib_ids, width, run=run)
     else:
-        new_config, report = _run(source, config, options, calib_ids, sink, dtype, placement, progress)
+        new_config, report = _run(source, config, options, calib_ids, run)
     compressed, counted = build(dict(sink), new_config, dtype)
     report.accounting["compressed_model_params_counted"] = counted
     return compressed, report
 
 
-def compress_layer_norm_checkpoint(
-    reader: CheckpointReader,
-    out: str | Path,
-    options: CompressOptions,
-    calib_text,
-    overwrite: bool = False,
-    progress: bool = True,
-    placement=None,
-):
-    """:func:`hf_symmetry.conversion.compress.compress_checkpoint` for LayerNorm decoders: every input
-    checked before any work, the checkpoint read one layer at a time, ``out`` written atomically
-    (weights, config, the RMS-decoder family's remote code, tokenizer, report, card)."""
-    options.validate()
-    check_output_dir(out, overwrite)
-    adapter = Adapter.from_config(reader.config, reader.keys())
-    check(adapter, options, reader.keys())
-    if options.slicing:  # an unreachable ratio fails here
-        plan_width(adapter, reader, reader.keys(), options)
-    else:
-        layer_norm_plan(reader, reader.config, options)
-    calib_ids = read_calibration(reader.path, calib_text, options)
-    dtype = reader.config.get("dtype") or reader.config.get("torch_dtype") or "float32"
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with atomic_output_dir(out, overwrite) as tmp:
-        writer = ShardedWriter(tmp, 2 * 10**9, metadata={"hf_symmetry": "compress"})
-        counted = 0
+class LayerNormDecoders(Route):
+    """The folder route of LayerNorm decoders (:func:`..pipeline.compress_checkpoint`): the checkpoint read
+    one layer at a time, written as the RMS-decoder family (weights, config, its remote code)."""
 
-        class _Counting:
-            def add(self, tensors):
-                nonlocal counted
-                counted += sum(t.numel() for t in tensors.values())
-                writer.add(tensors)
+    def check(self, reader: CheckpointReader, options: CompressOptions) -> None:
+        adapter = Adapter.from_config(reader.config, reader.keys())
+        check(adapter, options, reader.keys())
+        if options.slicing:  # an unreachable ratio fails here
+            plan_width(adapter, reader, reader.keys(), options)
+        else:
+            layer_norm_plan(reader, reader.config, options)
 
-            add.row_blocks = True  # the writer streams RowBlocks (Assembler.put)
-
-        new_config, report = _run(reader, reader.config, options, calib_ids, _Counting(), dtype, placement, progress)
-        writer.close()
-        write_config(tmp, new_config)
-        copy_remote_code(tmp)
-        finish_folder(tmp, report, options, reader.path, reader.path, out, counted)
-    return report
+    def write(self, job: FolderJob) -> CompressReport:
+        reader = job.reader
+        run = TensorRun(job.placement, job.progress, job.dtype, job.sink)
+        new_config, report = _run(reader, reader.config, job.options, job.calib_ids, run)
+        write_config(job.folder, new_config)
+        copy_remote_code(job.folder)
+        return report
 
 
 __all__ = [
@@ -128,7 +104,7 @@ __all__ = [
     "build",
     "centred_rotation",
     "check",
-    "compress_layer_norm_checkpoint",
+    "LayerNormDecoders",
     "compress_layer_norm_model",
     "layer_norm_plan",
     "plan_structured",

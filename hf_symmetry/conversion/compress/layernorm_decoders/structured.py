@@ -43,16 +43,17 @@ from ..plan import (
     structure_for,
 )
 from ..report import CompressReport, summarise_traces
-from ..solve import solve
+from ..routes import Given, TensorRun
+from ..solve import SolveRun, solve
 from .centred import CentredSource
 
 Tensors = dict[str, torch.Tensor]
 CANONICAL = ("q", "k", "v", "o", "up", "down")
 
 
-def plan_structured(centred: CentredSource, dense_total: int, options: CompressOptions) -> Plan:
-    """The structures of ``options`` on the centred model, sized so that the whole model meets the ratio
-    (or, with a preset, each compressed matrix keeps ``matrix_keep`` of its parameters)."""
+def _entries(centred: CentredSource) -> list[tuple]:
+    """``(name, canonical name, layer, role, segment, shape, bias)`` of every linear of the centred model
+    (the embedding and head last: no bias of their own here)."""
     adapter, cfg = centred.adapter, centred.config
     d, L = adapter.hidden, adapter.n_layers
     inner = cfg["num_attention_heads"] * cfg["head_dim"]
@@ -78,10 +79,19 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
         for c in CANONICAL
     ]
     vocab = int(cfg["vocab_size"])
-    entries += [
+    return entries + [
         ("embed", "embed", None, "writer", 0, (vocab, d), False),
         ("lm_head", "lm_head", None, "reader", 2 * L, (vocab, d), False),
     ]
+
+
+def plan_structured(centred: CentredSource, dense_total: int, options: CompressOptions) -> Plan:
+    """The structures of ``options`` on the centred model, sized so that the whole model meets the ratio
+    (or, with a preset, each compressed matrix keeps ``matrix_keep`` of its parameters)."""
+    adapter, cfg = centred.adapter, centred.config
+    d, L = adapter.hidden, adapter.n_layers
+    entries = _entries(centred)
+    vocab = int(cfg["vocab_size"])
     tied = adapter.tied_embeddings
     # the budget, as the compressed family's: a tied head counts once (here it is untied, and pays for it)
     p_compressed = sum(
@@ -175,20 +185,23 @@ def structured_tensors(
     config: dict,
     options: CompressOptions,
     calib_ids: torch.Tensor | None,
-    sink,
-    dtype: torch.dtype,
-    plan: Plan | None = None,
-    stats=None,
-    rotations: list[torch.Tensor] | None = None,
-    placement=None,
-    progress: bool = True,
+    given: Given = Given(),
+    run: TensorRun = TensorRun(),
 ):
-    """The whole route on tensors into ``sink`` (called with each module's tensors): (RMS-decoder config
-    dict, report). ``plan``, ``stats`` and ``rotations`` override the planned structures, the measured
+    """The whole route on tensors into ``run.sink`` (called with each module's tensors, in ``run.dtype``):
+    (RMS-decoder config dict, report). ``given`` may hand in the planned structures, the measured
     statistics and the starting rotations, as in :func:`..pipeline.compress_tensors`."""
     times = {}
     t0 = time.perf_counter()
     centred = CentredSource(source, config)
+    plan, stats, sink, dtype, placement, progress = (
+        given.plan,
+        given.stats,
+        run.sink,
+        run.dtype,
+        run.placement,
+        run.progress,
+    )
     if plan is None:
         plan = plan_structured(centred, source_numels(source, source.keys(), centred.adapter.tied_embeddings), options)
     if stats is None:
@@ -206,11 +219,9 @@ def structured_tensors(
             globals_,
             stats,
             options,
-            progress,
-            rotations,
+            given.rotations,
             None,
-            device=linalg_device(placement),
-            keep_stats=False,
+            SolveRun(progress, linalg_device(placement), False),
         )
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()

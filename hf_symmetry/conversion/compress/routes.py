@@ -1,0 +1,128 @@
+"""The routes a ``compress`` output folder takes, as objects: the compressed family (:mod:`.pipeline`),
+SliceGPT as the source's own stock family (:mod:`.stock`) and LayerNorm decoders through the RMS-decoder
+family (:mod:`.layernorm_decoders`). :func:`.pipeline.compress_checkpoint` decides the route once
+(:func:`.pipeline.route_for`) and runs the folder steps every route shares (options checked, output
+folder checked, calibration read, dtype, atomic folder, shard writer, finish); a route checks what it
+refuses before any work (:meth:`Route.check`) and writes its weights into the shared sink and its
+config into the folder (:meth:`Route.write`)."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...checkpoint_io import CheckpointReader, ShardedWriter
+from .options import CompressOptions
+from .report import CompressReport
+
+
+@dataclass(frozen=True)
+class TensorRun:
+    """Where and how a route's tensors are made (its tensor-level function: :func:`.pipeline.compress_tensors`,
+    :func:`.stock.stock_slice_tensors`, :func:`.layernorm_decoders.slice_tensors` and
+    :func:`.layernorm_decoders.structured_tensors`): calibration on ``placement``
+    (:func:`hf_symmetry.devices.resolve`; default CPU float32), progress bars, the output ``dtype``, the
+    ``sink`` that receives the tensors as they are made, and a ``scratch`` folder for the solver's
+    temporary files (one global Q's warm starts)."""
+
+    placement: object = None
+    progress: bool = True
+    dtype: torch.dtype = torch.float32
+    sink: object = None
+    scratch: object = None
+
+
+@dataclass(frozen=True)
+class Given:
+    """What a caller hands in instead of its being made: the ``plan`` (structures and sizes), the
+    calibration ``stats`` (e.g. cached by a benchmark) and the starting ``rotations`` (one per segment)."""
+
+    plan: object = None
+    stats: object = None
+    rotations: list | None = None
+
+
+@dataclass(frozen=True)
+class FolderSettings:
+    """How the output folder is written: ``overwrite`` a non-empty one, shards of at most
+    ``max_shard_size`` (``"2GB"``, or bytes)."""
+
+    overwrite: bool = False
+    max_shard_size: str | int = "2GB"
+
+
+class CountingSink:
+    """Every route's sink: each module's tensors go straight to the shard writer (row blocks streamed,
+    :meth:`.assemble.Assembler.put`), their parameters counted (not the rotary buffers a stock family
+    carries). Called, or ``add``-ed, with a dict of tensors."""
+
+    row_blocks = True
+
+    def __init__(self, writer: ShardedWriter):
+        self.writer = writer
+        self.counted = 0
+        self.layer_map = None  # set by the compressed family's assembly when every layer maps to the source
+
+    def add(self, tensors: dict) -> None:
+        self.counted += sum(t.numel() for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq"))
+        self.writer.add(tensors)
+
+    add.row_blocks = True  # also where the bound ``add`` is the sink
+    __call__ = add
+
+
+@dataclass
+class FolderJob:
+    """What a route writes with: the source, the validated options, the calibration token ids (``None``
+    where the method needs none), the checkpoint's dtype, the sink, the (temporary) output folder, where
+    calibration runs and whether progress bars show."""
+
+    reader: CheckpointReader
+    options: CompressOptions
+    calib_ids: torch.Tensor | None
+    dtype: torch.dtype
+    sink: CountingSink
+    folder: Path
+    placement: object = None
+    progress: bool = True
+
+
+class Route(ABC):
+    """One way a compress folder is written. ``stock_refusal``: why a SliceGPT output is not the source's
+    stock family (``None``: not asked, or it is)."""
+
+    def __init__(self, stock_refusal: str | None = None):
+        self.stock_refusal = stock_refusal
+
+    def check(self, reader: CheckpointReader, options: CompressOptions) -> None:
+        """Refuse, before any work, what this route cannot do (an unreachable ratio, a bad width)."""
+
+    @abstractmethod
+    def write(self, job: FolderJob) -> CompressReport:
+        """Write the weights into ``job.sink`` and the config (and any remote code) into ``job.folder``."""
+
+    def output_lines(self, report: CompressReport, config: dict) -> list[str]:
+        """What the command's size report says about the output family: for SliceGPT, why it stays in a
+        remote-code family (and, for a tied head, what untying would cost)."""
+        if self.stock_refusal is None:
+            return []
+        reason = self.stock_refusal
+        lines = [f"  output: compressed family (trust_remote_code=True): {reason}"]
+        acc = report.accounting
+        if acc.get("head_mix_params") and "--untie" in reason:
+            width = math.isqrt(acc["head_mix_params"])  # the mix is width × width
+            lines.append(
+                f"  tied head: head mix {acc['head_mix_params']:,} parameters; --untie would cost vocab × width "
+                f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)"
+            )
+        return lines
+
+
+def checkpoint_dtype(config: dict) -> torch.dtype:
+    """The dtype a checkpoint's config names (``dtype`` or ``torch_dtype``; float32 where it names none)."""
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
