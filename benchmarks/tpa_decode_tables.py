@@ -12,6 +12,8 @@ LABELS = {
     "tpa-exact-q4": "TPA exact + 4-bit factor cache",
     "tpa-r2-q4": "TPA k/v rank 2 + 4-bit factor cache",
     "tpa-r2-q2": "TPA k/v rank 2 + 2-bit factor cache",
+    "tpa-r2-healed": "TPA k/v rank 2, healed (2^15 tokens)",
+    "tpa-r2-healed-q4": "TPA k/v rank 2, healed (2^15 tokens) + 4-bit factor cache",
 }
 ORDER = list(LABELS)
 
