@@ -6,7 +6,6 @@ written as the source's own stock class instead (no remote code)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from ..assets import resolve_model, resolve_text
@@ -28,12 +27,10 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
-    emit,
     placement_from_args,
-    push_if_requested,
-    total_time_line,
     verify_and_record,
 )
+from .runner import Conversion, run_conversion
 
 
 def _blocks(text: str) -> tuple[int, int]:
@@ -263,44 +260,59 @@ def _config(src) -> dict:
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    options = options_from_args(args)
-    stock = stock_from_args(args, options)
-    placement = placement_from_args(args)  # an unusable device fails before any work
-    check_verify_args(args, args.model)
-    src = resolve_model(args.model)
-    calib = resolve_text(args.calib) if args.calib else None
-    report = compress_checkpoint(
-        src,
-        args.out,
-        options,
-        calib,
-        stock=stock,
-        progress=not args.quiet,
-        placement=placement,
-        folder=FolderSettings(overwrite=args.overwrite),
-    )
-    config = _config(src)
-    acc = report.accounting
-    lines = [
-        f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
-        f"in {sum(report.seconds.values()):.1f} s",
-        f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
-        f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
-        f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
-        f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
-        *route_for(config, options, stock).output_lines(report, config),
-        f"  report: {args.out}/compression_report.json",
-    ]
+    return run_conversion(Compress(args))
 
-    def perplexities(v):
-        record_verification(args.out, report, options, v)
-        return {}, []
 
-    report_verification = verify_and_record(args, src, args.out, lines, ("original", "compressed"), extra=perplexities)
-    summary = report.as_dict()
-    summary["verification"] = report_verification
-    summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start, verified=bool(report_verification)))
-    emit(summary, lines, args.json_out)
-    return 0
+class Compress(Conversion):
+    """``compress`` on the shared driver (:func:`.runner.run_conversion`): the verification compares the
+    original and the compressed model, its perplexities also going into the report and the card."""
+
+    names = ("original", "compressed")
+
+    def check(self) -> None:
+        args = self.args
+        self.options = options_from_args(args)
+        self.stock = stock_from_args(args, self.options)
+        self.placement = placement_from_args(args)  # an unusable device fails before any work
+        check_verify_args(args, args.model)
+        self.original = resolve_model(args.model)
+        self.calib = resolve_text(args.calib) if args.calib else None
+
+    def convert(self):
+        args, options, src = self.args, self.options, self.original
+        report = compress_checkpoint(
+            src,
+            args.out,
+            options,
+            self.calib,
+            stock=self.stock,
+            progress=not args.quiet,
+            placement=self.placement,
+            folder=FolderSettings(overwrite=args.overwrite),
+        )
+        config = _config(src)
+        acc = report.accounting
+        lines = [
+            f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
+            f"in {sum(report.seconds.values()):.1f} s",
+            f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
+            f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
+            f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
+            f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
+            *route_for(config, options, self.stock).output_lines(report, config),
+            f"  report: {args.out}/compression_report.json",
+        ]
+        return report, lines
+
+    def verify(self, report, lines: list[str]) -> bool:
+        def perplexities(v):
+            record_verification(self.out, report, self.options, v)
+            return {}, []
+
+        self.verification = verify_and_record(self.args, self.original, self.out, lines, self.names, extra=perplexities)
+        return bool(self.verification)
+
+    def summary(self, report) -> dict:
+        summary = report.as_dict()
+        summary["verification"] = self.verification
+        return summary
