@@ -9,12 +9,11 @@ tokenize differently from transformers."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..conversion.gguf_export import TYPES, export_gguf, round_trip
-from .common import emit, total_time_line
+from .runner import Conversion, run_conversion
 
 
 def register(sub) -> None:
@@ -61,27 +60,47 @@ def _same(flag) -> str:
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    src = resolve_model(args.model)
-    report = export_gguf(
-        src, args.out, type=args.type, overwrite=args.overwrite, name=args.name, progress=not args.quiet
-    )
-    types = ", ".join(f"{k} {v}" for k, v in sorted(report.tensor_types.items()))
-    lines = [
-        f"exported {args.model} -> {args.out} (GGUF {report.architecture}, {args.type}) in {report.seconds:.1f} s",
-        f"  {report.tensors} tensors ({types}), {report.bytes / 1e6:.1f} MB; tokenizer: {report.tokenizer}",
-        *(f"  WARNING: {w}" for w in report.warnings),
-    ]
-    summary = asdict(report)
-    if args.check:
-        check = round_trip(src, args.out, prompt=args.prompt, new_tokens=args.new_tokens)
-        summary["check"] = check
-        lines.append(
-            f"  read back through transformers: greedy text {'equal' if check['same_text'] else 'DIFFERENT'} "
-            f"({check['new_tokens']} new tokens), max |Δlogit| {check['max_abs_dlogit']:.3g} over "
-            f"{check['tokens']} tokens (logit scale {check['max_abs_logit']:.3g}); the file's tokenizer tokenizes "
-            f"the prompt {_same(check['same_tokenization'])}; read by {check['read_by']}"
+    return run_conversion(ExportGGUF(args))
+
+
+class ExportGGUF(Conversion):
+    """``export-gguf``: the folder written as one GGUF file; its verification is ``--check``'s read-back through
+    transformers (no card, no push)."""
+
+    publishes = False
+
+    def check(self) -> None:
+        self.original = resolve_model(self.args.model)
+
+    def convert(self):
+        args = self.args
+        report = export_gguf(
+            self.original, args.out, type=args.type, overwrite=args.overwrite, name=args.name, progress=not args.quiet
         )
-    lines.append(total_time_line(start, verified=args.check))
-    emit(summary, lines, args.json_out)
-    return 0
+        types = ", ".join(f"{k} {v}" for k, v in sorted(report.tensor_types.items()))
+        lines = [
+            f"exported {args.model} -> {args.out} (GGUF {report.architecture}, {args.type}) in {report.seconds:.1f} s",
+            f"  {report.tensors} tensors ({types}), {report.bytes / 1e6:.1f} MB; tokenizer: {report.tokenizer}",
+            *(f"  WARNING: {w}" for w in report.warnings),
+        ]
+        return report, lines
+
+    def verify(self, report, lines: list[str]) -> bool:
+        args = self.args
+        if args.check:
+            self.round_trip = check = round_trip(
+                self.original, args.out, prompt=args.prompt, new_tokens=args.new_tokens
+            )
+            lines.append(
+                f"  read back through transformers: greedy text {'equal' if check['same_text'] else 'DIFFERENT'} "
+                f"({check['new_tokens']} new tokens), max |Δlogit| {check['max_abs_dlogit']:.3g} over "
+                f"{check['tokens']} tokens (logit scale {check['max_abs_logit']:.3g}); the file's tokenizer "
+                f"tokenizes the prompt {_same(check['same_tokenization'])}; read by {check['read_by']}"
+            )
+        return args.check
+
+    def summary(self, report) -> dict:
+        summary = asdict(report)
+        if self.args.check:
+            summary["check"] = self.round_trip
+        return summary

@@ -8,8 +8,6 @@ model folder (custom class, loads with ``trust_remote_code=True`` without hf_sym
 
 from __future__ import annotations
 
-import time
-
 from ..assets import resolve_model, resolve_text
 from ..conversion.farr import FarrCalibration, FarrOptions, farr_checkpoint
 from ..hub.values import fmt_number
@@ -20,12 +18,9 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
-    emit,
     placement_from_args,
-    push_if_requested,
-    total_time_line,
-    verify_and_record,
 )
+from .runner import Conversion, run_conversion
 
 #: a reduction that removes less than this fraction of the model's parameters ...
 LITTLE_REMOVED = 0.02
@@ -78,50 +73,67 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    placement = placement_from_args(args)  # an unusable device fails before any work
-    options = FarrOptions(tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk)
-    options.validate()
-    check_verify_args(args, args.model)
-    src = resolve_model(args.model)
-    if args.calibrate is not None:
-        resolve_text(args.calibrate)  # a missing text fails before any work
-    report = farr_checkpoint(
-        src,
-        args.out,
-        options,
-        overwrite=args.overwrite,
-        max_shard_size=args.max_shard_size,
-        progress=not args.quiet,
-        calibration=FarrCalibration(args.calibrate, args.calib_tokens),
-        placement=placement,
-    )
-    lines = [
-        f"farr {src} -> {args.out} ({report.model_type}; conversion {report.seconds:.1f} s)",
-        f"  rewritten projections keep {report.touchable_params_after:,} of {report.touchable_params_before:,} "
-        f"parameters ({report.touchable_kept_fraction:.1%}); model {report.params_before:,} -> "
-        f"{report.params_after:,}",
-    ]
-    for path, ranks in report.ranks.items():
-        worst = min(min(groups) for groups in report.kept_energy[path] if groups is not None)  # None: kept whole
-        lines.append(
-            f"  {path} head dims (of {report.head_dim}): {_runs(ranks)}; least energy kept by a group {worst:.4%}"
+    return run_conversion(Farr(args))
+
+
+class Farr(Conversion):
+    """``farr``: the reduction chosen, the fused maps truncated, the kept dims described; after the
+    verification, a warning when the choice removes little yet costs much."""
+
+    names = ("original", "FaRR")
+
+    def check(self) -> None:
+        args = self.args
+        self.placement = placement_from_args(args)  # an unusable device fails before any work
+        self.options = FarrOptions(
+            tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk
         )
-    if report.calibration:
-        lines.append(
-            f"  calibrated on {report.calibration['tokens']} tokens of {public_text_label(report.calibration['text'])} "
-            "(energies are output energies on those activations)"
+        self.options.validate()
+        check_verify_args(args, args.model)
+        self.original = resolve_model(args.model)
+        if args.calibrate is not None:
+            resolve_text(args.calibrate)  # a missing text fails before any work
+
+    def convert(self):
+        args, src = self.args, self.original
+        report = farr_checkpoint(
+            src,
+            args.out,
+            self.options,
+            overwrite=args.overwrite,
+            max_shard_size=args.max_shard_size,
+            progress=not args.quiet,
+            calibration=FarrCalibration(args.calibrate, args.calib_tokens),
+            placement=self.placement,
         )
-    lines += [f"  note: {n}" for n in report.notes]
-    report.verification = verify_and_record(args, src, args.out, lines, ("original", "FaRR"))
-    warning = costly_reduction_warning(report, options)
-    if warning:
-        lines.append(f"  warning: {warning}")
-    summary = report.as_dict()
-    summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start, verified=bool(report.verification)))
-    emit(summary, lines, args.json_out)
-    return 0
+        lines = [
+            f"farr {src} -> {args.out} ({report.model_type}; conversion {report.seconds:.1f} s)",
+            f"  rewritten projections keep {report.touchable_params_after:,} of {report.touchable_params_before:,} "
+            f"parameters ({report.touchable_kept_fraction:.1%}); model {report.params_before:,} -> "
+            f"{report.params_after:,}",
+        ]
+        for path, ranks in report.ranks.items():
+            worst = min(min(groups) for groups in report.kept_energy[path] if groups is not None)  # None: kept whole
+            lines.append(
+                f"  {path} head dims (of {report.head_dim}): {_runs(ranks)}; least energy kept by a group {worst:.4%}"
+            )
+        if report.calibration:
+            lines.append(
+                f"  calibrated on {report.calibration['tokens']} tokens of "
+                f"{public_text_label(report.calibration['text'])} (energies are output energies on those activations)"
+            )
+        lines += [f"  note: {n}" for n in report.notes]
+        return report, lines
+
+    def verify(self, report, lines: list[str]) -> bool:
+        verified = super().verify(report, lines)
+        warning = costly_reduction_warning(report, self.options)
+        if warning:
+            lines.append(f"  warning: {warning}")
+        return verified
+
+    def summary(self, report) -> dict:
+        return report.as_dict()
 
 
 def costly_reduction_warning(report, options: FarrOptions) -> str | None:

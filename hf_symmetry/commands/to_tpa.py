@@ -9,8 +9,6 @@ the source's (no memory saved); below them it shrinks, at a loss of quality unti
 
 from __future__ import annotations
 
-import time
-
 from ..conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
 from .common import (
     add_device_args,
@@ -18,13 +16,10 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
-    emit,
     fmt,
     placement_from_args,
-    push_if_requested,
-    total_time_line,
-    verify_and_record,
 )
+from .runner import Conversion, run_conversion
 
 
 def register(sub) -> None:
@@ -54,44 +49,64 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    start = time.perf_counter()
-    placement = placement_from_args(args)  # an unusable device fails before any work
-    for name in ("k_rank", "v_rank"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.calib_tokens <= 0:
-        raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
-    check_verify_args(args, args.model)
-    report = convert_checkpoint_to_tpa(
-        args.model,
-        args.out,
-        ToTPAOptions(args.k_rank, args.v_rank, args.calib, args.calib_tokens),
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-        placement=placement,
-    )
-    src_el, tpa_el = report.cache_elements_per_token_source, report.cache_elements_per_token_tpa
-    lines = [
-        f"converted {report.family} model {report.source} -> {args.out} (conversion {report.seconds:.1f} s)",
-        f"  heads {report.num_attention_heads}, KV heads {report.num_key_value_heads}, head_dim {report.head_dim}; "
-        f"R_K={report.k_rank}, R_V={report.v_rank} ({'exact' if report.exact else 'approximate'}"
-        f"{', calibrated on ' + str(report.calib_tokens) + ' tokens' if report.calibrated else ''})",
-        f"  KV cache per token (all layers): source {src_el} elements, TPA {tpa_el} ({tpa_el / src_el:.3f}x)",
-    ]
-    if not report.exact:
-        lines.append("  per-layer relative reconstruction error (weights; activations on the calibration text):")
-        for e in report.layers:
-            act = (
-                f"; act K {fmt(e.k_activation_rel_err)} V {fmt(e.v_activation_rel_err)}"
-                if e.k_activation_rel_err is not None
-                else ""
-            )
-            lines.append(f"    layer {e.layer:3d}: K {e.k_weight_rel_err:.3g} V {e.v_weight_rel_err:.3g}{act}")
-    lines.extend(f"  note: {n}" for n in report.notes)
-    report.verification = verify_and_record(args, report.source, args.out, lines, ("source", "TPA"))
-    summary = report.as_dict()
-    summary["push"] = push_if_requested(args, args.out, lines)
-    lines.append(total_time_line(start, verified=bool(report.verification)))
-    emit(summary, lines, args.json_out)
-    return 0
+    return run_conversion(ToTPA(args))
+
+
+class ToTPA(Conversion):
+    """``to-tpa``: the ranks checked, the attention converted, the cache and per-layer errors described."""
+
+    names = ("source", "TPA")
+
+    def check(self) -> None:
+        args = self.args
+        self.placement = placement_from_args(args)  # an unusable device fails before any work
+        for name in ("k_rank", "v_rank"):
+            value = getattr(args, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if args.calib_tokens <= 0:
+            raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
+        check_verify_args(args, args.model)
+
+    def convert(self):
+        args = self.args
+        report = convert_checkpoint_to_tpa(
+            args.model,
+            args.out,
+            ToTPAOptions(k_rank=args.k_rank, v_rank=args.v_rank, calib=args.calib, calib_tokens=args.calib_tokens),
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+            placement=self.placement,
+        )
+        self.original = report.source
+        src_el, tpa_el = report.cache_elements_per_token_source, report.cache_elements_per_token_tpa
+        lines = [
+            f"converted {report.family} model {report.source} -> {args.out} (conversion {report.seconds:.1f} s)",
+            f"  heads {report.num_attention_heads}, KV heads {report.num_key_value_heads}, head_dim "
+            f"{report.head_dim}; R_K={report.k_rank}, R_V={report.v_rank} "
+            f"({'exact' if report.exact else 'approximate'}"
+            f"{', calibrated on ' + str(report.calib_tokens) + ' tokens' if report.calibrated else ''})",
+            f"  KV cache per token (all layers): source {src_el} elements, TPA {tpa_el} ({tpa_el / src_el:.3f}x)",
+            *_layer_error_lines(report),
+            *(f"  note: {n}" for n in report.notes),
+        ]
+        return report, lines
+
+    def summary(self, report) -> dict:
+        return report.as_dict()
+
+
+def _layer_error_lines(report) -> list[str]:
+    """Below the exact ranks: each layer's relative reconstruction error (weights, and activations when
+    calibrated)."""
+    if report.exact:
+        return []
+    lines = ["  per-layer relative reconstruction error (weights; activations on the calibration text):"]
+    for e in report.layers:
+        act = (
+            f"; act K {fmt(e.k_activation_rel_err)} V {fmt(e.v_activation_rel_err)}"
+            if e.k_activation_rel_err is not None
+            else ""
+        )
+        lines.append(f"    layer {e.layer:3d}: K {e.k_weight_rel_err:.3g} V {e.v_weight_rel_err:.3g}{act}")
+    return lines
