@@ -230,7 +230,7 @@ def segment_objectives(args) -> dict:
     from hf_symmetry.conversion.compress.pca import pca
     from hf_symmetry.evaluation.compare import load_tokenizer
     from hf_symmetry.text import read_text, tokenize_text
-    from hf_symmetry.solvers.segments import solve_segment
+    from hf_symmetry.solvers.segments import Alternation, solve_segment
 
     problems = segment_problems([("ffn", 5), ("attn", 5)], 16384)
     reader = CheckpointReader(smollm2_dir())
@@ -283,10 +283,14 @@ def segment_objectives(args) -> dict:
             eye = torch.eye(d, dtype=torch.float64)
             terms = terms_for("w")
             if structure == "lowrank":  # no rotation lowers a rank: the weighted projection alone
-                r = solve_segment(terms, eye, 0, 3, 30, dtype=torch.float32)
+                r = solve_segment(terms, eye, Alternation(iters=0, als_iters=3, wopp_iters=30, dtype=torch.float32))
             else:
-                QF = solve_segment(terms_for("f"), eye, 10, tol=1e-3).Q
-                r = solve_segment(terms, QF, 50, 3, 30, dtype=torch.float32, tol=1e-3, extrapolate=True)
+                QF = solve_segment(terms_for("f"), eye, Alternation(iters=10, tol=1e-3)).Q
+                r = solve_segment(
+                    terms,
+                    QF,
+                    Alternation(iters=50, als_iters=3, wopp_iters=30, dtype=torch.float32, tol=1e-3, extrapolate=True),
+                )
             approx = {t.name: t.structure.dense(t.factors) for t in terms if not t.is_dense}
             rel = {
                 t.name: float(torch.linalg.matrix_norm(t.M @ r.Q - approx[t.name]) / torch.linalg.matrix_norm(t.M))

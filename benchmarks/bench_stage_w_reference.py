@@ -177,18 +177,18 @@ def score(p: dict, Q: torch.Tensor, approx: dict) -> dict:
 
 # ----------------------------------------------------------------------------- our side
 def stage_f(p: dict, iters: int) -> torch.Tensor:
-    from hf_symmetry.solvers.segments import solve_segment
+    from hf_symmetry.solvers.segments import Alternation, solve_segment
 
     d = p["reader_cov"].shape[0]
-    return solve_segment(build_terms(p, "f"), torch.eye(d, dtype=torch.float64), iters=iters).Q
+    return solve_segment(build_terms(p, "f"), torch.eye(d, dtype=torch.float64), Alternation(iters=iters)).Q
 
 
 def run_ours(p: dict, Q_F: torch.Tensor, **kwargs) -> dict:
-    from hf_symmetry.solvers.segments import solve_segment
+    from hf_symmetry.solvers.segments import Alternation, solve_segment
 
     terms = build_terms(p, "w")
     t0, c0 = time.perf_counter(), time.process_time()
-    res = solve_segment(terms, Q_F, **kwargs)
+    res = solve_segment(terms, Q_F, Alternation(**kwargs))
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     approx = {t.name: t.structure.dense(t.factors) for t in terms if not t.is_dense}
     out = score(p, res.Q, approx)

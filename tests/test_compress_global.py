@@ -13,7 +13,7 @@ import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import solve as SV
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
-from hf_symmetry.solvers.segments import solve_segment
+from hf_symmetry.solvers.segments import Alternation, solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
 
 
@@ -48,12 +48,14 @@ def _held(plan, layers, globals_, stats, stage, options, iters):
     res = solve_segment(
         terms,
         torch.eye(plan.hidden, dtype=torch.float64),
-        iters,
-        options.als_iters,
-        options.wopp_iters,
-        dtype=getattr(torch, options.solver_dtype),
-        keep_weights=False,
-        **options.stopping(stage),
+        Alternation(
+            iters=iters,
+            als_iters=options.als_iters,
+            wopp_iters=options.wopp_iters,
+            dtype=getattr(torch, options.solver_dtype),
+            keep_weights=False,
+            **options.stopping(stage),
+        ),
     )
     factors, rel = {}, {}
     SV._keep(terms, res.Q, factors, rel)

@@ -10,7 +10,7 @@ import torch
 from hf_symmetry.modeling.modeling_compressed_llama import OrthogonalSkip, cayley_decode, structured_linear
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.solvers.segments import Term, cayley_encode, objective, solve_segment, weighted_procrustes
+from hf_symmetry.solvers.segments import Alternation, Term, cayley_encode, objective, solve_segment, weighted_procrustes
 from hf_symmetry.solvers.linalg import weighted_error
 
 M, N = 24, 36
@@ -173,7 +173,7 @@ def _segment(stage: str, struct="kron", d=24, seed=0):
 def test_stage_f_is_monotone_keeps_q_orthogonal_and_helps(struct):
     terms = _segment("f", struct)
     eye = torch.eye(24, dtype=torch.float64)
-    res = solve_segment(terms, eye, iters=8)
+    res = solve_segment(terms, eye, Alternation(iters=8))
     assert all(b <= a * (1 + 1e-10) for a, b in zip(res.trace, res.trace[1:])), res.trace
     assert (res.Q.T @ res.Q - eye).abs().max() <= 1e-5
     assert res.trace[-1] < 0.9 * res.trace[0]  # the rotation makes the weights more compressible
@@ -183,7 +183,7 @@ def test_stage_f_is_monotone_keeps_q_orthogonal_and_helps(struct):
 def test_rotations_cannot_help_low_rank(stage):
     """rank(M Q) = rank(M), in every weighting used here: why ``compress`` keeps Q = I for low rank."""
     terms = _segment(stage, "lowrank")
-    res = solve_segment(terms, haar_orthogonal(24, rng(2)), iters=3, als_iters=1, wopp_iters=30)
+    res = solve_segment(terms, haar_orthogonal(24, rng(2)), Alternation(iters=3, als_iters=1, wopp_iters=30))
     assert res.trace[-1] == pytest.approx(res.trace[0], rel=1e-8)
 
 
@@ -191,7 +191,7 @@ def test_rotations_cannot_help_low_rank(stage):
 def test_stage_w_is_monotone_keeps_q_orthogonal(struct):
     terms = _segment("w", struct)
     eye = torch.eye(24, dtype=torch.float64)
-    res = solve_segment(terms, eye, iters=3, als_iters=3, wopp_iters=60)
+    res = solve_segment(terms, eye, Alternation(iters=3, als_iters=3, wopp_iters=60))
     assert all(b <= a * (1 + 1e-10) for a, b in zip(res.trace, res.trace[1:])), res.trace
     assert (res.Q.T @ res.Q - eye).abs().max() <= 1e-5
     assert res.trace[-1] < res.trace[0]
@@ -205,17 +205,17 @@ def test_float32_iterations_match_float64(stage, struct):
     is the float64 solver's (to 0.5 %: the problem is not convex, round-off can move the path a little)."""
     eye = torch.eye(24, dtype=torch.float64)
     kwargs = dict(iters=4, als_iters=3, wopp_iters=60)
-    fast = solve_segment(_segment(stage, struct), eye, dtype=torch.float32, **kwargs)
-    exact = solve_segment(_segment(stage, struct), eye, **kwargs)
+    fast = solve_segment(_segment(stage, struct), eye, Alternation(dtype=torch.float32, **kwargs))
+    exact = solve_segment(_segment(stage, struct), eye, Alternation(**kwargs))
     assert all(b <= a * (1 + 1e-5) for a, b in zip(fast.trace, fast.trace[1:])), fast.trace
     assert fast.Q.dtype == torch.float64 and (fast.Q.T @ fast.Q - eye).abs().max() <= 1e-12
     assert fast.trace[-1] < 0.99 * fast.trace[0]
     assert fast.trace[-1] == pytest.approx(exact.trace[-1], rel=5e-3)
     terms = _segment(stage, struct)
-    solve_segment(terms, eye, dtype=torch.float32, **kwargs)
+    solve_segment(terms, eye, Alternation(dtype=torch.float32, **kwargs))
     assert all(f.dtype == torch.float64 for t in terms for f in t.factors)
     Q0 = haar_orthogonal(24, rng(5))  # no iterations: Q0 itself, not its float32 rounding
-    assert torch.equal(solve_segment(_segment(stage, struct), Q0, iters=0, dtype=torch.float32).Q, Q0)
+    assert torch.equal(solve_segment(_segment(stage, struct), Q0, Alternation(iters=0, dtype=torch.float32)).Q, Q0)
 
 
 @pytest.mark.parametrize("stage", ["f", "w"])
@@ -245,8 +245,8 @@ def test_gram_reduction_of_tall_terms_is_exact(stage, struct):
     full, red = terms(), terms()
     assert all(t.reducible() for t in red)
     eye = torch.eye(d, dtype=torch.float64)
-    a = solve_segment(full, eye, iters=3, als_iters=2, wopp_iters=20, reduce=False)
-    b = solve_segment(red, eye, iters=3, als_iters=2, wopp_iters=20, reduce=True)
+    a = solve_segment(full, eye, Alternation(iters=3, als_iters=2, wopp_iters=20, reduce=False))
+    b = solve_segment(red, eye, Alternation(iters=3, als_iters=2, wopp_iters=20, reduce=True))
     assert objective(red, b.Q) == pytest.approx(b.trace[-1], rel=1e-9)  # lifted = reduced objective
     for tf, tr in zip(full, red):
         assert tr.factors[0].shape == tf.factors[0].shape and tr.factors[1].shape == tf.factors[1].shape

@@ -10,7 +10,7 @@ import torch
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.solvers.linalg import limit_threads
-from hf_symmetry.solvers.segments import Term, balance, objective, solve_segment, weighted_procrustes
+from hf_symmetry.solvers.segments import Alternation, Term, balance, objective, solve_segment, weighted_procrustes
 
 D = 24
 
@@ -66,12 +66,7 @@ def test_objective_is_non_increasing_and_stops_by_its_rule(dtype, extrapolate):
     res = solve_segment(
         _segment(_random_mats(), _structures()),
         eye,
-        iters=cap,
-        als_iters=2,
-        wopp_iters=30,
-        dtype=dtype,
-        tol=tol,
-        extrapolate=extrapolate,
+        Alternation(iters=cap, als_iters=2, wopp_iters=30, dtype=dtype, tol=tol, extrapolate=extrapolate),
     )
     slack = 1e-10 if dtype == torch.float64 else 1e-5
     assert all(b <= a * (1 + slack) for a, b in zip(res.trace, res.trace[1:])), res.trace
@@ -85,16 +80,20 @@ def test_objective_is_non_increasing_and_stops_by_its_rule(dtype, extrapolate):
 
 def test_zero_tolerance_keeps_the_fixed_count():
     eye = torch.eye(D, dtype=torch.float64)
-    res = solve_segment(_segment(_random_mats(), _structures()), eye, iters=3, als_iters=2, wopp_iters=10)
+    res = solve_segment(_segment(_random_mats(), _structures()), eye, Alternation(iters=3, als_iters=2, wopp_iters=10))
     assert res.alternations == 3 and not res.converged and len(res.trace) == 2 * 3 + 1
-    loose = solve_segment(_segment(_random_mats(), _structures()), eye, iters=3, als_iters=2, wopp_iters=10, tol=0.99)
+    loose = solve_segment(
+        _segment(_random_mats(), _structures()), eye, Alternation(iters=3, als_iters=2, wopp_iters=10, tol=0.99)
+    )
     assert loose.alternations == 1 and loose.converged  # any decrease below 99 % stops it at once
 
 
 def test_running_to_convergence_beats_one_alternation():
     eye = torch.eye(D, dtype=torch.float64)
-    one = solve_segment(_segment(_random_mats(1), _structures()), eye, iters=1, als_iters=2, wopp_iters=30)
-    conv = solve_segment(_segment(_random_mats(1), _structures()), eye, iters=100, als_iters=2, wopp_iters=30, tol=1e-4)
+    one = solve_segment(_segment(_random_mats(1), _structures()), eye, Alternation(iters=1, als_iters=2, wopp_iters=30))
+    conv = solve_segment(
+        _segment(_random_mats(1), _structures()), eye, Alternation(iters=100, als_iters=2, wopp_iters=30, tol=1e-4)
+    )
     assert conv.trace[-1] < 0.95 * one.trace[-1]
 
 
@@ -114,7 +113,7 @@ def test_planted_rotation_is_recovered():
             mats[name] = st.dense((A, B)) @ Q_star.T
     terms = _segment(mats, structures)
     eye = torch.eye(D, dtype=torch.float64)
-    res = solve_segment(terms, eye, iters=100, als_iters=3, wopp_iters=50, tol=1e-9, extrapolate=True)
+    res = solve_segment(terms, eye, Alternation(iters=100, als_iters=3, wopp_iters=50, tol=1e-9, extrapolate=True))
     energy = sum(t.weight * t.energy() for t in terms if not t.is_dense)
     assert res.trace[0] > 1e-3 * energy  # the start is far from the optimum ...
     assert res.trace[-1] <= 1e-5 * energy, res.trace[-1] / energy  # ... which it reaches

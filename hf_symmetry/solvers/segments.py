@@ -413,22 +413,11 @@ class SegmentResult:
     converged: bool = False  # stopped by the tolerance (not by the cap)
 
 
-def solve_segment(
-    terms: list[Term],
-    Q0: Tensor,
-    iters: int,
-    als_iters: int = 5,
-    wopp_iters: int = 100,
-    reduce: bool = True,
-    dtype: torch.dtype = torch.float64,
-    *,
-    tol: float = 0.0,
-    wopp_tol: float = 1e-9,
-    extrapolate: bool = False,
-    keep_weights: bool = True,
-) -> SegmentResult:
+def solve_segment(terms: list[Term], Q0: Tensor, schedule: Alternation) -> SegmentResult:
     """Alternate projection and rotation from ``Q0``, then project once more so that the returned factors
     belong to the returned Q. The recorded objective never increases (up to the round-off of ``dtype``).
+
+    ``schedule`` (:class:`Alternation`) holds the settings below.
 
     Stopping rule: at most ``iters`` alternations; with ``tol > 0`` it stops as soon as one alternation
     lowers the objective by less than ``tol`` relative to its value before (``tol = 0``: exactly
@@ -445,13 +434,14 @@ def solve_segment(
     ``[4d, 4d]`` input moments). ``dtype``: the iterations may run in float32 (faster); Q is then
     re-orthonormalised and the final projection done in float64, so the result is float64-exact.
     Everything runs on the device of the terms' matrices."""
-    if iters < 0 or tol < 0 or wopp_iters < 0:
-        raise ValueError(f"iters, tol and wopp_iters must be >= 0, got {iters}, {tol}, {wopp_iters}")
+    if schedule.iters < 0 or schedule.tol < 0 or schedule.wopp_iters < 0:
+        raise ValueError(
+            f"iters, tol and wopp_iters must be >= 0, got {schedule.iters}, {schedule.tol}, {schedule.wopp_iters}"
+        )
     device = terms[0].M.device if terms else Q0.device
     # one CPU thread: the matrices are at most d x d after the Gram reduction, where torch's thread pool
     # is slower than one thread, and on shared cores even small products are 10-100x slower with it
     with limit_threads(1) if device.type == "cpu" else contextlib.nullcontext():
-        schedule = Alternation(iters, als_iters, wopp_iters, reduce, dtype, tol, wopp_tol, extrapolate, keep_weights)
         return _solve(terms, Q0.to(device=device, dtype=torch.float64).clone(), schedule)
 
 

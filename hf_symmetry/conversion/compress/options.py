@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+import torch
+
 from ...solvers import structures as st
+from ...solvers.segments import Alternation
 
 #: ``--structure``: a structure class by its name (:data:`...solvers.structures.CLASSES`), or SliceGPT
 STRUCTURES = ("kron", "gs", "lowrank", "slice")
@@ -266,6 +269,15 @@ class CompressOptions:
         keywords): both stages stop by ``tol``; stage W over-relaxes Q between alternations
         (``extrapolate``)."""
         return {"tol": self.tol, "wopp_tol": self.wopp_tol, "extrapolate": self.extrapolate and stage == "w"}
+
+    def alternation(self, iters: int, stage: str | None = "w", dtype: torch.dtype = torch.float64) -> Alternation:
+        """:func:`...solvers.segments.solve_segment`'s schedule: ``iters`` alternations of these options' ALS
+        and rotation steps in ``dtype``, the row weights released once reduced; ``stage`` ("f"/"w") adds its
+        stopping rule and acceleration (:meth:`stopping`), ``None`` none (a fixed count)."""
+        rule = self.stopping(stage) if stage else {}
+        return Alternation(
+            iters=iters, als_iters=self.als_iters, wopp_iters=self.wopp_iters, dtype=dtype, keep_weights=False, **rule
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -117,12 +117,7 @@ def _solve_stage(
         res = solve_segment(
             terms,
             Q_init[k],
-            stage.iters,
-            options.als_iters,
-            options.wopp_iters,
-            dtype=dtype,
-            keep_weights=False,
-            **options.stopping(stage.name),
+            options.alternation(stage.iters, stage.name, dtype),
         )
         Qs.append(_kept_rotation(res.Q, Q_init[k], stage.iters))
         traces[f"segment{k}"] = res.trace
@@ -196,7 +191,7 @@ def _each_at_fixed_rotation(
         if not t.is_dense:
             energies[m.role] += t.energy()
             compressed[m.role] += 1
-        res = solve_segment([t], Q, 0, options.als_iters, options.wopp_iters, dtype=dtype, keep_weights=False)
+        res = solve_segment([t], Q, options.alternation(0, None, dtype))
         errors[m.role] += res.trace[-1]
         _keep([t], Q, factors, rel, row_dtype)
         approximations.append((t.name, approximation(t)))
@@ -232,12 +227,7 @@ def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: Compres
     res = solve_segment(
         terms,
         Q0,
-        iters,
-        options.als_iters,
-        options.wopp_iters,
-        dtype=getattr(torch, options.solver_dtype),
-        keep_weights=False,
-        **options.stopping(),
+        options.alternation(iters, "w", getattr(torch, options.solver_dtype)),
     )
     keep(terms, res.Q)
     return terms, res
