@@ -33,12 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from child import machine, run_child  # benchmarks/ is on the path: this script runs from there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -59,45 +59,6 @@ WARM = 2
 # ----------------------------------------------------------------------------------------------
 # Parent
 # ----------------------------------------------------------------------------------------------
-def machine() -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
-        "device": "cpu",
-    }
-
-
-def run_child(job: dict, timeout: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
-    t0 = time.time()
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(job)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            cwd=ROOT,
-        )
-    except subprocess.TimeoutExpired:
-        return {**job, "error": f"timed out after {timeout} s", "wall_s": round(time.time() - t0, 1)}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {**job, "error": (proc.stderr or proc.stdout)[-1500:], "wall_s": round(time.time() - t0, 1)}
-    return {**job, **json.loads(lines[-1]), "wall_s": round(time.time() - t0, 1)}
-
-
 def _line(text: str) -> str:
     """The last non-empty line of an error (the exception), fit for a table cell."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()] or [""]
@@ -176,12 +137,12 @@ def main(argv=None) -> int:
     for family in args.families:
         job = dict(family=family, layers=args.layers, context=args.context, rounds=args.rounds, steps=args.steps)
         print(f"{family} ...", flush=True)
-        record = run_child(job, args.timeout)
+        record = run_child(__file__, job, args.timeout)
         record["load_avg"] = round(os.getloadavg()[0], 1)
         runs.append(record)
         print("  ", {k: v for k, v in record.items() if k not in job}, flush=True)
         data = {
-            "machine": machine(),
+            "machine": machine("cpu"),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "command": cmd.strip(),
             "weights": "random (SmolLM2-135M's shape; timing does not need trained weights)",

@@ -40,12 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from child import machine, run_child  # benchmarks/ is on the path: this script runs from there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -108,48 +109,6 @@ def heal_argv(student: str, out: Path) -> list[str]:
     argv = [sys.executable, "-m", "hf_symmetry.cli", "heal", student, str(out), "--teacher", "smollm2"]
     argv += [a for play in plays for a in ("--text", str(play))]
     return argv + ["--tokens", str(HEAL_TOKENS), "--seq-len", "128", "--batch-size", "4", "--eval-text", "hamlet"]
-
-
-def machine(device: str) -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    out = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-        "threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name()
-    return out
-
-
-def run_child(job: dict, timeout: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
-    if job["mode"] == "live":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
-    t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout)[-1500:]
-        return {**job, "error": tail, "wall_s": round(time.time() - t0, 1)}
-    return {**job, **json.loads(lines[-1]), "wall_s": round(time.time() - t0, 1)}
 
 
 def command(data: dict, argv) -> str:
@@ -221,7 +180,8 @@ def main(argv=None) -> int:
         model, nbits = CONFIGS.get(job["config"], ("source", None))
         job.update(folder=folders[model], tpa=model != "source", nbits=nbits, device=args.device)
         print(f"{job['config']} {job['mode']} {job.get('context', '')}x{job.get('batch', '')} ...", flush=True)
-        record = run_child(job, args.timeout)
+        live = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)} if job["mode"] == "live" else None
+        record = run_child(__file__, job, args.timeout, env=live)
         record.pop("folder")
         if "configs" in record:
             record["configs"] = list(record["configs"])
