@@ -4,8 +4,10 @@ Attention (T6-style, TPA-KV-only, non-contextual A) model. Exact at full rank (t
 ``--k-rank = --v-rank = number of KV heads``); below it the KV-head mode is reduced by a head-mode SVD,
 optionally fitted to the attention inputs of a calibration text (``--calib``). At the exact ranks the cache is
 the source's (no memory saved); below them it shrinks, at a loss of quality until the model is healed
-(``hf-symmetry heal``). Without healing, transformers' own quantized KV cache on the source
-(``cache_implementation="quantized"``) is the smaller cache: see docs/tpa.md."""
+(``hf-symmetry heal``). On a GQA checkpoint, transformers' own quantized KV cache on the source
+(``cache_implementation="quantized"``) is the better trade unless you heal on many tokens: SmolLM2 at k/v rank 2,
+healed on 32,768 tokens, reads Hamlet at perplexity 48.7 through its 4-bit factor cache against 20.8 for the
+source with a 4-bit QuantizedCache (docs/tpa.md)."""
 
 from __future__ import annotations
 
