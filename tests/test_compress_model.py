@@ -878,9 +878,9 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     calls = []
     real = solve_module.solve_segment
 
-    def spy(terms, Q0, iters, *args, **kwargs):
-        res = real(terms, Q0, iters, *args, **kwargs)
-        calls.append((iters, kwargs["tol"], kwargs["extrapolate"], res.alternations, res.converged))
+    def spy(terms, Q0, schedule):
+        res = real(terms, Q0, schedule)
+        calls.append((schedule.iters, schedule.tol, schedule.extrapolate, res.alternations, res.converged))
         return res
 
     monkeypatch.setattr(solve_module, "solve_segment", spy)
