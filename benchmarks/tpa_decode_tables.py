@@ -36,13 +36,23 @@ def tables(runs: list[dict]) -> list[dict]:
     eager = sorted(
         (r for r in ok if r["mode"] == "eager"), key=lambda r: (r["context"], r["batch"], order[r["config"]])
     )
+    # one row per L x batch x configuration: its eager run, or its live run where only that was measured
+    primary: dict[tuple, dict] = {}
+    for r in ok:
+        if r["mode"] in ("eager", "live"):
+            k = (r["context"], r["batch"], r["config"])
+            if r["mode"] == "eager" or k not in primary:
+                primary[k] = r
     rows = []
-    for r in eager:
+    for _, r in sorted(primary.items(), key=lambda item: (item[0][0], item[0][1], order[item[0][2]])):
+        if r["mode"] == "live":  # (no plain run: its resident-set columns are the live run's own)
+            r = {**r, "decode_peak_mb": None}
         src = by.get(("source", "eager", r["context"], r["batch"]))
         comp = by.get((r["config"], "compiled", r["context"], r["batch"]))
         live = by.get((r["config"], "live", r["context"], r["batch"]))
         live_src = by.get(("source", "live", r["context"], r["batch"]))
-        ratio = r["decode_peak_mb"] / src["decode_peak_mb"] if src and src["decode_peak_mb"] > 0 else None
+        measured = r["decode_peak_mb"] is not None and src and src["decode_peak_mb"] > 0
+        ratio = r["decode_peak_mb"] / src["decode_peak_mb"] if measured else None
         live_ratio = live["decode_peak_mb"] / live_src["decode_peak_mb"] if live and live_src else None
         rows.append(
             [
