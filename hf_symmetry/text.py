@@ -13,10 +13,22 @@ from .assets import TEXT_NAMES, cache_dir
 
 
 def read_text(path: str | Path) -> str:
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    """The text of a UTF-8 file. An empty file, a binary one (a NUL byte) or one in another encoding raises
+    ``ValueError`` naming the file and what is wrong."""
+    data = Path(path).read_bytes()
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise ValueError(f"text file {path} is binary (a NUL byte at offset {nul}), not UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"text file {path} is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start}): convert it, "
+            "e.g. iconv -f latin1 -t utf-8"
+        ) from None
     if not text.strip():
         raise ValueError(f"text file {path} is empty")
-    return text
+    return text.removeprefix("\ufeff")
 
 
 def tokenize_text(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:

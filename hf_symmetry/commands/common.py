@@ -11,15 +11,16 @@ from contextlib import contextmanager
 from huggingface_hub import utils as hub_utils
 from transformers.utils import logging as hf_logging
 
-from ..assets import resolve_model, resolve_text
+from ..assets import resolve_model
 from ..checkpoint_io import TOKENIZER_FILES
 from ..devices import CALIB_DTYPES, DEVICE_CHOICES, parse_device, resolve
 from ..evaluation.perplexity import LOGIT_TOKENS, PPL
-from ..evaluation.verification import verify
+from ..evaluation.verification import VerificationFailed, verify
 from ..hub.cards import update_card
 from ..hub.entries import verification_card_entries
 from ..hub.push import check_online, push_folder, resolve_token, validate_repo_id
 from ..hub.values import fmt_number
+from .inputs import check_text, check_text_tokens, is_causal_lm_folder
 
 
 def add_output_args(p) -> None:
@@ -100,7 +101,7 @@ def check_verify_args(args, tokenizer_from=None) -> None:
         raise ValueError(
             f"--tokens must be at least 2 and --ppl-tokens 0 or at least 2; got {args.tokens} and {args.ppl_tokens}"
         )
-    resolve_text(args.text)
+    check_text(args.text, "--text")
     parse_device(getattr(args, "device", "auto"))
     if tokenizer_from is not None:
         folder = resolve_model(tokenizer_from)
@@ -109,6 +110,10 @@ def check_verify_args(args, tokenizer_from=None) -> None:
                 f"{tokenizer_from} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which "
                 "verification needs: add them to the folder or pass --no-verify"
             )
+        needs = {"--tokens": args.tokens}
+        if is_causal_lm_folder(folder):  # (an encoder has no perplexity: --ppl-tokens asks for nothing)
+            needs["--ppl-tokens"] = args.ppl_tokens
+        check_text_tokens(args.text, folder, needs)
 
 
 def emit(summary: dict, lines: list[str], json_path: str | None = None) -> None:
@@ -207,6 +212,10 @@ def verify_and_record(
         figures, more = extra(v)
         exactness.update(figures)
         lines.extend(more)
+    failure = v.failure()
+    if failure is not None:  # OUT stays written (the user may want to look at it); the command exits with 1
+        emit({}, lines)
+        raise VerificationFailed(f"{out_dir} was written but failed verification: {failure}")
     update_card(out_dir, exactness=exactness, eval_results=verification_card_entries(v))
     lines.append(f"  verified in {v.seconds:.1f} s")
     return exactness

@@ -8,7 +8,7 @@ model folder (custom class, loads with ``trust_remote_code=True`` without hf_sym
 
 from __future__ import annotations
 
-from ..assets import resolve_model, resolve_text
+from ..assets import resolve_model
 from ..conversion.farr import FarrCalibration, FarrOptions, farr_checkpoint
 from ..hub.values import fmt_number
 from ..text import public_text_label
@@ -20,6 +20,7 @@ from .common import (
     check_verify_args,
     placement_from_args,
 )
+from .inputs import check_text_tokens
 from .runner import Conversion, run_conversion
 
 #: a reduction that removes less than this fraction of the model's parameters ...
@@ -91,8 +92,8 @@ class Farr(Conversion):
         self.options.validate()
         check_verify_args(args, args.model)
         self.original = resolve_model(args.model)
-        if args.calibrate is not None:
-            resolve_text(args.calibrate)  # a missing text fails before any work
+        if args.calibrate is not None:  # a missing or short text fails before any work
+            check_text_tokens(args.calibrate, args.model, {"--calib-tokens": args.calib_tokens})
 
     def convert(self):
         args, src = self.args, self.original

@@ -21,6 +21,7 @@ from .common import (
     fmt,
     placement_from_args,
 )
+from .inputs import check_text_tokens
 from .runner import Conversion, run_conversion
 
 
@@ -69,6 +70,8 @@ class ToTPA(Conversion):
         if args.calib_tokens <= 0:
             raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
         check_verify_args(args, args.model)
+        if args.calib:
+            check_text_tokens(args.calib, args.model, {"--calib-tokens": args.calib_tokens})
 
     def convert(self):
         args = self.args

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ..evaluation.verification import verify
 from ..hub.values import fmt_number
 from .common import add_verify_args, check_verify_args, emit
@@ -12,7 +14,12 @@ def register(sub) -> None:
     p.add_argument("original", help="reference model folder or embedded alias ('default')")
     p.add_argument("converted", help="model folder to check")
     add_verify_args(p, no_verify=False)
-    p.add_argument("--tolerance", type=float, default=None, help="exit with status 1 when max |Δlogit| exceeds this")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="exit with status 1 when max |Δlogit| exceeds this (a NaN or infinite figure always does)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", dest="json_out", metavar="FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -20,6 +27,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    if args.tolerance is not None and not (math.isfinite(args.tolerance) and args.tolerance >= 0):
+        raise ValueError(f"--tolerance must be a finite number >= 0; got {args.tolerance:g}")
     check_verify_args(args, args.original)
     v = verify(
         args.original,
@@ -41,7 +50,11 @@ def run(args) -> int:
             f"converted {fmt_number(v.perplexity_converted)}  Δ {fmt_number(v.delta_perplexity)}"
         )
     emit(v.as_dict(), lines, args.json_out)
-    if args.tolerance is not None and v.max_abs_dlogit > args.tolerance:
+    failure = v.failure()  # NaN never compares greater than a tolerance: a non-finite figure fails on its own
+    if failure is not None:
+        print(f"FAILED: {failure}")
+        return 1
+    if args.tolerance is not None and not v.max_abs_dlogit <= args.tolerance:
         print(f"FAILED: {v.max_abs_dlogit:.3e} > tolerance {args.tolerance:g}")
         return 1
     return 0

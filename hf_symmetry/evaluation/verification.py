@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import math
 import os
 import shutil
 import tempfile
@@ -94,6 +95,16 @@ def _is_causal_lm(model) -> bool:
     return any(s in type(model).__name__ for s in ("CausalLM", "LMHeadModel"))
 
 
+class VerificationFailed(Exception):
+    """A verification that measured a NaN or infinite figure: whatever the tolerance, the run fails (the command
+    line prints its one line and exits with status 1). Not a ``ValueError``: the input was not wrong, the model is."""
+
+
+def non_finite(figures: dict) -> list[str]:
+    """The names of the figures in ``figures`` (``{name: number or None}``) that are NaN or infinite."""
+    return [k for k, v in figures.items() if isinstance(v, (int, float)) and not math.isfinite(v)]
+
+
 @dataclass
 class Verification:
     """What :func:`verify` measured; ``as_dict()`` is what cards and JSON reports record."""
@@ -119,6 +130,19 @@ class Verification:
 
     def describe_perplexity(self) -> str:
         return PerplexitySpec(self.ppl_tokens, self.ppl_window, self.ppl_stride).describe()
+
+    def failure(self) -> str | None:
+        """Why this verification fails whatever the tolerance (a figure is NaN or infinite), or None: the one
+        place that decides it, for ``verify`` and for every conversion's verification."""
+        kind = "logit" if self.output_kind == "logits" else "hidden state"
+        names = {
+            "max_abs_dlogit": f"max |Δ{kind}|",
+            "perplexity_original": "the original's perplexity",
+            "perplexity_converted": "the converted model's perplexity",
+            "hidden_cosine": "the mean cosine of last hidden states",
+        }
+        bad = non_finite({k: getattr(self, k) for k in names})
+        return ", ".join(f"{names[k]} is {getattr(self, k)}" for k in bad) or None
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "text_path" and v is not None}

@@ -1,0 +1,225 @@
+"""Every command's inputs checked before any byte is written, in one place.
+
+:func:`check_inputs` runs on the parsed arguments of every command (:func:`hf_symmetry.cli.main` calls it before
+the command's own ``run``): each model folder (:func:`check_model_folder`: a readable ``config.json`` that is a JSON
+object, safetensors weights, shapes that agree with the config), each text (:func:`check_text`: not empty, not
+binary, UTF-8) and each output file (:func:`check_output_file`: not a folder, in a folder that exists and can be
+written). A bad input raises ``ValueError`` or ``FileNotFoundError`` with one line naming the input and what is
+wrong: the command line prints it and exits with status 2. :func:`check_text_tokens` (called by the commands that
+know their tokenizer and token counts) refuses a text too short for the tokens asked for."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from ..assets import MODEL_ALIASES, TEXT_NAMES, resolve_model, resolve_text
+from ..evaluation.compare import auto_class, load_tokenizer
+from ..modeling import register_auto_classes
+from ..text import read_text, tokenize_text
+
+#: per command, the argument names (``args.<dest>``) that name model folders read by it
+MODEL_ARGS = {
+    "rotate": ("model",),
+    "verify": ("original", "converted"),
+    "eval": ("model",),
+    "to-tpa": ("model",),
+    "match": ("anchor", "source"),
+    "spectra": ("model",),
+    "farr": ("model",),
+    "compress": ("model",),
+    "export-gguf": ("model",),
+    "heal": ("model", "teacher"),
+    "push": ("folder",),
+}
+#: argument names that name texts (a file or an embedded text name), with their flag
+TEXT_ARGS = {
+    "text": "--text",
+    "calib": "--calib",
+    "calibrate": "--calibrate",
+    "calib_text": "--calib-text",
+    "eval_text": "--eval-text",
+}
+#: argument names that name files a command writes besides OUT, with their flag
+OUTPUT_FILE_ARGS = {"json_out": "--json", "write_imatrix": "--write-imatrix"}
+#: weights formats hf_symmetry does not read (they are pickles: loading one runs its code)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_inputs(args) -> None:
+    """Check every model folder, text and output file of one command's parsed ``args``, before any work."""
+    command = getattr(args, "command", None)
+    for flag_dest, flag in OUTPUT_FILE_ARGS.items():
+        if getattr(args, flag_dest, None):
+            check_output_file(getattr(args, flag_dest), flag)
+    if command == "export-gguf" and getattr(args, "json_out", None):
+        check_output_file(args.json_out, "--json-out")
+    for dest, flag in TEXT_ARGS.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, (str, os.PathLike)) and value:
+            check_text(value, flag)
+    trust = bool(getattr(args, "trust_remote_code", False))
+    for dest in MODEL_ARGS.get(command, ()):
+        value = getattr(args, dest, None)
+        if value is not None or command in ("rotate", "eval", "to-tpa", "compress"):  # (None: the default model)
+            check_model_folder(value, trust_remote_code=trust)
+    if command == "merge":
+        _check_merge_inputs(args, trust)
+
+
+def _check_merge_inputs(args, trust: bool) -> None:
+    """``merge``: its models are every INPUT but the last (OUT), or the recipe's (checked when it is read)."""
+    inputs = list(getattr(args, "inputs", None) or [])
+    if getattr(args, "method", None) and len(inputs) > 2:
+        for model in inputs[:-1]:
+            check_model_folder(model, trust_remote_code=trust)
+    for dest in ("base", "anchor"):
+        value = getattr(args, dest, None)
+        if value and not str(value).isdigit():
+            check_model_folder(value, trust_remote_code=trust)
+
+
+def check_output_file(path: str | os.PathLike, flag: str = "--json") -> None:
+    """A file the command will write besides OUT: not a folder, its folder exists and can be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: its folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag} {path} cannot be written (permission denied)")
+
+
+def check_text(spec: str | os.PathLike, flag: str = "--text") -> Path:
+    """A text argument (a file or an embedded name): the file exists, is not empty and is UTF-8 text. Returns
+    its path. The embedded texts are known good."""
+    path = resolve_text(spec)
+    if str(spec) not in TEXT_NAMES:
+        try:
+            read_text(path)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    return path
+
+
+def check_text_tokens(spec, tokenizer_from, needs: dict[str, int]) -> None:
+    """Refuse a text with fewer tokens (``tokenizer_from``'s tokenizer, no special tokens) than the most any flag
+    of ``needs`` (``{"--flag": tokens}``) asks for; a flag asking for 0 tokens asks for nothing."""
+    needs = {flag: n for flag, n in needs.items() if n and n > 0}
+    if not needs:
+        return
+    flag, need = max(needs.items(), key=lambda kv: kv[1])
+    path = resolve_text(spec)
+    ids = tokenize_text(load_tokenizer(tokenizer_from), read_text(path), max_tokens=need)
+    if ids.numel() < need:
+        raise ValueError(
+            f"text {spec} has {ids.numel()} tokens, fewer than the {need} that {flag} asks for: give a longer "
+            f"text or lower {flag}"
+        )
+
+
+def is_causal_lm_folder(folder: Path) -> bool:
+    """Whether the model in ``folder`` is a causal LM (its ``config.json`` names an LM class, or no class and its
+    weights hold an ``lm_head``): what the verification measures perplexity on."""
+    arch = " ".join(_config_dict(folder).get("architectures") or [])
+    return "CausalLM" in arch or "LMHead" in arch or (not arch and "lm_head.weight" in _safetensors_shapes(folder))
+
+
+def check_model_folder(spec, trust_remote_code: bool = False) -> Path:
+    """A model argument: an embedded alias, or a folder with a ``config.json`` holding a JSON object, safetensors
+    weights (a folder of pickles only is refused, with what to do) and tensor shapes that agree with the config.
+    Returns the folder."""
+    if spec is None or str(spec) in MODEL_ALIASES:
+        return resolve_model(spec)
+    if Path(spec).is_file():
+        raise ValueError(f"{spec} is a file, not a model folder (a folder with config.json and *.safetensors)")
+    folder = resolve_model(spec)
+    config = _config_dict(folder)
+    shapes = _safetensors_shapes(folder)
+    if config.get("model_type") is not None:
+        _check_shapes(folder, shapes, trust_remote_code)
+    return folder
+
+
+def _config_dict(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte at offset {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: not a model configuration")
+    return config
+
+
+def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
+    """``{tensor name: shape}`` from the headers of the folder's weights files (nothing else is read)."""
+    files = sorted(p for p in folder.glob("*.safetensors") if p.name != "layer_map.safetensors")
+    if not files:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+        if pickles:
+            raise ValueError(
+                f"{folder} holds only pickle weights ({', '.join(pickles[:3])}); hf-symmetry reads safetensors only: "
+                "convert them once, in an environment you trust (loading a pickle runs its code), with "
+                f"AutoModel.from_pretrained({str(folder)!r}).save_pretrained(NEW_FOLDER) (transformers writes "
+                "safetensors)"
+            )
+        raise FileNotFoundError(f"{folder} holds no weights (no *.safetensors file)")
+    shapes = {}
+    for file in files:
+        try:
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > os.path.getsize(file) - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(f.read(n))
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{file} is not a readable safetensors file ({exc})") from None
+        shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+    return shapes
+
+
+def _check_shapes(folder: Path, shapes: dict[str, list[int]], trust_remote_code: bool) -> None:
+    """The weights' shapes against a model built from ``config.json`` on the meta device (no memory): a tensor whose
+    shape differs is named with both shapes. A config transformers refuses is refused with its first line; a
+    family transformers does not know here (remote code not trusted) is left to the command."""
+    register_auto_classes()
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises many kinds (ValueError, KeyError, its validation errors)
+        if "trust_remote_code" in str(exc) or "does not recognize this architecture" in str(exc):
+            return
+        raise ValueError(f"{folder}/config.json is refused by transformers: {_last_line(exc)}") from None
+    try:
+        with torch.device("meta"):
+            model = auto_class(config, has_lm_head="lm_head.weight" in shapes).from_config(
+                config, trust_remote_code=trust_remote_code
+            )
+    except Exception as exc:  # a config that builds no model: say so in one line
+        raise ValueError(f"{folder}/config.json builds no model: {_last_line(exc)}") from None
+    expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    for name, shape in shapes.items():
+        want = expected.get(name)
+        if want is None and prefix:
+            want = expected.get(f"{prefix}.{name}") or expected.get(name.removeprefix(f"{prefix}."))
+        if want is not None and shape is not None and list(shape) != want:
+            raise ValueError(
+                f"{folder}: tensor {name} has shape {list(shape)} in the weights but config.json "
+                f"(hidden_size {getattr(config, 'hidden_size', '?')}) gives {want}: the config does not match the "
+                "weights"
+            )
+
+
+def _last_line(exc: Exception) -> str:
+    """The last line of an exception's message (transformers' validation errors put the reason last)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
