@@ -198,7 +198,7 @@ def verify_and_record(
         device=getattr(args, "device", "auto"),
         progress=not getattr(args, "quiet", False),
     )
-    exactness = v.as_dict()
+    exactness = {k: x for k, x in v.as_dict().items() if k != "seconds"}  # (a timing: the card stays reproducible)
     kind = "logit" if v.output_kind == "logits" else "hidden state"
     lines.append(f"  max |Δ{kind}|{against} over {v.tokens} tokens of {v.text}: {fmt_number(v.max_abs_dlogit)}")
     if v.hidden_cosine is not None:

@@ -80,7 +80,7 @@ def _check_merge_inputs(args, trust: bool) -> None:
             check_model_folder(model, trust_remote_code=trust)
     for dest in ("base", "anchor"):
         value = getattr(args, dest, None)
-        if value and not str(value).isdigit():
+        if value and value != "auto" and not str(value).isdigit():  # (the anchor may be "auto" or an input's index)
             check_model_folder(value, trust_remote_code=trust)
 
 

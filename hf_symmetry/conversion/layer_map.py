@@ -23,12 +23,12 @@ no map: ``heal`` then distils the logits only and says so.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 __all__ = ["LayerMap", "LayerMapRecorder", "read_layer_map", "MAP_FILE"]
 
@@ -79,18 +79,34 @@ class LayerMap:
         tensors = {f"basis.{k}": b.to(torch.float32).contiguous() for k, b in enumerate(self.bases)}
         tensors["layer_basis"] = torch.tensor(self.layer_basis, dtype=torch.int64)
         tensors["layer_width"] = torch.tensor(self.layer_width, dtype=torch.int64)
-        save_file(
-            tensors,
-            str(path),
-            metadata={
-                "format": FORMAT,
-                "kind": self.kind,
-                "hidden_size": str(self.hidden_size),
-                "num_layers": str(self.num_layers),
-                "conversion": self.conversion,
-            },
-        )
+        metadata = {
+            "format": FORMAT,
+            "kind": self.kind,
+            "hidden_size": str(self.hidden_size),
+            "num_layers": str(self.num_layers),
+            "conversion": self.conversion,
+        }
+        path.write_bytes(_safetensors_bytes(tensors, metadata))
         return path
+
+
+_DTYPES = {torch.float32: "F32", torch.int64: "I64"}
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """``tensors`` (float32 or int64) as a safetensors file whose bytes depend on the tensors and metadata alone:
+    keys in sorted order. (safetensors' own ``save_file`` writes the metadata in a hash map's order, which changes
+    from one process to the next, so two identical conversions would write different bytes.)"""
+    header, blobs, offset = {"__metadata__": dict(sorted(metadata.items()))}, [], 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return len(head).to_bytes(8, "little") + head + b"".join(blobs)
 
 
 def read_layer_map(folder: str | Path) -> LayerMap | None:

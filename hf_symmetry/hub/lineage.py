@@ -112,13 +112,27 @@ def public_model_labels(models: list) -> list[str]:
 
 def public_report(report: dict) -> dict:
     """A conversion report as it may be published with its folder: ``source`` by its public
-    label, ``output`` by folder name, and no local path anywhere (:func:`scrub_paths`)."""
-    out = dict(report)
+    label, ``output`` by folder name, no local path anywhere (:func:`scrub_paths`) and no wall-clock timing
+    (:func:`without_timings`: the folder's bytes depend on the inputs alone; the command's summary keeps them)."""
+    out = without_timings(dict(report))
     if out.get("source"):
         out["source"] = public_model_label(out["source"])
     if out.get("output"):
         out["output"] = Path(str(out["output"])).name
     return scrub_paths(out)
+
+
+def without_timings(obj: Any) -> Any:
+    """``obj`` without its wall-clock timings (keys ``seconds`` or ``*_seconds``, at any depth)."""
+    if isinstance(obj, dict):
+        return {
+            k: without_timings(v)
+            for k, v in obj.items()
+            if not (isinstance(k, str) and (k == "seconds" or k.endswith("_seconds")))
+        }
+    if isinstance(obj, list):
+        return [without_timings(v) for v in obj]
+    return obj
 
 
 _PATH_IN_TEXT = re.compile(r"(?<![\w.:/~-])(?:~|\.{1,2})?/(?:[^\s/`'\"()\[\]{},;]+/)+[^\s/`'\"()\[\]{},;]*")

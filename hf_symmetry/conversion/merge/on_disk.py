@@ -142,7 +142,6 @@ def merge_card_data(recipe: MergeRecipe, report: MergeReport, outcome: MergeOutc
             "anchor": label[report.anchor],
             "matched": recipe.match is not None,
             "distances": {label[k]: v for k, v in report.distances.items()},
-            "timings_s": report.timings,
             "tied_embeddings": outcome.tied_output,
         },
     }
