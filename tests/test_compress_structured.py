@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.modeling.modeling_compressed_llama import OrthogonalSkip, cayley_decode, structured_linear
+from hf_symmetry.modeling.structured_linear import OrthogonalSkip, cayley_decode, structured_linear
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.solvers.segments import Alternation, Term, cayley_encode, objective, solve_segment, weighted_procrustes
@@ -316,7 +316,7 @@ def test_cayley_storage_round_trips(case):
 
 
 def test_orthogonal_skip_is_computed_once_and_refreshed_when_its_parameters_change(monkeypatch):
-    from hf_symmetry.modeling import modeling_compressed_llama as mcl
+    from hf_symmetry.modeling import structured_linear as mcl
 
     d = 12
     Q = haar_orthogonal(d, rng(1))

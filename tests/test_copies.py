@@ -73,10 +73,20 @@ def _object(module: str, dotted: str):
     return obj
 
 
-def test_the_rms_decoder_family_carries_marked_copies_of_the_structured_linears():
-    copied = {name for file, _, name in _hf_symmetry_copies() if file == "modeling_rms_decoder.py"}
-    assert {"LowRankLinear", "KroneckerLinear", "GSLinear", "OrthogonalSkip", "cayley_decode"} <= copied
-    assert {"StructuredEmbedding", "RMSDecoderForCausalLM.forward"} <= copied
+def test_the_structured_linears_are_written_once_and_not_copied():
+    """Both compressed families take the structured linears from ``structured_linear`` (issue 46): no family
+    carries a copy of them, and the RMS decoder's forward is still a marked copy."""
+    from hf_symmetry.modeling import modeling_compressed_llama, structured_linear
+
+    copied = {name for file, _, name in _hf_symmetry_copies()}
+    shared = {"StructuredLinear", "_StructuredLinear", *structured_linear.__all__}
+    assert not copied & shared, f"copies of shared blocks: {sorted(copied & shared)}"
+    assert "RMSDecoderForCausalLM.forward" in copied
+    for family in (modeling_compressed_llama, modeling_rms_decoder):
+        assert family.OrthogonalSkip is structured_linear.OrthogonalSkip
+        assert family.structured_linear is structured_linear.structured_linear
+        text = Path(family.__file__).read_text()
+        assert "class KroneckerLinear" not in text and "def cayley_decode" not in text
 
 
 def test_a_drifted_method_copy_is_caught(monkeypatch):

@@ -21,7 +21,8 @@ from hf_symmetry.architectures.capabilities import allows, families_text, reason
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress.layernorm_decoders import build, layer_norm_plan, structured_tensors
 from hf_symmetry.conversion.compress.routes import Given, TensorRun
-from hf_symmetry.modeling.modeling_rms_decoder import GSLinear, KroneckerLinear, RMSDecoderForCausalLM
+from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
+from hf_symmetry.modeling.structured_linear import GSLinear, KroneckerLinear
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
 

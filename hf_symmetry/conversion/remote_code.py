@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 from accelerate import init_empty_weights
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.dynamic_module_utils import custom_object_save
+from transformers.dynamic_module_utils import custom_object_save, get_relative_import_files
 
 
 def save_family_config(model_class: type[PreTrainedModel], config: PretrainedConfig, dtype: torch.dtype, folder: Path):
@@ -30,9 +30,12 @@ def save_family_config(model_class: type[PreTrainedModel], config: PretrainedCon
 
 
 def copy_family_files(folder: Path, *modules: ModuleType) -> None:
-    """The family's flat files (``configuration_*.py``, ``modeling_*.py``) next to the weights, as they are."""
-    for module in modules:
-        shutil.copyfile(module.__file__, Path(folder) / Path(module.__file__).name)
+    """The family's flat files (``configuration_*.py``, ``modeling_*.py``) next to the weights, as they are, with
+    the sibling files they import relatively (e.g. ``structured_linear.py``), as ``custom_object_save`` does."""
+    files = [Path(module.__file__) for module in modules]
+    files += [Path(f) for module in modules for f in get_relative_import_files(module.__file__)]
+    for file in dict.fromkeys(files):
+        shutil.copyfile(file, Path(folder) / file.name)
 
 
 def family_auto_map(config_class: type[PretrainedConfig], model_classes: dict[str, type]) -> dict[str, str]:

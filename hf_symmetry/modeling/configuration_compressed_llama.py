@@ -1,7 +1,8 @@
 """Configuration of ProcrustesGPT-compressed Llama-family models (``hf_symmetry compress``).
 
 This file is copied next to saved checkpoints (``trust_remote_code`` loading), so it imports only
-``transformers`` (and ``huggingface_hub``, which transformers depends on).
+``transformers`` (and ``huggingface_hub``, which transformers depends on) and its sibling ``structured_linear``
+(the structure types a config entry may name).
 """
 
 from __future__ import annotations
@@ -10,21 +11,15 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
+from .structured_linear import check_spec
+
 LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-STRUCTURE_TYPES = ("dense", "kron", "gs", "lowrank")
 SKIP_KINDS = ("none", "orthogonal", "dense")
 LM_HEAD_KINDS = ("tied", "tied_mixed", "separate")
 
 
 def _check_spec(where: str, spec) -> None:
-    if not isinstance(spec, dict) or spec.get("type") not in STRUCTURE_TYPES:
-        raise ValueError(
-            f"CompressedLlamaConfig: {where} must be a dict with 'type' in {STRUCTURE_TYPES}, got {spec!r}"
-        )
-    need = {"dense": (), "lowrank": ("rank",), "kron": ("rank", "a_shape"), "gs": ("rank", "blocks")}[spec["type"]]
-    missing = [k for k in need if k not in spec]
-    if missing:
-        raise ValueError(f"CompressedLlamaConfig: {where} ({spec['type']}) lacks {missing}")
+    check_spec(f"CompressedLlamaConfig: {where}", spec)
 
 
 @strict

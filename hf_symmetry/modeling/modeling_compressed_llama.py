@@ -1,12 +1,8 @@
 """ProcrustesGPT-compressed Llama-family models for Hugging Face Transformers.
 
 Linear layers are structured matrices with factorised forward passes (the dense matrix is never
-formed in ``forward``):
-
-* :class:`KroneckerLinear`  ``W = Σ_s A_s ⊗ B_s``: two small contractions, ``r (m1 n1 + m2 n2)`` params;
-* :class:`GSLinear`         ``W = L · P · R`` (block-diagonal, shuffle, block-diagonal): two batched matmuls;
-* :class:`LowRankLinear`    ``W = U V``;
-* :class:`DenseLinear`      an ordinary matrix (e.g. the paper leaves V dense).
+formed in ``forward``): the classes of ``structured_linear`` (Kronecker sums, GS, low rank, dense), one per
+config ``"type"``.
 
 The embedding matrix can be structured too (``rows`` gathers token rows from the factors) and the LM
 head reuses it (``lm_head="tied"``/``"tied_mixed"``) or has its own structure.
@@ -20,7 +16,7 @@ With one basis for all segments (SliceGPT, one global PCA) the segments may have
 into a wider one pads with zeros.
 
 This file is copied next to saved checkpoints for ``trust_remote_code`` loading: it imports only torch,
-transformers and its sibling ``configuration_compressed_llama``.
+transformers and its siblings ``configuration_compressed_llama`` and ``structured_linear``.
 """
 
 import dataclasses
@@ -44,6 +40,17 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_compressed_llama import CompressedLlamaConfig
+from .structured_linear import (
+    DenseLinear,
+    GSLinear,
+    KroneckerLinear,
+    LowRankLinear,
+    OrthogonalSkip,
+    StructuredEmbedding,
+    StructuredLinear,
+    cayley_decode,
+    structured_linear,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,223 +77,6 @@ def renamed_cache_kwarg(forward):
 
 
 # ----------------------------------------------------------------------------------------------
-# Structured linear layers
-# ----------------------------------------------------------------------------------------------
-class _StructuredLinear(nn.Module):
-    """``y = x Wᵀ (+ b)`` for a structured ``W [out_features, in_features]``. Subclasses implement
-    ``_matmul(x2d)``, ``rows(ids)`` (rows of W, for embeddings) and ``dense_weight()`` (for tests and
-    inspection only)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
-        """``x Wᵀ (+ b)``; with ``embed``, ``x`` holds token ids and the rows ``W[x]`` come back (the
-        embedding's lookup goes through this module's call, so that hooks on it see its parameters:
-        accelerate's offloading loads them there)."""
-        if embed:
-            return self.rows(x)
-        y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-class DenseLinear(_StructuredLinear):
-    def __init__(self, in_features, out_features, bias=False):
-        super().__init__(in_features, out_features, bias)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-
-    def _matmul(self, x):
-        return F.linear(x, self.weight)
-
-    def rows(self, ids):
-        return F.embedding(ids, self.weight)
-
-    def dense_weight(self):
-        return self.weight
-
-
-class LowRankLinear(_StructuredLinear):
-    """``W = U V``: ``lr_u [out, r]``, ``lr_v [r, in]``."""
-
-    def __init__(self, in_features, out_features, rank: int, bias=False):
-        super().__init__(in_features, out_features, bias)
-        self.rank = rank
-        self.lr_u = nn.Parameter(torch.empty(out_features, rank))
-        self.lr_v = nn.Parameter(torch.empty(rank, in_features))
-
-    def _matmul(self, x):
-        return F.linear(F.linear(x, self.lr_v), self.lr_u)
-
-    def rows(self, ids):
-        return F.embedding(ids, self.lr_u) @ self.lr_v
-
-    def dense_weight(self):
-        return self.lr_u @ self.lr_v
-
-    def extra_repr(self):
-        return f"{super().extra_repr()}, rank={self.rank}"
-
-
-class KroneckerLinear(_StructuredLinear):
-    """``W = Σ_{s<r} A_s ⊗ B_s`` with ``A_s [m1, n1]``, ``B_s [m2, n2]`` (``(A ⊗ B)[i1 m2 + i2, j1 n2 + j2]
-    = A[i1, j1] B[i2, j2]``). Stored factor-row-major so that both contraction orders are plain
-    matmuls on views: ``kron_a[i, s, j] = A_s[i, j]`` (``[m1, r, n1]``), ``kron_b[i, s, j] = B_s[i, j]``
-    (``[m2, r, n2]``). The cheaper contraction order is fixed at construction."""
-
-    def __init__(self, in_features, out_features, rank: int, a_shape, bias=False):
-        super().__init__(in_features, out_features, bias)
-        m1, n1 = (int(a) for a in a_shape)
-        if m1 <= 0 or n1 <= 0 or out_features % m1 or in_features % n1:
-            raise ValueError(
-                f"Kronecker factor shape {tuple(a_shape)} does not divide the {out_features}x{in_features} matrix"
-            )
-        m2, n2 = out_features // m1, in_features // n1
-        self.rank, self.a_shape, self.b_shape = rank, (m1, n1), (m2, n2)
-        self.kron_a = nn.Parameter(torch.empty(m1, rank, n1))
-        self.kron_b = nn.Parameter(torch.empty(m2, rank, n2))
-        # flops per token of each order: contract A first / B first
-        self.a_first = rank * m1 * n2 * (n1 + m2) <= rank * m2 * n1 * (n2 + m1)
-
-    def _matmul(self, x):
-        (m1, n1), (m2, n2), r, N = self.a_shape, self.b_shape, self.rank, x.shape[0]
-        if self.a_first:
-            u = F.linear(x.view(N, n1, n2).transpose(1, 2), self.kron_a.reshape(m1 * r, n1))  # [N, n2, (i1, s)]
-            u = u.view(N, n2, m1, r).permute(0, 2, 3, 1).reshape(N * m1, r * n2)  # [(N, i1), (s, j2)]
-            return F.linear(u, self.kron_b.reshape(m2, r * n2)).view(N, m1 * m2)
-        t = F.linear(x.view(N, n1, n2), self.kron_b.reshape(m2 * r, n2))  # [N, n1, (i2, s)]
-        t = t.view(N, n1, m2, r).permute(0, 2, 3, 1).reshape(N * m2, r * n1)  # [(N, i2), (s, j1)]
-        y = F.linear(t, self.kron_a.reshape(m1, r * n1)).view(N, m2, m1)
-        return y.transpose(1, 2).reshape(N, m1 * m2)
-
-    def rows(self, ids):
-        m2 = self.b_shape[0]
-        flat = ids.reshape(-1)
-        a, b = self.kron_a[flat // m2], self.kron_b[flat % m2]  # [N, r, n1], [N, r, n2]
-        return torch.bmm(a.transpose(1, 2), b).reshape(*ids.shape, self.in_features)
-
-    def dense_weight(self):
-        return torch.einsum("asc,bsd->abcd", self.kron_a, self.kron_b).reshape(self.out_features, self.in_features)
-
-    def extra_repr(self):
-        return f"{super().extra_repr()}, rank={self.rank}, a_shape={self.a_shape}, b_shape={self.b_shape}"
-
-
-class GSLinear(_StructuredLinear):
-    """Group-and-shuffle ``W = L · P · R``: ``gs_right [kr, kl·b, in/kr]`` (block-diagonal, applied first),
-    the shuffle routing ``b`` channels from every R-block to every L-block, ``gs_left [kl, out/kl, kr·b]``
-    (block-diagonal). Tile (i, j) of W is ``gs_left[i][:, j-th b] @ gs_right[j][i-th b, :]``."""
-
-    def __init__(self, in_features, out_features, rank: int, blocks, bias=False):
-        super().__init__(in_features, out_features, bias)
-        kl, kr = (int(k) for k in blocks)
-        if kl <= 0 or kr <= 0 or out_features % kl or in_features % kr:
-            raise ValueError(f"GS blocks {tuple(blocks)} do not divide the {out_features}x{in_features} matrix")
-        self.kl, self.kr, self.rank = kl, kr, rank
-        self.gs_left = nn.Parameter(torch.empty(kl, out_features // kl, kr * rank))
-        self.gs_right = nn.Parameter(torch.empty(kr, kl * rank, in_features // kr))
-
-    def _matmul(self, x):
-        kl, kr, b, N = self.kl, self.kr, self.rank, x.shape[0]
-        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))  # [kr, N, (i, c)]
-        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)  # shuffle: [kl, N, (j, c)]
-        y = torch.bmm(h, self.gs_left.transpose(1, 2))  # [kl, N, out/kl]
-        return y.transpose(0, 1).reshape(N, self.out_features)
-
-    def rows(self, ids):
-        kl, kr, b = self.kl, self.kr, self.rank
-        flat = ids.reshape(-1)
-        bl = self.out_features // kl
-        right = self.gs_right.view(kr, kl, b, -1)
-        if torch.compiler.is_compiling():  # no data-dependent shapes: each block's rows for every token, then pick
-            block, out = flat // bl, None
-            for i in range(kl):
-                left = self.gs_left[i][flat % bl].view(-1, kr, b).transpose(0, 1)  # [kr, N, b]
-                rows_i = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
-                out = rows_i if out is None else torch.where((block == i)[:, None], rows_i, out)
-            return out.reshape(*ids.shape, self.in_features)
-        out = torch.empty(flat.shape[0], self.in_features, dtype=self.gs_left.dtype, device=flat.device)
-        for i in range(kl):
-            sel = (flat // bl) == i
-            if kl > 1 and not bool(sel.any()):
-                continue
-            left = self.gs_left[i][flat[sel] % bl].view(-1, kr, b).transpose(0, 1)  # [kr, n_i, b]
-            out[sel] = torch.bmm(left, right[:, i]).transpose(0, 1).reshape(-1, self.in_features)
-        return out.reshape(*ids.shape, self.in_features)
-
-    def dense_weight(self):
-        kl, kr, b = self.kl, self.kr, self.rank
-        left = self.gs_left.view(kl, -1, kr, b)
-        right = self.gs_right.view(kr, kl, b, -1)
-        return torch.einsum("ipjc,jicq->ipjq", left, right).reshape(self.out_features, self.in_features)
-
-    def extra_repr(self):
-        return f"{super().extra_repr()}, blocks=({self.kl}, {self.kr}), rank={self.rank}"
-
-
-def structured_linear(in_features: int, out_features: int, spec: dict) -> _StructuredLinear:
-    """The module a config structure entry describes."""
-    kind, bias = spec["type"], bool(spec.get("bias", False))
-    if kind == "dense":
-        return DenseLinear(in_features, out_features, bias)
-    if kind == "lowrank":
-        return LowRankLinear(in_features, out_features, int(spec["rank"]), bias)
-    if kind == "kron":
-        return KroneckerLinear(in_features, out_features, int(spec["rank"]), spec["a_shape"], bias)
-    if kind == "gs":
-        return GSLinear(in_features, out_features, int(spec["rank"]), spec["blocks"], bias)
-    raise ValueError(f"unknown structure type {kind!r}")
-
-
-class StructuredEmbedding(nn.Embedding):
-    """Token embeddings as rows of a structured ``[vocab, d]`` matrix (``matrix``), looked up through the
-    matrix module's own call (so that hooks on it, such as accelerate's offloading, see its parameters).
-
-    An ``nn.Embedding`` as transformers' ``resize_token_embeddings`` needs one: when the matrix is dense,
-    ``weight`` is its ``[vocab, d]`` table, and setting ``weight`` (the resize swaps in a longer table)
-    sets the dense matrix's. A structured matrix has no table of rows to extend: its ``weight`` is an
-    ``AttributeError`` that says so."""
-
-    def __init__(self, vocab_size: int, dim: int, spec: dict):
-        nn.Module.__init__(self)  # no table of its own: the rows come from `matrix`
-        self.num_embeddings, self.embedding_dim, self.padding_idx = vocab_size, dim, None
-        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
-        self.matrix = structured_linear(dim, vocab_size, {**spec, "bias": False})
-
-    def __getattr__(self, name: str):
-        if name == "weight":
-            matrix = self._modules["matrix"]
-            if isinstance(matrix, DenseLinear):
-                return matrix.weight
-            raise AttributeError(
-                f"this token embedding is a {type(matrix).__name__} (structured) matrix and has no dense `weight` "
-                "table: resize_token_embeddings needs a dense embedding"
-            )
-        return super().__getattr__(name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "weight":
-            if not isinstance(self.matrix, DenseLinear):
-                raise AttributeError(f"a {type(self.matrix).__name__} token embedding cannot take a dense `weight`")
-            self.matrix.weight = value
-            self.matrix.out_features = value.shape[0]
-            return
-        super().__setattr__(name, value)
-        if name == "num_embeddings" and isinstance(self._modules.get("matrix"), DenseLinear):
-            self.matrix.out_features = value  # the table was resized in place (resize_token_embeddings)
-
-    def forward(self, input_ids):
-        return self.matrix(input_ids, embed=True)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
-
-
-# ----------------------------------------------------------------------------------------------
 # Residual stream: norms and skip connections
 # ----------------------------------------------------------------------------------------------
 class CompressedRMSNorm(nn.Module):
@@ -306,60 +96,6 @@ class CompressedRMSNorm(nn.Module):
 
     def extra_repr(self):
         return f"norm_dim={self.norm_dim}, eps={self.variance_epsilon}"
-
-
-def cayley_decode(k: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """``diag(signs) (I + K)(I − K)⁻¹`` with K skew-symmetric, upper triangle ``k`` (row-major);
-    computed in float64 and returned in ``k``'s dtype. ``I − K`` is always invertible (K is skew)."""
-    d = signs.shape[0]
-    iu = torch.triu_indices(d, d, 1, device=k.device)
-    K = torch.zeros(d, d, dtype=torch.float64, device=k.device)
-    K[iu[0], iu[1]] = k.to(torch.float64)
-    K = K - K.T
-    eye = torch.eye(d, dtype=torch.float64, device=k.device)
-    C = torch.linalg.solve((eye - K).T, (eye + K).T).T
-    return (signs.to(torch.float64)[:, None] * C).to(k.dtype)
-
-
-class OrthogonalSkip(nn.Module):
-    """``x -> x S`` for an orthogonal ``S = Q_prevᵀ Q_next`` stored as ``d(d+1)/2`` numbers
-    (``skip_k``: Cayley parameter; ``skip_signs``: ±1). S is formed once into the non-persistent buffer
-    ``skip_matrix``: at initialisation and after loading (``_init_weights``), and again by an eager call
-    when ``skip_k`` or ``skip_signs`` changed (``.to()``, in-place edits, optimizer steps). Compiled and
-    exported graphs read the buffer as it is (they cannot see tensor versions): after editing the
-    parameters, ``refresh()`` (or one eager call) before compiling. While training with a trainable
-    ``skip_k``, S is formed on every call, so that gradients flow."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dim = dim
-        self.skip_k = nn.Parameter(torch.zeros(dim * (dim - 1) // 2))
-        self.register_buffer("skip_signs", torch.ones(dim))
-        self.register_buffer("skip_matrix", torch.eye(dim), persistent=False)  # S of skip_k = 0, signs = 1
-        self._formed_from: tuple | None = None  # the parameters skip_matrix was formed from
-
-    def _parameters_now(self) -> tuple:
-        k, signs = self.skip_k, self.skip_signs
-        return (k.data_ptr(), k._version, signs.data_ptr(), signs._version, k.dtype, k.device)
-
-    @torch.no_grad()
-    def refresh(self) -> None:
-        """Form ``S`` from ``skip_k`` and ``skip_signs`` into ``skip_matrix`` (skipped while the parameters
-        are on the meta device: offloaded or not loaded yet)."""
-        if self.skip_k.is_meta or self.skip_signs.is_meta:
-            return
-        self.skip_matrix = cayley_decode(self.skip_k.detach(), self.skip_signs)
-        self._formed_from = self._parameters_now()
-
-    def matrix(self) -> torch.Tensor:
-        if self.training and self.skip_k.requires_grad and torch.is_grad_enabled():
-            return cayley_decode(self.skip_k, self.skip_signs)
-        if not torch.compiler.is_compiling() and self._formed_from != self._parameters_now():
-            self.refresh()
-        return self.skip_matrix
-
-    def forward(self, x):
-        return x @ self.matrix()
 
 
 class DenseSkip(nn.Module):
@@ -538,32 +274,14 @@ class CompressedLlamaPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """Random initialisation for ``from_config`` (converted checkpoints overwrite all of it): every
         structured matrix starts near N(0, initializer_range²) entries, skips at the identity."""
-        std = self.config.initializer_range
-        if isinstance(module, DenseLinear):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, LowRankLinear):
-            init.normal_(module.lr_u, mean=0.0, std=std**0.5 / module.rank**0.25)
-            init.normal_(module.lr_v, mean=0.0, std=std**0.5 / module.rank**0.25)
-        elif isinstance(module, KroneckerLinear):
-            init.normal_(module.kron_a, mean=0.0, std=1.0 / module.rank**0.5)
-            init.normal_(module.kron_b, mean=0.0, std=std / max(module.a_shape[1], 1) ** 0.5)
-        elif isinstance(module, GSLinear):
-            init.normal_(module.gs_left, mean=0.0, std=1.0 / (module.kr * module.rank) ** 0.5)
-            init.normal_(module.gs_right, mean=0.0, std=std * module.kr**0.5)
-        elif isinstance(module, OrthogonalSkip):
-            init.zeros_(module.skip_k)
-            init.ones_(module.skip_signs)
-            module.refresh()  # S of the loaded (or initialised) parameters
-        elif isinstance(module, StructuredEmbedding):
-            pass  # its matrix is initialised as a structured linear
+        if isinstance(module, (StructuredLinear, StructuredEmbedding, OrthogonalSkip)):
+            module.init_weights(self.config.initializer_range)  # each structure knows its own
         elif isinstance(module, DenseSkip) or (
             isinstance(module, nn.Linear) and getattr(module, "_is_head_mix", False)
         ):
             init.eye_(module.weight)
         else:
             super()._init_weights(module)
-        if isinstance(module, _StructuredLinear) and module.bias is not None:
-            init.zeros_(module.bias)
 
 
 class CompressedLlamaModel(CompressedLlamaPreTrainedModel):

@@ -9,7 +9,7 @@ and provides
   least-squares steps started from ``init`` — each step minimises the objective over one factor (or
   one block), so the error never increases;
 * ``dense(factors)``: the reconstructed matrix (for errors and tests; the model's forward never
-  forms it — see ``hf_symmetry.modeling.modeling_compressed_llama``);
+  forms it — see ``hf_symmetry.modeling.structured_linear``);
 * ``params()``: the parameter count from the factor shapes;
 * ``transpose()`` / ``transpose_factors``: the same class for ``Wᵀ``, so a column weight is handled
   as a row weight of the transpose;
@@ -70,14 +70,15 @@ class Structure:
     (whether an orthogonal change of basis of the columns can lower the error: not for low rank, the
     rank of ``M Q`` is that of M), ``iterative`` (whether :meth:`weighted` iterates from a starting
     point instead of being closed form), ``row_factor`` (``(index, dim)``: the factor holding the
-    rows and its row dimension, for the classes whose rows can be free) and ``sizing`` (the keyword
-    arguments of :meth:`sized` the class reads)."""
+    rows and its row dimension, for the classes whose rows can be free) and ``sizing`` (each keyword
+    argument of :meth:`sized` the class reads, with the ``compress`` option that sets it). ``kind`` is also
+    the ``"type"`` of the matching module class (``hf_symmetry.modeling.structured_linear.LINEAR_CLASSES``)."""
 
     kind: ClassVar[str]
     rotation_helps: ClassVar[bool] = True
     iterative: ClassVar[bool] = False
     row_factor: ClassVar[tuple[int, int] | None] = None
-    sizing: ClassVar[tuple[str, ...]] = ()
+    sizing: ClassVar[dict[str, str]] = {}
 
     @property
     def rows_free(self) -> bool:
@@ -231,7 +232,7 @@ class Kron(Structure):
     kind = "kron"
     iterative = True
     row_factor = (1, 1)
-    sizing = ("factor",)
+    sizing = {"factor": "kron_factor"}
 
     def __post_init__(self):
         m, n = self.shape
@@ -389,7 +390,7 @@ class GS(Structure):
     kind = "gs"
     iterative = True
     row_factor = (0, 1)
-    sizing = ("blocks",)
+    sizing = {"blocks": "gs_blocks"}
 
     def __post_init__(self):
         m, n = self.shape

@@ -3,11 +3,11 @@
 * Every ``nn.Linear`` (and subclass, e.g. TPA's factor projections, FaRR's per-layer-width
   projections) inside the model is a LoRA target (``target_modules``), except the LM head and
   anything inside the input/output embeddings.
-* The structured layers of the compressed family (``LowRankLinear``, ``KroneckerLinear``,
-  ``GSLinear``, ``DenseLinear``) are not ``nn.Linear``: their factor matrices (``lr_u``/``lr_v``,
-  ``kron_a``/``kron_b``, ``gs_left``/``gs_right``, ``weight``) are adapted through PEFT's own
-  parameter targeting (``LoraConfig.target_parameters``, ``lora.ParamWrapper``): each factor gets a
-  low-rank additive update (a 3-D factor gets one per leading slice, i.e. per Kronecker row block /
+* The structured layers of the compressed families (``modeling.structured_linear.LINEAR_CLASSES``:
+  ``LowRankLinear``, ``KroneckerLinear``, ``GSLinear``, ``DenseLinear``) are not ``nn.Linear``: their
+  factor matrices (``lr_u``/``lr_v``, ``kron_a``/``kron_b``, ``gs_left``/``gs_right``, ``weight``) are
+  adapted through PEFT's own parameter targeting (``LoraConfig.target_parameters``, ``lora.ParamWrapper``):
+  each factor gets a low-rank additive update (a 3-D factor gets one per leading slice, i.e. per Kronecker row block /
   GS block), which merges exactly into the factor, so the merged model keeps its structure.
   Where a factor's slice is smaller than the LoRA rank, its adapter rank is capped at the slice's
   smaller side (a full-rank update of that factor), via ``rank_pattern``/``alpha_pattern``.
@@ -24,11 +24,18 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..modeling.structured_linear import LINEAR_CLASSES
+
 __all__ = ["LoraPlan", "lora_plan", "apply_lora", "STRUCTURED_CLASSES"]
 
-# the compressed family's structured layers (matched by class name: the class may come from a
-# remote-code module rather than from hf_symmetry.modeling)
-STRUCTURED_CLASSES = ("DenseLinear", "LowRankLinear", "KroneckerLinear", "GSLinear")
+# the structured layers of the compressed families, by class name (the registry's): the class may come from a
+# checkpoint's remote-code module rather than from hf_symmetry.modeling, so it is matched by name or marker
+STRUCTURED_CLASSES = tuple(cls.__name__ for cls in LINEAR_CLASSES.values())
+
+
+def is_structured_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is one of the structured linears (hf_symmetry's or a remote-code copy's)."""
+    return getattr(type(module), "is_structured_linear", False) is True or type(module).__name__ in STRUCTURED_CLASSES
 
 
 @dataclass
@@ -90,7 +97,7 @@ def lora_plan(model: nn.Module, rank: int) -> LoraPlan:
         if isinstance(module, nn.Linear):
             plan.target_modules.append(name)
             plan.projections[name] = (module.out_features, module.in_features)
-        elif type(module).__name__ in STRUCTURED_CLASSES:
+        elif is_structured_linear(module):
             plan.projections[name] = (module.out_features, module.in_features)
             for pname, p in module.named_parameters(recurse=False):
                 if pname == "bias":

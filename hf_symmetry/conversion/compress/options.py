@@ -11,13 +11,15 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ...modeling.structured_linear import STRUCTURE_TYPES
 from ...solvers import structures as st
 from ...solvers.segments import Alternation
 
-#: ``--structure``: a structure class by its name (:data:`...solvers.structures.CLASSES`), or SliceGPT
-STRUCTURES = ("kron", "gs", "lowrank", "slice")
-#: the option that sets each sizing argument of a structure class (:attr:`...structured.Structure.sizing`)
-_SIZING_OPTIONS = {"factor": "kron_factor", "blocks": "gs_blocks"}
+#: ``--structure``: every structured module type (:data:`...modeling.structured_linear.STRUCTURE_TYPES`, in its
+#: order) with a solver class (:data:`...solvers.structures.CLASSES`), dense aside, or SliceGPT
+STRUCTURES = (*(k for k in STRUCTURE_TYPES if k in st.CLASSES and k != st.Dense.kind), "slice")
+#: the option that sets each sizing argument of a structure class (:attr:`...structures.Structure.sizing`)
+_SIZING_OPTIONS = {arg: option for cls in st.CLASSES.values() for arg, option in cls.sizing.items()}
 STAGES = ("none", "f", "w")
 Q_MODES = ("segment", "global")
 PRESETS = ("procrustesgpt-llama",)
