@@ -18,6 +18,7 @@ from ..evaluation.perplexity import LOGIT_TOKENS, PPL
 from ..evaluation.verification import VerificationFailed, verify
 from ..hub.cards import update_card
 from ..hub.entries import verification_card_entries
+from ..hub.measure import speed_card_entry, speed_sentence
 from ..hub.push import check_online, push_folder, resolve_token, validate_repo_id
 from ..hub.values import fmt_number
 from .inputs import check_text, check_text_tokens, is_causal_lm_folder
@@ -186,7 +187,8 @@ def verify_and_record(
     ``--text`` (:func:`hf_symmetry.evaluation.verification.verify`), append the figures to
     ``lines`` and record them in the folder's model card, formatted as the card formats them.
     ``extra(verification)`` may return more ``(figures, lines)`` for both. Returns the
-    exactness figures, or None with ``--no-verify``."""
+    exactness figures with ``speed`` (:func:`~hf_symmetry.hub.measure.speed_card_entry`: speed and bytes
+    against the source, also in the card) where both models fit the device, or None with ``--no-verify``."""
     if getattr(args, "no_verify", False):
         return None
     v = verify(
@@ -216,9 +218,13 @@ def verify_and_record(
     if failure is not None:  # OUT stays written (the user may want to look at it); the command exits with 1
         emit({}, lines)
         raise VerificationFailed(f"{out_dir} was written but failed verification: {failure}")
-    update_card(out_dir, exactness=exactness, eval_results=verification_card_entries(v))
-    lines.append(f"  verified in {v.seconds:.1f} s")
-    return exactness
+    # speed and bytes against the source (timings: recorded only when a verification runs)
+    speed = speed_card_entry(original, out_dir, args.text, device=getattr(args, "device", "auto"))
+    if speed is not None:
+        lines.append(f"  {speed_sentence(speed)}")
+    update_card(out_dir, exactness=exactness, speed=speed, eval_results=verification_card_entries(v))
+    lines.append(f"  verified in {v.seconds + (speed['seconds'] if speed else 0):.1f} s")
+    return exactness if speed is None else {**exactness, "speed": speed}
 
 
 def total_time_line(start: float, verified: bool = True) -> str:

@@ -41,7 +41,7 @@ from .lineage import public_model_label as public_model_label
 from .lineage import public_report as public_report
 from .measure import count_stored_parameters as count_stored_parameters
 from .measure import kv_cache_bytes_per_token as kv_cache_bytes_per_token
-from .measure import measure_folder
+from .measure import measure_folder, speed_sentence
 from .references import REFERENCES
 from .values import fmt_number, plain
 
@@ -98,6 +98,8 @@ def _card_metadata(kind: str, data: dict, size: dict, results: list, folder_name
         "exactness": _public_exactness(data.get("exactness")),
         "size": plain(size),
     }
+    if data.get("speed"):  # only when a verification ran: timings differ from run to run
+        record["speed"] = plain(data["speed"])
     if data.get("extra"):
         record["extra"] = plain(data["extra"])
     base = base_models(data)
@@ -174,6 +176,7 @@ def render_card(out_dir: str | os.PathLike, kind: str, data: dict):
         # a local path would leak into the published card: the repo id once known, else a placeholder
         "model_ref": data.get("repo_id") or f"path/to/{display_name(folder.resolve())}",
         "fmt": fmt_number,
+        "speed_line": speed_sentence,
         "references": data.get("references") or REFERENCES.get(kind, []),
     }
     text = _environment().get_template(template.name).render(**context)
@@ -188,6 +191,7 @@ def write_card(out_dir: str | os.PathLike, kind: str, data: dict) -> Path:
     ``base_model`` (Hub id(s); inferred from ``inputs`` when absent), ``exactness`` (e.g.
     ``Verification.as_dict()``: ``max_abs_dlogit``, ``tokens``, ``text``, perplexities),
     ``size`` (overrides/additions to the measured parameters, bytes, kv_cache_bytes_per_token),
+    ``speed`` (``hub.measure.speed_card_entry``: speed and bytes against the source, recorded by the verification),
     ``eval_results`` (``EvalResult`` or dicts of its fields, optional ``notes``), ``plots``
     (files in ``out_dir``: names or ``{"path", "caption"}``), ``notes`` (markdown),
     ``tags``, ``license``, ``language``, ``pipeline_tag``, ``model_name``, ``repo_id``,

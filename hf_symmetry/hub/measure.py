@@ -1,5 +1,6 @@
 """Size figures of a saved model folder, the same in every card and report: parameters stored
-(:func:`count_stored_parameters`), bytes on disk, and the KV cache per token."""
+(:func:`count_stored_parameters`), bytes on disk, and the KV cache per token; and a converted folder's speed
+and bytes against its source (:func:`speed_card_entry`, :func:`speed_sentence`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 from transformers import CONFIG_MAPPING
+
+from ..assets import resolve_model
+from ..evaluation.speed import compare_speed
+from .values import fmt_number
 
 _DTYPE_BYTES = {
     "float64": 8,
@@ -103,3 +108,28 @@ def measure_folder(folder: str | os.PathLike) -> dict:
         if kv is not None:
             size["kv_cache_bytes_per_token"] = kv
     return size
+
+
+def speed_card_entry(
+    original: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike, device: str | None = "auto"
+) -> dict | None:
+    """The card's speed entry: :func:`~hf_symmetry.evaluation.speed.compare_speed` of ``out`` against
+    ``original`` and the weight bytes of both folders (:func:`measure_folder`), with
+    ``bytes_ratio`` = out / original. None when the two models do not fit the device together."""
+    speed = compare_speed(original, out, text, device=device)
+    if speed is None:
+        return None
+    source, converted = measure_folder(resolve_model(original))["bytes"], measure_folder(out)["bytes"]
+    return {**speed.as_dict(), "bytes": {"source": source, "converted": converted}, "bytes_ratio": converted / source}
+
+
+def speed_sentence(speed: dict) -> str:
+    """The one sentence cards and commands print for a speed entry (:func:`speed_card_entry`)."""
+    threads = speed.get("threads")
+    where = speed["device"] + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else "")
+    decode = f", decode {speed['decode_speedup']:.2f}x" if speed.get("decode_speedup") else ""
+    return (
+        f"speed against the source on this machine ({where}, {speed['dtype']}): prefill {speed['prefill_speedup']:.2f}x"
+        f"{decode}; weights {speed['bytes_ratio']:.2f}x the bytes ({fmt_number(speed['bytes']['converted'])} of "
+        f"{fmt_number(speed['bytes']['source'])})"
+    )
