@@ -11,9 +11,11 @@ import pytest
 import torch
 import yaml
 
-from hf_symmetry.cli import main
+from hf_symmetry.cli import build_parser, main
+from hf_symmetry.commands.merge import recipe_from_args
 from hf_symmetry.conversion import merge as merge_module
 from hf_symmetry.conversion.merge import fisher as merge_fisher
+from hf_symmetry.conversion.merge import methods as merge_methods
 from hf_symmetry.conversion.merge import tensor_rules
 from hf_symmetry.conversion.merge import merge_pass as merge_stream
 from hf_symmetry.conversion.match import MatchOptions, fold_state_dict, match_state_dict
@@ -284,6 +286,60 @@ def test_task_vector_merges_of_state_dicts_equal_the_rules_applied_tensor_by_ten
     ).state_dict
     key = "model.layers.0.mlp.down_proj.weight"
     assert (control[key] - merged[key]).abs().max() > 1e-3
+
+
+class _Scaled(merge_methods.MergeMethod):
+    """A method added in one class: the weighted average times ``scale``, optionally sign-flipped."""
+
+    name = "scaled"
+    title = "scaled average"
+    paper = "(a test's own)"
+    parameters = (
+        merge_methods.Parameter("scale", float, 2.0, "scaled: factor on the average (default 2)"),
+        merge_methods.Parameter("flip_sign", bool, False, "scaled: negate the average"),
+    )
+
+    def combine(self, models, base, entries, params, fishers):
+        sign = -1.0 if params["flip_sign"] else 1.0
+        return sign * params["scale"] * weighted_average(models, [e.weight for e in entries])
+
+
+def _merge_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    return capsys.readouterr().out
+
+
+def test_a_merge_method_is_one_registered_class_flags_recipe_checks_and_merge_follow(monkeypatch, capsys):
+    """A method declared as one class in MERGE_METHODS gets its --method choice and one flag per parameter
+    (help from the declaration), the recipe checks its parameters' types and fills their defaults, and the
+    merge uses them; unregistered (negative control) there is no flag and no such method."""
+    assert "--scale" not in _merge_help(capsys)
+    with pytest.raises(ValueError, match="unknown merge method 'scaled'"):
+        recipe_from_dict({"merge_method": "scaled", "models": ["a", "b"]})
+    monkeypatch.setitem(merge_methods.MERGE_METHODS, "scaled", _Scaled)
+    text = _merge_help(capsys)
+    assert "--scale SCALE" in text and "scaled: factor on the average (default 2)" in text
+    assert "--flip-sign" in text and "--flip-sign FLIP" not in text  # a switch, no value
+    assert text.index("--alpha") < text.index("--scale") < text.index("--normalize") < text.index("--flip-sign")
+    assert "scaled average" in text  # the description names it
+    recipe = recipe_from_dict({"merge_method": "scaled", "models": ["a", "b"]})
+    assert recipe.parameters == {"scale": 2.0, "flip_sign": False}
+    with pytest.raises(ValueError, match="scale must be a number"):
+        recipe_from_dict({"merge_method": "scaled", "models": ["a", "b"], "parameters": {"scale": "big"}})
+    with pytest.raises(ValueError, match="flip_sign must be true or false"):
+        recipe_from_dict({"merge_method": "scaled", "models": ["a", "b"], "parameters": {"flip_sign": 1}})
+    with pytest.raises(ValueError, match="density applies to ties only"):
+        recipe_from_dict({"merge_method": "scaled", "models": ["a", "b"], "parameters": {"density": 0.5}})
+    args = build_parser().parse_args(["merge", "--method", "scaled", "a", "b", "out", "--scale", "3", "--flip-sign"])
+    recipe, out = recipe_from_args(args)
+    assert recipe.method == _Scaled() and recipe.parameters == {"scale": 3.0, "flip_sign": True} and out == "out"
+    models = [tiny_model("llama", seed=s) for s in (0, 1)]
+    sds = [_sd(m) for m in models]
+    merged = merge_state_dicts(sds, models[0].config, recipe).state_dict
+    key = "model.layers.0.mlp.down_proj.weight"
+    want = -3.0 * weighted_average([sd[key] for sd in sds], [1.0, 1.0])
+    assert torch.allclose(merged[key], want.to(merged[key].dtype), rtol=0, atol=1e-6)
 
 
 def test_three_models_anchor_nearest_the_mean_and_the_others_matched():

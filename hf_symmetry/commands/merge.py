@@ -1,15 +1,15 @@
-"""``hf-symmetry merge RECIPE.yaml OUT`` or ``hf-symmetry merge --method METHOD [--match] A B [C ...] OUT``:
-merge models of one architecture (average, task arithmetic, TIES, Fisher, RegMean), optionally
-matching every input to an anchor first."""
+"""``hf-symmetry merge``: merge models of one architecture, from a recipe or the flags, optionally matching every
+input to an anchor first. The methods, their flags and the help naming them come from the registry
+(:data:`~hf_symmetry.conversion.merge.methods.MERGE_METHODS`)."""
 
 from __future__ import annotations
 
 import argparse
 
 from ..conversion.merge.evaluate import evaluate_merge
-from ..conversion.merge.methods import METHOD_ALIASES, METHODS
+from ..conversion.merge.methods import MERGE_METHODS, METHOD_ALIASES, method_parameters
 from ..conversion.merge.on_disk import merge_checkpoints
-from ..conversion.merge.recipe import load_recipe, recipe_from_dict
+from ..conversion.merge.recipe import DTYPES, load_recipe, recipe_from_dict
 from ..hub.values import fmt_number
 from .common import (
     add_device_args,
@@ -22,48 +22,73 @@ from .common import (
 from .match import add_match_args
 from .runner import Conversion, run_conversion
 
-# Flags that describe a merge; with a recipe file they would be ambiguous.
-_RECIPE_FLAGS = (
-    "base",
-    "weights",
-    "density",
-    "lam",
-    "alpha",
-    "normalize",
-    "anchor",
-    "calib_text",
-    "calib_tokens",
-    "dtype",
-    "match",
-)
+
+def _flag(param) -> str:
+    return "--" + param.name.replace("_", "-")
+
+
+def _parameters() -> list:
+    """The methods' parameters that have a flag, in the order the help lists them."""
+    return [p for p in method_parameters() if p.flag]
+
+
+def _recipe_flags() -> list[tuple[str, str]]:
+    """Flags that describe a merge, as (attribute, flag); with a recipe file they would be ambiguous."""
+    return [
+        ("base", "--base"),
+        ("weights", "--weights"),
+        *((p.attr, _flag(p)) for p in _parameters()),
+        ("anchor", "--anchor"),
+        ("calib_text", "--calib-text"),
+        ("calib_tokens", "--calib-tokens"),
+        ("dtype", "--dtype"),
+        ("match", "--match"),
+    ]
+
+
+def _names(test) -> list[str]:
+    return [name for name, cls in MERGE_METHODS.items() if test(cls())]
+
+
+def add_parameter_args(p) -> None:
+    """One flag per method parameter (:func:`~hf_symmetry.conversion.merge.methods.method_parameters`); None
+    when not given, so that the recipe's defaults apply."""
+    for param in _parameters():
+        if param.type is bool:
+            p.add_argument(_flag(param), dest=param.attr, action="store_true", default=None, help=param.help)
+        else:
+            p.add_argument(_flag(param), dest=param.attr, type=param.type, help=param.help)
 
 
 def register(sub) -> None:
-    p = sub.add_parser(
-        "merge",
-        help="merge models (average/task_arithmetic/ties/fisher/regmean), optionally matched",
-        description=__doc__,
+    description = (
+        "``hf-symmetry merge RECIPE.yaml OUT`` or ``hf-symmetry merge --method METHOD [--match] A B [C ...] OUT``: "
+        f"merge models of one architecture ({', '.join(m.title for m in MERGE_METHODS.values())}), optionally "
+        "matching every input to an anchor first."
     )
+    p = sub.add_parser(
+        "merge", help=f"merge models ({'/'.join(MERGE_METHODS)}), optionally matched", description=description
+    )
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in METHOD_ALIASES.items())
     p.add_argument(
         "inputs", nargs="+", metavar="INPUT", help="RECIPE.yaml OUT, or (with --method) MODEL MODEL [...] OUT"
     )
     p.add_argument(
         "--method",
-        choices=list(METHODS) + list(METHOD_ALIASES),
-        help="merge method when no recipe is given (linear = average)",
+        choices=list(MERGE_METHODS) + list(METHOD_ALIASES),
+        help=f"merge method when no recipe is given ({aliases})",
     )
     p.add_argument("--match", action="store_true", help="match every input to the anchor before merging")
     add_match_args(p)
-    p.add_argument("--base", help="base model (required by task_arithmetic and ties; the matching anchor)")
+    needs_base = " and ".join(_names(lambda m: m.needs_base))
+    p.add_argument("--base", help=f"base model (required by {needs_base}; the matching anchor)")
     p.add_argument(
         "--anchor", default="auto", help="matching anchor (default: the base, else the input nearest the mean)"
     )
     p.add_argument("--weights", type=float, nargs="+", help="one weight per model (default: all 1)")
-    p.add_argument("--density", type=float, help="TIES: fraction of each task vector kept (default 1)")
-    p.add_argument("--lambda", dest="lam", type=float, help="task_arithmetic/ties: task-vector scale (default 1)")
-    p.add_argument("--alpha", type=float, help="RegMean: off-diagonal scale of the Gram matrices (default 0.9)")
-    p.add_argument("--normalize", action="store_true", default=None, help="divide by the sum of weights")
-    p.add_argument("--calib-text", help="calibration text for fisher/regmean (default: britannica-calib)")
+    add_parameter_args(p)
+    calibrated = "/".join(_names(lambda m: m.needs_calibration))
+    p.add_argument("--calib-text", help=f"calibration text for {calibrated} (default: britannica-calib)")
     p.add_argument("--calib-tokens", type=int, help="calibration tokens (default: 4096)")
     add_device_args(p)
     add_verify_args(p, "the inputs (perplexity of the merge and of every input)")
@@ -72,7 +97,7 @@ def register(sub) -> None:
     p.add_argument("--eval-text", dest="text", help=argparse.SUPPRESS)
     p.add_argument("--eval-tokens", dest="ppl_tokens", type=int, help=argparse.SUPPRESS)
     p.add_argument("--no-eval", dest="no_verify", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], help="output dtype")
+    p.add_argument("--dtype", choices=DTYPES, help="output dtype")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_output_args(p)
     add_push_args(p)
@@ -88,7 +113,7 @@ def recipe_from_args(args):
     if args.method is None:
         if len(args.inputs) != 2:
             raise ValueError("give RECIPE.yaml OUT, or --method METHOD MODEL MODEL [...] OUT")
-        given = [f"--{n.replace('_', '-')}" for n in _RECIPE_FLAGS if _given(args, n)]
+        given = [flag for attr, flag in _recipe_flags() if _given(args, attr)]
         if given:
             raise ValueError(f"{', '.join(given)} cannot be combined with a recipe file; put them in the recipe")
         return load_recipe(args.inputs[0]), args.inputs[1]
@@ -109,16 +134,7 @@ def recipe_from_args(args):
     if args.weights is not None and len(args.weights) != len(models):
         raise ValueError(f"--weights gives {len(args.weights)} values for {len(models)} models")
     weights = args.weights or [1.0] * len(models)
-    params = {
-        k: v
-        for k, v in (
-            ("density", args.density),
-            ("lambda", args.lam),
-            ("alpha", args.alpha),
-            ("normalize", args.normalize),
-        )
-        if v is not None
-    }
+    params = {p.name: getattr(args, p.attr) for p in _parameters() if getattr(args, p.attr) is not None}
     raw = {
         "merge_method": args.method,
         "models": [{"model": m, "parameters": {"weight": w}} for m, w in zip(models, weights)],
@@ -171,6 +187,9 @@ class Merge(Conversion):
         if self.evaluation:
             args.text, args.ppl_tokens = self.evaluation
             check_verify_args(args)
+
+    def inputs(self) -> list:
+        return list(self.recipe.inputs)
 
     def convert(self):
         args, recipe, out = self.args, self.recipe, self.out

@@ -1,11 +1,15 @@
-"""The merge methods as classes (:class:`MergeMethod`): each owns what differs between methods — its
-parameters and their defaults, whether it needs a base model, calibration data and which statistics
-(Fishers, Grams), whether a tensor's rows merge on their own, how it combines tensors, whether it spills
-to a work folder, what its model card adds. A recipe's method name (the YAML's ``merge_method``, the
-CLI's ``--method``) is parsed once, by :func:`method_named` through :data:`MERGE_METHODS`; everything
-after asks the object."""
+"""The merge methods as classes (:class:`MergeMethod`), registered in :data:`MERGE_METHODS` (mergekit's
+registry is the model): each declares, as data, its name, its paper and its parameters
+(:class:`Parameter`: name, type, default, help; the recipe checks them and ``hf-symmetry merge`` makes its
+flags from them), and owns what else differs between methods — whether it needs a base model, calibration
+data and which statistics (Fishers, Grams), whether a tensor's rows merge on their own, how it combines
+tensors, whether it spills to a work folder, what its model card adds. A recipe's method name (the YAML's
+``merge_method``, the CLI's ``--method``) is parsed once, by :func:`method_named`; everything after asks the
+object."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,17 +19,58 @@ from .statistics import check_fisher_memory, statistics_dtype
 Tensor = torch.Tensor
 
 
+@dataclass(frozen=True)
+class Parameter:
+    """One parameter of a merge method: its recipe key, type (``float`` or ``bool``), default and the help of
+    its ``hf-symmetry merge`` flag (``--NAME``; none when ``flag`` is False). ``per_model``: set on each model
+    entry (the recipe's ``parameters`` give the default for all), like TIES' ``density``."""
+
+    name: str
+    type: type
+    default: object
+    help: str
+    flag: bool = True
+    per_model: bool = False
+    dest: str = ""  # the argparse attribute, where the name is a Python keyword (``lambda``)
+
+    @property
+    def attr(self) -> str:
+        """The attribute of the parsed arguments that holds the flag's value."""
+        return self.dest or self.name
+
+    def defaulting_to(self, default) -> Parameter:
+        """The same parameter with another method's default."""
+        return replace(self, default=default)
+
+
+# parameters two or more methods share (one help for their one flag)
+LAMBDA = Parameter("lambda", float, 1.0, "task_arithmetic/ties: task-vector scale (default 1)", dest="lam")
+NORMALIZE = Parameter("normalize", bool, True, "divide by the sum of weights")
+
+
 class MergeMethod:
-    """One merge method. ``defaults``: its parameters and their defaults (mergekit's where mergekit has
-    the method). Stateless: the recipe's parameters and model entries come with each call."""
+    """One merge method. ``paper``: where it comes from; ``parameters``: what a recipe may set, with the
+    defaults (mergekit's where mergekit has the method). Stateless: the recipe's parameters and model entries
+    come with each call."""
 
     name: str = ""
-    defaults: dict = {}
+    title: str = ""  # as prose names it (the command's description)
+    paper: str = ""
+    parameters: tuple[Parameter, ...] = ()
     needs_base = False  # merges task vectors (model − base)
     uses_fishers = False  # Fisher merging: a diagonal Fisher per merged model, on the matched models
     uses_grams = False  # RegMean: Gram matrices of each linear layer's input
     row_separable = True  # each row of a tensor merged on its own (the globals can go a block of rows at a time)
-    has_densities = False  # per-model ``density`` (TIES' trim)
+
+    @property
+    def defaults(self) -> dict:
+        """The method's parameters (not the per-model ones) and their defaults."""
+        return {p.name: p.default for p in self.parameters if not p.per_model}
+
+    @property
+    def model_parameters(self) -> tuple[str, ...]:
+        """The names of its per-model parameters."""
+        return tuple(p.name for p in self.parameters if p.per_model)
 
     @property
     def needs_calibration(self) -> bool:
@@ -80,7 +125,9 @@ class Average(MergeMethod):
     """``linear``/average: ``Σ w_i θ_i / Σ w_i`` (not divided with ``normalize: false``)."""
 
     name = "average"
-    defaults = {"normalize": True}
+    title = "average"
+    paper = "Wortsman et al., Model soups, ICML 2022 (arXiv:2203.05482)"
+    parameters = (NORMALIZE,)
 
     def weights_error(self, params: dict, weights: list[float]) -> str | None:
         if params.get("normalize", True) and sum(weights) == 0:
@@ -95,7 +142,9 @@ class TaskArithmetic(MergeMethod):
     """``base + λ Σ w_i (θ_i − base)`` (not normalised unless ``normalize: true``)."""
 
     name = "task_arithmetic"
-    defaults = {"lambda": 1.0, "normalize": False}
+    title = "task arithmetic"
+    paper = "Ilharco et al., Editing Models with Task Arithmetic, ICLR 2023 (arXiv:2212.04089)"
+    parameters = (LAMBDA, NORMALIZE.defaulting_to(False))
     needs_base = True
 
     def combine(self, models, base, entries, params, fishers):
@@ -107,10 +156,15 @@ class Ties(MergeMethod):
     trim ranks a whole tensor's entries, so its rows do not merge on their own."""
 
     name = "ties"
-    defaults = {"lambda": 1.0, "normalize": True}
+    title = "TIES"
+    paper = "Yadav et al., TIES-Merging: Resolving Interference When Merging Models, NeurIPS 2023 (arXiv:2306.01708)"
+    parameters = (
+        Parameter("density", float, 1.0, "TIES: fraction of each task vector kept (default 1)", per_model=True),
+        LAMBDA,
+        NORMALIZE,
+    )
     needs_base = True
     row_separable = False
-    has_densities = True
 
     def combine(self, models, base, entries, params, fishers):
         return ties(
@@ -132,7 +186,17 @@ class Fisher(MergeMethod):
     for the whole model). Rows are not merged a block at a time: it reads its Fishers beside each tensor."""
 
     name = "fisher"
-    defaults = {"fisher_floor": 1e-12}
+    title = "Fisher"
+    paper = "Matena and Raffel, Merging Models with Fisher-Weighted Averaging, NeurIPS 2022 (arXiv:2111.09832)"
+    parameters = (
+        Parameter(
+            "fisher_floor",
+            float,
+            1e-12,
+            "added to every Fisher entry (an entry no token touched gets the weighted average)",
+            flag=False,
+        ),
+    )
     uses_fishers = True
     row_separable = False
 
@@ -158,7 +222,9 @@ class RegMean(MergeMethod):
     and :mod:`.stream` call the solvers); every other tensor (biases, norms, embeddings) averaged."""
 
     name = "regmean"
-    defaults = {"alpha": 0.9}
+    title = "RegMean"
+    paper = "Jin et al., Dataless Knowledge Fusion by Merging Weights of Language Models, ICLR 2023 (arXiv:2212.09849)"
+    parameters = (Parameter("alpha", float, 0.9, "RegMean: off-diagonal scale of the Gram matrices (default 0.9)"),)
     uses_grams = True
 
     def parameter_error(self, params: dict) -> str | None:
@@ -173,6 +239,22 @@ MERGE_METHODS: dict[str, type[MergeMethod]] = {
 }  # the one table from names to classes
 METHOD_ALIASES = {"linear": "average"}
 METHODS = tuple(MERGE_METHODS)  # the user-facing names, in the order help and errors list them
+_KIND_ORDER = {float: 1, bool: 2}
+
+
+def method_parameters() -> list[Parameter]:
+    """Every method's parameters, one per name (the first method's declaration), in the order
+    ``hf-symmetry merge`` lists their flags: per-model ones, then numbers, then switches."""
+    seen: dict[str, Parameter] = {}
+    for cls in MERGE_METHODS.values():
+        for p in cls.parameters:
+            seen.setdefault(p.name, p)
+    return sorted(seen.values(), key=lambda p: 0 if p.per_model else _KIND_ORDER.get(p.type, 1))
+
+
+def methods_with(parameter: str) -> list[str]:
+    """The names of the methods that take ``parameter``."""
+    return [name for name, cls in MERGE_METHODS.items() if any(p.name == parameter for p in cls.parameters)]
 
 
 def method_named(name: str) -> MergeMethod | None:

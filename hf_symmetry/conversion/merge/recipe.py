@@ -26,9 +26,10 @@ from pathlib import Path
 import yaml
 
 from ..match.options import MatchOptions
-from .methods import METHODS, MergeMethod, method_named
+from .methods import METHODS, MergeMethod, method_named, method_parameters, methods_with
 
-MODEL_PARAMETERS = {"weight": 1.0, "density": 1.0}  # density: ties only
+# set on each model entry (the recipe's `parameters` give the default for all): the weight, and the methods' own
+MODEL_PARAMETERS = {"weight": 1.0, **{p.name: p.default for p in method_parameters() if p.per_model}}
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 _TOP_KEYS = (
     "merge_method",
@@ -131,14 +132,14 @@ def _parameters(raw: dict, method: MergeMethod) -> tuple[dict, dict]:
     _check_keys(given, allowed, f"parameters of {method.name}")
     params = dict(method.defaults)
     model_defaults = dict(MODEL_PARAMETERS)
+    types = {p.name: p.type for p in method.parameters}
     for k, v in given.items():
-        if k in ("normalize",):
+        if types.get(k) is bool:
             if not isinstance(v, bool):
                 _fail(f"{k} must be true or false")
             params[k] = v
         elif k in MODEL_PARAMETERS:
-            if k == "density" and not method.has_densities:
-                _fail("density applies to ties only")
+            _check_model_parameter(k, method, "")
             model_defaults[k] = _number(v, k)
         else:
             params[k] = _number(v, k)
@@ -146,6 +147,11 @@ def _parameters(raw: dict, method: MergeMethod) -> tuple[dict, dict]:
     if error:
         _fail(error)
     return params, model_defaults
+
+
+def _check_model_parameter(name: str, method: MergeMethod, where: str) -> None:
+    if name != "weight" and name not in method.model_parameters:
+        _fail(f"{name} applies to {' and '.join(methods_with(name))} only{where}")
 
 
 def _models(raw: dict, method: MergeMethod, defaults: dict) -> list[ModelEntry]:
@@ -160,8 +166,8 @@ def _models(raw: dict, method: MergeMethod, defaults: dict) -> list[ModelEntry]:
         _check_keys(item, ("model", "parameters"), f"model entry {item['model']!r}")
         p = dict(item.get("parameters") or {})
         _check_keys(p, tuple(MODEL_PARAMETERS), f"parameters of {item['model']!r}")
-        if "density" in p and not method.has_densities:
-            _fail(f"density applies to ties only (model {item['model']!r})")
+        for k in p:
+            _check_model_parameter(k, method, f" (model {item['model']!r})")
         entry = ModelEntry(
             model=str(item["model"]),
             weight=_number(p.get("weight", defaults["weight"]), "weight"),
