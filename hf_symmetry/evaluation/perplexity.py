@@ -62,8 +62,10 @@ def input_device(model) -> torch.device:
         from ..devices import module_device  # lazy: runs in the isolated check's interpreter
     except ImportError:
         # executed as a standalone file by hub.check's isolated loader, where hf_symmetry cannot be
-        # imported: a model loaded there whole, on one device, takes its inputs where its embedding is
-        return model.get_input_embeddings().weight.device
+        # imported: a model loaded there whole, on one device, takes its inputs where its embedding is (a structured
+        # embedding, as compress writes by default, has no dense `weight`: its first parameter says where it is)
+        first = next(model.get_input_embeddings().parameters(), None)
+        return (first if first is not None else next(model.parameters())).device
     return module_device(model)
 
 

@@ -2,7 +2,7 @@
 
 Order of work, so that a failure never leaves anything half-published:
 1. refuse bad input (repo id, token, offline mode, folder layout) before any work;
-2. evaluate (optional) and write the results into the card;
+2. evaluate (optional) and write the results into the card (restored as it was if any later step fails);
 3. the pre-push check (:func:`hf_symmetry.hub.check.prepush_check`): the folder must load and
    run where hf_symmetry is not installed;
 4. ``create_repo`` and a single ``create_commit`` holding every file (weights, config,
@@ -23,7 +23,7 @@ from huggingface_hub.utils import HFValidationError
 from huggingface_hub.utils import validate_repo_id as hf_validate
 
 from .. import __version__
-from .cards import CARD_RECORD, update_card
+from .cards import CARD_RECORD, README, update_card
 from .check import prepush_check
 from .entries import lm_eval_results, text_perplexity_result
 
@@ -149,13 +149,26 @@ def push_folder(
     commit: HubCommit = HubCommit(),
     progress: bool = True,
 ) -> PushResult:
-    """Publish ``folder`` as ``repo_id`` in one commit (see the module docstring)."""
-    start = time.perf_counter()
+    """Publish ``folder`` as ``repo_id`` in one commit (see the module docstring). A push that fails leaves the
+    folder as it was (its card is restored)."""
     validate_repo_id(repo_id)
     token = resolve_token(commit.token)
     check_online()
     folder = check_folder(folder)
+    card_before = {name: _read_or_none(folder / name) for name in (README, CARD_RECORD)}
+    try:  # the card names the repo and the new results only once they are published: a failure restores it
+        return _publish(folder, repo_id, private, (evaluation, check, check_text), commit, token, progress)
+    except BaseException:
+        for name, data in card_before.items():
+            _restore(folder / name, data)
+        raise
 
+
+def _publish(folder: Path, repo_id: str, private: bool, checks: tuple, commit: HubCommit, token: str, progress: bool):
+    """:func:`push_folder`'s work after its refusals: the card, the check (``checks``: the evaluation, whether to
+    check and on which text), the repo and the one commit."""
+    start = time.perf_counter()
+    evaluation, check, check_text = checks
     results = _eval_for_card(folder, evaluation, progress)
     update_card(folder, eval_results=results, repo_id=repo_id)
     check_report = prepush_check_for(folder, check_text) if check else None
@@ -207,6 +220,18 @@ def _default_message(folder: Path) -> str:
     if record.is_file():
         kind = f" ({json.loads(record.read_text())['kind']})"
     return f"Upload {folder.name}{kind} with hf_symmetry {__version__}"
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _restore(path: Path, data: bytes | None) -> None:
+    """Put back a card file as it was before a failed push (``None``: it did not exist)."""
+    if data is None:
+        path.unlink(missing_ok=True)
+    elif _read_or_none(path) != data:
+        path.write_bytes(data)
 
 
 def _delete_quietly(api, repo_id: str) -> None:
