@@ -343,6 +343,9 @@ def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
+    # the inputs named below are never read (heal_checkpoint is faked): the up-front input checks are skipped
+    monkeypatch.setattr("hf_symmetry.cli.check_inputs", lambda args: None)
+    monkeypatch.setattr(heal_module, "resolve_model", Path, raising=False)
     base = ["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--tokens", "4096", "--seq-len", "128"]
     for extra in ([], ["--teacher-sample-fraction", "0", "--lm-weight", "0.5"], ["--teacher-samples", "3"]):
         assert cli([*base, *extra, "--quiet"]) == 2

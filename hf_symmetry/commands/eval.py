@@ -10,10 +10,12 @@ from pathlib import Path
 from ..devices import parse_device
 from ..evaluation.bridge import parse_tasks, require_lm_eval, run_lm_eval, text_perplexity
 from ..evaluation.perplexity import PPL
+from ..evaluation.verification import non_finite
 from ..hub.cards import update_card
 from ..hub.entries import lm_eval_card_entries, perplexity_card_entry
 from ..hub.values import fmt_number
 from .common import add_device_arg, emit
+from .inputs import check_text_tokens
 
 
 def register(sub) -> None:
@@ -74,6 +76,11 @@ def _check_args(args):
         raise FileNotFoundError(f"task folder {args.task_dir} does not exist")
     if args.update_card and not (Path(args.model) / "config.json").is_file():
         raise ValueError("--update-card needs MODEL to be a model folder (its README.md is the card)")
+    text = args.text or (None if tasks else "britannica-eval")
+    if args.max_tokens < 0:
+        raise ValueError(f"--max-tokens must be 0 (the whole text) or positive; got {args.max_tokens}")
+    if text:  # a text too short for --max-tokens (or for perplexity at all) is refused before the model loads
+        check_text_tokens(text, args.model, {"--max-tokens": args.max_tokens or 2})
     return tasks, device
 
 
@@ -119,4 +126,8 @@ def run(args) -> int:
     if args.update_card:
         lines.append(f"card updated: {update_card(args.model, eval_results=entries)}")
     emit(summary, lines, args.json_out)
+    bad = non_finite({"perplexity": summary.get("perplexity")})
+    if bad:  # a NaN or infinite perplexity is a broken model, not a figure: the exit status says so
+        print(f"FAILED: the perplexity is {summary['perplexity']}")
+        return 1
     return 0

@@ -70,6 +70,10 @@ def check_inputs(args) -> None:
             check_model_folder(value, trust_remote_code=trust)
     if command == "merge":
         _check_merge_inputs(args, trust)
+    if command == "families" and getattr(args, "config", None):
+        path = Path(args.config) / "config.json" if Path(args.config).is_dir() else Path(args.config)
+        if path.is_file():
+            config_json(path)
 
 
 def _check_merge_inputs(args, trust: bool) -> None:
@@ -148,7 +152,12 @@ def check_model_folder(spec, trust_remote_code: bool = False) -> Path:
 
 
 def _config_dict(folder: Path) -> dict:
-    path = folder / "config.json"
+    return config_json(folder / "config.json")
+
+
+def config_json(path: Path) -> dict:
+    """A ``config.json`` file as a dict; a file that is not UTF-8, not JSON (the error and where) or not a JSON
+    object is refused naming the file."""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
