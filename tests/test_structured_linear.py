@@ -72,3 +72,87 @@ def test_peft_matches_a_remote_code_copy_by_name_and_not_an_unrelated_module():
     remote = type("KroneckerLinear", (torch.nn.Module,), {})()  # a class of the same name from another module
     assert peft_targets.is_structured_linear(remote)
     assert not peft_targets.is_structured_linear(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- fast forwards (issue 47)
+#: (type, in, out, spec): a reader's Kronecker split (A 1 x q: A first), a writer's (A q x 1: B first), general
+#: splits taking each order, GS tiles, low rank and dense, each with a bias
+FORWARDS = [
+    ("kron_reader", 24, 20, {"type": "kron", "rank": 3, "a_shape": [1, 4]}),
+    ("kron_writer", 20, 24, {"type": "kron", "rank": 3, "a_shape": [4, 1]}),
+    ("kron_general_a_first", 24, 30, {"type": "kron", "rank": 2, "a_shape": [3, 4]}),
+    ("kron_general_b_first", 24, 30, {"type": "kron", "rank": 2, "a_shape": [15, 2]}),
+    ("gs", 24, 20, {"type": "gs", "rank": 3, "blocks": [4, 2]}),
+    ("lowrank", 24, 20, {"type": "lowrank", "rank": 5}),
+    ("dense", 24, 20, {"type": "dense"}),
+]
+
+
+def _module(in_features, out_features, spec, seed=0):
+    torch.manual_seed(seed)
+    module = SL.structured_linear(in_features, out_features, {**spec, "bias": True})
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module.eval()
+
+
+def _relative_error(forward, module, x) -> tuple[float, float]:
+    """(error of ``forward(x)``, error of the dense float32 product) against the float64 product of
+    ``dense_weight()``, both relative to the largest output: the second is the float32 floor at this shape."""
+    with torch.no_grad():
+        W, b = module.dense_weight().double(), module.bias.double()
+        ref = x.double() @ W.T + b
+        scale = ref.abs().max().item()
+        floor = (torch.nn.functional.linear(x, module.dense_weight(), module.bias).double() - ref).abs().max().item()
+        got = (forward(x).double() - ref).abs().max().item()
+    return got / scale, max(floor / scale, torch.finfo(torch.float32).eps)
+
+
+def _check_forward(forward, module, x):
+    err, floor = _relative_error(forward, module, x)
+    assert err <= 16 * floor, f"relative error {err:.2e} against a float32 floor of {floor:.2e}"
+
+
+@pytest.mark.parametrize("name,n_in,n_out,spec", FORWARDS, ids=[f[0] for f in FORWARDS])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_each_forward_equals_its_dense_weight_product_to_the_float32_floor(name, n_in, n_out, spec, tokens):
+    module = _module(n_in, n_out, spec)
+    if name.startswith("kron"):
+        assert module.a_first == name.endswith(("reader", "a_first"))
+    x = torch.randn(2, tokens, n_in, generator=torch.Generator().manual_seed(1))
+    _check_forward(module, module, x)
+
+
+def test_a_wrong_factor_order_or_an_unshuffled_gs_fails_the_same_bound():
+    """Negative controls: the bound catches a Kronecker forward that reads the input's blocks in the wrong
+    order (``x[t, j2, j1]`` for ``x[t, j1, j2]``) and a GS forward without its shuffle."""
+    kron = _module(24, 20, FORWARDS[0][3])
+    (m1, n1), (m2, n2), r = kron.a_shape, kron.b_shape, kron.rank
+
+    def wrong_order(x):
+        x = x.reshape(-1, n2, n1).transpose(1, 2)
+        u = torch.matmul(kron.kron_a.reshape(m1 * r, n1), x)
+        return torch.nn.functional.linear(u.reshape(-1, r * n2), kron.kron_b.reshape(m2, r * n2), kron.bias)
+
+    gs = _module(24, 20, FORWARDS[4][3])
+
+    def unshuffled(x):
+        x = x.reshape(-1, gs.in_features)
+        N, kl, kr, b = x.shape[0], gs.kl, gs.kr, gs.rank
+        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), gs.gs_right.transpose(1, 2))  # [kr, N, (i, c)]
+        h = h.reshape(kl, N, kr * b)  # the shuffle left out
+        return torch.bmm(h, gs.gs_left.transpose(1, 2)).transpose(0, 1).reshape(N, -1) + gs.bias
+
+    x = torch.randn(7, 24, generator=torch.Generator().manual_seed(1))
+    for forward, module in ((wrong_order, kron), (unshuffled, gs)):
+        with pytest.raises(AssertionError, match="relative error"):
+            _check_forward(forward, module, x)
+
+
+@pytest.mark.parametrize("name", ["kron_reader", "kron_writer", "gs"])
+def test_compiled_forwards_equal_the_dense_weight_product(name):
+    _, n_in, n_out, spec = next(f for f in FORWARDS if f[0] == name)
+    module = _module(n_in, n_out, spec)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    _check_forward(compiled, module, torch.randn(1, 5, n_in, generator=torch.Generator().manual_seed(1)))
