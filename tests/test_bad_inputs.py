@@ -105,8 +105,8 @@ CASES = [
     ("rotate", [T, OUT, "--text", "{root}/empty.txt"], "empty.txt is empty"),
     ("rotate", [T, OUT, "--text", "{root}/binary.txt"], "binary.txt is binary (a NUL byte at offset 0)"),
     ("rotate", [T, OUT, "--text", "{root}/latin1.txt"], "latin1.txt is not UTF-8 (byte 0xe9 at offset 3)"),
-    ("rotate", [T, OUT, "--text", "{root}/one.txt"], "has 1 tokens, fewer than the 2048 that --ppl-tokens asks for"),
-    ("rotate", [T, OUT, "--text", "{root}/short.txt", "--tokens", "512", "--ppl-tokens", "0"], "fewer than the 512"),
+    ("rotate", [T, OUT, "--text", "{root}/one.txt"], "one.txt has 1 token: --tokens needs at least 2"),
+    ("rotate", [T, OUT, "--text", "{root}/short.txt", "--tokens", "300", "--ppl-tokens", "0"], "fewer than the 300"),
     # output files
     ("rotate", [T, OUT, "--json", "{root}/tiny"], "--json {root}/tiny is a folder"),
     ("rotate", [T, OUT, "--json", "{root}/nodir/s.json"], "its folder {root}/nodir does not exist"),
@@ -120,11 +120,13 @@ CASES = [
     ("verify", [T, T, *VERIFY, "--tolerance", "nan"], "--tolerance must be a finite number >= 0; got nan"),
     ("verify", [T, T, *VERIFY, "--tolerance", "-1"], "--tolerance must be a finite number >= 0"),
     ("verify", [T, T, "--text", "{root}/latin1.txt"], "is not UTF-8"),
-    ("verify", [T, T, "--text", "{root}/short.txt", "--tokens", "16"], "fewer than the 2048 that --ppl-tokens"),
+    ("verify", [T, T, "--text", "{root}/short.txt", "--ppl-tokens", "200"], "fewer than the 200 that --ppl-tokens"),
+    ("verify", [T, T, "--text", "{root}/one.txt"], "has 1 token: --tokens needs at least 2"),
     ("verify", [T, T, *VERIFY, "--device", "tpu"], "unknown device 'tpu'"),
     # eval
     ("eval", ["{root}/pickle", "--text", G], "holds only pickle weights"),
-    ("eval", [T, "--text", "{root}/one.txt"], "has 1 tokens, fewer than the 2048 that --max-tokens asks for"),
+    ("eval", [T, "--text", "{root}/one.txt"], "has 1 token: --max-tokens needs at least 2"),
+    ("eval", [T, "--text", "{root}/short.txt", "--max-tokens", "300"], "fewer than the 300 that --max-tokens"),
     ("eval", [T, "--text", "{root}/binary.txt"], "is binary"),
     ("eval", [T, "--text", G, "--max-tokens", "-5"], "--max-tokens must be 0 (the whole text) or positive"),
     ("eval", [T, "--text", G, "--json", "{root}/nodir/e.json"], "does not exist"),
@@ -133,7 +135,7 @@ CASES = [
     ("to-tpa", [T, OUT, "--k-rank", "0"], "--k-rank must be positive"),
     ("to-tpa", ["{root}/badjson", OUT], "is not valid JSON"),
     ("to-tpa", [T, OUT, "--k-rank", "1", "--calib", "{root}/latin1.txt"], "--calib: text file"),
-    ("to-tpa", [T, OUT, "--k-rank", "1", "--calib", "{root}/short.txt", *VERIFY], "fewer than the 2048 that --calib"),
+    ("to-tpa", [T, OUT, "--k-rank", "1", "--calib", "{root}/short.txt", "--calib-tokens", "101"], "fewer than the 101"),
     # match
     ("match", ["{root}/pickle", T, OUT], "holds only pickle weights"),
     ("match", [T, "{root}/mismatch", OUT], "has shape"),
@@ -150,7 +152,8 @@ CASES = [
     # farr
     ("farr", [T, OUT], "one of the arguments --tau --params-fraction is required"),
     ("farr", ["{root}/pickle", OUT, "--tau", "0.9"], "holds only pickle weights"),
-    ("farr", [T, OUT, "--tau", "0.9", "--calibrate", "{root}/one.txt", *VERIFY], "fewer than the 2048 that --calib"),
+    ("farr", [T, OUT, "--tau", "0.9", "--calibrate", "{root}/one.txt", *VERIFY], "--calib-tokens needs at least 2"),
+    ("compress", [T, OUT, "--calib", "{root}/short.txt", "--calib-tokens", "512"], "fewer than the 512 that --calib"),
     # compress
     ("compress", [T, OUT, "--ratio", "3"], "ratio must be in (0, 1)"),
     ("compress", [T, OUT, "--ratio", "banana"], "argument --ratio: invalid float value"),
@@ -210,6 +213,18 @@ def test_bad_input_one_line_exit_2_nothing_written(command, args, fragment, root
     assert err[0].startswith((f"hf-symmetry {command}: error: ", "hf-symmetry: error: ")), err[0]
     assert digests(root) == before  # no input changed, no OUT, no --json file, no partial folder
     assert not [p for p in root.iterdir() if p.name.startswith(("out", ".out", "nodir"))]
+
+
+def test_a_short_text_at_the_default_token_counts_is_taken_whole(root, capsys, tmp_path):
+    """A flag left at its default takes what the text has (100 tokens < --ppl-tokens' 2048): only a count given on
+    the command line asks for that many. The defaults the checks know are the parsers'."""
+    from hf_symmetry.cli import build_parser
+    from hf_symmetry.commands.inputs import CALIB_TOKENS_DEFAULT
+
+    code, err = run_cli(["verify", str(root / "tiny"), str(root / "tiny"), "--text", str(root / "short.txt")], capsys)
+    assert code == 0, err
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert {c: sub[c].get_default("calib_tokens") for c in CALIB_TOKENS_DEFAULT} == CALIB_TOKENS_DEFAULT
 
 
 def test_the_checks_see_a_good_input(root, capsys, tmp_path):

@@ -111,9 +111,9 @@ def check_verify_args(args, tokenizer_from=None) -> None:
                 f"{tokenizer_from} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which "
                 "verification needs: add them to the folder or pass --no-verify"
             )
-        needs = {"--tokens": args.tokens}
+        needs = {"--tokens": (args.tokens, LOGIT_TOKENS)}
         if is_causal_lm_folder(folder):  # (an encoder has no perplexity: --ppl-tokens asks for nothing)
-            needs["--ppl-tokens"] = args.ppl_tokens
+            needs["--ppl-tokens"] = (args.ppl_tokens, PPL.tokens)
         check_text_tokens(args.text, folder, needs)
 
 

@@ -30,7 +30,7 @@ from .common import (
     placement_from_args,
     verify_and_record,
 )
-from .inputs import check_text_tokens
+from .inputs import CALIB_TOKENS_DEFAULT, check_text_tokens
 from .runner import Conversion, run_conversion
 
 
@@ -279,7 +279,9 @@ class Compress(Conversion):
         self.original = resolve_model(args.model)
         self.calib = resolve_text(args.calib) if args.calib else None
         if self.calib is not None:
-            check_text_tokens(args.calib, args.model, {"--calib-tokens": args.calib_tokens})
+            check_text_tokens(
+                args.calib, args.model, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["compress"])}
+            )
 
     def convert(self):
         args, options, src = self.args, self.options, self.original

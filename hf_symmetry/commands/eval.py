@@ -80,7 +80,7 @@ def _check_args(args):
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens must be 0 (the whole text) or positive; got {args.max_tokens}")
     if text:  # a text too short for --max-tokens (or for perplexity at all) is refused before the model loads
-        check_text_tokens(text, args.model, {"--max-tokens": args.max_tokens or 2})
+        check_text_tokens(text, args.model, {"--max-tokens": (args.max_tokens or 2, PPL.tokens)})
     return tasks, device
 
 

@@ -20,7 +20,7 @@ from .common import (
     check_verify_args,
     placement_from_args,
 )
-from .inputs import check_text_tokens
+from .inputs import CALIB_TOKENS_DEFAULT, check_text_tokens
 from .runner import Conversion, run_conversion
 
 #: a reduction that removes less than this fraction of the model's parameters ...
@@ -93,7 +93,9 @@ class Farr(Conversion):
         check_verify_args(args, args.model)
         self.original = resolve_model(args.model)
         if args.calibrate is not None:  # a missing or short text fails before any work
-            check_text_tokens(args.calibrate, args.model, {"--calib-tokens": args.calib_tokens})
+            check_text_tokens(
+                args.calibrate, args.model, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["farr"])}
+            )
 
     def convert(self):
         args, src = self.args, self.original

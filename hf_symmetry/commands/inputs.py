@@ -47,6 +47,9 @@ TEXT_ARGS = {
 }
 #: argument names that name files a command writes besides OUT, with their flag
 OUTPUT_FILE_ARGS = {"json_out": "--json", "write_imatrix": "--write-imatrix"}
+#: the ``--calib-tokens`` default of each command that calibrates (what :func:`check_text_tokens` treats as "not asked
+#: for"; tests/test_bad_inputs.py checks these against the parsers)
+CALIB_TOKENS_DEFAULT = {"to-tpa": 2048, "farr": 2048, "spectra": 2048, "compress": 16384}
 #: weights formats hf_symmetry does not read (they are pickles: loading one runs its code)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -112,19 +115,24 @@ def check_text(spec: str | os.PathLike, flag: str = "--text") -> Path:
     return path
 
 
-def check_text_tokens(spec, tokenizer_from, needs: dict[str, int]) -> None:
-    """Refuse a text with fewer tokens (``tokenizer_from``'s tokenizer, no special tokens) than the most any flag
-    of ``needs`` (``{"--flag": tokens}``) asks for; a flag asking for 0 tokens asks for nothing."""
-    needs = {flag: n for flag, n in needs.items() if n and n > 0}
-    if not needs:
+def check_text_tokens(spec, tokenizer_from, needs: dict[str, tuple[int, int]]) -> None:
+    """Refuse a text too short (in ``tokenizer_from``'s tokens, no special tokens) for what its flags ask:
+    ``needs`` is ``{"--flag": (value, default)}``. A value given on the command line (not the default) asks for that
+    many tokens; a flag left at its default takes what the text has (the card records the count), at least 2; a
+    flag at 0 asks for nothing."""
+    wanted = {flag: (value if value != default else min(value, 2)) for flag, (value, default) in needs.items()}
+    wanted = {flag: n for flag, n in wanted.items() if n and n > 0}
+    if not wanted:
         return
-    flag, need = max(needs.items(), key=lambda kv: kv[1])
+    flag, need = max(wanted.items(), key=lambda kv: kv[1])
     path = resolve_text(spec)
-    ids = tokenize_text(load_tokenizer(tokenizer_from), read_text(path), max_tokens=need)
-    if ids.numel() < need:
+    have = tokenize_text(load_tokenizer(tokenizer_from), read_text(path), max_tokens=need).numel()
+    if have < need and need == 2:
+        raise ValueError(f"text {spec} has {have} token: {flag} needs at least 2 (give a longer text)")
+    if have < need:
         raise ValueError(
-            f"text {spec} has {ids.numel()} tokens, fewer than the {need} that {flag} asks for: give a longer "
-            f"text or lower {flag}"
+            f"text {spec} has {have} tokens, fewer than the {need} that {flag} asks for: give a longer text or "
+            f"lower {flag}"
         )
 
 

@@ -18,7 +18,7 @@ from ..evaluation.spectra_plots import plot_layer_spectra, plot_rank_heatmaps
 from ..solvers.fused import check_tau
 from ..text import read_text, tokenize_text
 from .common import add_device_args, emit, placement_from_args
-from .inputs import check_text_tokens
+from .inputs import CALIB_TOKENS_DEFAULT, check_text_tokens
 
 REPORT = "report.json"
 HEATMAP = "effective_rank.png"
@@ -72,7 +72,7 @@ def run(args) -> int:
     check_output_dir(args.out, args.overwrite)
     calib_text = resolve_text(args.calibrate) if args.calibrate is not None else None
     if calib_text is not None:
-        check_text_tokens(args.calibrate, src, {"--calib-tokens": args.calib_tokens})
+        check_text_tokens(args.calibrate, src, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["spectra"])})
     reader = CheckpointReader(src)
     name = str(args.model) if str(args.model) in MODEL_ALIASES else src.name
     ids = calibration = None

@@ -21,7 +21,7 @@ from .common import (
     fmt,
     placement_from_args,
 )
-from .inputs import check_text_tokens
+from .inputs import CALIB_TOKENS_DEFAULT, check_text_tokens
 from .runner import Conversion, run_conversion
 
 
@@ -71,7 +71,9 @@ class ToTPA(Conversion):
             raise ValueError(f"--calib-tokens must be positive, got {args.calib_tokens}")
         check_verify_args(args, args.model)
         if args.calib:
-            check_text_tokens(args.calib, args.model, {"--calib-tokens": args.calib_tokens})
+            check_text_tokens(
+                args.calib, args.model, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["to-tpa"])}
+            )
 
     def convert(self):
         args = self.args
