@@ -164,7 +164,7 @@ CASES = [
     ("export-gguf", [T, "{root}/out.gguf", "--type", "q9_9"], "argument --type: invalid choice"),
     ("export-gguf", ["{root}/pickle", "{root}/out.gguf"], "holds only pickle weights"),
     ("export-gguf", [T, OUT], "the output is one file ending in .gguf"),
-    ("export-gguf", [T, "{root}/out.gguf", "--json-out", "{root}/tiny"], "--json {root}/tiny is a folder"),
+    ("export-gguf", [T, "{root}/out.gguf", "--json-out", "{root}/tiny"], "--json-out {root}/tiny is a folder"),
     # heal
     ("heal", ["{root}/pickle", OUT, "--teacher", T, "--text", G], "holds only pickle weights"),
     ("heal", [T, OUT, "--teacher", "{root}/nope", "--text", G], "does not exist"),

@@ -163,6 +163,9 @@ def test_cli_passes_the_logit_chunk_and_a_negative_one_is_refused(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
+    # the inputs named below are never read (heal_checkpoint is faked): the up-front input checks are skipped
+    monkeypatch.setattr("hf_symmetry.cli.check_inputs", lambda args: None)
+    monkeypatch.setattr(heal_module, "resolve_model", Path, raising=False)
     assert cli(["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--logit-chunk", "512", "--quiet"]) == 2
     assert seen["options"].logit_chunk == 512 and HealOptions().logit_chunk == 2048
     with pytest.raises(ValueError, match="--logit-chunk"):

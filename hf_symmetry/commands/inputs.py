@@ -57,11 +57,10 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 def check_inputs(args) -> None:
     """Check every model folder, text and output file of one command's parsed ``args``, before any work."""
     command = getattr(args, "command", None)
-    for flag_dest, flag in OUTPUT_FILE_ARGS.items():
-        if getattr(args, flag_dest, None):
-            check_output_file(getattr(args, flag_dest), flag)
-    if command == "export-gguf" and getattr(args, "json_out", None):
-        check_output_file(args.json_out, "--json-out")
+    for dest, flag in OUTPUT_FILE_ARGS.items():
+        if getattr(args, dest, None):
+            flag = "--json-out" if (command, dest) == ("export-gguf", "json_out") else flag  # (its own name)
+            check_output_file(getattr(args, dest), flag)
     for dest, flag in TEXT_ARGS.items():
         value = getattr(args, dest, None)
         if isinstance(value, (str, os.PathLike)) and value:
@@ -154,7 +153,7 @@ def check_model_folder(spec, trust_remote_code: bool = False) -> Path:
     folder = resolve_model(spec)
     config = _config_dict(folder)
     shapes = _safetensors_shapes(folder)
-    if config.get("model_type") is not None:
+    if config.get("model_type") is not None and not config.get("quantization_config"):  # (packed weights: no shapes)
         _check_shapes(folder, shapes, trust_remote_code)
     return folder
 
