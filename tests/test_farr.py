@@ -444,7 +444,13 @@ def test_cli_farr_and_spectra_end_to_end(tmp_path, capsys, family):
     assert cli.main(["spectra", str(src), str(spec), "--tau", "0.9", "0.99", "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "layout check" in text and "passed" in text
-    assert {p.name for p in spec.iterdir()} == {"report.json", "effective_rank.png", "vo_spectra.png", "qk_spectra.png"}
+    assert {p.name for p in spec.iterdir()} == {
+        "report.json",
+        "effective_rank.png",
+        "vo_spectra.png",
+        "qk_spectra.png",
+        ".hf-symmetry-files",  # (what hf-symmetry wrote, which --overwrite may replace)
+    }
     report = json.loads((spec / "report.json").read_text())
     assert report["qk"]["available"] and report["layout_check"]["passed"]
     group = report["layers"][0]["vo"][0]

@@ -103,8 +103,13 @@ def test_overwrite_replaces_only_on_success(tiny_llama_dir, tmp_path):
     with pytest.raises(FileExistsError, match="--overwrite"):
         rotate_checkpoint(tiny_llama_dir, out, OPTIONS, progress=False)
     assert (out / "keep.txt").read_text() == "precious"
+    with pytest.raises(FileExistsError, match="'keep.txt', which hf-symmetry did not write"):
+        rotate_checkpoint(tiny_llama_dir, out, OPTIONS, overwrite=True, progress=False)  # not ours to replace
+    assert (out / "keep.txt").read_text() == "precious"
+    (out / "keep.txt").unlink()
     rotate_checkpoint(tiny_llama_dir, out, OPTIONS, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    rotate_checkpoint(tiny_llama_dir, out, OPTIONS, overwrite=True, progress=False)  # what hf-symmetry wrote
+    assert (out / "config.json").exists()
 
 
 def test_low_precision_globals_are_rounded_once(tmp_path):

@@ -25,7 +25,11 @@ from .inputs import check_text, check_text_tokens, is_causal_lm_folder
 
 
 def add_output_args(p) -> None:
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if hf-symmetry wrote it or it is an HF model folder (never an input)",
+    )
     p.add_argument("--json", dest="json_out", metavar="FILE", help="also write the summary as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -68,6 +68,7 @@ class ExportGGUF(Conversion):
     transformers (no card, no push)."""
 
     publishes = False
+    writes_file = True
 
     def check(self) -> None:
         self.original = resolve_model(self.args.model)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..assets import resolve_model
+from ..checkpoint_io import check_output_dir
 from ..evaluation.perplexity import PPL
 from ..training import is_main_process
 from ..training.heal import HealJob, HealOptions, heal_checkpoint
@@ -176,6 +178,9 @@ def _add_heldout(p) -> None:
 
 
 def run(args) -> int:
+    # OUT against the student and the teacher, before any work (the rules of every conversion: commands/runner.py)
+    inputs = [resolve_model(args.model)] + ([resolve_model(args.teacher)] if args.teacher else [])
+    check_output_dir(args.out, args.overwrite, inputs)
     r = heal_checkpoint(job_from_args(args))
     if not is_main_process():
         return 0

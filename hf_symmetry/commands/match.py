@@ -83,6 +83,9 @@ class Match(Conversion):
         check_verify_args(self.args, self.args.anchor)
         self.anchor, self.original = resolve_model(self.args.anchor), resolve_model(self.args.source)
 
+    def inputs(self) -> list:
+        return [self.anchor, self.original]
+
     def convert(self):
         args, anchor, source = self.args, self.anchor, self.original
         report = match_checkpoint(

@@ -1,16 +1,20 @@
 """The one driver of the conversion commands (rotate, match, merge, to-tpa, farr, compress, export-gguf).
 
 A command is one small :class:`Conversion` object made from its parsed arguments; :func:`run_conversion` drives
-every one the same way: start the clock, :meth:`~Conversion.check` (refusals before any work),
+every one the same way: start the clock, :meth:`~Conversion.check` (refusals before any work), the checks of OUT
+against the inputs (:func:`check_output`), then, holding OUT's lock (a second writer is refused),
 :meth:`~Conversion.convert` (the report and its printed lines), :meth:`~Conversion.verify` (the figures, added to
 the lines and the folder's card), :meth:`~Conversion.summary` (the ``--json`` summary), the push when
 ``--push-to-hub`` was given, the total-time line, and :func:`~.common.emit`. A command supplies only its own parts."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict
 
+from ..assets import resolve_model
+from ..checkpoint_io import check_output_dir, input_bytes, output_lock, parse_size
 from .common import emit, push_if_requested, total_time_line, verify_and_record
 
 
@@ -26,6 +30,8 @@ class Conversion:
     against: str = ""
     #: whether the command takes ``--push-to-hub`` (its summary then has a "push" entry)
     publishes: bool = True
+    #: whether OUT is one file (export-gguf) rather than a folder
+    writes_file: bool = False
 
     def __init__(self, args) -> None:
         self.args = args
@@ -34,6 +40,11 @@ class Conversion:
 
     def check(self) -> None:
         """Refuse bad flags and resolve the inputs, before any work (default: nothing to check)."""
+
+    def inputs(self) -> list:
+        """Every model the command reads (names or folders, as given): OUT may not be, contain or lie in one
+        (default: ``args.model``, when the command has one; None: the default model)."""
+        return [self.args.model] if hasattr(self.args, "model") else []
 
     def convert(self) -> tuple[object, list[str]]:
         """Write OUT; return the conversion's report and the lines that describe it."""
@@ -52,12 +63,36 @@ class Conversion:
         return asdict(report)
 
 
+def check_output(command: Conversion) -> None:
+    """Refuse, before any work, an OUT that would lose the user's data and a bad ``--max-shard-size``
+    (:func:`hf_symmetry.checkpoint_io.check_output_dir`: an input, a folder holding or inside an input, the
+    current folder, files hf-symmetry did not write, a disk that cannot be written or lacks the input's size)."""
+    args = command.args
+    if getattr(args, "max_shard_size", None) is not None:
+        parse_size(args.max_shard_size)
+    inputs = [resolve_model(name) for name in command.inputs()]
+    need = max((input_bytes(p) for p in inputs), default=0)
+    check_output_dir(
+        command.out, getattr(args, "overwrite", False), inputs, need_bytes=need, is_file=command.writes_file
+    )
+
+
 def run_conversion(command: Conversion) -> int:
     """Run one conversion command, every step in the same order for every command (module docstring)."""
     start = time.perf_counter()
     command.check()
-    report, lines = command.convert()
-    verified = command.verify(report, lines)
+    check_output(command)
+    with output_lock(command.out):
+        report, lines = command.convert()
+        try:
+            verified = command.verify(report, lines)
+        except KeyboardInterrupt:  # (SIGTERM and SIGHUP too: hf_symmetry.cli.main makes them one)
+            print(
+                f"hf-symmetry: {command.out} was written and is complete; the verification was interrupted, so "
+                "its card lacks the verification figures",
+                file=sys.stderr,
+            )
+            raise
     summary = command.summary(report)
     if command.publishes:
         summary["push"] = push_if_requested(command.args, command.out, lines)

@@ -58,7 +58,7 @@ def register(sub) -> None:
         help="skip checking the fused maps against the model's own forward (a second pass over the "
         "checkpoint, one layer at a time)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if hf-symmetry wrote it (never the input)")
     p.add_argument("--json", dest="json_out", metavar="FILE", help="also write the summary as JSON to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_device_args(p)
@@ -69,7 +69,7 @@ def run(args) -> int:
     taus = [check_tau(t) for t in args.tau]  # bad input fails before any work
     placement = placement_from_args(args)
     src = resolve_model(args.model)
-    check_output_dir(args.out, args.overwrite)
+    check_output_dir(args.out, args.overwrite, [src])  # (the rules of every conversion: commands/runner.py)
     calib_text = resolve_text(args.calibrate) if args.calibrate is not None else None
     if calib_text is not None:
         check_text_tokens(args.calibrate, src, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["spectra"])})

@@ -46,7 +46,7 @@ from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_toke
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from ..architectures.spec import LLAMA, SPECS, find_spec
-from ..checkpoint_io import CheckpointReader
+from ..checkpoint_io import CheckpointReader, atomic_output_file
 from ..gguf_pretokenizer import PreTokenizer, gguf_tokenizer_kind, split_as_llamacpp
 
 #: --type -> GGML tensor type name (float types and the block types gguf's Python code can quantize)
@@ -296,40 +296,38 @@ def export_gguf(
     n_kv = int(_get(config, "num_key_value_heads", default=n_heads))
     tied = bool(config.get("tie_word_embeddings", False))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
-    writer = gguf.GGUFWriter(tmp, arch)
-    _write_hyperparameters(writer, config, name or Path(reader.path).name, type)
-    tokenizer, pre = _tokenizer(writer, Path(reader.path), int(config["vocab_size"]))
+    with atomic_output_file(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        _write_hyperparameters(writer, config, name or Path(reader.path).name, type)
+        tokenizer, pre = _tokenizer(writer, Path(reader.path), int(config["vocab_size"]))
 
-    names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), n_layers)
-    qtype = _qtype(type)
-    counts: dict[str, int] = {}
-    keys = [k for k in reader.keys() if not k.endswith("rotary_emb.inv_freq")]
-    if tied:
-        keys = [k for k in keys if k != "lm_head.weight"]
-    for key in tqdm(keys, desc="gguf", unit="tensor", disable=not progress):
-        base, suffix = key.rsplit(".", 1)
-        gname = names.get_name(base)
-        if gname is None:
-            raise ValueError(f"{key}: no GGUF name in the {arch} tensor map")
-        t = reader.get([key])[key].to(torch.float32)
-        if permute and base.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-            t = permute_rope_rows(t, n_heads if base.endswith("q_proj") else n_kv)
-        stored, ggml_type = _stored(t.numpy(), qtype)
-        writer.add_tensor(
-            f"{gname}.{suffix}",
-            stored,
-            raw_dtype=ggml_type
-            if ggml_type not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32)
-            else None,
-        )
-        counts[ggml_type.name] = counts.get(ggml_type.name, 0) + 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
-    tmp.replace(out)
+        names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), n_layers)
+        qtype = _qtype(type)
+        counts: dict[str, int] = {}
+        keys = [k for k in reader.keys() if not k.endswith("rotary_emb.inv_freq")]
+        if tied:
+            keys = [k for k in keys if k != "lm_head.weight"]
+        for key in tqdm(keys, desc="gguf", unit="tensor", disable=not progress):
+            base, suffix = key.rsplit(".", 1)
+            gname = names.get_name(base)
+            if gname is None:
+                raise ValueError(f"{key}: no GGUF name in the {arch} tensor map")
+            t = reader.get([key])[key].to(torch.float32)
+            if permute and base.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+                t = permute_rope_rows(t, n_heads if base.endswith("q_proj") else n_kv)
+            stored, ggml_type = _stored(t.numpy(), qtype)
+            writer.add_tensor(
+                f"{gname}.{suffix}",
+                stored,
+                raw_dtype=ggml_type
+                if ggml_type not in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32)
+                else None,
+            )
+            counts[ggml_type.name] = counts.get(ggml_type.name, 0) + 1
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
     return GGUFReport(
         source=str(src),
         output=str(out),
