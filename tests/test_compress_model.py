@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
+from hf_symmetry.checkpoint_io import RowBlocks
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import assemble as assemble_module
@@ -19,6 +20,7 @@ from hf_symmetry.conversion.compress import folded as folded_mod
 from hf_symmetry.conversion.compress import solve as solve_mod
 from hf_symmetry.conversion.compress import targets as targets_mod
 from hf_symmetry.conversion.compress.tall import TallTerm
+from hf_symmetry.conversion.stream import DictSink
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
@@ -53,6 +55,38 @@ def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=tor
         run=C.TensorRun(dtype=dtype, progress=False),
     )
     return C.build_model(state, cfg, dtype)[0], cfg
+
+
+class _BlockSink(dict):
+    """A sink that takes row blocks (as the folder's CountingSink does, by its class attribute)."""
+
+    row_blocks = True
+
+    def add(self, tensors):
+        self.update(tensors)
+
+
+def test_the_two_tensor_entry_points_and_the_sinks_row_blocks(tmp_path):
+    """compress_tensors collects the tensors (and refuses a sink: compress_into writes into one); a sink
+    whose class takes row blocks gets vocabulary-sized factors as RowBlocks, a DictSink (the negative
+    control) whole tensors, the same values either way."""
+    model = tiny_model("llama", seed=2)
+    config, src = model.config.to_dict(), _source(model)
+    options = C.CompressOptions(structure="lowrank", ratio=0.25, stage="f", f_iters=0, tolerance=1.0)
+    counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))
+    given = C.Given(stats=counts)
+    with pytest.raises(ValueError, match="compress_into"):
+        C.compress_tensors(src, config, options, given=given, run=C.TensorRun(progress=False, sink=DictSink()))
+    state, _, _ = C.compress_tensors(src, config, options, given=given, run=C.TensorRun(progress=False))
+    plain, blocks = DictSink(), _BlockSink()
+    for sink in (plain, blocks):
+        C.compress_into(src, config, options, given=given, run=C.TensorRun(progress=False, sink=sink))
+    streamed = [k for k, v in blocks.items() if isinstance(v, RowBlocks)]
+    assert streamed and not any(isinstance(v, RowBlocks) for v in plain.values())
+    assert set(plain) == set(blocks) == set(state)
+    for k, v in blocks.items():
+        whole = v.materialise() if isinstance(v, RowBlocks) else v
+        assert torch.equal(whole, plain[k]) and torch.equal(plain[k], state[k]), k
 
 
 # ----------------------------------------------------------------------------- exactness

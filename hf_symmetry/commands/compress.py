@@ -20,7 +20,7 @@ from ..conversion.compress import (
 )
 from ..conversion.compress.pipeline import route_for
 from ..conversion.compress.routes import FolderSettings
-from ..conversion.compress.stock import StockOptions
+from ..conversion.compress.stock import REMOTE_CODE, StockOptions
 from .common import (
     add_device_args,
     add_output_args,
@@ -242,18 +242,18 @@ def options_from_args(args) -> CompressOptions:
     return options  # validated by compress_checkpoint, before any work
 
 
-def stock_from_args(args, options):
-    """The stock-output settings of a SliceGPT run (``None``: the compressed family, as for every other
-    structure)."""
+def stock_from_args(args, options) -> StockOptions:
+    """The stock-output settings of a SliceGPT run (:data:`REMOTE_CODE` with ``--remote-code``, and for every
+    other structure: the compressed family)."""
     if not options.slicing:
         if args.untie or args.round_to is not None or args.remote_code:
             raise ValueError("--untie, --round-to and --remote-code apply to --structure slice")
-        return None
+        return REMOTE_CODE
     if args.remote_code and (args.untie or args.round_to is not None):
         raise ValueError("--untie and --round-to shape the stock output; --remote-code writes the compressed family")
     stock = StockOptions(untie=args.untie, round_to=64 if args.round_to is None else args.round_to)
     stock.validate()
-    return None if args.remote_code else stock
+    return REMOTE_CODE if args.remote_code else stock
 
 
 def _config(src) -> dict:

@@ -17,6 +17,7 @@ from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ...solvers import structures as st
 from ...solvers.segments import cayley_encode
 from ..layer_map import LayerMapRecorder
+from ..stream import DictSink, TensorSink
 from .folded import FoldedLayers, global_row_blocks
 from .options import LAYER_MODULES, CompressOptions
 from .plan import MatrixPlan, Plan
@@ -48,12 +49,12 @@ class Assembler:
     (:meth:`segment_done`, for solvers that finish the segments in order; each part's factors are
     dropped once written), and whatever is left at the end (:meth:`finish`). Dense matrices are
     rotated and sliced one matrix at a time from the norm-folded layers and globals (the vocabulary-sized
-    ones a block of rows at a time). ``sink``: called with each module's tensors as they are made (e.g.
-    a :class:`...checkpoint_io.ShardedWriter`'s ``add``) instead of collecting them in :attr:`out`; a sink
-    with a true ``row_blocks`` attribute is handed vocabulary-sized row factors as
-    :class:`...checkpoint_io.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
+    ones a block of rows at a time). ``sink`` (a :class:`..stream.TensorSink`, e.g. a
+    :class:`..stream.DictSink`) receives each module's tensors as they are made (``sink.add``); a sink whose
+    class sets ``row_blocks = True`` (:class:`.routes.CountingSink`) is handed vocabulary-sized row factors
+    as :class:`...checkpoint_io.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
 
-    def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink=None):
+    def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink: TensorSink):
         self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = (
             plan,
             layers,
@@ -62,7 +63,6 @@ class Assembler:
             dtype,
             sink,
         )
-        self.out: Tensors = {}
         self.done: set = set()  # "embed", "head", layer indices
         self.written: set = set()  # names of the layer matrices written
 
@@ -71,17 +71,14 @@ class Assembler:
 
     def put(self, prefix: str, tensors: Tensors) -> None:
         """Cast and hand on one module's tensors (a :class:`...checkpoint_io.RowBlocks` factor is streamed
-        into the sink, or made whole when the tensors are collected)."""
+        into a sink that takes row blocks, else made whole)."""
         made = {
             f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
             for k, v in tensors.items()
         }
-        if self.sink is None or not getattr(self.sink, "row_blocks", False):
+        if not getattr(type(self.sink), "row_blocks", False):
             made = {k: v.materialise() if isinstance(v, RowBlocks) else v for k, v in made.items()}
-        if self.sink is not None:
-            self.sink(made)
-        else:
-            self.out.update(made)
+        self.sink.add(made)
 
     def _basis(self, Qs, segment: int) -> torch.Tensor:
         """The kept columns of segment ``segment``'s rotation."""
@@ -166,7 +163,7 @@ class Assembler:
         if k == self.plan.n_segments - 1:
             self.head(Qs, factors, consume=True)
 
-    def finish(self, res: SolveResult, progress: bool = True) -> Tensors:
+    def finish(self, res: SolveResult, progress: bool = True) -> None:
         """Everything not yet written, from the solved rotations and factors."""
         if "embed" not in self.done:
             self.embed(res.Qs, res.factors)
@@ -175,7 +172,6 @@ class Assembler:
             self.layer(i, res.Qs, res.factors)
         if "head" not in self.done:
             self.head(res.Qs, res.factors)
-        return self.out
 
 
 def assemble(
@@ -186,13 +182,12 @@ def assemble(
     res: SolveResult,
     dtype: torch.dtype,
     progress: bool = True,
-    sink=None,
 ) -> Tensors:
     """The compressed model's state dict (cast to ``dtype``) from the norm-folded layers and globals and
-    the final norm's γ. ``sink``: called with each module's tensors as they are made (e.g. a
-    :class:`...checkpoint_io.ShardedWriter`'s ``add``) instead of collecting them; the result is then empty.
-    (:class:`Assembler` writes the parts as a solver finishes them.)"""
-    return Assembler(plan, layers, globals_, gamma, dtype, sink).finish(res, progress)
+    the final norm's γ (:class:`Assembler` into a sink writes the parts as a solver finishes them)."""
+    sink = DictSink()
+    Assembler(plan, layers, globals_, gamma, dtype, sink).finish(res, progress)
+    return dict(sink)
 
 
 def _orthogonal_skip(put, prefix: str, S: torch.Tensor) -> None:

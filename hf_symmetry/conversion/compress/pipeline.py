@@ -5,6 +5,7 @@ LayerNorm decoders in :mod:`.layernorm_decoders`)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,8 +15,9 @@ from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir,
 from ...devices import linalg_device
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ...solvers.linalg import limit_threads
+from ..layer_map import LayerMap
 from ..remote_code import save_family_config
-from ..stream import DictSource, TensorSource
+from ..stream import DictSink, DictSource, TensorSource
 from .allocate import allocate_for
 from .allocate_widths import allocate_slice_for
 from .assemble import Assembler, build_model, compressed_config, config_object
@@ -28,7 +30,7 @@ from .plan import Plan, check_family, plan_for
 from .report import CompressReport, finish_folder, summarise_traces
 from .routes import CountingSink, FolderJob, FolderSettings, Given, Route, TensorRun, checkpoint_dtype
 from .solve import SolveRun, solve
-from .stock import StockOptions, StockSlice, why_not_stock
+from .stock import REMOTE_CODE, StockOptions, StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
 
@@ -42,11 +44,29 @@ def compress_tensors(
     given: Given = Given(),
     run: TensorRun = TensorRun(),
 ) -> tuple[Tensors, dict, CompressReport]:
-    """The whole pipeline on tensors: (compressed state dict, config dict, report). Calibration runs
-    the layer-wise engine over ``source`` on ``run.placement``; ``given`` (:class:`.routes.Given`) may
-    hand in the statistics, the planned structures and the starting rotations (see :func:`solve`).
-    The norm-folded layers are read from ``source`` as the steps need them. ``run.sink``: receives the
-    compressed tensors as they are assembled, layer by layer (the returned state dict is then empty).
+    """The whole pipeline on tensors, collected in memory: (compressed state dict, config dict, report)
+    (:func:`compress_into` with a :class:`..stream.DictSink`; ``run.sink`` must be unset)."""
+    if run.sink is not None:
+        raise ValueError("compress_tensors collects the tensors itself; write into a sink with compress_into")
+    sink = DictSink()
+    new_config, report, _ = compress_into(source, config, options, calib_ids, hf_config, given, replace(run, sink=sink))
+    return dict(sink), new_config, report
+
+
+def compress_into(
+    source: TensorSource,
+    config: dict,
+    options: CompressOptions,
+    calib_ids: torch.Tensor | None = None,
+    hf_config=None,
+    given: Given = Given(),
+    run: TensorRun = TensorRun(),
+) -> tuple[dict, CompressReport, LayerMap | None]:
+    """The whole pipeline on tensors, written into ``run.sink`` (a :class:`..stream.TensorSink`) as they are
+    assembled, layer by layer: (config dict, report, the layer map where every layer maps to the source,
+    else None). Calibration runs the layer-wise engine over ``source`` on ``run.placement``; ``given``
+    (:class:`.routes.Given`) may hand in the statistics, the planned structures and the starting rotations
+    (see :func:`solve`). The norm-folded layers are read from ``source`` as the steps need them.
     ``run.scratch``: a folder for the solver's temporary files (one global Q's warm starts)."""
     times = {}
     t0 = time.perf_counter()
@@ -94,10 +114,9 @@ def compress_tensors(
         res = solve(plan, layers, globals_, stats, options, rotations, calib, solve_run)
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    state = assembler.finish(res, progress)
+    assembler.finish(res, progress)
     times["assemble"] = time.perf_counter() - t2
-    if run.sink is not None and assembler.layer_map.complete():
-        run.sink.layer_map = assembler.layer_map.map  # written next to the weights (heal's layer targets)
+    layer_map = assembler.layer_map.map if assembler.layer_map.complete() else None  # heal's layer targets
     report = CompressReport(
         source="",
         output=None,
@@ -110,7 +129,7 @@ def compress_tensors(
         seconds=times,
         method=options.label,
     )
-    return state, new_config, report
+    return new_config, report, layer_map
 
 
 def _allocated_plan(source, config: dict, options: CompressOptions, plan: Plan, calib_ids, stats, run: TensorRun):
@@ -169,7 +188,7 @@ class CompressedFamily(Route):
 
     def write(self, job: FolderJob) -> CompressReport:
         hf_config = AutoConfig.from_pretrained(job.reader.path)
-        _, new_config, report = compress_tensors(
+        new_config, report, layer_map = compress_into(
             job.reader,
             job.reader.config,
             job.options,
@@ -178,19 +197,19 @@ class CompressedFamily(Route):
             given=Given(plan=self.plan),
             run=TensorRun(job.placement, job.progress, job.dtype, job.sink, job.folder),
         )
-        if job.sink.layer_map is not None:
-            job.sink.layer_map.save(job.folder)
+        if layer_map is not None:  # written next to the weights
+            layer_map.save(job.folder)
         save_family_config(CompressedLlamaForCausalLM, config_object(new_config), job.dtype, job.folder)
         return report
 
 
-def route_for(config: dict, options: CompressOptions, stock: StockOptions | None = None) -> Route:
+def route_for(config: dict, options: CompressOptions, stock: StockOptions = REMOTE_CODE) -> Route:
     """The one decision of a folder's route: SliceGPT as the source's stock family where ``stock`` asks for
-    it and :func:`.stock.why_not_stock` allows; LayerNorm decoders through the RMS-decoder family; else
-    the compressed family."""
+    it (not ``remote_code``) and :func:`.stock.why_not_stock` allows; LayerNorm decoders through the
+    RMS-decoder family; else the compressed family."""
     refusal = None
     if options.slicing:
-        refusal = "--remote-code" if stock is None else why_not_stock(config, options, stock.untie)
+        refusal = "--remote-code" if stock.remote_code else why_not_stock(config, options, stock.untie)
         if refusal is None:
             return StockSlice(stock)
     if through_rms_decoder(config):
@@ -203,15 +222,16 @@ def compress_checkpoint(
     out: str | Path,
     options: CompressOptions,
     calib_text: str | Path | None,
-    stock: StockOptions | None = None,
+    stock: StockOptions = REMOTE_CODE,
     progress: bool = True,
     placement=None,
     folder: FolderSettings = FolderSettings(),
 ) -> CompressReport:
     """Compress the HF folder ``src`` into ``out``: the one entry point of every route (:func:`route_for`).
-    ``stock`` (a :class:`.stock.StockOptions`): where SliceGPT with one global PCA and one width can be
-    written as the source's own stock family (:func:`.stock.why_not_stock`), it is (no remote code);
-    otherwise the output loads with ``trust_remote_code=True``. Every input is checked before any work;
+    ``stock`` (a :class:`.stock.StockOptions`; default :data:`.stock.REMOTE_CODE`): unless it says
+    ``remote_code``, where SliceGPT with one global PCA and one width can be written as the source's own stock
+    family (:func:`.stock.why_not_stock`), it is (no remote code); otherwise the output loads with
+    ``trust_remote_code=True``. Every input is checked before any work;
     ``out`` appears only when everything succeeded. The tokenizer is loaded once; the source model is never
     loaded whole: calibration reads the checkpoint one decoder layer at a time on ``placement``'s device,
     the solvers read the layers as they need them, and the tensors are written to safetensors shards as

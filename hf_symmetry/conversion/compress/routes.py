@@ -26,8 +26,8 @@ class TensorRun:
     :func:`.stock.stock_slice_tensors`, :func:`.layernorm_decoders.slice_tensors` and
     :func:`.layernorm_decoders.structured_tensors`): calibration on ``placement``
     (:func:`hf_symmetry.devices.resolve`; default CPU float32), progress bars, the output ``dtype``, the
-    ``sink`` that receives the tensors as they are made, and a ``scratch`` folder for the solver's
-    temporary files (one global Q's warm starts)."""
+    ``sink`` (a :class:`..stream.TensorSink`) that receives the tensors as they are made, and a ``scratch``
+    folder for the solver's temporary files (one global Q's warm starts)."""
 
     placement: object = None
     progress: bool = True
@@ -56,23 +56,18 @@ class FolderSettings:
 
 
 class CountingSink:
-    """Every route's sink: each module's tensors go straight to the shard writer (row blocks streamed,
-    :meth:`.assemble.Assembler.put`), their parameters counted (not the rotary buffers a stock family
-    carries). Called, or ``add``-ed, with a dict of tensors."""
+    """Every route's sink (a :class:`..stream.TensorSink`): each module's tensors go straight to the shard
+    writer, their parameters counted (not the rotary buffers a stock family carries)."""
 
-    row_blocks = True
+    row_blocks = True  # takes RowBlocks, which the shard writer streams (:meth:`.assemble.Assembler.put`)
 
     def __init__(self, writer: ShardedWriter):
         self.writer = writer
         self.counted = 0
-        self.layer_map = None  # set by the compressed family's assembly when every layer maps to the source
 
     def add(self, tensors: dict) -> None:
         self.counted += sum(t.numel() for k, t in tensors.items() if not k.endswith("rotary_emb.inv_freq"))
         self.writer.add(tensors)
-
-    add.row_blocks = True  # also where the bound ``add`` is the sink
-    __call__ = add
 
 
 @dataclass

@@ -56,18 +56,24 @@ STOCK_TYPES = tuple(t for s in SPECS if s.stock_slice for t in s.model_types)
 
 @dataclass(frozen=True)
 class StockOptions:
-    """How a stock SliceGPT output is written: ``untie`` a tied head (vocab × d′ parameters), widths
-    rounded to a multiple of ``round_to`` (1: no rounding). ``constant`` / ``rescale_eps`` ``False`` (for
-    the negative controls only): leave the constant ``c`` out of the readers, or keep ε as it was."""
+    """Whether and how a SliceGPT output is written as the source's stock family: ``remote_code`` (``--remote-code``;
+    :data:`REMOTE_CODE`) keeps the compressed family even where the stock one is possible; else ``untie`` a
+    tied head (vocab × d′ parameters), widths rounded to a multiple of ``round_to`` (1: no rounding).
+    ``constant`` / ``rescale_eps`` ``False`` (for the negative controls only): leave the constant ``c`` out of
+    the readers, or keep ε as it was. The other structures are always the compressed family."""
 
     untie: bool = False
     round_to: int = 64
     constant: bool = True
     rescale_eps: bool = True
+    remote_code: bool = False
 
     def validate(self) -> None:
         if not isinstance(self.round_to, int) or self.round_to < 1:
             raise ValueError(f"--round-to must be a positive integer, got {self.round_to!r}")
+
+
+REMOTE_CODE = StockOptions(remote_code=True)  # the compressed family for SliceGPT too (``--remote-code``)
 
 
 def why_not_stock(config: dict, options: CompressOptions, untie: bool = False) -> str | None:

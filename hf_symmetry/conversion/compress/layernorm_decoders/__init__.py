@@ -16,7 +16,6 @@ into its readers, which leaves the function unchanged and makes the stream rotat
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import torch
 
@@ -50,7 +49,7 @@ def _run(source, config: dict, options: CompressOptions, calib_ids, run: TensorR
     """Either route into ``run.sink`` (a :class:`DictSink` or the folder's sink): (config dict, report)."""
     if options.slicing:
         return slice_tensors(source, config, options, calib_ids, run=run)
-    return structured_tensors(source, config, options, calib_ids, run=replace(run, sink=run.sink.add))
+    return structured_tensors(source, config, options, calib_ids, run=run)
 
 
 def compress_layer_norm_model(

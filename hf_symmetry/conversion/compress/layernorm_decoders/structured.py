@@ -6,7 +6,7 @@ global ``Q`` or one per residual segment (the skip connections then carry ``Q_pr
 the compressed family's own steps run unchanged on it: the plan's structures (:func:`..plan.structure_for`),
 calibration on the layer-wise engine (the centred model's normalised stream measured directly), the
 solvers (stage F / W, :func:`..solve.solve`) and the assembly of factors and rotations
-(:func:`..assemble.assemble`, whose module names the RMS-decoder family shares). What the compressed
+(:class:`..assemble.Assembler`, whose module names the RMS-decoder family shares). What the compressed
 family's plan does not know is added here: every linear keeps a dense bias (readers' biases unchanged,
 writers' rotated with the stream), the learned position table stays dense and rotates with the
 embedding's segment, and the head (untied by the centring) keeps the final LayerNorm's β as its bias.
@@ -28,7 +28,7 @@ from ....solvers import structures as st
 from ....solvers.linalg import limit_threads
 from ...stream import TensorSource, partition_keys
 from ....devices import linalg_device
-from ..assemble import assemble
+from ..assemble import Assembler
 from ..folded import FoldedLayers
 from ..moments import one_pass_statistics
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
@@ -188,7 +188,7 @@ def structured_tensors(
     given: Given = Given(),
     run: TensorRun = TensorRun(),
 ):
-    """The whole route on tensors into ``run.sink`` (called with each module's tensors, in ``run.dtype``):
+    """The whole route on tensors into ``run.sink`` (a :class:`...stream.TensorSink`, in ``run.dtype``):
     (RMS-decoder config dict, report). ``given`` may hand in the planned structures, the measured
     statistics and the starting rotations, as in :func:`..pipeline.compress_tensors`."""
     times = {}
@@ -226,11 +226,11 @@ def structured_tensors(
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     d = plan.hidden
-    assemble(plan, layers, globals_, torch.ones(d, dtype=torch.float64), res, dtype, progress, sink=sink)
+    Assembler(plan, layers, globals_, torch.ones(d, dtype=torch.float64), dtype, sink).finish(res, progress)
     extras = {"lm_head.bias": globals_["lm_head.bias"]}
     if "pos0.weight" in globals_:  # the position table writes segment 0, as the embedding
         extras["pos0.weight"] = globals_["pos0.weight"] @ res.Qs[0]
-    sink({k: v.to(dtype).contiguous() for k, v in writer.write_globals(extras, {"": dtype}).items()})
+    sink.add({k: v.to(dtype).contiguous() for k, v in writer.write_globals(extras, {"": dtype}).items()})
     times["assemble"] = time.perf_counter() - t2
     new_config = structured_config(centred, plan, options, config)
     report = CompressReport(
