@@ -74,11 +74,13 @@ def test_out_that_contains_the_input_or_lies_inside_it_is_refused(tmp_path, caps
     assert _hashes(proj) == before and not (base / "rotated").exists()
 
 
-def test_merge_and_match_outs_are_checked_against_every_input(tmp_path, capsys):
+def test_every_writer_checks_its_out_against_every_input(tmp_path, capsys):
     a, b = _model(tmp_path / "a"), _model(tmp_path / "b", seed=1)
     before = {**_hashes(a), **{f"b/{k}": v for k, v in _hashes(b).items()}}
     _refused(capsys, ["merge", "--method", "average", str(a), str(b), str(b), "--overwrite", *QUIET], "is the input")
     _refused(capsys, ["match", str(a), str(b), str(a), "--overwrite", *QUIET], "is the input")
+    _refused(capsys, ["farr", str(a), str(a), "--tau", "0.9", "--vo", "--overwrite", *QUIET], "is the input")
+    _refused(capsys, ["spectra", str(a), str(a / "spectra"), "--quiet"], "lies inside the input")
     assert {**_hashes(a), **{f"b/{k}": v for k, v in _hashes(b).items()}} == before
 
 
@@ -150,6 +152,10 @@ def test_too_little_free_space_is_refused_before_any_work(tmp_path, capsys, monk
     real = checkpoint_io.shutil.disk_usage
     monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: real(p)._replace(free=need - 1))
     _refused(capsys, ["rotate", str(m), str(tmp_path / "o"), *QUIET], "not enough free space", "GB free")
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
+    monkeypatch.setattr(checkpoint_io.os, "access", lambda p, mode: False)  # a read-only disk (root writes 0o555)
+    _refused(capsys, ["rotate", str(m), str(tmp_path / "o"), *QUIET], "read-only or not writable")
+    monkeypatch.undo()
     monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda p: real(p)._replace(free=need))
     assert main(["rotate", str(m), str(tmp_path / "o"), *QUIET]) == 0  # the control: exactly enough
 
