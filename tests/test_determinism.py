@@ -23,6 +23,8 @@ EXCEPTIONS: dict[str, str] = {}
 
 WORDS = " ".join(str(i % 97) for i in range(6000))
 
+HEAL = ["--tokens", "512", "--seq-len", "32", "--batch-size", "4", "--lora-rank", "4", "--teacher-sample-fraction", "0"]
+HEAL += ["--device", "cpu", "--eval-text", "{text}", "--ppl-tokens", "64"]  # (its verification: a perplexity)
 CALIB = ["--calib", "{text}", "--calib-tokens", "512", "--calib-seq-len", "64"]
 #: (name, argv after the command's model/OUT arguments are filled in): every conversion command, on the tiny Llama
 CONVERSIONS = {
@@ -36,9 +38,10 @@ CONVERSIONS = {
     "merge": ["merge", "--method", "average", "{model}", "{other}", "{out}"],
     "export-gguf": ["export-gguf", "{model}", "{out}/model.gguf"],
     "spectra": ["spectra", "{model}", "{out}"],
+    "heal": ["heal", "{other}", "{out}", "--teacher", "{model}", "--text", "{text}", *HEAL],
 }
 VERIFY = ["--tokens", "32", "--ppl-tokens", "64", "--text", "{text}"]
-NO_VERIFY_FLAG = {"export-gguf", "spectra"}  # (they have no verification to run)
+NO_VERIFY_FLAG = {"export-gguf", "spectra", "heal"}  # (no verification to run; heal's --text is its training text)
 
 
 def _folder_with_tokenizer(folder: Path, seed: int) -> Path:

@@ -63,8 +63,9 @@ def check_inputs(args) -> None:
             check_output_file(getattr(args, dest), flag)
     for dest, flag in TEXT_ARGS.items():
         value = getattr(args, dest, None)
-        if isinstance(value, (str, os.PathLike)) and value:
-            check_text(value, flag)
+        for text in value if isinstance(value, list) else [value]:  # (heal's --text may be given several times)
+            if isinstance(text, (str, os.PathLike)) and text:
+                check_text(text, flag)
     trust = bool(getattr(args, "trust_remote_code", False))
     for dest in MODEL_ARGS.get(command, ()):
         value = getattr(args, dest, None)

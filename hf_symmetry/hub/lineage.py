@@ -123,12 +123,13 @@ def public_report(report: dict) -> dict:
 
 
 def without_timings(obj: Any) -> Any:
-    """``obj`` without its wall-clock timings (keys ``seconds`` or ``*_seconds``, at any depth)."""
+    """``obj`` without its wall-clock timings and rates (keys ``seconds``, ``*_seconds``, ``*_per_second``, at any
+    depth)."""
     if isinstance(obj, dict):
         return {
             k: without_timings(v)
             for k, v in obj.items()
-            if not (isinstance(k, str) and (k == "seconds" or k.endswith("_seconds")))
+            if not (isinstance(k, str) and (k == "seconds" or k.endswith(("_seconds", "_per_second"))))
         }
     if isinstance(obj, list):
         return [without_timings(v) for v in obj]

@@ -92,7 +92,6 @@ def write_heal_card(out: Path, report: HealReport, tok) -> None:
             "trainable_params": report.trainable_params,
             "teacher_samples": report.teacher_samples,
             "layer_targets": report.layer_targets,
-            "tokens_per_second": report.tokens_per_second,
             "device": report.device,
             "processes": report.processes,
         },
