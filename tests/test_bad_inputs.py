@@ -370,3 +370,12 @@ def test_eval_fails_on_a_nan_perplexity(root, nan_model, capsys):
     assert code == 1, err
     code, err = run_cli(["eval", str(root / "tiny"), "--text", str(root / "good.txt"), "--max-tokens", "64"], capsys)
     assert code == 0, err
+
+
+def test_a_merge_whose_perplexity_is_nan_exits_1_and_keeps_out(root, nan_model, capsys, tmp_path):
+    out = tmp_path / "merged"
+    argv = ["merge", "--method", "average", str(root / "tiny"), str(nan_model), str(out), "--quiet"]
+    code, err = run_cli([*argv, "--text", str(root / "good.txt"), "--ppl-tokens", "32"], capsys)
+    assert code == 1 and err == [f"hf-symmetry merge: error: {out} was written but failed verification: its "
+                                 "perplexity is nan"], err  # fmt: skip
+    assert (out / "model.safetensors").is_file()

@@ -10,6 +10,7 @@ from ..conversion.merge.evaluate import evaluate_merge
 from ..conversion.merge.methods import MERGE_METHODS, METHOD_ALIASES, method_parameters
 from ..conversion.merge.on_disk import merge_checkpoints
 from ..conversion.merge.recipe import DTYPES, load_recipe, recipe_from_dict
+from ..evaluation.verification import VerificationFailed, non_finite
 from ..hub.values import fmt_number
 from .common import (
     add_device_args,
@@ -17,6 +18,7 @@ from .common import (
     add_push_args,
     add_verify_args,
     check_verify_args,
+    emit,
     placement_from_args,
 )
 from .match import add_match_args
@@ -226,4 +228,9 @@ class Merge(Conversion):
                 f"stride {ev['stride']}): merge {fmt_number(ev['merged'])}; "
                 + ", ".join(f"{n} {fmt_number(v)}" for n, v in ev["inputs"].items())
             )
+            if non_finite({"merged": ev["merged"]}):  # (as every conversion's verification: OUT stays, exit 1)
+                emit({}, lines)
+                raise VerificationFailed(
+                    f"{self.out} was written but failed verification: its perplexity is {ev['merged']}"
+                )
         return True
