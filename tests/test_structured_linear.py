@@ -156,3 +156,14 @@ def test_compiled_forwards_equal_the_dense_weight_product(name):
     module = _module(n_in, n_out, spec)
     compiled = torch.compile(module, fullgraph=True, dynamic=False)
     _check_forward(compiled, module, torch.randn(1, 5, n_in, generator=torch.Generator().manual_seed(1)))
+
+
+def test_compress_warns_where_a_structure_measured_slower_than_dense_when_decoding():
+    from hf_symmetry.commands.compress import decode_speed_warning
+
+    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    wide = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8}
+    assert "192x576" in decode_speed_warning("kron", smollm2) and "gs" in decode_speed_warning("gs", smollm2)
+    assert decode_speed_warning("lowrank", smollm2) is None  # 192x576 measured at least as fast as dense
+    assert decode_speed_warning("kron", wide) is None and decode_speed_warning("gs", wide) is None
+    assert decode_speed_warning("slice", smollm2) is None

@@ -6,6 +6,7 @@ written as the source's own stock class instead (no remote code)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..assets import resolve_model, resolve_text
@@ -76,7 +77,9 @@ def _add_method_args(p) -> None:
         choices=STRUCTURES,
         default=None,
         help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
-        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron)",
+        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron). CPU speed (1 thread, 75%% of the "
+        "parameters): faster than dense from 8-token batches on 576x576 matrices and up; decoding one token, "
+        "lowrank and kron (from 576x576) about as fast or faster, gs slower up to 1536x576",
     )
     p.add_argument(
         "--preset",
@@ -260,6 +263,29 @@ def _config(src) -> dict:
     return json.loads((Path(src) / "config.json").read_text())
 
 
+#: per structure, the matrix size (entries) from which one token's forward measured at least as fast as dense
+#: (CPU, float32, 75% of the parameters, SmolLM2's shapes: benchmarks/results/structured_linear.json); gs was
+#: slower at every shape measured (up to 1536x576)
+DECODE_PAYS_FROM = {"kron": 576 * 576, "gs": 1536 * 576 + 1, "lowrank": 192 * 576}
+
+
+def decode_speed_warning(structure: str, config: dict) -> str | None:
+    """One line where ``structure``'s smallest matrix in this model is below :data:`DECODE_PAYS_FROM` (None
+    otherwise, or where the config gives no hidden size)."""
+    d = config.get("hidden_size") or config.get("n_embd") or config.get("d_model")
+    if structure not in DECODE_PAYS_FROM or not d:
+        return None
+    heads = config.get("num_attention_heads") or config.get("n_head") or 1
+    kv = (config.get("num_key_value_heads") or heads) * (config.get("head_dim") or d // heads)
+    rows, cols = min(kv, d), d
+    if rows * cols >= DECODE_PAYS_FROM[structure]:
+        return None
+    return (
+        f"warning: {structure} matrices as small as this model's {rows}x{cols} decode one token slower than dense "
+        "on CPU (benchmarks/results/structured_linear.json); the gain is in prefill and batches"
+    )
+
+
 def run(args) -> int:
     return run_conversion(Compress(args))
 
@@ -282,6 +308,9 @@ class Compress(Conversion):
             check_text_tokens(
                 args.calib, args.model, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["compress"])}
             )
+        warning = decode_speed_warning(self.options.structure, _config(self.original))
+        if warning:
+            print(f"hf-symmetry compress: {warning}", file=sys.stderr)
 
     def convert(self):
         args, options, src = self.args, self.options, self.original

@@ -32,8 +32,9 @@ LINEAR_CLASSES: dict = {}
 class StructuredLinear(nn.Module):
     """``y = x Wᵀ (+ b)`` for a structured ``W [out_features, in_features]``. Subclasses set ``kind`` (their
     config ``"type"``, which registers them) and ``spec_keys`` (what the config entry holds besides the
-    type), and implement ``from_spec``, ``_matmul(x2d)``, ``rows(ids)`` (rows of W, for embeddings),
-    ``init_factors(std)`` (random initialisation) and ``dense_weight()`` (for tests and inspection only)."""
+    type), and implement ``from_spec``, ``_matmul(x2d)`` (or a ``forward`` of their own), ``rows(ids)`` (rows
+    of W, for embeddings), ``init_factors(std)`` (random initialisation) and ``dense_weight()`` (for tests and
+    inspection only)."""
 
     kind: ClassVar[str]
     spec_keys: ClassVar[tuple[str, ...]] = ()
@@ -86,8 +87,9 @@ class DenseLinear(StructuredLinear):
     def from_spec(cls, in_features, out_features, spec, bias):
         return cls(in_features, out_features, bias)
 
-    def _matmul(self, x):
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
+        """One ``F.linear`` on any leading dims, bias included (no reshapes: the fewest calls per token)."""
+        return self.rows(x) if embed else F.linear(x, self.weight, self.bias)
 
     def rows(self, ids):
         return F.embedding(ids, self.weight)
@@ -125,6 +127,24 @@ class KroneckerLinear(StructuredLinear):
     @classmethod
     def from_spec(cls, in_features, out_features, spec, bias):
         return cls(in_features, out_features, int(spec["rank"]), spec["a_shape"], bias)
+
+    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
+        """A reader's split (``A`` of ``1 x q``) and a writer's (``q x 1``) on any leading dims, with the bias in
+        the last call (the fewest calls per token: they count when decoding one token); others as
+        :meth:`_matmul`."""
+        (m1, n1), (m2, n2), r = self.a_shape, self.b_shape, self.rank
+        if embed or not ((self.a_first and m1 == 1) or (not self.a_first and n1 == 1)):
+            return super().forward(x, embed)
+        lead = x.shape[:-1]
+        if self.a_first:
+            xs = x.reshape(-1, n1, n2)
+            u = torch.bmm(self.kron_a.reshape(r, n1).expand(xs.shape[0], r, n1), xs)  # [N, s, j2]
+            return F.linear(u.view(*lead, r * n2), self.kron_b.reshape(m2, r * n2), self.bias)
+        t = F.linear(x, self.kron_b.reshape(m2 * r, n2)).view(-1, m2, r)  # [N, i2, s]
+        a = self.kron_a.reshape(m1, r).expand(t.shape[0], m1, r)
+        if self.bias is None:
+            return torch.bmm(a, t.transpose(1, 2)).view(*lead, m1 * m2)
+        return torch.baddbmm(self.bias.view(m1, m2), a, t.transpose(1, 2)).view(*lead, m1 * m2)
 
     def _matmul(self, x):
         """Two matmuls on views of the stored factors, no permuted copy. A first: ``u[t, (i1, s), j2] =
@@ -241,8 +261,9 @@ class LowRankLinear(StructuredLinear):
     def from_spec(cls, in_features, out_features, spec, bias):
         return cls(in_features, out_features, int(spec["rank"]), bias)
 
-    def _matmul(self, x):
-        return F.linear(F.linear(x, self.lr_v), self.lr_u)
+    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
+        """Two ``F.linear`` on any leading dims, bias in the second (no reshapes: the fewest calls per token)."""
+        return self.rows(x) if embed else F.linear(F.linear(x, self.lr_v), self.lr_u, self.bias)
 
     def rows(self, ids):
         return F.embedding(ids, self.lr_u) @ self.lr_v
