@@ -150,16 +150,18 @@ def convert(folder: str) -> Path:
     return out
 
 
-def kv_widths(config) -> list[int]:
-    """Per layer, the cached elements per token (keys + values) under the model's own cache."""
-    layers = config.num_hidden_layers
-    if hasattr(config, "kv_cache_elements_per_token"):  # TPA: its factor cache (A non-contextual: a weight)
-        return [config.kv_cache_elements_per_token(per_layer=True)] * layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    qk = getattr(config, "qk_head_dims", None) or [head_dim] * layers  # FaRR: each layer's own head dims
-    v = getattr(config, "v_head_dims", None) or [head_dim] * layers
-    return [kv_heads * (a + b) for a, b in zip(qk, v)]
+def kv_elements(folder: Path) -> int:
+    """Cached elements per token, all layers, from the folder's config.json: ``kv_heads x (qk + v head dims)``
+    per layer (FaRR: each layer's own dims); TPA: its factor cache ``(R_K + R_V)(d_h [+ h with contextual A])``."""
+    c = json.loads((Path(folder) / "config.json").read_text())
+    layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    if "k_rank" in c:
+        return layers * (c["k_rank"] + c["v_rank"]) * (head_dim + (heads if c.get("contextual_a") else 0))
+    qk = c.get("qk_head_dims") or [head_dim] * layers
+    v = c.get("v_head_dims") or [head_dim] * layers
+    kv_heads = c.get("num_key_value_heads") or heads
+    return sum(kv_heads * (a + b) for a, b in zip(qk, v))
 
 
 def storage_bytes(model, quantized: dict, element_bytes: int) -> int:
@@ -214,12 +216,12 @@ def measure(folder: str, storage: str, texts: list[str], tokens: int) -> dict:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from hf_symmetry.assets import resolve_model, text_path
+    from hf_symmetry.assets import text_path
     from hf_symmetry.evaluation.compare import load_model, load_tokenizer
     from hf_symmetry.evaluation.perplexity import PPL, perplexity
     from hf_symmetry.text import read_text, tokenize_text
 
-    path = resolve_model("default") if folder == "source" else WORK / folder
+    path = folder_path(folder)
     model = load_model(path, trust_remote_code=True)
     t0 = time.perf_counter()
     stored, what = ({}, {"params": sum(p.numel() for p in model.parameters())})
@@ -231,13 +233,13 @@ def measure(folder: str, storage: str, texts: list[str], tokens: int) -> dict:
             if p.data_ptr() not in stored:
                 p.data.copy_(p.data.to(torch.bfloat16).float())
     quantize_seconds = time.perf_counter() - t0
-    widths = kv_widths(model.config)
+    kv = kv_elements(path)
     out = {
         "folder": folder,
         "storage": storage,
         "weight_bytes": storage_bytes(model, stored, element),
-        "kv_bytes": sum(widths) * CONTEXT * element,
-        "kv_elements_per_token": sum(widths),
+        "kv_bytes": kv * CONTEXT * element,
+        "kv_elements_per_token": kv,
         "quantize_seconds": round(quantize_seconds, 1),
         **what,
         "perplexity": {},
@@ -359,19 +361,36 @@ def tables(results: dict) -> list[dict]:
             ]
         )
     budget_rows = []
+    own = {n: p for n, p in points.items() if not p.get("scaled")}  # the project's definition only
     for frac in (0.25, 0.35, 0.5):
         for t in TEXTS:
-            name = best_at(points, t, frac * ref)
-            p = points.get(name)
-            budget_rows.append(
-                [f"{frac:.0%} ({frac * ref / 1e6:.1f} MB)", t, name or "nothing measured fits"]
-                + ([f"{total(p) / 1e6:.1f} MB", f"{p['perplexity'][t]:.1f}"] if p else ["", ""])
-            )
+            row = [f"{100 * frac:.0f} % ({frac * ref / 1e6:.1f} MB)", t]
+            for pool in (points, own):
+                name = best_at(pool, t, frac * ref)
+                p = pool.get(name)
+                mark = "~" if p and p.get("scaled") else ""
+                row.append(f"{name} ({total(p) / 1e6:.1f} MB): {mark}{p['perplexity'][t]:.1f}" if p else "nothing fits")
+            budget_rows.append(row)
     cols = ["pipeline", "weights MB", "KV 2k MB", "total MB", "of bf16 source", "Hamlet", "britannica-eval", "from"]
     return [
         {"name": "points", "columns": cols, "rows": rows},
-        {"name": "budgets", "columns": ["budget", "text", "best pipeline", "bytes", "perplexity"], "rows": budget_rows},
+        {
+            "name": "budgets",
+            "columns": ["budget", "text", "best pipeline measured", "best on the project's definition (no ~ row)"],
+            "rows": budget_rows,
+        },
     ]
+
+
+#: the plot's colour of each family of pipelines (by how their names start; the rest: the source)
+FAMILIES = {
+    "GGUF": "tab:green",
+    "rotate": "tab:olive",
+    "compress": "tab:red",
+    "farr": "tab:purple",
+    "to-tpa": "tab:orange",
+    "source": "tab:blue",
+}
 
 
 def plot(results: dict, path: Path = PLOT) -> None:
@@ -382,16 +401,19 @@ def plot(results: dict, path: Path = PLOT) -> None:
 
     points = all_points(results)
     ref = total(points[point_name("source", "bfloat16")])
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(16, 7), sharey=False)
     for ax, text in zip(axes, TEXTS):
         names = [n for n, p in points.items() if text in p["perplexity"]]
         for n in names:
             p = points[n]
-            marker = "x" if p.get("scaled") else ("s" if "healed" in n else "o")
-            ax.scatter(total(p) / 1e6, p["perplexity"][text], marker=marker, s=28)
+            marker = "x" if p.get("scaled") else ("s" if "healed" in n else ("^" if "+" in n or "GGUF" in n else "o"))
+            family = next(f for f in FAMILIES if n.startswith(f) or f == "source")
+            ax.scatter(total(p) / 1e6, p["perplexity"][text], marker=marker, s=30, color=FAMILIES[family])
             ax.annotate(
-                n, (total(p) / 1e6, p["perplexity"][text]), fontsize=6, xytext=(3, 2), textcoords="offset points"
+                n, (total(p) / 1e6, p["perplexity"][text]), fontsize=5.5, xytext=(3, 2), textcoords="offset points"
             )
+        for family, colour in FAMILIES.items():
+            ax.scatter([], [], color=colour, label=family)
         line = frontier(points, text)
         ax.step(
             [total(points[n]) / 1e6 for n in line],
@@ -407,7 +429,9 @@ def plot(results: dict, path: Path = PLOT) -> None:
         ax.set_title(f"SmolLM2-135M-Instruct, {text} (2048 tokens)", fontsize=10)
         ax.legend(fontsize=7)
     fig.suptitle(
-        "dotted: 25, 35, 50, 100 % of the bfloat16 source; x: scaled from llama.cpp; squares: healed", fontsize=8
+        "dotted: 25, 35, 50, 100 % of the bfloat16 source; triangles: quantized; x: scaled from llama.cpp's own "
+        "perplexity; squares: healed",
+        fontsize=8,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -426,7 +450,16 @@ def merged(results: dict) -> dict:
     for part in sorted(RESULTS.parent.glob(RESULTS.stem + "_*.json")):
         for name, p in load(part)["points"].items():
             out["points"].setdefault(name, p)
+    for p in out["points"].values():  # the cache from the config (FaRR's was first read from layer 0 alone)
+        p["kv_elements_per_token"] = kv_elements(folder_path(p["folder"]))
+        p["kv_bytes"] = p["kv_elements_per_token"] * CONTEXT * (4 if p["storage"] == "float32" else 2)
     return out
+
+
+def folder_path(folder: str) -> Path:
+    from hf_symmetry.assets import resolve_model  # the benchmark's imports stay light for --help
+
+    return Path(resolve_model("default")) if folder == "source" else WORK / folder
 
 
 def finish(results: dict, path: Path = RESULTS) -> None:

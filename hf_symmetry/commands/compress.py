@@ -48,6 +48,10 @@ def register(sub) -> None:
         "compress",
         help="structured compression (Kronecker / GS / low rank) with orthogonal transforms, or SliceGPT",
         description=__doc__,
+        epilog="Where it stands (SmolLM2; bytes = weights + a 2048-token KV cache; BENCHMARKS.md, 'The frontier'): "
+        "slice at 25 % is 79 % of the bfloat16 source's bytes at Hamlet perplexity 131.5 (83.3 healed), while "
+        "bitsandbytes NF4 of the source is 52 % at 39.6 and llama.cpp's Q3_K_M 44 % at 36.4 (source: 31.5). "
+        "For a byte budget, quantize the source (docs/compress.md).",
     )
     _add_method_args(p)
     _add_rotation_args(p)
