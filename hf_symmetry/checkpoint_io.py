@@ -596,8 +596,8 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterat
     run removes what it left (:func:`remove_stale_leftovers`, also called by every command at its start)."""
     out = check_output_dir(out, overwrite).absolute()
     with output_lock(out):
+        remove_stale_leftovers(out.parent)  # (may put a previous OUT back: checked next)
         check_output_dir(out, overwrite)  # (again: another run may have written it before we held the lock)
-        remove_stale_leftovers(out.parent)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-{os.getpid()}-"))
         umask = os.umask(0)
         os.umask(umask)

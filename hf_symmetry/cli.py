@@ -85,6 +85,8 @@ def _remove_leftovers(args) -> None:
     """What killed runs left (:func:`~hf_symmetry.checkpoint_io.remove_stale_leftovers`): next to OUT, when the
     command has one, and in the asset cache."""
     out = getattr(args, "out", None)
+    if out is None and getattr(args, "command", None) == "merge" and getattr(args, "inputs", None):
+        out = args.inputs[-1]  # (merge's OUT is its last positional argument)
     if isinstance(out, str) and out:
         remove_stale_leftovers(Path(out).absolute().parent)
     for folder in build_folders():
