@@ -647,7 +647,8 @@ def test_cli_writes_a_loadable_model_with_its_report(tiny_dir, tmp_path, capsys)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "hf_symmetry_compressed_llama"
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_compressed_llama.CompressedLlamaForCausalLM"
-    assert (out / "modeling_compressed_llama.py").is_file() and (out / "configuration_compressed_llama.py").is_file()
+    for name in ("modeling_compressed_llama.py", "configuration_compressed_llama.py", "structured_linear.py"):
+        assert (out / name).is_file(), name
     report = json.loads((out / "compression_report.json").read_text())
     assert report["accounting"]["compressed_model_params"] == report["accounting"]["compressed_model_params_counted"]
     assert (out / "README.md").is_file()
@@ -886,14 +887,15 @@ def test_modeling_files_only_import_torch_and_transformers():
     from pathlib import Path
 
     folder = Path(hf_symmetry.__file__).parent / "modeling"
-    allowed = {"torch", "transformers", "huggingface_hub", "__future__", "dataclasses"}
-    for name in ("modeling_compressed_llama.py", "configuration_compressed_llama.py"):
+    allowed = {"torch", "transformers", "huggingface_hub", "__future__", "dataclasses", "typing"}
+    siblings = {"configuration_compressed_llama", "structured_linear"}  # shipped beside it (remote code)
+    for name in ("modeling_compressed_llama.py", "configuration_compressed_llama.py", "structured_linear.py"):
         for node in ast.walk(ast.parse((folder / name).read_text())):
             if isinstance(node, ast.Import):
                 assert {a.name.split(".")[0] for a in node.names} <= allowed, name
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    assert node.level == 1 and node.module == "configuration_compressed_llama", name
+                    assert node.level == 1 and node.module in siblings, name
                 else:
                     assert node.module.split(".")[0] in allowed, name
 
