@@ -40,7 +40,7 @@ TEXTS = ("britannica-eval", "hamlet")
 
 
 #: stage W to convergence (benchmarks/bench_stage_w_reference.py's "ours_converged" settings)
-CONVERGED = dict(stage="w", w_iters=50, tol=1e-3, extrapolate=True, als_iters=3, wopp_iters=30, f_iters=10)
+CONVERGED = dict(stage="w", w_iters=50, stop_tol=1e-3, extrapolate=True, als_iters=3, wopp_iters=30, f_iters=10)
 
 
 def rows(ratio: float) -> list[dict]:
@@ -139,7 +139,7 @@ def run_row(row: dict, args, results: dict) -> dict:
         "calib_tokens": args.calib_tokens,
         "calib_seq_len": 512,
         "f_iters": args.f_iters,
-        "tolerance": 0.05,
+        "ratio_slack": 0.05,
         **row.get("options", {}),
     }
     if "match" in row:  # SliceGPT at another row's total: the ratio that gives that total

@@ -29,7 +29,7 @@ def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama")
         w_iters=3,
         als_iters=2,
         wopp_iters=10,
-        tolerance=1.0,
+        ratio_slack=1.0,
         solver_dtype=solver_dtype,
         calib_seq_len=40,
     )
@@ -150,7 +150,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         w_iters=2,
         als_iters=2,
         wopp_iters=5,
-        tolerance=1.0,
+        ratio_slack=1.0,
         calib_seq_len=40,
     )
     assert options.statistics_on_demand

@@ -37,7 +37,7 @@ def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=tor
     """Full-rank structures projected at random per-segment rotations (so skips and the head's change of
     basis are far from the identity)."""
     config = model.config.to_dict()
-    options = C.CompressOptions(structure=structure, ratio=0.25, stage="f", q_mode=q_mode, f_iters=0, tolerance=1.0)
+    options = C.CompressOptions(structure=structure, ratio=0.25, stage="f", q_mode=q_mode, f_iters=0, ratio_slack=1.0)
     src = _source(model)
     plan = _full_rank(C.plan_for(src, config, options)[0])
     n_seg = 2 * plan.n_layers + 1
@@ -72,7 +72,7 @@ def test_the_two_tensor_entry_points_and_the_sinks_row_blocks(tmp_path):
     control) whole tensors, the same values either way."""
     model = tiny_model("llama", seed=2)
     config, src = model.config.to_dict(), _source(model)
-    options = C.CompressOptions(structure="lowrank", ratio=0.25, stage="f", f_iters=0, tolerance=1.0)
+    options = C.CompressOptions(structure="lowrank", ratio=0.25, stage="f", f_iters=0, ratio_slack=1.0)
     counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))
     given = C.Given(stats=counts)
     with pytest.raises(ValueError, match="compress_into"):
@@ -113,7 +113,7 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     model = tiny_model("llama")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
     assert plan.residual < plan.hidden and plan.skip == "dense"
@@ -219,7 +219,7 @@ def test_sequential_walk_measures_the_model_with_replaced_matrices(exact_rmsnorm
     model = tiny_model("llama")
     calib = input_ids(batch=1, length=110, seed=3)[0]
     config, src = model.config.to_dict(), _source(model)
-    options = C.CompressOptions(structure="gs", stage="w", sequential=True, tolerance=1.0)
+    options = C.CompressOptions(structure="gs", stage="w", sequential=True, ratio_slack=1.0)
     plan, adapter = C.plan_for(src, config, options)
     layers, *_ = C.read_folded(src, adapter, src.keys(), plan.tied)
     ms = plan.by_name()
@@ -257,7 +257,7 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
         als_iters=2,
         wopp_iters=10,
         calib_seq_len=40,
-        tolerance=1.0,
+        ratio_slack=1.0,
     )
     plan, adapter, layers, globals_, gamma, calib_input = _walk_setup(model, options, calib, 40)
     one_pass = C.collect_statistics(
@@ -315,7 +315,7 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
         als_iters=2,
         wopp_iters=10,
         calib_seq_len=40,
-        tolerance=1.0,
+        ratio_slack=1.0,
     )
     src = _source(model)
     plan = _full_rank(C.plan_for(src, config, options)[0])
@@ -366,7 +366,7 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(300)))
     options = C.CompressOptions(
-        structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1, w_iters=1, tolerance=0.1
+        structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1, w_iters=1, ratio_slack=0.1
     )
     reader = CheckpointReader(tiny_dir)
     assert TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
@@ -413,7 +413,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
         stage="w",
         sequential=sequential,
         calib_seq_len=40,
-        tolerance=1.0,
+        ratio_slack=1.0,
         f_iters=0,
         w_iters=0,
     )
@@ -529,7 +529,7 @@ def test_equal_ratios_give_equal_model_sizes(q_mode):
             w_iters=2,
             als_iters=2,
             calib_seq_len=40,
-            tolerance=0.05,
+            ratio_slack=0.05,
             wopp_iters=10,
         )
         compressed, report = C.compress_model(model, options, calib_ids=calib)
@@ -546,7 +546,7 @@ def test_equal_ratios_give_equal_model_sizes(q_mode):
 
 def test_ratio_is_reported_per_matrix_and_over_the_model():
     model = tiny_model("qwen2", dtype=torch.float32)
-    options = C.CompressOptions(structure="kron", ratio=0.25, stage="none", tolerance=0.05)
+    options = C.CompressOptions(structure="kron", ratio=0.25, stage="none", ratio_slack=0.05)
     compressed, report = C.compress_model(model, options)
     acc = report.accounting
     per = acc["per_matrix"]
@@ -923,9 +923,9 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     model = tiny_model("llama", dtype=torch.float32)
     calib = input_ids(batch=1, length=120, seed=5)[0]
     options = C.CompressOptions(
-        structure="gs", ratio=0.3, stage="w", f_iters=3, calib_seq_len=40, tolerance=0.05, als_iters=2, wopp_iters=10
+        structure="gs", ratio=0.3, stage="w", f_iters=3, calib_seq_len=40, ratio_slack=0.05, als_iters=2, wopp_iters=10
     )
-    assert (options.w_iters, options.tol, options.extrapolate) == (50, 1e-3, True)
+    assert (options.w_iters, options.stop_tol, options.extrapolate) == (50, 1e-3, True)
     C.compress_model(model, options, calib_ids=calib)
     n_seg = 2 * model.config.num_hidden_layers + 1
     stage_f, stage_w = calls[:n_seg], calls[n_seg:]
@@ -944,7 +944,7 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
             ["compress", "m", "out", "--structure", "gs", "--w-iters", "1", "--tol", "0", "--no-extrapolate"]
         )
     )
-    assert (old.w_iters, old.tol, old.extrapolate) == (1, 0.0, False)
+    assert (old.w_iters, old.stop_tol, old.extrapolate) == (1, 0.0, False)
 
 
 @pytest.mark.parametrize(
@@ -1001,7 +1001,7 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     model = tiny_model("llama")
     calib = input_ids(batch=1, length=110, seed=3)[0]
     config, src = model.config.to_dict(), _source(model)
-    options = C.CompressOptions(structure="lowrank", ratio=0.3, sequential=True, tolerance=1.0)
+    options = C.CompressOptions(structure="lowrank", ratio=0.3, sequential=True, ratio_slack=1.0)
     plan, adapter = C.plan_for(src, config, options)
     layers, globals_, _ = C.read_folded(src, adapter, src.keys(), plan.tied)
     seq, _ = _walk(model, calib)

@@ -71,7 +71,7 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
     options = C.CompressOptions(
-        structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40, tolerance=1.0
+        structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40, ratio_slack=1.0
     )
     state, cfg, report = C.compress_tensors(
         src,
@@ -119,7 +119,7 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
     model = tiny_model("llama")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, calib_seq_len=40, ratio_slack=1.0)
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
     plan.residual = plan.hidden
@@ -190,7 +190,7 @@ def _widths_model(model, widths, placement=None):
     config, src = model.config.to_dict(), _source(model)
     d = config["hidden_size"]
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(structure="slice", calib_seq_len=40, ratio_slack=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": w / d for k, w in enumerate(widths)})[0]
     state, cfg, report = C.compress_tensors(
         src,
@@ -254,7 +254,7 @@ def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
     d, L = model.config.hidden_size, model.config.num_hidden_layers
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(structure="slice", calib_seq_len=40, ratio_slack=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": 1.0 for k in range(2 * L + 1)})[0]
     plan.residual_sizes = [d] * (2 * L + 1)  # force the per-segment path
     state, cfg, _ = C.compress_tensors(

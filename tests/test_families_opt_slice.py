@@ -30,7 +30,7 @@ from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import input_ids, outputs, tiny_model
 
-SLICE = CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0)
+SLICE = CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
 
 
 def _delta(a, b) -> float:

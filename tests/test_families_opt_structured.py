@@ -44,7 +44,7 @@ def _exact(model, structure: str, q_mode: str = "segment", seed: int = 0):
     """Every structure at full rank, projected at random rotations (one per segment when the plan has
     orthogonal skips, else one global one): the compressed model must be the original function."""
     config = model.config.to_dict()
-    options = C.CompressOptions(structure=structure, ratio=0.25, stage="f", q_mode=q_mode, f_iters=0, tolerance=1.0)
+    options = C.CompressOptions(structure=structure, ratio=0.25, stage="f", q_mode=q_mode, f_iters=0, ratio_slack=1.0)
     source = C.DictSource(dict(model.state_dict()))
     plan = _full_rank(layer_norm_plan(source, config, options))
     n_seg = 2 * plan.n_layers + 1
@@ -128,7 +128,7 @@ def test_at_a_ratio_the_model_has_the_planned_size_and_loads_as_remote_code_with
     names = []
     for family, structure in (("opt", "kron"), ("gpt2", "lowrank")):
         model = tiny_model(family)
-        options = C.CompressOptions(structure=structure, ratio=0.25, calib_seq_len=40, w_iters=2, tolerance=0.05)
+        options = C.CompressOptions(structure=structure, ratio=0.25, calib_seq_len=40, w_iters=2, ratio_slack=0.05)
         compressed, report = C.compress_model(model, options, calib_ids=_calib())
         acc = report.accounting
         assert isinstance(compressed, RMSDecoderForCausalLM)
@@ -173,7 +173,7 @@ def test_the_orthogonal_transform_lowers_the_error_at_equal_size():
     parameter counts; the KL divergence from the original on the calibration text is lower with the rotation."""
     model = tiny_model("opt")
     calib = _calib()
-    base = dict(structure="kron", ratio=0.25, calib_seq_len=40, tolerance=0.05)
+    base = dict(structure="kron", ratio=0.25, calib_seq_len=40, ratio_slack=0.05)
     rotated, r1 = C.compress_model(model, C.CompressOptions(**base, w_iters=5), calib_ids=calib)
     identity, r2 = C.compress_model(model, C.CompressOptions(**base, f_iters=0, w_iters=0), calib_ids=calib)
     assert r1.accounting["compressed_model_params"] == r2.accounting["compressed_model_params"]

@@ -86,7 +86,7 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
     model = tiny_model("qwen3")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, tolerance=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     plan = C.plan_for(src, config, options)[0]
     plan.residual = plan.hidden
@@ -105,7 +105,7 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
     assert _delta(model, compressed) <= 1e-9
     # negative control: sliced for real (25 %), the function changes
     sliced, _ = C.compress_model(
-        model, C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0), calib_ids=calib
+        model, C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0), calib_ids=calib
     )
     assert sliced.config.residual_size < model.config.hidden_size and _delta(model, sliced) > 1e-3
 
@@ -159,7 +159,7 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
     opt = tiny_model("opt")
     sliced, _ = C.compress_model(
         opt,
-        C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0),
+        C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0),
         calib_ids=input_ids(batch=1, length=120, seed=3)[0],
     )
     sliced.save_pretrained(out / "sliced_opt")
@@ -226,7 +226,7 @@ def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, e
         als_iters=2,
         wopp_iters=10,
         calib_seq_len=40,
-        tolerance=1.0,
+        ratio_slack=1.0,
     )
     src = _source(model)
     plan = _full_rank(C.plan_for(src, config, options)[0])

@@ -89,7 +89,7 @@ def sliced(root):
         compress_checkpoint(
             root / "teacher",
             out,
-            CompressOptions(structure="slice", ratio=0.01, tolerance=1.0, calib_tokens=2048, calib_seq_len=64),
+            CompressOptions(structure="slice", ratio=0.01, ratio_slack=1.0, calib_tokens=2048, calib_seq_len=64),
             root / "train.txt",
             progress=False,
         )
@@ -141,7 +141,7 @@ def test_per_segment_rotations_map_each_layer_through_its_own_segment(root):
             root / "teacher",
             out,
             CompressOptions(
-                structure="slice", q_mode="segment", ratio=0.01, tolerance=1.0, calib_tokens=2048, calib_seq_len=64
+                structure="slice", q_mode="segment", ratio=0.01, ratio_slack=1.0, calib_tokens=2048, calib_seq_len=64
             ),
             root / "train.txt",
             progress=False,
@@ -177,7 +177,7 @@ def test_a_lossy_slice_records_its_narrower_width(root):
     compress_checkpoint(
         root / "teacher",
         out,
-        CompressOptions(structure="slice", ratio=0.25, tolerance=1.0, calib_tokens=2048, calib_seq_len=64),
+        CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0, calib_tokens=2048, calib_seq_len=64),
         root / "train.txt",
         progress=False,
     )

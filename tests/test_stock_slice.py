@@ -19,7 +19,7 @@ from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.conversion.compress.pca import pca_rotations
 from hf_symmetry.testing import input_ids, outputs, run_without_hf_symmetry, tiny_model
 
-OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, tolerance=1.0)
+OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
 FULL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
 
 

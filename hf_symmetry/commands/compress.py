@@ -232,7 +232,7 @@ def options_from_args(args) -> CompressOptions:
         sequential=args.sequential,
         match_original=args.match_original,
         allocation=args.allocation,
-        tol=args.tol,
+        stop_tol=args.tol,
         extrapolate=args.extrapolate,
     )
     if args.keep_embeddings:

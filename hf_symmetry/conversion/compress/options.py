@@ -38,6 +38,8 @@ LAYER_MODULES = {
 #: residual segment of a layer's matrix, relative to ``2 * layer`` (readers read it, writers write the next)
 SEGMENT_OFFSET = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 1, "up": 1, "down": 2}
 
+#: the names reports and cards give three options (the ``--tol`` flag's, and the ones they have always had)
+REPORTED_AS = {"stop_tol": "tol", "wopp_stop_tol": "wopp_tol", "ratio_slack": "tolerance"}
 _ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len")
 
 
@@ -59,15 +61,15 @@ class CompressOptions:
     compress_embeddings: bool = True
     dense_modules: tuple[str, ...] = ("v",)  # the paper leaves V dense
     f_iters: int = 20  # stage F alternations at most
-    w_iters: int = 50  # stage W alternations at most (a cap: ``tol`` stops it)
+    w_iters: int = 50  # stage W alternations at most (a cap: ``stop_tol`` stops it)
     als_iters: int = 5
     wopp_iters: int = 50
-    tol: float = 1e-3  # stage F/W stop: relative decrease per alternation (0: fixed count)
+    stop_tol: float = 1e-3  # stage F/W stop (--tol): relative decrease per alternation (0: fixed count)
     extrapolate: bool = True  # stage W: over-relaxation of Q between alternations
-    wopp_tol: float = 1e-9  # weighted Procrustes stop: gradient norm relative to its first
+    wopp_stop_tol: float = 1e-9  # weighted Procrustes stop: gradient norm relative to its first
     solver_dtype: str = "float32"  # iterations in float32 (fast), final projections in float64
     damping: float = 0.01  # covariance damping, relative to the mean eigenvalue
-    tolerance: float = 0.02  # largest |achieved ratio − ratio| accepted
+    ratio_slack: float = 0.02  # largest |achieved ratio − ratio| accepted
     calib_tokens: int = 16384
     calib_seq_len: int = 512
     sequential: bool = False  # statistics of the partly compressed model
@@ -110,8 +112,8 @@ class CompressOptions:
             raise ValueError(f"matrix keep fraction must be in (0, 1), got {self.matrix_keep}")
         if self.matrix_keep is not None and self.slicing:
             raise ValueError("a fixed size per matrix applies to the structured classes, not to SliceGPT")
-        if self.tol < 0 or self.wopp_tol < 0:
-            raise ValueError(f"tolerances must be >= 0, got tol={self.tol}, wopp_tol={self.wopp_tol}")
+        if self.stop_tol < 0 or self.wopp_stop_tol < 0:
+            raise ValueError(f"tolerances must be >= 0, got tol={self.stop_tol}, wopp_tol={self.wopp_stop_tol}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"unknown allocation {self.allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
         if self.allocation != "uniform" and self.slicing and self.q_mode != "global":
@@ -249,11 +251,11 @@ class CompressOptions:
             keys += ["stage", "dense_modules"]
             keys += [_SIZING_OPTIONS[s] for s in self.structure_class.sizing]
             if self.rotates and self.stage in ("f", "w"):
-                keys += ["f_iters", "tol"]
+                keys += ["f_iters", "stop_tol"]
             if self.weighted:
                 keys += ["w_iters", "als_iters", "damping", "sequential"]
                 if self.rotates:
-                    keys += ["wopp_iters", "wopp_tol", "extrapolate"]
+                    keys += ["wopp_iters", "wopp_stop_tol", "extrapolate"]
                 if self.sequential:
                     keys.append("match_original")
         if not self.slicing or self.q_mode == "global":
@@ -263,14 +265,14 @@ class CompressOptions:
         out = {}
         for k in keys:
             v = getattr(self, k)
-            out[k] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
+            out[REPORTED_AS.get(k, k)] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
         return out
 
     def stopping(self, stage: str = "w") -> dict:
         """Stage F/W's stopping rule and acceleration (:func:`...solvers.segments.solve_segment`'s
-        keywords): both stages stop by ``tol``; stage W over-relaxes Q between alternations
+        keywords): both stages stop by ``stop_tol``; stage W over-relaxes Q between alternations
         (``extrapolate``)."""
-        return {"tol": self.tol, "wopp_tol": self.wopp_tol, "extrapolate": self.extrapolate and stage == "w"}
+        return {"tol": self.stop_tol, "wopp_tol": self.wopp_stop_tol, "extrapolate": self.extrapolate and stage == "w"}
 
     def alternation(self, iters: int, stage: str | None = "w", dtype: torch.dtype = torch.float64) -> Alternation:
         """:func:`...solvers.segments.solve_segment`'s schedule: ``iters`` alternations of these options' ALS
@@ -282,7 +284,8 @@ class CompressOptions:
         )
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """Every option, under the names reports and cards use (:data:`REPORTED_AS`)."""
+        return {REPORTED_AS.get(k, k): v for k, v in asdict(self).items()}
 
     def with_(self, **changes) -> "CompressOptions":
         return replace(self, **changes)

@@ -236,10 +236,10 @@ def plan_compression(
     if keep is not None:
         plan.accounting["allocation"] = "sensitivity"
     achieved = plan.accounting["ratio_over_compressed"]
-    if options.matrix_keep is None and abs(achieved - options.ratio) > options.tolerance:
+    if options.matrix_keep is None and abs(achieved - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"no {options.structure} configuration meets ratio {options.ratio:g} within "
-            f"{options.tolerance:g} (nearest: {achieved:.4f})"
+            f"{options.ratio_slack:g} (nearest: {achieved:.4f})"
             + ("; try another --kron-factor" if kron_q is not None else "")
         )
     return plan

@@ -189,7 +189,7 @@ def compressed_plan_at(source: TensorSource, config: dict, options: CompressOpti
     """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
     ratio's: the same slice as :func:`stock_slice_tensors` at that width, in the remote-code family (for
     comparisons; the ratio's tolerance does not apply)."""
-    plan, _ = plan_for(source, config, options.with_(tolerance=1.0))
+    plan, _ = plan_for(source, config, options.with_(ratio_slack=1.0))
     plan.residual = int(width)
     plan.matrices = [replace(m, structure=st.Dense((m.structure.shape[0], int(width)))) for m in plan.matrices]
     dense_total = plan.accounting["dense_model_params"]

@@ -107,9 +107,9 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
         "output_family": RMSDecoderConfig.model_type,
         "per_matrix": per_matrix,
     }
-    if abs(accounting["ratio_over_compressed"] - options.ratio) > options.tolerance:
+    if abs(accounting["ratio_over_compressed"] - options.ratio) > options.ratio_slack:
         raise ValueError(
-            f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.tolerance:g} "
+            f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.ratio_slack:g} "
             f"(nearest: {accounting['ratio_over_compressed']:.4f}; a tied head is untied by the centring "
             "and costs vocab × width)"
         )

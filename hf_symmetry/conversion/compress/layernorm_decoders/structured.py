@@ -138,10 +138,10 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
         output_family=RMSDecoderConfig.model_type,
     )
     plan.accounting = acc
-    if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.tolerance:
+    if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"no {options.structure} configuration meets ratio {options.ratio:g} within "
-            f"{options.tolerance:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
+            f"{options.ratio_slack:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
             + ("; try another --kron-factor" if kron_q is not None else "")
         )
     return plan
