@@ -7,7 +7,8 @@ interleaved rounds (dense, structured, dense, ...), and the median over rounds o
 dense / structured (> 1: the structure is faster). Float32, random factors, inference mode. ``kron (old)``
 is the Kronecker forward before issue 47 (a permuted copy between its two matmuls), for comparison.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py --out benchmarks/results/structured_linear.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py \
+        --out benchmarks/results/structured_linear.json
     ... --threads 1 2 --tokens 1 8 256 512 --rounds 15 [--compile]
 
 The machine is shared: read the ratios (interleaved, medians), not the absolute times; the load average
@@ -41,7 +42,9 @@ def specs(out: int, inp: int, writer: bool) -> dict[str, dict]:
     """The config entry ``compress`` plans for each structure at this shape (readers' Kronecker ``A`` is
     ``1 x q``, writers' ``q x 1``)."""
     q = st.Kron.plan_factor(576, KEEP, None)
-    kron = st.Kron.sized((inp, out), KEEP, factor=q).transpose() if writer else st.Kron.sized((out, inp), KEEP, factor=q)
+    kron = (
+        st.Kron.sized((inp, out), KEEP, factor=q).transpose() if writer else st.Kron.sized((out, inp), KEEP, factor=q)
+    )
     return {
         "lowrank": st.LowRank.sized((out, inp), KEEP).spec(),
         "kron": kron.spec(),
