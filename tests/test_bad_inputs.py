@@ -66,6 +66,7 @@ def root(tmp_path_factory):
     _variant(root, "refused", _set_config(hidden_size=64))  # 64 is no multiple of 6 heads: transformers refuses
     _variant(root, "pickle", _pickle_only)
     _variant(root, "noweights", lambda f: (f / "model.safetensors").unlink())
+    _variant(root, "badtokenizer", lambda f: (f / "tokenizer.json").write_text('{"model": {"type": "WordLevel"}}'))
     (root / "good.txt").write_text(WORDS)
     (root / "empty.txt").write_text("  \n")
     (root / "binary.txt").write_bytes(bytes(range(256)) * 8)
@@ -93,6 +94,7 @@ CASES = [
     ("rotate", ["{root}/noweights", OUT], "holds no weights"),
     # flags
     ("rotate", [T, OUT, "--device", "banana"], "unknown device 'banana'"),
+    ("rotate", ["{root}/badtokenizer", OUT, *VERIFY], "the tokenizer of {root}/badtokenizer does not load"),
     ("rotate", [T, OUT, "--tokens", "-3"], "--tokens must be at least 2"),
     ("rotate", [T, OUT, "--ppl-tokens", "1"], "--ppl-tokens 0 or at least 2"),
     ("rotate", [T, OUT, "--tokens", "many"], "argument --tokens: invalid int value"),

@@ -126,7 +126,11 @@ def check_text_tokens(spec, tokenizer_from, needs: dict[str, tuple[int, int]]) -
         return
     flag, need = max(wanted.items(), key=lambda kv: kv[1])
     path = resolve_text(spec)
-    have = tokenize_text(load_tokenizer(tokenizer_from), read_text(path), max_tokens=need).numel()
+    try:
+        tokenizer = load_tokenizer(tokenizer_from)
+    except Exception as exc:  # transformers raises many kinds (OSError, KeyError, ValueError) for a broken tokenizer
+        raise ValueError(f"the tokenizer of {tokenizer_from} does not load: {_last_line(exc)}") from None
+    have = tokenize_text(tokenizer, read_text(path), max_tokens=need).numel()
     if have < need and need == 2:
         raise ValueError(f"text {spec} has {have} token: {flag} needs at least 2 (give a longer text)")
     if have < need:
