@@ -203,7 +203,7 @@ def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
                     raise ValueError("header longer than the file")
                 header = json.loads(f.read(n))
         except (struct.error, ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{file} is not a readable safetensors file ({exc})") from None
+            raise ValueError(f"corrupt safetensors file {file}: {exc}") from None  # (CheckpointReader's words)
         shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
     return shapes
 
