@@ -303,6 +303,7 @@ class Compress(Conversion):
     def check(self) -> None:
         args = self.args
         self.options = options_from_args(args)
+        self.options.validate()  # bad flags are refused before the speed warning below is printed (one line)
         self.stock = stock_from_args(args, self.options)
         self.placement = placement_from_args(args)  # an unusable device fails before any work
         check_verify_args(args, args.model)
