@@ -124,7 +124,10 @@ def hash_cli(run_cases, description: str, default_workdir: str, argv=None) -> in
         want = json.loads(Path(args.check).read_text())
         bad = [n for n in results if results[n]["rc"] != want[n]["rc"] or results[n]["files"] != want[n]["files"]]
         for n in results:
-            print(f"{n}: {'DIFFERENT' if n in bad else 'same'} ({len(results[n]['files'])} files)")
+            got, was = results[n]["files"], want[n]["files"]
+            which = sorted(f for f in got.keys() | was.keys() if got.get(f) != was.get(f))
+            said = f"DIFFERENT: {', '.join(which) or 'exit status'}" if n in bad else "same"
+            print(f"{n}: {said} ({len(got)} files)")
         return 1 if bad else 0
     return 0
 
