@@ -303,7 +303,7 @@ class Compress(Conversion):
     def check(self) -> None:
         args = self.args
         self.options = options_from_args(args)
-        self.options.validate()  # bad flags are refused before the speed warning below is printed (one line)
+        self.options.validate()
         self.stock = stock_from_args(args, self.options)
         self.placement = placement_from_args(args)  # an unusable device fails before any work
         check_verify_args(args, args.model)
@@ -313,12 +313,12 @@ class Compress(Conversion):
             check_text_tokens(
                 args.calib, args.model, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["compress"])}
             )
-        warning = decode_speed_warning(self.options.structure, _config(self.original))
-        if warning:
-            print(f"hf-symmetry compress: {warning}", file=sys.stderr)
 
     def convert(self):
         args, options, src = self.args, self.options, self.original
+        warning = decode_speed_warning(options.structure, _config(src))
+        if warning:  # after every refusal (the runner's OUT checks included), before any work
+            print(f"hf-symmetry compress: {warning}", file=sys.stderr)
         report = compress_checkpoint(
             src,
             args.out,
