@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..assets import resolve_model, resolve_text
+from ..checkpoint_io import CheckpointReader
 from ..conversion.compress import (
     ALLOCATIONS,
     PRESETS,
@@ -308,6 +309,8 @@ class Compress(Conversion):
         self.placement = placement_from_args(args)  # an unusable device fails before any work
         check_verify_args(args, args.model)
         self.original = resolve_model(args.model)
+        reader = CheckpointReader(self.original)  # what the route cannot do (a factor, a width) is refused here,
+        route_for(reader.config, self.options, self.stock).check(reader, self.options)  # before the warning below
         self.calib = resolve_text(args.calib) if args.calib else None
         if self.calib is not None:
             check_text_tokens(
