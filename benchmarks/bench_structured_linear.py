@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import os
 import platform
 import statistics
@@ -138,6 +139,9 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
+        "command": " ".join(
+            ["OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py", *sys.argv[1:]]
+        ),
         "torch": torch.__version__,
         "load_average_start": load_start,
         "load_average_end": Path("/proc/loadavg").read_text().split()[:3],
