@@ -412,12 +412,14 @@ def check_output_dir(
     if Path.cwd().resolve().is_relative_to(real):
         where = "the current folder" if Path.cwd().resolve() == real else "a folder above the current one"
         raise ValueError(f"OUT {out} is {where}: write the output to another folder")
+    if out.is_symlink():  # (the swap would replace the link, or fail on a dangling one): name the real path
+        raise FileExistsError(f"OUT {out} is a symbolic link (to {os.readlink(out)}): name the real {_kind(is_file)}")
     if is_file:
         if out.is_dir():
             raise FileExistsError(f"output {out} is a folder: name a file")
         if out.exists() and not overwrite:
             raise FileExistsError(f"{out} exists (use --overwrite)")
-        if out.exists() and out.suffix != ".gguf":
+        if out.exists() and (out.suffix != ".gguf" or not _is_gguf(out)):
             raise FileExistsError(f"{out} exists and is not a .gguf file: --overwrite replaces only a .gguf file")
     else:
         if out.exists() and not out.is_dir():
@@ -435,6 +437,12 @@ def check_output_dir(
                 )
     _check_disk(out, need_bytes)
     return out
+
+
+def _is_gguf(path: Path) -> bool:
+    """Whether a file starts with GGUF's magic (a file merely named ``*.gguf`` is the user's, not a GGUF)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _kind(is_file: bool) -> str:

@@ -77,6 +77,23 @@ def test_out_that_contains_the_input_or_lies_inside_it_is_refused(tmp_path, caps
     assert _hashes(proj) == before and not (base / "rotated").exists()
 
 
+def test_an_out_that_is_a_symbolic_link_is_refused(tmp_path, capsys):
+    """A dangling link, or one to a folder that holds the input or to another folder (the swap would replace the
+    link itself): one line, and the link and its target keep their bytes (a NotADirectoryError traceback before)."""
+    m = _model(tmp_path / "m")
+    before = _hashes(tmp_path)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    _refused(capsys, ["rotate", str(m), str(tmp_path / "dangling"), "--overwrite", *QUIET], "is a symbolic link")
+    (tmp_path / "up").symlink_to(tmp_path)
+    _refused(capsys, ["to-tpa", str(m), str(tmp_path / "up"), "--overwrite", *QUIET], "contains the input")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "there").symlink_to(tmp_path / "elsewhere")
+    _refused(capsys, ["rotate", str(m), str(tmp_path / "there"), *QUIET], "is a symbolic link (to ")
+    _refused(capsys, ["export-gguf", str(m), str(tmp_path / "dangling"), "--overwrite", "--quiet"], "symbolic link")
+    assert _hashes(tmp_path) == before and not any((tmp_path / "elsewhere").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "elsewhere", "m", "there", "up"]
+
+
 def test_every_writer_checks_its_out_against_every_input(tmp_path, capsys):
     a, b = _model(tmp_path / "a"), _model(tmp_path / "b", seed=1)
     before = {**_hashes(a), **{f"b/{k}": v for k, v in _hashes(b).items()}}
@@ -139,6 +156,10 @@ def test_export_gguf_replaces_only_a_gguf_file(tmp_path, capsys):
     notes.write_text("my notes\n")
     _refused(capsys, ["export-gguf", str(m), str(notes), "--overwrite", "--quiet"], "not a .gguf file")
     assert notes.read_text() == "my notes\n"
+    named = tmp_path / "named.gguf"  # a name is not a format: the user's file keeps its bytes
+    named.write_text("my notes\n")
+    _refused(capsys, ["export-gguf", str(m), str(named), "--overwrite", "--quiet"], "not a .gguf file")
+    assert named.read_text() == "my notes\n"
 
 
 def test_a_bad_max_shard_size_names_the_flag_and_the_forms(tmp_path, capsys):
