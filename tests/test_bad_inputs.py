@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def root(tmp_path_factory):
     _variant(root, "refused", _set_config(hidden_size=64))  # 64 is no multiple of 6 heads: transformers refuses
     _variant(root, "pickle", _pickle_only)
     _variant(root, "noweights", lambda f: (f / "model.safetensors").unlink())
+    _variant(root, "truncated", lambda f: os.truncate(f / "model.safetensors", 5000))  # a whole header, cut data
+    _variant(root, "fewlayers", _set_config(num_hidden_layers=1))  # the weights hold 2 layers
     _variant(root, "badtokenizer", lambda f: (f / "tokenizer.json").write_text('{"model": {"type": "WordLevel"}}'))
     (root / "good.txt").write_text(WORDS)
     (root / "empty.txt").write_text("  \n")
@@ -92,6 +95,7 @@ CASES = [
     ("rotate", ["{root}/refused", OUT], "is not a multiple of the number of attention heads"),
     ("rotate", ["{root}/pickle", OUT], "holds only pickle weights (pytorch_model.bin); hf-symmetry reads safetensors"),
     ("rotate", ["{root}/noweights", OUT], "holds no weights"),
+    ("rotate", ["{root}/fewlayers", OUT], "the weights hold 2 decoder layers (indices 0..1) but config.json has"),
     # flags
     ("rotate", [T, OUT, "--device", "banana"], "unknown device 'banana'"),
     ("rotate", ["{root}/badtokenizer", OUT, *VERIFY], "the tokenizer of {root}/badtokenizer does not load"),
@@ -118,7 +122,9 @@ CASES = [
     ("verify", ["{root}/pickle", T, *VERIFY], "holds only pickle weights"),
     ("verify", [T, "{root}/pickle", *VERIFY], "holds only pickle weights"),
     ("verify", [T, "{root}/mismatch", *VERIFY], "has shape [97, 48] in the weights"),
+    ("verify", [T, "{root}/truncated", *VERIFY], "model.safetensors: the file is truncated (5000 bytes, its header"),
     ("verify", [T, "{root}/array", *VERIFY], "holds a JSON list"),
+    ("verify", [T, "default", *VERIFY], "{root}/tiny has vocab_size 97 but default has 49152: verify compares"),
     ("verify", [T, T, *VERIFY, "--tolerance", "nan"], "--tolerance must be a finite number >= 0; got nan"),
     ("verify", [T, T, *VERIFY, "--tolerance", "-1"], "--tolerance must be a finite number >= 0"),
     ("verify", [T, T, "--text", "{root}/latin1.txt"], "is not UTF-8"),
@@ -130,9 +136,12 @@ CASES = [
     ("eval", [T, "--text", "{root}/one.txt"], "has 1 token: --max-tokens needs at least 2"),
     ("eval", [T, "--text", "{root}/short.txt", "--max-tokens", "300"], "fewer than the 300 that --max-tokens"),
     ("eval", [T, "--text", "{root}/binary.txt"], "is binary"),
-    ("eval", [T, "--text", G, "--max-tokens", "-5"], "--max-tokens must be 0 (the whole text) or positive"),
+    ("eval", [T, "--text", G, "--max-tokens", "-5"], "--max-tokens must be 0 (the whole text) or at least 2"),
+    ("eval", [T, "--text", G, "--max-tokens", "1"], "--max-tokens must be 0 (the whole text) or at least 2; got 1"),
     ("eval", [T, "--text", G, "--json", "{root}/nodir/e.json"], "does not exist"),
     ("eval", [T, "--task-dir", "{root}/nope", "--text", G], "task folder {root}/nope does not exist"),
+    ("eval", [T, "--text", G, "--window", "0"], "need 0 < --stride <= --window and --window >= 2; got 256 and 0"),
+    ("eval", [T, "--text", G, "--stride", "-4"], "got -4 and 512"),
     # to-tpa
     ("to-tpa", [T, OUT, "--k-rank", "0"], "--k-rank must be positive"),
     ("to-tpa", ["{root}/badjson", OUT], "is not valid JSON"),

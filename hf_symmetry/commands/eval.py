@@ -77,8 +77,10 @@ def _check_args(args):
     if args.update_card and not (Path(args.model) / "config.json").is_file():
         raise ValueError("--update-card needs MODEL to be a model folder (its README.md is the card)")
     text = args.text or (None if tasks else "britannica-eval")
-    if args.max_tokens < 0:
-        raise ValueError(f"--max-tokens must be 0 (the whole text) or positive; got {args.max_tokens}")
+    if args.max_tokens < 0 or args.max_tokens == 1:  # (one token has no next token to score)
+        raise ValueError(f"--max-tokens must be 0 (the whole text) or at least 2; got {args.max_tokens}")
+    if args.stride <= 0 or args.stride > args.window or args.window < 2:  # (before the model loads: one line)
+        raise ValueError(f"need 0 < --stride <= --window and --window >= 2; got {args.stride} and {args.window}")
     if text:  # a text too short for --max-tokens (or for perplexity at all) is refused before the model loads
         check_text_tokens(text, args.model, {"--max-tokens": (args.max_tokens or 2, PPL.tokens)})
     return tasks, device

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def check_inputs(args) -> None:
         value = getattr(args, dest, None)
         if value is not None or command in ("rotate", "eval", "to-tpa", "compress"):  # (None: the default model)
             check_model_folder(value, trust_remote_code=trust)
+    if command == "verify":
+        _check_same_vocabulary(args.original, args.converted)
     if command == "merge":
         _check_merge_inputs(args, trust)
     if command == "families" and getattr(args, "config", None):
@@ -202,7 +205,10 @@ def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
                 if n > os.path.getsize(file) - 8:
                     raise ValueError("header longer than the file")
                 header = json.loads(f.read(n))
-        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            end = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if end > os.path.getsize(file):
+                raise ValueError(f"the file is truncated ({os.path.getsize(file)} bytes, its header names {end})")
+        except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"corrupt safetensors file {file}: {exc}") from None  # (CheckpointReader's words)
         shapes.update({k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
     return shapes
@@ -227,6 +233,7 @@ def _check_shapes(folder: Path, shapes: dict[str, list[int]], trust_remote_code:
     except Exception as exc:  # a config that builds no model: say so in one line
         raise ValueError(f"{folder}/config.json builds no model: {_last_line(exc)}") from None
     expected = {k: list(v.shape) for k, v in model.state_dict().items()}
+    _check_layer_count(folder, shapes, getattr(config, "num_hidden_layers", None))
     prefix = getattr(model, "base_model_prefix", "") or ""
     for name, shape in shapes.items():
         want = expected.get(name)
@@ -238,6 +245,27 @@ def _check_shapes(folder: Path, shapes: dict[str, list[int]], trust_remote_code:
                 f"(hidden_size {getattr(config, 'hidden_size', '?')}) gives {want}: the config does not match the "
                 "weights"
             )
+
+
+def _check_same_vocabulary(original, converted) -> None:
+    """Two models compared token by token need one vocabulary (else the embedding lookup fails mid-run)."""
+    sizes = [_config_dict(resolve_model(spec)).get("vocab_size") for spec in (original, converted)]
+    if all(isinstance(n, int) for n in sizes) and sizes[0] != sizes[1]:
+        raise ValueError(
+            f"{original} has vocab_size {sizes[0]} but {converted} has {sizes[1]}: verify compares two models "
+            "with the same vocabulary (a conversion and its source)"
+        )
+
+
+def _check_layer_count(folder: Path, shapes: dict, layers) -> None:
+    """The decoder layers the weights hold against ``num_hidden_layers``: transformers would drop the extra ones or
+    initialise the missing ones at random without a word."""
+    found = {int(m.group(1)) for name in shapes if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name))}
+    if isinstance(layers, int) and found and found != set(range(layers)):
+        raise ValueError(
+            f"{folder}: the weights hold {len(found)} decoder layers (indices {min(found)}..{max(found)}) but "
+            f"config.json has num_hidden_layers {layers}: the config does not match the weights"
+        )
 
 
 def _last_line(exc: Exception) -> str:
