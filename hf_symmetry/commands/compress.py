@@ -309,8 +309,6 @@ class Compress(Conversion):
         self.placement = placement_from_args(args)  # an unusable device fails before any work
         check_verify_args(args, args.model)
         self.original = resolve_model(args.model)
-        reader = CheckpointReader(self.original)  # what the route cannot do (a factor, a width) is refused here,
-        route_for(reader.config, self.options, self.stock).check(reader, self.options)  # before the warning below
         self.calib = resolve_text(args.calib) if args.calib else None
         if self.calib is not None:
             check_text_tokens(
@@ -319,6 +317,8 @@ class Compress(Conversion):
 
     def convert(self):
         args, options, src = self.args, self.options, self.original
+        reader = CheckpointReader(src)  # what the route cannot do (a factor, a width) is refused before the warning
+        route_for(reader.config, options, self.stock).check(reader, options)
         warning = decode_speed_warning(options.structure, _config(src))
         if warning:  # after every refusal (the runner's OUT checks included), before any work
             print(f"hf-symmetry compress: {warning}", file=sys.stderr)
