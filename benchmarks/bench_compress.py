@@ -130,7 +130,7 @@ def layer_timings(plans: dict, tokens: tuple[int, ...], repeats: int) -> list[di
         ms = plan.by_name()
         for name in ("layers.0.q_proj", "layers.0.gate_proj", "layers.0.down_proj", "embed"):
             m = ms[name]
-            spec = m.module_structure.spec()
+            spec = m.module_structure.entry()
             out_f, in_f = m.module_structure.shape
             layer = structured_linear(in_f, out_f, spec)
             for p in layer.parameters():
@@ -306,7 +306,7 @@ def main() -> None:
             "residual_width": plan.residual,
             "solve_seconds": seconds,
             "mean_relative_error": (statistics.mean(res.relative_errors.values()) if res.relative_errors else None),
-            "structures": {m.name: m.module_structure.spec() for m in plan.matrices if m.layer in (None, 0)},
+            "structures": {m.name: m.module_structure.entry() for m in plan.matrices if m.layer in (None, 0)},
         }
         if rotations is not None:
             f_row = results["rows"].get(name.replace("stage W", "stage F").replace(", sequential", ""), {})

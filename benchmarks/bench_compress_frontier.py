@@ -300,7 +300,7 @@ def segment_objectives(args) -> dict:
             res[structure] = {
                 **score(p, r.Q, approx),
                 "relative_errors": rel,
-                "structures": {t.name: t.structure.spec() for t in terms},
+                "structures": {t.name: t.structure.entry() for t in terms},
                 "cpu_seconds": time.process_time() - c0,
                 "alternations": r.alternations,
                 "converged": r.converged,

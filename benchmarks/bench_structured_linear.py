@@ -47,9 +47,9 @@ def specs(out: int, inp: int, writer: bool) -> dict[str, dict]:
         st.Kron.sized((inp, out), KEEP, factor=q).transpose() if writer else st.Kron.sized((out, inp), KEEP, factor=q)
     )
     return {
-        "lowrank": st.LowRank.sized((out, inp), KEEP).spec(),
-        "kron": kron.spec(),
-        "gs": st.GS.sized((out, inp), KEEP).spec(),
+        "lowrank": st.LowRank.sized((out, inp), KEEP).entry(),
+        "kron": kron.entry(),
+        "gs": st.GS.sized((out, inp), KEEP).entry(),
     }
 
 

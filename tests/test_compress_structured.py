@@ -76,7 +76,7 @@ def test_random_perturbations_never_beat_the_projection(name):
 def test_factorised_forward_equals_the_dense_reconstruction(name):
     st, W = STRUCTURES[name], _W()
     f = st.project(W)
-    module = structured_linear(N, M, {**st.spec(), "bias": True}).double()
+    module = structured_linear(N, M, {**st.entry(), "bias": True}).double()
     with torch.no_grad():
         for k, v in st.module_tensors(f).items():
             getattr(module, k).copy_(v)

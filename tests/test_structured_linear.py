@@ -58,12 +58,12 @@ def test_a_class_defined_with_a_kind_is_registered_and_configs_accept_it(monkeyp
 
     spec = {"type": "scaled_test"}
     assert type(SL.structured_linear(4, 4, spec)) is Scaled
-    SL.check_spec("entry", spec)
+    SL.check_entry("entry", spec)
     # negative control: a type no class names is refused by the factory and by config validation
     with pytest.raises(ValueError, match="unknown structure type"):
         SL.structured_linear(4, 4, {"type": "nope"})
     with pytest.raises(ValueError, match="'type' in"):
-        SL.check_spec("entry", {"type": "nope"})
+        SL.check_entry("entry", {"type": "nope"})
     with pytest.raises(ValueError, match=r"lacks \['a_shape'\]"):
         CompressedLlamaConfig(embed_structure={"type": "kron", "rank": 2})
 

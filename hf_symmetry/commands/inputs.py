@@ -106,11 +106,11 @@ def check_output_file(path: str | os.PathLike, flag: str = "--json") -> None:
         raise ValueError(f"{flag} {path} cannot be written (permission denied)")
 
 
-def check_text(spec: str | os.PathLike, flag: str = "--text") -> Path:
+def check_text(name: str | os.PathLike, flag: str = "--text") -> Path:
     """A text argument (a file or an embedded name): the file exists, is not empty and is UTF-8 text. Returns
     its path. The embedded texts are known good."""
-    path = resolve_text(spec)
-    if str(spec) not in TEXT_NAMES:
+    path = resolve_text(name)
+    if str(name) not in TEXT_NAMES:
         try:
             read_text(path)
         except ValueError as exc:
@@ -118,7 +118,7 @@ def check_text(spec: str | os.PathLike, flag: str = "--text") -> Path:
     return path
 
 
-def check_text_tokens(spec, tokenizer_from, needs: dict[str, tuple[int, int]]) -> None:
+def check_text_tokens(name, tokenizer_from, needs: dict[str, tuple[int, int]]) -> None:
     """Refuse a text too short (in ``tokenizer_from``'s tokens, no special tokens) for what its flags ask:
     ``needs`` is ``{"--flag": (value, default)}``. A value given on the command line (not the default) asks for that
     many tokens; a flag left at its default takes what the text has (the card records the count), at least 2; a
@@ -128,17 +128,17 @@ def check_text_tokens(spec, tokenizer_from, needs: dict[str, tuple[int, int]]) -
     if not wanted:
         return
     flag, need = max(wanted.items(), key=lambda kv: kv[1])
-    path = resolve_text(spec)
+    path = resolve_text(name)
     try:
         tokenizer = load_tokenizer(tokenizer_from)
     except Exception as exc:  # transformers raises many kinds (OSError, KeyError, ValueError) for a broken tokenizer
         raise ValueError(f"the tokenizer of {tokenizer_from} does not load: {_last_line(exc)}") from None
     have = tokenize_text(tokenizer, read_text(path), max_tokens=need).numel()
     if have < need and need == 2:
-        raise ValueError(f"text {spec} has {have} token: {flag} needs at least 2 (give a longer text)")
+        raise ValueError(f"text {name} has {have} token: {flag} needs at least 2 (give a longer text)")
     if have < need:
         raise ValueError(
-            f"text {spec} has {have} tokens, fewer than the {need} that {flag} asks for: give a longer text or "
+            f"text {name} has {have} tokens, fewer than the {need} that {flag} asks for: give a longer text or "
             f"lower {flag}"
         )
 
@@ -150,15 +150,15 @@ def is_causal_lm_folder(folder: Path) -> bool:
     return "CausalLM" in arch or "LMHead" in arch or (not arch and "lm_head.weight" in _safetensors_shapes(folder))
 
 
-def check_model_folder(spec, trust_remote_code: bool = False) -> Path:
+def check_model_folder(name, trust_remote_code: bool = False) -> Path:
     """A model argument: an embedded alias, or a folder with a ``config.json`` holding a JSON object, safetensors
     weights (a folder of pickles only is refused, with what to do) and tensor shapes that agree with the config.
     Returns the folder."""
-    if spec is None or str(spec) in MODEL_ALIASES:
-        return resolve_model(spec)
-    if Path(spec).is_file():
-        raise ValueError(f"{spec} is a file, not a model folder (a folder with config.json and *.safetensors)")
-    folder = resolve_model(spec)
+    if name is None or str(name) in MODEL_ALIASES:
+        return resolve_model(name)
+    if Path(name).is_file():
+        raise ValueError(f"{name} is a file, not a model folder (a folder with config.json and *.safetensors)")
+    folder = resolve_model(name)
     config = _config_dict(folder)
     shapes = _safetensors_shapes(folder)
     if config.get("model_type") is not None and not config.get("quantization_config"):  # (packed weights: no shapes)
@@ -249,7 +249,7 @@ def _check_shapes(folder: Path, shapes: dict[str, list[int]], trust_remote_code:
 
 def _check_same_vocabulary(original, converted) -> None:
     """Two models compared token by token need one vocabulary (else the embedding lookup fails mid-run)."""
-    sizes = [_config_dict(resolve_model(spec)).get("vocab_size") for spec in (original, converted)]
+    sizes = [_config_dict(resolve_model(name)).get("vocab_size") for name in (original, converted)]
     if all(isinstance(n, int) for n in sizes) and sizes[0] != sizes[1]:
         raise ValueError(
             f"{original} has vocab_size {sizes[0]} but {converted} has {sizes[1]}: verify compares two models "

@@ -4,7 +4,7 @@ Every command and card measures perplexity the same way (:data:`PPL`): the first
 tokens of a text (no special tokens), scored by a sliding window of ``window`` tokens that
 advances by ``stride``; each token after the first is predicted exactly once, with up to
 ``window - 1`` tokens of context. Cards name the definition next to the number
-(:meth:`PerplexitySpec.describe`)."""
+(:meth:`PerplexityWindows.describe`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 
 @dataclass(frozen=True)
-class PerplexitySpec:
+class PerplexityWindows:
     """Window, stride and token count of a perplexity measurement."""
 
     tokens: int = 2048
@@ -29,7 +29,7 @@ class PerplexitySpec:
 
 
 #: the definition every command and card uses unless told otherwise (``--ppl-tokens`` changes the count)
-PPL = PerplexitySpec()
+PPL = PerplexityWindows()
 #: tokens compared for max |Δlogit| by every verification
 LOGIT_TOKENS = 512
 
@@ -47,7 +47,7 @@ class PerplexityResult:
         return self.tokens - 1
 
     def describe(self) -> str:
-        return PerplexitySpec(self.tokens, self.window, self.stride).describe()
+        return PerplexityWindows(self.tokens, self.window, self.stride).describe()
 
     def as_dict(self) -> dict:
         return dict(

@@ -31,7 +31,7 @@ from ..devices import DeviceRequest, parse_device, to_model
 from ..modeling import register_auto_classes
 from ..text import public_text_label, read_text, tokenize_text
 from .compare import auto_class, load_tokenizer
-from .perplexity import LOGIT_TOKENS, PPL, PerplexitySpec, perplexity, windows
+from .perplexity import LOGIT_TOKENS, PPL, PerplexityWindows, perplexity, windows
 
 DEFAULT_TEXT = "britannica-eval"
 
@@ -129,7 +129,7 @@ class Verification:
         return self.perplexity_converted - self.perplexity_original
 
     def describe_perplexity(self) -> str:
-        return PerplexitySpec(self.ppl_tokens, self.ppl_window, self.ppl_stride).describe()
+        return PerplexityWindows(self.ppl_tokens, self.ppl_window, self.ppl_stride).describe()
 
     def failure(self) -> str | None:
         """Why this verification fails whatever the tolerance (a figure is NaN or infinite), or None: the one

@@ -39,7 +39,7 @@ from .eval_results import file_sha256, remembered_texts
 _ISOLATED = r"""
 import importlib.util, json, sys, traceback
 sys.modules["hf_symmetry"] = None  # the published folder must not need hf_symmetry
-spec = json.loads(sys.argv[1])
+job_file = json.loads(sys.argv[1])
 try:
     import hf_symmetry  # noqa: F401
     importable = True
@@ -50,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 def perplexity_module():
-    ps = importlib.util.spec_from_file_location("_hf_symmetry_perplexity", spec["perplexity_module"])
+    ps = importlib.util.spec_from_file_location("_hf_symmetry_perplexity", job_file["perplexity_module"])
     mod = importlib.util.module_from_spec(ps)
     sys.modules[ps.name] = mod  # dataclasses look their module up there
     ps.loader.exec_module(mod)
@@ -81,14 +81,14 @@ def run(job):
     return result
 
 results = []
-for job in spec["jobs"]:
+for job in job_file["jobs"]:
     try:
         results.append(run(job))
     except BaseException as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         results.append({"hf_symmetry_importable": importable, "error": f"{type(exc).__name__}: {msg}",
                         "traceback": traceback.format_exc()[-4000:]})
-json.dump(results, open(spec["result"], "w"))
+json.dump(results, open(job_file["result"], "w"))
 """
 
 
@@ -215,13 +215,13 @@ def run_isolated_many(jobs: list[dict], work: Path, env: dict, timeout: float = 
     """:func:`run_isolated` for several models in one interpreter (one import of torch and
     transformers). Each job: ``model``, ``ids``, optional ``tokenizer`` and ``perplexity``
     (dicts with ``ids``, ``window``, ``stride``)."""
-    specs = []
+    job_args = []
     for n, job in enumerate(jobs):
         tensors = {"ids": job["ids"].contiguous()}
         for i, p in enumerate(job.get("perplexity") or []):
             tensors[f"ppl{i}"] = p["ids"].contiguous()
         save_file(tensors, str(work / f"ids{n}.safetensors"))
-        specs.append(
+        job_args.append(
             {
                 "model": str(job["model"]),
                 "ids": str(work / f"ids{n}.safetensors"),
@@ -230,11 +230,11 @@ def run_isolated_many(jobs: list[dict], work: Path, env: dict, timeout: float = 
                 "perplexity": [{"window": p["window"], "stride": p["stride"]} for p in job.get("perplexity") or []],
             }
         )
-    spec = {"jobs": specs, "result": str(work / "result.json"), "perplexity_module": perplexity_module.__file__}
+    job_file = {"jobs": job_args, "result": str(work / "result.json"), "perplexity_module": perplexity_module.__file__}
     names = ", ".join(str(j["model"]) for j in jobs)
     try:
         proc = subprocess.run(
-            [sys.executable, "-I", "-c", _ISOLATED, json.dumps(spec)],
+            [sys.executable, "-I", "-c", _ISOLATED, json.dumps(job_file)],
             cwd=work,
             env=env,
             capture_output=True,
@@ -248,7 +248,7 @@ def run_isolated_many(jobs: list[dict], work: Path, env: dict, timeout: float = 
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise ValueError(f"loading {names} without hf_symmetry crashed (exit {proc.returncode}): {tail[0]}")
     out = []
-    for job, facts, s in zip(jobs, json.loads(result_file.read_text()), specs):
+    for job, facts, s in zip(jobs, json.loads(result_file.read_text()), job_args):
         if facts.get("hf_symmetry_importable"):
             raise RuntimeError("the isolated loader could import hf_symmetry; the check would prove nothing")
         if "error" in facts:

@@ -11,15 +11,15 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
-from .structured_linear import check_spec
+from .structured_linear import check_entry
 
 LAYER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SKIP_KINDS = ("none", "orthogonal", "dense")
 LM_HEAD_KINDS = ("tied", "tied_mixed", "separate")
 
 
-def _check_spec(where: str, spec) -> None:
-    check_spec(f"CompressedLlamaConfig: {where}", spec)
+def _check_entry(where: str, entry) -> None:
+    check_entry(f"CompressedLlamaConfig: {where}", entry)
 
 
 @strict
@@ -154,11 +154,11 @@ class CompressedLlamaConfig(PreTrainedConfig):
         for i, layer in enumerate(self.layer_structures):
             if not isinstance(layer, dict) or set(layer) != set(LAYER_MODULES):
                 raise ValueError(f"CompressedLlamaConfig: layer_structures[{i}] must map exactly {LAYER_MODULES}")
-            for name, spec in layer.items():
-                _check_spec(f"layer_structures[{i}][{name!r}]", spec)
-        _check_spec("embed_structure", self.embed_structure)
+            for name, entry in layer.items():
+                _check_entry(f"layer_structures[{i}][{name!r}]", entry)
+        _check_entry("embed_structure", self.embed_structure)
         if self.lm_head == "separate":
-            _check_spec("lm_head_structure", self.lm_head_structure)
+            _check_entry("lm_head_structure", self.lm_head_structure)
 
     def segment_width(self, k: int) -> int:
         """Width of residual segment ``k`` (``0 .. 2 num_hidden_layers``)."""

@@ -165,13 +165,13 @@ class CompressedLlamaAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        spec = config.layer_structures[layer_idx]
+        entry = config.layer_structures[layer_idx]
         d_in, d_out = config.segment_width(2 * layer_idx), config.segment_width(2 * layer_idx + 1)
         q_out, kv_out = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = structured_linear(d_in, q_out, spec["q_proj"])
-        self.k_proj = structured_linear(d_in, kv_out, spec["k_proj"])
-        self.v_proj = structured_linear(d_in, kv_out, spec["v_proj"])
-        self.o_proj = structured_linear(q_out, d_out, spec["o_proj"])
+        self.q_proj = structured_linear(d_in, q_out, entry["q_proj"])
+        self.k_proj = structured_linear(d_in, kv_out, entry["k_proj"])
+        self.v_proj = structured_linear(d_in, kv_out, entry["v_proj"])
+        self.o_proj = structured_linear(q_out, d_out, entry["o_proj"])
         if config.qk_norm:  # Qwen3's per-head QK-norm (transformers' own module)
             self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -211,15 +211,15 @@ class CompressedLlamaAttention(nn.Module):
 class CompressedLlamaMLP(nn.Module):
     def __init__(self, config: CompressedLlamaConfig, layer_idx: int):
         super().__init__()
-        spec = config.layer_structures[layer_idx]
+        entry = config.layer_structures[layer_idx]
         d_in, d_out, h = (
             config.segment_width(2 * layer_idx + 1),
             config.segment_width(2 * layer_idx + 2),
             config.intermediate_size,
         )
-        self.gate_proj = structured_linear(d_in, h, spec["gate_proj"])
-        self.up_proj = structured_linear(d_in, h, spec["up_proj"])
-        self.down_proj = structured_linear(h, d_out, spec["down_proj"])
+        self.gate_proj = structured_linear(d_in, h, entry["gate_proj"])
+        self.up_proj = structured_linear(d_in, h, entry["up_proj"])
+        self.down_proj = structured_linear(h, d_out, entry["down_proj"])
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):

@@ -83,14 +83,14 @@ class WeightlessRMSNorm(nn.Module):
 
 # Copied from transformers.models.llama.modeling_llama.eager_attention_forward (no GQA: one KV head
 # per query head; the softmax keeps the input dtype)
-def _linear(in_features: int, out_features: int, bias: bool, spec: dict | None) -> nn.Module:
+def _linear(in_features: int, out_features: int, bias: bool, entry: dict | None) -> nn.Module:
     """``nn.Linear`` where the config gives no structure (or a dense one), else the structured module."""
-    if spec is None or spec.get("type", "dense") == "dense":
+    if entry is None or entry.get("type", "dense") == "dense":
         return nn.Linear(in_features, out_features, bias=bias)
-    return structured_linear(in_features, out_features, {**spec, "bias": bias})
+    return structured_linear(in_features, out_features, {**entry, "bias": bias})
 
 
-def _layer_spec(config: RMSDecoderConfig, layer_idx: int, name: str) -> dict | None:
+def _layer_entry(config: RMSDecoderConfig, layer_idx: int, name: str) -> dict | None:
     return None if config.layer_structures is None else config.layer_structures[layer_idx].get(name)
 
 
@@ -123,11 +123,11 @@ class RMSDecoderAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
         r, inner = config.residual_size, config.num_attention_heads * config.head_dim
-        spec = lambda name: _layer_spec(config, layer_idx, name)  # noqa: E731
-        self.q_proj = _linear(r, inner, config.attention_bias, spec("q_proj"))
-        self.k_proj = _linear(r, inner, config.attention_bias, spec("k_proj"))
-        self.v_proj = _linear(r, inner, config.attention_bias, spec("v_proj"))
-        self.o_proj = _linear(inner, r, config.attention_bias, spec("o_proj"))
+        entry = lambda name: _layer_entry(config, layer_idx, name)  # noqa: E731
+        self.q_proj = _linear(r, inner, config.attention_bias, entry("q_proj"))
+        self.k_proj = _linear(r, inner, config.attention_bias, entry("k_proj"))
+        self.v_proj = _linear(r, inner, config.attention_bias, entry("v_proj"))
+        self.o_proj = _linear(inner, r, config.attention_bias, entry("o_proj"))
 
     def forward(
         self, hidden_states, attention_mask=None, cache: Cache | None = None, position_embeddings=None, **kwargs
@@ -152,8 +152,8 @@ class RMSDecoderMLP(nn.Module):
     def __init__(self, config: RMSDecoderConfig, layer_idx: int = 0):
         super().__init__()
         r, h = config.residual_size, config.intermediate_size
-        self.up_proj = _linear(r, h, config.mlp_bias, _layer_spec(config, layer_idx, "up_proj"))
-        self.down_proj = _linear(h, r, config.mlp_bias, _layer_spec(config, layer_idx, "down_proj"))
+        self.up_proj = _linear(r, h, config.mlp_bias, _layer_entry(config, layer_idx, "up_proj"))
+        self.down_proj = _linear(h, r, config.mlp_bias, _layer_entry(config, layer_idx, "down_proj"))
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x):

@@ -2,8 +2,8 @@
 (the compressed Llama family and the RMS decoder family) and shipped next to their checkpoints.
 
 Each class names its config ``"type"`` (``kind``) and is registered under it in :data:`LINEAR_CLASSES`
-when it is defined: the factory :func:`structured_linear`, the configs' :data:`STRUCTURE_TYPES`, the spec
-keys a config entry needs (``spec_keys``), and everything outside this file (the ``--structure`` choices,
+when it is defined: the factory :func:`structured_linear`, the configs' :data:`STRUCTURE_TYPES`, the entry
+keys a config entry needs (``entry_keys``), and everything outside this file (the ``--structure`` choices,
 PEFT's targets) read that registry.
 
 * :class:`KroneckerLinear`  ``W = Σ_s A_s ⊗ B_s``: two small contractions, ``r (m1 n1 + m2 n2)`` params;
@@ -31,13 +31,13 @@ LINEAR_CLASSES: dict = {}
 
 class StructuredLinear(nn.Module):
     """``y = x Wᵀ (+ b)`` for a structured ``W [out_features, in_features]``. Subclasses set ``kind`` (their
-    config ``"type"``, which registers them) and ``spec_keys`` (what the config entry holds besides the
-    type), and implement ``from_spec``, ``_matmul(x2d)`` (or a ``forward`` of their own), ``rows(ids)`` (rows
+    config ``"type"``, which registers them) and ``entry_keys`` (what the config entry holds besides the
+    type), and implement ``from_entry``, ``_matmul(x2d)`` (or a ``forward`` of their own), ``rows(ids)`` (rows
     of W, for embeddings), ``init_factors(std)`` (random initialisation) and ``dense_weight()`` (for tests and
     inspection only)."""
 
     kind: ClassVar[str]
-    spec_keys: ClassVar[tuple[str, ...]] = ()
+    entry_keys: ClassVar[tuple[str, ...]] = ()
     #: a marker that survives remote-code loading (the class may come from a checkpoint's own copy)
     is_structured_linear: ClassVar[bool] = True
 
@@ -52,7 +52,7 @@ class StructuredLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
-    def from_spec(cls, in_features: int, out_features: int, spec: dict, bias: bool) -> "StructuredLinear":
+    def from_entry(cls, in_features: int, out_features: int, entry: dict, bias: bool) -> "StructuredLinear":
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
@@ -84,7 +84,7 @@ class DenseLinear(StructuredLinear):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     @classmethod
-    def from_spec(cls, in_features, out_features, spec, bias):
+    def from_entry(cls, in_features, out_features, entry, bias):
         return cls(in_features, out_features, bias)
 
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
@@ -108,7 +108,7 @@ class KroneckerLinear(StructuredLinear):
     (``[m2, r, n2]``). The cheaper contraction order is fixed at construction."""
 
     kind = "kron"
-    spec_keys = ("rank", "a_shape")
+    entry_keys = ("rank", "a_shape")
 
     def __init__(self, in_features, out_features, rank: int, a_shape, bias=False):
         super().__init__(in_features, out_features, bias)
@@ -125,8 +125,8 @@ class KroneckerLinear(StructuredLinear):
         self.a_first = rank * m1 * n2 * (n1 + m2) <= rank * m2 * n1 * (n2 + m1)
 
     @classmethod
-    def from_spec(cls, in_features, out_features, spec, bias):
-        return cls(in_features, out_features, int(spec["rank"]), spec["a_shape"], bias)
+    def from_entry(cls, in_features, out_features, entry, bias):
+        return cls(in_features, out_features, int(entry["rank"]), entry["a_shape"], bias)
 
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
         """A reader's split (``A`` of ``1 x q``) and a writer's (``q x 1``) on any leading dims, with the bias in
@@ -188,7 +188,7 @@ class GSLinear(StructuredLinear):
     (block-diagonal). Tile (i, j) of W is ``gs_left[i][:, j-th b] @ gs_right[j][i-th b, :]``."""
 
     kind = "gs"
-    spec_keys = ("rank", "blocks")
+    entry_keys = ("rank", "blocks")
 
     def __init__(self, in_features, out_features, rank: int, blocks, bias=False):
         super().__init__(in_features, out_features, bias)
@@ -200,8 +200,8 @@ class GSLinear(StructuredLinear):
         self.gs_right = nn.Parameter(torch.empty(kr, kl * rank, in_features // kr))
 
     @classmethod
-    def from_spec(cls, in_features, out_features, spec, bias):
-        return cls(in_features, out_features, int(spec["rank"]), spec["blocks"], bias)
+    def from_entry(cls, in_features, out_features, entry, bias):
+        return cls(in_features, out_features, int(entry["rank"]), entry["blocks"], bias)
 
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
         """Two batched matmuls on any leading dims, the shuffle a copy between them (one token: 1.03-1.29x
@@ -255,7 +255,7 @@ class LowRankLinear(StructuredLinear):
     """``W = U V``: ``lr_u [out, r]``, ``lr_v [r, in]``."""
 
     kind = "lowrank"
-    spec_keys = ("rank",)
+    entry_keys = ("rank",)
 
     def __init__(self, in_features, out_features, rank: int, bias=False):
         super().__init__(in_features, out_features, bias)
@@ -264,8 +264,8 @@ class LowRankLinear(StructuredLinear):
         self.lr_v = nn.Parameter(torch.empty(rank, in_features))
 
     @classmethod
-    def from_spec(cls, in_features, out_features, spec, bias):
-        return cls(in_features, out_features, int(spec["rank"]), bias)
+    def from_entry(cls, in_features, out_features, entry, bias):
+        return cls(in_features, out_features, int(entry["rank"]), bias)
 
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
         """Two ``F.linear`` on any leading dims, bias in the second (no reshapes: the fewest calls per token)."""
@@ -289,22 +289,22 @@ class LowRankLinear(StructuredLinear):
 STRUCTURE_TYPES = tuple(LINEAR_CLASSES)
 
 
-def check_spec(where: str, spec) -> None:
-    """``ValueError`` (naming ``where``) unless ``spec`` is a config structure entry: a dict whose ``"type"``
-    is a registered class, with that class's ``spec_keys``."""
-    if not isinstance(spec, dict) or spec.get("type") not in LINEAR_CLASSES:
-        raise ValueError(f"{where} must be a dict with 'type' in {tuple(LINEAR_CLASSES)}, got {spec!r}")
-    missing = [k for k in LINEAR_CLASSES[spec["type"]].spec_keys if k not in spec]
+def check_entry(where: str, entry) -> None:
+    """``ValueError`` (naming ``where``) unless ``entry`` is a config structure entry: a dict whose ``"type"``
+    is a registered class, with that class's ``entry_keys``."""
+    if not isinstance(entry, dict) or entry.get("type") not in LINEAR_CLASSES:
+        raise ValueError(f"{where} must be a dict with 'type' in {tuple(LINEAR_CLASSES)}, got {entry!r}")
+    missing = [k for k in LINEAR_CLASSES[entry["type"]].entry_keys if k not in entry]
     if missing:
-        raise ValueError(f"{where} ({spec['type']}) lacks {missing}")
+        raise ValueError(f"{where} ({entry['type']}) lacks {missing}")
 
 
-def structured_linear(in_features: int, out_features: int, spec: dict) -> StructuredLinear:
+def structured_linear(in_features: int, out_features: int, entry: dict) -> StructuredLinear:
     """The module a config structure entry describes."""
-    cls = LINEAR_CLASSES.get(spec["type"])
+    cls = LINEAR_CLASSES.get(entry["type"])
     if cls is None:
-        raise ValueError(f"unknown structure type {spec['type']!r}")
-    return cls.from_spec(in_features, out_features, spec, bool(spec.get("bias", False)))
+        raise ValueError(f"unknown structure type {entry['type']!r}")
+    return cls.from_entry(in_features, out_features, entry, bool(entry.get("bias", False)))
 
 
 class StructuredEmbedding(nn.Embedding):
@@ -316,11 +316,11 @@ class StructuredEmbedding(nn.Embedding):
     sets the dense matrix's. A structured matrix has no table of rows to extend: its ``weight`` is an
     ``AttributeError`` that says so."""
 
-    def __init__(self, vocab_size: int, dim: int, spec: dict):
+    def __init__(self, vocab_size: int, dim: int, entry: dict):
         nn.Module.__init__(self)  # no table of its own: the rows come from `matrix`
         self.num_embeddings, self.embedding_dim, self.padding_idx = vocab_size, dim, None
         self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
-        self.matrix = structured_linear(dim, vocab_size, {**spec, "bias": False})
+        self.matrix = structured_linear(dim, vocab_size, {**entry, "bias": False})
 
     def __getattr__(self, name: str):
         if name == "weight":
@@ -423,7 +423,7 @@ __all__ = [
     "KroneckerLinear",
     "GSLinear",
     "LowRankLinear",
-    "check_spec",
+    "check_entry",
     "structured_linear",
     "StructuredEmbedding",
     "OrthogonalSkip",

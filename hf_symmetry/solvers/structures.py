@@ -18,7 +18,7 @@ and provides
   Gram reduction of a tall matrix and its lift back need (:meth:`..segments.Term.reduced`);
 * ``module_tensors(factors)``: the parameters of the matching module of the compressed model family;
 * ``sized(shape, keep)``: the member of the class keeping about ``keep`` of a dense matrix's parameters;
-* ``spec()`` / :func:`from_spec`: the config entry and back. ``kind``, the class's serialised name (a
+* ``entry()`` / :func:`from_entry`: the config entry and back. ``kind``, the class's serialised name (a
   config's ``"type"``, the ``--structure`` choice), is mapped to the class in :data:`CLASSES` only.
 
 Classes: :class:`Kron` (sum of Kronecker products, Van Loan rearrangement), :class:`GS`
@@ -113,7 +113,7 @@ class Dense(Structure):
     kind = "dense"
 
     @classmethod
-    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "Dense":
+    def from_entry(cls, entry: dict, shape: tuple[int, int]) -> "Dense":
         return cls(shape)
 
     @classmethod
@@ -144,7 +144,7 @@ class Dense(Structure):
     def transpose_factors(self, f: Factors) -> Factors:
         return (f[0].T,)
 
-    def spec(self) -> dict:
+    def entry(self) -> dict:
         return {"type": self.kind}
 
 
@@ -165,8 +165,8 @@ class LowRank(Structure):
             raise ValueError(f"low rank {self.rank} must be in [1, {min(m, n)}] for a {m}x{n} matrix")
 
     @classmethod
-    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "LowRank":
-        return cls(shape, int(spec["rank"]))
+    def from_entry(cls, entry: dict, shape: tuple[int, int]) -> "LowRank":
+        return cls(shape, int(entry["rank"]))
 
     @classmethod
     def sized(cls, shape: tuple[int, int], keep: float, **_) -> "LowRank":
@@ -215,7 +215,7 @@ class LowRank(Structure):
     def transpose_factors(self, f: Factors) -> Factors:
         return f[1].T, f[0].T
 
-    def spec(self) -> dict:
+    def entry(self) -> dict:
         return {"type": self.kind, "rank": self.rank}
 
 
@@ -246,8 +246,8 @@ class Kron(Structure):
             )
 
     @classmethod
-    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "Kron":
-        return cls(shape, int(spec["rank"]), tuple(spec["a_shape"]))
+    def from_entry(cls, entry: dict, shape: tuple[int, int]) -> "Kron":
+        return cls(shape, int(entry["rank"]), tuple(entry["a_shape"]))
 
     @classmethod
     def sized(cls, shape: tuple[int, int], keep: float, *, factor: int, **_) -> "Kron":
@@ -369,7 +369,7 @@ class Kron(Structure):
     def transpose_factors(self, f: Factors) -> Factors:
         return f[0].transpose(1, 2), f[1].transpose(1, 2)
 
-    def spec(self) -> dict:
+    def entry(self) -> dict:
         return {"type": self.kind, "rank": self.rank, "a_shape": list(self.a_shape)}
 
 
@@ -403,9 +403,9 @@ class GS(Structure):
             )
 
     @classmethod
-    def from_spec(cls, spec: dict, shape: tuple[int, int]) -> "GS":
-        kl, kr = spec["blocks"]
-        return cls(shape, int(kl), int(kr), int(spec["rank"]))
+    def from_entry(cls, entry: dict, shape: tuple[int, int]) -> "GS":
+        kl, kr = entry["blocks"]
+        return cls(shape, int(kl), int(kr), int(entry["rank"]))
 
     @classmethod
     def sized(
@@ -544,7 +544,7 @@ class GS(Structure):
     def transpose_factors(self, f: Factors) -> Factors:
         return f[1].transpose(1, 2).contiguous(), f[0].transpose(1, 2).contiguous()
 
-    def spec(self) -> dict:
+    def entry(self) -> dict:
         return {"type": self.kind, "blocks": [self.kl, self.kr], "rank": self.rank}
 
 
@@ -553,12 +553,12 @@ CLASSES: dict[str, type[Structure]] = {cls.kind: cls for cls in (Dense, LowRank,
 KINDS = tuple(CLASSES)
 
 
-def from_spec(spec: dict, shape: tuple[int, int]) -> Structure:
+def from_entry(entry: dict, shape: tuple[int, int]) -> Structure:
     """The structure a config entry (``{"type": ..., ...}``) describes for an ``[out, in]`` matrix."""
-    cls = CLASSES.get(spec.get("type"))
+    cls = CLASSES.get(entry.get("type"))
     if cls is None:
-        raise ValueError(f"unknown structure type {spec.get('type')!r}; choose one of {', '.join(KINDS)}")
-    return cls.from_spec(spec, shape)
+        raise ValueError(f"unknown structure type {entry.get('type')!r}; choose one of {', '.join(KINDS)}")
+    return cls.from_entry(entry, shape)
 
 
 def error(structure: Structure, W: Tensor, f: Factors, gram: Gram | None = None) -> float:

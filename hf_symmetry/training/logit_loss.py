@@ -163,8 +163,8 @@ class _ChunkedLoss(torch.autograd.Function):
     (module doc), the backward pass hands them on scaled by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, spec, *params):
-        head, teacher_chunk, labels, chunk, args, want = spec
+    def forward(ctx, hidden, fixed, *params):
+        head, teacher_chunk, labels, chunk, args, want = fixed
         want_h = want and ctx.needs_input_grad[0]
         grad_h = torch.zeros_like(hidden) if want_h else None
         grad_p = [torch.zeros_like(p) for p in params]
@@ -244,7 +244,7 @@ def chunked_logit_loss(
         raise ValueError(f"teacher must be ('hidden', states, head) or ('topk', values, indices), got {teacher[0]!r}")
     want = torch.is_grad_enabled()
     params = tuple(head_params) if want else ()
-    spec = (
+    fixed = (
         student_head,
         teacher_chunk,
         shifted,
@@ -252,5 +252,5 @@ def chunked_logit_loss(
         (temperature, 1.0 - lm_weight, lm_weight, B * L, n_lm),
         want,
     )
-    loss, kd, lm = _ChunkedLoss.apply(hidden, spec, *params)
+    loss, kd, lm = _ChunkedLoss.apply(hidden, fixed, *params)
     return loss, float(kd) / (B * L), (float(lm) / n_lm if n_lm else None)

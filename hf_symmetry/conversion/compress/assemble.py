@@ -211,11 +211,11 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
     """Config dict of the ``hf_symmetry_compressed_llama`` model."""
     ms = plan.by_name()
 
-    def spec(m: MatrixPlan) -> dict:
-        return {**m.module_structure.spec(), "bias": m.bias}
+    def entry(m: MatrixPlan) -> dict:
+        return {**m.module_structure.entry(), "bias": m.bias}
 
     layer_structures = [
-        {LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
+        {LAYER_MODULES[c][0].split(".")[1]: entry(m) for c, m in plan.layer_matrices(i).items()}
         for i in range(plan.n_layers)
     ]
     rope = getattr(hf_config, "rope_parameters", None) if hf_config is not None else config.get("rope_parameters")
@@ -247,8 +247,8 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
         "lm_head": plan.lm_head,
         "qk_norm": L.qk_norm,
         "layer_structures": layer_structures,
-        "embed_structure": spec(ms["embed"]),
-        "lm_head_structure": spec(ms["lm_head"]) if "lm_head" in ms else None,
+        "embed_structure": entry(ms["embed"]),
+        "lm_head_structure": entry(ms["lm_head"]) if "lm_head" in ms else None,
         "compression": {
             "method": options.method,
             "label": options.label,

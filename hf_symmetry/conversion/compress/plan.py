@@ -334,7 +334,7 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
     total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix + plan.carried
     per_matrix = {
         m.name: {
-            "structure": m.module_structure.spec(),
+            "structure": m.module_structure.entry(),
             "dense_params": m.structure.shape[0] * d,
             "params": m.structure.params(),
             "ratio": 1 - m.structure.params() / (m.structure.shape[0] * d),

@@ -12,7 +12,7 @@ from ...hub.entries import perplexity_card_entry
 from ...hub.lineage import public_model_labels
 from ...text import public_text_label
 from .on_disk import tokenizer_folder
-from .recipe import EvaluationSpec, MergeRecipe
+from .recipe import EvaluationText, MergeRecipe
 
 
 def _is_causal_lm(config: dict) -> bool:
@@ -32,7 +32,7 @@ def evaluate_merge(
     definition, :func:`hf_symmetry.evaluation.verification.perplexities`), recorded in the card:
     the merge's as model-index metadata, every input's in the card's table. Returns the figures
     (empty when the inputs are not causal LMs or have no tokenizer)."""
-    spec = recipe.evaluation or EvaluationSpec()
+    spec = recipe.evaluation or EvaluationText()
     text, tokens = text or spec.text, tokens or spec.tokens
     folders = [resolve_model(m) for m in recipe.inputs]
     tok_folder = tokenizer_folder(folders)

@@ -62,7 +62,7 @@ class CalibrationSpec:
 
 
 @dataclass
-class EvaluationSpec:
+class EvaluationText:
     text: str = "britannica-eval"
     tokens: int = 2048
 
@@ -76,7 +76,7 @@ class MergeRecipe:
     match: MatchOptions | None = None
     anchor: str = "auto"
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
-    evaluation: EvaluationSpec | None = field(default_factory=EvaluationSpec)
+    evaluation: EvaluationText | None = field(default_factory=EvaluationText)
     dtype: str | None = None
 
     @property
@@ -244,7 +244,7 @@ def recipe_from_dict(raw: dict) -> MergeRecipe:
     calibration = _section(raw, "calibration", CalibrationSpec, CalibrationSpec())
     if calibration is None and method.needs_calibration:
         _fail(f"{method.name} needs calibration text")
-    evaluation = _section(raw, "evaluation", EvaluationSpec, EvaluationSpec())
+    evaluation = _section(raw, "evaluation", EvaluationText, EvaluationText())
     dtype = raw.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         _fail(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")

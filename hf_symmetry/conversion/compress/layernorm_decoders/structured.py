@@ -151,17 +151,17 @@ def structured_config(centred: CentredSource, plan: Plan, options: CompressOptio
     """The RMS-decoder config of the compressed model: the centred model's, plus each module's structure."""
     ms = plan.by_name()
 
-    def spec(m: MatrixPlan) -> dict:
-        return {**m.module_structure.spec(), "bias": m.bias}
+    def entry(m: MatrixPlan) -> dict:
+        return {**m.module_structure.entry(), "bias": m.bias}
 
     cfg = dict(centred.config)
     cfg.update(
         layer_structures=[
-            {LAYER_MODULES[c][0].split(".")[1]: spec(m) for c, m in plan.layer_matrices(i).items()}
+            {LAYER_MODULES[c][0].split(".")[1]: entry(m) for c, m in plan.layer_matrices(i).items()}
             for i in range(plan.n_layers)
         ],
-        embed_structure=spec(ms["embed"]),
-        lm_head_structure=spec(ms["lm_head"]),
+        embed_structure=entry(ms["embed"]),
+        lm_head_structure=entry(ms["lm_head"]),
         skip_connections=plan.skip,
         compression={
             "method": options.method,
