@@ -120,12 +120,13 @@ def convert(name: str, work: Path, progress: bool, placement=None) -> Path:
             placement=placement,
         )
     elif name == "tpa22":
+        from hf_symmetry.calibration import CalibrationText
         from hf_symmetry.conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
 
         convert_checkpoint_to_tpa(
             "smollm2",
             out,
-            ToTPAOptions(k_rank=2, v_rank=2, calib="britannica-calib"),
+            ToTPAOptions(k_rank=2, v_rank=2, calibration=CalibrationText("britannica-calib")),
             progress=progress,
             placement=placement,
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_symmetry.calibration import CalibrationEngine, StatsRequest, token_batches
+from hf_symmetry.calibration import CalibrationEngine, CalibrationText, StatsRequest, token_batches
 from hf_symmetry.calibration.statistics import rms_normalised
 from hf_symmetry.conversion.stream import DictSource
 from hf_symmetry.devices import resolve
@@ -499,7 +499,7 @@ def test_smollm2_statistics_and_conversions_match_the_whole_model_collectors(smo
     report = convert_checkpoint_to_tpa(
         smol["dir"],
         tmp_path / "tpa",
-        ToTPAOptions(k_rank=1, v_rank=2, calib="britannica-calib", calib_tokens=320),
+        ToTPAOptions(k_rank=1, v_rank=2, calibration=CalibrationText("britannica-calib", 320)),
         progress=False,
     )
     assert report.calibrated and report.calib_tokens == 320

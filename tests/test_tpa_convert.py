@@ -325,7 +325,7 @@ def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_
     import shutil
 
     from hf_symmetry.assets import smollm2_dir
-    from hf_symmetry.calibration import calibration_ids
+    from hf_symmetry.calibration import CalibrationText, calibration_ids
     from hf_symmetry.conversion.to_tpa import ToTPAOptions, attention_input_grams, convert_checkpoint_to_tpa
     from transformers import AutoTokenizer
 
@@ -336,7 +336,7 @@ def test_calibrated_checkpoint_conversion_writes_the_tensors_fitted_to_the_same_
     report = convert_checkpoint_to_tpa(
         tmp_path / "src",
         tmp_path / "tpa",
-        ToTPAOptions(k_rank=1, v_rank=1, calib="britannica-calib", calib_tokens=96),
+        ToTPAOptions(k_rank=1, v_rank=1, calibration=CalibrationText("britannica-calib", 96)),
         progress=False,
     )
     assert report.calibrated and report.calib_tokens == 96

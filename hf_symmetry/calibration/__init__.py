@@ -1,6 +1,7 @@
 """Layer-wise, device-aware calibration: the one engine every calibrated conversion uses.
 
-* :mod:`.data`: calibration text -> token ids -> batches;
+* :mod:`.data`: calibration text (:class:`CalibrationText`, the one shape every conversion takes) -> token
+  ids -> batches;
 * :mod:`.statistics`: what a conversion asks for (:class:`StatsRequest`: sites and kinds) and the
   one accumulation rule (:class:`LayerStats`);
 * :mod:`.engine`: :class:`CalibrationEngine`, one decoder layer at a time from the checkpoint on
@@ -11,12 +12,13 @@
 * :mod:`.memory`: freed layer memory handed back to the OS.
 """
 
-from .data import calibration_ids, token_batches, token_counts
+from .data import CalibrationText, calibration_ids, token_batches, token_counts
 from .engine import CalibrationEngine, CalibrationResult
 from .run import CalibrationRun, LayerStep
 from .statistics import FINAL_SITES, LAYER_SITES, LayerStats, StatsRequest
 
 __all__ = [
+    "CalibrationText",
     "CalibrationEngine",
     "CalibrationResult",
     "CalibrationRun",

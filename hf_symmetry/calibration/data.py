@@ -1,14 +1,37 @@
 """Calibration text as token ids, and the ids cut into the batches every calibrated conversion
-runs through the model (the one place that decides how calibration text is batched)."""
+runs through the model (the one place that decides how calibration text is batched);
+:class:`CalibrationText`, the one shape in which a conversion is given its calibration text."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..assets import resolve_text
 from ..text import read_text, tokenize_text
+
+
+@dataclass(frozen=True)
+class CalibrationText:
+    """The calibration text of a conversion (compress, to-tpa, farr, merge): ``text``, a UTF-8 file or an
+    embedded name (e.g. ``britannica-calib``), whose first ``tokens`` tokens run through the model in sequences
+    of ``seq_len`` tokens, ``batch_size`` at a time (:func:`token_batches`; a conversion that cuts its own
+    windows reads only ``text`` and ``tokens``)."""
+
+    text: str | Path = "britannica-calib"
+    tokens: int = 2048
+    seq_len: int = 512
+    batch_size: int = 1
+
+    def ids(self, tokenizer) -> torch.Tensor:
+        """The first ``tokens`` token ids of the text in ``tokenizer`` (:func:`calibration_ids`)."""
+        return calibration_ids(tokenizer, self.text, self.tokens)
+
+    def batches(self, ids: torch.Tensor, keep_partial: bool = True) -> list[torch.Tensor]:
+        """``ids`` cut into ``[batch_size, seq_len]`` batches (:func:`token_batches`)."""
+        return token_batches(ids, self.seq_len, self.batch_size, keep_partial)
 
 
 def calibration_ids(tokenizer, text: str | Path, tokens: int) -> torch.Tensor:

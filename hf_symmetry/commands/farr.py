@@ -9,7 +9,8 @@ model folder (custom class, loads with ``trust_remote_code=True`` without hf_sym
 from __future__ import annotations
 
 from ..assets import resolve_model
-from ..conversion.farr import FarrCalibration, FarrOptions, farr_checkpoint
+from ..calibration import CalibrationText
+from ..conversion.farr import FarrOptions, farr_checkpoint
 from ..hub.values import fmt_number
 from ..text import public_text_label
 from .common import (
@@ -112,7 +113,7 @@ class Farr(Conversion):
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
             progress=not args.quiet,
-            calibration=FarrCalibration(args.calibrate, args.calib_tokens),
+            calibration=None if args.calibrate is None else CalibrationText(args.calibrate, args.calib_tokens),
             placement=self.placement,
         )
         lines = [

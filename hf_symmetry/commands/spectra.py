@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..assets import MODEL_ALIASES, resolve_model, resolve_text
+from ..calibration import CalibrationText
 from ..checkpoint_io import CheckpointReader, atomic_output_dir, check_output_dir
 from ..conversion.farr import calibration_tokens, spectra_report
 from ..conversion.farr.fused_check import check_fused_layout_layerwise
@@ -77,7 +78,7 @@ def run(args) -> int:
     name = str(args.model) if str(args.model) in MODEL_ALIASES else src.name
     ids = calibration = None
     if calib_text is not None:
-        ids, calibration = calibration_tokens(src, calib_text, args.calib_tokens)
+        ids, calibration = calibration_tokens(src, CalibrationText(calib_text, args.calib_tokens))
     report = spectra_report(
         reader, reader.config, taus, name=name, progress=not args.quiet, calib_ids=ids, placement=placement
     )

@@ -11,6 +11,7 @@ source with a 4-bit QuantizedCache (docs/tpa.md)."""
 
 from __future__ import annotations
 
+from ..calibration import CalibrationText
 from ..conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
 from .common import (
     add_device_args,
@@ -84,7 +85,11 @@ class ToTPA(Conversion):
         report = convert_checkpoint_to_tpa(
             args.model,
             args.out,
-            ToTPAOptions(k_rank=args.k_rank, v_rank=args.v_rank, calib=args.calib, calib_tokens=args.calib_tokens),
+            ToTPAOptions(
+                k_rank=args.k_rank,
+                v_rank=args.v_rank,
+                calibration=None if args.calib is None else CalibrationText(args.calib, args.calib_tokens),
+            ),
             overwrite=args.overwrite,
             progress=not args.quiet,
             placement=self.placement,

@@ -24,7 +24,7 @@ layer's worth whatever the depth.
 
 The steps, one module each:
 
-- :mod:`.options` — :class:`FarrOptions` (τ or parameter budget, paths, basis) and :class:`FarrCalibration`;
+- :mod:`.options` — :class:`FarrOptions` (τ or parameter budget, paths, basis);
 - :mod:`.target` — the FaRR family of a source checkpoint and the refusals made before any work;
 - :mod:`.analysis` — the data-free analysis pass (fused spectra, one layer at a time);
 - :mod:`.calibrated` — the calibrated analysis on the layer-wise calibration engine, and the
@@ -46,7 +46,7 @@ from .calibrated import LayerWeights, attention_input_moments, calibrated_analys
 from .card import CARD_TAUS, HEATMAP_FILE, farr_card_data, write_rank_heatmap
 from .on_disk import REPORT_FILE, calibration_tokens, farr_checkpoint, save_farr_config
 from .in_memory import build_farr_model, farr_model, farr_state_dict
-from .options import FarrCalibration, FarrOptions
+from .options import FarrOptions
 from .ranks import RankPlan, plan_ranks, ranks_for_tau
 from .reduce import FarrReport, reduce_layer, run_farr
 from .spectra import spectra_report
@@ -71,7 +71,6 @@ __all__ = [
     "build_farr_model",
     "farr_model",
     "farr_state_dict",
-    "FarrCalibration",
     "FarrOptions",
     "RankPlan",
     "plan_ranks",

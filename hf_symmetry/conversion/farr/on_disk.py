@@ -11,7 +11,7 @@ import torch
 
 from ...architectures import Adapter
 from ...assets import resolve_text
-from ...calibration import calibration_ids
+from ...calibration import CalibrationText
 from ...checkpoint_io import (
     CheckpointReader,
     ShardedWriter,
@@ -30,7 +30,7 @@ from ..remote_code import save_config_with_code
 from ..stream import Tensors
 from .calibrated import LayerWeights, calibrated_analysis
 from .card import farr_card_data, write_rank_heatmap
-from .options import FarrCalibration, FarrOptions
+from .options import FarrOptions
 from .reduce import FarrReport, run_farr, state_dict_parameters
 from .target import farr_classes, farr_target
 
@@ -50,11 +50,11 @@ def farr_checkpoint(
     overwrite: bool = False,
     max_shard_size: str | int = "2GB",
     progress: bool = True,
-    calibration: FarrCalibration = FarrCalibration(),
+    calibration: CalibrationText | None = None,
     placement=None,
 ) -> FarrReport:
-    """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With
-    ``calibration.text`` the layer-wise calibration engine measures the attention inputs on the first
+    """Stream ``src`` (an HF safetensors folder) into a FaRR model folder at ``out``. With ``calibration``
+    (None: the data-free metric) the layer-wise calibration engine measures the attention inputs on the first
     ``calibration.tokens`` tokens (activation-aware metric) on ``placement``
     (:func:`hf_symmetry.devices.resolve`), one layer in memory at a time; the conversion streams too,
     and its SVDs and eigendecompositions run on that device."""
@@ -63,8 +63,8 @@ def farr_checkpoint(
     reader = CheckpointReader(src)
     farr_target(Adapter.from_config(reader.config, reader.keys()), reader.config, reader.keys(), options)
     ids, record = None, None
-    if calibration.text is not None:
-        ids, record = calibration_tokens(src, calibration.text, calibration.tokens)
+    if calibration is not None:
+        ids, record = calibration_tokens(src, calibration)
     with atomic_output_dir(out, overwrite) as tmp:
         weights = analysis = None
         if ids is not None:  # the metrics wait for the reduction pass in the (hidden) output folder
@@ -101,13 +101,13 @@ def farr_checkpoint(
     return report
 
 
-def calibration_tokens(src, text, tokens: int) -> tuple[torch.Tensor, dict]:
-    """The first ``tokens`` token ids of ``text`` in the tokenizer of the model folder ``src``, and a
-    record of what was used."""
-    if tokens <= 0:
-        raise ValueError(f"calibration needs a positive number of tokens, got {tokens}")
-    path = resolve_text(text)
-    ids = calibration_ids(load_tokenizer(src), path, tokens)
+def calibration_tokens(src, calibration: CalibrationText) -> tuple[torch.Tensor, dict]:
+    """The first ``calibration.tokens`` token ids of its text in the tokenizer of the model folder ``src``, and
+    a record of what was used."""
+    if calibration.tokens <= 0:
+        raise ValueError(f"calibration needs a positive number of tokens, got {calibration.tokens}")
+    path = resolve_text(calibration.text)
+    ids = calibration.ids(load_tokenizer(src))
     return ids, {"text": str(path), "tokens": int(ids.numel())}
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from ...solvers import fused
 
@@ -37,12 +36,3 @@ class FarrOptions:
     @property
     def paths(self) -> tuple[str, ...]:
         return tuple(p for p, on in (("vo", self.vo), ("qk", self.qk)) if on)
-
-
-@dataclass(frozen=True)
-class FarrCalibration:
-    """The activation-aware metric of a checkpoint run: the first ``tokens`` tokens of ``text`` (None: the
-    data-free metric)."""
-
-    text: str | Path | None = None
-    tokens: int = 2048

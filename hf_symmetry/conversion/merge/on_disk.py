@@ -23,7 +23,7 @@ from ...checkpoint_io import (
 from ...evaluation.compare import load_tokenizer
 from ...hub.cards import write_card
 from ...hub.lineage import hub_id_of, public_model_labels
-from ...text import public_text_label, read_text, tokenize_text
+from ...text import public_text_label
 from ..match.checks import vocabulary_fingerprint
 from .pipeline import MergeOutcome, Participants, run_merge
 from .recipe import MergeRecipe
@@ -81,12 +81,12 @@ def merge_checkpoints(
     tok_folder = tokenizer_folder(folders)
     calibration_ids = None
     if recipe.method.needs_calibration:
-        text = resolve_text(recipe.calibration.text)
+        resolve_text(recipe.calibration.text)  # a missing text fails first
         if tok_folder is None:
             raise ValueError(
                 f"{recipe.method.name} tokenises its calibration text, but no input folder has a tokenizer"
             )
-        calibration_ids = tokenize_text(load_tokenizer(tok_folder), read_text(text), recipe.calibration.tokens)
+        calibration_ids = recipe.calibration.ids(load_tokenizer(tok_folder))
     if recipe.evaluation:
         resolve_text(recipe.evaluation.text)  # a missing evaluation text fails before any work
     with atomic_output_dir(out, overwrite) as tmp:

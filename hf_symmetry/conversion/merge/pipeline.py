@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from ...architectures import Adapter
-from ...calibration import token_batches
 from ...devices import linalg_device
 from ..match.checks import check_same_architecture, check_same_vocabulary
 from ..match.options import MatchPlan
@@ -132,9 +131,7 @@ def run_merge(
         raise ValueError(f"{method.name} needs calibration token ids")
     method.check_model(adapter)
     if method.needs_calibration:
-        batches = token_batches(
-            calibration_ids, recipe.calibration.seq_len, recipe.calibration.batch_size, keep_partial=False
-        )
+        batches = recipe.calibration.batches(calibration_ids, keep_partial=False)
     method.check_fits(sources[0], placement)  # e.g. Fisher's whole-model backward pass, before any work
 
     timings = {}

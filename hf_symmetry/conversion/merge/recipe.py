@@ -20,17 +20,20 @@ dtype: float32                # output dtype (default: the anchor's)
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 
+from ...calibration import CalibrationText
 from ..match.options import MatchOptions
 from .methods import METHODS, MergeMethod, method_named, method_parameters, methods_with
 
 # set on each model entry (the recipe's `parameters` give the default for all): the weight, and the methods' own
 MODEL_PARAMETERS = {"weight": 1.0, **{p.name: p.default for p in method_parameters() if p.per_model}}
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: a recipe's calibration text where it names none (or only some of its keys): fisher's and regmean's
+CALIBRATION = CalibrationText("britannica-calib", tokens=4096, seq_len=256, batch_size=4)
 _TOP_KEYS = (
     "merge_method",
     "method",
@@ -54,14 +57,6 @@ class ModelEntry:
 
 
 @dataclass
-class CalibrationSpec:
-    text: str = "britannica-calib"
-    tokens: int = 4096
-    seq_len: int = 256
-    batch_size: int = 4
-
-
-@dataclass
 class EvaluationText:
     text: str = "britannica-eval"
     tokens: int = 2048
@@ -75,7 +70,7 @@ class MergeRecipe:
     parameters: dict = field(default_factory=dict)
     match: MatchOptions | None = None
     anchor: str = "auto"
-    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    calibration: CalibrationText = CALIBRATION
     evaluation: EvaluationText | None = field(default_factory=EvaluationText)
     dtype: str | None = None
 
@@ -204,7 +199,8 @@ def _match(raw) -> tuple[MatchOptions | None, str]:
     return MatchOptions(**opts), str(value.get("anchor", anchor))
 
 
-def _section(raw: dict, key: str, cls, default):
+def _section(raw: dict, key: str, default):
+    """The recipe's ``key`` section: ``default`` with the keys it gives replaced (None for ``false``)."""
     value = raw.get(key, None)
     if value is None:
         return default
@@ -212,8 +208,8 @@ def _section(raw: dict, key: str, cls, default):
         return None
     if not isinstance(value, dict):
         _fail(f"{key} must be a mapping")
-    _check_keys(value, tuple(cls.__dataclass_fields__), key)
-    spec = cls(**value)
+    _check_keys(value, tuple(f.name for f in fields(default)), key)
+    spec = replace(default, **value)
     for name in ("tokens", "seq_len", "batch_size"):
         v = getattr(spec, name, 1)
         if not isinstance(v, int) or v < 1:
@@ -241,10 +237,10 @@ def recipe_from_dict(raw: dict) -> MergeRecipe:
     match, anchor = _match(raw)
     if anchor != "auto" and anchor not in [m.model for m in models] + [base]:
         _fail(f"anchor {anchor!r} is not one of the input models")
-    calibration = _section(raw, "calibration", CalibrationSpec, CalibrationSpec())
+    calibration = _section(raw, "calibration", CALIBRATION)
     if calibration is None and method.needs_calibration:
         _fail(f"{method.name} needs calibration text")
-    evaluation = _section(raw, "evaluation", EvaluationText, EvaluationText())
+    evaluation = _section(raw, "evaluation", EvaluationText())
     dtype = raw.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         _fail(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
@@ -255,7 +251,7 @@ def recipe_from_dict(raw: dict) -> MergeRecipe:
         parameters=params,
         match=match,
         anchor=anchor,
-        calibration=calibration or CalibrationSpec(),
+        calibration=calibration or CALIBRATION,
         evaluation=evaluation,
         dtype=dtype,
     )

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from ...architectures import Adapter
 from ...architectures.capabilities import require
 from ...assets import resolve_model, resolve_text
-from ...calibration import calibration_ids
+from ...calibration import CalibrationText
 from ...calibration.memory import release_free_memory
 from ...checkpoint_io import (
     CheckpointReader,
@@ -42,15 +42,14 @@ from .target import check_ranks, heads, source_biases, tpa_config_from
 
 @dataclass(frozen=True)
 class ToTPAOptions:
-    """What ``to-tpa`` converts to: the K and V ranks (None: the number of KV heads, exact); ``calib``, a
-    calibration text whose first ``calib_tokens`` tokens the reduction is fitted to; ``verify_text``: the shared
+    """What ``to-tpa`` converts to: the K and V ranks (None: the number of KV heads, exact); ``calibration``, the
+    calibration text whose first ``calibration.tokens`` tokens the reduction is fitted to; ``verify_text``: the shared
     verification of the written folder on that text (``verify_tokens`` compared, ``ppl_tokens`` for
     perplexity)."""
 
     k_rank: int | None = None
     v_rank: int | None = None
-    calib: str | Path | None = None
-    calib_tokens: int = 2048
+    calibration: CalibrationText | None = None
     verify_text: str | Path | None = None
     verify_tokens: int = 512
     ppl_tokens: int = 2048
@@ -68,7 +67,7 @@ def convert_checkpoint_to_tpa(
     """Convert the checkpoint ``source`` layer by layer (never loading the whole model; every layer
     read through the family's adapter) and write an HF folder (config with ``auto_map``,
     ``configuration_tpa.py``/``modeling_tpa.py``, weights, tokenizer, generation config,
-    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place. With ``options.calib`` the
+    ``tpa_conversion.json``) to ``out`` via a temporary folder renamed into place. With ``options.calibration`` the
     attention inputs are measured by the layer-wise calibration engine on ``placement``
     (:func:`hf_symmetry.devices.resolve`), and the head-mode reductions run on that device too."""
     t0 = time.time()
@@ -83,13 +82,15 @@ def convert_checkpoint_to_tpa(
     k_rank, v_rank = check_ranks(adapter, options.k_rank, options.v_rank)
     n_kv = adapter.layout.n_kv_heads
     global_keys, per_layer = layout_keys(adapter, reader.keys())
-    calib = resolve_text(options.calib) if options.calib is not None else None
+    calibration = options.calibration
+    if calibration is not None:
+        resolve_text(calibration.text)  # a missing text fails before any work
     if options.verify_text is not None:
         resolve_text(options.verify_text)  # a missing text fails before any work
     reduced = k_rank < n_kv or v_rank < n_kv
     grams, calib_n = None, 0
-    if calib is not None:
-        ids = calibration_ids(AutoTokenizer.from_pretrained(src), calib, options.calib_tokens)
+    if calibration is not None:
+        ids = calibration.ids(AutoTokenizer.from_pretrained(src))
         calib_n = int(ids.numel())
         if reduced:
             # one layer calibrated per converted layer: one Gram in memory, whatever the depth
