@@ -375,7 +375,7 @@ def test_heal_shares_the_perplexity_flags_of_the_other_commands():
     assert parser.parse_args(base + ["--ppl-tokens", "512"]).eval_tokens == 512
     assert parser.parse_args(base + ["--eval-tokens", "256"]).eval_tokens == 256
     args = parser.parse_args(base)
-    assert args.eval_tokens == 2048 and args.text == ["train.txt"] and not args.no_verify
+    assert args.eval_tokens == 2048 and args.train_text == ["train.txt"] and not args.no_verify
 
 
 def test_a_rotated_layer_norm_decoder_heals(folders, tmp_path, tok):
@@ -420,3 +420,44 @@ def test_a_rotated_layer_norm_decoder_heals(folders, tmp_path, tok):
         )
     )
     assert r.steps == 8 and r.heldout_kl_after < 0.7 * r.heldout_kl_before, (r.heldout_kl_before, r.heldout_kl_after)
+
+
+@pytest.mark.parametrize("main_process", [False, True])
+def test_the_other_processes_of_a_data_parallel_run_only_convert(tmp_path, capsys, main_process):
+    """The runner's ``main_process`` (heal under accelerate or torchrun): a process other than the first checks OUT
+    and converts (it trains) without OUT's lock, and verifies, writes and prints nothing; the first one does it all
+    (the negative control)."""
+    from types import SimpleNamespace
+
+    from hf_symmetry.commands.runner import Conversion, run_conversion
+
+    class Steps(Conversion):
+        publishes = False
+
+        def check(self):
+            self.steps = ["check"]
+
+        def inputs(self):
+            return []
+
+        def convert(self):
+            self.steps.append("convert (locked)" if (tmp_path / ".out.lock").exists() else "convert")
+            return {}, ["converted"]
+
+        def verify(self, report, lines):
+            self.steps.append("verify")
+            return False
+
+        def summary(self, report):
+            return {"summary": True}
+
+    args = SimpleNamespace(out=str(tmp_path / "out"), json_out=str(tmp_path / "s.json"))
+    command = Steps(args)
+    command.main_process = main_process
+    assert run_conversion(command) == 0
+    printed = capsys.readouterr().out
+    if main_process:
+        assert command.steps == ["check", "convert (locked)", "verify"] and printed.startswith("converted\ndone in ")
+        assert (tmp_path / "s.json").is_file()
+    else:
+        assert command.steps == ["check", "convert"] and printed == "" and not (tmp_path / "s.json").exists()

@@ -152,7 +152,7 @@ def test_final_hidden_restores_the_head_and_direct_use_matches():
 
 
 def test_cli_passes_the_logit_chunk_and_a_negative_one_is_refused(monkeypatch):
-    import hf_symmetry.commands.heal as heal_module  # where the heal command looks heal_checkpoint up
+    import hf_symmetry.commands.heal as heal_module  # where the heal command looks HealRun up
     from hf_symmetry.cli import main as cli
     from hf_symmetry.training.heal import HealOptions
 
@@ -162,10 +162,10 @@ def test_cli_passes_the_logit_chunk_and_a_negative_one_is_refused(monkeypatch):
         seen["options"] = job.options
         raise ValueError("stop here")
 
-    monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
-    # the inputs named below are never read (heal_checkpoint is faked): the up-front input checks are skipped
+    monkeypatch.setattr(heal_module, "HealRun", fake)
+    # the inputs named below are never read (HealRun is faked): the up-front input checks are skipped
     monkeypatch.setattr("hf_symmetry.cli.check_inputs", lambda args: None)
-    monkeypatch.setattr(heal_module, "resolve_model", Path, raising=False)
+    monkeypatch.setattr("hf_symmetry.commands.runner.resolve_model", Path)
     assert cli(["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--logit-chunk", "512", "--quiet"]) == 2
     assert seen["options"].logit_chunk == 512 and HealOptions().logit_chunk == 2048
     with pytest.raises(ValueError, match="--logit-chunk"):

@@ -333,7 +333,7 @@ def test_default_heal_draws_half_its_sequences_from_the_teacher(root, tpa, tmp_p
 
 
 def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
-    import hf_symmetry.commands.heal as heal_module  # where the heal command looks heal_checkpoint up
+    import hf_symmetry.commands.heal as heal_module  # where the heal command looks HealRun up
     from hf_symmetry.cli import main as cli
 
     seen = []
@@ -342,10 +342,10 @@ def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
         seen.append(job.options)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
-    # the inputs named below are never read (heal_checkpoint is faked): the up-front input checks are skipped
+    monkeypatch.setattr(heal_module, "HealRun", fake)
+    # the inputs named below are never read (HealRun is faked): the up-front input checks are skipped
     monkeypatch.setattr("hf_symmetry.cli.check_inputs", lambda args: None)
-    monkeypatch.setattr(heal_module, "resolve_model", Path, raising=False)
+    monkeypatch.setattr("hf_symmetry.commands.runner.resolve_model", Path)
     base = ["heal", "in", "out", "--teacher", "t", "--text", "x.txt", "--tokens", "4096", "--seq-len", "128"]
     for extra in ([], ["--teacher-sample-fraction", "0", "--lm-weight", "0.5"], ["--teacher-samples", "3"]):
         assert cli([*base, *extra, "--quiet"]) == 2
@@ -354,7 +354,7 @@ def test_cli_teacher_sample_defaults_and_flags(monkeypatch):
 
 
 def test_cli_passes_the_layer_loss_weight(monkeypatch):
-    import hf_symmetry.commands.heal as heal_module  # where the heal command looks heal_checkpoint up
+    import hf_symmetry.commands.heal as heal_module  # where the heal command looks HealRun up
     from hf_symmetry.cli import main as cli
 
     seen = {}
@@ -363,10 +363,10 @@ def test_cli_passes_the_layer_loss_weight(monkeypatch):
         seen["options"] = job.options
         raise ValueError("stop here")
 
-    monkeypatch.setattr(heal_module, "heal_checkpoint", fake)
-    # the inputs named below are never read (heal_checkpoint is faked): the up-front input checks are skipped
+    monkeypatch.setattr(heal_module, "HealRun", fake)
+    # the inputs named below are never read (HealRun is faked): the up-front input checks are skipped
     monkeypatch.setattr("hf_symmetry.cli.check_inputs", lambda args: None)
-    monkeypatch.setattr(heal_module, "resolve_model", Path, raising=False)
+    monkeypatch.setattr("hf_symmetry.commands.runner.resolve_model", Path)
     assert (
         cli(
             [

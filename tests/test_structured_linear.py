@@ -83,6 +83,7 @@ FORWARDS = [
     ("kron_general_a_first", 24, 30, {"type": "kron", "rank": 2, "a_shape": [3, 4]}),
     ("kron_general_b_first", 24, 30, {"type": "kron", "rank": 2, "a_shape": [15, 2]}),
     ("gs", 24, 20, {"type": "gs", "rank": 3, "blocks": [4, 2]}),
+    ("gs_one_row_block", 24, 20, {"type": "gs", "rank": 3, "blocks": [1, 3]}),
     ("lowrank", 24, 20, {"type": "lowrank", "rank": 5}),
     ("dense", 24, 20, {"type": "dense"}),
 ]
@@ -150,12 +151,57 @@ def test_a_wrong_factor_order_or_an_unshuffled_gs_fails_the_same_bound():
             _check_forward(forward, module, x)
 
 
-@pytest.mark.parametrize("name", ["kron_reader", "kron_writer", "gs"])
-def test_compiled_forwards_equal_the_dense_weight_product(name):
+@pytest.mark.parametrize("name,n_in,n_out,spec", FORWARDS, ids=[f[0] for f in FORWARDS])
+@pytest.mark.parametrize("lead", [(), (1,), (1, 1)], ids=["vector", "row", "batch_row"])
+def test_one_token_forwards_equal_the_dense_weight_product(name, n_in, n_out, spec, lead):
+    """One token (decoding: GS's own path, by the input's size) on every leading shape a caller passes."""
+    module = _module(n_in, n_out, spec)
+    x = torch.randn(*lead, n_in, generator=torch.Generator().manual_seed(1))
+    assert module(x).shape == (*lead, n_out)
+    _check_forward(module, module, x)
+
+
+def test_an_unshuffled_one_token_gs_fails_the_same_bound():
+    """Negative control of GS's one-token path: its shuffle left out."""
+    gs = _module(24, 20, FORWARDS[4][3])
+
+    def unshuffled(x):
+        kl, kr, b = gs.kl, gs.kr, gs.rank
+        q, p = gs.in_features // kr, gs.out_features // kl
+        y1 = torch.mm(gs.gs_right.view(kr * kl * b, q), x.reshape(kr, q).t())
+        h = y1.view(kr, kl * b, kr).diagonal(0, 0, 2).reshape(kl, kr * b)  # [(i, c), j] read as [i, (j, c)]
+        y2 = torch.mm(gs.gs_left.view(kl * p, kr * b), h.t())
+        return y2.view(kl, p, kl).diagonal(0, 0, 2).t().reshape(-1) + gs.bias
+
+    with pytest.raises(AssertionError, match="relative error"):
+        _check_forward(unshuffled, gs, torch.randn(24, generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("name", ["kron_reader", "kron_writer", "gs", "gs_one_row_block"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_compiled_forwards_equal_the_dense_weight_product(name, tokens):
     _, n_in, n_out, spec = next(f for f in FORWARDS if f[0] == name)
     module = _module(n_in, n_out, spec)
     compiled = torch.compile(module, fullgraph=True, dynamic=False)
-    _check_forward(compiled, module, torch.randn(1, 5, n_in, generator=torch.Generator().manual_seed(1)))
+    _check_forward(compiled, module, torch.randn(1, tokens, n_in, generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("blocks", [(1, 3), (4, 2)], ids=["one_row_block", "row_blocks"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gs_rows_are_the_dense_weight_rows(blocks, compiled):
+    """Embedding lookups of GS: one row block (an embedding's plan: one product, no selection) and several,
+    eager and compiled, equal the rows of ``dense_weight()``; negative control: the one-block product read
+    without its transposes (token-major) is caught."""
+    gs = _module(24, 20, {"type": "gs", "rank": 3, "blocks": list(blocks)})
+    ids = torch.tensor([[0, 7, 19], [3, 3, 11]])
+    rows = torch.compile(gs.rows, fullgraph=True, dynamic=False) if compiled else gs.rows
+    with torch.no_grad():
+        dense = gs.dense_weight()
+        assert (rows(ids) - dense[ids]).abs().max() <= 1e-5 * dense.abs().max()
+        if blocks[0] == 1:
+            left = gs.gs_left[0][ids.reshape(-1)].view(-1, gs.kr, gs.rank).transpose(0, 1)
+            wrong = torch.bmm(left, gs.gs_right).reshape(*ids.shape, -1)
+            assert (wrong - dense[ids]).abs().max() > 1e-2 * dense.abs().max()
 
 
 def test_compress_warns_where_a_structure_measured_slower_than_dense_when_decoding():

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..assets import resolve_model
-from ..checkpoint_io import check_output_dir
 from ..evaluation.perplexity import PPL
 from ..training import is_main_process
-from ..training.heal import HealJob, HealOptions, heal_checkpoint
-from .common import add_device_arg, add_output_args, emit
+from ..training.heal import HealJob, HealOptions, HealRun
+from .common import add_device_arg, add_output_args
+from .runner import Conversion, run_conversion
 
 
 def register(sub) -> None:
@@ -52,8 +51,9 @@ def _add_inputs(p) -> None:
         metavar="ORIGINAL",
         help="the original model folder or embedded alias (smollm2); must share the student's tokenizer",
     )
-    p.add_argument(
+    p.add_argument(  # (the training text: everywhere else --text is the verification text)
         "--text",
+        dest="train_text",
         action="append",
         required=True,
         metavar="TEXT",
@@ -64,8 +64,10 @@ def _add_inputs(p) -> None:
 
 def _add_budget(p) -> None:
     """The token budget, the batches, LoRA or full fine-tuning, the learning rate and its warmup."""
-    p.add_argument(
+    p.add_argument(  # (the training budget: everywhere else --tokens counts the verification's tokens)
         "--tokens",
+        dest="train_tokens",
+        metavar="TOKENS",
         type=int,
         default=262_144,
         help="training tokens the optimizer sees, over all epochs (default: 262144)",
@@ -178,20 +180,44 @@ def _add_heldout(p) -> None:
 
 
 def run(args) -> int:
-    # OUT against the student and the teacher, before any work (the rules of every conversion: commands/runner.py)
-    inputs = [resolve_model(args.model)] + ([resolve_model(args.teacher)] if args.teacher else [])
-    check_output_dir(args.out, args.overwrite, inputs)
-    r = heal_checkpoint(job_from_args(args))
-    if not is_main_process():
-        return 0
-    emit(r.as_dict(), summary_lines(r), args.json_out)
-    return 0
+    return run_conversion(Heal(args))
+
+
+class Heal(Conversion):
+    """``heal`` on the runner: OUT's checks and lock, ``--json`` and the total-time line come from it. Its own
+    refusals (:class:`~hf_symmetry.training.heal.HealRun`) run at the start of the conversion, after OUT's checks;
+    its verification is the run's own after-figures (held-out perplexity of the teacher, before and after, and the
+    held-out KL), which also write the card. Under accelerate or torchrun every process trains; the first one
+    writes OUT, verifies and prints."""
+
+    publishes = False  # (heal takes no --push-to-hub)
+
+    def __init__(self, args) -> None:
+        super().__init__(args)
+        self.main_process = is_main_process()
+        self.run = None
+
+    def inputs(self) -> list:
+        return [self.args.model, self.args.teacher]
+
+    def convert(self):
+        self.run = HealRun(job_from_args(self.args))
+        return self.run.train(), []
+
+    def verify(self, report, lines: list[str]) -> bool:
+        """The after-figures and the card; then the lines, which state the run with its figures."""
+        self.run.verify(report)
+        lines.extend(summary_lines(report))
+        return bool(self.run.eval_texts)
+
+    def summary(self, report) -> dict:
+        return report.as_dict()
 
 
 def job_from_args(args) -> HealJob:
     """The :class:`~hf_symmetry.training.heal.HealJob` of ``heal``'s parsed arguments."""
     options = HealOptions(
-        tokens=args.tokens,
+        tokens=args.train_tokens,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
@@ -216,7 +242,7 @@ def job_from_args(args) -> HealJob:
         args.model,
         args.out,
         args.teacher,
-        args.text,
+        args.train_text,
         options,
         overwrite=args.overwrite,
         resume=args.resume,

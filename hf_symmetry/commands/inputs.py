@@ -41,6 +41,7 @@ MODEL_ARGS = {
 #: argument names that name texts (a file or an embedded text name), with their flag
 TEXT_ARGS = {
     "text": "--text",
+    "train_text": "--text",  # (heal's: its training text)
     "calib": "--calib",
     "calibrate": "--calibrate",
     "calib_text": "--calib-text",

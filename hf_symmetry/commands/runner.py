@@ -32,6 +32,9 @@ class Conversion:
     publishes: bool = True
     #: whether OUT is one file (export-gguf) rather than a folder
     writes_file: bool = False
+    #: whether this process writes OUT: False in the other processes of a data-parallel run (heal under accelerate
+    #: launch or torchrun), which take part in :meth:`convert` alone (no lock, verification or output)
+    main_process: bool = True
 
     def __init__(self, args) -> None:
         self.args = args
@@ -82,6 +85,9 @@ def run_conversion(command: Conversion) -> int:
     start = time.perf_counter()
     command.check()
     check_output(command)
+    if not command.main_process:
+        command.convert()
+        return 0
     with output_lock(command.out):
         report, lines = command.convert()
         try:

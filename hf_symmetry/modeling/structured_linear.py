@@ -205,10 +205,14 @@ class GSLinear(StructuredLinear):
 
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
         """Two batched matmuls on any leading dims, the shuffle a copy between them (one token: 1.03-1.29x
-        faster than through :meth:`StructuredLinear.forward`'s reshapes, measured at SmolLM2's shapes)."""
+        faster than through :meth:`StructuredLinear.forward`'s reshapes, measured at SmolLM2's shapes); one
+        token as :meth:`_one_token` (a static branch under compile)."""
         if embed:
             return self.rows(x)
         kl, kr, b = self.kl, self.kr, self.rank
+        if x.numel() == self.in_features:
+            y = self._one_token(x)
+            return y if self.bias is None else y + self.bias
         xs = x.reshape(-1, kr, self.in_features // kr).transpose(0, 1)  # [kr, N, in/kr]
         N = xs.shape[1]
         h = torch.bmm(xs, self.gs_right.mT).view(kr, N, kl, b)  # [kr, N, i, c]
@@ -216,11 +220,26 @@ class GSLinear(StructuredLinear):
         y = torch.bmm(h, self.gs_left.mT).transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def _one_token(self, x: torch.Tensor) -> torch.Tensor:
+        """One token (decoding: reading the weights is the cost): each factor in one ``mm`` with the weights on
+        the left, every input block against every weight block (``kr`` resp. ``kl`` times the arithmetic, the
+        weights read once), then the diagonal blocks. A batched matmul runs one small GEMM per block: decoding
+        the whole SmolLM2 gs 0.25 output took 1.2x longer that way (measured, benchmarks/sections/44_deploy.md)."""
+        kl, kr, b = self.kl, self.kr, self.rank
+        q, p = self.in_features // kr, self.out_features // kl
+        y1 = torch.mm(self.gs_right.view(kr * kl * b, q), x.reshape(kr, q).t())  # [(j, i, c), j']
+        h = y1.view(kr, kl * b, kr).diagonal(0, 0, 2).view(kl, b, kr).transpose(1, 2)  # shuffle: [i, j, c]
+        y2 = torch.mm(self.gs_left.view(kl * p, kr * b), h.reshape(kl, kr * b).t())  # [(i, p), i']
+        return y2.view(kl, p, kl).diagonal(0, 0, 2).t().reshape(x.shape[:-1] + (self.out_features,))
+
     def rows(self, ids):
         kl, kr, b = self.kl, self.kr, self.rank
         flat = ids.reshape(-1)
         bl = self.out_features // kl
         right = self.gs_right.view(kr, kl, b, -1)
+        if kl == 1:  # one row block (an embedding's plan): every token's rows in one product, no selection
+            left = self.gs_left[0][flat].view(-1, kr, b).transpose(0, 1)  # [kr, N, b]
+            return torch.bmm(left, right[:, 0]).transpose(0, 1).reshape(*ids.shape, self.in_features)
         if torch.compiler.is_compiling():  # no data-dependent shapes: each block's rows for every token, then pick
             block, out = flat // bl, None
             for i in range(kl):

@@ -1,6 +1,7 @@
 """``heal``: recovery fine-tuning of a converted model by distillation from the original.
 
-Pipeline (:func:`heal_checkpoint`, given one :class:`HealJob`):
+The run (:func:`heal_checkpoint`, given one :class:`HealJob`; the command runs the same :class:`HealRun` on
+``commands/runner.py``):
 
 1. **Checks, before any work** (one ``ValueError``/``FileExistsError`` each, nothing written): options,
    OUT (must not exist unless ``overwrite``), the run folder (``<OUT>.heal-run``: must exist for
@@ -28,10 +29,11 @@ Pipeline (:func:`heal_checkpoint`, given one :class:`HealJob`):
 The pieces, one module each:
 
 - :mod:`.options` — :class:`HealOptions`, the recipe of a run and the figures derived from it, and
-  :class:`HealJob`, the run as one object (inputs, recipe, how it runs);
+  :class:`HealJob`, what a run is asked to do, as one object (inputs, recipe, how it runs);
 - :mod:`.checks` — the refusals before any work: OUT and the run folder, the student's family;
 - :mod:`.models` — the models loaded in float32, the weightless skeleton, perplexities;
-- :mod:`.pipeline` — :func:`heal_checkpoint`, the run from the checks to the card, one function per step;
+- :mod:`.pipeline` — :class:`HealRun`, the run from the checks to the card (made from the job: the checks and
+  what is derived once; :meth:`~HealRun.train`; :meth:`~HealRun.verify`), and :func:`heal_checkpoint`;
 - :mod:`.output` — the healed folder (merged weights, tokenizer, layer map, ``adapter/``, report);
 - :mod:`.report` — :class:`HealReport` and the model card.
 """
@@ -41,7 +43,16 @@ from __future__ import annotations
 from .checks import check_student, run_dir_for
 from .options import HealJob, HealOptions
 from .output import ADAPTER_DIR
-from .pipeline import heal_checkpoint
+from .pipeline import HealRun, heal_checkpoint
 from .report import HealReport
 
-__all__ = ["HealJob", "HealOptions", "HealReport", "heal_checkpoint", "run_dir_for", "check_student", "ADAPTER_DIR"]
+__all__ = [
+    "HealJob",
+    "HealOptions",
+    "HealReport",
+    "HealRun",
+    "heal_checkpoint",
+    "run_dir_for",
+    "check_student",
+    "ADAPTER_DIR",
+]

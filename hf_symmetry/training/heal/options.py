@@ -1,7 +1,8 @@
 """What one healing run is asked to do: :class:`HealOptions` (the recipe: token budget, batches, LoRA or
 full fine-tuning, loss weights, teacher samples and cache) with its checks and the figures derived
 from it (learning rate, teacher samples, text tokens, steps), and :class:`HealJob` (the recipe with the
-run's inputs and how it runs: what :func:`~.pipeline.heal_checkpoint` takes, as one object)."""
+run's inputs and how it runs: what :func:`~.pipeline.heal_checkpoint` takes, as one object). In a recipe,
+``tokens`` is the training budget (``heal --tokens``), never the verification's token count."""
 
 from __future__ import annotations
 
@@ -91,23 +92,23 @@ class HealOptions:
 
 @dataclass
 class HealJob:
-    """One healing run as one object, what :func:`~.pipeline.heal_checkpoint` takes: the inputs, the recipe
-    and how the run goes.
+    """What one healing run is asked to do, as one object: what :func:`~.pipeline.heal_checkpoint` takes (the run,
+    :class:`~.pipeline.HealRun`, derives the rest from it once).
 
     ``converted``: the student folder (or alias); ``out``: the healed folder; ``teacher``: the original
-    folder (or alias), sharing the student's tokenizer; ``texts``: the training text(s); ``options``: the
-    recipe. ``overwrite``: replace OUT; ``resume``: continue the interrupted run kept in ``<OUT>.heal-run``;
-    ``device``/``teacher_device``: ``--device`` strings (read by :func:`hf_symmetry.devices.parse_device`;
-    the teacher follows the student unless given its own); ``save_adapter``: also write the PEFT adapter;
-    ``eval_texts``: texts scored for perplexity (teacher, before, after) on the main process, empty or
-    ``None`` skips (``--no-verify``), ``eval_tokens`` of each; ``heldout_kl_sequences``: held-out sequences
-    of the KL before/after; ``keep_run_dir``: keep the run folder; ``callbacks``: extra
-    ``TrainerCallback`` objects."""
+    folder (or alias), sharing the student's tokenizer; ``train_texts``: the training text(s) (``heal --text``);
+    ``options``: the recipe. ``overwrite``: replace OUT; ``resume``: continue the interrupted run kept in
+    ``<OUT>.heal-run``; ``device``/``teacher_device``: ``--device`` strings (read by
+    :func:`hf_symmetry.devices.parse_device`; the teacher follows the student unless given its own);
+    ``save_adapter``: also write the PEFT adapter; ``eval_texts``: texts scored for perplexity (teacher, before,
+    after) on the main process, empty or ``None`` skips (``--no-verify``), ``eval_tokens`` of each;
+    ``heldout_kl_sequences``: held-out sequences of the KL before/after; ``keep_run_dir``: keep the run folder;
+    ``callbacks``: extra ``TrainerCallback`` objects."""
 
     converted: str | Path
     out: str | Path
     teacher: str | Path
-    texts: str | Path | list
+    train_texts: str | Path | list
     options: HealOptions = field(default_factory=HealOptions)
     overwrite: bool = False
     resume: bool = False
