@@ -284,9 +284,10 @@ def main() -> None:
             rotations = load_rotations(key)  # start from the cached stage F solution
             if rotations is not None:
                 solve_options = C.CompressOptions(**{**cfg_without_name(cfg), "f_iters": 0}, ratio=args.ratio)
-        calib_in = C.CalibrationInput(source, config, calib_ids, 512) if options.sequential else None
+        # sequential calibration: the first calib_tokens ids in batches of calib_seq_len (512)
+        run = C.CompressRun(source, config, solve_options, calib_ids, plan=plan, stats=stats, rotations=rotations)
         with limit_threads(1):
-            res = C.solve.solve(plan, layers, globals_, stats, solve_options, rotations=rotations, calib=calib_in)
+            res = C.solve.solve(run, layers, globals_)
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0

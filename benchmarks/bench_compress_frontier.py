@@ -151,7 +151,7 @@ def run_row(row: dict, args, results: dict) -> dict:
     options = C.CompressOptions.preset(row["preset"], **opts) if "preset" in row else C.CompressOptions(**opts)
     calib_ids = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens)
     state, cfg, report = C.compress_tensors(
-        reader, reader.config, options, calib_ids=calib_ids, run=C.TensorRun(progress=False)
+        C.CompressRun(reader, reader.config, options, calib_ids=calib_ids, progress=False)
     )
     model, counted = C.build_model(state, cfg)
     state_norms = {k: float(v.double().pow(2).sum()) for k, v in state.items() if k.endswith(".weight")}

@@ -30,12 +30,10 @@ options = C.CompressOptions(structure=structure, stage="w", q_mode=q_mode, f_ite
 plan, _ = C.plan_for(source, config, options)
 layers, globals_, gamma = C.read_folded(source, adapter, source.keys(), plan.tied)
 rot = None if structure == "lowrank" else load_rotations(f"{structure}_segment_f4_c16384_float32")
-calib_in = C.CalibrationInput(source, config, calib_ids, 512) if seq else None
+run = C.CompressRun(source, config, options, calib_ids, progress=False, plan=plan, stats=stats, rotations=rot)
 t = time.perf_counter()
 with limit_threads(1):
-    res = C.solve.solve(
-        plan, layers, globals_, stats, options, rotations=rot, calib=calib_in, run=C.solve.SolveRun(False)
-    )
+    res = C.solve.solve(run, layers, globals_)
 state = C.assemble.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
 m, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
 p = perplexity(m, eval_ids, window=512, stride=512, progress=False).perplexity

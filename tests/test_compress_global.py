@@ -36,9 +36,9 @@ def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama")
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     plan, adapter = C.plan_for(src, config, options)
     calib = input_ids(batch=1, length=120, seed=5)[0]
-    stats = one_pass_statistics(src, config, options, calib, progress=False)
+    stats = one_pass_statistics(C.CompressRun(src, config, options, calib, progress=False))
     layers, globals_, _ = C.read_folded(src, adapter, src.keys(), plan.tied, lazy=True, keep=2)
-    return plan, layers, globals_, stats, options, src
+    return plan, layers, globals_, stats, options, src, config
 
 
 def _held(plan, layers, globals_, stats, stage, options, iters):
@@ -64,24 +64,23 @@ def _held(plan, layers, globals_, stats, stage, options, iters):
 
 @pytest.mark.parametrize("structure,stage", [("kron", "f"), ("gs", "w"), ("kron", "w"), ("lowrank", "w")])
 def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure, stage):
-    plan, layers, globals_, stats, options, src = _setup(structure, stage, "float64")
+    plan, layers, globals_, stats, options, src, config = _setup(structure, stage, "float64")
     # low rank: no rotation lowers its error; solve() projects once at Q (no alternation)
     iters = 0 if structure == "lowrank" else options.f_iters if stage == "f" else options.w_iters
     Q_ref, f_ref, trace_ref = _held(plan, layers, globals_, stats, stage, options, iters)
     reads = []
     get = src.get
     src.get = lambda names: (reads.extend(names), get(names))[1]
-    factors, rel = {}, {}
     segments_done = []
+    kept = SV.Kept(on_segment=lambda k, Qs, f: segments_done.append(k))
     Qs, traces = SV._solve_stage(
         SV.SolveInputs(plan, layers, globals_, stats),
-        options,
         SV.Stage(stage, iters, "t"),
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
-        SV.SolveRun(False, on_segment=lambda k, Qs, f: segments_done.append(k)),
-        factors,
-        rel,
+        C.CompressRun(src, config, options, progress=False),
+        kept,
     )
+    factors = kept.factors
     assert segments_done == list(range(plan.n_segments))  # each segment handed on once final
     assert torch.allclose(Qs[0], Q_ref, atol=1e-9, rtol=0)
     if iters:
@@ -104,17 +103,14 @@ def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure
 def test_streamed_global_solve_in_float32_iterations_matches_closely():
     """The default: iterations in float32, the final projection in float64 (the warm starts of the
     weighted Kronecker fits go through the scratch files and come back bit for bit)."""
-    plan, layers, globals_, stats, options, src = _setup("kron", "w", "float32")
+    plan, layers, globals_, stats, options, src, config = _setup("kron", "w", "float32")
     Q_ref, f_ref, trace_ref = _held(plan, layers, globals_, stats, "w", options, options.w_iters)
-    factors, rel = {}, {}
     Qs, traces = SV._solve_stage(
         SV.SolveInputs(plan, layers, globals_, stats),
-        options,
         SV.Stage("w", options.w_iters, "t"),
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
-        SV.SolveRun(False),
-        factors,
-        rel,
+        C.CompressRun(src, config, options, progress=False),
+        SV.Kept(),
     )
     assert float((Qs[0] - Q_ref).abs().max()) < 1e-4
     assert traces["global"][-1] == pytest.approx(trace_ref[-1], rel=1e-4)
@@ -122,11 +118,12 @@ def test_streamed_global_solve_in_float32_iterations_matches_closely():
 
 def test_global_stage_f_before_stage_w_keeps_no_factors(monkeypatch):
     """Stage F's factors are replaced by stage W's: only its rotation is kept (no last sweep)."""
-    plan, layers, globals_, stats, options, src = _setup("gs", "w", "float64")
+    plan, layers, globals_, stats, options, src, config = _setup("gs", "w", "float64")
     kept = []
     real = SV._keep
     monkeypatch.setattr(SV, "_keep", lambda terms, *a, **k: (kept.extend(t.name for t in terms), real(terms, *a, **k)))
-    res = SV.solve(plan, layers, globals_, stats, options, run=SV.SolveRun(False))
+    run = C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats)
+    res = SV.solve(run, layers, globals_)
     compressed = [m.name for m in plan.matrices if m.compressed]
     assert sorted(kept) == sorted(compressed)  # once each: stage W's, none of stage F's
     assert set(res.factors) == set(compressed)
@@ -158,11 +155,9 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
     assert not C.CompressOptions(structure="kron", sequential=True).statistics_on_demand
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     calib = input_ids(batch=1, length=120, seed=5)[0]
-    eager = one_pass_statistics(src, config, options, calib, progress=False)
+    eager = one_pass_statistics(C.CompressRun(src, config, options, calib, progress=False))
     assert isinstance(eager.mlp_hidden, list)
-    ref, _, _ = compress_tensors(
-        src, config, options, calib_ids=calib, given=C.Given(stats=eager), run=C.TensorRun(progress=False)
-    )
+    ref, _, _ = compress_tensors(C.CompressRun(src, config, options, calib_ids=calib, stats=eager, progress=False))
 
     held = []
     real = MO.one_pass_on_demand
@@ -179,7 +174,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         return stats
 
     monkeypatch.setattr(MO, "one_pass_on_demand", watched)
-    out, _, report = compress_tensors(src, config, options, calib_ids=calib, run=C.TensorRun(progress=False))
+    out, _, report = compress_tensors(C.CompressRun(src, config, options, calib_ids=calib, progress=False))
     assert len(held) == 2 * model.config.num_hidden_layers + 1  # every segment released once solved
     assert max(held) == 1  # one layer's FFN moments at a time
     assert report.calibration_tokens == eager.tokens

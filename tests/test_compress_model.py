@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -47,12 +48,17 @@ def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=tor
         Qs = [haar_orthogonal(plan.hidden, rng(seed, 0))] * n_seg
     counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))  # stage F's token weights
     state, cfg, _ = C.compress_tensors(
-        src,
-        config,
-        options,
-        hf_config=model.config,
-        given=C.Given(plan=plan, rotations=Qs, stats=counts),
-        run=C.TensorRun(dtype=dtype, progress=False),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            hf_config=model.config,
+            plan=plan,
+            rotations=Qs,
+            stats=counts,
+            dtype=dtype,
+            progress=False,
+        )
     )
     return C.build_model(state, cfg, dtype)[0], cfg
 
@@ -74,13 +80,13 @@ def test_the_two_tensor_entry_points_and_the_sinks_row_blocks(tmp_path):
     config, src = model.config.to_dict(), _source(model)
     options = C.CompressOptions(structure="lowrank", ratio=0.25, stage="f", f_iters=0, ratio_slack=1.0)
     counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))
-    given = C.Given(stats=counts)
+    run = C.CompressRun(src, config, options, progress=False, stats=counts)
     with pytest.raises(ValueError, match="compress_into"):
-        C.compress_tensors(src, config, options, given=given, run=C.TensorRun(progress=False, sink=DictSink()))
-    state, _, _ = C.compress_tensors(src, config, options, given=given, run=C.TensorRun(progress=False))
+        C.compress_tensors(replace(run, sink=DictSink()))
+    state, _, _ = C.compress_tensors(run)
     plain, blocks = DictSink(), _BlockSink()
     for sink in (plain, blocks):
-        C.compress_into(src, config, options, given=given, run=C.TensorRun(progress=False, sink=sink))
+        C.compress_into(replace(run, sink=sink))
     streamed = [k for k, v in blocks.items() if isinstance(v, RowBlocks)]
     assert streamed and not any(isinstance(v, RowBlocks) for v in plain.values())
     assert set(plain) == set(blocks) == set(state)
@@ -121,13 +127,16 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
     state, cfg, _ = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        given=C.Given(plan=plan),
-        run=C.TensorRun(dtype=torch.float64, progress=False),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            plan=plan,
+            dtype=torch.float64,
+            progress=False,
+        )
     )
     compressed = C.build_model(state, cfg, torch.float64)[0]
     ids = input_ids()
@@ -266,7 +275,12 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
         want_stream=False,
         progress=False,
     )
-    res = solve_mod.solve(plan, layers, globals_, one_pass, options, calib=calib_input, run=solve_mod.SolveRun(False))
+    run = C.CompressRun(
+        calib_input.source, calib_input.config, options, calib, progress=False, plan=plan, stats=one_pass
+    )
+    used = run.calibration()  # the sequential calibration runs on the same input
+    assert torch.equal(used.ids, calib_input.ids) and used.seq_len == calib_input.seq_len == 40
+    res = solve_mod.solve(run, layers, globals_)
     state = assemble_module.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
     compressed = C.build_model(
         state, C.compressed_config(model.config.to_dict(), plan, options, model.config), torch.float64
@@ -321,13 +335,18 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
     plan = _full_rank(C.plan_for(src, config, options)[0])
     Qs = [haar_orthogonal(plan.hidden, rng(0, k)) for k in range(2 * plan.n_layers + 1)]
     state, cfg, report = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        given=C.Given(plan=plan, rotations=Qs if structure == "gs" else None),
-        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_placement64()),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            plan=plan,
+            rotations=Qs if structure == "gs" else None,
+            dtype=torch.float64,
+            progress=False,
+            placement=_placement64(),
+        )
     )
     assert report.options["sequential"] and any(
         k.startswith("W/segment") or k.startswith("segment") for k in report.objective
@@ -373,7 +392,7 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calib, progress=False)
     ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=options.calib_tokens)
     state, _, _ = C.compress_tensors(
-        reader, reader.config, options, calib_ids=ids, run=C.TensorRun(dtype=torch.float32, progress=False)
+        C.CompressRun(reader, reader.config, options, calib_ids=ids, dtype=torch.float32, progress=False)
     )
     written = CheckpointReader(tmp_path / "out")
     row_factor = {"lowrank": "lr_u", "gs": "gs_left", "kron": "kron_b"}[structure]
@@ -440,12 +459,16 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
 
     def run(**changes):
         state, _, report = C.compress_tensors(
-            _source(model),
-            config,
-            options.with_(**changes),
-            calib_ids=calib,
-            hf_config=model.config,
-            run=C.TensorRun(dtype=torch.float64, progress=False, placement=_placement64()),
+            C.CompressRun(
+                _source(model),
+                config,
+                options.with_(**changes),
+                calib_ids=calib,
+                hf_config=model.config,
+                dtype=torch.float64,
+                progress=False,
+                placement=_placement64(),
+            )
         )
         return state, report
 

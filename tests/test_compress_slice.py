@@ -74,12 +74,16 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
         structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40, ratio_slack=1.0
     )
     state, cfg, report = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            dtype=torch.float64,
+            progress=False,
+            placement=_float64(),
+        )
     )
     sliced = C.build_model(state, cfg, torch.float64)[0]
     dr = cfg["residual_size"]
@@ -126,13 +130,17 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
     state, cfg, report = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        given=C.Given(plan=plan),
-        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            plan=plan,
+            dtype=torch.float64,
+            progress=False,
+            placement=_float64(),
+        )
     )
     assert report.method == "SliceGPT (PCA per segment, sequential)"
     compressed = C.build_model(state, cfg, torch.float64)[0]
@@ -193,13 +201,17 @@ def _widths_model(model, widths, placement=None):
     options = C.CompressOptions(structure="slice", calib_seq_len=40, ratio_slack=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": w / d for k, w in enumerate(widths)})[0]
     state, cfg, report = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        given=C.Given(plan=plan),
-        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            plan=plan,
+            dtype=torch.float64,
+            progress=False,
+            placement=_float64(),
+        )
     )
     compressed, counted = C.build_model(state, cfg, torch.float64)
     stats = C.collect_statistics(
@@ -258,13 +270,17 @@ def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
     plan = C.plan_for(src, config, options, keep={f"segment{k}": 1.0 for k in range(2 * L + 1)})[0]
     plan.residual_sizes = [d] * (2 * L + 1)  # force the per-segment path
     state, cfg, _ = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        given=C.Given(plan=plan),
-        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_float64()),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            plan=plan,
+            dtype=torch.float64,
+            progress=False,
+            placement=_float64(),
+        )
     )
     assert cfg["residual_sizes"] == [d] * (2 * L + 1)
     compressed = C.build_model(state, cfg, torch.float64)[0]

@@ -24,7 +24,7 @@ from hf_symmetry.conversion.compress.layernorm_decoders import (
     compress_layer_norm_model,
     slice_tensors,
 )
-from hf_symmetry.conversion.compress.routes import TensorRun
+from hf_symmetry.conversion.compress.routes import CompressRun
 from hf_symmetry.conversion.stream import DictSink, DictSource
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
@@ -55,13 +55,16 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
     else:
         sink = DictSink()
         cfg, _ = slice_tensors(
-            DictSource(dict(model.state_dict())),
-            model.config.to_dict(),
-            SLICE,
-            None,
+            CompressRun(
+                DictSource(dict(model.state_dict())),
+                model.config.to_dict(),
+                SLICE,
+                calib_ids=None,
+                sink=sink,
+                progress=False,
+            ),
             width=d,
             rotation=haar_orthogonal(d, rng(0, 2)),
-            run=TensorRun(sink=sink, progress=False),
         )
         full = build(dict(sink), cfg, torch.float64)[0]
     assert isinstance(full, RMSDecoderForCausalLM) and full.config.residual_size == d
@@ -83,12 +86,15 @@ def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basi
     Q = haar_orthogonal(model.config.hidden_size, rng(0, 1))
     sink = DictSink()
     cfg, _ = slice_tensors(
-        DictSource(dict(model.state_dict())),
-        model.config.to_dict(),
-        SLICE,
-        None,
+        CompressRun(
+            DictSource(dict(model.state_dict())),
+            model.config.to_dict(),
+            SLICE,
+            calib_ids=None,
+            sink=sink,
+            progress=False,
+        ),
         rotation=Q,
-        run=TensorRun(sink=sink, progress=False),
     )
     rand = build(dict(sink), cfg, torch.float64)[0]
     assert _delta(model, rand) > err_pca

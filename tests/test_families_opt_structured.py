@@ -20,7 +20,7 @@ from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, families_text, reason
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress.layernorm_decoders import build, layer_norm_plan, structured_tensors
-from hf_symmetry.conversion.compress.routes import Given, TensorRun
+from hf_symmetry.conversion.compress.routes import CompressRun
 from hf_symmetry.conversion.stream import DictSink
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.modeling.structured_linear import GSLinear, KroneckerLinear
@@ -56,12 +56,18 @@ def _exact(model, structure: str, q_mode: str = "segment", seed: int = 0):
     counts = C.CalibrationStats(1, torch.ones(config["vocab_size"], dtype=torch.float64))  # stage F's row weights
     state = DictSink()
     cfg, _ = structured_tensors(
-        source,
-        config,
-        options,
-        None,
-        given=Given(plan=plan, stats=counts, rotations=Qs),
-        run=TensorRun(sink=state, dtype=torch.float64, progress=False),
+        CompressRun(
+            source,
+            config,
+            options,
+            calib_ids=None,
+            plan=plan,
+            stats=counts,
+            rotations=Qs,
+            sink=state,
+            dtype=torch.float64,
+            progress=False,
+        )
     )
     return build(state, cfg, torch.float64)[0], cfg
 

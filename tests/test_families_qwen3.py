@@ -93,13 +93,16 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
     for m in plan.matrices:
         m.structure = S.Dense((m.structure.shape[0], plan.hidden))
     state, cfg, _ = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=calib,
-        hf_config=model.config,
-        given=C.Given(plan=plan),
-        run=C.TensorRun(dtype=torch.float64, progress=False),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=calib,
+            hf_config=model.config,
+            plan=plan,
+            dtype=torch.float64,
+            progress=False,
+        )
     )
     compressed = C.build_model(state, cfg, torch.float64)[0]
     assert _delta(model, compressed) <= 1e-9
@@ -232,13 +235,18 @@ def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, e
     plan = _full_rank(C.plan_for(src, config, options)[0])
     Qs = [haar_orthogonal(plan.hidden, rng(0, k)) for k in range(2 * plan.n_layers + 1)]
     state, cfg, report = C.compress_tensors(
-        src,
-        config,
-        options,
-        calib_ids=input_ids(batch=1, length=120, seed=3)[0],
-        hf_config=model.config,
-        given=C.Given(plan=plan, rotations=Qs if structure == "gs" else None),
-        run=C.TensorRun(dtype=torch.float64, progress=False, placement=_placement64()),
+        C.CompressRun(
+            src,
+            config,
+            options,
+            calib_ids=input_ids(batch=1, length=120, seed=3)[0],
+            hf_config=model.config,
+            plan=plan,
+            rotations=Qs if structure == "gs" else None,
+            dtype=torch.float64,
+            progress=False,
+            placement=_placement64(),
+        )
     )
     assert report.options["sequential"] and cfg["qk_norm"]
     compressed = C.build_model(state, cfg, torch.float64)[0]

@@ -48,7 +48,7 @@ def _untied_view(model):
 def _same_slice(model, width, calib, placement=None, **controls):
     """(stock model, its report, compressed-family model) at ``width`` from one measured rotation."""
     source, config = C.DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
-    stats = one_pass_statistics(source, config, OPTIONS, calib, placement, progress=False)
+    stats = one_pass_statistics(C.CompressRun(source, config, OPTIONS, calib, placement, progress=False))
     Q = pca_rotations(stats, 2 * config["num_hidden_layers"] + 1, "global")[0]
     stock, report = S.stock_slice_model(
         model, OPTIONS, calib, S.StockOptions(untie=True, round_to=1), width=width, rotation=Q, **controls
@@ -57,12 +57,7 @@ def _same_slice(model, width, calib, placement=None, **controls):
     plan = S.compressed_plan_at(usource, uconfig, OPTIONS, width)
     dtype = next(model.parameters()).dtype
     state, new_config, _ = C.compress_tensors(
-        usource,
-        uconfig,
-        OPTIONS,
-        calib,
-        given=C.Given(plan=plan, stats=stats),
-        run=C.TensorRun(dtype=dtype, progress=False),
+        C.CompressRun(usource, uconfig, OPTIONS, calib_ids=calib, plan=plan, stats=stats, dtype=dtype, progress=False)
     )
     compressed, _ = C.build_model(state, new_config, dtype)
     return stock, report, compressed
@@ -200,14 +195,17 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
     calib_ids = tokenize_text(load_tokenizer(src), read_text(calib), max_tokens=OPTIONS.calib_tokens)
     options = OPTIONS.with_(calib_seq_len=64)
     source, cfg = _untied_view(model)
-    stats = one_pass_statistics(source, cfg, options, calib_ids, None, progress=False)
+    stats = one_pass_statistics(C.CompressRun(source, cfg, options, calib_ids, progress=False))
     state, new_config, _ = C.compress_tensors(
-        source,
-        cfg,
-        options,
-        calib_ids,
-        given=C.Given(stats=stats, plan=S.compressed_plan_at(source, cfg, options, w)),
-        run=C.TensorRun(progress=False),
+        C.CompressRun(
+            source,
+            cfg,
+            options,
+            calib_ids=calib_ids,
+            stats=stats,
+            plan=S.compressed_plan_at(source, cfg, options, w),
+            progress=False,
+        )
     )
     compressed, _ = C.build_model(state, new_config)
     ref = outputs(compressed, ids)

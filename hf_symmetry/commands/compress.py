@@ -21,7 +21,6 @@ from ..conversion.compress import (
     record_verification,
 )
 from ..conversion.compress.pipeline import route_for
-from ..conversion.compress.routes import FolderSettings
 from ..conversion.compress.stock import REMOTE_CODE, StockOptions
 from .common import (
     add_device_args,
@@ -330,7 +329,7 @@ class Compress(Conversion):
             stock=self.stock,
             progress=not args.quiet,
             placement=self.placement,
-            folder=FolderSettings(overwrite=args.overwrite),
+            overwrite=args.overwrite,
         )
         config = _config(src)
         acc = report.accounting

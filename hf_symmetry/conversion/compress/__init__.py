@@ -26,8 +26,9 @@ The steps, one module each:
   centred, then sliced (SliceGPT) or structured (the steps above on the centred model), written as the
   RMS-decoder family;
 - :mod:`.stock` — SliceGPT written as the source's own stock family, where it can be;
-- :mod:`.routes` — the routes of an output folder as objects (compressed family, stock, LayerNorm decoders)
-  and the folder steps they share;
+- :mod:`.routes` — one conversion as one object (:class:`CompressRun`: source, options, calibration, device,
+  dtype, sink, folder), and the routes of an output folder as objects (compressed family, stock, LayerNorm
+  decoders);
 - :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder: the one folder entry
   point, which decides the route once);
 - :mod:`.report` — the report and the finishing of an output folder, shared by every route;
@@ -52,7 +53,7 @@ from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
 from .pipeline import compress_checkpoint, compress_into, compress_model, compress_tensors, route_for
 from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
 from .report import REPORT_FILE, CompressReport, record_verification
-from .routes import FolderSettings, Given, Route, TensorRun
+from .routes import CompressRun, Route
 from .solve import SolveResult
 from .targets import matched_target
 
@@ -90,9 +91,7 @@ __all__ = [
     "compress_tensors",
     "compress_into",
     "route_for",
-    "FolderSettings",
-    "Given",
-    "TensorRun",
+    "CompressRun",
     "Route",
     "record_verification",
     "MatrixPlan",

@@ -286,24 +286,15 @@ def budget_of(uniform) -> int:
     return acc["structured_params_of_compressed_matrices"] + acc["target_params"] - acc["compressed_model_params"]
 
 
-def allocate_for(
-    source,
-    config: dict,
-    options: CompressOptions,
-    uniform,
-    ids: torch.Tensor,
-    token_counts: torch.Tensor | None = None,
-    placement=None,
-    progress: bool = True,
-):
-    """``(keep map, report)``: measure each group's sensitivity and allocate the budget of the
-    ``uniform`` plan (same ratio, same rotations and skips) between the groups (SliceGPT's widths:
-    :func:`.allocate_widths.allocate_slice_for`)."""
-    adapter = check_family(config, source.keys())
-    entries = matrix_entries(config, source.keys(), adapter)
+def allocate_for(run, token_counts: torch.Tensor | None = None):
+    """``(keep map, report)``: measure each group's sensitivity on ``run``'s calibration (a
+    :class:`.routes.CompressRun`) and allocate the budget of its uniform plan ``run.plan`` (same ratio, same
+    rotations and skips) between the groups (SliceGPT's widths: :func:`.allocate_widths.allocate_slice_for`)."""
+    calib, options, uniform = run.calibration(), run.options, run.plan
+    adapter = check_family(calib.config, calib.source.keys())
+    entries = matrix_entries(calib.config, calib.source.keys(), adapter)
     kron_q = uniform.accounting.get("kron_factor")
-    calib = CalibrationInput(source, config, ids, options.calib_seq_len, placement)
-    curves = measure_sensitivity(calib, adapter, entries, options, token_counts, progress, kron_q)
+    curves = measure_sensitivity(calib, adapter, entries, options, token_counts, run.progress, kron_q)
     budget = budget_of(uniform)
     groups = build_groups(entries, options, kron_q, curves)
     chosen = allocate(groups, budget)

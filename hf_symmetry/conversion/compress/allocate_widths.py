@@ -17,7 +17,6 @@ from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
 from .allocate import Choice, Group, adapter_path, allocate, trace_of
 from .moments import CalibrationInput, collect_statistics
-from .options import CompressOptions
 from .pca import pca
 from .plan import Entry, check_family, final_gamma, matrix_entries
 
@@ -249,31 +248,19 @@ def allocate_slice(
     return widths, chosen, groups
 
 
-def allocate_slice_for(
-    source,
-    config: dict,
-    options: CompressOptions,
-    uniform,
-    ids: torch.Tensor,
-    stats,
-    placement=None,
-    progress: bool = True,
-):
-    """``(keep map, report)`` for SliceGPT with one global PCA: the global rotation from ``stats``
-    (one-pass stream moments, as the solve takes it), each group's sensitivity measured at several
-    widths, then per-segment widths at the uniform plan's total (``keep``: ``segment{k}`` → width / d)."""
-    adapter = check_family(config, source.keys())
-    entries = matrix_entries(config, source.keys(), adapter)
+def allocate_slice_for(run):
+    """``(keep map, report)`` for SliceGPT with one global PCA (``run``: a :class:`.routes.CompressRun`):
+    the global rotation from ``run.stats`` (one-pass stream moments, as the solve takes it), each group's
+    sensitivity measured at several widths, then per-segment widths at the total of the uniform plan
+    ``run.plan`` (``keep``: ``segment{k}`` → width / d)."""
+    calib, stats, uniform, progress = run.calibration(), run.stats, run.plan, run.progress
+    source = calib.source
+    adapter = check_family(calib.config, source.keys())
+    entries = matrix_entries(calib.config, source.keys(), adapter)
     if stats is None or stats.stream is None:
-        stats = collect_statistics(
-            CalibrationInput(source, config, ids, options.calib_seq_len, placement),
-            want_normed=False,
-            want_stream=True,
-            progress=progress,
-        )
+        stats = collect_statistics(calib, want_normed=False, want_stream=True, progress=progress)
     Q = pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
     n_layers, d = adapter.n_layers, adapter.hidden
-    calib = CalibrationInput(source, config, ids, options.calib_seq_len, placement)
     curves = measure_slice_sensitivity(calib, adapter, Q, stats.stream[0], progress)
     if uniform.tied:
         curves["embed"] = [

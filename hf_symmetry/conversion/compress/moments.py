@@ -85,37 +85,24 @@ def require_calibration(options, calib_ids: torch.Tensor | None) -> None:
         raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
 
 
-def one_pass_statistics(
-    source,
-    config: dict,
-    options,
-    calib_ids: torch.Tensor | None,
-    placement=None,
-    progress: bool = True,
-    on_demand: bool = False,
-) -> CalibrationStats | None:
-    """The statistics of one pass of the original model that ``options`` (a :class:`.CompressOptions`)
+def one_pass_statistics(run, on_demand: bool = False) -> CalibrationStats | None:
+    """The statistics of one pass of the original model that ``run.options`` (a :class:`.CompressOptions`)
     needs (token counts only where it needs no activations; ``None`` where it needs no calibration),
-    layer by layer from ``source``. ``on_demand`` (for a solver that releases each segment's statistics
-    once solved): where :attr:`CompressOptions.statistics_on_demand`, measured as the solver first
-    reads them (:func:`one_pass_on_demand`)."""
+    layer by layer from ``run.source`` (``run``: a :class:`.routes.CompressRun`). ``on_demand`` (for a
+    solver that releases each segment's statistics once solved): where
+    :attr:`CompressOptions.statistics_on_demand`, measured as the solver first reads them
+    (:func:`one_pass_on_demand`)."""
+    options = run.options
     if not options.needs_calibration:
         return None
-    require_calibration(options, calib_ids)
+    calib = run.calibration()
     if on_demand and options.statistics_on_demand:
-        return one_pass_on_demand(
-            source,
-            config,
-            calib_ids[: options.calib_tokens],
-            options.calib_seq_len,
-            placement=placement,
-            progress=progress,
-        )
+        return one_pass_on_demand(calib, progress=run.progress)
     return collect_statistics(
-        CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement),
+        calib,
         want_normed=options.want_normed,
         want_stream=options.want_stream,
-        progress=progress,
+        progress=run.progress,
         stream_sum=options.stream_sum,
     )
 
@@ -210,9 +197,7 @@ class _OnDemand:
         self.items[k] = value
 
 
-def one_pass_on_demand(
-    source, config: dict, ids: torch.Tensor, seq_len: int, placement=None, progress: bool = True
-) -> CalibrationStats:
+def one_pass_on_demand(calib: CalibrationInput, progress: bool = True) -> CalibrationStats:
     """The one-pass statistics of :func:`collect_statistics` (``want_normed``: the normalised stream per
     segment, the writers' inputs per layer), measured as they are first read instead of all up front:
     reading segment k's entries runs the calibration pass on to the layer that produces them (segment
@@ -221,10 +206,10 @@ def one_pass_on_demand(
     (``stats.release_segment(k)``) then holds about one layer's moments (the FFN's ``4d × 4d`` input
     moments among them), not every layer's. The values are those of :func:`collect_statistics` bit for
     bit (the output stream of layer i is the input stream of layer i + 1 and, after the last, the final one)."""
-    vocab = int(config["vocab_size"])
-    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
+    vocab = int(calib.config["vocab_size"])
+    engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
     L = engine.adapter.n_layers
-    run = engine.start(batches(ids, seq_len))
+    run = engine.start(batches(calib.ids, calib.seq_len))
     n = run.tokens
     request = StatsRequest(grams=("normed:layer_in", "normed:ffn_norm_in", "normed:layer_out", "o_in", "down_in"))
     state = {"steps": run.layers(request), "measured": 0}
@@ -255,7 +240,7 @@ def one_pass_on_demand(
     mlp_hidden = _OnDemand(L, advance, lambda i: i)
     stats = CalibrationStats(
         n,
-        torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
+        torch.bincount(calib.ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab],
         normed=normed,
         attn_out=attn_out,
         mlp_hidden=mlp_hidden,

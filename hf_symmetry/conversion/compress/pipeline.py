@@ -12,78 +12,61 @@ import torch
 from transformers import AutoConfig
 
 from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
-from ...devices import linalg_device
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ...solvers.linalg import limit_threads
 from ..layer_map import LayerMap
 from ..remote_code import save_family_config
-from ..stream import DictSink, DictSource, TensorSource
+from ..stream import DictSink, DictSource
 from .allocate import allocate_for
 from .allocate_widths import allocate_slice_for
 from .assemble import Assembler, build_model, compressed_config, config_object
 from .folded import read_folded
 from .layernorm_decoders import LayerNormDecoders, compress_layer_norm_model, through_rms_decoder
-from .moments import CalibrationInput, CalibrationStats, one_pass_statistics, read_calibration, require_calibration
+from .moments import CalibrationStats, one_pass_statistics, read_calibration
 from .options import CompressOptions
 from .pca import sequential_stream_pca
 from .plan import Plan, check_family, plan_for
 from .report import CompressReport, finish_folder, summarise_traces
-from .routes import CountingSink, FolderJob, FolderSettings, Given, Route, TensorRun, checkpoint_dtype
-from .solve import SolveRun, solve
+from .routes import CompressRun, CountingSink, Route, checkpoint_dtype
+from .solve import Kept, solve
 from .stock import REMOTE_CODE, StockOptions, StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
 
 
-def compress_tensors(
-    source: TensorSource,
-    config: dict,
-    options: CompressOptions,
-    calib_ids: torch.Tensor | None = None,
-    hf_config=None,
-    given: Given = Given(),
-    run: TensorRun = TensorRun(),
-) -> tuple[Tensors, dict, CompressReport]:
+def compress_tensors(run: CompressRun) -> tuple[Tensors, dict, CompressReport]:
     """The whole pipeline on tensors, collected in memory: (compressed state dict, config dict, report)
     (:func:`compress_into` with a :class:`..stream.DictSink`; ``run.sink`` must be unset)."""
     if run.sink is not None:
         raise ValueError("compress_tensors collects the tensors itself; write into a sink with compress_into")
     sink = DictSink()
-    new_config, report, _ = compress_into(source, config, options, calib_ids, hf_config, given, replace(run, sink=sink))
+    new_config, report, _ = compress_into(replace(run, sink=sink))
     return dict(sink), new_config, report
 
 
-def compress_into(
-    source: TensorSource,
-    config: dict,
-    options: CompressOptions,
-    calib_ids: torch.Tensor | None = None,
-    hf_config=None,
-    given: Given = Given(),
-    run: TensorRun = TensorRun(),
-) -> tuple[dict, CompressReport, LayerMap | None]:
+def compress_into(run: CompressRun) -> tuple[dict, CompressReport, LayerMap | None]:
     """The whole pipeline on tensors, written into ``run.sink`` (a :class:`..stream.TensorSink`) as they are
     assembled, layer by layer: (config dict, report, the layer map where every layer maps to the source,
-    else None). Calibration runs the layer-wise engine over ``source`` on ``run.placement``; ``given``
-    (:class:`.routes.Given`) may hand in the statistics, the planned structures and the starting rotations
-    (see :func:`solve`). The norm-folded layers are read from ``source`` as the steps need them.
-    ``run.scratch``: a folder for the solver's temporary files (one global Q's warm starts)."""
+    else None). Calibration runs the layer-wise engine over ``run.source`` on ``run.placement``; ``run``
+    may hand in the statistics, the planned structures and the starting rotations (see :func:`.solve.solve`).
+    The norm-folded layers are read from the source as the steps need them."""
     times = {}
     t0 = time.perf_counter()
-    placement, progress = run.placement, run.progress
-    plan, stats = given.plan, given.stats
-    if plan is None:
+    source, config, options = run.source, run.config, run.options
+    if run.plan is None:
         plan, adapter = plan_for(source, config, options)
+        run = replace(run, plan=plan)
     else:
         adapter = check_family(config, source.keys())
-    if stats is None:  # measured as the solver reaches each segment where that is enough
-        stats = one_pass_statistics(source, config, options, calib_ids, placement, progress, on_demand=True)
+    if run.stats is None:  # measured as the solver reaches each segment where that is enough
+        run = replace(run, stats=one_pass_statistics(run, on_demand=True))
     times["calibration"] = time.perf_counter() - t0
-    if options.allocation == "sensitivity" and plan.accounting.get("allocation") != "sensitivity":
+    if options.allocation == "sensitivity" and run.plan.accounting.get("allocation") != "sensitivity":
         t = time.perf_counter()
-        plan = _allocated_plan(source, config, options, plan, calib_ids, stats, run)
+        run = replace(run, plan=_allocated_plan(run))
         times["allocation"] = time.perf_counter() - t
     t1 = time.perf_counter()
+    plan = run.plan
     # the solvers walk the segments in order (two layers at a time; sequential calibration holds its
     # own copy of the layer it runs, so one is kept and a segment reaching into the next layer re-reads
     # the previous one for its assembly); SliceGPT's PCA reads no weights
@@ -91,30 +74,22 @@ def compress_into(
         source, adapter, source.keys(), plan.tied, lazy=True, keep=1 if options.slicing or options.sequential else 2
     )
     assembler = Assembler(plan, layers, globals_, gamma, run.dtype, run.sink)
-    new_config = compressed_config(config, plan, options, hf_config)
-    calib, rotations = None, given.rotations
+    new_config = compressed_config(config, plan, options, run.hf_config)
     if options.solver == "pca-sequential":
-        require_calibration(options, calib_ids)
+        calib = run.calibration()
         rotations, stats = sequential_stream_pca(
-            source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, plan.residual, placement, progress
+            source, config, calib.ids, calib.seq_len, plan.residual, run.placement, run.progress
         )
+        run = replace(run, rotations=rotations, stats=stats)
     elif options.sequential:
-        require_calibration(options, calib_ids)
-        calib = CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement)
+        run.calibration()  # refused without calibration tokens, before any solve
 
     with limit_threads(1):
-        solve_run = SolveRun(
-            progress,
-            linalg_device(placement),
-            keep_stats=False,
-            on_segment=assembler.segment_done,  # parts written as they are solved
-            row_dtype=run.dtype,
-            scratch=run.scratch,
-        )
-        res = solve(plan, layers, globals_, stats, options, rotations, calib, solve_run)
+        # parts written as they are solved
+        res = solve(run, layers, globals_, Kept(run.dtype, assembler.segment_done, keep_stats=False))
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    assembler.finish(res, progress)
+    assembler.finish(res, run.progress)
     times["assemble"] = time.perf_counter() - t2
     layer_map = assembler.layer_map.map if assembler.layer_map.complete() else None  # heal's layer targets
     report = CompressReport(
@@ -125,24 +100,21 @@ def compress_into(
         accounting=plan.accounting,
         relative_errors=res.relative_errors,
         objective=summarise_traces(res.traces),
-        calibration_tokens=stats.tokens if stats else 0,
+        calibration_tokens=run.stats.tokens if run.stats else 0,
         seconds=times,
         method=options.label,
     )
     return new_config, report, layer_map
 
 
-def _allocated_plan(source, config: dict, options: CompressOptions, plan: Plan, calib_ids, stats, run: TensorRun):
+def _allocated_plan(run: CompressRun) -> Plan:
     """``--allocation sensitivity``: the plan at the sizes measured per layer (SliceGPT: per segment), with
     the allocation's report in its accounting."""
-    require_calibration(options, calib_ids)
-    ids = calib_ids[: options.calib_tokens]
-    if options.slicing:
-        keep, allocation = allocate_slice_for(source, config, options, plan, ids, stats, run.placement, run.progress)
+    if run.options.slicing:
+        keep, allocation = allocate_slice_for(run)
     else:
-        counts = stats.token_counts if stats is not None else None
-        keep, allocation = allocate_for(source, config, options, plan, ids, counts, run.placement, run.progress)
-    plan, _ = plan_for(source, config, options, keep=keep)
+        keep, allocation = allocate_for(run, run.stats.token_counts if run.stats is not None else None)
+    plan, _ = plan_for(run.source, run.config, run.options, keep=keep)
     plan.accounting["allocation_report"] = allocation
     return plan
 
@@ -161,16 +133,19 @@ def compress_model(
     if through_rms_decoder(model.config):
         return compress_layer_norm_model(model, options, calib_ids, progress=progress, placement=placement)
     dtype = next(model.parameters()).dtype
-    config = model.config.to_dict()
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     state, new_config, report = compress_tensors(
-        source,
-        config,
-        options,
-        calib_ids=calib_ids,
-        hf_config=model.config,
-        given=Given(stats=stats),
-        run=TensorRun(placement, progress, dtype),
+        CompressRun(
+            source,
+            model.config.to_dict(),
+            options,
+            calib_ids,
+            placement,
+            progress,
+            dtype,
+            hf_config=model.config,
+            stats=stats,
+        )
     )
     compressed, counted = build_model(state, new_config, dtype)
     report.accounting["compressed_model_params_counted"] = counted
@@ -186,20 +161,12 @@ class CompressedFamily(Route):
     def check(self, reader: CheckpointReader, options: CompressOptions) -> None:
         self.plan, _ = plan_for(reader, reader.config, options)
 
-    def write(self, job: FolderJob) -> CompressReport:
-        hf_config = AutoConfig.from_pretrained(job.reader.path)
-        new_config, report, layer_map = compress_into(
-            job.reader,
-            job.reader.config,
-            job.options,
-            calib_ids=job.calib_ids,
-            hf_config=hf_config,
-            given=Given(plan=self.plan),
-            run=TensorRun(job.placement, job.progress, job.dtype, job.sink, job.folder),
-        )
+    def write(self, run: CompressRun) -> CompressReport:
+        hf_config = AutoConfig.from_pretrained(run.source.path)
+        new_config, report, layer_map = compress_into(replace(run, hf_config=hf_config, plan=self.plan))
         if layer_map is not None:  # written next to the weights
-            layer_map.save(job.folder)
-        save_family_config(CompressedLlamaForCausalLM, config_object(new_config), job.dtype, job.folder)
+            layer_map.save(run.folder)
+        save_family_config(CompressedLlamaForCausalLM, config_object(new_config), run.dtype, run.folder)
         return report
 
 
@@ -223,31 +190,32 @@ def compress_checkpoint(
     options: CompressOptions,
     calib_text: str | Path | None,
     stock: StockOptions = REMOTE_CODE,
+    overwrite: bool = False,
     progress: bool = True,
     placement=None,
-    folder: FolderSettings = FolderSettings(),
 ) -> CompressReport:
-    """Compress the HF folder ``src`` into ``out``: the one entry point of every route (:func:`route_for`).
-    ``stock`` (a :class:`.stock.StockOptions`; default :data:`.stock.REMOTE_CODE`): unless it says
-    ``remote_code``, where SliceGPT with one global PCA and one width can be written as the source's own stock
-    family (:func:`.stock.why_not_stock`), it is (no remote code); otherwise the output loads with
-    ``trust_remote_code=True``. Every input is checked before any work;
+    """Compress the HF folder ``src`` into ``out`` (a non-empty one only with ``overwrite``): the one entry
+    point of every route (:func:`route_for`). ``stock`` (a :class:`.stock.StockOptions`; default
+    :data:`.stock.REMOTE_CODE`): unless it says ``remote_code``, where SliceGPT with one global PCA and one
+    width can be written as the source's own stock family (:func:`.stock.why_not_stock`), it is (no remote
+    code); otherwise the output loads with ``trust_remote_code=True``. Every input is checked before any work;
     ``out`` appears only when everything succeeded. The tokenizer is loaded once; the source model is never
     loaded whole: calibration reads the checkpoint one decoder layer at a time on ``placement``'s device,
-    the solvers read the layers as they need them, and the tensors are written to safetensors shards as
-    they are made. Perplexity before/after is the command's verification step
+    the solvers read the layers as they need them, and the tensors are written to safetensors shards (of at
+    most 2 GB) as they are made. Perplexity before/after is the command's verification step
     (:func:`record_verification`), run on the written folder."""
     options.validate()
-    check_output_dir(out, folder.overwrite)
+    check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
     route = route_for(reader.config, options, stock)
     route.check(reader, options)
     calib_ids = read_calibration(src, calib_text, options)  # an empty file fails here, before any load
     dtype = checkpoint_dtype(reader.config)
-    with atomic_output_dir(out, folder.overwrite) as tmp:
-        writer = ShardedWriter(tmp, parse_size(folder.max_shard_size), metadata={"hf_symmetry": "compress"})
+    with atomic_output_dir(out, overwrite) as tmp:
+        writer = ShardedWriter(tmp, parse_size("2GB"), metadata={"hf_symmetry": "compress"})
         sink = CountingSink(writer)
-        report = route.write(FolderJob(reader, options, calib_ids, dtype, sink, tmp, placement, progress))
+        run = CompressRun(reader, reader.config, options, calib_ids, placement, progress, dtype, sink, tmp)
+        report = route.write(run)
         writer.close()
         finish_folder(tmp, report, options, src, reader.path, out, sink.counted)
     return report

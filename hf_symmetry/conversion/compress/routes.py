@@ -1,10 +1,10 @@
-"""The routes a ``compress`` output folder takes, as objects: the compressed family (:mod:`.pipeline`),
-SliceGPT as the source's own stock family (:mod:`.stock`) and LayerNorm decoders through the RMS-decoder
-family (:mod:`.layernorm_decoders`). :func:`.pipeline.compress_checkpoint` decides the route once
-(:func:`.pipeline.route_for`) and runs the folder steps every route shares (options checked, output
-folder checked, calibration read, dtype, atomic folder, shard writer, finish); a route checks what it
-refuses before any work (:meth:`Route.check`) and writes its weights into the shared sink and its
-config into the folder (:meth:`Route.write`)."""
+"""One compress conversion as one object (:class:`CompressRun`), and the routes a ``compress`` output
+folder takes, as objects: the compressed family (:mod:`.pipeline`), SliceGPT as the source's own stock
+family (:mod:`.stock`) and LayerNorm decoders through the RMS-decoder family (:mod:`.layernorm_decoders`).
+:func:`.pipeline.compress_checkpoint` decides the route once (:func:`.pipeline.route_for`) and runs the
+folder steps every route shares (options checked, output folder checked, calibration read, dtype, atomic
+folder, shard writer, finish); a route checks what it refuses before any work (:meth:`Route.check`) and
+writes its weights into the run's sink and its config into the run's folder (:meth:`Route.write`)."""
 
 from __future__ import annotations
 
@@ -16,43 +16,52 @@ from pathlib import Path
 import torch
 
 from ...checkpoint_io import CheckpointReader, ShardedWriter
+from ...devices import Placement, linalg_device
+from ..stream import TensorSource
+from .moments import CalibrationInput, require_calibration
 from .options import CompressOptions
 from .report import CompressReport
 
 
 @dataclass(frozen=True)
-class TensorRun:
-    """Where and how a route's tensors are made (its tensor-level function: :func:`.pipeline.compress_tensors`,
-    :func:`.stock.stock_slice_tensors`, :func:`.layernorm_decoders.slice_tensors` and
-    :func:`.layernorm_decoders.structured_tensors`): calibration on ``placement``
-    (:func:`hf_symmetry.devices.resolve`; default CPU float32), progress bars, the output ``dtype``, the
-    ``sink`` (a :class:`..stream.TensorSink`) that receives the tensors as they are made, and a ``scratch``
-    folder for the solver's temporary files (one global Q's warm starts)."""
+class CompressRun:
+    """One compress conversion, everything its steps read (each route's tensor-level function:
+    :func:`.pipeline.compress_into`, SliceGPT's :func:`.pca.slice_into`,
+    :func:`.layernorm_decoders.structured_tensors`; the solvers, :func:`.solve.solve`): the ``source`` (a
+    checkpoint reader or any tensor source) with its ``config`` dict (and ``hf_config``, its config object
+    where there is one), the validated ``options``, the calibration token ids (``None`` where the method
+    needs none), where calibration runs (``placement``, :func:`hf_symmetry.devices.resolve`; ``None``: CPU
+    float32) and with it the solvers' linear algebra (:attr:`device`), progress bars, the output ``dtype``,
+    the ``sink`` (a :class:`..stream.TensorSink`) that receives the tensors as they are made and the
+    (temporary) output ``folder`` (``None`` in memory: a route writes its config there, one global Q its
+    warm starts under it). A caller may hand in what is otherwise made: the ``plan`` (structures and sizes),
+    the calibration ``stats`` (e.g. cached by a benchmark) and the starting ``rotations`` (one per segment)."""
 
-    placement: object = None
+    source: TensorSource
+    config: dict
+    options: CompressOptions
+    calib_ids: torch.Tensor | None = None
+    placement: Placement | None = None
     progress: bool = True
     dtype: torch.dtype = torch.float32
     sink: object = None
-    scratch: object = None
-
-
-@dataclass(frozen=True)
-class Given:
-    """What a caller hands in instead of its being made: the ``plan`` (structures and sizes), the
-    calibration ``stats`` (e.g. cached by a benchmark) and the starting ``rotations`` (one per segment)."""
-
+    folder: Path | None = None
+    hf_config: object = None
     plan: object = None
     stats: object = None
     rotations: list | None = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the solvers' float64 linear algebra runs: the calibration device (CPU for MPS)."""
+        return linalg_device(self.placement)
 
-@dataclass(frozen=True)
-class FolderSettings:
-    """How the output folder is written: ``overwrite`` a non-empty one, shards of at most
-    ``max_shard_size`` (``"2GB"``, or bytes)."""
-
-    overwrite: bool = False
-    max_shard_size: str | int = "2GB"
+    def calibration(self) -> CalibrationInput:
+        """What calibration runs on: the source, the first ``options.calib_tokens`` token ids in batches of
+        ``options.calib_seq_len``, on ``placement`` (refused without calibration tokens)."""
+        require_calibration(self.options, self.calib_ids)
+        ids = self.calib_ids[: self.options.calib_tokens]
+        return CalibrationInput(self.source, self.config, ids, self.options.calib_seq_len, self.placement)
 
 
 class CountingSink:
@@ -70,22 +79,6 @@ class CountingSink:
         self.writer.add(tensors)
 
 
-@dataclass
-class FolderJob:
-    """What a route writes with: the source, the validated options, the calibration token ids (``None``
-    where the method needs none), the checkpoint's dtype, the sink, the (temporary) output folder, where
-    calibration runs and whether progress bars show."""
-
-    reader: CheckpointReader
-    options: CompressOptions
-    calib_ids: torch.Tensor | None
-    dtype: torch.dtype
-    sink: CountingSink
-    folder: Path
-    placement: object = None
-    progress: bool = True
-
-
 class Route(ABC):
     """One way a compress folder is written. ``stock_refusal``: why a SliceGPT output is not the source's
     stock family (``None``: not asked, or it is)."""
@@ -97,8 +90,8 @@ class Route(ABC):
         """Refuse, before any work, what this route cannot do (an unreachable ratio, a bad width)."""
 
     @abstractmethod
-    def write(self, job: FolderJob) -> CompressReport:
-        """Write the weights into ``job.sink`` and the config (and any remote code) into ``job.folder``."""
+    def write(self, run: CompressRun) -> CompressReport:
+        """Write the weights into ``run.sink`` and the config (and any remote code) into ``run.folder``."""
 
     def output_lines(self, report: CompressReport, config: dict) -> list[str]:
         """What the command's size report says about the output family: for SliceGPT, why it stays in a

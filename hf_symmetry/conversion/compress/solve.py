@@ -17,28 +17,37 @@ from tqdm.auto import tqdm
 from ...solvers import structures as st
 from ...solvers.segments import Term, balance, solve_segment
 from .global_q import GlobalSolve
-from .moments import CalibrationInput, CalibrationStats, sequential_weighted
+from .moments import CalibrationStats, sequential_weighted
 from .options import CompressOptions
 from .pca import pca_rotations
-from .plan import MatrixPlan, Plan
+from .plan import MatrixPlan
+from .routes import CompressRun
 from .terms import SolveInputs, each_term, segment_terms
 
 Tensors = dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class SolveRun:
-    """How a solve runs and where its results go (see :func:`solve`): progress bars, the ``device`` of the
-    linear algebra, whether sequential calibration keeps its statistics (``keep_stats``), the consumer of
-    each finished segment (``on_segment``), the dtype the factors are kept in (``row_dtype``) and the
-    folder one global Q spills its warm starts to (``scratch``)."""
+class Kept:
+    """Where a solve's results go (see :func:`solve`): the solved ``factors`` (in host memory, in
+    ``row_dtype`` where given) and ``relative_errors``, the consumer of each finished segment
+    (``on_segment(k, Qs, factors)``), and whether sequential calibration keeps its statistics
+    (``keep_stats``)."""
 
-    progress: bool = True
-    device: torch.device | str | None = None
-    keep_stats: bool = True
-    on_segment: Callable | None = None
-    row_dtype: torch.dtype | None = None
-    scratch: object = None
+    def __init__(
+        self, row_dtype: torch.dtype | None = None, on_segment: Callable | None = None, keep_stats: bool = True
+    ):
+        self.row_dtype, self.on_segment, self.keep_stats = row_dtype, on_segment, keep_stats
+        self.factors: dict[str, st.Factors] = {}
+        self.relative_errors: dict[str, float] = {}
+
+    def keep(self, terms: list[Term], Q: torch.Tensor) -> None:
+        """Record ``terms``' factors and relative errors at ``Q`` (:func:`_keep`)."""
+        _keep(terms, Q, self.factors, self.relative_errors, self.row_dtype)
+
+    def segment_done(self, k: int, Qs: list) -> None:
+        """Segment ``k``'s rotation and factors are final: hand them on."""
+        if self.on_segment is not None:
+            self.on_segment(k, Qs, self.factors)
 
 
 @dataclass
@@ -87,32 +96,24 @@ class Stage:
     keep_factors: bool = True
 
 
-def _solve_stage(
-    inputs: SolveInputs,
-    options: CompressOptions,
-    stage: Stage,
-    Q_init: list[torch.Tensor],
-    run: SolveRun,
-    factors: dict,
-    rel: dict,
-):
+def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together, streaming them from the checkpoint on each alternation
     (:class:`.global_q.GlobalSolve`, :func:`_solve_global`); one Q per segment builds, solves and drops the
     terms segment by segment (the layers are read as the segments need them). Both keep only factors
-    and errors, and call ``run.on_segment(k, Qs, factors)`` once segment k's are final (see :func:`solve`)."""
+    and errors (into ``kept``), and hand segment k on once its are final (:meth:`Kept.segment_done`)."""
+    options = run.options
     if options.q_mode == "global":
-        return _solve_global(inputs, options, stage, Q_init, run, factors, rel)
+        return _solve_global(inputs, stage, Q_init, run, kept)
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     Qs = []
     # statistics measured on demand are this solve's own: consumed in place (no copy of a writer's moments)
     stats = inputs.stats
     owned = stage.name == "w" and hasattr(stats, "release_segment")
-    on_segment = run.on_segment if stage.keep_factors else None
     for k in tqdm(range(inputs.plan.n_segments), desc=stage.desc, unit="segment", disable=not run.progress):
         terms, _ = segment_terms(
-            inputs, stage.name, options, only=k, device=run.device, row_dtype=run.row_dtype, consume=owned
+            inputs, stage.name, options, only=k, device=run.device, row_dtype=kept.row_dtype, consume=owned
         )[k]
         res = solve_segment(
             terms,
@@ -122,41 +123,32 @@ def _solve_stage(
         Qs.append(_kept_rotation(res.Q, Q_init[k], stage.iters))
         traces[f"segment{k}"] = res.trace
         if stage.keep_factors:
-            _keep(terms, res.Q, factors, rel, run.row_dtype)
+            kept.keep(terms, res.Q)
         del terms, res
-        if on_segment is not None:
-            on_segment(k, Qs, factors)
+        if stage.keep_factors:
+            kept.segment_done(k, Qs)
         if owned:
             stats.release_segment(k)  # (statistics measured on demand: one layer's held)
     return Qs, traces
 
 
-def _solve_global(
-    inputs: SolveInputs,
-    options: CompressOptions,
-    stage: Stage,
-    Q_init: list[torch.Tensor],
-    run: SolveRun,
-    factors: dict,
-    rel: dict,
-):
-    """:func:`_solve_stage` with one global Q (:class:`.global_q.GlobalSolve`; ``run.scratch``: the folder
-    under which it spills its warm starts, default the system's temporary folder)."""
-    plan = inputs.plan
-    on_segment = run.on_segment if stage.keep_factors else None
+def _solve_global(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+    """:func:`_solve_stage` with one global Q (:class:`.global_q.GlobalSolve`; it spills its warm starts
+    under ``run.folder``, default the system's temporary folder)."""
+    plan, options = inputs.plan, run.options
     Qs: list = []
 
     def each(k: int):
-        return each_term(inputs, stage.name, options, only=k, device=run.device, row_dtype=run.row_dtype)
+        return each_term(inputs, stage.name, options, only=k, device=run.device, row_dtype=kept.row_dtype)
 
     def keep(t: Term, Q: torch.Tensor) -> None:
-        _keep([t], Q, factors, rel, run.row_dtype)
+        kept.keep([t], Q)
 
     def done(k: int, Q: torch.Tensor) -> None:
         if not Qs:
             Qs.extend([Q.cpu()] * plan.n_segments)
-        if on_segment is not None:
-            on_segment(k, Qs, factors)
+        if stage.keep_factors:
+            kept.segment_done(k, Qs)
 
     Q, trace = GlobalSolve(each, plan.n_segments, stage.name, options, plan.hidden, run.device).solve(
         Q_init[0],
@@ -166,19 +158,17 @@ def _solve_global(
         final=stage.keep_factors,
         keep=keep,
         on_segment=done,
-        scratch=run.scratch,
+        scratch=run.folder,
     )
     if not Qs:
         Qs.extend([Q.cpu()] * plan.n_segments)
     return Qs, {"global": trace}
 
 
-def _each_at_fixed_rotation(
-    each, Q: torch.Tensor, options: CompressOptions, dtype, factors: dict, rel: dict, row_dtype, approximation
-) -> tuple[list, float]:
+def _each_at_fixed_rotation(each, Q: torch.Tensor, options: CompressOptions, kept: Kept, approximation):
     """One segment's terms at a fixed rotation ``Q`` (no alternation: each term's factors are its own
     projection, whatever the others'): each term from the iterator ``each`` of ``(MatrixPlan, Term)`` is
-    solved (on its Gram root where it is reducible), its factors kept (:func:`_keep`) and its
+    solved (on its Gram root where it is reducible), its factors kept (:meth:`Kept.keep`) and its
     ``approximation(term)`` made, and then dropped before the next is built, so one term's matrices
     and working set are held at a time instead of the segment's. Returns the ``(name, approximation)``
     pairs and the segment's objective at Q, balanced as :func:`.terms.segment_terms` balances it: the writers' errors
@@ -187,13 +177,14 @@ def _each_at_fixed_rotation(
     errors = {"writer": 0.0, "reader": 0.0}
     energies = {"writer": 0.0, "reader": 0.0}
     compressed = {"writer": 0, "reader": 0}
+    dtype = getattr(torch, options.solver_dtype)
     for m, t in each:
         if not t.is_dense:
             energies[m.role] += t.energy()
             compressed[m.role] += 1
         res = solve_segment([t], Q, options.alternation(0, None, dtype))
         errors[m.role] += res.trace[-1]
-        _keep([t], Q, factors, rel, row_dtype)
+        kept.keep([t], Q)
         approximations.append((t.name, approximation(t)))
         del t, res
     lam = 1.0
@@ -233,30 +224,19 @@ def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: Compres
     return terms, res
 
 
-def _solve_sequential(
-    inputs: SolveInputs,
-    options: CompressOptions,
-    Q_init: list[torch.Tensor],
-    calib: CalibrationInput,
-    run: SolveRun,
-    factors: dict,
-    rel: dict,
-):
+def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
-    calibration engine (:func:`.moments.sequential_weighted`), and its matrices are replaced there
-    by their approximations once solved. ``match_original``: each matrix then targets the original
-    model's outputs and writers the original residual stream (:func:`.targets.matched_target`), instead of the
-    matrix's own outputs on X̂."""
-    plan = inputs.plan
+    calibration engine (:func:`.moments.sequential_weighted`, on :meth:`.routes.CompressRun.calibration`),
+    and its matrices are replaced there by their approximations once solved. ``match_original``: each
+    matrix then targets the original model's outputs and writers the original residual stream
+    (:func:`.targets.matched_target`), instead of the matrix's own outputs on X̂."""
+    plan, options = inputs.plan, run.options
+    calib = run.calibration()
     iters = options.w_iters if options.rotates else 0
-    dtype = getattr(torch, options.solver_dtype)
     ms = plan.by_name()
     Qs, traces = [None] * plan.n_segments, {}
     bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not run.progress)
-
-    def keep(terms: list[Term], Q: torch.Tensor) -> None:
-        _keep(terms, Q, factors, rel, run.row_dtype)
 
     def segment(k: int, seq: CalibrationStats):
         each = each_term(
@@ -265,24 +245,17 @@ def _solve_sequential(
             options,
             only=k,
             device=run.device,
-            row_dtype=run.row_dtype,
-            consume=not run.keep_stats,
+            row_dtype=kept.row_dtype,
+            consume=not kept.keep_stats,
         )
         if iters == 0:  # Q fixed: the terms do not interact, each is solved and dropped in turn
             approximations, J = _each_at_fixed_rotation(
-                each,
-                Q_init[k],
-                options,
-                dtype,
-                factors,
-                rel,
-                run.row_dtype,
-                lambda t: _approximation(t, Q_init[k], ms[t.name]),
+                each, Q_init[k], options, kept, lambda t: _approximation(t, Q_init[k], ms[t.name])
             )
             Qs[k] = Q_init[k]
             traces[f"segment{k}"] = [J]
         else:
-            terms, res = _solve_rotating_segment(each, Q_init[k], iters, options, keep)
+            terms, res = _solve_rotating_segment(each, Q_init[k], iters, options, kept.keep)
             Qs[k] = _kept_rotation(res.Q, Q_init[k], iters)
             traces[f"segment{k}"] = res.trace
             approximations = [(t.name, _approximation(t, res.Q, ms[t.name])) for t in terms]
@@ -290,8 +263,7 @@ def _solve_sequential(
         bar.update(1)
         # nothing runs after the head; the others' approximations are made one at a time when applied
         approximations = [(ms[name], a) for name, a in approximations if ms[name].canon != "lm_head"]
-        if run.on_segment is not None:
-            run.on_segment(k, Qs, factors)
+        kept.segment_done(k, Qs)
         return approximations
 
     try:
@@ -301,7 +273,7 @@ def _solve_sequential(
             options.match_original,
             segment,
             progress=run.progress,
-            keep=run.keep_stats,
+            keep=kept.keep_stats,
             folded=inputs.layers,
         )
     finally:
@@ -309,34 +281,26 @@ def _solve_sequential(
     return Qs, traces, seq
 
 
-def solve(
-    plan: Plan,
-    layers: list[Tensors],
-    globals_: Tensors,
-    stats: CalibrationStats | None,
-    options: CompressOptions,
-    rotations: list[torch.Tensor] | None = None,
-    calib: CalibrationInput | None = None,
-    run: SolveRun = SolveRun(),
-) -> SolveResult:
-    """The rotations and structured factors of ``options.stage`` (or SliceGPT's PCA rotations).
-    ``rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
-    the factors are simply projected at these rotations. ``calib``: what the sequential calibration of
-    ``options.sequential`` runs on (checkpoint, token ids, device). ``run`` (:class:`SolveRun`):
-    ``device``: where the solvers' linear algebra runs (the matrices and statistics of one segment are
-    moved there; results come back to the CPU). ``keep_stats=False``: sequential calibration drops each
-    segment's statistics once it is solved (``SolveResult.stats`` then holds none).
+def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept | None = None) -> SolveResult:
+    """The rotations and structured factors of ``run.options.stage`` (or SliceGPT's PCA rotations) for
+    ``run.plan``, weighted by ``run.stats``, on the norm-folded ``layers`` and ``globals_``.
+    ``run.rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
+    the factors are simply projected at these rotations. Sequential calibration
+    (``options.sequential``) runs on :meth:`.routes.CompressRun.calibration`; the solvers' linear algebra
+    runs on ``run.device`` (the matrices and statistics of one segment are moved there; results come back
+    to the CPU), and one global Q spills its warm starts under ``run.folder`` (default: the system's
+    temporary folder). ``kept`` (:class:`Kept`): ``keep_stats=False``: sequential calibration drops each
+    segment's statistics once it is solved (``SolveResult.stats`` then holds none);
     ``on_segment(k, Qs, factors)``: called by the paths that finish the segments one after the other (one
     rotation per segment, or none) once segment k's rotation ``Qs[k]`` and factors are final, with those
     of every earlier segment (e.g. :meth:`.assemble.Assembler.segment_done`, which writes what they
     complete and drops its factors from ``factors``, the dict that becomes ``SolveResult.factors``).
     ``row_dtype``: the dtype the solved factors are kept in, the vocabulary-sized row factor of a low-rank
     embedding included (the output's: they are rounded to it when written anyway; default float64, the
-    solver's). ``scratch``: where one global Q spills its warm starts (:class:`.global_q.GlobalSolve`;
-    default: the system's temporary folder)."""
+    solver's)."""
+    kept = Kept() if kept is None else kept
+    plan, stats, options, rotations = run.plan, run.stats, run.options, run.rotations
     n_seg = plan.n_segments
-    if options.sequential and not options.slicing and calib is None:
-        raise ValueError("sequential calibration needs its calibration input (checkpoint and token ids)")
     path = options.solver
     if path == "pca":
         return SolveResult(pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
@@ -347,22 +311,21 @@ def solve(
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
-    factors, rel = {}, {}
     inputs = SolveInputs(plan, layers, globals_, stats)
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
-        Qs, traces = _solve_stage(inputs, options, Stage(options.stage, 0, "projection"), Q0, run, factors, rel)
+        Qs, traces = _solve_stage(inputs, Stage(options.stage, 0, "projection"), Q0, run, kept)
     elif not options.rotates:  # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(inputs, options, Q0, calib, run, factors, rel)
+        Qs, traces, seq = _solve_sequential(inputs, Q0, run, kept)
     else:
         # stage F's factors only where they are the result (stage W replaces every one of them)
         stage_f = Stage("f", options.f_iters, "stage F", keep_factors=options.stage == "f")
-        Qs, traces = _solve_stage(inputs, options, stage_f, Q0, run, factors, rel)
+        Qs, traces = _solve_stage(inputs, stage_f, Q0, run, kept)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(inputs, options, Qs, calib, run, factors, rel)
+                Qs, w_traces, seq = _solve_sequential(inputs, Qs, run, kept)
             else:
                 stage_w = Stage("w", options.w_iters, "stage W")
-                Qs, w_traces = _solve_stage(inputs, options, stage_w, Qs, run, factors, rel)
+                Qs, w_traces = _solve_stage(inputs, stage_w, Qs, run, kept)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
-    return SolveResult(Qs, factors, traces, rel, seq)
+    return SolveResult(Qs, kept.factors, traces, kept.relative_errors, seq)

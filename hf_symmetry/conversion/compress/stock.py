@@ -47,7 +47,7 @@ from .options import CompressOptions
 from .pca import pca_rotations
 from .plan import accounting, check_family, in_policy, matrix_entries, plan_for, source_numels
 from .report import CompressReport
-from .routes import Route, TensorRun
+from .routes import CompressRun, Route
 
 #: model types whose stock RMSNorm is ``weight · x · rsqrt(mean(x²) + config.rms_norm_eps)`` and whose
 #: config takes an explicit ``head_dim`` (the sliced hidden size no longer fixes it): ``ArchSpec.stock_slice``
@@ -258,19 +258,16 @@ class _Slicer:
 
 
 def stock_slice_tensors(
-    source: TensorSource,
-    config: dict,
-    options: CompressOptions,
-    calib_ids: torch.Tensor | None,
+    run: CompressRun,
     stock: StockOptions = StockOptions(),
     width: int | None = None,
     rotation: torch.Tensor | None = None,
-    run: TensorRun = TensorRun(),
 ):
-    """The stock SliceGPT route on tensors into ``run.sink``: (stock config dict, report). ``width``
-    overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``, principal directions
-    first). ``options`` validated, and :func:`why_not_stock` asked, by the caller."""
-    placement, progress, sink = run.placement, run.progress, run.sink
+    """The stock SliceGPT route of ``run`` (a :class:`.routes.CompressRun`) on tensors into ``run.sink``:
+    (stock config dict, report). ``width`` overrides the planned width, ``rotation`` the measured ``Q``
+    (``[d, d]``, principal directions first). ``run.options`` validated, and :func:`why_not_stock` asked, by
+    the caller."""
+    source, config, options, progress, sink = run.source, run.config, run.options, run.progress, run.sink
     t0 = time.perf_counter()
     keys = source.keys()
     adapter = check_family(config, keys)
@@ -281,7 +278,7 @@ def stock_slice_tensors(
         _account_width(accounting, config, keys, adapter, w)
     tokens = 0
     if rotation is None:
-        stats = one_pass_statistics(source, config, options, calib_ids, placement, progress)
+        stats = one_pass_statistics(run)
         rotation, tokens = pca_rotations(stats, 2 * L + 1, "global")[0], stats.tokens
         del stats
     t1 = time.perf_counter()
@@ -368,14 +365,10 @@ def stock_slice_model(
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     sink = DictSink()
     new_config, report = stock_slice_tensors(
-        source,
-        model.config.to_dict(),
-        options,
-        calib_ids,
+        CompressRun(source, model.config.to_dict(), options, calib_ids, placement, progress, sink=sink),
         replace(stock, **controls),
         width,
         rotation,
-        TensorRun(placement, progress, sink=sink),
     )
     cfg = AutoConfig.for_model(**{k: v for k, v in new_config.items() if k != "transformers_version"})
     out = AutoModelForCausalLM.from_config(cfg).to(dtype)
@@ -401,16 +394,9 @@ class StockSlice(Route):
         w, _ = plan_stock_width(reader, reader.config, options, self.stock)  # a bad --round-to fails here
         stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)  # so does its class
 
-    def write(self, job) -> CompressReport:
-        new_config, report = stock_slice_tensors(
-            job.reader,
-            job.reader.config,
-            job.options,
-            job.calib_ids,
-            self.stock,
-            run=TensorRun(job.placement, job.progress, job.dtype, job.sink),
-        )
-        write_config(job.folder, new_config)
+    def write(self, run) -> CompressReport:
+        new_config, report = stock_slice_tensors(run, self.stock)
+        write_config(run.folder, new_config)
         return report
 
     def output_lines(self, report: CompressReport, config: dict) -> list[str]:

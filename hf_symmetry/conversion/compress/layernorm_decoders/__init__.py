@@ -27,7 +27,7 @@ from ...rms_decoder import copy_remote_code
 from ...stream import DictSink, DictSource
 from ..options import CompressOptions
 from ..report import CompressReport
-from ..routes import FolderJob, Route, TensorRun
+from ..routes import CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
 from .slice import centred_rotation, plan_width, slice_tensors, sliced_params
@@ -45,11 +45,11 @@ def build(state: dict, config: dict, dtype: torch.dtype):
     return model.eval(), counted
 
 
-def _run(source, config: dict, options: CompressOptions, calib_ids, run: TensorRun):
+def _run(run: CompressRun):
     """Either route into ``run.sink`` (a :class:`DictSink` or the folder's sink): (config dict, report)."""
-    if options.slicing:
-        return slice_tensors(source, config, options, calib_ids, run=run)
-    return structured_tensors(source, config, options, calib_ids, run=run)
+    if run.options.slicing:
+        return slice_tensors(run)
+    return structured_tensors(run)
 
 
 def compress_layer_norm_model(
@@ -67,11 +67,11 @@ def compress_layer_norm_model(
     source, config = DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
     check(Adapter.from_config(config, source.keys()), options, source.keys())
     sink = DictSink()
-    run = TensorRun(placement, progress, dtype, sink)
+    run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink)
     if width is not None:
-        new_config, report = slice_tensors(source, config, options, calib_ids, width, run=run)
+        new_config, report = slice_tensors(run, width)
     else:
-        new_config, report = _run(source, config, options, calib_ids, run)
+        new_config, report = _run(run)
     compressed, counted = build(dict(sink), new_config, dtype)
     report.accounting["compressed_model_params_counted"] = counted
     return compressed, report
@@ -89,12 +89,10 @@ class LayerNormDecoders(Route):
         else:
             layer_norm_plan(reader, reader.config, options)
 
-    def write(self, job: FolderJob) -> CompressReport:
-        reader = job.reader
-        run = TensorRun(job.placement, job.progress, job.dtype, job.sink)
-        new_config, report = _run(reader, reader.config, job.options, job.calib_ids, run)
-        write_config(job.folder, new_config)
-        copy_remote_code(job.folder)
+    def write(self, run: CompressRun) -> CompressReport:
+        new_config, report = _run(run)
+        write_config(run.folder, new_config)
+        copy_remote_code(run.folder)
         return report
 
 

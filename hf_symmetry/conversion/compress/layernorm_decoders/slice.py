@@ -26,12 +26,12 @@ from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ...rotate import RotateOptions, rotate_layer_norm_decoder
 from ...stream import TensorSource, partition_keys
-from ..moments import CalibrationInput, collect_statistics, require_calibration
+from ..moments import collect_statistics
 from ..pca import pca
 from ..report import CompressReport
 from ..options import CompressOptions
 from ..plan import source_numels
-from ..routes import TensorRun
+from ..routes import CompressRun
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
@@ -116,18 +116,11 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
     return w, accounting
 
 
-def slice_tensors(
-    source: TensorSource,
-    config: dict,
-    options: CompressOptions,
-    calib_ids: torch.Tensor | None,
-    width: int | None = None,
-    rotation: torch.Tensor | None = None,
-    run: TensorRun = TensorRun(),
-):
-    """The whole route on tensors into ``run.sink``: (RMS-decoder config dict, report). ``width`` overrides
-    the planned width (``d``: the exact, unsliced rotation); ``rotation`` the measured ``Q``."""
-    placement, progress = run.placement, run.progress
+def slice_tensors(run: CompressRun, width: int | None = None, rotation: torch.Tensor | None = None):
+    """The whole route of ``run`` (a :class:`..routes.CompressRun`) on tensors into ``run.sink``:
+    (RMS-decoder config dict, report). ``width`` overrides the planned width (``d``: the exact, unsliced
+    rotation); ``rotation`` the measured ``Q``."""
+    source, config, options, progress = run.source, run.config, run.options, run.progress
     t0 = time.perf_counter()
     keys = source.keys()
     adapter = Adapter.from_config(config, keys)
@@ -140,13 +133,7 @@ def slice_tensors(
         )
     tokens = 0
     if rotation is None:
-        require_calibration(options, calib_ids)
-        stats = collect_statistics(
-            CalibrationInput(source, config, calib_ids[: options.calib_tokens], options.calib_seq_len, placement),
-            want_normed=False,
-            want_stream=True,
-            progress=progress,
-        )
+        stats = collect_statistics(run.calibration(), want_normed=False, want_stream=True, progress=progress)
         rotation, tokens = centred_rotation(stats.stream), stats.tokens
     t1 = time.perf_counter()
     new_config = rotate_layer_norm_decoder(

@@ -19,6 +19,7 @@ equal ratios mean equal total parameter counts."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -27,7 +28,6 @@ from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....solvers import structures as st
 from ....solvers.linalg import limit_threads
 from ...stream import TensorSource, partition_keys
-from ....devices import linalg_device
 from ..assemble import Assembler
 from ..folded import FoldedLayers
 from ..moments import one_pass_statistics
@@ -43,8 +43,8 @@ from ..plan import (
     structure_for,
 )
 from ..report import CompressReport, summarise_traces
-from ..routes import Given, TensorRun
-from ..solve import SolveRun, solve
+from ..routes import CompressRun
+from ..solve import Kept, solve
 from .centred import CentredSource
 
 Tensors = dict[str, torch.Tensor]
@@ -180,32 +180,29 @@ def structured_config(centred: CentredSource, plan: Plan, options: CompressOptio
     return cfg
 
 
-def structured_tensors(
-    source: TensorSource,
-    config: dict,
-    options: CompressOptions,
-    calib_ids: torch.Tensor | None,
-    given: Given = Given(),
-    run: TensorRun = TensorRun(),
-):
-    """The whole route on tensors into ``run.sink`` (a :class:`...stream.TensorSink`, in ``run.dtype``):
-    (RMS-decoder config dict, report). ``given`` may hand in the planned structures, the measured
-    statistics and the starting rotations, as in :func:`..pipeline.compress_tensors`."""
+def structured_tensors(run: CompressRun):
+    """The whole route of ``run`` (a :class:`..routes.CompressRun`) on tensors into ``run.sink`` (a
+    :class:`...stream.TensorSink`, in ``run.dtype``): (RMS-decoder config dict, report). ``run`` may hand in
+    the planned structures, the measured statistics and the starting rotations, as in
+    :func:`..pipeline.compress_tensors`."""
     times = {}
     t0 = time.perf_counter()
-    centred = CentredSource(source, config)
-    plan, stats, sink, dtype, placement, progress = (
-        given.plan,
-        given.stats,
+    source, config, options, sink, dtype, progress = (
+        run.source,
+        run.config,
+        run.options,
         run.sink,
         run.dtype,
-        run.placement,
         run.progress,
     )
+    centred = CentredSource(source, config)
+    run = replace(run, source=centred, config=centred.config)  # the steps below read the centred model
+    plan, stats = run.plan, run.stats
     if plan is None:
         plan = plan_structured(centred, source_numels(source, source.keys(), centred.adapter.tied_embeddings), options)
     if stats is None:
-        stats = one_pass_statistics(centred, centred.config, options, calib_ids, placement, progress)
+        stats = one_pass_statistics(run)
+    run = replace(run, plan=plan, stats=stats)
     times["calibration"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     writer = centred.writer
@@ -213,16 +210,7 @@ def structured_tensors(
     layers = FoldedLayers(centred, writer, per_layer)  # norm folding is a no-op: the norms have no weight
     globals_ = centred.globals()
     with limit_threads(1):
-        res = solve(
-            plan,
-            layers,
-            globals_,
-            stats,
-            options,
-            given.rotations,
-            None,
-            SolveRun(progress, linalg_device(placement), False),
-        )
+        res = solve(run, layers, globals_, Kept(keep_stats=False))
     times["solve"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     d = plan.hidden
