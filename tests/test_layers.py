@@ -31,8 +31,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "foundations",
-        ("hf_symmetry", "devices", "assets", "checkpoint_io", "text", "gguf_pretokenizer"),
-        "the root (version, registration), devices, offline assets, safetensors I/O, text reading and naming",
+        ("hf_symmetry", "devices", "assets", "checkpoint_io", "text", "gguf_pretokenizer", "flags"),
+        "the root (version, registration), devices, offline assets, safetensors I/O, text reading and naming, "
+        "command-line flags declared on options",
     ),
     ("symmetry", ("symmetry",), "the groups, head layouts and group actions on canonical layers"),
     (

@@ -11,8 +11,8 @@ source with a 4-bit QuantizedCache (docs/tpa.md)."""
 
 from __future__ import annotations
 
-from ..calibration import CalibrationText
 from ..conversion.to_tpa import ToTPAOptions, convert_checkpoint_to_tpa
+from ..flags import add_flags, from_args
 from .common import (
     add_device_args,
     add_output_args,
@@ -40,15 +40,7 @@ def register(sub) -> None:
         "model", nargs="?", default="default", help="HF model folder or embedded alias (default: SmolLM2-135M-Instruct)"
     )
     p.add_argument("out", help="output folder")
-    p.add_argument("--k-rank", type=int, default=None, help="R_K (default: number of KV heads = exact)")
-    p.add_argument("--v-rank", type=int, default=None, help="R_V (default: number of KV heads = exact)")
-    p.add_argument(
-        "--calib",
-        default=None,
-        metavar="FILE",
-        help="calibration text (file or embedded name, e.g. britannica-calib) for reduced ranks",
-    )
-    p.add_argument("--calib-tokens", type=int, default=2048, help="calibration tokens (default: 2048)")
+    add_flags(p, ToTPAOptions)
     add_device_args(p)
     add_verify_args(p, "the source")
     add_output_args(p)
@@ -68,6 +60,7 @@ class ToTPA(Conversion):
     def check(self) -> None:
         args = self.args
         self.placement = placement_from_args(args)  # an unusable device fails before any work
+        self.options = from_args(ToTPAOptions, args)
         for name in ("k_rank", "v_rank"):
             value = getattr(args, name)
             if value is not None and value <= 0:
@@ -85,11 +78,7 @@ class ToTPA(Conversion):
         report = convert_checkpoint_to_tpa(
             args.model,
             args.out,
-            ToTPAOptions(
-                k_rank=args.k_rank,
-                v_rank=args.v_rank,
-                calibration=None if args.calib is None else CalibrationText(args.calib, args.calib_tokens),
-            ),
+            self.options,
             overwrite=args.overwrite,
             progress=not args.quiet,
             placement=self.placement,

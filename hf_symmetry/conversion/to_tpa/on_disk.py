@@ -26,6 +26,7 @@ from ...checkpoint_io import (
     parse_size,
 )
 from ...devices import linalg_device
+from ...flags import Flag, flag, nested
 from ...hub.cards import write_card
 from ...hub.entries import verify_and_record_folder
 from ...hub.lineage import public_report
@@ -47,9 +48,18 @@ class ToTPAOptions:
     verification of the written folder on that text (``verify_tokens`` compared, ``ppl_tokens`` for
     perplexity)."""
 
-    k_rank: int | None = None
-    v_rank: int | None = None
-    calibration: CalibrationText | None = None
+    k_rank: int | None = flag(None, "R_K (default: number of KV heads = exact)", type=int)
+    v_rank: int | None = flag(None, "R_V (default: number of KV heads = exact)", type=int)
+    calibration: CalibrationText | None = nested(
+        CalibrationText,
+        text=Flag(
+            "calibration text (file or embedded name, e.g. britannica-calib) for reduced ranks",
+            name="--calib",
+            metavar="FILE",
+            unset=None,
+        ),
+        tokens=Flag(f"calibration tokens (default: {CalibrationText.tokens})", name="--calib-tokens", type=int),
+    )
     verify_text: str | Path | None = None
     verify_tokens: int = 512
     ppl_tokens: int = 2048
