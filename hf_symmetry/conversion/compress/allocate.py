@@ -32,7 +32,7 @@ from ...calibration import token_batches as batches
 from ...solvers import structures as st
 from .moments import CalibrationInput
 from .options import LAYER_MODULES, CompressOptions
-from .plan import Entry, check_family, in_policy, matrix_entries, shared_factor, structure_for
+from .plan import MatrixPlan, check_family, in_policy, matrix_entries, shared_factor, structure_for
 
 #: sizes at which sensitivity is measured, and the finer grid the allocator chooses from
 MEASURED = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
@@ -56,25 +56,28 @@ class Group:
     choices: list[Choice] = field(default_factory=list)
 
 
-def group_entries(entries: list[Entry], options: CompressOptions) -> dict[str, list[Entry]]:
+def group_entries(entries: list[MatrixPlan], options: CompressOptions) -> dict[str, list[MatrixPlan]]:
     """The compressed matrices by group: ``layers.i`` per decoder layer, ``embed``, ``lm_head``."""
-    groups: dict[str, list[Entry]] = {}
+    groups: dict[str, list[MatrixPlan]] = {}
     for e in entries:
         if in_policy(e.canon, options):
             groups.setdefault(e.name if e.layer is None else f"layers.{e.layer}", []).append(e)
     return groups
 
 
-def _structures(es: list[Entry], options: CompressOptions, kron_q: int | None, keep: float) -> list[st.Structure]:
+def _structures(es: list[MatrixPlan], options: CompressOptions, kron_q: int | None, keep: float) -> list[st.Structure]:
     return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head")) for e in es]
 
 
-def kron_factor(entries: list[Entry], options: CompressOptions, kappa: float) -> int | None:
+def kron_factor(entries: list[MatrixPlan], options: CompressOptions, kappa: float) -> int | None:
     return shared_factor(options, entries[0].shape[1], kappa)
 
 
 def build_groups(
-    entries: list[Entry], options: CompressOptions, kron_q: int | None, curves: dict[str, list[tuple[float, float]]]
+    entries: list[MatrixPlan],
+    options: CompressOptions,
+    kron_q: int | None,
+    curves: dict[str, list[tuple[float, float]]],
 ) -> list[Group]:
     """Each group's choices on :data:`GRID`: exact parameter counts, and the error interpolated (in the
     fraction of parameters actually kept) from the measured ``curves`` (group → [(fraction, error)],
@@ -172,7 +175,7 @@ def _projected(M: torch.Tensor, s: st.Structure) -> torch.Tensor:
     return s.dense(s.project(M.to(torch.float64))).to(M.dtype)
 
 
-def _compressed_layer(module: torch.nn.Module, es: list[Entry], options, kron_q, keep, adapter) -> torch.nn.Module:
+def _compressed_layer(module: torch.nn.Module, es: list[MatrixPlan], options, kron_q, keep, adapter) -> torch.nn.Module:
     new = copy.deepcopy(module)
     with torch.no_grad():
         for e, s in zip(es, _structures(es, options, kron_q, keep)):
@@ -209,7 +212,7 @@ def trace_of(t: torch.Tensor) -> float:
 def measure_sensitivity(
     calib: CalibrationInput,
     adapter,
-    entries: list[Entry],
+    entries: list[MatrixPlan],
     options: CompressOptions,
     token_counts: torch.Tensor | None = None,
     progress: bool = True,

@@ -18,7 +18,7 @@ from ...calibration import token_batches as batches
 from .allocate import Choice, Group, adapter_path, allocate, trace_of
 from .moments import CalibrationInput, collect_statistics
 from .pca import pca
-from .plan import Entry, check_family, final_gamma, matrix_entries
+from .plan import MatrixPlan, check_family, final_gamma, matrix_entries
 
 #: widths (fractions of the hidden size) at which the sliced layers are measured; full width is exact
 MEASURED_WIDTHS = (0.15, 0.3, 0.45, 0.6, 0.7, 0.8, 0.9)
@@ -38,7 +38,7 @@ def width_grid(d: int) -> list[int]:
     return sorted(set(range(step, d, step)) | {d})
 
 
-def slice_params_per_width(entries: list[Entry], n_layers: int, tied: bool, head_width: int) -> dict[int, int]:
+def slice_params_per_width(entries: list[MatrixPlan], n_layers: int, tied: bool, head_width: int) -> dict[int, int]:
     """Parameters per unit of width of each residual segment: the columns of the matrices that read
     it, the rows (and bias) of those that write it; the tied head's mix ``[w_0, w_2L]`` is charged to
     the final segment at ``head_width`` for ``w_0`` (the allocation is checked exactly afterwards)."""
@@ -50,13 +50,13 @@ def slice_params_per_width(entries: list[Entry], n_layers: int, tied: bool, head
     return per
 
 
-def slice_constant(entries: list[Entry]) -> int:
+def slice_constant(entries: list[MatrixPlan]) -> int:
     """Parameters that do not depend on the widths (the readers' biases)."""
     return sum(e.shape[0] for e in entries if e.bias and e.role == "reader")
 
 
 def build_slice_groups(
-    entries: list[Entry],
+    entries: list[MatrixPlan],
     n_layers: int,
     d: int,
     tied: bool,
@@ -171,14 +171,14 @@ def tied_head_curve(source, adapter, Q: torch.Tensor, stream_last: torch.Tensor)
     return [(w / d, float((B[w:, w:] * A_[w:, w:]).sum()) / max(total, 1e-300)) for w in widths]
 
 
-def _exact_slice_total(widths: list[int], entries: list[Entry], n_layers: int, tied: bool) -> int:
+def _exact_slice_total(widths: list[int], entries: list[MatrixPlan], n_layers: int, tied: bool) -> int:
     per = slice_params_per_width(entries, n_layers, tied, 0)
     head = widths[0] * widths[-1] if tied else 0
     return sum(per[k] * w for k, w in enumerate(widths)) + head + slice_constant(entries)
 
 
 def allocate_slice(
-    entries: list[Entry],
+    entries: list[MatrixPlan],
     n_layers: int,
     d: int,
     tied: bool,

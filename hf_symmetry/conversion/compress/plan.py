@@ -10,7 +10,7 @@ of each matrix's parameters kept, see :mod:`.allocate`) or the paper's fixed per
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors import safe_open
@@ -25,7 +25,8 @@ from .options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 @dataclass
 class MatrixPlan:
     """One matrix as the solver sees it: ``M [k, d]`` with the residual dimension on its columns
-    (readers ``W``, writers ``Wᵀ``, embedding ``E``, head ``W_head``)."""
+    (readers ``W``, writers ``Wᵀ``, embedding ``E``, head ``W_head``), in its planned structure (before its
+    structure is chosen, :func:`matrix_entries`: dense)."""
 
     name: str  # "layers.3.q_proj", "embed", "lm_head"
     canon: str  # canonical key ("q", ..., "embed", "lm_head")
@@ -34,6 +35,11 @@ class MatrixPlan:
     segment: int
     structure: st.Structure  # on M [k, d]
     bias: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``M``'s shape in its structure (``[k, d]``; sliced: ``[k, d′]``)."""
+        return self.structure.shape
 
     @property
     def module_structure(self) -> st.Structure:
@@ -126,20 +132,8 @@ def _matrix_shapes(adapter: Adapter, config: dict) -> dict[str, tuple[int, int]]
     }
 
 
-@dataclass(frozen=True)
-class Entry:
-    """A matrix before its structure is chosen."""
-
-    name: str
-    canon: str
-    layer: int | None
-    role: str
-    segment: int
-    shape: tuple[int, int]
-    bias: bool
-
-
-def matrix_entries(config: dict, keys: list[str], adapter: Adapter) -> list[Entry]:
+def matrix_entries(config: dict, keys: list[str], adapter: Adapter) -> list[MatrixPlan]:
+    """Every matrix of the checkpoint before its structure is chosen (dense)."""
     keyset = set(keys)
     shapes = _matrix_shapes(adapter, config)
     vocab = int(config["vocab_size"])
@@ -149,21 +143,21 @@ def matrix_entries(config: dict, keys: list[str], adapter: Adapter) -> list[Entr
         return f"{adapter.layer_prefix(0)}{LAYER_MODULES[canon][0]}.bias" in keyset
 
     entries = [
-        Entry(
+        MatrixPlan(
             f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}",
             c,
             i,
             LAYER_MODULES[c][1],
             2 * i + SEGMENT_OFFSET[c],
-            shapes[c],
+            st.Dense(shapes[c]),
             bias(c),
         )
         for i in range(adapter.n_layers)
         for c in LAYER_MODULES
     ]
-    entries.append(Entry("embed", "embed", None, "writer", 0, (vocab, d), False))
+    entries.append(MatrixPlan("embed", "embed", None, "writer", 0, st.Dense((vocab, d))))
     if not adapter.tied_embeddings:
-        entries.append(Entry("lm_head", "lm_head", None, "reader", 2 * adapter.n_layers, (vocab, d), False))
+        entries.append(MatrixPlan("lm_head", "lm_head", None, "reader", 2 * adapter.n_layers, st.Dense((vocab, d))))
     return entries
 
 
@@ -210,7 +204,7 @@ def plan_compression(
         lm_head = ("tied" if gamma_is_one and not segment else "tied_mixed") if tied else "separate"
         overhead = rotation_overhead(d, n_layers, segment, lm_head) + carried
         kappa, kron_q, structures = _class_structures(entries, options, d, p_compressed, overhead, keep)
-    matrices = [MatrixPlan(e.name, e.canon, e.layer, e.role, e.segment, structures[e.name], e.bias) for e in entries]
+    matrices = [replace(e, structure=structures[e.name]) for e in entries]
     plan = Plan(
         adapter.family,
         d,
@@ -289,7 +283,7 @@ def rotation_overhead(d: int, n_layers: int, segment: bool, lm_head: str) -> int
     return (2 * n_layers * d * (d + 1) // 2 if segment else 0) + (d * d if lm_head == "tied_mixed" else 0)
 
 
-def slice_total(dp: int, entries: list[Entry], n_layers: int, tied: bool, segment: bool) -> int:
+def slice_total(dp: int, entries: list[MatrixPlan], n_layers: int, tied: bool, segment: bool) -> int:
     """Parameters of the sliced matrices, skips and head mix at uniform width ``dp``."""
     total = 0
     for e in entries:
