@@ -17,12 +17,11 @@ from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion.compress import CompressOptions, compress_model
 from hf_symmetry.conversion.compress.moments import CalibrationInput, collect_statistics
-from hf_symmetry.conversion.compress.pca import pca
+from hf_symmetry.conversion.compress.pca import global_rotation, pca, slice_into
 from hf_symmetry.conversion.compress.layernorm_decoders import (
+    RMSDecoderSlice,
     build,
-    centred_rotation,
     compress_layer_norm_model,
-    slice_tensors,
 )
 from hf_symmetry.conversion.compress.routes import CompressRun
 from hf_symmetry.conversion.stream import DictSink, DictSource
@@ -54,7 +53,7 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
         assert report.accounting["compressed_model_params_counted"] == report.accounting["compressed_model_params"]
     else:
         sink = DictSink()
-        cfg, _ = slice_tensors(
+        cfg, _ = slice_into(
             CompressRun(
                 DictSource(dict(model.state_dict())),
                 model.config.to_dict(),
@@ -63,6 +62,7 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
                 sink=sink,
                 progress=False,
             ),
+            RMSDecoderSlice(),
             width=d,
             rotation=haar_orthogonal(d, rng(0, 2)),
         )
@@ -85,7 +85,7 @@ def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basi
     # negative control: the same width in a random basis loses more
     Q = haar_orthogonal(model.config.hidden_size, rng(0, 1))
     sink = DictSink()
-    cfg, _ = slice_tensors(
+    cfg, _ = slice_into(
         CompressRun(
             DictSource(dict(model.state_dict())),
             model.config.to_dict(),
@@ -94,6 +94,7 @@ def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basi
             sink=sink,
             progress=False,
         ),
+        RMSDecoderSlice(),
         rotation=Q,
     )
     rand = build(dict(sink), cfg, torch.float64)[0]
@@ -113,7 +114,7 @@ def test_the_pca_is_taken_of_the_centred_stream():
     d = model.config.hidden_size
     P = torch.eye(d, dtype=torch.float64) - 1.0 / d
     centred = sum(P @ C @ P / (P @ C @ P).trace() for C in stats.stream)
-    Qc, Qr = centred_rotation(stats.stream), pca(sum(C / C.trace() for C in stats.stream))
+    Qc, Qr = global_rotation(stats, centred=True), pca(sum(C / C.trace() for C in stats.stream))
     ones = torch.ones(d, dtype=torch.float64) / d**0.5
     assert abs(float(Qc[:, -1] @ ones)) > 1 - 1e-9
     kept = lambda Q, w: float((Q[:, :w].T @ centred @ Q[:, :w]).trace())  # noqa: E731

@@ -1,31 +1,57 @@
-"""Step 3 for SliceGPT, its rotations: eigenvectors of the residual stream's second moments, largest
-first, from one pass of the original model (:func:`pca_rotations`: one per segment, or one global one
-of the trace-normalised sum) or sequential (:func:`sequential_stream_pca`: segment k's PCA taken of the
-model whose earlier segments are already sliced, each decoder layer run as :class:`SlicedLayer`, the
-stream projected onto the kept directions)."""
+"""SliceGPT: its rotations and its slice, one piece of code for every output family.
+
+The rotations are eigenvectors of the residual stream's second moments, largest first, from one pass of
+the original model (:func:`pca_rotations`: one per segment, or one global one of the trace-normalised
+sum, :func:`global_rotation`; a LayerNorm decoder's of its centred stream) or sequential
+(:func:`sequential_stream_pca`: segment k's PCA taken of the model whose earlier segments are already
+sliced, each decoder layer run as :class:`SlicedLayer`, the stream projected onto the kept directions).
+
+One global rotation and one width: :func:`slice_into` slices the tensors (norms folded, a LayerNorm
+decoder centred first; every reader ``W Q′``, every writer ``Q′ᵀ W``, the embeddings ``E Q′``) and a
+:class:`SliceOutput` says only what is written: the source's own stock family (:mod:`.stock`) or the
+RMS-decoder family (:mod:`.layernorm_decoders.slice`). Per-segment rotations and widths are the
+compressed family's (:func:`.pipeline.compress_into`, its assembly), from the same :func:`pca_rotations`.
+"""
 
 from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
 
 import torch
 
 from ...architectures import Adapter
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
-from .moments import CalibrationStats
+from ...symmetry import actions
+from ..rms_decoder import centre_globals, centre_layer
+from ..stream import StreamOptions, TensorSource, transform_checkpoint
+from .moments import CalibrationStats, collect_statistics
+from .options import CompressOptions
+from .report import CompressReport
+from .routes import CompressRun
 
 
 def pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:
     """SliceGPT (one pass): eigenvectors of the residual stream's second moment, largest first; one
-    per segment, or (``q_mode`` global) one of ``Σ_k C_k / tr C_k`` for every segment."""
+    per segment, or (``q_mode`` global) :func:`global_rotation` for every segment."""
     if q_mode == "global":
-        total = (
-            stats.stream_sum
-            if stats.stream_sum is not None
-            else sum(C / C.trace().clamp_min(1e-300) for C in stats.stream)
-        )
-        Q = pca(total)
-        return [Q] * n_seg
+        return [global_rotation(stats)] * n_seg
     return [pca(C) for C in stats.stream]
+
+
+def global_rotation(stats: CalibrationStats, centred: bool = False) -> torch.Tensor:
+    """One rotation for the whole stream: eigenvectors of ``Σ_k C_k / tr C_k`` (``stats.stream_sum``
+    where calibration kept only that sum). ``centred``: of a LayerNorm decoder's centred model, whose
+    stream is ``P x`` (``P = I − 11ᵀ/d``), from the original model's moments: ``C_k`` is ``P C_k P``."""
+    if stats.stream_sum is not None and not centred:
+        return pca(stats.stream_sum)
+    moments = stats.stream
+    if centred:
+        d = moments[0].shape[0]
+        P = torch.eye(d, dtype=torch.float64) - torch.full((d, d), 1.0 / d, dtype=torch.float64)
+        moments = (P @ C.to(torch.float64) @ P for C in moments)
+    return pca(sum(C / C.trace().clamp_min(1e-300) for C in moments))
 
 
 def _project(h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
@@ -131,3 +157,96 @@ def sequential_stream_pca(
     stats.stream[-1] = result.final.grams["final_in"] / result.final.tokens
     Qs[-1] = pca(stats.stream[-1])
     return Qs, stats
+
+
+def nearest_width(params, target: float, widths) -> int:
+    """The width among ``widths`` whose parameter count ``params(w)`` is closest to ``target`` (the first
+    one on a tie)."""
+    return min(widths, key=lambda w: abs(params(w) - target))
+
+
+class SliceOutput(ABC):
+    """What a SliceGPT output with one global rotation and one width is: its family's width and parameter
+    accounting (:meth:`plan`), its config and how its tensors are written (:meth:`output`, which also fixes
+    what :meth:`finish_layer` / :meth:`finish_globals` change in the sliced tensors) and its name in the
+    report (:meth:`method`). The slice itself is :func:`slice_into`'s, the same for every output."""
+
+    @abstractmethod
+    def plan(
+        self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None
+    ) -> tuple[Adapter, int, dict]:
+        """Refuse what this output cannot hold; the source's adapter, the residual width (``width`` given:
+        that one) and the parameter accounting."""
+
+    @abstractmethod
+    def output(
+        self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict
+    ) -> tuple[dict, StreamOptions]:
+        """The output's config dict and how its tensors are written (``accounting`` completed)."""
+
+    def finish_layer(self, layer: dict) -> dict:
+        """A sliced layer as this family holds it."""
+        return layer
+
+    def finish_globals(self, g: dict) -> dict:
+        """The sliced globals as this family holds them."""
+        return g
+
+    @abstractmethod
+    def method(self, accounting: dict) -> str:
+        """What the report says the output is."""
+
+
+def slice_into(
+    run: CompressRun, output: SliceOutput, width: int | None = None, rotation: torch.Tensor | None = None
+) -> tuple[dict, CompressReport]:
+    """SliceGPT with one global rotation and one width on ``run`` (a :class:`.routes.CompressRun`, its options
+    validated by the caller), written by ``output`` into ``run.sink``: (config dict, report). One pass of the
+    original model measures the stream's second moments (a LayerNorm decoder's: of its centred stream,
+    :func:`global_rotation`); every layer is then read, its norms folded (a LayerNorm decoder's writers
+    centred first, its head untied as the centring needs; a tied head of the others untied too), rotated
+    into the first ``w`` principal directions and cut to them. ``width`` overrides the planned width,
+    ``rotation`` the measured ``Q`` (``[d, d]``, principal directions first)."""
+    source, config, options = run.source, run.config, run.options
+    t0 = time.perf_counter()
+    adapter, w, accounting = output.plan(source, config, options, width)
+    centred = adapter.spec.norm_kind == "layer"
+    tokens = 0
+    if rotation is None:
+        stats = collect_statistics(
+            run.calibration(),
+            want_normed=False,
+            want_stream=True,
+            progress=run.progress,
+            stream_sum=not centred,  # the centred moments P C P are normalised each by its own trace
+        )
+        rotation, tokens = global_rotation(stats, centred), stats.tokens
+        del stats
+    t1 = time.perf_counter()
+    Qw = rotation[:, :w].to(torch.float64).contiguous()
+    new_config, stream = output.output(source, adapter, config, w, accounting)
+
+    def layer_fn(_i, layer):
+        layer = centre_layer(layer) if centred else layer
+        return output.finish_layer(actions.rotate_residual_layer(actions.fold_layer_norms(layer), Qw))
+
+    def globals_fn(g):
+        g = centre_globals(g) if centred else dict(g)
+        if "lm_head.weight" not in g:  # tied: untied here, the final norm's γ folds into it
+            g["lm_head.weight"] = g["embed.weight"].clone()
+        return output.finish_globals(actions.rotate_residual_globals(actions.fold_final_norm(g), Qw))
+
+    transform_checkpoint(source, adapter, run.sink, layer_fn, globals_fn, run.progress, "slice", stream)
+    report = CompressReport(
+        source="",
+        output=None,
+        family=adapter.family,
+        options=options.as_dict(),
+        accounting=accounting,
+        relative_errors={},
+        objective={},
+        calibration_tokens=tokens,
+        seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
+        method=f"{options.label}, {output.method(accounting)}",
+    )
+    return new_config, report

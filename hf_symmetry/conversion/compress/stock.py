@@ -29,7 +29,6 @@ without ``--untie`` stay in the compressed (remote-code) families.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,11 +39,9 @@ from ...architectures import Adapter
 from ...architectures.spec import SPECS, find_spec
 from ...checkpoint_io import write_config
 from ...solvers import structures as st
-from ...symmetry import actions
-from ..stream import DictSink, DictSource, TensorSource, transform_checkpoint
-from .moments import one_pass_statistics
+from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
-from .pca import pca_rotations
+from .pca import SliceOutput, nearest_width, slice_into
 from .plan import accounting, check_family, in_policy, matrix_entries, plan_for, source_numels
 from .report import CompressReport
 from .routes import CompressRun, Route
@@ -138,12 +135,11 @@ def plan_stock_width(
     def params(w):
         return _params_at(entries, w, L, vocab, tied, carried)
 
-    exact = min(range(1, d + 1), key=lambda w: abs(params(w) - target))
+    exact = nearest_width(params, target, range(1, d + 1))
     n = stock.round_to
-    candidates = list(range(n, d + 1, n))
-    if not candidates:
+    if n > d:
         raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
-    w = min(candidates, key=lambda x: (abs(params(x) - target), -x))
+    w = nearest_width(params, target, range(d // n * n, 0, -n))  # the wider one on a tie
     total = params(w)
     per_matrix = {
         e.name: {
@@ -187,7 +183,7 @@ def plan_stock_width(
 
 def compressed_plan_at(source: TensorSource, config: dict, options: CompressOptions, width: int):
     """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
-    ratio's: the same slice as :func:`stock_slice_tensors` at that width, in the remote-code family (for
+    ratio's: the same slice as :class:`StockSlice` at that width, in the remote-code family (for
     comparisons; the ratio's tolerance does not apply)."""
     plan, _ = plan_for(source, config, options.with_(ratio_slack=1.0))
     plan.residual = int(width)
@@ -225,89 +221,6 @@ def _account_width(accounting: dict, config: dict, keys, adapter: Adapter, w: in
         norm_params=(2 * L + 1) * w,
         round_to=None,
     )
-
-
-class _Slicer:
-    """The stock slice of each layer and of the globals: the stream rotated into the first ``d′`` principal
-    directions ``Qw``, norms folded, every reader of a norm times ``c`` (q and k times ``qk`` under QK-norm),
-    all norm weights 1."""
-
-    def __init__(self, Qw: torch.Tensor, c: float, qk: float):
-        self.Qw, self.c, self.qk, self.w = Qw, c, qk, Qw.shape[1]
-
-    def layer(self, i, layer):
-        c, qk = self.c, self.qk
-        layer = actions.rotate_residual_layer(actions.fold_layer_norms(layer), self.Qw)
-        for n in ("q", "k", "v", "gate", "up"):
-            s = qk if n in ("q", "k") else c
-            layer[f"{n}.weight"] = layer[f"{n}.weight"] * s
-            if f"{n}.bias" in layer and s != c:  # a reader's bias scales only with its output
-                layer[f"{n}.bias"] = layer[f"{n}.bias"] * (s / c)
-        for norm in ("attn_norm", "ffn_norm"):
-            layer[f"{norm}.weight"] = torch.ones(self.w, dtype=torch.float64)
-        return layer
-
-    def globals(self, g):
-        g = dict(g)
-        if "lm_head.weight" not in g:  # tied: untied here, the final norm's γ folds into it
-            g["lm_head.weight"] = g["embed.weight"].clone()
-        g = actions.rotate_residual_globals(actions.fold_final_norm(g), self.Qw)
-        g["lm_head.weight"] = g["lm_head.weight"] * self.c
-        g["final_norm.weight"] = torch.ones(self.w, dtype=torch.float64)
-        return g
-
-
-def stock_slice_tensors(
-    run: CompressRun,
-    stock: StockOptions = StockOptions(),
-    width: int | None = None,
-    rotation: torch.Tensor | None = None,
-):
-    """The stock SliceGPT route of ``run`` (a :class:`.routes.CompressRun`) on tensors into ``run.sink``:
-    (stock config dict, report). ``width`` overrides the planned width, ``rotation`` the measured ``Q``
-    (``[d, d]``, principal directions first). ``run.options`` validated, and :func:`why_not_stock` asked, by
-    the caller."""
-    source, config, options, progress, sink = run.source, run.config, run.options, run.progress, run.sink
-    t0 = time.perf_counter()
-    keys = source.keys()
-    adapter = check_family(config, keys)
-    w, accounting = plan_stock_width(source, config, options, stock)
-    d, L = adapter.hidden, adapter.n_layers
-    if width is not None:
-        w = int(width)
-        _account_width(accounting, config, keys, adapter, w)
-    tokens = 0
-    if rotation is None:
-        stats = one_pass_statistics(run)
-        rotation, tokens = pca_rotations(stats, 2 * L + 1, "global")[0], stats.tokens
-        del stats
-    t1 = time.perf_counter()
-    Qw = rotation[:, :w].to(torch.float64).contiguous()
-    c, eps = normalisation(d, w, adapter.eps)
-    if not stock.constant:
-        c = 1.0
-    if not stock.rescale_eps:
-        eps = adapter.eps
-    slicer = _Slicer(Qw, c, c * c if adapter.layout.qk_norm else c)  # q, k under QK-norm: q_stock = c q
-    new_config = stock_config(config, adapter, w, eps)
-    accounting["stock_class"] = new_config["architectures"][0]
-    transform_checkpoint(
-        source, adapter, sink, layer_fn=slicer.layer, globals_fn=slicer.globals, progress=progress, desc="slice"
-    )
-    accounting.update(norm_constant=c, rms_norm_eps=eps, source_rms_norm_eps=adapter.eps)
-    report = CompressReport(
-        source="",
-        output=None,
-        family=adapter.family,
-        options=options.as_dict(),
-        accounting=accounting,
-        relative_errors={},
-        objective={},
-        calibration_tokens=tokens,
-        seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
-        method=f"{options.label}, stock {accounting['stock_class']}",
-    )
-    return new_config, report
 
 
 def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict:
@@ -364,9 +277,9 @@ def stock_slice_model(
     dtype = next(model.parameters()).dtype
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     sink = DictSink()
-    new_config, report = stock_slice_tensors(
+    new_config, report = slice_into(
         CompressRun(source, model.config.to_dict(), options, calib_ids, placement, progress, sink=sink),
-        replace(stock, **controls),
+        StockSlice(replace(stock, **controls)),
         width,
         rotation,
     )
@@ -382,22 +295,62 @@ def stock_slice_model(
     return out.eval(), report
 
 
-class StockSlice(Route):
-    """The folder route where :func:`why_not_stock` allows (:func:`.pipeline.route_for` decides): the
-    output holds the source's own stock family at ``hidden_size = d′`` (no remote code)."""
+class StockSlice(Route, SliceOutput):
+    """The folder route where :func:`why_not_stock` allows (:func:`.pipeline.route_for` decides), and the
+    stock output of :func:`.pca.slice_into`: the source's own stock family at ``hidden_size = d′`` (no remote
+    code), every reader of a norm times ``c`` (q and k times ``c²`` under QK-norm: ``q_stock = c q``), all
+    norm weights 1, ``rms_norm_eps`` times ``d/d′``."""
 
     def __init__(self, stock: StockOptions):
         super().__init__()
         self.stock = stock
+        self.c = self.qk = 1.0
 
     def check(self, reader, options: CompressOptions) -> None:
         w, _ = plan_stock_width(reader, reader.config, options, self.stock)  # a bad --round-to fails here
         stock_config(reader.config, Adapter.from_config(reader.config, reader.keys()), w, 1.0)  # so does its class
 
-    def write(self, run) -> CompressReport:
-        new_config, report = stock_slice_tensors(run, self.stock)
+    def write(self, run: CompressRun) -> CompressReport:
+        new_config, report = slice_into(run, self)
         write_config(run.folder, new_config)
         return report
+
+    def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
+        adapter = check_family(config, source.keys())
+        w, accounting = plan_stock_width(source, config, options, self.stock)
+        if width is not None:
+            w = int(width)
+            _account_width(accounting, config, source.keys(), adapter, w)
+        return adapter, w, accounting
+
+    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict):
+        c, eps = normalisation(adapter.hidden, width, adapter.eps)
+        self.c = c if self.stock.constant else 1.0
+        self.qk = self.c * self.c if adapter.layout.qk_norm else self.c
+        eps = eps if self.stock.rescale_eps else adapter.eps
+        new_config = stock_config(config, adapter, width, eps)
+        accounting["stock_class"] = new_config["architectures"][0]
+        accounting.update(norm_constant=self.c, rms_norm_eps=eps, source_rms_norm_eps=adapter.eps)
+        return new_config, StreamOptions()
+
+    def finish_layer(self, layer: dict) -> dict:
+        c, qk = self.c, self.qk
+        for n in ("q", "k", "v", "gate", "up"):
+            s = qk if n in ("q", "k") else c
+            layer[f"{n}.weight"] = layer[f"{n}.weight"] * s
+            if f"{n}.bias" in layer and s != c:  # a reader's bias scales only with its output
+                layer[f"{n}.bias"] = layer[f"{n}.bias"] * (s / c)
+        for norm in ("attn_norm", "ffn_norm"):
+            layer[f"{norm}.weight"] = torch.ones(layer["o.weight"].shape[0], dtype=torch.float64)
+        return layer
+
+    def finish_globals(self, g: dict) -> dict:
+        g["lm_head.weight"] = g["lm_head.weight"] * self.c
+        g["final_norm.weight"] = torch.ones(g["embed.weight"].shape[1], dtype=torch.float64)
+        return g
+
+    def method(self, accounting: dict) -> str:
+        return f"stock {accounting['stock_class']}"
 
     def output_lines(self, report: CompressReport, config: dict) -> list[str]:
         """The stock class and its width rounding (and what an untied head costs)."""

@@ -6,7 +6,8 @@ instead, after centring: every writer to the residual stream is mean-centred and
 into its readers, which leaves the function unchanged and makes the stream rotatable. The steps:
 
 - :mod:`.centred` — the centred model as a tensor source, one layer at a time from the checkpoint;
-- :mod:`.slice` — SliceGPT: one global PCA of the centred stream, the stream sliced;
+- :mod:`.slice` — SliceGPT's RMS-decoder output (the slice is :func:`..pca.slice_into`'s): one global PCA
+  of the centred stream, the stream sliced;
 - :mod:`.structured` — ProcrustesGPT (Kronecker sums, GS, low rank): the compressed family's plan,
   solvers and assembly on the centred model, biases and the position table kept dense;
 - :mod:`.checks` — what this route refuses, before any work;
@@ -26,11 +27,12 @@ from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from ...rms_decoder import copy_remote_code
 from ...stream import DictSink, DictSource
 from ..options import CompressOptions
+from ..pca import slice_into
 from ..report import CompressReport
 from ..routes import CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
-from .slice import centred_rotation, plan_width, slice_tensors, sliced_params
+from .slice import RMSDecoderSlice, plan_width, sliced_params
 from .structured import layer_norm_plan, plan_structured, structured_tensors
 
 
@@ -48,7 +50,7 @@ def build(state: dict, config: dict, dtype: torch.dtype):
 def _run(run: CompressRun):
     """Either route into ``run.sink`` (a :class:`DictSink` or the folder's sink): (config dict, report)."""
     if run.options.slicing:
-        return slice_tensors(run)
+        return slice_into(run, RMSDecoderSlice())
     return structured_tensors(run)
 
 
@@ -69,7 +71,7 @@ def compress_layer_norm_model(
     sink = DictSink()
     run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink)
     if width is not None:
-        new_config, report = slice_tensors(run, width)
+        new_config, report = slice_into(run, RMSDecoderSlice(), width)
     else:
         new_config, report = _run(run)
     compressed, counted = build(dict(sink), new_config, dtype)
@@ -99,14 +101,13 @@ class LayerNormDecoders(Route):
 __all__ = [
     "CentredSource",
     "build",
-    "centred_rotation",
     "check",
     "LayerNormDecoders",
     "compress_layer_norm_model",
     "layer_norm_plan",
     "plan_structured",
     "plan_width",
-    "slice_tensors",
+    "RMSDecoderSlice",
     "sliced_params",
     "structured_tensors",
     "through_rms_decoder",

@@ -13,40 +13,26 @@ sliced stream. At ``w = d`` this is an exact residual rotation.
 
 ``w`` is chosen as the compressed family's SliceGPT chooses it: the width whose total parameter count is
 closest to ``dense − ratio × (parameters of the matrices on the stream)``, so equal ratios mean equal
-model sizes across families.
+model sizes across families. The slice itself (calibration, the centred PCA, every matrix rotated and cut)
+is SliceGPT's one route, :func:`..pca.slice_into`; here is what the RMS-decoder family writes
+(:class:`RMSDecoderSlice`).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
 from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
-from ...rotate import RotateOptions, rotate_layer_norm_decoder
-from ...stream import TensorSource, partition_keys
-from ..moments import collect_statistics
-from ..pca import pca
-from ..report import CompressReport
+from ....symmetry import actions
+from ...rms_decoder import check_layer_norm_decoder, rms_decoder_config
+from ...stream import StreamOptions, TensorSource, partition_keys
 from ..options import CompressOptions
+from ..pca import SliceOutput, nearest_width
 from ..plan import source_numels
-from ..routes import CompressRun
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
-
-
-def centred_rotation(stream: list[torch.Tensor]) -> torch.Tensor:
-    """``Q`` (``[d, d]``, principal directions first) of the centred model's stream, from the original
-    model's per-segment second moments ``C``: eigenvectors of ``Σ P C P / tr(P C P)``."""
-    d = stream[0].shape[0]
-    P = torch.eye(d, dtype=torch.float64) - torch.full((d, d), 1.0 / d, dtype=torch.float64)
-    total = torch.zeros(d, d, dtype=torch.float64)
-    for C in stream:
-        PCP = P @ C.to(torch.float64) @ P
-        total += PCP / PCP.trace().clamp_min(1e-300)
-    return pca(total)
 
 
 def _shapes(adapter: Adapter, source: TensorSource, keys: list[str]) -> dict:
@@ -81,7 +67,7 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
     embed_params = (shapes["vocab"] * (1 if adapter.tied_embeddings else 2) + shapes["rows"]) * d
     p_compressed = layer_params + (embed_params if options.compress_embeddings else 0)
     target = dense_total - options.ratio * p_compressed
-    w = min(range(1, d + 1), key=lambda x: abs(sliced_params(shapes, L, x) - target))
+    w = nearest_width(lambda x: sliced_params(shapes, L, x), target, range(1, d + 1))
     total = sliced_params(shapes, L, w)
     per_matrix = {
         f"layers.{i}.{c}": {
@@ -116,46 +102,33 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
     return w, accounting
 
 
-def slice_tensors(run: CompressRun, width: int | None = None, rotation: torch.Tensor | None = None):
-    """The whole route of ``run`` (a :class:`..routes.CompressRun`) on tensors into ``run.sink``:
-    (RMS-decoder config dict, report). ``width`` overrides the planned width (``d``: the exact, unsliced
-    rotation); ``rotation`` the measured ``Q``."""
-    source, config, options, progress = run.source, run.config, run.options, run.progress
-    t0 = time.perf_counter()
-    keys = source.keys()
-    adapter = Adapter.from_config(config, keys)
-    check(adapter, options, keys)
-    w, accounting = plan_width(adapter, source, keys, options)
-    if width is not None:
-        w = int(width)
-        accounting.update(
-            residual=w, compressed_model_params=sliced_params(_shapes(adapter, source, keys), adapter.n_layers, w)
-        )
-    tokens = 0
-    if rotation is None:
-        stats = collect_statistics(run.calibration(), want_normed=False, want_stream=True, progress=progress)
-        rotation, tokens = centred_rotation(stats.stream), stats.tokens
-    t1 = time.perf_counter()
-    new_config = rotate_layer_norm_decoder(
-        source,
-        adapter,
-        config,
-        RotateOptions(heads="none", ffn=False),
-        rotation[:, :w].contiguous(),
-        run.sink,
-        progress,
-        desc="slice",
-    )
-    report = CompressReport(
-        source="",
-        output=None,
-        family=adapter.family,
-        options=options.as_dict(),
-        accounting=accounting,
-        relative_errors={},
-        objective={},
-        calibration_tokens=tokens,
-        seconds={"calibration": t1 - t0, "solve": 0.0, "assemble": time.perf_counter() - t1},
-        method=f"{options.label}, centred into the RMS-decoder family",
-    )
-    return new_config, report
+class RMSDecoderSlice(SliceOutput):
+    """The output of :func:`..pca.slice_into` for a LayerNorm decoder: the RMS-decoder family with
+    ``residual_size = w`` (its norms weightless, the head untied with a bias; GPT-J's interleaved rotary
+    pairs written as the family's rotate-half)."""
+
+    layout = None  # the source's head layout where its rotary pairs are interleaved
+
+    def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
+        keys = source.keys()
+        adapter = Adapter.from_config(config, keys)
+        check(adapter, options, keys)
+        w, accounting = plan_width(adapter, source, keys, options)
+        if width is not None:
+            w = int(width)
+            shapes = _shapes(adapter, source, keys)
+            accounting.update(residual=w, compressed_model_params=sliced_params(shapes, adapter.n_layers, w))
+        return adapter, w, accounting
+
+    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict):
+        check_layer_norm_decoder(config)
+        shapes = _shapes(adapter, source, source.keys())
+        new_config = rms_decoder_config(adapter, config, shapes["out"]["up"], shapes["rows"], residual_size=width)
+        self.layout = adapter.layout if adapter.layout.rope_layout == "interleaved" else None
+        return new_config, StreamOptions(globals_dtype=torch.float64, writer=Adapter.from_config(new_config))
+
+    def finish_layer(self, layer: dict) -> dict:
+        return layer if self.layout is None else actions.interleaved_to_half(layer, self.layout)
+
+    def method(self, accounting: dict) -> str:
+        return "centred into the RMS-decoder family"
