@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from huggingface_hub import utils as hub_utils
 from transformers.utils import logging as hf_logging
@@ -15,7 +16,7 @@ from ..assets import resolve_model
 from ..checkpoint_io import TOKENIZER_FILES
 from ..devices import CALIB_DTYPES, DEVICE_CHOICES, parse_device, resolve
 from ..evaluation.perplexity import LOGIT_TOKENS, PPL
-from ..evaluation.verification import VerificationFailed, verify
+from ..evaluation.verification import Verification, VerificationFailed, verify
 from ..hub.cards import update_card
 from ..hub.entries import verification_card_entries
 from ..hub.measure import speed_card_entry, speed_sentence
@@ -178,21 +179,28 @@ def push_if_requested(args, out_dir, lines: list[str] | None = None) -> dict | N
     return result.as_dict()
 
 
-def verify_and_record(
-    args,
-    original,
-    out_dir,
-    lines: list[str],
-    names: tuple[str, str] = ("original", "converted"),
-    against: str = "",
-    extra=None,
-) -> dict | None:
-    """The one verification step of every conversion: compare ``out_dir`` with ``original`` on
-    ``--text`` (:func:`hf_symmetry.evaluation.verification.verify`), append the figures to
-    ``lines`` and record them in the folder's model card, formatted as the card formats them.
-    ``extra(verification)`` may return more ``(figures, lines)`` for both. Returns the
-    exactness figures with ``speed`` (:func:`~hf_symmetry.hub.measure.speed_card_entry`: speed and bytes
-    against the source, also in the card) where both models fit the device, or None with ``--no-verify``."""
+@dataclass
+class Verified:
+    """A conversion's verification (:func:`verify_output`): what was measured and the figures its card and ``--json``
+    summary record (the exactness figures, with ``speed``: :func:`~hf_symmetry.hub.measure.speed_card_entry`, speed
+    and bytes against the source, where both models fit the device together)."""
+
+    measured: Verification
+    exactness: dict  # as_dict() less its seconds (a timing: the card stays reproducible)
+    speed: dict | None = None
+
+    @property
+    def figures(self) -> dict:
+        return self.exactness if self.speed is None else {**self.exactness, "speed": self.speed}
+
+
+def verify_output(
+    args, original, out_dir, lines: list[str], names: tuple[str, str] = ("original", "converted"), against: str = ""
+) -> Verified | None:
+    """The one verification of every conversion (:meth:`.runner.Conversion.verify`), its first half: compare
+    ``out_dir`` with ``original`` on ``--text`` (:func:`hf_symmetry.evaluation.verification.verify`, which also
+    times the two models it loaded) and append the figures to ``lines``, formatted as the card formats them.
+    None with ``--no-verify``. :func:`record_in_card` is the second half."""
     if getattr(args, "no_verify", False):
         return None
     v = verify(
@@ -203,8 +211,8 @@ def verify_and_record(
         ppl_tokens=args.ppl_tokens,
         device=getattr(args, "device", "auto"),
         progress=not getattr(args, "quiet", False),
+        speed=True,
     )
-    exactness = {k: x for k, x in v.as_dict().items() if k != "seconds"}  # (a timing: the card stays reproducible)
     kind = "logit" if v.output_kind == "logits" else "hidden state"
     lines.append(f"  max |Δ{kind}|{against} over {v.tokens} tokens of {v.text}: {fmt_number(v.max_abs_dlogit)}")
     if v.hidden_cosine is not None:
@@ -214,21 +222,24 @@ def verify_and_record(
             f"  perplexity ({v.describe_perplexity()}): {names[0]} {fmt_number(v.perplexity_original)}, "
             f"{names[1]} {fmt_number(v.perplexity_converted)} (Δ {fmt_number(v.delta_perplexity)})"
         )
-    if extra is not None:
-        figures, more = extra(v)
-        exactness.update(figures)
-        lines.extend(more)
-    failure = v.failure()
-    if failure is not None:  # OUT stays written (the user may want to look at it); the command exits with 1
-        emit({}, lines)
-        raise VerificationFailed(f"{out_dir} was written but failed verification: {failure}")
-    # speed and bytes against the source (timings: recorded only when a verification runs)
-    speed = speed_card_entry(original, out_dir, args.text, device=getattr(args, "device", "auto"))
+    # speed and bytes against the source (timings: recorded only when a verification runs; none when it failed)
+    speed = speed_card_entry(v.speed, original, out_dir) if v.speed is not None else None
     if speed is not None:
         lines.append(f"  {speed_sentence(speed)}")
-    update_card(out_dir, exactness=exactness, speed=speed, eval_results=verification_card_entries(v))
-    lines.append(f"  verified in {v.seconds + (speed['seconds'] if speed else 0):.1f} s")
-    return exactness if speed is None else {**exactness, "speed": speed}
+    return Verified(v, {k: x for k, x in v.as_dict().items() if k != "seconds"}, speed)
+
+
+def record_in_card(out_dir, verified: Verified, lines: list[str]) -> None:
+    """The second half of the one verification (:func:`verify_output`): a NaN or infinite figure fails the command
+    (OUT stays written, the user may want to look at it; exit status 1), else the figures go into the folder's model
+    card and the last line says how long the verification took."""
+    v = verified.measured
+    failure = v.failure()
+    if failure is not None:
+        emit({}, lines)
+        raise VerificationFailed(f"{out_dir} was written but failed verification: {failure}")
+    update_card(out_dir, exactness=verified.exactness, speed=verified.speed, eval_results=verification_card_entries(v))
+    lines.append(f"  verified in {v.seconds:.1f} s")
 
 
 def total_time_line(start: float, verified: bool = True) -> str:

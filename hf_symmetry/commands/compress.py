@@ -29,7 +29,6 @@ from .common import (
     add_verify_args,
     check_verify_args,
     placement_from_args,
-    verify_and_record,
 )
 from .inputs import CALIB_TOKENS_DEFAULT, check_text_tokens
 from .runner import Conversion, run_conversion
@@ -345,13 +344,12 @@ class Compress(Conversion):
         ]
         return report, lines
 
-    def verify(self, report, lines: list[str]) -> bool:
-        def perplexities(v):
-            record_verification(self.out, report, self.options, v)
-            return {}, []
-
-        self.verification = verify_and_record(self.args, self.original, self.out, lines, self.names, extra=perplexities)
-        return bool(self.verification)
+    def record(self, report, verified) -> None:
+        """The verification's perplexities also go into the report and the card (:func:`record_verification`);
+        its figures into the ``--json`` summary."""
+        self.verification = None if verified is None else verified.figures
+        if verified is not None:
+            record_verification(self.out, report, self.options, verified.measured)
 
     def summary(self, report) -> dict:
         summary = report.as_dict()

@@ -3,8 +3,9 @@
 A command is one small :class:`Conversion` object made from its parsed arguments; :func:`run_conversion` drives
 every one the same way: start the clock, :meth:`~Conversion.check` (refusals before any work), the checks of OUT
 against the inputs (:func:`check_output`), then, holding OUT's lock (a second writer is refused),
-:meth:`~Conversion.convert` (the report and its printed lines), :meth:`~Conversion.verify` (the figures, added to
-the lines and the folder's card), :meth:`~Conversion.summary` (the ``--json`` summary), the push when
+:meth:`~Conversion.convert` (the report and its printed lines), :meth:`~Conversion.verify` (the one verification:
+the figures added to the lines, :meth:`~Conversion.record` of what the conversion keeps of them, then the folder's
+card), :meth:`~Conversion.summary` (the ``--json`` summary), the push when
 ``--push-to-hub`` was given, the total-time line, and :func:`~.common.emit`. A command supplies only its own parts."""
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from dataclasses import asdict
 
 from ..assets import resolve_model
 from ..checkpoint_io import check_output_dir, input_bytes, output_lock, parse_size
-from .common import emit, push_if_requested, total_time_line, verify_and_record
+from .common import Verified, emit, push_if_requested, record_in_card, total_time_line, verify_output
 
 
 class Conversion:
     """One run of a conversion command. ``args``: its parsed arguments. A subclass writes :meth:`convert` and,
     where it refuses flags or resolves inputs before any work, :meth:`check`; it sets ``original`` (what the
     verification compares OUT with) and, where OUT is not ``args.out``, ``out``. The defaults verify OUT
-    against ``original`` into ``report.verification`` and summarise the report as its dataclass fields."""
+    against ``original``, keep the figures as ``report.verification`` (:meth:`record`) and summarise the report as
+    its dataclass fields."""
 
     #: the two models' names in the verification lines
     names: tuple[str, str] = ("original", "converted")
@@ -54,12 +56,22 @@ class Conversion:
         raise NotImplementedError
 
     def verify(self, report, lines: list[str]) -> bool:
-        """Compare OUT with ``original`` (:func:`~.common.verify_and_record`: lines and card); the figures
-        become ``report.verification``. Returns whether a verification ran (the last line says so)."""
-        report.verification = verify_and_record(
-            self.args, self.original, self.out, lines, self.names, against=self.against
-        )
-        return bool(report.verification)
+        """The one verification of every command: compare OUT with ``original`` (:func:`~.common.verify_output`: the
+        figures, and the speed of the two models it loaded, added to ``lines``), :meth:`record` what the conversion
+        keeps of it, then put the figures in the folder's card (:func:`~.common.record_in_card`; a NaN figure fails
+        the command there). Returns whether a verification ran (the last line says so)."""
+        verified = verify_output(self.args, self.original, self.out, lines, self.names, against=self.against)
+        self.record(report, verified)
+        if verified is None:
+            return False
+        record_in_card(self.out, verified, lines)
+        return True
+
+    def record(self, report, verified: Verified | None) -> None:
+        """What the conversion keeps of its verification (None with ``--no-verify``), before the figures go into the
+        card (a conversion that rewrites its own card or report from them does it here). Default: the figures
+        become ``report.verification``."""
+        report.verification = None if verified is None else verified.figures
 
     def summary(self, report) -> dict:
         """The ``--json`` summary (before the runner's "push" entry)."""

@@ -1,17 +1,17 @@
 """How fast a converted model runs against its source, measured on the machine that verifies it.
 
-:func:`compare_speed` loads both models on one device in the same dtype and times, in interleaved rounds (the
-two models take turns, so a changing machine load falls on both alike), a prefill of the first tokens of the
-verification text and single-token decode steps through the model's own cache after it. The figures are the
-medians over the rounds of each model's time and of the per-round ratios (source time / converted time: above 1
-the converted model is faster). A few forward passes: a rough figure for the card, not a benchmark
-(``benchmarks/bench_deploy.py`` is the benchmark). Timings vary from run to run, so cards record them only when
-a verification runs.
+The verification (:func:`~.verification.verify` with ``speed=True``) holds both models on one device in the same
+dtype when they fit it together (:func:`speed_device`), and :func:`compare_loaded` times them, in interleaved
+rounds (the two models take turns, so a changing machine load falls on both alike): a prefill of the first tokens
+of the verification text and single-token decode steps through the model's own cache after it. The figures are
+the medians over the rounds of each model's time and of the per-round ratios (source time / converted time: above
+1 the converted model is faster). A few forward passes on models already loaded: a rough figure for the card, not
+a benchmark (``benchmarks/bench_deploy.py`` is the benchmark). Timings vary from run to run, so cards record them
+only when a verification runs.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..assets import resolve_model, resolve_text
+from ..assets import resolve_model
 from ..devices import DeviceRequest, parse_device, to_model
 from ..modeling import cache_field
-from ..text import read_text, tokenize_text
-from .compare import is_causal_lm, load_tokenizer
-from .verification import load_for_eval
+from .compare import is_causal_lm
 
 #: tokens of the prefill, decode steps after it, interleaved rounds
 PREFILL_TOKENS, DECODE_STEPS, ROUNDS = 64, 4, 3
@@ -33,7 +31,7 @@ PREFILL_TOKENS, DECODE_STEPS, ROUNDS = 64, 4, 3
 
 @dataclass
 class SpeedComparison:
-    """What :func:`compare_speed` measured; ``as_dict()`` is what cards and ``--json`` record."""
+    """What :func:`compare_loaded` measured; ``as_dict()`` is what cards and ``--json`` record."""
 
     device: str
     dtype: str
@@ -45,7 +43,7 @@ class SpeedComparison:
     decode_ms: dict | None  # {"source", "converted"}: median ms per decoded token
     prefill_speedup: float  # median of source time / converted time over the rounds (> 1: converted faster)
     decode_speedup: float | None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the timing alone (the models were loaded by the verification)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,45 +88,38 @@ def _time_one(model, ids: torch.Tensor, steps: int, device: torch.device) -> tup
     return prefill, (time.perf_counter() - t0) / steps
 
 
-def compare_speed(
-    original: str | os.PathLike,
-    converted: str | os.PathLike,
-    text: str | os.PathLike,
-    device: str | DeviceRequest | None = "auto",
-    prefill_tokens: int = PREFILL_TOKENS,
-    decode_steps: int = DECODE_STEPS,
-    rounds: int = ROUNDS,
-) -> SpeedComparison | None:
-    """Time ``converted`` against ``original`` (module docstring) on the first ``prefill_tokens`` tokens of
-    ``text`` (a file or an embedded name), both whole on ``device`` (``auto``: its one device, never spread) in float32.
-    None when the two together do not fit the device's free memory (the verification loads one at a time)."""
-    start = time.perf_counter()
-    original, converted = resolve_model(original), resolve_model(converted)
+def speed_device(
+    original: str | os.PathLike, converted: str | os.PathLike, device: str | DeviceRequest | None = "auto"
+) -> torch.device | None:
+    """The one device the two models are timed on (``device`` read by :func:`~hf_symmetry.devices.parse_device`:
+    ``auto`` is its one device, never spread), or None when the two together do not fit its free memory (the
+    verification then loads one at a time and nothing is timed)."""
     dev = parse_device(device).device
-    if not _fits_both((Path(original), Path(converted)), dev):
-        return None
-    ids = tokenize_text(load_tokenizer(original), read_text(resolve_text(text)), max_tokens=prefill_tokens)
-    models = [load_for_eval(m, device=str(dev)) for m in (original, converted)]
-    try:
-        limit = min(getattr(m.config, "max_position_embeddings", None) or ids.numel() for m in models)
-        ids = ids[: max(2, min(ids.numel(), limit - decode_steps))].reshape(1, -1)
-        steps = decode_steps if all(is_causal_lm(m) for m in models) else 0
-        times: list[list[tuple[float, float | None]]] = [[], []]
-        with torch.no_grad():
-            for m in models:  # warm-up: first-call allocations and kernel choices are not the model's speed
-                _time_one(m, ids[:, :8], min(steps, 1), dev)
-            for r in range(rounds):
-                for i in (0, 1) if r % 2 == 0 else (1, 0):
-                    times[i].append(_time_one(models[i], ids, steps, dev))
-    finally:
-        del models
-        gc.collect()
+    return dev if _fits_both((Path(resolve_model(original)), Path(resolve_model(converted))), dev) else None
+
+
+def compare_loaded(
+    models: tuple, ids: torch.Tensor, device: torch.device, decode_steps: int = DECODE_STEPS, rounds: int = ROUNDS
+) -> SpeedComparison:
+    """Time ``models`` (source, converted), both loaded whole on ``device`` in float32 (:func:`speed_device`), as
+    the module docstring says, on the token ids ``ids`` (the first :data:`PREFILL_TOKENS` of the text)."""
+    start = time.perf_counter()
+    limit = min(getattr(m.config, "max_position_embeddings", None) or ids.numel() for m in models)
+    ids = ids[: max(2, min(ids.numel(), limit - decode_steps))].reshape(1, -1)
+    steps = decode_steps if all(is_causal_lm(m) for m in models) else 0
+    times: list[list[tuple[float, float | None]]] = [[], []]
+    with torch.no_grad():
+        for m in models:  # warm-up: first-call allocations and kernel choices are not the model's speed
+            _time_one(m, ids[:, :8], min(steps, 1), device)
+        for r in range(rounds):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                times[i].append(_time_one(models[i], ids, steps, device))
     (src, out) = times
     median = statistics.median
     return SpeedComparison(
-        device=str(dev),
+        device=str(device),
         dtype="float32",
-        threads=torch.get_num_threads() if dev.type == "cpu" else None,
+        threads=torch.get_num_threads() if device.type == "cpu" else None,
         prefill_tokens=ids.shape[1],
         decode_steps=steps,
         rounds=rounds,

@@ -30,8 +30,9 @@ from ..assets import resolve_model, resolve_text
 from ..devices import DeviceRequest, parse_device, to_model
 from ..modeling import register_auto_classes
 from ..text import public_text_label, read_text, tokenize_text
-from .compare import auto_class, load_tokenizer
+from .compare import auto_class, is_causal_lm, load_tokenizer
 from .perplexity import LOGIT_TOKENS, PPL, PerplexityWindows, perplexity, windows
+from .speed import PREFILL_TOKENS, SpeedComparison, compare_loaded, speed_device
 
 DEFAULT_TEXT = "britannica-eval"
 
@@ -91,10 +92,6 @@ def _output(model, ids: torch.Tensor) -> tuple[torch.Tensor, str]:
     return out.last_hidden_state[0].float().cpu(), "hidden_states"
 
 
-def _is_causal_lm(model) -> bool:
-    return any(s in type(model).__name__ for s in ("CausalLM", "LMHeadModel"))
-
-
 class VerificationFailed(Exception):
     """A verification that measured a NaN or infinite figure: whatever the tolerance, the run fails (the command
     line prints its one line and exits with status 1). Not a ``ValueError``: the input was not wrong, the model is."""
@@ -119,8 +116,9 @@ class Verification:
     ppl_window: int | None = None
     ppl_stride: int | None = None
     hidden_cosine: float | None = None  # encoders: mean cosine of last hidden states
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole verification, the speed comparison included
     text_path: str | None = field(default=None, repr=False)  # local only, never recorded
+    speed: SpeedComparison | None = field(default=None, repr=False)  # with speed=True: a timing, not exactness
 
     @property
     def delta_perplexity(self) -> float | None:
@@ -145,7 +143,7 @@ class Verification:
         return ", ".join(f"{names[k]} is {getattr(self, k)}" for k in bad) or None
 
     def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "text_path" and v is not None}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("text_path", "speed") and v is not None}
         d["delta_perplexity"] = self.delta_perplexity
         return d
 
@@ -168,39 +166,68 @@ def verify(
     device: str | DeviceRequest | None = "auto",
     trust_remote_code: bool | None = None,
     progress: bool = True,
+    speed: bool = False,
 ) -> Verification:
     """Compare ``converted`` with ``original`` on the first tokens of ``text``: max |Δlogit| over
     ``tokens`` tokens (hidden states and their mean cosine for encoders) and, for causal LMs,
     both perplexities over ``ppl_tokens`` tokens (:data:`PPL`'s window and stride; 0 skips).
-    The two models are loaded one after the other, so memory holds one model at a time."""
+    The two models are loaded one after the other, so memory holds one model at a time; with ``speed``, where
+    the two fit the device together (:func:`~.speed.speed_device`), the original is kept until the converted model
+    is loaded, the two are timed against each other (``Verification.speed``: :mod:`.speed`; None when a figure is
+    not finite), and the original is let go before the converted model is scored."""
     if tokens < 2 or ppl_tokens < 0:
         raise ValueError(f"need --tokens >= 2 and --ppl-tokens >= 0; got {tokens} and {ppl_tokens}")
     start = time.perf_counter()
-    ids, path = _text_ids(load_tokenizer(original), text, max(tokens, ppl_tokens))
-    results, kind, causal = [], "logits", True
+    tokenizer = load_tokenizer(original)
+    ids, path = _text_ids(tokenizer, text, max(tokens, ppl_tokens))
+    held = speed_device(original, converted, device) if speed else None  # both whole on it, or one at a time
+    results, kind, kept, timed = [], "logits", None, None
     bar = tqdm(desc="verifying", total=4, disable=not progress, leave=False, unit="step")
     try:
         for which in (original, converted):
             bar.set_postfix_str(f"loading {Path(str(which)).name}")
-            model = load_for_eval(which, device=device, trust_remote_code=trust_remote_code)
+            where = device if held is None else str(held)
+            model = load_for_eval(which, device=where, trust_remote_code=trust_remote_code)
             bar.update(1)
-            limit = getattr(model.config, "max_position_embeddings", None) or tokens
-            head = ids[: min(tokens, limit)]
-            causal = _is_causal_lm(model)
-            if bar.total == 4:
-                bar.total = 2 * _steps(head.numel(), min(ppl_tokens, ids.numel()), causal)
-                bar.refresh()
+            if kept is not None:  # both loaded: timed, then the original goes before the converted model is scored
+                bar.set_postfix_str("timing both")
+                timed = compare_loaded((kept, model), _text_ids(tokenizer, text, PREFILL_TOKENS)[0], held)
+                kept = None
+                gc.collect()
             bar.set_postfix_str(f"scoring {Path(str(which)).name}")
-            out, kind = _output(model, head)
-            bar.update(1)
-            ppl = None
-            if causal and ppl_tokens > 1:
-                ppl = perplexity(model, ids[:ppl_tokens], PPL.window, PPL.stride, bar=bar)
+            out, kind, ppl = _score(model, ids, tokens, ppl_tokens, bar)
             results.append((out, ppl))
+            if held is not None and len(results) == 1:
+                kept = model
             del model
             gc.collect()
     finally:
         bar.close()
+        kept = None
+        gc.collect()
+    v = _verification(results, kind, text, path)
+    v.speed = timed if v.failure() is None else None  # (a failed verification records no speed)
+    v.seconds = time.perf_counter() - start
+    return v
+
+
+def _score(model, ids: torch.Tensor, tokens: int, ppl_tokens: int, bar) -> tuple[torch.Tensor, str, object]:
+    """One model's outputs on the first ``tokens`` ids (its positions allowing), their kind, and its perplexity
+    on the first ``ppl_tokens`` (None for an encoder or ``ppl_tokens`` < 2); ``bar`` counts the steps."""
+    limit = getattr(model.config, "max_position_embeddings", None) or tokens
+    head = ids[: min(tokens, limit)]
+    causal = is_causal_lm(model)
+    if bar.total == 4:  # (the first model: now the steps are known)
+        bar.total = 2 * _steps(head.numel(), min(ppl_tokens, ids.numel()), causal)
+        bar.refresh()
+    out, kind = _output(model, head)
+    bar.update(1)
+    ppl = perplexity(model, ids[:ppl_tokens], PPL.window, PPL.stride, bar=bar) if causal and ppl_tokens > 1 else None
+    return out, kind, ppl
+
+
+def _verification(results: list, kind: str, text, path: Path) -> Verification:
+    """The figures of the two models' ``(outputs, perplexity)`` (original first)."""
     (a, pa), (b, pb) = results
     v = Verification((a - b).abs().max().item(), kind, a.shape[0], public_text_label(text), text_path=str(path))
     if kind == "hidden_states":
@@ -208,7 +235,6 @@ def verify(
     if pa is not None and pb is not None:
         v.perplexity_original, v.perplexity_converted = pa.perplexity, pb.perplexity
         v.ppl_tokens, v.ppl_window, v.ppl_stride = pb.tokens, pb.window, pb.stride
-    v.seconds = time.perf_counter() - start
     return v
 
 
@@ -234,7 +260,7 @@ def perplexities(
             bar.set_postfix_str(f"loading {name}")
             model = load_for_eval(folder, device=device, trust_remote_code=trust_remote_code)
             bar.update(1)
-            if not _is_causal_lm(model):
+            if not is_causal_lm(model):
                 raise ValueError(f"{name} is not a causal LM ({type(model).__name__}); perplexity needs one")
             bar.set_postfix_str(f"scoring {name}")
             out[name] = perplexity(model, ids, PPL.window, PPL.stride, bar=bar)

@@ -1,7 +1,6 @@
 """Card entries (dicts of ``huggingface_hub.EvalResult`` fields) from what evaluation measured:
 perplexities, verifications and lm-eval results, ready for :func:`hf_symmetry.hub.write_card` /
-:func:`hf_symmetry.hub.update_card`; and :func:`verify_and_record_folder`, which verifies a written
-folder and records the figures in its card."""
+:func:`hf_symmetry.hub.update_card`."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ from pathlib import Path
 
 from ..assets import resolve_text
 from ..evaluation.bridge import run_lm_eval, text_perplexity
-from ..evaluation.perplexity import LOGIT_TOKENS, PPL, PerplexityResult
-from ..evaluation.verification import DEFAULT_TEXT, Verification, verify
-from .cards import update_card
+from ..evaluation.perplexity import PPL, PerplexityResult
 from .eval_results import perplexity_result
 
 LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
@@ -126,20 +123,3 @@ def lm_eval_results(folder, tasks, task_dir=None, limit: int | None = None) -> l
     """lm-eval on a written folder (remote code trusted when its config maps it), as card entries."""
     trust = bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
     return lm_eval_card_entries(run_lm_eval(folder, tasks, task_dir=task_dir, limit=limit, trust_remote_code=trust))
-
-
-def verify_and_record_folder(
-    original: str | os.PathLike,
-    out: str | os.PathLike,
-    text: str | os.PathLike = DEFAULT_TEXT,
-    tokens: int = LOGIT_TOKENS,
-    ppl_tokens: int = PPL.tokens,
-    device: str | None = "auto",
-    progress: bool = True,
-    extra: dict | None = None,
-) -> Verification:
-    """:func:`verify` a written folder against its original and record the figures in its model
-    card (exactness and the perplexity entry); what every conversion command runs after writing."""
-    v = verify(original, out, text=text, tokens=tokens, ppl_tokens=ppl_tokens, device=device, progress=progress)
-    update_card(out, exactness={**v.as_dict(), **(extra or {})}, eval_results=verification_card_entries(v))
-    return v

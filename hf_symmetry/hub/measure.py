@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import CONFIG_MAPPING
 
 from ..assets import resolve_model
-from ..evaluation.speed import compare_speed
+from ..evaluation.speed import SpeedComparison
 from .values import fmt_number
 
 _DTYPE_BYTES = {
@@ -110,15 +110,10 @@ def measure_folder(folder: str | os.PathLike) -> dict:
     return size
 
 
-def speed_card_entry(
-    original: str | os.PathLike, out: str | os.PathLike, text: str | os.PathLike, device: str | None = "auto"
-) -> dict | None:
-    """The card's speed entry: :func:`~hf_symmetry.evaluation.speed.compare_speed` of ``out`` against
-    ``original`` and the weight bytes of both folders (:func:`measure_folder`), with
-    ``bytes_ratio`` = out / original. None when the two models do not fit the device together."""
-    speed = compare_speed(original, out, text, device=device)
-    if speed is None:
-        return None
+def speed_card_entry(speed: SpeedComparison, original: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """The card's speed entry: the verification's timing of ``out`` against ``original``
+    (:class:`~hf_symmetry.evaluation.speed.SpeedComparison`) and the weight bytes of both folders
+    (:func:`measure_folder`), with ``bytes_ratio`` = out / original."""
     source, converted = measure_folder(resolve_model(original))["bytes"], measure_folder(out)["bytes"]
     return {**speed.as_dict(), "bytes": {"source": source, "converted": converted}, "bytes_ratio": converted / source}
 

@@ -28,7 +28,6 @@ from ...checkpoint_io import (
 from ...devices import linalg_device
 from ...flags import Flag, flag, nested
 from ...hub.cards import write_card
-from ...hub.entries import verify_and_record_folder
 from ...hub.lineage import public_report
 from ...modeling.modeling_tpa import LAYER_PREFIX as TPA_LAYER_PREFIX
 from ...modeling.modeling_tpa import TPAForCausalLM
@@ -44,9 +43,8 @@ from .target import check_ranks, heads, source_biases, tpa_config_from
 @dataclass(frozen=True)
 class ToTPAOptions:
     """What ``to-tpa`` converts to: the K and V ranks (None: the number of KV heads, exact); ``calibration``, the
-    calibration text whose first ``calibration.tokens`` tokens the reduction is fitted to; ``verify_text``: the shared
-    verification of the written folder on that text (``verify_tokens`` compared, ``ppl_tokens`` for
-    perplexity)."""
+    calibration text whose first ``calibration.tokens`` tokens the reduction is fitted to. (The written folder is
+    verified by the command, as every conversion's: ``commands/runner.py``.)"""
 
     k_rank: int | None = flag(None, "R_K (default: number of KV heads = exact)", type=int)
     v_rank: int | None = flag(None, "R_V (default: number of KV heads = exact)", type=int)
@@ -60,9 +58,6 @@ class ToTPAOptions:
         ),
         tokens=Flag(f"calibration tokens (default: {CalibrationText.tokens})", name="--calib-tokens", type=int),
     )
-    verify_text: str | Path | None = None
-    verify_tokens: int = 512
-    ppl_tokens: int = 2048
 
 
 def convert_checkpoint_to_tpa(
@@ -95,8 +90,6 @@ def convert_checkpoint_to_tpa(
     calibration = options.calibration
     if calibration is not None:
         resolve_text(calibration.text)  # a missing text fails before any work
-    if options.verify_text is not None:
-        resolve_text(options.verify_text)  # a missing text fails before any work
     reduced = k_rank < n_kv or v_rank < n_kv
     grams, calib_n = None, 0
     if calibration is not None:
@@ -129,10 +122,6 @@ def convert_checkpoint_to_tpa(
         report.seconds = time.time() - t0
         (tmp / "tpa_conversion.json").write_text(json.dumps(public_report(report.as_dict()), indent=2) + "\n")
         write_card(tmp, "to_tpa", tpa_card_data(src, out, report))
-    if options.verify_text is not None:  # the shared verification of every conversion, on the written folder
-        report.verification = verify_and_record_folder(
-            src, out, options.verify_text, options.verify_tokens, options.ppl_tokens, progress=progress
-        ).as_dict()
     return report
 
 
