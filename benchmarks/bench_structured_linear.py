@@ -1,15 +1,21 @@
 """Micro-benchmark of the structured linears (``hf_symmetry.modeling.structured_linear``) against a dense
 ``F.linear`` of the same shape, at SmolLM2-135M's shapes with every structure keeping 75% of the parameters
-(``compress --ratio 0.25``: the sizes ``compress`` plans, from ``solvers.structures``' ``sized``).
+(``compress --ratio 0.25``: the sizes ``compress`` plans, from ``solvers.structures``' ``sized``), the token
+embedding / tied head ``49152x576`` included (the compressed outputs structure it too).
 
 Per structure, shape, token count and thread count: dense and structured milliseconds, measured in
 interleaved rounds (dense, structured, dense, ...), and the median over rounds of the per-round ratio
 dense / structured (> 1: the structure is faster). Float32, random factors, inference mode. ``kron (old)``
-is the Kronecker forward before issue 47 (a permuted copy between its two matmuls), for comparison.
+is the Kronecker forward before issue 47 (a permuted copy between its two matmuls), ``gs (bmm)`` GS's one
+token through its batched matmuls (its path before issue 47's one-token path), for comparison.
+
+``--cold`` times each side over enough copies of the module to exceed the last-level cache (96 MB of dense
+weights), so that every call reads its weights from memory, as decoding a whole model does; without it the
+weights stay in cache and the figure is the per-call cost (eager only).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py \
         --out benchmarks/results/structured_linear.json
-    ... --threads 1 2 --tokens 1 8 256 512 --rounds 15 [--compile]
+    ... --threads 1 2 --tokens 1 8 256 512 --rounds 15 [--compile | --cold]
 
 The machine is shared: read the ratios (interleaved, medians), not the absolute times; the load average
 at the start and end is recorded.
@@ -19,8 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import math
 import os
+import sys
 import platform
 import statistics
 import time
@@ -30,27 +37,40 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hf_symmetry.modeling.structured_linear import KroneckerLinear, structured_linear
+from hf_symmetry.modeling.structured_linear import GSLinear, KroneckerLinear, structured_linear
 from hf_symmetry.solvers import structures as st
 
-#: SmolLM2-135M's decoder matrices ``(name, out, in, writer)``
-SHAPES = [("q/o 576x576", 576, 576, False), ("k/v 192x576", 192, 576, False), ("gate/up 1536x576", 1536, 576, False)]
-SHAPES += [("down 576x1536", 576, 1536, True)]
+#: SmolLM2-135M's matrices ``(name, out, in, role)``: a reader of the residual stream, a writer, the embedding
+SHAPES = [("q/o 576x576", 576, 576, "reader"), ("k/v 192x576", 192, 576, "reader")]
+SHAPES += [("gate/up 1536x576", 1536, 576, "reader"), ("down 576x1536", 576, 1536, "writer")]
+SHAPES += [("embed/head 49152x576", 49152, 576, "embedding")]
 KEEP = 0.75
+COLD_BYTES = 96e6
 
 
-def specs(out: int, inp: int, writer: bool) -> dict[str, dict]:
+def specs(out: int, inp: int, role: str) -> dict[str, dict]:
     """The config entry ``compress`` plans for each structure at this shape (readers' Kronecker ``A`` is
-    ``1 x q``, writers' ``q x 1``)."""
+    ``1 x q``, writers' ``q x 1``; an embedding's GS has one row block)."""
     q = st.Kron.plan_factor(576, KEEP, None)
     kron = (
-        st.Kron.sized((inp, out), KEEP, factor=q).transpose() if writer else st.Kron.sized((out, inp), KEEP, factor=q)
+        st.Kron.sized((inp, out), KEEP, factor=q).transpose()
+        if role == "writer"
+        else st.Kron.sized((out, inp), KEEP, factor=q)
     )
     return {
         "lowrank": st.LowRank.sized((out, inp), KEEP).entry(),
         "kron": kron.entry(),
-        "gs": st.GS.sized((out, inp), KEEP).entry(),
+        "gs": st.GS.sized((out, inp), KEEP, embedding=role == "embedding").entry(),
     }
+
+
+def bmm_gs_forward(self: GSLinear, x: torch.Tensor) -> torch.Tensor:
+    """GSLinear's batched-matmul path for any token count (one token's before issue 47's one-token path)."""
+    kl, kr, b = self.kl, self.kr, self.rank
+    xs = x.reshape(-1, kr, self.in_features // kr).transpose(0, 1)
+    N = xs.shape[1]
+    h = torch.bmm(xs, self.gs_right.mT).view(kr, N, kl, b).transpose(0, 2).reshape(kl, N, kr * b)
+    return torch.bmm(h, self.gs_left.mT).transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
 
 
 def old_kron_matmul(self: KroneckerLinear, x: torch.Tensor) -> torch.Tensor:
@@ -97,29 +117,47 @@ def measure(fn_dense, fn, x, rounds: int) -> dict:
     }
 
 
-def run(threads: list[int], tokens: list[int], rounds: int, compile_: bool) -> list[dict]:
+#: the comparison forwards, by case name: (the structure whose module they run, the forward)
+OLD = {"kron (old)": ("kron", old_kron_matmul), "gs (bmm)": ("gs", bmm_gs_forward)}
+
+
+def _sides(out: int, inp: int, name: str, spec: dict, copies: int, compile_: bool):
+    """(dense, structured) callables; with several copies each call runs through all of them."""
+    dense = [torch.nn.Linear(inp, out, bias=False).eval() for _ in range(copies)]
+    modules = [_module(out, inp, spec) for _ in range(copies)]
+    fns = [(lambda x, m=m: OLD[name][1](m, x)) if name in OLD else m for m in modules]
+    if compile_:
+        torch._dynamo.config.recompile_limit = 64  # one compilation per module and token count: none falls back
+        return torch.compile(dense[0], dynamic=False), torch.compile(fns[0], dynamic=False)
+    if copies == 1:
+        return dense[0], fns[0]
+    return (lambda x: [d(x) for d in dense]), (lambda x: [f(x) for f in fns])
+
+
+def run(threads: list[int], tokens: list[int], rounds: int, compile_: bool, cold: bool) -> list[dict]:
     rows = []
     for n_threads in threads:
         torch.set_num_threads(n_threads)
-        for shape, out, inp, writer in SHAPES:
-            dense = torch.nn.Linear(inp, out, bias=False).eval()
-            cases = dict(specs(out, inp, writer))
-            cases["kron (old)"] = cases["kron"]
+        for shape, out, inp, role in SHAPES:
+            copies = max(1, math.ceil(COLD_BYTES / (out * inp * 4))) if cold else 1
+            cases = dict(specs(out, inp, role))
+            cases.update({name: cases[kind] for name, (kind, _) in OLD.items()})
             for name, spec in cases.items():
-                module = _module(out, inp, spec)
-                fn = module if name != "kron (old)" else (lambda x, m=module: old_kron_matmul(m, x))
-                fd = dense
-                if compile_:
-                    fn, fd = torch.compile(fn, dynamic=False), torch.compile(dense, dynamic=False)
+                fd, fn = _sides(out, inp, name, spec, copies, compile_)
                 for n_tokens in tokens:
+                    if name == "gs (bmm)" and n_tokens > 1:
+                        continue  # GS's own path there
                     x = torch.randn(n_tokens, inp)
                     with torch.inference_mode():
                         row = measure(fd, fn, x, rounds)
+                    row["dense_ms"], row["structured_ms"] = (
+                        round(row[k] / copies, 4) for k in ("dense_ms", "structured_ms")
+                    )
                     row.update(threads=n_threads, shape=shape, structure=name, spec=spec, tokens=n_tokens)
-                    row["compiled"] = compile_
+                    row.update(compiled=compile_, copies=copies)
                     rows.append(row)
                     print(
-                        f"{n_threads}t {shape:18s} {name:11s} N={n_tokens:4d}: dense {row['dense_ms']:.3f} ms, "
+                        f"{n_threads}t {shape:20s} {name:11s} N={n_tokens:4d}: dense {row['dense_ms']:.3f} ms, "
                         f"structured {row['structured_ms']:.3f} ms, ratio {row['ratio']:.2f}",
                         flush=True,
                     )
@@ -132,10 +170,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 256, 512])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--compile", action="store_true", help="time torch.compile'd modules (both sides)")
+    p.add_argument("--cold", action="store_true", help="weights read from memory: copies beyond the cache (eager)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     load_start = Path("/proc/loadavg").read_text().split()[:3]
-    rows = run(args.threads, args.tokens, args.rounds, args.compile)
+    if args.cold and args.compile:
+        p.error("--cold times eager modules only")
+    rows = run(args.threads, args.tokens, args.rounds, args.compile, args.cold)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
@@ -147,6 +188,7 @@ def main(argv=None) -> int:
         "load_average_end": Path("/proc/loadavg").read_text().split()[:3],
         "dtype": "float32",
         "keep": KEEP,
+        "weights": "from memory (--cold)" if args.cold else "in cache",
         "rows": rows,
     }
     if args.out:
