@@ -1,5 +1,5 @@
 """Every conversion's card records the output's speed and bytes against its source, measured by the
-verification on the two models it loaded (hf_symmetry/evaluation/speed.py, verification.verify(speed=True),
+verification on the two models it loaded (hf_symmetry/evaluation/speed.py, verification.Verifier(speed=True),
 hub/measure.py: speed_card_entry); a deliberately slowed model is the negative control that the figures are
 timings, not constants, and timings of the very models the verification scored."""
 
@@ -99,7 +99,7 @@ def test_the_verification_times_the_models_it_loaded(tiny_dir, loads):
     until the second is loaded and let go before the second is scored (memory never holds two models and a
     perplexity's activations), and the slowed converted model (only the verification's own load is slowed)
     measures slower."""
-    v = verification.verify(tiny_dir, tiny_dir, tokens=16, ppl_tokens=0, device="cpu", progress=False, speed=True)
+    v = verification.Verifier(tokens=16, ppl_tokens=0, device="cpu", progress=False, speed=True).run(tiny_dir, tiny_dir)
     assert len(loads["models"]) == 2 and loads["first_alive"] is True and loads["first_alive_at_scoring"] is False
     assert v.speed is not None and v.speed.prefill_speedup < 1 and v.speed.decode_speedup < 1
     assert v.speed.decode_ms["converted"] >= 1e3 * SLEEP_S
@@ -113,8 +113,7 @@ def test_without_speed_one_model_at_a_time(tiny_dir, loads, monkeypatch, why):
     the first model is released before the second is loaded."""
     if why == "does not fit":
         monkeypatch.setattr(verification, "speed_device", lambda *a, **k: None)
-    v = verification.verify(
-        tiny_dir, tiny_dir, tokens=16, ppl_tokens=0, device="cpu", progress=False, speed=why == "does not fit"
-    )
+    verifier = verification.Verifier(tokens=16, ppl_tokens=0, device="cpu", progress=False, speed=why == "does not fit")
+    v = verifier.run(tiny_dir, tiny_dir)
     assert len(loads["models"]) == 2 and loads["first_alive"] is False and loads["first_alive_at_scoring"] is False
     assert v.speed is None and v.max_abs_dlogit == 0

@@ -16,7 +16,7 @@ from ..assets import resolve_model
 from ..checkpoint_io import TOKENIZER_FILES
 from ..devices import CALIB_DTYPES, DEVICE_CHOICES, parse_device, resolve
 from ..evaluation.perplexity import LOGIT_TOKENS, PPL
-from ..evaluation.verification import Verification, VerificationFailed, verify
+from ..evaluation.verification import Verification, VerificationFailed, Verifier
 from ..hub.cards import update_card
 from ..hub.entries import verification_card_entries
 from ..hub.measure import speed_card_entry, speed_sentence
@@ -198,21 +198,19 @@ def verify_output(
     args, original, out_dir, lines: list[str], names: tuple[str, str] = ("original", "converted"), against: str = ""
 ) -> Verified | None:
     """The one verification of every conversion (:meth:`.runner.Conversion.verify`), its first half: compare
-    ``out_dir`` with ``original`` on ``--text`` (:func:`hf_symmetry.evaluation.verification.verify`, which also
+    ``out_dir`` with ``original`` on ``--text`` (:class:`hf_symmetry.evaluation.verification.Verifier`, which also
     times the two models it loaded) and append the figures to ``lines``, formatted as the card formats them.
     None with ``--no-verify``. :func:`record_in_card` is the second half."""
     if getattr(args, "no_verify", False):
         return None
-    v = verify(
-        original,
-        out_dir,
+    v = Verifier(
         text=args.text,
         tokens=args.tokens,
         ppl_tokens=args.ppl_tokens,
         device=getattr(args, "device", "auto"),
         progress=not getattr(args, "quiet", False),
         speed=True,
-    )
+    ).run(original, out_dir)
     kind = "logit" if v.output_kind == "logits" else "hidden state"
     lines.append(f"  max |Δ{kind}|{against} over {v.tokens} tokens of {v.text}: {fmt_number(v.max_abs_dlogit)}")
     if v.hidden_cosine is not None:

@@ -166,49 +166,68 @@ def verify(
     device: str | DeviceRequest | None = "auto",
     trust_remote_code: bool | None = None,
     progress: bool = True,
-    speed: bool = False,
 ) -> Verification:
     """Compare ``converted`` with ``original`` on the first tokens of ``text``: max |Δlogit| over
     ``tokens`` tokens (hidden states and their mean cosine for encoders) and, for causal LMs,
     both perplexities over ``ppl_tokens`` tokens (:data:`PPL`'s window and stride; 0 skips).
-    The two models are loaded one after the other, so memory holds one model at a time; with ``speed``, where
-    the two fit the device together (:func:`~.speed.speed_device`), the original is kept until the converted model
-    is loaded, the two are timed against each other (``Verification.speed``: :mod:`.speed`; None when a figure is
-    not finite), and the original is let go before the converted model is scored."""
-    if tokens < 2 or ppl_tokens < 0:
-        raise ValueError(f"need --tokens >= 2 and --ppl-tokens >= 0; got {tokens} and {ppl_tokens}")
-    start = time.perf_counter()
-    tokenizer = load_tokenizer(original)
-    ids, path = _text_ids(tokenizer, text, max(tokens, ppl_tokens))
-    held = speed_device(original, converted, device) if speed else None  # both whole on it, or one at a time
-    results, kind, kept, timed = [], "logits", None, None
-    bar = tqdm(desc="verifying", total=4, disable=not progress, leave=False, unit="step")
-    try:
-        for which in (original, converted):
-            bar.set_postfix_str(f"loading {Path(str(which)).name}")
-            where = device if held is None else str(held)
-            model = load_for_eval(which, device=where, trust_remote_code=trust_remote_code)
-            bar.update(1)
-            if kept is not None:  # both loaded: timed, then the original goes before the converted model is scored
-                bar.set_postfix_str("timing both")
-                timed = compare_loaded((kept, model), _text_ids(tokenizer, text, PREFILL_TOKENS)[0], held)
-                kept = None
+    The two models are loaded one after the other, so memory holds one model at a time
+    (:class:`Verifier`, which also times the two where asked)."""
+    return Verifier(text, tokens, ppl_tokens, device, trust_remote_code, progress).run(original, converted)
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """How :func:`verify` compares two models (its keywords), and ``speed``: where the two fit the device together
+    (:func:`~.speed.speed_device`), the original is kept until the converted model is loaded, the two are timed
+    against each other (``Verification.speed``: :mod:`.speed`; None when a figure is not finite), and the original
+    is let go before the converted model is scored: one load of each model serves both (every conversion's
+    verification, ``commands/common.verify_output``)."""
+
+    text: str | os.PathLike = DEFAULT_TEXT
+    tokens: int = LOGIT_TOKENS
+    ppl_tokens: int = PPL.tokens
+    device: str | DeviceRequest | None = "auto"
+    trust_remote_code: bool | None = None
+    progress: bool = True
+    speed: bool = False
+
+    def run(self, original: str | os.PathLike, converted: str | os.PathLike) -> Verification:
+        """The :class:`Verification` of ``converted`` against ``original``."""
+        text, tokens, ppl_tokens = self.text, self.tokens, self.ppl_tokens
+        if tokens < 2 or ppl_tokens < 0:
+            raise ValueError(f"need --tokens >= 2 and --ppl-tokens >= 0; got {tokens} and {ppl_tokens}")
+        start = time.perf_counter()
+        tokenizer = load_tokenizer(original)
+        ids, path = _text_ids(tokenizer, text, max(tokens, ppl_tokens))
+        held = speed_device(original, converted, self.device) if self.speed else None  # both on it, or one at a time
+        results, kind, kept, timed = [], "logits", None, None
+        bar = tqdm(desc="verifying", total=4, disable=not self.progress, leave=False, unit="step")
+        try:
+            for which in (original, converted):
+                bar.set_postfix_str(f"loading {Path(str(which)).name}")
+                where = self.device if held is None else str(held)
+                model = load_for_eval(which, device=where, trust_remote_code=self.trust_remote_code)
+                bar.update(1)
+                if kept is not None:  # both loaded: timed, then the original goes before the converted is scored
+                    bar.set_postfix_str("timing both")
+                    timed = compare_loaded((kept, model), _text_ids(tokenizer, text, PREFILL_TOKENS)[0], held)
+                    kept = None
+                    gc.collect()
+                bar.set_postfix_str(f"scoring {Path(str(which)).name}")
+                out, kind, ppl = _score(model, ids, tokens, ppl_tokens, bar)
+                results.append((out, ppl))
+                if held is not None and len(results) == 1:
+                    kept = model
+                del model
                 gc.collect()
-            bar.set_postfix_str(f"scoring {Path(str(which)).name}")
-            out, kind, ppl = _score(model, ids, tokens, ppl_tokens, bar)
-            results.append((out, ppl))
-            if held is not None and len(results) == 1:
-                kept = model
-            del model
+        finally:
+            bar.close()
+            kept = None
             gc.collect()
-    finally:
-        bar.close()
-        kept = None
-        gc.collect()
-    v = _verification(results, kind, text, path)
-    v.speed = timed if v.failure() is None else None  # (a failed verification records no speed)
-    v.seconds = time.perf_counter() - start
-    return v
+        v = _verification(results, kind, text, path)
+        v.speed = timed if v.failure() is None else None  # (a failed verification records no speed)
+        v.seconds = time.perf_counter() - start
+        return v
 
 
 def _score(model, ids: torch.Tensor, tokens: int, ppl_tokens: int, bar) -> tuple[torch.Tensor, str, object]:
