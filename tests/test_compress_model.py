@@ -928,9 +928,8 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     """Defaults: stage W capped at 50 alternations, stopped by a relative decrease of 1e-3, with
     over-relaxation; stage F stops by the same rule, without it. ``--w-iters 1 --tol 0 --no-extrapolate``
     is the single alternation of the paper, and the card lists the settings that apply."""
-    from hf_symmetry.commands.compress import options_from_args
-
     from hf_symmetry.cli import build_parser
+    from hf_symmetry.flags import from_args
 
     solve_module = solve_mod
 
@@ -960,12 +959,13 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     assert params["w_iters"] == 50 and params["tol"] == 1e-3 and params["extrapolate"] is True
 
     parser = build_parser()
-    args = parser.parse_args(["compress", "m", "out", "--structure", "gs"])
-    assert (args.w_iters, args.tol, args.extrapolate) == (50, 1e-3, True)
-    old = options_from_args(
+    new = from_args(C.CompressOptions, parser.parse_args(["compress", "m", "out", "--structure", "gs"]))
+    assert (new.w_iters, new.stop_tol, new.extrapolate) == (50, 1e-3, True)
+    old = from_args(
+        C.CompressOptions,
         parser.parse_args(
             ["compress", "m", "out", "--structure", "gs", "--w-iters", "1", "--tol", "0", "--no-extrapolate"]
-        )
+        ),
     )
     assert (old.w_iters, old.stop_tol, old.extrapolate) == (1, 0.0, False)
 

@@ -12,16 +12,14 @@ from pathlib import Path
 from ..assets import resolve_model, resolve_text
 from ..checkpoint_io import CheckpointReader
 from ..conversion.compress import (
-    ALLOCATIONS,
     PRESETS,
-    STAGES,
-    STRUCTURES,
     CompressOptions,
     compress_checkpoint,
     record_verification,
 )
 from ..conversion.compress.pipeline import route_for
 from ..conversion.compress.stock import REMOTE_CODE, StockOptions
+from ..flags import add_flags, from_args
 from .common import (
     add_device_args,
     add_output_args,
@@ -32,14 +30,6 @@ from .common import (
 )
 from .inputs import CALIB_TOKENS_DEFAULT, check_text_tokens
 from .runner import Conversion, run_conversion
-
-
-def _blocks(text: str) -> tuple[int, int]:
-    try:
-        kl, kr = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--gs-blocks takes two integers KL,KR (e.g. 4,4), got {text!r}") from None
-    return kl, kr
 
 
 def register(sub) -> None:
@@ -75,15 +65,7 @@ def _add_method_args(p) -> None:
         "(default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("out", help="output folder")
-    p.add_argument(
-        "--structure",
-        choices=STRUCTURES,
-        default=None,
-        help="kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
-        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron). CPU speed (1 thread, 75%% of the "
-        "parameters): faster than dense from 8-token batches on 576x576 matrices and up; decoding one token, "
-        "lowrank and kron (from 576x576) about as fast or faster, gs slower up to 1536x576",
-    )
+    add_flags(p, CompressOptions, "structure")
     p.add_argument(
         "--preset",
         choices=PRESETS,
@@ -108,81 +90,21 @@ def _add_method_args(p) -> None:
 
 def _add_rotation_args(p) -> None:
     """The stage, the rotations and the structures' shapes."""
-    p.add_argument(
-        "--stage",
-        choices=STAGES,
-        default="w",
-        help="none: project without rotation; f: Frobenius-optimal rotations (Procrustes); "
-        "w: then calibration-weighted projections and rotations (default: w)",
-    )
-    p.add_argument(
-        "--q-mode",
-        choices=["segment", "global"],
-        default=None,
-        help="one rotation per residual segment (skip connections carry Q_prevᵀQ_next) or one "
-        "global rotation (no skip matrices) (default: segment; global for slice, whose per-segment "
-        "variant pays for dense skip matrices and measured worse)",
-    )
-    p.add_argument(
-        "--kron-factor",
-        type=int,
-        metavar="Q",
-        help="Kronecker split of the hidden dimension: A_s is 1xQ / Qx1 (default: chosen from the ratio)",
-    )
-    p.add_argument("--gs-blocks", metavar="KL,KR", help="GS tile grid of layer matrices (default: 4,4)")
-    p.add_argument("--keep-embeddings", action="store_true", help="leave the embedding (and head) dense")
-    p.add_argument("--compress-v", action="store_true", help="also compress v_proj (the paper keeps it dense)")
+    add_flags(p, CompressOptions, "stage", "q_mode", "kron_factor", "gs_blocks", "compress_embeddings", "dense_modules")
 
 
 def _add_solver_args(p) -> None:
     """How far the stages run, sequential calibration and the allocation of sizes."""
-    p.add_argument(
-        "--f-iters", type=int, default=20, help="stage F alternations at most (default: 20; --tol stops earlier)"
-    )
-    p.add_argument(
-        "--w-iters",
-        type=int,
-        default=50,
-        help="stage W alternations at most (default: 50, a cap: --tol stops it, usually after 10-25; "
-        "--w-iters 1 --tol 0 --no-extrapolate is the paper's single alternation)",
-    )
-    p.add_argument(
-        "--sequential",
-        action="store_true",
-        help="stage w (and slice): take each residual segment's statistics from the model whose "
-        "earlier segments are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass "
-        "of the original model; needs --q-mode segment (except low rank)",
-    )
-    p.add_argument(
-        "--no-match-original",
-        dest="match_original",
-        action="store_false",
-        help="with --sequential: fit each matrix's own outputs on the compressed model's inputs instead "
-        "of the original model's outputs and residual stream (GPTQ-style, the default)",
-    )
-    p.add_argument(
-        "--allocation",
-        choices=ALLOCATIONS,
-        default="uniform",
-        help="uniform: every compressed matrix of a kind at the same size; sensitivity: per-layer sizes "
-        "at the same total, from each layer's measured output error at several sizes on the "
-        "calibration text (a knapsack over layers; a layer may stay dense); for slice with one "
-        "global PCA, per-segment residual widths (default: uniform)",
-    )
-    p.add_argument(
-        "--tol",
-        type=float,
-        default=1e-3,
-        help="stage f/w stopping rule: stop alternating once one alternation lowers the objective by less "
-        "than this fraction (default: 1e-3; 0: exactly --f-iters / --w-iters alternations)",
-    )
-    p.add_argument(
-        "--no-extrapolate",
-        dest="extrapolate",
-        action="store_false",
-        help="stage w: no over-relaxation of the rotation between alternations (by default each "
-        "alternation also tries a longer step along the last rotation change and keeps it only if "
-        "the objective is lower; it reaches a lower objective in fewer alternations)",
+    add_flags(
+        p,
+        CompressOptions,
+        "f_iters",
+        "w_iters",
+        "sequential",
+        "match_original",
+        "allocation",
+        "stop_tol",
+        "extrapolate",
     )
 
 
@@ -213,39 +135,7 @@ def _add_stock_args(p) -> None:
 
 def _add_calibration_size_args(p) -> None:
     """How much calibration text is read, and in what batches."""
-    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens (default: 16384)")
-    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration batch (default: 512)")
-
-
-def options_from_args(args) -> CompressOptions:
-    chosen = dict(
-        structure=args.structure,
-        stage=args.stage,
-        q_mode=args.q_mode,
-        kron_factor=args.kron_factor,
-        gs_blocks=_blocks(args.gs_blocks) if args.gs_blocks else None,
-        f_iters=args.f_iters,
-        w_iters=args.w_iters,
-        calib_tokens=args.calib_tokens,
-        calib_seq_len=args.calib_seq_len,
-        sequential=args.sequential,
-        match_original=args.match_original,
-        allocation=args.allocation,
-        stop_tol=args.tol,
-        extrapolate=args.extrapolate,
-    )
-    if args.keep_embeddings:
-        chosen["compress_embeddings"] = False
-    if args.compress_v:
-        chosen["dense_modules"] = ()
-    chosen = {k: v for k, v in chosen.items() if v is not None}
-    if args.preset:
-        if args.ratio is not None:
-            raise ValueError(f"--ratio does not apply to --preset {args.preset} (it fixes each matrix's size)")
-        options = CompressOptions.preset(args.preset, **chosen)
-    else:
-        options = CompressOptions(**chosen, ratio=0.25 if args.ratio is None else args.ratio)
-    return options  # validated by compress_checkpoint, before any work
+    add_flags(p, CompressOptions, "calib_tokens", "calib_seq_len")
 
 
 def stock_from_args(args, options) -> StockOptions:
@@ -301,7 +191,13 @@ class Compress(Conversion):
 
     def check(self) -> None:
         args = self.args
-        self.options = options_from_args(args)
+        self.options = from_args(CompressOptions, args)  # the flags declared on CompressOptions
+        if args.preset:  # it fixes each matrix's size; the flags given change it
+            if args.ratio is not None:
+                raise ValueError(f"--ratio does not apply to --preset {args.preset} (it fixes each matrix's size)")
+            self.options = CompressOptions.preset(args.preset, **self.options.changes())
+        elif args.ratio is not None:
+            self.options = self.options.with_(ratio=args.ratio)
         self.options.validate()
         self.stock = stock_from_args(args, self.options)
         self.placement = placement_from_args(args)  # an unusable device fails before any work

@@ -7,10 +7,11 @@ that no step re-derives them from the flag combination."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
+from ...flags import flag
 from ...modeling.structured_linear import STRUCTURE_TYPES
 from ...solvers import structures as st
 from ...solvers.segments import Alternation
@@ -41,6 +42,19 @@ SEGMENT_OFFSET = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 1, "up": 1, "down": 2}
 #: the names reports and cards give three options (the ``--tol`` flag's, and the ones they have always had)
 REPORTED_AS = {"stop_tol": "tol", "wopp_stop_tol": "wopp_tol", "ratio_slack": "tolerance"}
 _ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len")
+#: the matrices the paper leaves dense (``--compress-v`` compresses them too)
+PAPER_DENSE = ("v",)
+
+
+def parse_gs_blocks(text: str | None) -> tuple[int, int] | None:
+    """``--gs-blocks KL,KR`` as ``(kl, kr)``."""
+    if text is None:
+        return None
+    try:
+        kl, kr = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--gs-blocks takes two integers KL,KR (e.g. 4,4), got {text!r}") from None
+    return kl, kr
 
 
 @dataclass(frozen=True)
@@ -50,32 +64,109 @@ class CompressOptions:
 
     ``q_mode`` ``None`` means the better default of the structure: one global rotation for SliceGPT
     (its per-segment variant pays for dense skip matrices and measured clearly worse), one rotation per
-    residual segment for the ProcrustesGPT classes (the paper)."""
+    residual segment for the ProcrustesGPT classes (the paper). A field with :func:`...flags.flag` is
+    ``compress``'s flag of that name (its help is the flag's)."""
 
-    structure: str = "kron"
-    ratio: float = 0.25
-    stage: str = "w"
-    q_mode: str | None = None
-    kron_factor: int | None = None  # q: A_s is 1 x q (readers) / q x 1 (writers); must divide d
-    gs_blocks: tuple[int, int] | None = None  # (kl, kr) tiles of layer matrices; embeddings use (1, kr)
-    compress_embeddings: bool = True
-    dense_modules: tuple[str, ...] = ("v",)  # the paper leaves V dense
-    f_iters: int = 20  # stage F alternations at most
-    w_iters: int = 50  # stage W alternations at most (a cap: ``stop_tol`` stops it)
+    structure: str = flag(
+        "kron",
+        "kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
+        "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron). CPU speed (1 thread, 75%% of the "
+        "parameters): faster than dense from 8-token batches on 576x576 matrices and up; decoding one token, "
+        "lowrank and kron (from 576x576) about as fast or faster, gs slower up to 1536x576",
+        choices=STRUCTURES,
+    )
+    ratio: float = 0.25  # (--ratio: hand-written, since a preset refuses it)
+    stage: str = flag(
+        "w",
+        "none: project without rotation; f: Frobenius-optimal rotations (Procrustes); "
+        "w: then calibration-weighted projections and rotations (default: w)",
+        choices=STAGES,
+    )
+    q_mode: str | None = flag(
+        None,
+        "one rotation per residual segment (skip connections carry Q_prevᵀQ_next) or one "
+        "global rotation (no skip matrices) (default: segment; global for slice, whose per-segment "
+        "variant pays for dense skip matrices and measured worse)",
+        choices=Q_MODES,
+    )
+    kron_factor: int | None = flag(  # q: A_s is 1 x q (readers) / q x 1 (writers); must divide d
+        None,
+        "Kronecker split of the hidden dimension: A_s is 1xQ / Qx1 (default: chosen from the ratio)",
+        type=int,
+        metavar="Q",
+    )
+    gs_blocks: tuple[int, int] | None = flag(  # (kl, kr) tiles of layer matrices; embeddings use (1, kr)
+        None, "GS tile grid of layer matrices (default: 4,4)", metavar="KL,KR", parse=parse_gs_blocks
+    )
+    compress_embeddings: bool = flag(
+        True,
+        "leave the embedding (and head) dense",
+        name="--keep-embeddings",
+        action="store_true",
+        unset=False,
+        parse=lambda keep: not keep,
+    )
+    dense_modules: tuple[str, ...] = flag(
+        PAPER_DENSE,
+        "also compress v_proj (the paper keeps it dense)",
+        name="--compress-v",
+        action="store_true",
+        unset=False,
+        parse=lambda compress_v: () if compress_v else PAPER_DENSE,
+    )
+    f_iters: int = flag(20, "stage F alternations at most (default: 20; --tol stops earlier)", type=int)
+    w_iters: int = flag(
+        50,
+        "stage W alternations at most (default: 50, a cap: --tol stops it, usually after 10-25; "
+        "--w-iters 1 --tol 0 --no-extrapolate is the paper's single alternation)",
+        type=int,
+    )
     als_iters: int = 5
     wopp_iters: int = 50
-    stop_tol: float = 1e-3  # stage F/W stop (--tol): relative decrease per alternation (0: fixed count)
-    extrapolate: bool = True  # stage W: over-relaxation of Q between alternations
+    stop_tol: float = flag(  # relative decrease per alternation (0: fixed count)
+        1e-3,
+        "stage f/w stopping rule: stop alternating once one alternation lowers the objective by less "
+        "than this fraction (default: 1e-3; 0: exactly --f-iters / --w-iters alternations)",
+        name="--tol",
+        type=float,
+    )
+    extrapolate: bool = flag(
+        True,
+        "stage w: no over-relaxation of the rotation between alternations (by default each "
+        "alternation also tries a longer step along the last rotation change and keeps it only if "
+        "the objective is lower; it reaches a lower objective in fewer alternations)",
+        name="--no-extrapolate",
+        action="store_false",
+    )
     wopp_stop_tol: float = 1e-9  # weighted Procrustes stop: gradient norm relative to its first
     solver_dtype: str = "float32"  # iterations in float32 (fast), final projections in float64
     damping: float = 0.01  # covariance damping, relative to the mean eigenvalue
     ratio_slack: float = 0.02  # largest |achieved ratio − ratio| accepted
-    calib_tokens: int = 16384
-    calib_seq_len: int = 512
-    sequential: bool = False  # statistics of the partly compressed model
-    match_original: bool = True  # sequential: target the original model's outputs and stream
+    calib_tokens: int = flag(16384, "calibration tokens (default: 16384)", type=int)
+    calib_seq_len: int = flag(512, "tokens per calibration batch (default: 512)", type=int)
+    sequential: bool = flag(
+        False,
+        "stage w (and slice): take each residual segment's statistics from the model whose "
+        "earlier segments are already compressed (as SliceGPT/GPTQ calibrate) instead of one pass "
+        "of the original model; needs --q-mode segment (except low rank)",
+        action="store_true",
+    )
+    match_original: bool = flag(
+        True,
+        "with --sequential: fit each matrix's own outputs on the compressed model's inputs instead "
+        "of the original model's outputs and residual stream (GPTQ-style, the default)",
+        name="--no-match-original",
+        action="store_false",
+    )
     matrix_keep: float | None = None  # fixed fraction kept per compressed matrix (presets), not ratio
-    allocation: str = "uniform"  # uniform | sensitivity (per-layer sizes, see .allocate)
+    allocation: str = flag(
+        "uniform",
+        "uniform: every compressed matrix of a kind at the same size; sensitivity: per-layer sizes "
+        "at the same total, from each layer's measured output error at several sizes on the "
+        "calibration text (a knapsack over layers; a layer may stay dense); for slice with one "
+        "global PCA, per-segment residual widths (default: uniform)",
+        choices=ALLOCATIONS,
+    )
 
     def __post_init__(self):
         if self.q_mode is None:
@@ -143,7 +234,7 @@ class CompressOptions:
         whole model, as the paper does."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        base = dict(compress_embeddings=False, dense_modules=("v",), matrix_keep=0.75, stage="w")
+        base = dict(compress_embeddings=False, dense_modules=PAPER_DENSE, matrix_keep=0.75, stage="w")
         return cls(**{**base, **overrides})
 
     # ------------------------------------------------------------------ what the flags mean
@@ -289,3 +380,7 @@ class CompressOptions:
 
     def with_(self, **changes) -> "CompressOptions":
         return replace(self, **changes)
+
+    def changes(self) -> dict:
+        """The fields whose value is not the default (what a preset is given on top of its own)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
