@@ -461,3 +461,34 @@ def test_the_other_processes_of_a_data_parallel_run_only_convert(tmp_path, capsy
         assert (tmp_path / "s.json").is_file()
     else:
         assert command.steps == ["check", "convert"] and printed == "" and not (tmp_path / "s.json").exists()
+
+
+def test_every_recipe_flag_reaches_the_options_of_the_run():
+    """heal's recipe flags are declared on HealOptions (hf_symmetry.flags): each one given a value other than its
+    default comes back in the job's options; fields without a flag keep their defaults (the negative control:
+    no flag sets them)."""
+    from dataclasses import fields
+
+    from hf_symmetry.cli import build_parser
+    from hf_symmetry.commands.heal import Heal
+    from hf_symmetry.flags import FLAG
+
+    argv = ["heal", "in", "out", "--teacher", "t", "--text", "a.txt", "--text", "b.txt", "--tokens", "4096"]
+    argv += ["--seq-len", "64", "--batch-size", "4", "--grad-accum", "2", "--full", "--lr", "0.01"]
+    argv += ["--warmup-steps", "3", "--temperature", "2", "--lm-weight", "0.25", "--teacher-cache", "--cache-k", "8"]
+    argv += ["--teacher-samples", "5", "--layer-loss-weight", "0.5", "--logit-chunk", "0", "--eval-steps", "7"]
+    argv += ["--save-steps", "9", "--seed", "11", "--no-verify"]
+    job = Heal(build_parser().parse_args(argv)).job()
+    assert job.train_texts == ["a.txt", "b.txt"] and job.eval_texts == []
+    expected = dict(tokens=4096, seq_len=64, batch_size=4, grad_accum=2, full=True, lr=0.01, warmup_steps=3)
+    expected |= dict(temperature=2.0, lm_weight=0.25, teacher_cache=True, cache_k=8, teacher_samples=5)
+    expected |= dict(layer_loss_weight=0.5, logit_chunk=0, eval_steps=7, save_steps=9, seed=11)
+    assert job.options == HealOptions(**expected)
+    default = HealOptions()
+    flagged = {f.name for f in fields(HealOptions) if FLAG in f.metadata}
+    unflagged = {f.name for f in fields(HealOptions)} - flagged
+    assert set(expected) | {"lora_rank", "teacher_sample_fraction"} == flagged
+    assert unflagged == {"weight_decay", "max_grad_norm", "validation_fraction"}
+    assert all(getattr(job.options, n) == getattr(default, n) for n in unflagged)
+    plain = Heal(build_parser().parse_args(["heal", "in", "out", "--teacher", "t", "--text", "a.txt"])).job()
+    assert plain.options == default and plain.eval_texts == ["britannica-eval"]

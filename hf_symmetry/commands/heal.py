@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from ..evaluation.perplexity import PPL
+from ..flags import add_flags, from_args
 from ..training import is_main_process
 from ..training.heal import HealJob, HealOptions, HealRun
 from .common import add_device_arg, add_output_args
@@ -36,7 +37,7 @@ def register(sub) -> None:
     _add_loss(p)
     _add_run(p)
     _add_heldout(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of data order and adapter initialisation (default: 0)")
+    add_flags(p, HealOptions, "seed")
     add_output_args(p)
     p.set_defaults(func=run)
 
@@ -64,89 +65,22 @@ def _add_inputs(p) -> None:
 
 def _add_budget(p) -> None:
     """The token budget, the batches, LoRA or full fine-tuning, the learning rate and its warmup."""
-    p.add_argument(  # (the training budget: everywhere else --tokens counts the verification's tokens)
-        "--tokens",
-        dest="train_tokens",
-        metavar="TOKENS",
-        type=int,
-        default=262_144,
-        help="training tokens the optimizer sees, over all epochs (default: 262144)",
-    )
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (default: 512)")
-    p.add_argument(
-        "--batch-size", type=int, default=8, help="sequences per optimizer step, over all processes (default: 8)"
-    )
-    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: 1)")
-    how = p.add_mutually_exclusive_group()
-    how.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (default: 16)")
-    how.add_argument("--full", action="store_true", help="fine-tune every weight instead of LoRA adapters")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3 LoRA, 2e-5 --full)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: 5%% of the steps)")
+    # (--tokens is the training budget here: everywhere else it counts the verification's tokens)
+    add_flags(p, HealOptions, "tokens", "seq_len", "batch_size", "grad_accum")
+    add_flags(p.add_mutually_exclusive_group(), HealOptions, "lora_rank", "full")
+    add_flags(p, HealOptions, "lr", "warmup_steps")
 
 
 def _add_loss(p) -> None:
     """The distillation loss: temperature, LM weight, the teacher's cache and samples, layer targets, chunks."""
-    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature (default: 1)")
-    p.add_argument(
-        "--lm-weight",
-        type=float,
-        default=0.0,
-        help="weight λ of the plain LM loss: loss = (1-λ) KD + λ LM (default: 0, pure distillation)",
-    )
-    p.add_argument(
-        "--teacher-cache",
-        action="store_true",
-        help="run the teacher once and keep its top-k logits on disk (safetensors), reused every epoch "
-        "and on --resume, instead of running it alongside the student",
-    )
-    p.add_argument("--cache-k", type=int, default=64, help="logits kept per position by --teacher-cache (default: 64)")
-    samples = p.add_mutually_exclusive_group()
-    samples.add_argument(
-        "--teacher-sample-fraction",
-        type=float,
-        default=None,
-        metavar="F",
-        help="share of the tokens/seq-len training sequences sampled from the teacher itself instead of read "
-        "from --text (data-free distillation; stated on the card), generated in batches on the teacher's "
-        "device, deterministic for --seed, cached under the hf_symmetry cache and reused while the teacher "
-        "is unchanged (default: 0.5, HealOptions' default; 0: --text only)",
-    )
-    samples.add_argument(
-        "--teacher-samples",
-        type=int,
-        default=None,
-        metavar="N",
-        help="exactly N sequences sampled from the teacher instead of the fraction (0: none)",
-    )
-    p.add_argument(
-        "--layer-loss-weight",
-        type=float,
-        default=0.0,
-        metavar="W",
-        help="also distil every decoder layer's output state through the conversion's layer map "
-        "(layer_map.safetensors: identity for TPA/FaRR, the residual rotation cut to the kept width for "
-        "compress), relative squared error per position, weighted by W (default: 0, logits only); "
-        "a student without a map is distilled on the logits only",
-    )
-    p.add_argument(
-        "--logit-chunk",
-        type=int,
-        default=2048,
-        metavar="N",
-        help="form the student's and teacher's logits, the KL and the LM loss N positions at a time "
-        "(no [batch, seq, vocab] logits; same loss and gradients); 0: all at once (default: 2048)",
-    )
+    add_flags(p, HealOptions, "temperature", "lm_weight", "teacher_cache", "cache_k")
+    add_flags(p.add_mutually_exclusive_group(), HealOptions, "teacher_sample_fraction", "teacher_samples")
+    add_flags(p, HealOptions, "layer_loss_weight", "logit_chunk")
 
 
 def _add_run(p) -> None:
     """How the run goes: held-out loss and checkpoints, resuming, devices, the adapter alone."""
-    p.add_argument("--eval-steps", type=int, default=None, help="held-out KD loss every N steps (default: at the end)")
-    p.add_argument(
-        "--save-steps",
-        type=int,
-        default=None,
-        help="checkpoint every N steps (default: every 10%% of the steps, at most every 25)",
-    )
+    add_flags(p, HealOptions, "eval_steps", "save_steps")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run kept in OUT.heal-run/")
     add_device_arg(p, "; under accelerate/torchrun each process uses its own GPU")
     p.add_argument("--teacher-device", default=None, help="run the teacher on another device (default: the student's)")
@@ -200,8 +134,29 @@ class Heal(Conversion):
     def inputs(self) -> list:
         return [self.args.model, self.args.teacher]
 
+    def job(self) -> HealJob:
+        """What the run is asked to do: the recipe from its flags (declared on :class:`HealOptions`), the rest
+        from the command's own flags."""
+        args = self.args
+        eval_texts = [] if (args.no_verify or args.eval_tokens == 0) else (args.eval_text or ["britannica-eval"])
+        return HealJob(
+            args.model,
+            args.out,
+            args.teacher,
+            args.train_text,
+            from_args(HealOptions, args),
+            overwrite=args.overwrite,
+            resume=args.resume,
+            progress=not args.quiet,
+            device=args.device,
+            teacher_device=args.teacher_device,
+            save_adapter=args.save_adapter,
+            eval_texts=eval_texts,
+            eval_tokens=args.eval_tokens,
+        )
+
     def convert(self):
-        self.run = HealRun(job_from_args(self.args))
+        self.run = HealRun(self.job())
         return self.run.train(), []
 
     def verify(self, report, lines: list[str]) -> bool:
@@ -212,47 +167,6 @@ class Heal(Conversion):
 
     def summary(self, report) -> dict:
         return report.as_dict()
-
-
-def job_from_args(args) -> HealJob:
-    """The :class:`~hf_symmetry.training.heal.HealJob` of ``heal``'s parsed arguments."""
-    options = HealOptions(
-        tokens=args.train_tokens,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lora_rank=args.lora_rank,
-        full=args.full,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        temperature=args.temperature,
-        lm_weight=args.lm_weight,
-        teacher_cache=args.teacher_cache,
-        cache_k=args.cache_k,
-        teacher_samples=args.teacher_samples,
-        **({} if args.teacher_sample_fraction is None else {"teacher_sample_fraction": args.teacher_sample_fraction}),
-        layer_loss_weight=args.layer_loss_weight,
-        logit_chunk=args.logit_chunk,
-        eval_steps=args.eval_steps,
-        save_steps=args.save_steps,
-        seed=args.seed,
-    )
-    eval_texts = [] if (args.no_verify or args.eval_tokens == 0) else (args.eval_text or ["britannica-eval"])
-    return HealJob(
-        args.model,
-        args.out,
-        args.teacher,
-        args.train_text,
-        options,
-        overwrite=args.overwrite,
-        resume=args.resume,
-        progress=not args.quiet,
-        device=args.device,
-        teacher_device=args.teacher_device,
-        save_adapter=args.save_adapter,
-        eval_texts=eval_texts,
-        eval_tokens=args.eval_tokens,
-    )
 
 
 def summary_lines(r) -> list[str]:

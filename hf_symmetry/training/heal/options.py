@@ -10,33 +10,75 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...flags import flag
+
 
 @dataclass
 class HealOptions:
-    """Settings of one healing run (see ``hf-symmetry heal --help``)."""
+    """Settings of one healing run: the recipe. Each field that ``hf-symmetry heal`` sets declares its flag
+    (:func:`hf_symmetry.flags.flag`: the flag, its help, type and metavar, once)."""
 
-    tokens: int = 262_144  # training tokens the optimizer sees (all epochs)
-    seq_len: int = 512
-    batch_size: int = 8  # sequences per optimizer step (global, all processes)
-    grad_accum: int = 1
-    lora_rank: int = 16
-    full: bool = False
-    lr: float | None = None  # None: 1e-3 with LoRA (every measured recipe), 2e-5 for --full
-    warmup_steps: int | None = None
+    # the budget, the batches, LoRA or full fine-tuning, the learning rate and its warmup
+    tokens: int = flag(262_144, "training tokens the optimizer sees, over all epochs (default: 262144)", type=int)
+    seq_len: int = flag(512, "tokens per training sequence (default: 512)", type=int)
+    batch_size: int = flag(8, "sequences per optimizer step, over all processes (default: 8)", type=int)
+    grad_accum: int = flag(1, "gradient accumulation steps (default: 1)", type=int)
+    lora_rank: int = flag(16, "LoRA rank (default: 16)", type=int)
+    full: bool = flag(False, "fine-tune every weight instead of LoRA adapters", action="store_true")
+    lr: float | None = flag(None, "peak learning rate (default: 1e-3 LoRA, 2e-5 --full)", type=float)
+    warmup_steps: int | None = flag(None, "linear warmup steps (default: 5%% of the steps)", type=int)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    temperature: float = 1.0
-    lm_weight: float = 0.0
-    teacher_cache: bool = False
-    cache_k: int = 64
-    teacher_samples: int | None = None  # sequences sampled from the teacher; None: teacher_sample_fraction
-    teacher_sample_fraction: float = 0.5  # share of the tokens/seq_len training sequences (issue 30's recipe)
-    layer_loss_weight: float = 0.0  # weight of the per-layer state loss (layer map); 0: logits only
-    logit_chunk: int = 2048  # positions whose logits are formed at once (training.logit_loss); 0: all
+    # the distillation loss
+    temperature: float = flag(1.0, "distillation temperature (default: 1)", type=float)
+    lm_weight: float = flag(
+        0.0, "weight λ of the plain LM loss: loss = (1-λ) KD + λ LM (default: 0, pure distillation)", type=float
+    )
+    teacher_cache: bool = flag(
+        False,
+        "run the teacher once and keep its top-k logits on disk (safetensors), reused every epoch "
+        "and on --resume, instead of running it alongside the student",
+        action="store_true",
+    )
+    cache_k: int = flag(64, "logits kept per position by --teacher-cache (default: 64)", type=int)
+    teacher_samples: int | None = flag(  # None: teacher_sample_fraction
+        None,
+        "exactly N sequences sampled from the teacher instead of the fraction (0: none)",
+        type=int,
+        metavar="N",
+    )
+    teacher_sample_fraction: float = flag(  # (issue 30's recipe)
+        0.5,
+        "share of the tokens/seq-len training sequences sampled from the teacher itself instead of read "
+        "from --text (data-free distillation; stated on the card), generated in batches on the teacher's "
+        "device, deterministic for --seed, cached under the hf_symmetry cache and reused while the teacher "
+        "is unchanged (default: 0.5, HealOptions' default; 0: --text only)",
+        type=float,
+        metavar="F",
+    )
+    layer_loss_weight: float = flag(
+        0.0,
+        "also distil every decoder layer's output state through the conversion's layer map "
+        "(layer_map.safetensors: identity for TPA/FaRR, the residual rotation cut to the kept width for "
+        "compress), relative squared error per position, weighted by W (default: 0, logits only); "
+        "a student without a map is distilled on the logits only",
+        type=float,
+        metavar="W",
+    )
+    logit_chunk: int = flag(  # (training.logit_loss)
+        2048,
+        "form the student's and teacher's logits, the KL and the LM loss N positions at a time "
+        "(no [batch, seq, vocab] logits; same loss and gradients); 0: all at once (default: 2048)",
+        type=int,
+        metavar="N",
+    )
     validation_fraction: float = 0.05
-    eval_steps: int | None = None
-    save_steps: int | None = None  # None: every 10 % of the steps, at most every 25 steps
-    seed: int = 0
+    # the held-out loss and the checkpoints
+    eval_steps: int | None = flag(None, "held-out KD loss every N steps (default: at the end)", type=int)
+    save_steps: int | None = flag(
+        None, "checkpoint every N steps (default: every 10%% of the steps, at most every 25)", type=int
+    )
+    seed: int = flag(0, "seed of data order and adapter initialisation (default: 0)", type=int)
 
     @property
     def learning_rate(self) -> float:
