@@ -1,4 +1,4 @@
-"""The one driver of the conversion commands (rotate, match, merge, to-tpa, farr, compress, export-gguf).
+"""The one driver of the conversion commands (rotate, match, merge, to-tpa, farr, compress, export-gguf, heal).
 
 A command is one small :class:`Conversion` object made from its parsed arguments; :func:`run_conversion` drives
 every one the same way: start the clock, :meth:`~Conversion.check` (refusals before any work), the checks of OUT
