@@ -50,7 +50,8 @@ from .moments import (
 )
 from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
 from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
-from .pipeline import compress_checkpoint, compress_into, compress_model, compress_tensors, route_for
+from .core import compress_into
+from .pipeline import compress_checkpoint, compress_model, compress_tensors, route_for
 from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
 from .report import REPORT_FILE, CompressReport, record_verification
 from .routes import CompressRun, Route

@@ -207,17 +207,38 @@ _SKIP_TENSORS = {
 }
 
 
-def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_config=None) -> dict:
-    """Config dict of the ``hf_symmetry_compressed_llama`` model."""
+def structure_entries(plan: Plan, options: CompressOptions, source_model_type: str | None) -> dict:
+    """The config entries both compressed families read the same way: each module's structure (with its
+    bias), the skip connections and the ``compression`` record."""
     ms = plan.by_name()
 
     def entry(m: MatrixPlan) -> dict:
         return {**m.module_structure.entry(), "bias": m.bias}
 
-    layer_structures = [
-        {LAYER_MODULES[c][0].split(".")[1]: entry(m) for c, m in plan.layer_matrices(i).items()}
-        for i in range(plan.n_layers)
-    ]
+    return {
+        "skip_connections": plan.skip,
+        "layer_structures": [
+            {LAYER_MODULES[c][0].split(".")[1]: entry(m) for c, m in plan.layer_matrices(i).items()}
+            for i in range(plan.n_layers)
+        ],
+        "embed_structure": entry(ms["embed"]),
+        "lm_head_structure": entry(ms["lm_head"]) if "lm_head" in ms else None,
+        "compression": {
+            "method": options.method,
+            "label": options.label,
+            "structure": options.structure,
+            "stage": options.stage,
+            "q_mode": options.q_mode,
+            "ratio": options.ratio,
+            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
+            "ratio_over_model": plan.accounting["ratio_over_model"],
+            "source_model_type": source_model_type,
+        },
+    }
+
+
+def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_config=None) -> dict:
+    """Config dict of the ``hf_symmetry_compressed_llama`` model."""
     rope = getattr(hf_config, "rope_parameters", None) if hf_config is not None else config.get("rope_parameters")
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0))}
@@ -243,23 +264,9 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
         "pad_token_id": config.get("pad_token_id"),
         "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
         "rope_parameters": dict(rope),
-        "skip_connections": plan.skip,
         "lm_head": plan.lm_head,
         "qk_norm": L.qk_norm,
-        "layer_structures": layer_structures,
-        "embed_structure": entry(ms["embed"]),
-        "lm_head_structure": entry(ms["lm_head"]) if "lm_head" in ms else None,
-        "compression": {
-            "method": options.method,
-            "label": options.label,
-            "structure": options.structure,
-            "stage": options.stage,
-            "q_mode": options.q_mode,
-            "ratio": options.ratio,
-            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
-            "ratio_over_model": plan.accounting["ratio_over_model"],
-            "source_model_type": config.get("model_type"),
-        },
+        **structure_entries(plan, options, config.get("model_type")),
     }
     return new
 

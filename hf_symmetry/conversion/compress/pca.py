@@ -10,7 +10,7 @@ One global rotation and one width: :func:`slice_into` slices the tensors (norms 
 decoder centred first; every reader ``W Q′``, every writer ``Q′ᵀ W``, the embeddings ``E Q′``) and a
 :class:`SliceOutput` says only what is written: the source's own stock family (:mod:`.stock`) or the
 RMS-decoder family (:mod:`.layernorm_decoders.slice`). Per-segment rotations and widths are the
-compressed family's (:func:`.pipeline.compress_into`, its assembly), from the same :func:`pca_rotations`.
+compressed family's (:func:`.core.compress_into`, its assembly), from the same :func:`pca_rotations`.
 """
 
 from __future__ import annotations

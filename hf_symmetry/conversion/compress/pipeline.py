@@ -4,7 +4,6 @@ LayerNorm decoders in :mod:`.layernorm_decoders`)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,22 +12,16 @@ from transformers import AutoConfig
 
 from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
-from ...solvers.linalg import limit_threads
-from ..layer_map import LayerMap
 from ..remote_code import save_family_config
 from ..stream import DictSink, DictSource
-from .allocate import allocate_for
-from .allocate_widths import allocate_slice_for
-from .assemble import Assembler, build_model, compressed_config, config_object
-from .folded import read_folded
+from .assemble import build_model, config_object
+from .core import compress_into
 from .layernorm_decoders import LayerNormDecoders, compress_layer_norm_model, through_rms_decoder
-from .moments import CalibrationStats, one_pass_statistics, read_calibration
+from .moments import CalibrationStats, read_calibration
 from .options import CompressOptions
-from .pca import sequential_stream_pca
-from .plan import Plan, check_family, plan_for
-from .report import CompressReport, finish_folder, summarise_traces
+from .plan import Plan, plan_for
+from .report import CompressReport, finish_folder
 from .routes import CompressRun, CountingSink, Route, checkpoint_dtype
-from .solve import Kept, solve
 from .stock import REMOTE_CODE, StockOptions, StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
@@ -42,81 +35,6 @@ def compress_tensors(run: CompressRun) -> tuple[Tensors, dict, CompressReport]:
     sink = DictSink()
     new_config, report, _ = compress_into(replace(run, sink=sink))
     return dict(sink), new_config, report
-
-
-def compress_into(run: CompressRun) -> tuple[dict, CompressReport, LayerMap | None]:
-    """The whole pipeline on tensors, written into ``run.sink`` (a :class:`..stream.TensorSink`) as they are
-    assembled, layer by layer: (config dict, report, the layer map where every layer maps to the source,
-    else None). Calibration runs the layer-wise engine over ``run.source`` on ``run.placement``; ``run``
-    may hand in the statistics, the planned structures and the starting rotations (see :func:`.solve.solve`).
-    The norm-folded layers are read from the source as the steps need them."""
-    times = {}
-    t0 = time.perf_counter()
-    source, config, options = run.source, run.config, run.options
-    if run.plan is None:
-        plan, adapter = plan_for(source, config, options)
-        run = replace(run, plan=plan)
-    else:
-        adapter = check_family(config, source.keys())
-    if run.stats is None:  # measured as the solver reaches each segment where that is enough
-        run = replace(run, stats=one_pass_statistics(run, on_demand=True))
-    times["calibration"] = time.perf_counter() - t0
-    if options.allocation == "sensitivity" and run.plan.accounting.get("allocation") != "sensitivity":
-        t = time.perf_counter()
-        run = replace(run, plan=_allocated_plan(run))
-        times["allocation"] = time.perf_counter() - t
-    t1 = time.perf_counter()
-    plan = run.plan
-    # the solvers walk the segments in order (two layers at a time; sequential calibration holds its
-    # own copy of the layer it runs, so one is kept and a segment reaching into the next layer re-reads
-    # the previous one for its assembly); SliceGPT's PCA reads no weights
-    layers, globals_, gamma = read_folded(
-        source, adapter, source.keys(), plan.tied, lazy=True, keep=1 if options.slicing or options.sequential else 2
-    )
-    assembler = Assembler(plan, layers, globals_, gamma, run.dtype, run.sink)
-    new_config = compressed_config(config, plan, options, run.hf_config)
-    if options.solver == "pca-sequential":
-        calib = run.calibration()
-        rotations, stats = sequential_stream_pca(
-            source, config, calib.ids, calib.seq_len, plan.residual, run.placement, run.progress
-        )
-        run = replace(run, rotations=rotations, stats=stats)
-    elif options.sequential:
-        run.calibration()  # refused without calibration tokens, before any solve
-
-    with limit_threads(1):
-        # parts written as they are solved
-        res = solve(run, layers, globals_, Kept(run.dtype, assembler.segment_done, keep_stats=False))
-    times["solve"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    assembler.finish(res, run.progress)
-    times["assemble"] = time.perf_counter() - t2
-    layer_map = assembler.layer_map.map if assembler.layer_map.complete() else None  # heal's layer targets
-    report = CompressReport(
-        source="",
-        output=None,
-        family=plan.family,
-        options=options.as_dict(),
-        accounting=plan.accounting,
-        relative_errors=res.relative_errors,
-        objective=summarise_traces(res.traces),
-        calibration_tokens=run.stats.tokens if run.stats else 0,
-        seconds=times,
-        method=options.label,
-    )
-    return new_config, report, layer_map
-
-
-def _allocated_plan(run: CompressRun) -> Plan:
-    """``--allocation sensitivity``: the plan at the sizes measured per layer (SliceGPT: per segment), with
-    the allocation's report in its accounting."""
-    if run.options.slicing:
-        keep, allocation = allocate_slice_for(run)
-    else:
-        keep, allocation = allocate_for(run, run.stats.token_counts if run.stats is not None else None)
-    plan, _ = plan_for(run.source, run.config, run.options, keep=keep)
-    plan.accounting["allocation_report"] = allocation
-    return plan
 
 
 def compress_model(

@@ -26,7 +26,7 @@ from .report import CompressReport
 @dataclass(frozen=True)
 class CompressRun:
     """One compress conversion, everything its steps read (each route's tensor-level function:
-    :func:`.pipeline.compress_into`, SliceGPT's :func:`.pca.slice_into`,
+    :func:`.core.compress_into`, SliceGPT's :func:`.pca.slice_into`,
     :func:`.layernorm_decoders.structured_tensors`; the solvers, :func:`.solve.solve`): the ``source`` (a
     checkpoint reader or any tensor source) with its ``config`` dict (and ``hf_config``, its config object
     where there is one), the validated ``options``, the calibration token ids (``None`` where the method

@@ -3,11 +3,12 @@
 The centred model (:class:`.centred.CentredSource`: every writer mean-centred, each LayerNorm folded into
 its readers) is an RMS-decoder model whose residual stream any orthogonal ``Q`` rotates exactly, one
 global ``Q`` or one per residual segment (the skip connections then carry ``Q_prevᵀ Q_next``). From there
-the compressed family's own steps run unchanged on it: the plan's structures (:func:`..plan.structure_for`),
-calibration on the layer-wise engine (the centred model's normalised stream measured directly), the
-solvers (stage F / W, :func:`..solve.solve`) and the assembly of factors and rotations
-(:class:`..assemble.Assembler`, whose module names the RMS-decoder family shares). What the compressed
-family's plan does not know is added here: every linear keeps a dense bias (readers' biases unchanged,
+the compressed family's own pipeline runs on it as on any source (:func:`..core.compress_into`): the
+plan's structures (:func:`..plan.structure_for`), calibration on the layer-wise engine (the centred model's
+normalised stream measured directly), the solvers (stage F / W, :func:`..solve.solve`) and the assembly of
+factors and rotations (:class:`..assemble.Assembler`, whose module names the RMS-decoder family shares),
+written as the RMS-decoder family (:class:`RMSDecoderStructures`). What the compressed family's plan does
+not know is added here: every linear keeps a dense bias (readers' biases unchanged,
 writers' rotated with the stream), the learned position table stays dense and rotates with the
 embedding's segment, and the head (untied by the centring) keeps the final LayerNorm's β as its bias.
 
@@ -18,7 +19,6 @@ equal ratios mean equal total parameter counts."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import torch
@@ -26,11 +26,10 @@ import torch
 from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....solvers import structures as st
-from ....solvers.linalg import limit_threads
 from ...stream import TensorSource, partition_keys
-from ..assemble import Assembler
+from ..assemble import structure_entries
+from ..core import Output, compress_into
 from ..folded import FoldedLayers
-from ..moments import one_pass_statistics
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 from ..plan import (
     MatrixPlan,
@@ -42,9 +41,7 @@ from ..plan import (
     source_numels,
     structure_for,
 )
-from ..report import CompressReport, summarise_traces
 from ..routes import CompressRun
-from ..solve import Kept, solve
 from .centred import CentredSource
 
 Tensors = dict[str, torch.Tensor]
@@ -149,90 +146,59 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
 
 def structured_config(centred: CentredSource, plan: Plan, options: CompressOptions, source_config: dict) -> dict:
     """The RMS-decoder config of the compressed model: the centred model's, plus each module's structure."""
-    ms = plan.by_name()
-
-    def entry(m: MatrixPlan) -> dict:
-        return {**m.module_structure.entry(), "bias": m.bias}
-
-    cfg = dict(centred.config)
-    cfg.update(
-        layer_structures=[
-            {LAYER_MODULES[c][0].split(".")[1]: entry(m) for c, m in plan.layer_matrices(i).items()}
-            for i in range(plan.n_layers)
-        ],
-        embed_structure=entry(ms["embed"]),
-        lm_head_structure=entry(ms["lm_head"]),
-        skip_connections=plan.skip,
-        compression={
-            "method": options.method,
-            "label": options.label,
-            "structure": options.structure,
-            "stage": options.stage,
-            "q_mode": options.q_mode,
-            "ratio": options.ratio,
-            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
-            "ratio_over_model": plan.accounting["ratio_over_model"],
-            "source_model_type": source_config.get("model_type"),
-        },
-    )
+    cfg = {**centred.config, **structure_entries(plan, options, source_config.get("model_type"))}
     if source_config.get("dtype") or source_config.get("torch_dtype"):
         cfg["dtype"] = source_config.get("dtype") or source_config.get("torch_dtype")
     return cfg
 
 
+class RMSDecoderStructures(Output):
+    """What :func:`..core.compress_into` writes for the centred model of a LayerNorm decoder: the RMS-decoder
+    family (its config: :func:`structured_config`), the layers and globals read from the centred source (no
+    norm to fold), and what the plan's modules do not hold: the head's bias (the final LayerNorm's β) and
+    the position table, which writes segment 0 as the embedding does. Written at the end, not as each
+    segment is solved."""
+
+    streams = False
+
+    def __init__(self, centred: CentredSource, source_config: dict):
+        self.centred, self.source_config = centred, source_config
+
+    def read(self, run: CompressRun, plan: Plan):
+        writer = self.centred.writer
+        _, per_layer, _ = partition_keys(writer, self.centred.keys())
+        layers = FoldedLayers(self.centred, writer, per_layer)  # norm folding is a no-op: the norms have no weight
+        return layers, self.centred.globals(), torch.ones(plan.hidden, dtype=torch.float64)
+
+    def config(self, run: CompressRun, plan: Plan) -> dict:
+        return structured_config(self.centred, plan, run.options, self.source_config)
+
+    def finish(self, run: CompressRun, res, globals_) -> None:
+        extras = {"lm_head.bias": globals_["lm_head.bias"]}
+        if "pos0.weight" in globals_:  # the position table writes segment 0, as the embedding
+            extras["pos0.weight"] = globals_["pos0.weight"] @ res.Qs[0]
+        dtype = run.dtype
+        tensors = self.centred.writer.write_globals(extras, {"": dtype})
+        run.sink.add({k: v.to(dtype).contiguous() for k, v in tensors.items()})
+
+    def method(self, run: CompressRun) -> str:
+        return f"{run.options.label}, centred into the RMS-decoder family"
+
+
 def structured_tensors(run: CompressRun):
-    """The whole route of ``run`` (a :class:`..routes.CompressRun`) on tensors into ``run.sink`` (a
-    :class:`...stream.TensorSink`, in ``run.dtype``): (RMS-decoder config dict, report). ``run`` may hand in
-    the planned structures, the measured statistics and the starting rotations, as in
-    :func:`..pipeline.compress_tensors`."""
-    times = {}
-    t0 = time.perf_counter()
-    source, config, options, sink, dtype, progress = (
-        run.source,
-        run.config,
-        run.options,
-        run.sink,
-        run.dtype,
-        run.progress,
-    )
+    """The whole route of ``run`` (a :class:`..routes.CompressRun`) into ``run.sink`` (in ``run.dtype``):
+    (RMS-decoder config dict, report). The centred model (:class:`.centred.CentredSource`) goes through the
+    compressed family's pipeline (:func:`..core.compress_into`) with this route's plan
+    (:func:`plan_structured`) and output (:class:`RMSDecoderStructures`); ``run`` may hand in the planned
+    structures, the measured statistics and the starting rotations, as there."""
+    source, config = run.source, run.config
     centred = CentredSource(source, config)
-    run = replace(run, source=centred, config=centred.config)  # the steps below read the centred model
-    plan, stats = run.plan, run.stats
+    plan = run.plan
     if plan is None:
-        plan = plan_structured(centred, source_numels(source, source.keys(), centred.adapter.tied_embeddings), options)
-    if stats is None:
-        stats = one_pass_statistics(run)
-    run = replace(run, plan=plan, stats=stats)
-    times["calibration"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    writer = centred.writer
-    _, per_layer, _ = partition_keys(writer, centred.keys())
-    layers = FoldedLayers(centred, writer, per_layer)  # norm folding is a no-op: the norms have no weight
-    globals_ = centred.globals()
-    with limit_threads(1):
-        res = solve(run, layers, globals_, Kept(keep_stats=False))
-    times["solve"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    d = plan.hidden
-    Assembler(plan, layers, globals_, torch.ones(d, dtype=torch.float64), dtype, sink).finish(res, progress)
-    extras = {"lm_head.bias": globals_["lm_head.bias"]}
-    if "pos0.weight" in globals_:  # the position table writes segment 0, as the embedding
-        extras["pos0.weight"] = globals_["pos0.weight"] @ res.Qs[0]
-    sink.add({k: v.to(dtype).contiguous() for k, v in writer.write_globals(extras, {"": dtype}).items()})
-    times["assemble"] = time.perf_counter() - t2
-    new_config = structured_config(centred, plan, options, config)
-    report = CompressReport(
-        source="",
-        output=None,
-        family=centred.adapter.family,
-        options=options.as_dict(),
-        accounting=plan.accounting,
-        relative_errors=res.relative_errors,
-        objective=summarise_traces(res.traces),
-        calibration_tokens=stats.tokens if stats else 0,
-        seconds=times,
-        method=f"{options.label}, centred into the RMS-decoder family",
-    )
+        dense_total = source_numels(source, source.keys(), centred.adapter.tied_embeddings)
+        plan = plan_structured(centred, dense_total, run.options)
+    centred_run = replace(run, source=centred, config=centred.config, plan=plan)
+    new_config, report, _ = compress_into(centred_run, RMSDecoderStructures(centred, config))
     return new_config, report
 
 
