@@ -97,3 +97,40 @@ def test_to_tpa_builds_its_options_from_the_declared_flags():
     assert from_args(ToTPAOptions, args) == ToTPAOptions(k_rank=2, calibration=CalibrationText("c.txt", 96))
     args = build_parser().parse_args(["to-tpa", "m", "o", "--v-rank", "1"])
     assert from_args(ToTPAOptions, args) == ToTPAOptions(v_rank=1)
+
+
+def test_rotate_farr_and_match_build_their_options_from_the_declared_flags():
+    """The options each command builds are those the flags say (each field once), preset filled in for rotate."""
+    from hf_symmetry.cli import build_parser
+    from hf_symmetry.commands.rotate import resolve_quantization_preset, rotate_options
+    from hf_symmetry.conversion.farr import FarrOptions
+    from hf_symmetry.conversion.match.options import MatchOptions
+    from hf_symmetry.conversion.rotate import RotateOptions
+
+    argv = [
+        "rotate",
+        "m",
+        "o",
+        "--for-quantization",
+        "--hold-out",
+        "1,3",
+        "--pow2-scales",
+        "--calibration-tokens",
+        "64",
+    ]
+    args = build_parser().parse_args(argv)
+    resolve_quantization_preset(args)
+    assert rotate_options(args) == RotateOptions(
+        residual="hadamard", for_quantization=True, hold_out=(1, 3), scales_pow2=True, calibration_tokens=64
+    )
+    args = build_parser().parse_args(["rotate", "m", "o", "--no-ffn", "--heads", "qk", "--seed", "5"])
+    resolve_quantization_preset(args)
+    assert rotate_options(args) == RotateOptions(ffn=False, heads="qk", seed=5)
+    args = build_parser().parse_args(["match", "a", "b", "o", "--no-ffn", "--residual", "--residual-iters", "2"])
+    assert from_args(MatchOptions, args) == MatchOptions(ffn=False, residual=True, residual_iters=2)
+    args = build_parser().parse_args(["merge", "a", "b", "o", "--method", "average", "--heads", "vo", "--no-ffn"])
+    assert changed_flags(MatchOptions, args) == ["--heads", "--no-ffn"]
+    args = build_parser().parse_args(["farr", "m", "o", "--tau", "0.9", "--qk"])
+    assert from_args(FarrOptions, args, vo=args.vo or not args.qk) == FarrOptions(tau=0.9, vo=False, qk=True)
+    with pytest.raises(SystemExit):  # --tau and --params-fraction: one of them, exactly
+        build_parser().parse_args(["farr", "m", "o", "--tau", "0.9", "--params-fraction", "0.5"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..assets import resolve_model
 from ..calibration import CalibrationText
 from ..conversion.farr import FarrOptions, farr_checkpoint
+from ..flags import add_flags, from_args
 from ..hub.values import fmt_number
 from ..text import public_text_label
 from .common import (
@@ -43,27 +44,8 @@ def register(sub) -> None:
     )
     p.add_argument("model", help="HF model folder or embedded alias (default, smollm2, minilm)")
     p.add_argument("out", help="output folder")
-    how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument(
-        "--tau",
-        type=float,
-        help="energy threshold in (0, 1]: each KV group keeps the fewest singular directions holding "
-        "a fraction τ of its fused map's Σσ²; each layer takes the largest rank of its groups",
-    )
-    how.add_argument(
-        "--params-fraction",
-        type=float,
-        help="fraction in (0, 1] of the parameters of the projections FaRR rewrites (v_proj+o_proj "
-        "for --vo, q_proj+k_proj for --qk, weights and biases, all layers) that the result keeps; "
-        "spent greedily across layers on the most energy per parameter",
-    )
-    p.add_argument("--vo", action="store_true", help="reduce the value/output path (the default when --qk is absent)")
-    p.add_argument(
-        "--qk",
-        action="store_true",
-        help="reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa, "
-        "and SmolLM3's NoPE layers, while its RoPE layers keep their query/key heads)",
-    )
+    add_flags(p.add_mutually_exclusive_group(required=True), FarrOptions, "tau", "params_fraction")
+    add_flags(p, FarrOptions, "vo", "qk")
     p.add_argument(
         "--calibrate",
         metavar="TEXT",
@@ -93,9 +75,7 @@ class Farr(Conversion):
     def check(self) -> None:
         args = self.args
         self.placement = placement_from_args(args)  # an unusable device fails before any work
-        self.options = FarrOptions(
-            tau=args.tau, params_fraction=args.params_fraction, vo=args.vo or not args.qk, qk=args.qk
-        )
+        self.options = from_args(FarrOptions, args, vo=args.vo or not args.qk)
         self.options.validate()
         check_verify_args(args, args.model)
         self.original = resolve_model(args.model)

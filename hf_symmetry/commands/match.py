@@ -3,13 +3,12 @@ ANCHOR (same function as SOURCE), ready for averaging-style merges."""
 
 from __future__ import annotations
 
-import argparse
-
 from ..assets import resolve_model
 from ..hub.values import fmt_number
 from ..conversion.match.on_disk import match_checkpoint
 from ..conversion.match.checks import vocabulary_fingerprint
 from ..conversion.match.options import MatchOptions
+from ..flags import add_flags, from_args
 from .common import (
     add_output_args,
     add_push_args,
@@ -19,41 +18,6 @@ from .common import (
 from .runner import Conversion, run_conversion
 
 
-def add_match_args(p, residual_help: str = "") -> None:
-    """Matching options shared by ``match`` and ``merge --match``."""
-    p.add_argument(
-        "--heads",
-        choices=["auto", "both", "qk", "vo", "none"],
-        default="auto",
-        help="per-KV-group head rotations to match (default auto: QK and VO, VO only under QK-norm)",
-    )
-    p.add_argument(
-        "--ffn",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="match FFN neurons by linear assignment (default: on)",
-    )
-    p.add_argument("--scaling", action="store_true", help="also match per-group QK and VO scalings (quartic)")
-    p.add_argument(
-        "--residual",
-        action="store_true",
-        help="also match the residual stream by Procrustes after norm fusion (RMSNorm families; "
-        "norm weights become 1 and tied embeddings are untied)" + residual_help,
-    )
-    p.add_argument(
-        "--residual-iters",
-        type=int,
-        default=0,
-        help="refinement passes for the residual rotation over every weight (default 0: embeddings and LM head only)",
-    )
-
-
-def match_options(args) -> MatchOptions:
-    return MatchOptions(
-        heads=args.heads, ffn=args.ffn, scaling=args.scaling, residual=args.residual, residual_iters=args.residual_iters
-    )
-
-
 def register(sub) -> None:
     p = sub.add_parser(
         "match", help="align SOURCE to ANCHOR inside its symmetry orbit (same function as SOURCE)", description=__doc__
@@ -61,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("anchor", help="reference model folder (or embedded alias); left unchanged")
     p.add_argument("source", help="model folder to align; the output computes its function")
     p.add_argument("out", help="output folder")
-    add_match_args(p)
+    add_flags(p, MatchOptions)
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (default: 2GB)")
     add_verify_args(p, "SOURCE")
     add_output_args(p)
@@ -92,7 +56,7 @@ class Match(Conversion):
             anchor,
             source,
             args.out,
-            match_options(args),
+            from_args(MatchOptions, args),
             overwrite=args.overwrite,
             max_shard_size=args.max_shard_size,
             progress=not args.quiet,

@@ -5,12 +5,15 @@ input to an anchor first. The methods, their flags and the help naming them come
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
+from ..conversion.match.options import MatchOptions
 from ..conversion.merge.evaluate import evaluate_merge
 from ..conversion.merge.methods import MERGE_METHODS, METHOD_ALIASES, method_parameters
 from ..conversion.merge.on_disk import merge_checkpoints
 from ..conversion.merge.recipe import DTYPES, load_recipe, recipe_from_dict
 from ..evaluation.verification import VerificationFailed, non_finite
+from ..flags import add_flags, changed_flags, from_args
 from ..hub.values import fmt_number
 from .common import (
     add_device_args,
@@ -21,7 +24,6 @@ from .common import (
     emit,
     placement_from_args,
 )
-from .match import add_match_args
 from .runner import Conversion, run_conversion
 
 
@@ -81,7 +83,7 @@ def register(sub) -> None:
         help=f"merge method when no recipe is given ({aliases})",
     )
     p.add_argument("--match", action="store_true", help="match every input to the anchor before merging")
-    add_match_args(p)
+    add_flags(p, MatchOptions)
     needs_base = " and ".join(_names(lambda m: m.needs_base))
     p.add_argument("--base", help=f"base model (required by {needs_base}; the matching anchor)")
     p.add_argument(
@@ -120,17 +122,7 @@ def recipe_from_args(args):
             raise ValueError(f"{', '.join(given)} cannot be combined with a recipe file; put them in the recipe")
         return load_recipe(args.inputs[0]), args.inputs[1]
     *models, out = args.inputs
-    stray = [
-        flag
-        for flag, on in (
-            ("--heads", args.heads != "auto"),
-            ("--no-ffn", not args.ffn),
-            ("--scaling", args.scaling),
-            ("--residual", args.residual),
-            ("--residual-iters", args.residual_iters != 0),
-        )
-        if on
-    ]
+    stray = changed_flags(MatchOptions, args)
     if stray and not args.match:
         raise ValueError(f"{', '.join(stray)} only apply with --match")
     if args.weights is not None and len(args.weights) != len(models):
@@ -146,13 +138,7 @@ def recipe_from_args(args):
     if args.base:
         raw["base_model"] = args.base
     if args.match:
-        raw["match"] = {
-            "heads": args.heads,
-            "ffn": args.ffn,
-            "scaling": args.scaling,
-            "residual": args.residual,
-            "residual_iters": args.residual_iters,
-        }
+        raw["match"] = asdict(from_args(MatchOptions, args))
     calib = {k: v for k, v in (("text", args.calib_text), ("tokens", args.calib_tokens)) if v is not None}
     if calib:
         raw["calibration"] = calib

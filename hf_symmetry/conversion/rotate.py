@@ -11,6 +11,7 @@ RMS-decoder family (:mod:`hf_symmetry.modeling.modeling_rms_decoder`), saved wit
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from ..checkpoint_io import (
     parse_size,
     write_config,
 )
+from ..flags import flag
 from ..hub.cards import write_card
 from ..symmetry import actions, groups
 from .quantization.imatrix import write_imatrix
@@ -52,36 +54,119 @@ Tensors = dict[str, torch.Tensor]
 _RESIDUAL, _QK, _VO, _QK_SCALE, _VO_SCALE, _FFN = range(6)
 
 
+def channel_list(text: str) -> tuple[int, ...]:
+    """``--hold-out``'s ``I,J,...`` as channel indices."""
+    return tuple(int(c) for c in text.split(",") if c.strip())
+
+
 @dataclass(frozen=True)
 class RotateOptions:
-    residual: Literal["none", "hadamard", "random"] = "hadamard"
-    heads: Literal["none", "qk", "vo", "random"] = "random"  # random = qk and vo
-    ffn: bool = True
-    scaling: bool = False
-    seed: int = 0
+    """What ``rotate`` applies, each field with its flag (:mod:`hf_symmetry.flags`). Where the command leaves a
+    flag unset (None), ``commands/rotate.resolve_quantization_preset`` fills it before the options are built."""
+
+    residual: Literal["none", "hadamard", "random"] = flag(
+        "hadamard",
+        "residual-stream rotation after norm fusion (pre-norm RMSNorm families stay stock; LayerNorm "
+        "decoders are mean-centred into the hf_symmetry_rms_decoder family; default: hadamard, none with "
+        "--for-quantization)",
+        choices=["none", "hadamard", "random"],
+        unset=None,
+    )
+    heads: Literal["none", "qk", "vo", "random"] = flag(  # random = qk and vo
+        "random",
+        "per-KV-group head rotations: QK (inside the RoPE commutant), VO, or both (default)",
+        choices=["none", "qk", "vo", "random"],
+    )
+    ffn: bool = flag(True, "randomly permute FFN neurons (default: on)", action=argparse.BooleanOptionalAction)
+    scaling: bool = flag(False, "also apply random per-group QK and VO scalings", action="store_true")
+    seed: int = flag(0, type=int)
     # --for-quantization: residual rotation (Hadamard, or learned against ``learn``'s quantizer grid),
     # per-head V/O Hadamards and the exact column scalings of :mod:`.quantization.rotation`; ``heads``/``ffn``/
     # ``scaling`` are then ignored (QK rotations, permutations and row scalings cannot change the error
     # of a row-grouped weight quantizer)
-    for_quantization: bool = False
-    learn: str | None = None  # e.g. "Q4_0": learn the residual rotation against that quantizer
-    learn_iterations: int = 8
-    balance_alpha: float = 1.0
-    hold_out: tuple[int, ...] = ()  # residual channels the Hadamard leaves alone (massive activations)
+    for_quantization: bool = flag(
+        False,
+        "write a stock checkpoint that loses less under low-bit weight quantization, exact in float. "
+        "Default preset: AWQ-style exact scales searched against --scales (default Q4_0) on "
+        "--calibration-text; no rotation. "
+        "QuaRot-style: --residual hadamard --vo-hadamard --scales none (on SmolLM2 that quantizes worse "
+        "than the original; docs/quantization.md). --heads/--ffn/--scaling are ignored. Which pipeline it helps: "
+        "quantization WITHOUT an importance matrix (SmolLM2 through llama.cpp: Q4_0 0.58x, Q4_K_M 0.67x the "
+        "original's loss; --target gguf-imatrix --scales Q4_K_M 0.59x and 0.47x); with llama-quantize --imatrix "
+        "the original quantized better (the default preset 1.56x at Q4_K_M, 1.20x at Q3_K_M) and --target "
+        "gguf-imatrix only broke even (0.95x, 1.08x): with an imatrix, quantize the original",
+        action="store_true",
+    )
+    learn: str | None = flag(
+        None,
+        "with --for-quantization: learn the residual rotation against this weight quantizer "
+        "(Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 through gguf; hqq<bits>g<group>[-rtn] through hqq; "
+        "bnb-nf4, bnb-fp4 through bitsandbytes), "
+        "from the randomised Hadamard",
+        metavar="QTYPE",
+    )
+    learn_iterations: int = flag(8, "alternating quantize / Procrustes steps of --learn (default: 8)", type=int)
+    balance_alpha: float = flag(
+        1.0,
+        "with --for-quantization: exponent of the column balancing (1 equalises every "
+        "column's max-abs, 0 leaves them; default: 1)",
+        type=float,
+    )
+    hold_out: tuple[int, ...] = flag(  # (massive activations)
+        (),
+        "with --for-quantization: residual channels the Hadamard leaves alone (e.g. the "
+        "massive-activation channels; the remaining width needs a Hadamard construction)",
+        metavar="I,J,...",
+        unset="",
+        parse=channel_list,
+    )
     # activation-aware exact scales (AWQ's search, :mod:`.quantization.scales`) against this quantizer, on the
     # calibration engine's second moments of ``calibration_tokens`` tokens of ``calibration_text``
-    scales: str | None = None
-    calibration_text: str = "britannica-calib"
-    calibration_tokens: int = 2048
-    vo_hadamard: bool = True  # --for-quantization: per-head V/O Hadamards
-    scales_pow2: bool = False  # --scales rounded to powers of two (bitwise-exact float logits)
-    # with --scales and no residual rotation: permute the residual channels into the order of their calibration
-    # activation RMS, so that channels of like scale share a quantization block (exact; norms keep their γ)
-    sort_channels: bool = False
+    scales: str | None = flag(
+        None,
+        "with --for-quantization: choose the exact norm->readers, V->O and up->down scales from "
+        "calibration activations by AWQ's search against this quantizer: Q4_0, Q4_1, Q5_0, Q8_0, MXFP4 "
+        "(gguf), bnb-nf4, bnb-fp4 (bitsandbytes), hqq<bits>g<group>[-rtn] (default: Q4_0; 'none': the "
+        "data-free max-abs balancing)",
+        metavar="QTYPE",
+    )
+    calibration_text: str = flag(
+        "britannica-calib", "with --scales: calibration text file or embedded name (default: britannica-calib)"
+    )
+    calibration_tokens: int = flag(2048, "with --scales: tokens (default: 2048)", type=int)
+    vo_hadamard: bool = flag(
+        True,
+        "with --for-quantization: per-head V/O Hadamard rotations (default: off; on with a residual rotation)",
+        action=argparse.BooleanOptionalAction,
+        unset=None,
+    )
+    scales_pow2: bool = flag(
+        False,
+        "with --scales: round every factor to a power of two (only exponents change: the float "
+        "logits stay bitwise equal; quantizes somewhat worse)",
+        name="--pow2-scales",
+        action="store_true",
+    )
+    sort_channels: bool = flag(
+        False,
+        "with --for-quantization --scales and no residual rotation: permute the residual channels into "
+        "the order of their calibration activation RMS, so that channels of like scale share a quantization "
+        "block (exact; default: off: it helps some quantizers and hurts others, docs/quantization.md)",
+        action=argparse.BooleanOptionalAction,
+        unset=None,
+    )
     # what ``scales`` names: "weights" (None): a quantizer of :mod:`hf_symmetry.evaluation.weight_quant`, applied
     # without activation data; "gguf" / "gguf-imatrix": a llama-quantize file type (Q4_K_M, Q3_K_M, ...), its
     # mixture emulated without / with the importance matrix of the scaled model (:mod:`.quantization.llamacpp`)
-    target: str | None = None
+    target: str | None = flag(
+        None,
+        "with --for-quantization: what --scales names and how the search measures the error. 'weights' "
+        "(default): a weight quantizer, rounding without activation data. 'gguf': a llama-quantize type "
+        "(Q4_K_M by default; Q4_0, Q3_K_M, IQ4_NL, ...) with llama.cpp's per-tensor mixture, its quantizers "
+        "emulated bit for bit, no importance matrix. 'gguf-imatrix': the same with llama-quantize --imatrix, "
+        "the importance matrix being the scaled model's own (write it with --write-imatrix)",
+        choices=["weights", "gguf", "gguf-imatrix"],
+    )
 
     @property
     def rotate_qk(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...flags import flag
 from ...solvers import fused
 
 
@@ -15,10 +16,29 @@ class FarrOptions:
     ``vo``, ``q_proj`` + ``k_proj`` with ``qk``; weights and biases, all layers). ``basis`` other than
     ``"fused"`` selects the single-factor baselines of the benchmark (see :func:`fused.factor_basis_split`)."""
 
-    tau: float | None = None
-    params_fraction: float | None = None
-    vo: bool = True
-    qk: bool = False
+    tau: float | None = flag(
+        None,
+        "energy threshold in (0, 1]: each KV group keeps the fewest singular directions holding "
+        "a fraction τ of its fused map's Σσ²; each layer takes the largest rank of its groups",
+        type=float,
+    )
+    params_fraction: float | None = flag(
+        None,
+        "fraction in (0, 1] of the parameters of the projections FaRR rewrites (v_proj+o_proj "
+        "for --vo, q_proj+k_proj for --qk, weights and biases, all layers) that the result keeps; "
+        "spent greedily across layers on the most energy per parameter",
+        type=float,
+    )
+    # the flag is off unless given; the command turns vo on where --qk is absent too
+    vo: bool = flag(
+        True, "reduce the value/output path (the default when --qk is absent)", action="store_true", unset=False
+    )
+    qk: bool = flag(
+        False,
+        "reduce the query/key path; only where W_Q^T W_K is exact (no RoPE, no QK-norm: BERT, RoBERTa, "
+        "and SmolLM3's NoPE layers, while its RoPE layers keep their query/key heads)",
+        action="store_true",
+    )
     basis: fused.Basis = "fused"
 
     def validate(self) -> None:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Literal
 
 from ...architectures import Adapter
 from ...architectures.capabilities import allows
+from ...flags import flag
 
 
 @dataclass(frozen=True)
@@ -15,11 +17,26 @@ class MatchOptions:
     """What to match. ``heads='auto'`` matches QK and VO where the family has them as symmetries
     (VO only under QK-norm); naming ``qk`` or ``both`` on a QK-norm family is refused."""
 
-    heads: Literal["auto", "both", "qk", "vo", "none"] = "auto"
-    ffn: bool = True
-    scaling: bool = False
-    residual: bool = False
-    residual_iters: int = 0
+    heads: Literal["auto", "both", "qk", "vo", "none"] = flag(
+        "auto",
+        "per-KV-group head rotations to match (default auto: QK and VO, VO only under QK-norm)",
+        choices=["auto", "both", "qk", "vo", "none"],
+    )
+    ffn: bool = flag(
+        True, "match FFN neurons by linear assignment (default: on)", action=argparse.BooleanOptionalAction
+    )
+    scaling: bool = flag(False, "also match per-group QK and VO scalings (quartic)", action="store_true")
+    residual: bool = flag(
+        False,
+        "also match the residual stream by Procrustes after norm fusion (RMSNorm families; "
+        "norm weights become 1 and tied embeddings are untied)",
+        action="store_true",
+    )
+    residual_iters: int = flag(
+        0,
+        "refinement passes for the residual rotation over every weight (default 0: embeddings and LM head only)",
+        type=int,
+    )
 
     def plan(self, adapter: Adapter) -> "MatchPlan":
         if self.heads not in ("auto", "both", "qk", "vo", "none"):
