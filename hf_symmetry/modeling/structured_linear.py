@@ -224,7 +224,8 @@ class GSLinear(StructuredLinear):
         """One token (decoding: reading the weights is the cost): each factor in one ``mm`` with the weights on
         the left, every input block against every weight block (``kr`` resp. ``kl`` times the arithmetic, the
         weights read once), then the diagonal blocks. A batched matmul runs one small GEMM per block: decoding
-        the whole SmolLM2 gs 0.25 output took 1.2x longer that way (measured, benchmarks/sections/44_deploy.md)."""
+        SmolLM2's gs outputs took 1.1-1.25x longer that way on CPU (measured, issue 47). With weights that stay
+        in cache the extra arithmetic costs more than it saves (a model that small decodes fast either way)."""
         kl, kr, b = self.kl, self.kr, self.rank
         q, p = self.in_features // kr, self.out_features // kl
         y1 = torch.mm(self.gs_right.view(kr * kl * b, q), x.reshape(kr, q).t())  # [(j, i, c), j']
