@@ -157,9 +157,9 @@ def _config(src) -> dict:
 
 
 #: per structure, the matrix size (entries) from which one token's forward measured at least as fast as dense
-#: (CPU, float32, 75% of the parameters, SmolLM2's shapes: benchmarks/results/structured_linear.json); gs was
-#: slower at every shape measured (up to 1536x576)
-DECODE_PAYS_FROM = {"kron": 576 * 576, "gs": 1536 * 576 + 1, "lowrank": 192 * 576}
+#: (CPU, float32, 75% of the parameters, SmolLM2's shapes: benchmarks/results/structured_linear.json); gs from
+#: its weights read from memory, as decoding reads them (structured_linear_cold.json: 192x576 0.95x)
+DECODE_PAYS_FROM = {"kron": 576 * 576, "gs": 576 * 576, "lowrank": 192 * 576}
 
 
 def decode_speed_warning(structure: str, config: dict) -> str | None:
