@@ -384,8 +384,8 @@ def rotate_layer_norm_decoder(
     desc: str = "rotate",
 ) -> dict:
     """Centre, fold and rotate a LayerNorm decoder, written as the RMS-decoder family. ``Q`` is
-    ``[d, w]`` with orthonormal columns: ``w = d`` rotates exactly; ``w < d`` also slices the stream to
-    its first ``w`` rotated coordinates (SliceGPT, :mod:`.compress.layernorm_decoders`)."""
+    ``[d, w]`` with orthonormal columns: ``w = d`` rotates exactly (``rotate``); ``w < d`` would also slice the
+    stream to its first ``w`` rotated coordinates (compress slices through ``compress.pca.slice_into`` instead)."""
     check_layer_norm_decoder(config)
     # the output config needs two shapes: the FFN width (layer 0) and the position table's rows
     layer0 = adapter.read_layer(0, source.get([k for k in source.keys() if adapter.layer_of(k) == 0]))

@@ -184,7 +184,7 @@ def plan_stock_width(
 def compressed_plan_at(source: TensorSource, config: dict, options: CompressOptions, width: int):
     """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
     ratio's: the same slice as :class:`StockSlice` at that width, in the remote-code family (for
-    comparisons; the ratio's tolerance does not apply)."""
+    comparisons; the ratio's slack does not apply)."""
     plan, _ = plan_for(source, config, options.with_(ratio_slack=1.0))
     plan.residual = int(width)
     plan.matrices = [replace(m, structure=st.Dense((m.structure.shape[0], int(width)))) for m in plan.matrices]
