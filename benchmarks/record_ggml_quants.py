@@ -1,6 +1,7 @@
 """Record what llama.cpp's own ``llama-quantize`` writes for one small tensor in every type that
 hf_symmetry/evaluation/ggml_quants.py emulates, with and without an importance matrix, into
-tests/data/ggml_llamacpp_quants.safetensors (tests/test_ggml_quants.py compares the emulation with it bit for bit).
+tests/data/ggml_llamacpp_quants.safetensors (tests/evaluation/test_ggml_quants.py compares the emulation with it
+bit for bit).
 
 The tensor (4 rows of 512, columns of very different scales, one all-zero block) and the importance vector are
 made here from a fixed numpy seed and stored beside the quantized bytes. They go into a minimal llama-architecture

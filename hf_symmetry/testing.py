@@ -19,7 +19,7 @@ TINY_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3", "gpt2", "opt",
 # Families added with structural capabilities: sandwich norms and (1+γ) RMSNorms (Gemma), fused
 # projections (Phi-3), output norms and QK-norm over all heads (OLMo 2), per-head fused qkv with
 # partial rotary and a parallel block (GPT-NeoX). Their RMSNorms/attention need float64-exact
-# patches in tests (see tests/test_families.py).
+# patches in tests (see tests/architectures/test_families.py).
 NEW_TINY_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox")
 ALL_TINY_FAMILIES = TINY_FAMILIES + NEW_TINY_FAMILIES
 

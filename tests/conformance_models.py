@@ -1,4 +1,4 @@
-"""Tiny models of every causal-LM family hf_symmetry ships, for tests/test_conformance.py: a stock
+"""Tiny models of every causal-LM family hf_symmetry ships, for tests/modeling/test_conformance.py: a stock
 ``LlamaForCausalLM`` (the control), TPA, compressed Llama (structured linears, a structured embedding,
 orthogonal skips), FaRR (per-layer head dims, a NoPE layer) and the RMS decoder in an OPT-like (learned
 positions counted over the mask, orthogonal skips, structured linears) and a GPT-NeoX-like (partial

@@ -16,7 +16,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # Copied from transformers.models.llama.modeling_llama.LlamaRMSNorm.forward, with its one change: transformers'
 # RMSNorms compute in float32 even for float64 inputs, which would cap float64 exactness tests at ~1e-7; this
-# keeps the input dtype. (tests/test_copies.py checks that the source exists and computes the same in float32.)
+# keeps the input dtype. (tests/modeling/test_copies.py checks that the source exists and computes the same in float32.)
 def _exact_rmsnorm_forward(self, hidden_states):
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))

@@ -289,4 +289,4 @@ def test_a_source_family(tmp_path, folders):
     r = run_addition("a source family", tmp_path, folders)
     assert r["cli"] == 0 and r["markdown_row"] and r["text"].startswith("ministral\n")
     assert r["changed"] >= r["tensors"] // 3  # the rotation changed the weights ...
-    assert r["max_delta"] <= 1e-9  # ... and not the function (float64, as tests/test_symmetries.py)
+    assert r["max_delta"] <= 1e-9  # ... and not the function (float64, as tests/symmetry/test_symmetries.py)

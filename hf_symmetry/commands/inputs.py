@@ -50,7 +50,7 @@ TEXT_ARGS = {
 #: argument names that name files a command writes besides OUT, with their flag
 OUTPUT_FILE_ARGS = {"json_out": "--json", "write_imatrix": "--write-imatrix"}
 #: the ``--calib-tokens`` default of each command that calibrates (what :func:`check_text_tokens` treats as "not asked
-#: for"; tests/test_bad_inputs.py checks these against the parsers)
+#: for"; tests/commands/test_bad_inputs.py checks these against the parsers)
 CALIB_TOKENS_DEFAULT = {"to-tpa": 2048, "farr": 2048, "spectra": 2048, "compress": 16384}
 #: weights formats hf_symmetry does not read (they are pickles: loading one runs its code)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

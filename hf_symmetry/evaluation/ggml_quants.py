@@ -8,7 +8,7 @@ has no such quantizer (its Python quantizers take no weights and stop at the 32-
 ggml's own C code (``ggml/src/ggml-quants.c`` of llama.cpp ``0c1e57098``: ``make_qx_quants``,
 ``make_qkx3_quants``, ``make_qp_quants``, ``quantize_row_*_impl``, ``quantize_iq4_nl``) step by step in float32
 numpy, every sum accumulated in the C loop's order (``np.cumsum`` is sequential), so that the dequantized
-weights are the ones ``llama-quantize`` writes (tests/test_ggml_quants.py compares them with recorded
+weights are the ones ``llama-quantize`` writes (tests/evaluation/test_ggml_quants.py compares them with recorded
 ``llama-quantize`` output, bit for bit, for every type here). This holds for a build without fused
 multiply-add in ggml-base (x86-64 with ``GGML_NATIVE=OFF``); a build that contracts ``a*b + c`` into FMA may
 round an occasional tie differently.

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from heal_models import FAMILIES, byte_tokenizer, save_tiny, tiny  # noqa: E402
 
 from hf_symmetry.assets import resolve_text  # noqa: E402

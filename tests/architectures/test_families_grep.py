@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hf_symmetry.architectures.spec import SPECS
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hf_symmetry"
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_symmetry"
 #: where family knowledge lives
 HOMES = ("architectures/", "modeling/")
 #: modules outside them that name families by design, with the reason

@@ -1,4 +1,4 @@
-"""Negative controls of tests/test_conformance.py: each check, run on a model with the defect it is there
+"""Negative controls of tests/modeling/test_conformance.py: each check, run on a model with the defect it is there
 to catch planted (a mask built from ``arange`` positions, a dropped attention map, an ignored
 ``return_dict`` or padding mask, a cache that does not reorder, crop or store, an unsaved buffer,
 checkpointing that does nothing, a changed attention scale, the data-pointer cache that defeated

@@ -20,7 +20,7 @@ MARKER = re.compile(r"#\s*Copied from (transformers\.[\w.]+)")
 
 def _markers() -> list[tuple[str, str]]:
     found = []
-    for path in [*sorted(MODELING.glob("modeling_*.py")), Path(__file__).parent / "conftest.py"]:
+    for path in [*sorted(MODELING.glob("modeling_*.py")), Path(__file__).resolve().parents[1] / "conftest.py"]:
         for target in MARKER.findall(path.read_text()):
             found.append((path.name, target.rstrip(".")))
     return found

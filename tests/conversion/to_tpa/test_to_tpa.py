@@ -155,7 +155,8 @@ def test_bad_requests_are_refused():
             head_dim=8,
         )
     )
-    # QK-norm: full rank is exact (tests/test_families_qwen3.py); mixing key heads is refused with the reason
+    # QK-norm: full rank is exact (tests/architectures/test_families_qwen3.py); mixing key heads is refused with the
+    # reason
     with pytest.raises(ValueError, match="to-tpa below full key rank: qwen3 applies QK-norm per head"):
         convert_model_to_tpa(qwen3, k_rank=1, progress=False)
     # NoPE layers: the TPA model applies RoPE everywhere, so converting SmolLM3 would be wrong

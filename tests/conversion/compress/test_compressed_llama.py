@@ -744,7 +744,7 @@ def test_cli_card_states_the_compression_and_push_to_hub_publishes_it(tiny_dir, 
     """The README (model_cards/compress.md, parsed back by huggingface_hub) states structure, stage,
     q-mode, the ratio per matrix and over the model, perplexity before and after; ``--push-to-hub`` is
     accepted and publishes OUT after its card is written (the Hub itself is faked here: see
-    test_publish_hub.py for real round trips)."""
+    test_push.py for real round trips)."""
     from types import SimpleNamespace
 
     from huggingface_hub import ModelCard

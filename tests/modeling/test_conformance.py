@@ -3,7 +3,7 @@
 packed sequences, left-padded batches, beam search and assisted decoding, save/load, gradient
 checkpointing, eager vs SDPA, static vs dynamic cache, a fullgraph-compiled decode, ``torch.export``,
 ``resize_token_embeddings`` and a CPU+disk device map. Each check is a function that raises
-``AssertionError``; tests/test_conformance_controls.py plants the defect each one is there to catch and
+``AssertionError``; tests/modeling/test_conformance_controls.py plants the defect each one is there to catch and
 shows that the check fails on it."""
 
 from __future__ import annotations

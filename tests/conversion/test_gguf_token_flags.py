@@ -59,7 +59,7 @@ def _tiny(folder, family, tokenizer_dir):
 def test_smollm2_export_says_no_bos_no_eos_like_llamacpps_converter(smollm2_tokenizer, tmp_path, capsys):
     """A tiny Llama with SmolLM2's tokenizer: both flags written, false, as in the packaged GGUF llama.cpp's
     converter wrote (add_bos_token false); the last line claims no verification without --check (with it,
-    it does: tests/test_gguf_export.py)."""
+    it does: tests/conversion/test_gguf_export.py)."""
     from hf_symmetry.assets import SMOLLM2_GGUF, SMOLLM2_PACKAGE, _installed_package_dir
 
     folder = _tiny(tmp_path / "llama", "llama", smollm2_tokenizer)
@@ -72,7 +72,7 @@ def test_smollm2_export_says_no_bos_no_eos_like_llamacpps_converter(smollm2_toke
     assert "add_bos_token false, add_eos_token false" in printed
     last = printed.strip().splitlines()[-1]
     assert last.startswith("done in") and last.endswith("(whole command)") and "verification" not in last
-    # (with --check it is claimed: tests/test_gguf_export.py)
+    # (with --check it is claimed: tests/conversion/test_gguf_export.py)
 
 
 def test_a_bos_template_is_written_as_add_bos_true(smollm2_tokenizer, tmp_path):

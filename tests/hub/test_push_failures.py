@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 from fake_hub import FakeHub
-from test_publish_hub import _go_online
+from test_push import _go_online
 
 from hf_symmetry.cli import main
 from hf_symmetry.evaluation.compare import load_model

@@ -20,7 +20,7 @@ from hf_symmetry.conversion.rotate import RotateOptions, rotate_checkpoint
 from hf_symmetry.modeling import cache_field
 from hf_symmetry.testing import tiny_model
 
-FLAT_FILES = {p.name for p in (Path(__file__).parents[1] / "hf_symmetry" / "modeling").glob("*_*.py")}
+FLAT_FILES = {p.name for p in (Path(__file__).parents[2] / "hf_symmetry" / "modeling").glob("*_*.py")}
 CLASS_PREFIXES = ("TPA", "Farr", "CompressedLlama", "RMSDecoder")
 
 

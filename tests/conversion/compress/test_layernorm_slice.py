@@ -2,7 +2,8 @@
 each LayerNorm into its readers, rotate into the centred stream's principal directions and keep ``w`` of
 them. Exact at full width (float64), a real loss below it that PCA keeps smaller than a random basis, what
 SliceGPT cannot do there refused with the reason, and ``compress`` on an OPT folder writes a model that
-loads as remote code without hf_symmetry. (The structured classes: tests/test_families_opt_structured.py.)"""
+loads as remote code without hf_symmetry. (The structured classes:
+tests/conversion/compress/test_layernorm_structured.py.)"""
 
 from __future__ import annotations
 
@@ -185,4 +186,5 @@ def test_compress_cli_slices_an_opt_folder_and_refuses_per_segment_slicing(tmp_p
     assert native.config.residual_size == cfg["residual_size"]
     with torch.no_grad():
         assert native.generate(input_ids(batch=1, length=8), max_new_tokens=4, do_sample=False).shape[1] == 12
-    # loading as remote code without hf_symmetry: tests/test_families_qwen3.py (one subprocess for all new folders)
+    # loading as remote code without hf_symmetry: tests/architectures/test_families_qwen3.py (one subprocess for
+    # all new folders)

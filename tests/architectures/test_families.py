@@ -91,7 +91,7 @@ SINGLE = {
 # --------------------------------------------------------------------------- the table is the truth
 
 
-@pytest.mark.parametrize("family", NEW_TINY_FAMILIES)  # the older ones: tests/test_symmetries.py
+@pytest.mark.parametrize("family", NEW_TINY_FAMILIES)  # the older ones: tests/symmetry/test_symmetries.py
 @pytest.mark.parametrize("what", list(SINGLE))
 def test_every_allowed_symmetry_is_exact_and_every_refusal_names_its_reason(family, what, exact):
     model = tiny_model(family)
@@ -103,7 +103,7 @@ def test_every_allowed_symmetry_is_exact_and_every_refusal_names_its_reason(fami
         return
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, SINGLE[what])
     if cfg.get("model_type") != model.config.model_type:  # LayerNorm decoders become a new family
-        pytest.skip("covered by tests/test_families_rms_decoder.py")
+        pytest.skip("covered by tests/conversion/test_rms_decoder.py")
     rotated = _reload(model, sd, cfg)
     assert _delta(model, rotated) <= 1e-9
     changed = [k for k, v in model.state_dict().items() if k in sd and not torch.equal(v, sd[k])]
@@ -276,7 +276,7 @@ def test_residual_rotation_of_layernorm_without_centring_changes_the_function(ex
 
     assert _delta(model, forced(torch.eye(hidden, dtype=torch.float64))) <= 1e-9
     assert _delta(model, forced(groups.haar_orthogonal(hidden, groups.rng(2)))) > 1e-3
-    # centred first (into the RMS-decoder family) it is exact: tests/test_families_rms_decoder.py
+    # centred first (into the RMS-decoder family) it is exact: tests/conversion/test_rms_decoder.py
     sd, cfg = rotate_state_dict(model.state_dict(), model.config, RotateOptions(residual="random"))
     assert cfg["model_type"] == "hf_symmetry_rms_decoder"
 
@@ -384,7 +384,7 @@ def test_table_covers_every_model_type_and_column_and_is_stable():
 def test_readme_table_is_the_generated_one():
     from pathlib import Path
 
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     text = readme.read_text(encoding="utf-8")
     start, end = "<!-- families-table:start -->", "<!-- families-table:end -->"
     if start not in text:
@@ -410,7 +410,7 @@ def test_families_command_prints_the_table(capsys):
 def test_compress_runs_exactly_on_phi3_whose_capability_allows_it(exact):
     """Phi-3 (fused qkv and gate_up, read through the adapter) compresses: full-rank structures at
     random per-segment rotations reproduce the logits."""
-    from test_compress_model import _exact_compression
+    from test_compressed_llama import _exact_compression
 
     model = tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert allows(model.config, "compress") and not allows(tiny_config("phi3"), "compress")  # partial rotary: no

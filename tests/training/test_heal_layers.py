@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from heal_models import byte_tokenizer, tiny  # noqa: E402
 
 from hf_symmetry.assets import resolve_text  # noqa: E402

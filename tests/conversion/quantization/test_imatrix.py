@@ -45,7 +45,7 @@ def test_written_imatrix_is_the_converted_models_second_moments(tmp_path, capsys
     """The file ``--write-imatrix`` writes equals the calibration engine's ``E[x_j²]`` measured on the written
     checkpoint (every layer and linear, relative 1e-4), and differs from the original model's (negative control:
     the scales moved them), so ``llama-quantize --imatrix`` weighs the columns the search weighed."""
-    from test_quant_preset_cli import _tiny_folder
+    from test_preset_cli import _tiny_folder
     from transformers import AutoTokenizer
 
     from hf_symmetry.calibration.data import calibration_ids

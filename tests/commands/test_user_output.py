@@ -21,7 +21,7 @@ from hf_symmetry.cli import build_parser, main
 from hf_symmetry.hub.cards import fmt_number
 from hf_symmetry.testing import tiny_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TEXT = (
     "The play opens with a storm at sea, and the island is the scene of the whole action. " * 40
     + "Prospero was the rightful duke of Milan, and his brother took the dukedom from him. " * 40

@@ -25,7 +25,7 @@ from hf_symmetry.cli import main
 from hf_symmetry.commands import rotate
 from hf_symmetry.testing import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["--no-verify", "--quiet"]
 COMPRESS = ["--structure", "lowrank", "--stage", "none", "--ratio", "0.5"]
 

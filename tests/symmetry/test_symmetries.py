@@ -61,7 +61,7 @@ SINGLE = {
 
 
 def _supported(family: str, name: str) -> bool:
-    """What the capability table says (tests/test_families.py checks its reasons)."""
+    """What the capability table says (tests/architectures/test_families.py checks its reasons)."""
     from hf_symmetry.architectures.capabilities import allows
     from hf_symmetry.testing import tiny_config
 

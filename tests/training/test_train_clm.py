@@ -20,7 +20,7 @@ from hf_symmetry.testing import run_without_hf_symmetry
 
 pytestmark = pytest.mark.slow  # SmolLM2's tokenizer (a real-model asset); the two-process test runs torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_clm.py"
 SMALL = [
     "--hidden-size",

@@ -10,7 +10,7 @@ import pytest
 
 from hf_symmetry.evaluation.ggml_quants import TYPES, roundtrip
 
-FIXTURE = Path(__file__).parent / "data" / "ggml_llamacpp_quants.safetensors"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "ggml_llamacpp_quants.safetensors"
 
 
 def _fixture():
@@ -55,7 +55,7 @@ def test_the_fixture_inputs_are_the_recorders():
     can be recorded again from the same inputs)."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from record_ggml_quants import fixture_inputs
 
     x, imat = fixture_inputs()

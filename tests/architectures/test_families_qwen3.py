@@ -71,7 +71,7 @@ def test_to_tpa_reads_fused_and_per_head_sources_through_the_adapter_only_where_
 # --------------------------------------------------------------------------- compress
 @pytest.mark.parametrize("structure", ["kron", "gs"])
 def test_full_rank_compression_of_qwen3_is_exact_and_the_qk_norm_matters(structure, exact_rmsnorm):
-    from test_compress_model import _exact_compression
+    from test_compressed_llama import _exact_compression
 
     model = tiny_model("qwen3")
     compressed, cfg = _exact_compression(model, structure)  # random per-segment rotations, Cayley skips
@@ -142,7 +142,7 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
     RMS-decoder family with a narrower stream). All load with trust_remote_code where hf_symmetry is not
     importable (one subprocess), reproduce the logits they had here and generate (the TPA model: the
     original's greedy tokens)."""
-    from test_compress_model import _exact_compression
+    from test_compressed_llama import _exact_compression
     from transformers import AutoModelForCausalLM
 
     model = tiny_model("qwen3")
@@ -189,7 +189,7 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
 def test_sequential_walk_of_qwen3_measures_the_one_pass_statistics(exact_rmsnorm):
     """The calibration engine's sequential mode runs each Qwen3 layer as transformers' own module, QK-norm
     included: with nothing replaced its statistics are those of one pass of the original model."""
-    from test_compress_model import _assert_targets_are_own_outputs, _rel, _walk
+    from test_compressed_llama import _assert_targets_are_own_outputs, _rel, _walk
 
     model = tiny_model("qwen3")
     calib = input_ids(batch=1, length=110, seed=3)[0]
@@ -213,7 +213,7 @@ def test_sequential_walk_of_qwen3_measures_the_one_pass_statistics(exact_rmsnorm
 def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, exact_rmsnorm):
     """--sequential on Qwen3: full-rank structures at random per-segment rotations, each segment solved on
     the statistics of the partly converted model, give back the original function."""
-    from test_compress_model import _full_rank, _placement64, _source
+    from test_compressed_llama import _full_rank, _placement64, _source
     from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 
     model = tiny_model("qwen3")

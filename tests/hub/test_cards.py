@@ -15,7 +15,7 @@ from hf_symmetry.hub import card_eval_results, template_dir, update_card, write_
 from hf_symmetry.hub.cards import kv_cache_bytes_per_token, measure_folder, perplexity_result
 from hf_symmetry.testing import tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 LM_EVAL_ENTRY = {
     "task_type": "multiple-choice",
@@ -156,7 +156,7 @@ def _measured_cache_bytes_per_token(model, tokens: int = 7) -> float:
 
 @pytest.mark.parametrize("family", ["llama", "tpa", "tpa-noncontextual", "farr-llama", "compressed-llama"])
 def test_kv_cache_figure_matches_what_the_cache_holds(family):
-    from test_publish_hub import tiny_compressed_llama, tiny_farr_llama, tiny_tpa
+    from test_push import tiny_compressed_llama, tiny_farr_llama, tiny_tpa
 
     model = (
         {
