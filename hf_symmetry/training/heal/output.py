@@ -27,7 +27,7 @@ def write_output(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         if plan is not None:
             if save_adapter:
-                trained.save_pretrained(tmp / ADAPTER_DIR)
+                save_adapter_folder(trained, tmp / ADAPTER_DIR)
                 report.adapter_dir = str(out / ADAPTER_DIR)
             model = trained.merge_and_unload()
         else:
@@ -45,6 +45,20 @@ def write_output(
         (tmp / "heal_report.json").write_text(
             json.dumps(public_heal_report(report.as_dict()), indent=2, default=str) + "\n"
         )
+
+
+def save_adapter_folder(trained, folder: Path) -> None:
+    """The PEFT adapter of ``trained`` in ``folder``, byte-deterministic: peft writes a config entry that it holds
+    as a set (``target_modules``) as a list in Python's hash order, which changes with ``PYTHONHASHSEED`` from
+    one run to the next; those entries are rewritten sorted, in peft's own JSON layout."""
+    trained.save_pretrained(folder)
+    held = trained.peft_config[trained.active_adapter].to_dict()
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    for key, value in held.items():
+        if isinstance(value, set) and isinstance(config.get(key), list):
+            config[key] = sorted(config[key])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def public_heal_report(d: dict) -> dict:
