@@ -203,22 +203,57 @@ class GSLinear(StructuredLinear):
     def from_entry(cls, in_features, out_features, entry, bias):
         return cls(in_features, out_features, int(entry["rank"]), entry["blocks"], bias)
 
+    #: tokens from which one CPU thread runs :meth:`_accumulated` (measured crossover at SmolLM2's shapes, issue 47)
+    accumulate_from: ClassVar[int] = 256
+
     def forward(self, x: torch.Tensor, embed: bool = False) -> torch.Tensor:
-        """Two batched matmuls on any leading dims, the shuffle a copy between them (one token: 1.03-1.29x
-        faster than through :meth:`StructuredLinear.forward`'s reshapes, measured at SmolLM2's shapes); one
-        token as :meth:`_one_token` (a static branch under compile)."""
+        """One token as :meth:`_one_token`; many tokens on one CPU thread as :meth:`_accumulated`; otherwise
+        two batched matmuls on any leading dims, the shuffle a copy between them (fewest calls: with threads,
+        compiled, on GPUs or with autograd). Each choice is a static branch under compile."""
         if embed:
             return self.rows(x)
-        kl, kr, b = self.kl, self.kr, self.rank
         if x.numel() == self.in_features:
             y = self._one_token(x)
-            return y if self.bias is None else y + self.bias
+        elif self._accumulates(x):
+            y = self._accumulated(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        else:
+            y = self._batched(x)
+        return y if self.bias is None else y + self.bias
+
+    def _accumulates(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`_accumulated` runs: eager, on the CPU, one thread, ``accumulate_from`` tokens or more,
+        no autograd (its products write into views through ``out=``). With two threads its strided in-place
+        products measured 2-7x slower than :meth:`_batched` (issue 47, load 3-7 on 2 cores)."""
+        if torch.compiler.is_compiling() or x.device.type != "cpu" or torch.get_num_threads() != 1:
+            return False
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.gs_left, self.gs_right))
+        return not grads and x.numel() >= self.accumulate_from * self.in_features
+
+    def _batched(self, x: torch.Tensor) -> torch.Tensor:
+        """Two batched matmuls, the shuffle a copy between them and the output's transpose a copy after."""
+        kl, kr, b = self.kl, self.kr, self.rank
         xs = x.reshape(-1, kr, self.in_features // kr).transpose(0, 1)  # [kr, N, in/kr]
         N = xs.shape[1]
         h = torch.bmm(xs, self.gs_right.mT).view(kr, N, kl, b)  # [kr, N, i, c]
         h = h.transpose(0, 2).reshape(kl, N, kr * b)  # shuffle: [kl, N, (j, c)]
-        y = torch.bmm(h, self.gs_left.mT).transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return torch.bmm(h, self.gs_left.mT).transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
+
+    def _accumulated(self, x: torch.Tensor) -> torch.Tensor:
+        """Many tokens ``x [N, in]`` without a copy: the right factor in one batched matmul (``h [j, N, (i, c)]``),
+        then the left one as ``kr`` batched products over the row blocks ``i``, one per right block ``j``,
+        accumulated straight into the output's layout ``[N, i, p]`` (the shuffle is which slice of ``h`` and of
+        ``gs_left`` each product reads). Two temporaries (h and the output) where :meth:`_batched` has four:
+        1.04-1.39x faster than it at SmolLM2's shapes (GS at 75 and 50 %), 512 and 4096 tokens, one thread."""
+        kl, kr, b = self.kl, self.kr, self.rank
+        N, q, p = x.shape[0], self.in_features // kr, self.out_features // kl
+        h = torch.bmm(x.reshape(N, kr, q).transpose(0, 1), self.gs_right.mT).view(kr, N, kl, b)  # [j, N, i, c]
+        left = self.gs_left.view(kl, p, kr, b)  # [i, p, j, c]
+        y = torch.empty(N, kl, p, dtype=h.dtype, device=h.device)
+        yt = y.transpose(0, 1)  # [i, N, p], a view
+        torch.bmm(h[0].transpose(0, 1), left[:, :, 0].mT, out=yt)
+        for j in range(1, kr):
+            yt.baddbmm_(h[j].transpose(0, 1), left[:, :, j].mT)
+        return y.view(N, self.out_features)
 
     def _one_token(self, x: torch.Tensor) -> torch.Tensor:
         """One token (decoding: reading the weights is the cost): each factor in one ``mm`` with the weights on

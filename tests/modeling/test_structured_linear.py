@@ -4,6 +4,7 @@ fast (issue 47: every forward equals its ``dense_weight()`` product to the float
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -184,6 +185,84 @@ def test_compiled_forwards_equal_the_dense_weight_product(name, tokens):
     module = _module(n_in, n_out, spec)
     compiled = torch.compile(module, fullgraph=True, dynamic=False)
     _check_forward(compiled, module, torch.randn(1, tokens, n_in, generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test (GS's many-token path depends on it), restored after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+GS_FORWARDS = [f for f in FORWARDS if f[0].startswith("gs")]
+
+
+@pytest.mark.parametrize("name,n_in,n_out,spec", GS_FORWARDS, ids=[f[0] for f in GS_FORWARDS])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_gs_many_tokens_take_the_accumulated_path_on_one_thread_and_equal_the_dense_product(
+    name, n_in, n_out, spec, n_threads, threads
+):
+    """From ``accumulate_from`` tokens, one CPU thread and no autograd, GS runs its accumulated products (no
+    copy), otherwise its batched matmuls; both equal the ``dense_weight()`` product to the float32 floor, on a
+    3-d input, a 2-d one and a non-contiguous one (a column slice)."""
+    threads(n_threads)
+    module = _module(n_in, n_out, spec)
+    tokens = SL.GSLinear.accumulate_from
+    x = torch.randn(2, tokens, n_in, generator=torch.Generator().manual_seed(1))
+    wide = torch.randn(tokens, 2 * n_in, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert module._accumulates(x) == (n_threads == 1)
+        assert not module._accumulates(x[:, :1])  # fewer tokens: the batched matmuls
+        for inp in (x, x[0], wide[:, 1 : n_in + 1]):
+            _check_forward(module, module, inp)
+    assert not module._accumulates(x)  # autograd on: the batched matmuls (out= products have no gradient)
+    module(x).sum().backward()
+    assert module.gs_left.grad is not None and module.gs_right.grad is not None
+
+
+def _perturbed(module, name):
+    """A copy of ``module`` with one entry of its parameter ``name`` moved by 1e-3 (entries are about 1)."""
+    changed = copy.deepcopy(module)
+    with torch.no_grad():
+        getattr(changed, name).view(-1)[0] += 1e-3
+    return changed
+
+
+STRUCTURED = [f for f in FORWARDS if f[0] != "dense"]
+
+
+@pytest.mark.parametrize("name,n_in,n_out,spec", STRUCTURED, ids=[f[0] for f in STRUCTURED])
+@pytest.mark.parametrize("tokens", [1, 7, 256], ids=["one_token", "tokens", "accumulated"])
+def test_a_factor_moved_by_1e3_fails_the_bound_on_every_path(name, n_in, n_out, spec, tokens, threads):
+    """Negative control of every forward path (one token, a few, GS's accumulated products on one thread):
+    each factor moved in one entry by 1e-3 gives an output the float32 bound rejects against the unmoved
+    module, so the bound would catch a fast path that dropped or misplaced a term."""
+    threads(1)
+    module = _module(n_in, n_out, spec)
+    x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(1))
+    if name.startswith("gs"):
+        with torch.no_grad():
+            assert module._accumulates(x) == (tokens >= SL.GSLinear.accumulate_from)
+    for factor, _ in module.named_parameters():
+        if factor != "bias":
+            with pytest.raises(AssertionError, match="relative error"):
+                _check_forward(_perturbed(module, factor), module, x)
+
+
+@pytest.mark.parametrize("name", ["gs", "gs_one_row_block"])
+def test_compiled_gs_on_many_tokens_equals_the_dense_weight_product(name, threads):
+    """Compiled GS from ``accumulate_from`` tokens on one thread (its batched matmuls: a static branch), with
+    the negative control of a moved factor."""
+    threads(1)
+    _, n_in, n_out, spec = next(f for f in FORWARDS if f[0] == name)
+    module = _module(n_in, n_out, spec)
+    x = torch.randn(1, SL.GSLinear.accumulate_from, n_in, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _check_forward(torch.compile(module, fullgraph=True, dynamic=False), module, x)
+        changed = torch.compile(_perturbed(module, "gs_left"), fullgraph=True, dynamic=False)
+        with pytest.raises(AssertionError, match="relative error"):
+            _check_forward(changed, module, x)
 
 
 @pytest.mark.parametrize("blocks", [(1, 3), (4, 2)], ids=["one_row_block", "row_blocks"])
