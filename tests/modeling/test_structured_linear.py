@@ -203,16 +203,19 @@ GS_FORWARDS = [f for f in FORWARDS if f[0].startswith("gs")]
 def test_gs_many_tokens_take_the_accumulated_path_on_one_thread_and_equal_the_dense_product(
     name, n_in, n_out, spec, n_threads, threads
 ):
-    """From ``accumulate_from`` tokens, one CPU thread and no autograd, GS runs its accumulated products (no
-    copy), otherwise its batched matmuls; both equal the ``dense_weight()`` product to the float32 floor, on a
-    3-d input, a 2-d one and a non-contiguous one (a column slice)."""
+    """From ``accumulate_from`` tokens, one CPU thread, several row blocks and no autograd, GS runs its
+    accumulated products (no copy), otherwise its batched matmuls; both equal the ``dense_weight()`` product to
+    the float32 floor, on a 3-d input, a 2-d one and a non-contiguous one (a column slice)."""
     threads(n_threads)
     module = _module(n_in, n_out, spec)
     tokens = SL.GSLinear.accumulate_from
     x = torch.randn(2, tokens, n_in, generator=torch.Generator().manual_seed(1))
     wide = torch.randn(tokens, 2 * n_in, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert module._accumulates(x) == (n_threads == 1)
+        assert module._accumulates(x) == (n_threads == 1 and module.kl > 1)
+        # the accumulated products themselves (the forward adds the bias), whichever path the forward took
+        accumulated = module._accumulated(x.reshape(-1, n_in)).view(*x.shape[:-1], -1) + module.bias
+        _check_forward(lambda inp: accumulated, module, x)
         assert not module._accumulates(x[:, :1])  # fewer tokens: the batched matmuls
         for inp in (x, x[0], wide[:, 1 : n_in + 1]):
             _check_forward(module, module, inp)
@@ -243,7 +246,7 @@ def test_a_factor_moved_by_1e3_fails_the_bound_on_every_path(name, n_in, n_out, 
     x = torch.randn(tokens, n_in, generator=torch.Generator().manual_seed(1))
     if name.startswith("gs"):
         with torch.no_grad():
-            assert module._accumulates(x) == (tokens >= SL.GSLinear.accumulate_from)
+            assert module._accumulates(x) == (tokens >= SL.GSLinear.accumulate_from and module.kl > 1)
     for factor, _ in module.named_parameters():
         if factor != "bias":
             with pytest.raises(AssertionError, match="relative error"):
