@@ -1,13 +1,16 @@
 """Micro-benchmark of the structured linears (``hf_symmetry.modeling.structured_linear``) against a dense
-``F.linear`` of the same shape, at SmolLM2-135M's shapes with every structure keeping 75% of the parameters
-(``compress --ratio 0.25``: the sizes ``compress`` plans, from ``solvers.structures``' ``sized``), the token
-embedding / tied head ``49152x576`` included (the compressed outputs structure it too).
+``F.linear`` of the same shape, at SmolLM2-135M's shapes with every structure keeping ``--keep`` of the parameters
+(0.75: ``compress --ratio 0.25``; the sizes ``compress`` plans, from ``solvers.structures``' ``sized``), the token
+embedding / tied head ``49152x576`` included (the compressed outputs structure it too; up to 512 tokens: a prefill
+computes the head on its last token).
 
 Per structure, shape, token count and thread count: dense and structured milliseconds, measured in
 interleaved rounds (dense, structured, dense, ...), and the median over rounds of the per-round ratio
 dense / structured (> 1: the structure is faster). Float32, random factors, inference mode. ``kron (old)``
 is the Kronecker forward before issue 47 (a permuted copy between its two matmuls), ``gs (bmm)`` GS's one
-token through its batched matmuls (its path before issue 47's one-token path), for comparison.
+token through its batched matmuls (its path before issue 47's one-token path), ``gs (batched)`` several tokens
+through them (``GSLinear._batched``: the path before the accumulated one, and the one with several threads), for
+comparison (``--structures`` picks the cases).
 
 ``--cold`` times each side over enough copies of the module to exceed the last-level cache (96 MB of dense
 weights), so that every call reads its weights from memory, as decoding a whole model does; without it the
@@ -15,7 +18,8 @@ weights stay in cache and the figure is the per-call cost (eager only).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py \
         --out benchmarks/results/structured_linear.json
-    ... --threads 1 2 --tokens 1 8 256 512 --rounds 15 [--compile | --cold]
+    ... --threads 1 2 --tokens 1 8 512 4096 --rounds 15 [--keep 0.5] [--structures gs "gs (batched)"]
+        [--compile | --cold]
 
 The machine is shared: read the ratios (interleaved, medians), not the absolute times; the load average
 at the start and end is recorded.
@@ -29,6 +33,7 @@ import math
 import os
 import sys
 import platform
+import shlex
 import statistics
 import time
 from datetime import datetime, timezone
@@ -44,23 +49,22 @@ from hf_symmetry.solvers import structures as st
 SHAPES = [("q/o 576x576", 576, 576, "reader"), ("k/v 192x576", 192, 576, "reader")]
 SHAPES += [("gate/up 1536x576", 1536, 576, "reader"), ("down 576x1536", 576, 1536, "writer")]
 SHAPES += [("embed/head 49152x576", 49152, 576, "embedding")]
-KEEP = 0.75
 COLD_BYTES = 96e6
 
 
-def specs(out: int, inp: int, role: str) -> dict[str, dict]:
+def specs(out: int, inp: int, role: str, keep: float) -> dict[str, dict]:
     """The config entry ``compress`` plans for each structure at this shape (readers' Kronecker ``A`` is
     ``1 x q``, writers' ``q x 1``; an embedding's GS has one row block)."""
-    q = st.Kron.plan_factor(576, KEEP, None)
+    q = st.Kron.plan_factor(576, keep, None)
     kron = (
-        st.Kron.sized((inp, out), KEEP, factor=q).transpose()
+        st.Kron.sized((inp, out), keep, factor=q).transpose()
         if role == "writer"
-        else st.Kron.sized((out, inp), KEEP, factor=q)
+        else st.Kron.sized((out, inp), keep, factor=q)
     )
     return {
-        "lowrank": st.LowRank.sized((out, inp), KEEP).entry(),
+        "lowrank": st.LowRank.sized((out, inp), keep).entry(),
         "kron": kron.entry(),
-        "gs": st.GS.sized((out, inp), KEEP, embedding=role == "embedding").entry(),
+        "gs": st.GS.sized((out, inp), keep, embedding=role == "embedding").entry(),
     }
 
 
@@ -117,8 +121,15 @@ def measure(fn_dense, fn, x, rounds: int) -> dict:
     }
 
 
-#: the comparison forwards, by case name: (the structure whose module they run, the forward)
-OLD = {"kron (old)": ("kron", old_kron_matmul), "gs (bmm)": ("gs", bmm_gs_forward)}
+#: the comparison forwards, by case name: (the structure whose module they run, the forward, the token counts
+#: it runs at)
+OLD = {
+    "kron (old)": ("kron", old_kron_matmul, lambda n: True),
+    "gs (bmm)": ("gs", bmm_gs_forward, lambda n: n == 1),  # GS's own path for several tokens is below
+    "gs (batched)": ("gs", GSLinear._batched, lambda n: n > 1),  # one token: GS's one-token path
+}
+#: the largest token count timed at the embedding / head shape
+EMBED_TOKENS = 512
 
 
 def _sides(out: int, inp: int, name: str, spec: dict, copies: int, compile_: bool):
@@ -134,19 +145,26 @@ def _sides(out: int, inp: int, name: str, spec: dict, copies: int, compile_: boo
     return (lambda x: [d(x) for d in dense]), (lambda x: [f(x) for f in fns])
 
 
-def run(threads: list[int], tokens: list[int], rounds: int, compile_: bool, cold: bool) -> list[dict]:
+def _timed(name: str, role: str, n_tokens: int) -> bool:
+    """Whether a case runs at this token count (comparison forwards where they apply, the head to 512 tokens)."""
+    return (name not in OLD or OLD[name][2](n_tokens)) and (role != "embedding" or n_tokens <= EMBED_TOKENS)
+
+
+def run(threads: list[int], tokens: list[int], rounds: int, keep: float, cases_wanted, compile_: bool, cold: bool):
     rows = []
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         for shape, out, inp, role in SHAPES:
             copies = max(1, math.ceil(COLD_BYTES / (out * inp * 4))) if cold else 1
-            cases = dict(specs(out, inp, role))
-            cases.update({name: cases[kind] for name, (kind, _) in OLD.items()})
+            cases = dict(specs(out, inp, role, keep))
+            cases.update({name: cases[kind] for name, (kind, _, _) in OLD.items()})
             for name, spec in cases.items():
+                if cases_wanted and name not in cases_wanted:
+                    continue
                 fd, fn = _sides(out, inp, name, spec, copies, compile_)
                 for n_tokens in tokens:
-                    if name == "gs (bmm)" and n_tokens > 1:
-                        continue  # GS's own path there
+                    if not _timed(name, role, n_tokens):
+                        continue
                     x = torch.randn(n_tokens, inp)
                     with torch.inference_mode():
                         row = measure(fd, fn, x, rounds)
@@ -154,7 +172,7 @@ def run(threads: list[int], tokens: list[int], rounds: int, compile_: bool, cold
                         round(row[k] / copies, 4) for k in ("dense_ms", "structured_ms")
                     )
                     row.update(threads=n_threads, shape=shape, structure=name, spec=spec, tokens=n_tokens)
-                    row.update(compiled=compile_, copies=copies)
+                    row.update(compiled=compile_, copies=copies, keep=keep)
                     rows.append(row)
                     print(
                         f"{n_threads}t {shape:20s} {name:11s} N={n_tokens:4d}: dense {row['dense_ms']:.3f} ms, "
@@ -164,10 +182,28 @@ def run(threads: list[int], tokens: list[int], rounds: int, compile_: bool, cold
     return rows
 
 
+def ratio_table(rows: list[dict], keep: float) -> dict:
+    """BENCHMARKS.md's table: one row per thread count, shape and case, the dense/structured ratio at each token
+    count (the times are in ``rows``)."""
+    tokens = sorted({r["tokens"] for r in rows})
+    ratios: dict[tuple, dict] = {}
+    for r in rows:
+        ratios.setdefault((r["threads"], r["shape"], r["structure"]), {})[r["tokens"]] = r["ratio"]
+    return {
+        "name": "ratios",
+        "caption": f"Dense / structured time (> 1: the structure is faster), {keep:.0%} of the parameters kept, "
+        "median over interleaved rounds; milliseconds in the results file.",
+        "columns": ["threads", "shape", "structure", *(f"{n} tokens" for n in tokens)],
+        "rows": [[*key, *(by_n.get(n, "") for n in tokens)] for key, by_n in ratios.items()],
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 256, 512])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 512, 4096])
+    p.add_argument("--keep", type=float, default=0.75, help="fraction of each matrix's parameters kept")
+    p.add_argument("--structures", nargs="+", help="the cases to time (default: all)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--compile", action="store_true", help="time torch.compile'd modules (both sides)")
     p.add_argument("--cold", action="store_true", help="weights read from memory: copies beyond the cache (eager)")
@@ -176,20 +212,21 @@ def main(argv=None) -> int:
     load_start = Path("/proc/loadavg").read_text().split()[:3]
     if args.cold and args.compile:
         p.error("--cold times eager modules only")
-    rows = run(args.threads, args.tokens, args.rounds, args.compile, args.cold)
+    rows = run(args.threads, args.tokens, args.rounds, args.keep, args.structures, args.compile, args.cold)
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="minutes"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor() or platform.platform()}",
-        "command": " ".join(
-            ["OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py", *sys.argv[1:]]
-        ),
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_structured_linear.py "
+        + shlex.join(sys.argv[1:]),
         "torch": torch.__version__,
         "load_average_start": load_start,
-        "load_average_end": Path("/proc/loadavg").read_text().split()[:3],
+        "load_average_end": (load_end := Path("/proc/loadavg").read_text().split()[:3]),
+        "load": f"load average (1, 5, 15 min) {', '.join(load_start)} at the start, {', '.join(load_end)} at the end",
         "dtype": "float32",
-        "keep": KEEP,
+        "keep": args.keep,
         "weights": "from memory (--cold)" if args.cold else "in cache",
         "rows": rows,
+        "tables": [ratio_table(rows, args.keep)],
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
