@@ -286,7 +286,7 @@ def budget_of(uniform) -> int:
     """Parameters the compressed matrices may have so that the model meets the ratio's target total:
     the uniform plan's structured parameters, corrected by its rounding."""
     acc = uniform.accounting
-    return acc["structured_params_of_compressed_matrices"] + acc["target_params"] - acc["compressed_model_params"]
+    return acc.structured_params_of_compressed_matrices + acc.target_params - acc.compressed_model_params
 
 
 def allocate_for(run, token_counts: torch.Tensor | None = None):
@@ -296,7 +296,7 @@ def allocate_for(run, token_counts: torch.Tensor | None = None):
     calib, options, uniform = run.calibration(), run.options, run.plan
     adapter = check_family(calib.config, calib.source.keys())
     entries = matrix_entries(calib.config, calib.source.keys(), adapter)
-    kron_q = uniform.accounting.get("kron_factor")
+    kron_q = uniform.accounting.kron_factor
     curves = measure_sensitivity(calib, adapter, entries, options, token_counts, run.progress, kron_q)
     budget = budget_of(uniform)
     groups = build_groups(entries, options, kron_q, curves)

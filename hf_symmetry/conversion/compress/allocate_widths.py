@@ -266,7 +266,7 @@ def allocate_slice_for(run):
         curves["embed"] = [
             (x, e + h) for (x, e), (_, h) in zip(curves["embed"], tied_head_curve(source, adapter, Q, stats.stream[-1]))
         ]
-    target = uniform.accounting["target_params"]
+    target = uniform.accounting.target_params
     widths, chosen, _ = allocate_slice(entries, n_layers, d, uniform.tied, target, curves, uniform.residual)
     keep = {f"segment{k}": w / d for k, w in enumerate(widths)}
     report = {

@@ -230,8 +230,8 @@ def structure_entries(plan: Plan, options: CompressOptions, source_model_type: s
             "stage": options.stage,
             "q_mode": options.q_mode,
             "ratio": options.ratio,
-            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
-            "ratio_over_model": plan.accounting["ratio_over_model"],
+            "ratio_over_compressed": plan.accounting.ratio_over_compressed,
+            "ratio_over_model": plan.accounting.ratio_over_model,
             "source_model_type": source_model_type,
         },
     }

@@ -64,7 +64,7 @@ def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, Co
     if run.stats is None:  # measured as the solver reaches each segment where that is enough
         run = replace(run, stats=one_pass_statistics(run, on_demand=True))
     times["calibration"] = time.perf_counter() - t0
-    if options.allocation == "sensitivity" and run.plan.accounting.get("allocation") != "sensitivity":
+    if options.allocation == "sensitivity" and run.plan.accounting.allocation != "sensitivity":
         t = time.perf_counter()
         run = replace(run, plan=_allocated_plan(run))
         times["allocation"] = time.perf_counter() - t
@@ -114,5 +114,5 @@ def _allocated_plan(run: CompressRun) -> Plan:
     else:
         keep, allocation = allocate_for(run, run.stats.token_counts if run.stats is not None else None)
     plan, _ = plan_for(run.source, run.config, run.options, keep=keep)
-    plan.accounting["allocation_report"] = allocation
+    plan.accounting.allocation_report = allocation
     return plan

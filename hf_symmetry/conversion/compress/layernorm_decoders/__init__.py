@@ -75,7 +75,7 @@ def compress_layer_norm_model(
     else:
         new_config, report = _run(run)
     compressed, counted = build(dict(sink), new_config, dtype)
-    report.accounting["compressed_model_params_counted"] = counted
+    report.accounting.compressed_model_params_counted = counted
     return compressed, report
 
 

@@ -29,7 +29,7 @@ from ...rms_decoder import check_layer_norm_decoder, rms_decoder_config
 from ...stream import StreamOptions, TensorSource, partition_keys
 from ..options import CompressOptions
 from ..pca import SliceOutput, nearest_width
-from ..plan import source_numels
+from ..plan import Accounting, source_numels
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
@@ -58,7 +58,9 @@ def sliced_params(shapes: dict, n_layers: int, w: int) -> int:
     return n_layers * per_layer + shapes["vocab"] * (2 * w + 1) + shapes["rows"] * w
 
 
-def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options: CompressOptions) -> tuple[int, dict]:
+def plan_width(
+    adapter: Adapter, source: TensorSource, keys: list[str], options: CompressOptions
+) -> tuple[int, Accounting]:
     """The residual width and the parameter accounting (the keys the compressed family's reports use)."""
     d, L = adapter.hidden, adapter.n_layers
     shapes = _shapes(adapter, source, keys)
@@ -79,24 +81,24 @@ def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options:
         for i in range(L)
         for c, k in (*shapes["out"].items(), *shapes["in"].items())
     }
-    accounting = {
-        "hidden": d,
-        "residual": w,
-        "dense_model_params": dense_total,
-        "compressed_model_params": total,
-        "ratio_over_model": (dense_total - total) / dense_total,
-        "ratio_over_compressed": (dense_total - total) / p_compressed,
-        "ratio_per_matrix_mean": 1 - w / d,
-        "skip_params": 0,
-        "head_mix_params": 0,
-        "untied_head_params": shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
-        "output_family": RMSDecoderConfig.model_type,
-        "per_matrix": per_matrix,
-    }
-    if abs(accounting["ratio_over_compressed"] - options.ratio) > options.ratio_slack:
+    accounting = Accounting(
+        dense_model_params=dense_total,
+        compressed_model_params=total,
+        ratio_over_compressed=(dense_total - total) / p_compressed,
+        ratio_over_model=(dense_total - total) / dense_total,
+        ratio_per_matrix_mean=1 - w / d,
+        skip_params=0,
+        head_mix_params=0,
+        per_matrix=per_matrix,
+        untied_head_params=shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
+        output_family=RMSDecoderConfig.model_type,
+        hidden=d,
+        residual=w,
+    )
+    if abs(accounting.ratio_over_compressed - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.ratio_slack:g} "
-            f"(nearest: {accounting['ratio_over_compressed']:.4f}; a tied head is untied by the centring "
+            f"(nearest: {accounting.ratio_over_compressed:.4f}; a tied head is untied by the centring "
             "and costs vocab × width)"
         )
     return w, accounting
@@ -117,10 +119,10 @@ class RMSDecoderSlice(SliceOutput):
         if width is not None:
             w = int(width)
             shapes = _shapes(adapter, source, keys)
-            accounting.update(residual=w, compressed_model_params=sliced_params(shapes, adapter.n_layers, w))
+            accounting.residual, accounting.compressed_model_params = w, sliced_params(shapes, adapter.n_layers, w)
         return adapter, w, accounting
 
-    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict):
+    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
         check_layer_norm_decoder(config)
         shapes = _shapes(adapter, source, source.keys())
         new_config = rms_decoder_config(adapter, config, shapes["out"]["up"], shapes["rows"], residual_size=width)
@@ -130,5 +132,5 @@ class RMSDecoderSlice(SliceOutput):
     def finish_layer(self, layer: dict) -> dict:
         return layer if self.layout is None else actions.interleaved_to_half(layer, self.layout)
 
-    def method(self, accounting: dict) -> str:
+    def method(self, accounting: Accounting) -> str:
         return "centred into the RMS-decoder family"

@@ -122,23 +122,19 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
         )
         matrices.append(MatrixPlan(name, c, i, role, seg, s, bias))
     plan = Plan(adapter.family, d, d, L, False, skip, "separate", matrices)
-    acc = accounting(plan, dense_total, p_compressed, options)
-    total = acc["compressed_model_params"] + extra
-    acc.update(
-        compressed_model_params=total,
-        ratio_over_compressed=(dense_total - total) / p_compressed,
-        ratio_over_model=1 - total / dense_total,
-        uniform_keep=kappa,
-        kron_factor=kron_q,
-        target_params=round(target) if options.matrix_keep is None else total,
-        untied_head_params=plan.by_name()["lm_head"].structure.params() if tied else 0,
-        output_family=RMSDecoderConfig.model_type,
-    )
-    plan.accounting = acc
-    if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.ratio_slack:
+    acc = plan.accounting = accounting(plan, dense_total, p_compressed, options)
+    total = acc.compressed_model_params + extra
+    acc.compressed_model_params = total
+    acc.ratio_over_compressed = (dense_total - total) / p_compressed
+    acc.ratio_over_model = 1 - total / dense_total
+    acc.uniform_keep, acc.kron_factor = kappa, kron_q
+    acc.target_params = round(target) if options.matrix_keep is None else total
+    acc.untied_head_params = plan.by_name()["lm_head"].structure.params() if tied else 0
+    acc.output_family = RMSDecoderConfig.model_type
+    if options.matrix_keep is None and abs(acc.ratio_over_compressed - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"no {options.structure} configuration meets ratio {options.ratio:g} within "
-            f"{options.ratio_slack:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
+            f"{options.ratio_slack:g} on {adapter.family} (nearest: {acc.ratio_over_compressed:.4f})"
             + ("; try another --kron-factor" if kron_q is not None else "")
         )
     return plan
