@@ -330,14 +330,23 @@ def rotation_overhead(d: int, n_layers: int, segment: bool, lm_head: str) -> int
     return (2 * n_layers * d * (d + 1) // 2 if segment else 0) + (d * d if lm_head == "tied_mixed" else 0)
 
 
+def params_at(matrices: list[MatrixPlan], width) -> int:
+    """Parameters of the planned modules ``matrices`` where residual segment ``s`` is ``width(s)`` wide: a
+    structured matrix's own, a dense one's rows × the width (the residual dimension is on its columns), and
+    its bias (a reader's whole, a writer's at the width). Every count of a model's parameters at a width
+    is this one's."""
+    total = 0
+    for m in matrices:
+        k, w = m.shape[0], width(m.segment)
+        total += (k * w if isinstance(m.structure, st.Dense) else m.structure.params()) + (
+            (k if m.role == "reader" else w) if m.bias else 0
+        )
+    return total
+
+
 def slice_total(dp: int, entries: list[MatrixPlan], n_layers: int, tied: bool, segment: bool) -> int:
     """Parameters of the sliced matrices, skips and head mix at uniform width ``dp``."""
-    total = 0
-    for e in entries:
-        k = e.shape[0]
-        total += k * dp + (k if e.bias and e.role == "reader" else dp if e.bias else 0)
-    total += (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
-    return total
+    return params_at(entries, lambda _: dp) + (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
 
 
 def plan_slice(entries, d, n_layers, tied, segment, target_total) -> tuple[int, dict]:
@@ -358,13 +367,6 @@ def segment_widths(keep: dict[str, float], d: int, n_layers: int) -> list[int]:
     return widths
 
 
-def _module_params(m: MatrixPlan, width: int) -> int:
-    bias = 0
-    if m.bias:
-        bias = m.structure.shape[0] if m.role == "reader" else width
-    return m.structure.params() + bias
-
-
 def accounting(plan: Plan, dense_total: int, p_compressed: int, options: CompressOptions) -> Accounting:
     d, dr = plan.hidden, plan.residual
     skip_each = {"orthogonal": d * (d + 1) // 2, "dense": dr * dr, "none": 0}[plan.skip]
@@ -372,7 +374,7 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
     mix = plan.width(0) * plan.width(2 * plan.n_layers) if plan.lm_head == "tied_mixed" else 0
     compressed_set = [m for m in plan.matrices if in_policy(m.canon, options)]
     structured = sum(m.structure.params() for m in compressed_set)
-    total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix + plan.carried
+    total = params_at(plan.matrices, plan.width) + skips + mix + plan.carried
     per_matrix = {
         m.name: {
             "structure": m.module_structure.entry(),

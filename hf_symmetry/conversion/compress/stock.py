@@ -42,7 +42,7 @@ from ...solvers import structures as st
 from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
 from .pca import SliceOutput, nearest_width, slice_into
-from .plan import Accounting, accounting, check_family, in_policy, matrix_entries, plan_for, source_numels
+from .plan import Accounting, accounting, check_family, in_policy, matrix_entries, params_at, plan_for, source_numels
 from .report import CompressReport
 from .routes import CompressRun, Route
 
@@ -104,14 +104,10 @@ def stock_class(config: dict) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
 
 
-def _params_at(entries, w: int, n_layers: int, vocab: int, tied: bool, carried: int) -> int:
-    """Parameters of the stock model at width ``w``: sliced matrices (reader biases whole, writer biases
-    sliced), the head (untied), the 2L + 1 norm weights of width ``w`` and the QK-norm γ."""
-    total = 0
-    for e in entries:
-        k = e.shape[0]
-        total += k * w + ((k if e.role == "reader" else w) if e.bias else 0)
-    return total + (vocab * w if tied else 0) + (2 * n_layers + 1) * w + carried
+def stock_params(entries, w: int, n_layers: int, vocab: int, tied: bool, carried: int) -> int:
+    """Parameters of the stock model at width ``w``: the sliced matrices (:func:`.plan.params_at`), the head
+    (untied), the 2L + 1 norm weights of width ``w`` and the QK-norm γ."""
+    return params_at(entries, lambda _: w) + (vocab * w if tied else 0) + (2 * n_layers + 1) * w + carried
 
 
 def plan_stock_width(
@@ -133,7 +129,7 @@ def plan_stock_width(
     target = dense_total - options.ratio * p_compressed
 
     def params(w):
-        return _params_at(entries, w, L, vocab, tied, carried)
+        return stock_params(entries, w, L, vocab, tied, carried)
 
     exact = nearest_width(params, target, range(1, d + 1))
     n = stock.round_to
@@ -206,7 +202,7 @@ def _account_width(accounting: Accounting, config: dict, keys, adapter: Adapter,
         raise ValueError(f"width must be in [1, {d}], got {w}")
     entries = matrix_entries(config, keys, adapter)
     carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
-    total = _params_at(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
+    total = stock_params(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
     a, dense = accounting, accounting.dense_model_params
     a.residual, a.compressed_model_params, a.ratio_per_matrix_mean = w, total, 1 - w / d
     a.ratio_over_model = 1 - total / dense
