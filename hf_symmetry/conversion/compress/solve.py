@@ -9,7 +9,7 @@ or sequential) or globally, then slicing. Which path runs is :attr:`CompressOpti
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -22,7 +22,7 @@ from .options import CompressOptions
 from .pca import pca_rotations
 from .plan import MatrixPlan
 from .routes import CompressRun
-from .terms import SolveInputs, each_term, segment_terms
+from .terms import each_term, segment_terms
 
 Tensors = dict[str, torch.Tensor]
 
@@ -96,7 +96,7 @@ class Stage:
     keep_factors: bool = True
 
 
-def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+def _solve_stage(run: CompressRun, layers: list[Tensors], globals_: Tensors, stage: Stage, Q_init: list, kept: Kept):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together, streaming them from the checkpoint on each alternation
     (:class:`.global_q.GlobalSolve`, :func:`_solve_global`); one Q per segment builds, solves and drops the
@@ -104,17 +104,15 @@ def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], 
     and errors (into ``kept``), and hand segment k on once its are final (:meth:`Kept.segment_done`)."""
     options = run.options
     if options.q_mode == "global":
-        return _solve_global(inputs, stage, Q_init, run, kept)
+        return _solve_global(run, layers, globals_, stage, Q_init, kept)
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     Qs = []
     # statistics measured on demand are this solve's own: consumed in place (no copy of a writer's moments)
-    stats = inputs.stats
+    stats = run.stats
     owned = stage.name == "w" and hasattr(stats, "release_segment")
-    for k in tqdm(range(inputs.plan.n_segments), desc=stage.desc, unit="segment", disable=not run.progress):
-        terms, _ = segment_terms(
-            inputs, stage.name, options, only=k, device=run.device, row_dtype=kept.row_dtype, consume=owned
-        )[k]
+    for k in tqdm(range(run.plan.n_segments), desc=stage.desc, unit="segment", disable=not run.progress):
+        terms, _ = segment_terms(run, layers, globals_, stage.name, only=k, row_dtype=kept.row_dtype, consume=owned)[k]
         res = solve_segment(
             terms,
             Q_init[k],
@@ -132,14 +130,14 @@ def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], 
     return Qs, traces
 
 
-def _solve_global(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+def _solve_global(run: CompressRun, layers: list[Tensors], globals_: Tensors, stage: Stage, Q_init: list, kept: Kept):
     """:func:`_solve_stage` with one global Q (:class:`.global_q.GlobalSolve`; it spills its warm starts
     under ``run.folder``, default the system's temporary folder)."""
-    plan, options = inputs.plan, run.options
+    plan, options = run.plan, run.options
     Qs: list = []
 
     def each(k: int):
-        return each_term(inputs, stage.name, options, only=k, device=run.device, row_dtype=kept.row_dtype)
+        return each_term(run, layers, globals_, stage.name, only=k, row_dtype=kept.row_dtype)
 
     def keep(t: Term, Q: torch.Tensor) -> None:
         kept.keep([t], Q)
@@ -224,14 +222,14 @@ def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: Compres
     return terms, res
 
 
-def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors, Q_init: list, kept: Kept):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
     calibration engine (:func:`.moments.sequential_weighted`, on :meth:`.routes.CompressRun.calibration`),
     and its matrices are replaced there by their approximations once solved. ``match_original``: each
     matrix then targets the original model's outputs and writers the original residual stream
     (:func:`.targets.matched_target`), instead of the matrix's own outputs on X̂."""
-    plan, options = inputs.plan, run.options
+    plan, options = run.plan, run.options
     calib = run.calibration()
     iters = options.w_iters if options.rotates else 0
     ms = plan.by_name()
@@ -240,11 +238,11 @@ def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: Comp
 
     def segment(k: int, seq: CalibrationStats):
         each = each_term(
-            SolveInputs(plan, inputs.layers, inputs.globals_, seq),
+            replace(run, stats=seq),
+            layers,
+            globals_,
             "w",
-            options,
             only=k,
-            device=run.device,
             row_dtype=kept.row_dtype,
             consume=not kept.keep_stats,
         )
@@ -269,12 +267,12 @@ def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: Comp
     try:
         seq = sequential_weighted(
             calib,
-            inputs.stats.token_counts,
+            run.stats.token_counts,
             options.match_original,
             segment,
             progress=run.progress,
             keep=kept.keep_stats,
-            folded=inputs.layers,
+            folded=layers,
         )
     finally:
         bar.close()
@@ -311,21 +309,20 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
-    inputs = SolveInputs(plan, layers, globals_, stats)
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
-        Qs, traces = _solve_stage(inputs, Stage(options.stage, 0, "projection"), Q0, run, kept)
+        Qs, traces = _solve_stage(run, layers, globals_, Stage(options.stage, 0, "projection"), Q0, kept)
     elif not options.rotates:  # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(inputs, Q0, run, kept)
+        Qs, traces, seq = _solve_sequential(run, layers, globals_, Q0, kept)
     else:
         # stage F's factors only where they are the result (stage W replaces every one of them)
         stage_f = Stage("f", options.f_iters, "stage F", keep_factors=options.stage == "f")
-        Qs, traces = _solve_stage(inputs, stage_f, Q0, run, kept)
+        Qs, traces = _solve_stage(run, layers, globals_, stage_f, Q0, kept)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(inputs, Qs, run, kept)
+                Qs, w_traces, seq = _solve_sequential(run, layers, globals_, Qs, kept)
             else:
                 stage_w = Stage("w", options.w_iters, "stage W")
-                Qs, w_traces = _solve_stage(inputs, stage_w, Qs, run, kept)
+                Qs, w_traces = _solve_stage(run, layers, globals_, stage_w, Qs, kept)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
     return SolveResult(Qs, kept.factors, traces, kept.relative_errors, seq)

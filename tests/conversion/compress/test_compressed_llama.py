@@ -1030,8 +1030,9 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     seq, _ = _walk(model, calib)
     for k in (1, 2):  # layer 0's attention (o) and FFN (down) segments
         kept, eaten = copy.deepcopy(seq), copy.deepcopy(seq)
-        a, _ = S.segment_terms(S.SolveInputs(plan, layers, globals_, kept), "w", options, only=k)[k]
-        b, _ = S.segment_terms(S.SolveInputs(plan, layers, globals_, eaten), "w", options, only=k, consume=True)[k]
+        run = C.CompressRun(src, config, options, plan=plan)
+        a, _ = S.segment_terms(replace(run, stats=kept), layers, globals_, "w", only=k)[k]
+        b, _ = S.segment_terms(replace(run, stats=eaten), layers, globals_, "w", only=k, consume=True)[k]
         assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
         for ta, tb in zip(a, b):
             assert _rel(tb.M, ta.M) < 1e-12, ta.name
