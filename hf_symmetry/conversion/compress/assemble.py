@@ -21,7 +21,7 @@ from ..stream import DictSink, TensorSink
 from .folded import FoldedLayers, global_row_blocks
 from .options import LAYER_MODULES, CompressOptions
 from .plan import MatrixPlan, Plan
-from .solve import SolveResult
+from .solve import Kept
 
 Tensors = dict[str, torch.Tensor]
 
@@ -163,7 +163,7 @@ class Assembler:
         if k == self.plan.n_segments - 1:
             self.head(Qs, factors, consume=True)
 
-    def finish(self, res: SolveResult, progress: bool = True) -> None:
+    def finish(self, res: Kept, progress: bool = True) -> None:
         """Everything not yet written, from the solved rotations and factors."""
         if "embed" not in self.done:
             self.embed(res.Qs, res.factors)
@@ -179,7 +179,7 @@ def assemble(
     layers: list[Tensors],
     globals_: Tensors,
     gamma: torch.Tensor,
-    res: SolveResult,
+    res: Kept,
     dtype: torch.dtype,
     progress: bool = True,
 ) -> Tensors:

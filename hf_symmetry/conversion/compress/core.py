@@ -19,7 +19,7 @@ from .pca import sequential_stream_pca
 from .plan import Plan, check_family, plan_for
 from .report import CompressReport, summarise_traces
 from .routes import CompressRun
-from .solve import Kept, SolveResult, solve
+from .solve import Kept, solve
 
 
 class Output:
@@ -43,7 +43,7 @@ class Output:
     def config(self, run: CompressRun, plan: Plan) -> dict:
         return compressed_config(run.config, plan, run.options, run.hf_config)
 
-    def finish(self, run: CompressRun, res: SolveResult, globals_) -> None:
+    def finish(self, run: CompressRun, res: Kept, globals_) -> None:
         """Write what the plan's modules do not hold (nothing here)."""
 
     def method(self, run: CompressRun) -> str:

@@ -28,10 +28,12 @@ Tensors = dict[str, torch.Tensor]
 
 
 class Kept:
-    """Where a solve's results go (see :func:`solve`): the solved ``factors`` (in host memory, in
-    ``row_dtype`` where given) and ``relative_errors``, the consumer of each finished segment
-    (``on_segment(k, Qs, factors)``), and whether sequential calibration keeps its statistics
-    (``keep_stats``)."""
+    """A solve's results (see :func:`solve`): the solved ``factors`` (per compressed matrix, M orientation,
+    in host memory, in ``row_dtype`` where given) and ``relative_errors``, the rotations ``Qs`` (one per
+    segment, the same tensor in global mode; ``None`` where an ``on_segment`` consumer released one once
+    used), the objective ``traces`` per solved problem and the ``stats`` sequential calibration measured;
+    the consumer of each finished segment (``on_segment(k, Qs, factors)``), and whether sequential
+    calibration keeps its statistics (``keep_stats``)."""
 
     def __init__(
         self, row_dtype: torch.dtype | None = None, on_segment: Callable | None = None, keep_stats: bool = True
@@ -39,6 +41,14 @@ class Kept:
         self.row_dtype, self.on_segment, self.keep_stats = row_dtype, on_segment, keep_stats
         self.factors: dict[str, st.Factors] = {}
         self.relative_errors: dict[str, float] = {}
+        self.Qs: list[torch.Tensor | None] = []
+        self.traces: dict[str, list[float]] = {}
+        self.stats: CalibrationStats | None = None
+
+    def result(self, Qs: list, traces: dict, stats: CalibrationStats | None = None) -> Kept:
+        """This object, completed with the solve's rotations, traces and sequential statistics."""
+        self.Qs, self.traces, self.stats = Qs, traces, stats
+        return self
 
     def keep(self, terms: list[Term], Q: torch.Tensor) -> None:
         """Record ``terms``' factors and relative errors at ``Q`` (:func:`_keep`)."""
@@ -48,16 +58,6 @@ class Kept:
         """Segment ``k``'s rotation and factors are final: hand them on."""
         if self.on_segment is not None:
             self.on_segment(k, Qs, self.factors)
-
-
-@dataclass
-class SolveResult:
-    Qs: list[torch.Tensor | None]  # one per segment (the same tensor in global mode); None
-    #                                              where an ``on_segment`` consumer released it once used
-    factors: dict[str, st.Factors]  # per compressed matrix, M orientation
-    traces: dict[str, list[float]]  # objective traces per solved problem
-    relative_errors: dict[str, float]
-    stats: CalibrationStats | None = None  # sequential calibration: the statistics it measured
 
 
 def _kept_rotation(Q: torch.Tensor, Q0: torch.Tensor, iters: int) -> torch.Tensor:
@@ -279,7 +279,7 @@ def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors
     return Qs, traces, seq
 
 
-def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept | None = None) -> SolveResult:
+def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept | None = None) -> Kept:
     """The rotations and structured factors of ``run.options.stage`` (or SliceGPT's PCA rotations) for
     ``run.plan``, weighted by ``run.stats``, on the norm-folded ``layers`` and ``globals_``.
     ``run.rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
@@ -288,11 +288,11 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     runs on ``run.device`` (the matrices and statistics of one segment are moved there; results come back
     to the CPU), and one global Q spills its warm starts under ``run.folder`` (default: the system's
     temporary folder). ``kept`` (:class:`Kept`): ``keep_stats=False``: sequential calibration drops each
-    segment's statistics once it is solved (``SolveResult.stats`` then holds none);
+    segment's statistics once it is solved (``Kept.stats`` then holds none);
     ``on_segment(k, Qs, factors)``: called by the paths that finish the segments one after the other (one
     rotation per segment, or none) once segment k's rotation ``Qs[k]`` and factors are final, with those
     of every earlier segment (e.g. :meth:`.assemble.Assembler.segment_done`, which writes what they
-    complete and drops its factors from ``factors``, the dict that becomes ``SolveResult.factors``).
+    complete and drops its factors from ``factors``).
     ``row_dtype``: the dtype the solved factors are kept in, the vocabulary-sized row factor of a low-rank
     embedding included (the output's: they are rounded to it when written anyway; default float64, the
     solver's)."""
@@ -301,11 +301,11 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     n_seg = plan.n_segments
     path = options.solver
     if path == "pca":
-        return SolveResult(pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
+        return kept.result(pca_rotations(stats, n_seg, options.q_mode), {})
     if path == "pca-sequential":  # rotations measured by pca.sequential_stream_pca
         if rotations is None:
             raise ValueError("sequential SliceGPT takes its rotations from sequential_stream_pca")
-        return SolveResult(list(rotations), {}, {}, {}, stats)
+        return kept.result(list(rotations), {}, stats)
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
@@ -325,4 +325,4 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
                 stage_w = Stage("w", options.w_iters, "stage W")
                 Qs, w_traces = _solve_stage(run, layers, globals_, stage_w, Qs, kept)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
-    return SolveResult(Qs, kept.factors, traces, kept.relative_errors, seq)
+    return kept.result(Qs, traces, seq)
