@@ -209,6 +209,18 @@ def trace_of(t: torch.Tensor) -> float:
     return float(t.diagonal().sum())
 
 
+def output_error(step, module: torch.nn.Module) -> float:
+    """``Σ‖ŷ − y‖²`` over the calibration tokens of an engine step (:meth:`...calibration.CalibrationEngine.collect`
+    with ``layer_out`` Grams): ``ŷ`` the changed layer ``module`` on the original layer's inputs, ``y`` its
+    outputs."""
+    got = step.collect(StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),)), module=module)
+    return (
+        trace_of(got.grams["layer_out"])
+        - 2 * trace_of(got.cross[("layer_out", "layer_out")])
+        + trace_of(step.stats.grams["layer_out"])
+    )
+
+
 def measure_sensitivity(
     calib: CalibrationInput,
     adapter,
@@ -227,7 +239,6 @@ def measure_sensitivity(
         kron_q = kron_factor(entries, options, 1 - options.ratio)
     curves: dict[str, list[tuple[float, float]]] = {}
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-    compressed_request = StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),))
 
     def on_layer(step):
         name = f"layers.{step.index}"
@@ -244,14 +255,7 @@ def measure_sensitivity(
         curve = []
         for keep in MEASURED:
             params = sum(x.params() for x in _structures(es, options, kron_q, keep))
-            got = step.collect(
-                compressed_request, module=_compressed_layer(step.module, es, options, kron_q, keep, adapter)
-            )
-            err = (
-                trace_of(got.grams["layer_out"])
-                - 2 * trace_of(got.cross[("layer_out", "layer_out")])
-                + trace_of(s.grams["layer_out"])
-            )
+            err = output_error(step, _compressed_layer(step.module, es, options, kron_q, keep, adapter))
             curve.append((params / dense, max(err, 0.0) / max(update, 1e-300)))
         curves[name] = curve
         return None

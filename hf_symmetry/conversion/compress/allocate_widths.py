@@ -15,7 +15,7 @@ import torch
 
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
-from .allocate import Choice, Group, adapter_path, allocate, trace_of
+from .allocate import Choice, Group, adapter_path, allocate, output_error, trace_of
 from .moments import CalibrationInput, collect_statistics
 from .pca import pca
 from .plan import MatrixPlan, check_family, final_gamma, matrix_entries, params_at
@@ -127,15 +127,13 @@ def measure_slice_sensitivity(
     widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]
     curves: dict[str, list[tuple[float, float]]] = {}
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-    request = StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),))
     projections = {w: (Q[:, :w] @ Q[:, :w].T).to(device=engine.device, dtype=engine.dtype) for w in widths}
 
     def on_layer(step):
         energy = trace_of(step.stats.grams["layer_out"])
         curve = []
         for w in widths:
-            got = step.collect(request, module=_sliced_layer(step.module, adapter, projections[w]))
-            err = trace_of(got.grams["layer_out"]) - 2 * trace_of(got.cross[("layer_out", "layer_out")]) + energy
+            err = output_error(step, _sliced_layer(step.module, adapter, projections[w]))
             curve.append((w / d, max(err, 0.0) / max(energy, 1e-300)))
         curves[f"layers.{step.index}"] = curve
         return None
