@@ -344,6 +344,11 @@ def params_at(matrices: list[MatrixPlan], width) -> int:
     return total
 
 
+def sliced_entry(k: int, d: int, w: int) -> dict:
+    """A dense matrix of ``k`` rows sliced from width ``d`` to ``w``, as :attr:`Accounting.per_matrix` lists it."""
+    return {"structure": {"type": "dense", "width": w}, "params": k * w, "dense_params": k * d, "ratio": 1 - w / d}
+
+
 def slice_total(dp: int, entries: list[MatrixPlan], n_layers: int, tied: bool, segment: bool) -> int:
     """Parameters of the sliced matrices, skips and head mix at uniform width ``dp``."""
     return params_at(entries, lambda _: dp) + (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)

@@ -42,7 +42,17 @@ from ...solvers import structures as st
 from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
 from .pca import SliceOutput, nearest_width, slice_into
-from .plan import Accounting, accounting, check_family, in_policy, matrix_entries, params_at, plan_for, source_numels
+from .plan import (
+    Accounting,
+    accounting,
+    check_family,
+    in_policy,
+    matrix_entries,
+    params_at,
+    plan_for,
+    sliced_entry,
+    source_numels,
+)
 from .report import CompressReport
 from .routes import CompressRun, Route
 
@@ -111,12 +121,16 @@ def stock_params(entries, w: int, n_layers: int, vocab: int, tied: bool, carried
 
 
 def plan_stock_width(
-    source: TensorSource, config: dict, options: CompressOptions, stock: StockOptions = StockOptions()
+    source: TensorSource,
+    config: dict,
+    options: CompressOptions,
+    stock: StockOptions = StockOptions(),
+    width: int | None = None,
 ) -> tuple[int, Accounting]:
     """The width ``d′`` (the one whose parameter count is closest to the ratio's target, then the nearest
-    multiple of ``stock.round_to``) and the parameter accounting, in the keys the compressed family's
-    reports use. The budget is the compressed family's: removed parameters per dense parameter of the
-    matrices it compresses, the untied head paid for."""
+    multiple of ``stock.round_to``; ``width`` given: that one, not rounded) and the parameter accounting
+    at it. The budget is the compressed family's: removed parameters per dense parameter of the matrices
+    it compresses, the untied head paid for."""
     stock.validate()
     keys = source.keys()
     adapter = check_family(config, keys)
@@ -136,16 +150,12 @@ def plan_stock_width(
     if n > d:
         raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
     w = nearest_width(params, target, range(d // n * n, 0, -n))  # the wider one on a tie
+    if width is not None:
+        if not 1 <= width <= d:
+            raise ValueError(f"width must be in [1, {d}], got {width}")
+        w, n = int(width), None
     total = params(w)
-    per_matrix = {
-        e.name: {
-            "structure": {"type": "dense", "width": w},
-            "params": e.shape[0] * w,
-            "dense_params": e.shape[0] * d,
-            "ratio": 1 - w / d,
-        }
-        for e in entries
-    }
+    per_matrix = {e.name: sliced_entry(e.shape[0], d, w) for e in entries}
     if tied:
         per_matrix["lm_head"] = {
             "structure": {"type": "dense", "width": w},
@@ -193,22 +203,6 @@ def normalisation(d: int, w: int, eps: float) -> tuple[float, float]:
     """``(c, ε′)``: the stock norm of width ``w`` with ``ε′ = ε d/w``, its output times ``c = √(d/w)``,
     is the compressed family's norm (``Σ x² / d + ε``)."""
     return math.sqrt(d / w), eps * d / w
-
-
-def _account_width(accounting: Accounting, config: dict, keys, adapter: Adapter, w: int) -> None:
-    """``accounting`` (:func:`plan_stock_width`'s) at the width ``w`` given instead of the ratio's."""
-    d, L = adapter.hidden, adapter.n_layers
-    if not 1 <= w <= d:
-        raise ValueError(f"width must be in [1, {d}], got {w}")
-    entries = matrix_entries(config, keys, adapter)
-    carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
-    total = stock_params(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
-    a, dense = accounting, accounting.dense_model_params
-    a.residual, a.compressed_model_params, a.ratio_per_matrix_mean = w, total, 1 - w / d
-    a.ratio_over_model = 1 - total / dense
-    a.ratio_over_compressed = (dense - total) / a.dense_params_of_compressed_matrices
-    a.untied_head_params = a.untied_head_params and int(config["vocab_size"]) * w
-    a.norm_params, a.round_to = (2 * L + 1) * w, None
 
 
 def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict:
@@ -304,12 +298,8 @@ class StockSlice(Route, SliceOutput):
         return report
 
     def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
-        adapter = check_family(config, source.keys())
-        w, accounting = plan_stock_width(source, config, options, self.stock)
-        if width is not None:
-            w = int(width)
-            _account_width(accounting, config, source.keys(), adapter, w)
-        return adapter, w, accounting
+        w, accounting = plan_stock_width(source, config, options, self.stock, width)
+        return check_family(config, source.keys()), w, accounting
 
     def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
         c, eps = normalisation(adapter.hidden, width, adapter.eps)

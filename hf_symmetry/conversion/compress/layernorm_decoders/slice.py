@@ -30,7 +30,7 @@ from ...rms_decoder import check_layer_norm_decoder, rms_decoder_config
 from ...stream import StreamOptions, TensorSource, partition_keys
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 from ..pca import SliceOutput, nearest_width
-from ..plan import Accounting, MatrixPlan, params_at, source_numels
+from ..plan import Accounting, MatrixPlan, params_at, sliced_entry, source_numels
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
@@ -69,9 +69,9 @@ def _matrices(adapter: Adapter, shapes: dict) -> list[MatrixPlan]:
 
 
 def plan_width(
-    adapter: Adapter, source: TensorSource, keys: list[str], options: CompressOptions
+    adapter: Adapter, source: TensorSource, keys: list[str], options: CompressOptions, width: int | None = None
 ) -> tuple[int, Accounting]:
-    """The residual width and the parameter accounting (the keys the compressed family's reports use)."""
+    """The residual width (the ratio's; ``width`` given: that one) and the parameter accounting at it."""
     d, L = adapter.hidden, adapter.n_layers
     shapes = _shapes(adapter, source, keys)
     matrices = _matrices(adapter, shapes)
@@ -81,18 +81,16 @@ def plan_width(
     p_compressed = layer_params + (embed_params if options.compress_embeddings else 0)
     target = dense_total - options.ratio * p_compressed
     w = nearest_width(lambda x: params_at(matrices, lambda _: x), target, range(1, d + 1))
+    nearest = (dense_total - params_at(matrices, lambda _: w)) / p_compressed
+    if abs(nearest - options.ratio) > options.ratio_slack:
+        raise ValueError(
+            f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.ratio_slack:g} "
+            f"(nearest: {nearest:.4f}; a tied head is untied by the centring and costs vocab × width)"
+        )
+    w = w if width is None else int(width)
     total = params_at(matrices, lambda _: w)
-    per_matrix = {
-        m.name: {
-            "structure": {"type": "dense", "width": w},
-            "params": m.shape[0] * w,
-            "dense_params": m.shape[0] * d,
-            "ratio": 1 - w / d,
-        }
-        for m in matrices
-        if m.layer is not None
-    }
-    accounting = Accounting(
+    per_matrix = {m.name: sliced_entry(m.shape[0], d, w) for m in matrices if m.layer is not None}
+    return w, Accounting(
         dense_model_params=dense_total,
         compressed_model_params=total,
         ratio_over_compressed=(dense_total - total) / p_compressed,
@@ -106,13 +104,6 @@ def plan_width(
         hidden=d,
         residual=w,
     )
-    if abs(accounting.ratio_over_compressed - options.ratio) > options.ratio_slack:
-        raise ValueError(
-            f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.ratio_slack:g} "
-            f"(nearest: {accounting.ratio_over_compressed:.4f}; a tied head is untied by the centring "
-            "and costs vocab × width)"
-        )
-    return w, accounting
 
 
 class RMSDecoderSlice(SliceOutput):
@@ -126,11 +117,7 @@ class RMSDecoderSlice(SliceOutput):
         keys = source.keys()
         adapter = Adapter.from_config(config, keys)
         check(adapter, options, keys)
-        w, accounting = plan_width(adapter, source, keys, options)
-        if width is not None:
-            w = int(width)
-            matrices = _matrices(adapter, _shapes(adapter, source, keys))
-            accounting.residual, accounting.compressed_model_params = w, params_at(matrices, lambda _: w)
+        w, accounting = plan_width(adapter, source, keys, options, width)
         return adapter, w, accounting
 
     def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
