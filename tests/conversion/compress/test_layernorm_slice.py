@@ -51,7 +51,11 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
     d = model.config.hidden_size
     if family == "opt":
         full, report = compress_layer_norm_model(model, SLICE, _calib(), width=d)
-        assert report.accounting.compressed_model_params_counted == report.accounting.compressed_model_params
+        acc = report.accounting
+        assert acc.compressed_model_params_counted == acc.compressed_model_params
+        # the whole accounting is at the width given (d), not the ratio's
+        assert acc.ratio_over_model == pytest.approx(1 - acc.compressed_model_params / acc.dense_model_params)
+        assert {m["structure"]["width"] for m in acc.per_matrix.values()} == {d}
     else:
         sink = DictSink()
         cfg, _ = slice_into(

@@ -99,6 +99,9 @@ def test_stock_slice_gives_the_compressed_familys_logits(family, width, cls, exa
     ref = outputs(compressed, ids)
     assert (outputs(stock, ids) - ref).abs().max() < 1e-10
     assert sum(p.numel() for p in stock.parameters()) == report.accounting.compressed_model_params
+    # the whole accounting is at the width given, not the ratio's
+    assert {m["structure"]["width"] for m in report.accounting.per_matrix.values()} == {width}
+    assert report.accounting.residual == width and report.accounting.round_to is None
     # negative controls: the constant left out changes the logits clearly; ε not rescaled, slightly
     without, _, _ = _same_slice(model, width, calib, _float64(), constant=False, rescale_eps=False)
     assert (outputs(without, ids) - ref).abs().max() > 0.1
