@@ -69,10 +69,6 @@ def _structures(es: list[MatrixPlan], options: CompressOptions, kron_q: int | No
     return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head")) for e in es]
 
 
-def kron_factor(entries: list[MatrixPlan], options: CompressOptions, kappa: float) -> int | None:
-    return shared_factor(options, entries[0].shape[1], kappa)
-
-
 def build_groups(
     entries: list[MatrixPlan],
     options: CompressOptions,
@@ -236,7 +232,7 @@ def measure_sensitivity(
     source, config, ids, placement = calib.source, calib.config, calib.ids, calib.placement
     groups = group_entries(entries, options)
     if kron_q is None:
-        kron_q = kron_factor(entries, options, 1 - options.ratio)
+        kron_q = shared_factor(options, entries[0].shape[1], 1 - options.ratio)
     curves: dict[str, list[tuple[float, float]]] = {}
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
 

@@ -55,14 +55,8 @@ class Assembler:
     as :class:`...checkpoint_io.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
 
     def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink: TensorSink):
-        self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = (
-            plan,
-            layers,
-            globals_,
-            gamma,
-            dtype,
-            sink,
-        )
+        self.plan, self.layers, self.globals = plan, layers, globals_
+        self.gamma, self.dtype, self.sink = gamma, dtype, sink
         self.done: set = set()  # "embed", "head", layer indices
         self.written: set = set()  # names of the layer matrices written
 

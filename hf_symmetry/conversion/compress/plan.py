@@ -349,14 +349,14 @@ def sliced_entry(k: int, d: int, w: int) -> dict:
     return {"structure": {"type": "dense", "width": w}, "params": k * w, "dense_params": k * d, "ratio": 1 - w / d}
 
 
-def slice_total(dp: int, entries: list[MatrixPlan], n_layers: int, tied: bool, segment: bool) -> int:
-    """Parameters of the sliced matrices, skips and head mix at uniform width ``dp``."""
-    return params_at(entries, lambda _: dp) + (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
-
-
 def plan_slice(entries, d, n_layers, tied, segment, target_total) -> tuple[int, dict]:
-    """SliceGPT: the residual width d' whose total parameter count is closest to the target."""
-    best = min(range(1, d + 1), key=lambda dp: abs(slice_total(dp, entries, n_layers, tied, segment) - target_total))
+    """SliceGPT: the residual width d' whose total parameter count (the sliced matrices, the skips and the
+    head mix) is closest to the target."""
+
+    def total(dp: int) -> int:
+        return params_at(entries, lambda _: dp) + (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
+
+    best = min(range(1, d + 1), key=lambda dp: abs(total(dp) - target_total))
     return best, {e.name: st.Dense((e.shape[0], best)) for e in entries}
 
 

@@ -57,13 +57,8 @@ class _Weighting:
     and under sequential calibration each matrix's matched target."""
 
     def __init__(self, stats, stage: str, options: CompressOptions, device, consume: bool):
-        self.stats, self.stage, self.damping, self.device, self.consume = (
-            stats,
-            stage,
-            options.damping,
-            device,
-            consume,
-        )
+        self.stats, self.stage, self.damping = stats, stage, options.damping
+        self.device, self.consume = device, consume
         self.token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))  # (√(D+1))²
         self.weighted = stage == "w" and stats is not None and stats.normed is not None
         self.matched = self.weighted and stats.normed_cross is not None
