@@ -147,7 +147,7 @@ def run_row(row: dict, args, results: dict) -> dict:
         probe = C.CompressOptions(**opts, ratio=0.25)
         plan, _ = C.plan_for(reader, reader.config, probe)
         acc = plan.accounting
-        opts["ratio"] = (acc["dense_model_params"] - target) / acc["dense_params_of_compressed_matrices"]
+        opts["ratio"] = (acc.dense_model_params - target) / acc.dense_params_of_compressed_matrices
     options = C.CompressOptions.preset(row["preset"], **opts) if "preset" in row else C.CompressOptions(**opts)
     calib_ids = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens)
     state, cfg, report = C.compress_tensors(
@@ -162,16 +162,16 @@ def run_row(row: dict, args, results: dict) -> dict:
         "label": options.label,
         "perplexity": ppl(model),
         "params": counted,
-        "ratio_over_model": acc["ratio_over_model"],
-        "ratio_over_compressed": acc["ratio_over_compressed"],
+        "ratio_over_model": acc.ratio_over_model,
+        "ratio_over_compressed": acc.ratio_over_compressed,
         "seconds": time.perf_counter() - t0,
         "stage_seconds": report.seconds,
     }
-    if "allocation_report" in acc:
-        out["allocation"] = {k: v["keep"] for k, v in acc["allocation_report"]["groups"].items()}
-        if "widths" in acc["allocation_report"]:
-            out["widths"] = acc["allocation_report"]["widths"]
-            out["uniform_width"] = acc["allocation_report"]["uniform_width"]
+    if acc.allocation_report is not None:
+        out["allocation"] = {k: v["keep"] for k, v in acc.allocation_report["groups"].items()}
+        if "widths" in acc.allocation_report:
+            out["widths"] = acc.allocation_report["widths"]
+            out["uniform_width"] = acc.allocation_report["uniform_width"]
     # what each solve reached: objective per solved problem (first/last/steps) and relative errors
     out["objective"] = report.objective
     rel = report.relative_errors or slice_relative_errors(reader, state_norms, cfg)
@@ -180,8 +180,8 @@ def run_row(row: dict, args, results: dict) -> dict:
     for name, e in rel.items():
         by_kind.setdefault(name.rsplit(".", 1)[-1], []).append(e)
     out["mean_relative_error"] = {k: sum(v) / len(v) for k, v in by_kind.items()}
-    if "target_params" in acc:
-        out["target_params"] = acc["target_params"]
+    if acc.target_params is not None:
+        out["target_params"] = acc.target_params
     return out
 
 

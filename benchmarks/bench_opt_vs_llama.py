@@ -211,14 +211,16 @@ def main(argv=None) -> int:
             slice_cpu = time.process_time() - t
             sliced_ppl = perplexity(sliced.float(), val)
             acc = report.accounting
-            entry["dense_params"] = acc["dense_model_params"]
+            entry["dense_params"] = acc.dense_model_params
             entry["sliced"].append(
                 {
                     "ratio": ratio,
-                    "sliced_params": acc["compressed_model_params"],
-                    "ratio_over_model": acc["ratio_over_model"],
-                    "ratio_over_compressed": acc["ratio_over_compressed"],
-                    "residual_width": acc.get("residual", getattr(sliced.config, "residual_size", None)),
+                    "sliced_params": acc.compressed_model_params,
+                    "ratio_over_model": acc.ratio_over_model,
+                    "ratio_over_compressed": acc.ratio_over_compressed,
+                    "residual_width": acc.residual
+                    if acc.residual is not None
+                    else getattr(sliced.config, "residual_size", None),
                     "output_family": sliced.config.model_type,
                     "perplexity_sliced": sliced_ppl,
                     "perplexity_ratio": sliced_ppl / dense_ppl,
@@ -243,9 +245,9 @@ def main(argv=None) -> int:
                     "structure": structure,
                     "method": report.method,
                     "ratio": o["structured_ratio"],
-                    "params": acc["compressed_model_params"],
-                    "ratio_over_model": acc["ratio_over_model"],
-                    "ratio_over_compressed": acc["ratio_over_compressed"],
+                    "params": acc.compressed_model_params,
+                    "ratio_over_model": acc.ratio_over_model,
+                    "ratio_over_compressed": acc.ratio_over_compressed,
                     "output_family": compressed.config.model_type,
                     "skip_connections": compressed.config.skip_connections,
                     "perplexity": ppl,

@@ -231,10 +231,10 @@ class Compress(Conversion):
         lines = [
             f"compressed {report.family} model {src} -> {args.out} ({options.label}) "
             f"in {sum(report.seconds.values()):.1f} s",
-            f"  parameters: {acc['dense_model_params']:,} -> {acc['compressed_model_params']:,} "
-            f"({acc['ratio_over_model']:.1%} removed from the model, {acc['ratio_over_compressed']:.1%} of the "
-            f"compressed matrices; structures alone {acc['ratio_per_matrix_mean']:.1%}; skip matrices "
-            f"{acc['skip_params']:,}, head mix {acc['head_mix_params']:,})",
+            f"  parameters: {acc.dense_model_params:,} -> {acc.compressed_model_params:,} "
+            f"({acc.ratio_over_model:.1%} removed from the model, {acc.ratio_over_compressed:.1%} of the "
+            f"compressed matrices; structures alone {acc.ratio_per_matrix_mean:.1%}; skip matrices "
+            f"{acc.skip_params:,}, head mix {acc.head_mix_params:,})",
             *route_for(config, options, self.stock).output_lines(report, config),
             f"  report: {args.out}/compression_report.json",
         ]

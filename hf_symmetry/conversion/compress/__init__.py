@@ -55,7 +55,7 @@ from .pipeline import compress_checkpoint, compress_model, compress_tensors, rou
 from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
 from .report import REPORT_FILE, CompressReport, record_verification
 from .routes import CompressRun, Route
-from .solve import SolveResult
+from .solve import Kept
 from .targets import matched_target
 
 __all__ = [
@@ -101,6 +101,6 @@ __all__ = [
     "plan_compression",
     "plan_for",
     "source_numels",
-    "SolveResult",
+    "Kept",
     "matched_target",
 ]

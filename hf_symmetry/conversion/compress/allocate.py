@@ -69,10 +69,6 @@ def _structures(es: list[MatrixPlan], options: CompressOptions, kron_q: int | No
     return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head")) for e in es]
 
 
-def kron_factor(entries: list[MatrixPlan], options: CompressOptions, kappa: float) -> int | None:
-    return shared_factor(options, entries[0].shape[1], kappa)
-
-
 def build_groups(
     entries: list[MatrixPlan],
     options: CompressOptions,
@@ -209,6 +205,18 @@ def trace_of(t: torch.Tensor) -> float:
     return float(t.diagonal().sum())
 
 
+def output_error(step, module: torch.nn.Module) -> float:
+    """``Σ‖ŷ − y‖²`` over the calibration tokens of an engine step (:meth:`...calibration.CalibrationEngine.collect`
+    with ``layer_out`` Grams): ``ŷ`` the changed layer ``module`` on the original layer's inputs, ``y`` its
+    outputs."""
+    got = step.collect(StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),)), module=module)
+    return (
+        trace_of(got.grams["layer_out"])
+        - 2 * trace_of(got.cross[("layer_out", "layer_out")])
+        + trace_of(step.stats.grams["layer_out"])
+    )
+
+
 def measure_sensitivity(
     calib: CalibrationInput,
     adapter,
@@ -224,10 +232,9 @@ def measure_sensitivity(
     source, config, ids, placement = calib.source, calib.config, calib.ids, calib.placement
     groups = group_entries(entries, options)
     if kron_q is None:
-        kron_q = kron_factor(entries, options, 1 - options.ratio)
+        kron_q = shared_factor(options, entries[0].shape[1], 1 - options.ratio)
     curves: dict[str, list[tuple[float, float]]] = {}
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-    compressed_request = StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),))
 
     def on_layer(step):
         name = f"layers.{step.index}"
@@ -244,14 +251,7 @@ def measure_sensitivity(
         curve = []
         for keep in MEASURED:
             params = sum(x.params() for x in _structures(es, options, kron_q, keep))
-            got = step.collect(
-                compressed_request, module=_compressed_layer(step.module, es, options, kron_q, keep, adapter)
-            )
-            err = (
-                trace_of(got.grams["layer_out"])
-                - 2 * trace_of(got.cross[("layer_out", "layer_out")])
-                + trace_of(s.grams["layer_out"])
-            )
+            err = output_error(step, _compressed_layer(step.module, es, options, kron_q, keep, adapter))
             curve.append((params / dense, max(err, 0.0) / max(update, 1e-300)))
         curves[name] = curve
         return None
@@ -286,7 +286,7 @@ def budget_of(uniform) -> int:
     """Parameters the compressed matrices may have so that the model meets the ratio's target total:
     the uniform plan's structured parameters, corrected by its rounding."""
     acc = uniform.accounting
-    return acc["structured_params_of_compressed_matrices"] + acc["target_params"] - acc["compressed_model_params"]
+    return acc.structured_params_of_compressed_matrices + acc.target_params - acc.compressed_model_params
 
 
 def allocate_for(run, token_counts: torch.Tensor | None = None):
@@ -296,7 +296,7 @@ def allocate_for(run, token_counts: torch.Tensor | None = None):
     calib, options, uniform = run.calibration(), run.options, run.plan
     adapter = check_family(calib.config, calib.source.keys())
     entries = matrix_entries(calib.config, calib.source.keys(), adapter)
-    kron_q = uniform.accounting.get("kron_factor")
+    kron_q = uniform.accounting.kron_factor
     curves = measure_sensitivity(calib, adapter, entries, options, token_counts, run.progress, kron_q)
     budget = budget_of(uniform)
     groups = build_groups(entries, options, kron_q, curves)

@@ -15,10 +15,10 @@ import torch
 
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
-from .allocate import Choice, Group, adapter_path, allocate, trace_of
+from .allocate import Choice, Group, adapter_path, allocate, output_error, trace_of
 from .moments import CalibrationInput, collect_statistics
 from .pca import pca
-from .plan import MatrixPlan, check_family, final_gamma, matrix_entries
+from .plan import MatrixPlan, check_family, final_gamma, matrix_entries, params_at
 
 #: widths (fractions of the hidden size) at which the sliced layers are measured; full width is exact
 MEASURED_WIDTHS = (0.15, 0.3, 0.45, 0.6, 0.7, 0.8, 0.9)
@@ -43,16 +43,11 @@ def slice_params_per_width(entries: list[MatrixPlan], n_layers: int, tied: bool,
     it, the rows (and bias) of those that write it; the tied head's mix ``[w_0, w_2L]`` is charged to
     the final segment at ``head_width`` for ``w_0`` (the allocation is checked exactly afterwards)."""
     per = {k: 0 for k in range(2 * n_layers + 1)}
-    for e in entries:
-        per[e.segment] += e.shape[0] + (1 if e.bias and e.role == "writer" else 0)
+    for e in entries:  # the count is linear in the width: its slope
+        per[e.segment] += params_at([e], lambda _: 1) - params_at([e], lambda _: 0)
     if tied:
         per[2 * n_layers] += head_width
     return per
-
-
-def slice_constant(entries: list[MatrixPlan]) -> int:
-    """Parameters that do not depend on the widths (the readers' biases)."""
-    return sum(e.shape[0] for e in entries if e.bias and e.role == "reader")
 
 
 def build_slice_groups(
@@ -132,15 +127,13 @@ def measure_slice_sensitivity(
     widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]
     curves: dict[str, list[tuple[float, float]]] = {}
     engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-    request = StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),))
     projections = {w: (Q[:, :w] @ Q[:, :w].T).to(device=engine.device, dtype=engine.dtype) for w in widths}
 
     def on_layer(step):
         energy = trace_of(step.stats.grams["layer_out"])
         curve = []
         for w in widths:
-            got = step.collect(request, module=_sliced_layer(step.module, adapter, projections[w]))
-            err = trace_of(got.grams["layer_out"]) - 2 * trace_of(got.cross[("layer_out", "layer_out")]) + energy
+            err = output_error(step, _sliced_layer(step.module, adapter, projections[w]))
             curve.append((w / d, max(err, 0.0) / max(energy, 1e-300)))
         curves[f"layers.{step.index}"] = curve
         return None
@@ -171,10 +164,9 @@ def tied_head_curve(source, adapter, Q: torch.Tensor, stream_last: torch.Tensor)
     return [(w / d, float((B[w:, w:] * A_[w:, w:]).sum()) / max(total, 1e-300)) for w in widths]
 
 
-def _exact_slice_total(widths: list[int], entries: list[MatrixPlan], n_layers: int, tied: bool) -> int:
-    per = slice_params_per_width(entries, n_layers, tied, 0)
-    head = widths[0] * widths[-1] if tied else 0
-    return sum(per[k] * w for k, w in enumerate(widths)) + head + slice_constant(entries)
+def _exact_slice_total(widths: list[int], entries: list[MatrixPlan], tied: bool) -> int:
+    """Parameters at per-segment ``widths``: the matrices' and the tied head's mix ``[w_0, w_2L]``."""
+    return params_at(entries, widths.__getitem__) + (widths[0] * widths[-1] if tied else 0)
 
 
 def allocate_slice(
@@ -192,7 +184,7 @@ def allocate_slice(
     settles; then the exact total is checked — while over, the group whose next narrower width costs
     the least error per parameter is narrowed; while an upgrade fits, the one that lowers the error
     most per parameter is taken."""
-    constant = slice_constant(entries)
+    constant = params_at(entries, lambda _: 0)  # what does not depend on the widths: the readers' biases
     n_seg = 2 * n_layers + 1
 
     def widths_of(groups, ch):
@@ -214,7 +206,7 @@ def allocate_slice(
     def index(name):
         return next(j for j, c in enumerate(by_name[name].choices) if c.keep == chosen[name].keep)
 
-    while _exact_slice_total(widths, entries, n_layers, tied) > target:
+    while _exact_slice_total(widths, entries, tied) > target:
         best = None
         for g in groups:
             i = index(g.name)
@@ -229,13 +221,13 @@ def allocate_slice(
         chosen[best[1]] = best[2]
         widths = widths_of(groups, chosen)
     while True:
-        total, best = _exact_slice_total(widths, entries, n_layers, tied), None
+        total, best = _exact_slice_total(widths, entries, tied), None
         for g in groups:
             i = index(g.name)
             c = g.choices[i]
             for o in g.choices[i + 1 :]:
                 trial = dict(chosen, **{g.name: o})
-                extra = _exact_slice_total(widths_of(groups, trial), entries, n_layers, tied) - total
+                extra = _exact_slice_total(widths_of(groups, trial), entries, tied) - total
                 if o.error < c.error and total + extra <= target:
                     gain = (c.error - o.error) / max(extra, 1)
                     if best is None or gain > best[0]:
@@ -266,12 +258,12 @@ def allocate_slice_for(run):
         curves["embed"] = [
             (x, e + h) for (x, e), (_, h) in zip(curves["embed"], tied_head_curve(source, adapter, Q, stats.stream[-1]))
         ]
-    target = uniform.accounting["target_params"]
+    target = uniform.accounting.target_params
     widths, chosen, _ = allocate_slice(entries, n_layers, d, uniform.tied, target, curves, uniform.residual)
     keep = {f"segment{k}": w / d for k, w in enumerate(widths)}
     report = {
         "budget": target,
-        "allocated": _exact_slice_total(widths, entries, n_layers, uniform.tied),
+        "allocated": _exact_slice_total(widths, entries, uniform.tied),
         "uniform_width": uniform.residual,
         "widths": widths,
         "groups": {

@@ -21,7 +21,7 @@ from ..stream import DictSink, TensorSink
 from .folded import FoldedLayers, global_row_blocks
 from .options import LAYER_MODULES, CompressOptions
 from .plan import MatrixPlan, Plan
-from .solve import SolveResult
+from .solve import Kept
 
 Tensors = dict[str, torch.Tensor]
 
@@ -55,14 +55,8 @@ class Assembler:
     as :class:`...checkpoint_io.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
 
     def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink: TensorSink):
-        self.plan, self.layers, self.globals, self.gamma, self.dtype, self.sink = (
-            plan,
-            layers,
-            globals_,
-            gamma,
-            dtype,
-            sink,
-        )
+        self.plan, self.layers, self.globals = plan, layers, globals_
+        self.gamma, self.dtype, self.sink = gamma, dtype, sink
         self.done: set = set()  # "embed", "head", layer indices
         self.written: set = set()  # names of the layer matrices written
 
@@ -163,7 +157,7 @@ class Assembler:
         if k == self.plan.n_segments - 1:
             self.head(Qs, factors, consume=True)
 
-    def finish(self, res: SolveResult, progress: bool = True) -> None:
+    def finish(self, res: Kept, progress: bool = True) -> None:
         """Everything not yet written, from the solved rotations and factors."""
         if "embed" not in self.done:
             self.embed(res.Qs, res.factors)
@@ -179,7 +173,7 @@ def assemble(
     layers: list[Tensors],
     globals_: Tensors,
     gamma: torch.Tensor,
-    res: SolveResult,
+    res: Kept,
     dtype: torch.dtype,
     progress: bool = True,
 ) -> Tensors:
@@ -230,8 +224,8 @@ def structure_entries(plan: Plan, options: CompressOptions, source_model_type: s
             "stage": options.stage,
             "q_mode": options.q_mode,
             "ratio": options.ratio,
-            "ratio_over_compressed": plan.accounting["ratio_over_compressed"],
-            "ratio_over_model": plan.accounting["ratio_over_model"],
+            "ratio_over_compressed": plan.accounting.ratio_over_compressed,
+            "ratio_over_model": plan.accounting.ratio_over_model,
             "source_model_type": source_model_type,
         },
     }

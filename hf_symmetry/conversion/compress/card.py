@@ -7,6 +7,7 @@ from pathlib import Path
 from ...hub.cards import perplexity_result, public_model_label, public_text_label
 from ...hub.cards import write_card as render
 from .options import CompressOptions
+from .plan import Accounting
 
 
 def write_card(folder: Path, report, options: CompressOptions) -> None:
@@ -33,21 +34,21 @@ def write_card(folder: Path, report, options: CompressOptions) -> None:
             "title": f"{Path(report.source).name} compressed with {method}",
             "summary": (
                 f"Structured compression of `{public_model_label(report.source)}` with {method}: "
-                f"{acc['ratio_over_compressed']:.1%} of the compressed matrices' parameters removed "
-                f"({acc['ratio_over_model']:.1%} of the whole model, {acc['compressed_model_params']:,} parameters "
+                f"{acc.ratio_over_compressed:.1%} of the compressed matrices' parameters removed "
+                f"({acc.ratio_over_model:.1%} of the whole model, {acc.compressed_model_params:,} parameters "
                 f"left). " + _loading(acc)
             ),
             "method": method,
             "parameters": options.applicable(),
             "inputs": [report.source],
-            "size": {"parameters": acc["compressed_model_params"]},
+            "size": {"parameters": acc.compressed_model_params},
             "eval_results": results,
             "extra": {
-                "ratio_over_compressed": acc["ratio_over_compressed"],
-                "ratio_over_model": acc["ratio_over_model"],
-                "parameters_before": acc["dense_model_params"],
-                "parameters_after": acc["compressed_model_params"],
-                "per_matrix": per_matrix_rows(acc["per_matrix"]),
+                "ratio_over_compressed": acc.ratio_over_compressed,
+                "ratio_over_model": acc.ratio_over_model,
+                "parameters_before": acc.dense_model_params,
+                "parameters_after": acc.compressed_model_params,
+                "per_matrix": per_matrix_rows(acc.per_matrix),
                 "perplexity": report.perplexity
                 and {**report.perplexity, "text": public_text_label(report.perplexity["text"])},
             },
@@ -55,10 +56,10 @@ def write_card(folder: Path, report, options: CompressOptions) -> None:
     )
 
 
-def _loading(acc: dict) -> str:
-    if acc.get("output_family") == "stock":
+def _loading(acc: Accounting) -> str:
+    if acc.output_family == "stock":
         return (
-            f"A stock `{acc['stock_class']}` with hidden size {acc['residual']} (of {acc['hidden']}): loads "
+            f"A stock `{acc.stock_class}` with hidden size {acc.residual} (of {acc.hidden}): loads "
             "without `trust_remote_code`."
         )
     return "Load with `trust_remote_code=True`."

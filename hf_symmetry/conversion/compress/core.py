@@ -19,7 +19,7 @@ from .pca import sequential_stream_pca
 from .plan import Plan, check_family, plan_for
 from .report import CompressReport, summarise_traces
 from .routes import CompressRun
-from .solve import Kept, SolveResult, solve
+from .solve import Kept, solve
 
 
 class Output:
@@ -43,7 +43,7 @@ class Output:
     def config(self, run: CompressRun, plan: Plan) -> dict:
         return compressed_config(run.config, plan, run.options, run.hf_config)
 
-    def finish(self, run: CompressRun, res: SolveResult, globals_) -> None:
+    def finish(self, run: CompressRun, res: Kept, globals_) -> None:
         """Write what the plan's modules do not hold (nothing here)."""
 
     def method(self, run: CompressRun) -> str:
@@ -64,7 +64,7 @@ def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, Co
     if run.stats is None:  # measured as the solver reaches each segment where that is enough
         run = replace(run, stats=one_pass_statistics(run, on_demand=True))
     times["calibration"] = time.perf_counter() - t0
-    if options.allocation == "sensitivity" and run.plan.accounting.get("allocation") != "sensitivity":
+    if options.allocation == "sensitivity" and run.plan.accounting.allocation != "sensitivity":
         t = time.perf_counter()
         run = replace(run, plan=_allocated_plan(run))
         times["allocation"] = time.perf_counter() - t
@@ -114,5 +114,5 @@ def _allocated_plan(run: CompressRun) -> Plan:
     else:
         keep, allocation = allocate_for(run, run.stats.token_counts if run.stats is not None else None)
     plan, _ = plan_for(run.source, run.config, run.options, keep=keep)
-    plan.accounting["allocation_report"] = allocation
+    plan.accounting.allocation_report = allocation
     return plan

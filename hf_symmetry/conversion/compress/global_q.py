@@ -7,7 +7,7 @@ step, but between projections only their summaries: the rotation step minimises
 segment with compressed readers (stage W; ``Σ_p`` is that segment's column weight) are sums over the
 matrices. So each alternation here is one *sweep* over the segments in order. A segment's matrices are
 read from the checkpoint, norm-folded, weighted and balanced as the per-segment path makes them
-(:func:`.solve._each_term`). Each is then fitted at the current Q, added to the summaries and dropped.
+(:func:`.terms.each_term`). Each is then fitted at the current Q, added to the summaries and dropped.
 
 Held across sweeps: Q, the summaries (with each segment's ``Σ_p``, which the rotation step needs
 itself), and warm starts. Where a fit is an alternating least squares started from the previous
@@ -71,7 +71,7 @@ def _warm_started(t: Term) -> bool:
 
 class GlobalSolve:
     """Stage ``stage`` with one rotation over every segment (see the module docstring). ``terms(k)``
-    yields ``(MatrixPlan, Term)`` of segment ``k`` as :func:`.solve._each_term` makes them."""
+    yields ``(MatrixPlan, Term)`` of segment ``k`` as :func:`.terms.each_term` makes them."""
 
     def __init__(self, terms, n_segments: int, stage: str, options, d: int, device=None):
         self.terms, self.n_segments, self.stage, self.options = terms, n_segments, stage, options

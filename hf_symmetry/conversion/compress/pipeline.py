@@ -66,7 +66,7 @@ def compress_model(
         )
     )
     compressed, counted = build_model(state, new_config, dtype)
-    report.accounting["compressed_model_params_counted"] = counted
+    report.accounting.compressed_model_params_counted = counted
     return compressed, report
 
 

@@ -10,7 +10,7 @@ of each matrix's parameters kept, see :mod:`.allocate`) or the paper's fixed per
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from safetensors import safe_open
@@ -52,6 +52,57 @@ class MatrixPlan:
 
 
 @dataclass
+class Accounting:
+    """A compressed model's parameters against its source's (``compression_report.json``'s ``accounting``).
+    The ratio's budget is the dense parameters of the matrices the ratio is measured on; the optional
+    fields are those of one route: the structured classes' size (``uniform_keep``, ``kron_factor``), a
+    sensitivity allocation, a family other than the compressed one (``output_family``, the stock width's
+    rounding and norm constant, an untied head)."""
+
+    dense_model_params: int
+    compressed_model_params: int
+    # removed parameters (norm weights, which fold away, included) per dense parameter of the
+    # compressed matrices: equal for equal totals, whatever the method
+    ratio_over_compressed: float
+    ratio_over_model: float
+    ratio_per_matrix_mean: float
+    skip_params: int
+    head_mix_params: int
+    per_matrix: dict[str, dict]
+    target_ratio: float | None = None  # None: a preset's fixed size
+    target_params: int | None = None  # the total every allocation at these options must meet
+    dense_params_of_compressed_matrices: int | None = None
+    structured_params_of_compressed_matrices: int | None = None
+    residual_sizes: list[int] | None = None
+    uniform_keep: float | None = None
+    kron_factor: int | None = None  # None: not Kronecker
+    allocation: str | None = None  # "sensitivity" where the sizes were allocated
+    allocation_report: dict | None = None
+    untied_head_params: int | None = None
+    output_family: str | None = None  # None: the compressed family
+    hidden: int | None = None
+    residual: int | None = None
+    norm_params: int | None = None
+    width_unrounded: int | None = None
+    round_to: int | None = None  # None: a width given, not rounded
+    stock_class: str | None = None
+    norm_constant: float | None = None
+    rms_norm_eps: float | None = None
+    source_rms_norm_eps: float | None = None
+    compressed_model_params_counted: int | None = None  # as the written model counts them
+
+    def to_dict(self) -> dict:
+        """The JSON record: the fields of this route; ``None`` ones are left out, except those that say
+        "none" where their route has them (:data:`NULL_WHERE`)."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if v is not None or (k in NULL_WHERE and d[NULL_WHERE[k]] is not None)}
+
+
+#: the fields written as ``null`` where the field beside them is set (their route has them)
+NULL_WHERE = {"target_ratio": "target_params", "kron_factor": "uniform_keep", "round_to": "stock_class"}
+
+
+@dataclass
 class Plan:
     family: str
     hidden: int
@@ -61,7 +112,7 @@ class Plan:
     skip: str  # none | orthogonal | dense
     lm_head: str  # tied | tied_mixed | separate
     matrices: list[MatrixPlan]
-    accounting: dict = field(default_factory=dict)
+    accounting: Accounting | None = None
     residual_sizes: list[int] | None = None  # per-segment widths (SliceGPT, one global Q), else None
     carried: int = 0  # parameters kept as they are (QK-norm γ), counted in the model's total
 
@@ -219,17 +270,13 @@ def plan_compression(
     )
     if widths is not None and plan.residual_sizes is None:
         plan.residual = widths[0]
-    plan.accounting = accounting(plan, dense_total, p_compressed, options)
+    acc = plan.accounting = accounting(plan, dense_total, p_compressed, options)
     # the total every allocation at these options must meet: the ratio's, or the preset's uniform size
-    plan.accounting["target_params"] = (
-        round(target_total) if options.matrix_keep is None else plan.accounting["compressed_model_params"]
-    )
-    if not options.slicing:
-        plan.accounting["uniform_keep"] = kappa
-        plan.accounting["kron_factor"] = kron_q
+    acc.target_params = round(target_total) if options.matrix_keep is None else acc.compressed_model_params
+    acc.uniform_keep, acc.kron_factor = kappa, kron_q
     if keep is not None:
-        plan.accounting["allocation"] = "sensitivity"
-    achieved = plan.accounting["ratio_over_compressed"]
+        acc.allocation = "sensitivity"
+    achieved = acc.ratio_over_compressed
     if options.matrix_keep is None and abs(achieved - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"no {options.structure} configuration meets ratio {options.ratio:g} within "
@@ -283,19 +330,33 @@ def rotation_overhead(d: int, n_layers: int, segment: bool, lm_head: str) -> int
     return (2 * n_layers * d * (d + 1) // 2 if segment else 0) + (d * d if lm_head == "tied_mixed" else 0)
 
 
-def slice_total(dp: int, entries: list[MatrixPlan], n_layers: int, tied: bool, segment: bool) -> int:
-    """Parameters of the sliced matrices, skips and head mix at uniform width ``dp``."""
+def params_at(matrices: list[MatrixPlan], width) -> int:
+    """Parameters of the planned modules ``matrices`` where residual segment ``s`` is ``width(s)`` wide: a
+    structured matrix's own, a dense one's rows × the width (the residual dimension is on its columns), and
+    its bias (a reader's whole, a writer's at the width). Every count of a model's parameters at a width
+    is this one's."""
     total = 0
-    for e in entries:
-        k = e.shape[0]
-        total += k * dp + (k if e.bias and e.role == "reader" else dp if e.bias else 0)
-    total += (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
+    for m in matrices:
+        k, w = m.shape[0], width(m.segment)
+        total += (k * w if isinstance(m.structure, st.Dense) else m.structure.params()) + (
+            (k if m.role == "reader" else w) if m.bias else 0
+        )
     return total
 
 
+def sliced_entry(k: int, d: int, w: int) -> dict:
+    """A dense matrix of ``k`` rows sliced from width ``d`` to ``w``, as :attr:`Accounting.per_matrix` lists it."""
+    return {"structure": {"type": "dense", "width": w}, "params": k * w, "dense_params": k * d, "ratio": 1 - w / d}
+
+
 def plan_slice(entries, d, n_layers, tied, segment, target_total) -> tuple[int, dict]:
-    """SliceGPT: the residual width d' whose total parameter count is closest to the target."""
-    best = min(range(1, d + 1), key=lambda dp: abs(slice_total(dp, entries, n_layers, tied, segment) - target_total))
+    """SliceGPT: the residual width d' whose total parameter count (the sliced matrices, the skips and the
+    head mix) is closest to the target."""
+
+    def total(dp: int) -> int:
+        return params_at(entries, lambda _: dp) + (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
+
+    best = min(range(1, d + 1), key=lambda dp: abs(total(dp) - target_total))
     return best, {e.name: st.Dense((e.shape[0], best)) for e in entries}
 
 
@@ -311,21 +372,14 @@ def segment_widths(keep: dict[str, float], d: int, n_layers: int) -> list[int]:
     return widths
 
 
-def _module_params(m: MatrixPlan, width: int) -> int:
-    bias = 0
-    if m.bias:
-        bias = m.structure.shape[0] if m.role == "reader" else width
-    return m.structure.params() + bias
-
-
-def accounting(plan: Plan, dense_total: int, p_compressed: int, options: CompressOptions) -> dict:
+def accounting(plan: Plan, dense_total: int, p_compressed: int, options: CompressOptions) -> Accounting:
     d, dr = plan.hidden, plan.residual
     skip_each = {"orthogonal": d * (d + 1) // 2, "dense": dr * dr, "none": 0}[plan.skip]
     skips = 2 * plan.n_layers * skip_each
     mix = plan.width(0) * plan.width(2 * plan.n_layers) if plan.lm_head == "tied_mixed" else 0
     compressed_set = [m for m in plan.matrices if in_policy(m.canon, options)]
     structured = sum(m.structure.params() for m in compressed_set)
-    total = sum(_module_params(m, plan.width(m.segment)) for m in plan.matrices) + skips + mix + plan.carried
+    total = params_at(plan.matrices, plan.width) + skips + mix + plan.carried
     per_matrix = {
         m.name: {
             "structure": m.module_structure.entry(),
@@ -335,22 +389,20 @@ def accounting(plan: Plan, dense_total: int, p_compressed: int, options: Compres
         }
         for m in plan.matrices
     }
-    return {
-        "target_ratio": options.ratio if options.matrix_keep is None else None,
-        "dense_params_of_compressed_matrices": p_compressed,
-        "structured_params_of_compressed_matrices": structured,
-        "skip_params": skips,
-        "head_mix_params": mix,
-        # removed parameters (norm weights, which fold away, included) per dense parameter of the
-        # compressed matrices: equal for equal totals, whatever the method
-        "ratio_over_compressed": (dense_total - total) / p_compressed,
-        "ratio_per_matrix_mean": 1 - structured / p_compressed,
-        "dense_model_params": dense_total,
-        "compressed_model_params": total,
-        "ratio_over_model": 1 - total / dense_total,
-        **({"residual_sizes": list(plan.residual_sizes)} if plan.residual_sizes is not None else {}),
-        "per_matrix": per_matrix,
-    }
+    return Accounting(
+        dense_model_params=dense_total,
+        compressed_model_params=total,
+        ratio_over_compressed=(dense_total - total) / p_compressed,
+        ratio_over_model=1 - total / dense_total,
+        ratio_per_matrix_mean=1 - structured / p_compressed,
+        skip_params=skips,
+        head_mix_params=mix,
+        per_matrix=per_matrix,
+        target_ratio=options.ratio if options.matrix_keep is None else None,
+        dense_params_of_compressed_matrices=p_compressed,
+        structured_params_of_compressed_matrices=structured,
+        residual_sizes=None if plan.residual_sizes is None else list(plan.residual_sizes),
+    )
 
 
 def source_numels(source: TensorSource, keys: list[str], tied: bool) -> int:

@@ -14,6 +14,7 @@ from ...checkpoint_io import copy_side_files
 from ...hub.cards import public_report
 from .card import write_card
 from .options import CompressOptions
+from .plan import Accounting
 
 REPORT_FILE = "compression_report.json"
 
@@ -24,7 +25,7 @@ class CompressReport:
     output: str | None
     family: str
     options: dict
-    accounting: dict
+    accounting: Accounting
     relative_errors: dict
     objective: dict  # per solved problem: first and last objective value, steps
     calibration_tokens: int = 0
@@ -33,7 +34,7 @@ class CompressReport:
     method: str = ""
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "accounting": self.accounting.to_dict()}
 
 
 def summarise_traces(traces: dict) -> dict:
@@ -57,7 +58,7 @@ def finish_folder(
     """Complete an output folder whose weights and config are written: the parameters ``counted`` as
     written, the source folder's side files (tokenizer, generation config), the report (naming
     ``source`` and ``out``) and the card; every file made readable as ``save_pretrained`` leaves it."""
-    report.accounting["compressed_model_params_counted"] = counted
+    report.accounting.compressed_model_params_counted = counted
     copy_side_files(source_folder, folder)
     report.source, report.output = str(source), str(out)
     write_report(folder, report)

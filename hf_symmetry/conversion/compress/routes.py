@@ -101,10 +101,10 @@ class Route(ABC):
         reason = self.stock_refusal
         lines = [f"  output: compressed family (trust_remote_code=True): {reason}"]
         acc = report.accounting
-        if acc.get("head_mix_params") and "--untie" in reason:
-            width = math.isqrt(acc["head_mix_params"])  # the mix is width × width
+        if acc.head_mix_params and "--untie" in reason:
+            width = math.isqrt(acc.head_mix_params)  # the mix is width × width
             lines.append(
-                f"  tied head: head mix {acc['head_mix_params']:,} parameters; --untie would cost vocab × width "
+                f"  tied head: head mix {acc.head_mix_params:,} parameters; --untie would cost vocab × width "
                 f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)"
             )
         return lines

@@ -9,7 +9,7 @@ or sequential) or globally, then slicing. Which path runs is :attr:`CompressOpti
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -22,16 +22,18 @@ from .options import CompressOptions
 from .pca import pca_rotations
 from .plan import MatrixPlan
 from .routes import CompressRun
-from .terms import SolveInputs, each_term, segment_terms
+from .terms import each_term, segment_terms
 
 Tensors = dict[str, torch.Tensor]
 
 
 class Kept:
-    """Where a solve's results go (see :func:`solve`): the solved ``factors`` (in host memory, in
-    ``row_dtype`` where given) and ``relative_errors``, the consumer of each finished segment
-    (``on_segment(k, Qs, factors)``), and whether sequential calibration keeps its statistics
-    (``keep_stats``)."""
+    """A solve's results (see :func:`solve`): the solved ``factors`` (per compressed matrix, M orientation,
+    in host memory, in ``row_dtype`` where given) and ``relative_errors``, the rotations ``Qs`` (one per
+    segment, the same tensor in global mode; ``None`` where an ``on_segment`` consumer released one once
+    used), the objective ``traces`` per solved problem and the ``stats`` sequential calibration measured;
+    the consumer of each finished segment (``on_segment(k, Qs, factors)``), and whether sequential
+    calibration keeps its statistics (``keep_stats``)."""
 
     def __init__(
         self, row_dtype: torch.dtype | None = None, on_segment: Callable | None = None, keep_stats: bool = True
@@ -39,6 +41,14 @@ class Kept:
         self.row_dtype, self.on_segment, self.keep_stats = row_dtype, on_segment, keep_stats
         self.factors: dict[str, st.Factors] = {}
         self.relative_errors: dict[str, float] = {}
+        self.Qs: list[torch.Tensor | None] = []
+        self.traces: dict[str, list[float]] = {}
+        self.stats: CalibrationStats | None = None
+
+    def result(self, Qs: list, traces: dict, stats: CalibrationStats | None = None) -> Kept:
+        """This object, completed with the solve's rotations, traces and sequential statistics."""
+        self.Qs, self.traces, self.stats = Qs, traces, stats
+        return self
 
     def keep(self, terms: list[Term], Q: torch.Tensor) -> None:
         """Record ``terms``' factors and relative errors at ``Q`` (:func:`_keep`)."""
@@ -48,16 +58,6 @@ class Kept:
         """Segment ``k``'s rotation and factors are final: hand them on."""
         if self.on_segment is not None:
             self.on_segment(k, Qs, self.factors)
-
-
-@dataclass
-class SolveResult:
-    Qs: list[torch.Tensor | None]  # one per segment (the same tensor in global mode); None
-    #                                              where an ``on_segment`` consumer released it once used
-    factors: dict[str, st.Factors]  # per compressed matrix, M orientation
-    traces: dict[str, list[float]]  # objective traces per solved problem
-    relative_errors: dict[str, float]
-    stats: CalibrationStats | None = None  # sequential calibration: the statistics it measured
 
 
 def _kept_rotation(Q: torch.Tensor, Q0: torch.Tensor, iters: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ class Stage:
     keep_factors: bool = True
 
 
-def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+def _solve_stage(run: CompressRun, layers: list[Tensors], globals_: Tensors, stage: Stage, Q_init: list, kept: Kept):
     """One stage (F, W, or the plain/weighted projection) on one pass's statistics. One global Q solves
     all segments' terms together, streaming them from the checkpoint on each alternation
     (:class:`.global_q.GlobalSolve`, :func:`_solve_global`); one Q per segment builds, solves and drops the
@@ -104,17 +104,15 @@ def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], 
     and errors (into ``kept``), and hand segment k on once its are final (:meth:`Kept.segment_done`)."""
     options = run.options
     if options.q_mode == "global":
-        return _solve_global(inputs, stage, Q_init, run, kept)
+        return _solve_global(run, layers, globals_, stage, Q_init, kept)
     traces = {}
     dtype = getattr(torch, options.solver_dtype)
     Qs = []
     # statistics measured on demand are this solve's own: consumed in place (no copy of a writer's moments)
-    stats = inputs.stats
+    stats = run.stats
     owned = stage.name == "w" and hasattr(stats, "release_segment")
-    for k in tqdm(range(inputs.plan.n_segments), desc=stage.desc, unit="segment", disable=not run.progress):
-        terms, _ = segment_terms(
-            inputs, stage.name, options, only=k, device=run.device, row_dtype=kept.row_dtype, consume=owned
-        )[k]
+    for k in tqdm(range(run.plan.n_segments), desc=stage.desc, unit="segment", disable=not run.progress):
+        terms, _ = segment_terms(run, layers, globals_, stage.name, only=k, row_dtype=kept.row_dtype, consume=owned)[k]
         res = solve_segment(
             terms,
             Q_init[k],
@@ -132,14 +130,14 @@ def _solve_stage(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], 
     return Qs, traces
 
 
-def _solve_global(inputs: SolveInputs, stage: Stage, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+def _solve_global(run: CompressRun, layers: list[Tensors], globals_: Tensors, stage: Stage, Q_init: list, kept: Kept):
     """:func:`_solve_stage` with one global Q (:class:`.global_q.GlobalSolve`; it spills its warm starts
     under ``run.folder``, default the system's temporary folder)."""
-    plan, options = inputs.plan, run.options
+    plan, options = run.plan, run.options
     Qs: list = []
 
     def each(k: int):
-        return each_term(inputs, stage.name, options, only=k, device=run.device, row_dtype=kept.row_dtype)
+        return each_term(run, layers, globals_, stage.name, only=k, row_dtype=kept.row_dtype)
 
     def keep(t: Term, Q: torch.Tensor) -> None:
         kept.keep([t], Q)
@@ -224,14 +222,14 @@ def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: Compres
     return terms, res
 
 
-def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
+def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors, Q_init: list, kept: Kept):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
     calibration engine (:func:`.moments.sequential_weighted`, on :meth:`.routes.CompressRun.calibration`),
     and its matrices are replaced there by their approximations once solved. ``match_original``: each
     matrix then targets the original model's outputs and writers the original residual stream
     (:func:`.targets.matched_target`), instead of the matrix's own outputs on X̂."""
-    plan, options = inputs.plan, run.options
+    plan, options = run.plan, run.options
     calib = run.calibration()
     iters = options.w_iters if options.rotates else 0
     ms = plan.by_name()
@@ -240,11 +238,11 @@ def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: Comp
 
     def segment(k: int, seq: CalibrationStats):
         each = each_term(
-            SolveInputs(plan, inputs.layers, inputs.globals_, seq),
+            replace(run, stats=seq),
+            layers,
+            globals_,
             "w",
-            options,
             only=k,
-            device=run.device,
             row_dtype=kept.row_dtype,
             consume=not kept.keep_stats,
         )
@@ -269,19 +267,19 @@ def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: Comp
     try:
         seq = sequential_weighted(
             calib,
-            inputs.stats.token_counts,
+            run.stats.token_counts,
             options.match_original,
             segment,
             progress=run.progress,
             keep=kept.keep_stats,
-            folded=inputs.layers,
+            folded=layers,
         )
     finally:
         bar.close()
     return Qs, traces, seq
 
 
-def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept | None = None) -> SolveResult:
+def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept | None = None) -> Kept:
     """The rotations and structured factors of ``run.options.stage`` (or SliceGPT's PCA rotations) for
     ``run.plan``, weighted by ``run.stats``, on the norm-folded ``layers`` and ``globals_``.
     ``run.rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
@@ -290,11 +288,11 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     runs on ``run.device`` (the matrices and statistics of one segment are moved there; results come back
     to the CPU), and one global Q spills its warm starts under ``run.folder`` (default: the system's
     temporary folder). ``kept`` (:class:`Kept`): ``keep_stats=False``: sequential calibration drops each
-    segment's statistics once it is solved (``SolveResult.stats`` then holds none);
+    segment's statistics once it is solved (``Kept.stats`` then holds none);
     ``on_segment(k, Qs, factors)``: called by the paths that finish the segments one after the other (one
     rotation per segment, or none) once segment k's rotation ``Qs[k]`` and factors are final, with those
     of every earlier segment (e.g. :meth:`.assemble.Assembler.segment_done`, which writes what they
-    complete and drops its factors from ``factors``, the dict that becomes ``SolveResult.factors``).
+    complete and drops its factors from ``factors``).
     ``row_dtype``: the dtype the solved factors are kept in, the vocabulary-sized row factor of a low-rank
     embedding included (the output's: they are rounded to it when written anyway; default float64, the
     solver's)."""
@@ -303,29 +301,28 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     n_seg = plan.n_segments
     path = options.solver
     if path == "pca":
-        return SolveResult(pca_rotations(stats, n_seg, options.q_mode), {}, {}, {})
+        return kept.result(pca_rotations(stats, n_seg, options.q_mode), {})
     if path == "pca-sequential":  # rotations measured by pca.sequential_stream_pca
         if rotations is None:
             raise ValueError("sequential SliceGPT takes its rotations from sequential_stream_pca")
-        return SolveResult(list(rotations), {}, {}, {}, stats)
+        return kept.result(list(rotations), {}, stats)
     eye = torch.eye(plan.hidden, dtype=torch.float64)
     Q0 = list(rotations) if rotations is not None else [eye] * n_seg
     seq = None
-    inputs = SolveInputs(plan, layers, globals_, stats)
     if path == "projection":
         # low rank: no rotation can lower the error, the stage only picks the weighting
-        Qs, traces = _solve_stage(inputs, Stage(options.stage, 0, "projection"), Q0, run, kept)
+        Qs, traces = _solve_stage(run, layers, globals_, Stage(options.stage, 0, "projection"), Q0, kept)
     elif not options.rotates:  # low rank, sequential: one segment after the other, Q = I
-        Qs, traces, seq = _solve_sequential(inputs, Q0, run, kept)
+        Qs, traces, seq = _solve_sequential(run, layers, globals_, Q0, kept)
     else:
         # stage F's factors only where they are the result (stage W replaces every one of them)
         stage_f = Stage("f", options.f_iters, "stage F", keep_factors=options.stage == "f")
-        Qs, traces = _solve_stage(inputs, stage_f, Q0, run, kept)
+        Qs, traces = _solve_stage(run, layers, globals_, stage_f, Q0, kept)
         if options.stage == "w":
             if path == "sequential":
-                Qs, w_traces, seq = _solve_sequential(inputs, Qs, run, kept)
+                Qs, w_traces, seq = _solve_sequential(run, layers, globals_, Qs, kept)
             else:
                 stage_w = Stage("w", options.w_iters, "stage W")
-                Qs, w_traces = _solve_stage(inputs, stage_w, Qs, run, kept)
+                Qs, w_traces = _solve_stage(run, layers, globals_, stage_w, Qs, kept)
             traces = {**{f"F/{k}": v for k, v in traces.items()}, **{f"W/{k}": v for k, v in w_traces.items()}}
-    return SolveResult(Qs, kept.factors, traces, kept.relative_errors, seq)
+    return kept.result(Qs, traces, seq)

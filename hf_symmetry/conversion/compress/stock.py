@@ -42,7 +42,17 @@ from ...solvers import structures as st
 from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
 from .pca import SliceOutput, nearest_width, slice_into
-from .plan import accounting, check_family, in_policy, matrix_entries, plan_for, source_numels
+from .plan import (
+    Accounting,
+    accounting,
+    check_family,
+    in_policy,
+    matrix_entries,
+    params_at,
+    plan_for,
+    sliced_entry,
+    source_numels,
+)
 from .report import CompressReport
 from .routes import CompressRun, Route
 
@@ -104,23 +114,23 @@ def stock_class(config: dict) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
 
 
-def _params_at(entries, w: int, n_layers: int, vocab: int, tied: bool, carried: int) -> int:
-    """Parameters of the stock model at width ``w``: sliced matrices (reader biases whole, writer biases
-    sliced), the head (untied), the 2L + 1 norm weights of width ``w`` and the QK-norm γ."""
-    total = 0
-    for e in entries:
-        k = e.shape[0]
-        total += k * w + ((k if e.role == "reader" else w) if e.bias else 0)
-    return total + (vocab * w if tied else 0) + (2 * n_layers + 1) * w + carried
+def stock_params(entries, w: int, n_layers: int, vocab: int, tied: bool, carried: int) -> int:
+    """Parameters of the stock model at width ``w``: the sliced matrices (:func:`.plan.params_at`), the head
+    (untied), the 2L + 1 norm weights of width ``w`` and the QK-norm γ."""
+    return params_at(entries, lambda _: w) + (vocab * w if tied else 0) + (2 * n_layers + 1) * w + carried
 
 
 def plan_stock_width(
-    source: TensorSource, config: dict, options: CompressOptions, stock: StockOptions = StockOptions()
-) -> tuple[int, dict]:
+    source: TensorSource,
+    config: dict,
+    options: CompressOptions,
+    stock: StockOptions = StockOptions(),
+    width: int | None = None,
+) -> tuple[int, Accounting]:
     """The width ``d′`` (the one whose parameter count is closest to the ratio's target, then the nearest
-    multiple of ``stock.round_to``) and the parameter accounting, in the keys the compressed family's
-    reports use. The budget is the compressed family's: removed parameters per dense parameter of the
-    matrices it compresses, the untied head paid for."""
+    multiple of ``stock.round_to``; ``width`` given: that one, not rounded) and the parameter accounting
+    at it. The budget is the compressed family's: removed parameters per dense parameter of the matrices
+    it compresses, the untied head paid for."""
     stock.validate()
     keys = source.keys()
     adapter = check_family(config, keys)
@@ -133,23 +143,19 @@ def plan_stock_width(
     target = dense_total - options.ratio * p_compressed
 
     def params(w):
-        return _params_at(entries, w, L, vocab, tied, carried)
+        return stock_params(entries, w, L, vocab, tied, carried)
 
     exact = nearest_width(params, target, range(1, d + 1))
     n = stock.round_to
     if n > d:
         raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
     w = nearest_width(params, target, range(d // n * n, 0, -n))  # the wider one on a tie
+    if width is not None:
+        if not 1 <= width <= d:
+            raise ValueError(f"width must be in [1, {d}], got {width}")
+        w, n = int(width), None
     total = params(w)
-    per_matrix = {
-        e.name: {
-            "structure": {"type": "dense", "width": w},
-            "params": e.shape[0] * w,
-            "dense_params": e.shape[0] * d,
-            "ratio": 1 - w / d,
-        }
-        for e in entries
-    }
+    per_matrix = {e.name: sliced_entry(e.shape[0], d, w) for e in entries}
     if tied:
         per_matrix["lm_head"] = {
             "structure": {"type": "dense", "width": w},
@@ -157,28 +163,27 @@ def plan_stock_width(
             "dense_params": 0,
             "ratio": 0.0,
         }
-    accounting = {
-        "target_ratio": options.ratio,
-        "dense_params_of_compressed_matrices": p_compressed,
-        "dense_model_params": dense_total,
-        "compressed_model_params": total,
-        "ratio_over_model": 1 - total / dense_total,
-        "ratio_over_compressed": (dense_total - total) / p_compressed,
-        "ratio_per_matrix_mean": 1 - w / d,
-        "skip_params": 0,
-        "head_mix_params": 0,
-        "untied_head_params": vocab * w if tied else 0,
-        "norm_params": (2 * L + 1) * w,
-        "hidden": d,
-        "residual": w,
-        "width_unrounded": exact,
-        "round_to": n,
-        "output_family": "stock",
-        "stock_class": stock_class(config),
-        "target_params": round(target),
-        "per_matrix": per_matrix,
-    }
-    return w, accounting
+    return w, Accounting(
+        dense_model_params=dense_total,
+        compressed_model_params=total,
+        ratio_over_compressed=(dense_total - total) / p_compressed,
+        ratio_over_model=1 - total / dense_total,
+        ratio_per_matrix_mean=1 - w / d,
+        skip_params=0,
+        head_mix_params=0,
+        per_matrix=per_matrix,
+        target_ratio=options.ratio,
+        target_params=round(target),
+        dense_params_of_compressed_matrices=p_compressed,
+        untied_head_params=vocab * w if tied else 0,
+        output_family="stock",
+        hidden=d,
+        residual=w,
+        norm_params=(2 * L + 1) * w,
+        width_unrounded=exact,
+        round_to=n,
+        stock_class=stock_class(config),
+    )
 
 
 def compressed_plan_at(source: TensorSource, config: dict, options: CompressOptions, width: int):
@@ -188,11 +193,9 @@ def compressed_plan_at(source: TensorSource, config: dict, options: CompressOpti
     plan, _ = plan_for(source, config, options.with_(ratio_slack=1.0))
     plan.residual = int(width)
     plan.matrices = [replace(m, structure=st.Dense((m.structure.shape[0], int(width)))) for m in plan.matrices]
-    dense_total = plan.accounting["dense_model_params"]
-    plan.accounting = {
-        **accounting(plan, dense_total, plan.accounting["dense_params_of_compressed_matrices"], options),
-        "target_params": plan.accounting["target_params"],
-    }
+    ratios = plan.accounting
+    plan.accounting = accounting(plan, ratios.dense_model_params, ratios.dense_params_of_compressed_matrices, options)
+    plan.accounting.target_params = ratios.target_params
     return plan
 
 
@@ -200,27 +203,6 @@ def normalisation(d: int, w: int, eps: float) -> tuple[float, float]:
     """``(c, ε′)``: the stock norm of width ``w`` with ``ε′ = ε d/w``, its output times ``c = √(d/w)``,
     is the compressed family's norm (``Σ x² / d + ε``)."""
     return math.sqrt(d / w), eps * d / w
-
-
-def _account_width(accounting: dict, config: dict, keys, adapter: Adapter, w: int) -> None:
-    """``accounting`` (:func:`plan_stock_width`'s) at the width ``w`` given instead of the ratio's."""
-    d, L = adapter.hidden, adapter.n_layers
-    if not 1 <= w <= d:
-        raise ValueError(f"width must be in [1, {d}], got {w}")
-    entries = matrix_entries(config, keys, adapter)
-    carried = 2 * L * adapter.layout.head_dim if adapter.layout.qk_norm else 0
-    total = _params_at(entries, w, L, int(config["vocab_size"]), adapter.tied_embeddings, carried)
-    accounting.update(
-        residual=w,
-        compressed_model_params=total,
-        ratio_per_matrix_mean=1 - w / d,
-        ratio_over_model=1 - total / accounting["dense_model_params"],
-        ratio_over_compressed=(accounting["dense_model_params"] - total)
-        / accounting["dense_params_of_compressed_matrices"],
-        untied_head_params=accounting["untied_head_params"] and int(config["vocab_size"]) * w,
-        norm_params=(2 * L + 1) * w,
-        round_to=None,
-    )
 
 
 def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict:
@@ -291,7 +273,7 @@ def stock_slice_model(
         raise RuntimeError(
             f"stock slice does not match {type(out).__name__}: missing {missing[:4]}, unexpected {unexpected[:4]}"
         )
-    report.accounting["compressed_model_params_counted"] = sum(p.numel() for p in out.parameters())
+    report.accounting.compressed_model_params_counted = sum(p.numel() for p in out.parameters())
     return out.eval(), report
 
 
@@ -316,21 +298,17 @@ class StockSlice(Route, SliceOutput):
         return report
 
     def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
-        adapter = check_family(config, source.keys())
-        w, accounting = plan_stock_width(source, config, options, self.stock)
-        if width is not None:
-            w = int(width)
-            _account_width(accounting, config, source.keys(), adapter, w)
-        return adapter, w, accounting
+        w, accounting = plan_stock_width(source, config, options, self.stock, width)
+        return check_family(config, source.keys()), w, accounting
 
-    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict):
+    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
         c, eps = normalisation(adapter.hidden, width, adapter.eps)
         self.c = c if self.stock.constant else 1.0
         self.qk = self.c * self.c if adapter.layout.qk_norm else self.c
         eps = eps if self.stock.rescale_eps else adapter.eps
         new_config = stock_config(config, adapter, width, eps)
-        accounting["stock_class"] = new_config["architectures"][0]
-        accounting.update(norm_constant=self.c, rms_norm_eps=eps, source_rms_norm_eps=adapter.eps)
+        accounting.stock_class = new_config["architectures"][0]
+        accounting.norm_constant, accounting.rms_norm_eps, accounting.source_rms_norm_eps = self.c, eps, adapter.eps
         return new_config, StreamOptions()
 
     def finish_layer(self, layer: dict) -> dict:
@@ -349,21 +327,20 @@ class StockSlice(Route, SliceOutput):
         g["final_norm.weight"] = torch.ones(g["embed.weight"].shape[1], dtype=torch.float64)
         return g
 
-    def method(self, accounting: dict) -> str:
-        return f"stock {accounting['stock_class']}"
+    def method(self, accounting: Accounting) -> str:
+        return f"stock {accounting.stock_class}"
 
     def output_lines(self, report: CompressReport, config: dict) -> list[str]:
         """The stock class and its width rounding (and what an untied head costs)."""
         acc = report.accounting
         lines = [
-            f"  output: stock {acc['stock_class']} (no remote code), hidden size {acc['residual']} of "
-            f"{acc['hidden']}; width {acc['width_unrounded']} rounded to a multiple of {acc['round_to']} "
-            f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc['norm_constant']:.6g}, rms_norm_eps "
-            f"{acc['source_rms_norm_eps']:.6g} × d/d′ = {acc['rms_norm_eps']:.6g}"
+            f"  output: stock {acc.stock_class} (no remote code), hidden size {acc.residual} of "
+            f"{acc.hidden}; width {acc.width_unrounded} rounded to a multiple of {acc.round_to} "
+            f"(--round-to); norms: weights 1, readers × √(d/d′) = {acc.norm_constant:.6g}, rms_norm_eps "
+            f"{acc.source_rms_norm_eps:.6g} × d/d′ = {acc.rms_norm_eps:.6g}"
         ]
-        if acc["untied_head_params"]:
+        if acc.untied_head_params:
             lines.append(
-                f"  untied head (--untie): vocab × width = {acc['untied_head_params']:,} parameters, "
-                "counted in the ratio"
+                f"  untied head (--untie): vocab × width = {acc.untied_head_params:,} parameters, counted in the ratio"
             )
         return lines

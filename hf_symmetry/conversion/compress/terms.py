@@ -6,16 +6,13 @@ and sequential calibration's matched targets), made one at a time as the solver 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ...solvers import structures as st
 from ...solvers.segments import Term, balance
 from . import targets
-from .moments import CalibrationStats
 from .options import CompressOptions
-from .plan import MatrixPlan, Plan
+from .plan import MatrixPlan
 from .tall import TallTerm
 
 Tensors = dict[str, torch.Tensor]
@@ -30,31 +27,14 @@ def _matrix_of(m: MatrixPlan, layers: list[Tensors], globals_: Tensors) -> torch
     return W if m.role == "reader" else W.T
 
 
-@dataclass
-class SolveInputs:
-    """What the solvers read: the plan, the norm-folded layers and globals (:mod:`.folded`) and the
-    calibration statistics (``None`` without calibration)."""
-
-    plan: Plan
-    layers: list[Tensors]
-    globals_: Tensors
-    stats: CalibrationStats | None
-
-
 def segment_terms(
-    inputs: SolveInputs,
-    stage: str,
-    options: CompressOptions,
-    only: int | None = None,
-    device=None,
-    row_dtype=None,
-    consume: bool = False,
+    run, layers: list[Tensors], globals_: Tensors, stage: str, only: int | None = None, row_dtype=None, consume=False
 ) -> list[tuple[list[Term], list[Term]]]:
     """Per segment: (terms, readers) of the compressed matrices, weighted for ``stage`` (only segment
     ``only`` filled when given: sequential calibration has the statistics of one segment at a time),
     balanced (:func:`...solvers.segments.balance`); the terms are those of :func:`each_term`."""
-    segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(2 * inputs.plan.n_layers + 1)]
-    for m, term in each_term(inputs, stage, options, only, device, row_dtype, consume):
+    segments: list[tuple[list[Term], list[Term]]] = [([], []) for _ in range(run.plan.n_segments)]
+    for m, term in each_term(run, layers, globals_, stage, only, row_dtype, consume):
         terms, readers = segments[m.segment]
         terms.append(term)
         if m.role == "reader":
@@ -77,13 +57,8 @@ class _Weighting:
     and under sequential calibration each matrix's matched target."""
 
     def __init__(self, stats, stage: str, options: CompressOptions, device, consume: bool):
-        self.stats, self.stage, self.damping, self.device, self.consume = (
-            stats,
-            stage,
-            options.damping,
-            device,
-            consume,
-        )
+        self.stats, self.stage, self.damping = stats, stage, options.damping
+        self.device, self.consume = device, consume
         self.token_gram = None if stats is None else st.Gram(diag=(stats.token_counts + 1.0).to(device))  # (√(D+1))²
         self.weighted = stage == "w" and stats is not None and stats.normed is not None
         self.matched = self.weighted and stats.normed_cross is not None
@@ -178,25 +153,20 @@ class _Weighting:
 
 
 def each_term(
-    inputs: SolveInputs,
-    stage: str,
-    options: CompressOptions,
-    only: int | None = None,
-    device=None,
-    row_dtype=None,
-    consume: bool = False,
+    run, layers: list[Tensors], globals_: Tensors, stage: str, only: int | None = None, row_dtype=None, consume=False
 ):
-    """``(MatrixPlan, Term)`` of each compressed matrix (of segment ``only`` when given), weighted for
-    ``stage`` (:class:`_Weighting`), made one at a time when asked for (unbalanced: λ = 1). A low-rank,
+    """``(MatrixPlan, Term)`` of each compressed matrix of ``run.plan`` (of segment ``only`` when given) on
+    the norm-folded ``layers`` and ``globals_`` (:mod:`.folded`), weighted for ``stage`` by ``run.stats``
+    (:class:`_Weighting`), on ``run.device``, made one at a time when asked for (unbalanced: λ = 1). A low-rank,
     GS (one row block) or Kronecker (``A_s`` of one row) embedding or untied head enters as its reduced
     term (:class:`TallTerm`, read a block of rows at a time; its row factor is lifted into ``row_dtype``,
     default float64). ``consume``: the writers' statistics are dropped from ``stats`` once their terms
     are built (see :func:`.targets.matched_target`)."""
-    weighting = _Weighting(inputs.stats, stage, options, device, consume)
-    for m in inputs.plan.matrices:
+    weighting = _Weighting(run.stats, stage, run.options, run.device, consume)
+    for m in run.plan.matrices:
         if not m.compressed or (only is not None and m.segment != only):
             continue
         if TallTerm.applies(m):
-            yield m, weighting.tall_term(m, inputs.globals_, row_dtype)
+            yield m, weighting.tall_term(m, globals_, row_dtype)
         else:
-            yield m, weighting.term(m, inputs.layers, inputs.globals_)
+            yield m, weighting.term(m, layers, globals_)

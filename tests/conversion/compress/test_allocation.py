@@ -70,7 +70,7 @@ def _curves(entries, options, scale=None):
 
 
 def _allocated(options, plan, entries, curves):
-    groups = A.build_groups(entries, options, plan.accounting.get("kron_factor"), curves)
+    groups = A.build_groups(entries, options, plan.accounting.kron_factor, curves)
     chosen = A.allocate(groups, A.budget_of(plan))
     return groups, chosen
 
@@ -86,8 +86,8 @@ def test_allocation_meets_the_budget_and_is_uniform_for_equal_sensitivity(smollm
     keep = A.keep_map(groups, chosen)
     config, keys, dense_total = smollm2_shapes
     allocated = C.plan_compression(config, keys, dense_total, None, options, keep=keep)
-    target = plan.accounting["target_params"]
-    assert abs(allocated.accounting["compressed_model_params"] - target) <= 1e-3 * target
+    target = plan.accounting.target_params
+    assert abs(allocated.accounting.compressed_model_params - target) <= 1e-3 * target
     layer_params = [chosen[f"layers.{i}"].params for i in range(30)]
     g = next(g for g in groups if g.name == "layers.0")
     i = next(j for j, c in enumerate(g.choices) if c.params == chosen["layers.0"].params)
@@ -156,17 +156,15 @@ def _slice_widths(smollm2_shapes, scale=None):
         name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in W.MEASURED_WIDTHS]
         for name in W.slice_groups(30)
     }
-    widths, _, _ = W.allocate_slice(
-        entries, 30, 576, True, uniform.accounting["target_params"], curves, uniform.residual
-    )
+    widths, _, _ = W.allocate_slice(entries, 30, 576, True, uniform.accounting.target_params, curves, uniform.residual)
     keep = {f"segment{k}": w / 576 for k, w in enumerate(widths)}
     return uniform, C.plan_compression(config, keys, dense_total, None, options, keep=keep), widths
 
 
 def test_slice_widths_meet_the_budget_and_are_uniform_for_equal_sensitivity(smollm2_shapes):
     uniform, allocated, widths = _slice_widths(smollm2_shapes)
-    target, dense_total = uniform.accounting["target_params"], smollm2_shapes[2]
-    got = allocated.accounting["compressed_model_params"]
+    target, dense_total = uniform.accounting.target_params, smollm2_shapes[2]
+    got = allocated.accounting.compressed_model_params
     assert got <= target and target - got <= 1e-3 * dense_total, (got, target)
     # decoder layers 0 .. L-2 cost the same per unit of width (the last one pays for the head's mix
     # instead of the next layer's q/k/v; the embedding for its 49152 rows): equal widths, to one grid step
@@ -182,8 +180,8 @@ def test_slice_widths_move_to_a_sensitive_layer(smollm2_shapes):
     # layer 7 writes segments 15 and 16
     assert skewed_widths[15] == skewed_widths[16] >= max(skewed_widths)
     assert skewed_widths[15] > widths[15]
-    target, dense_total = uniform.accounting["target_params"], smollm2_shapes[2]
-    got = skewed.accounting["compressed_model_params"]
+    target, dense_total = uniform.accounting.target_params, smollm2_shapes[2]
+    got = skewed.accounting.compressed_model_params
     assert got <= target and target - got <= 1e-3 * dense_total
     assert skewed.residual_sizes == skewed_widths
 
@@ -231,15 +229,15 @@ def test_procrustesgpt_llama_preset_is_the_papers_configuration():
     options = C.CompressOptions.preset("procrustesgpt-llama", structure="lowrank", stage="none")
     assert not options.compress_embeddings and options.dense_modules == ("v",) and options.matrix_keep == 0.75
     plan, _ = C.plan_for(_source(model), model.config.to_dict(), options)
-    per = plan.accounting["per_matrix"]
+    per = plan.accounting.per_matrix
     assert per["embed"]["ratio"] == 0 and per["lm_head"]["ratio"] == 0 and per["layers.0.v_proj"]["ratio"] == 0
     for m in ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert abs(per[f"layers.1.{m}"]["ratio"] - 0.25) < 0.07, (m, per[f"layers.1.{m}"])
     dense = sum(p.numel() for p in model.parameters())
     acc = plan.accounting
-    assert acc["ratio_over_model"] == pytest.approx(1 - acc["compressed_model_params"] / dense)
-    assert acc["target_ratio"] is None
-    assert acc["target_params"] == acc["compressed_model_params"]  # what an allocation of the preset must meet
+    assert acc.ratio_over_model == pytest.approx(1 - acc.compressed_model_params / dense)
+    assert acc.target_ratio is None
+    assert acc.target_params == acc.compressed_model_params  # what an allocation of the preset must meet
     assert "matrix_keep" in options.applicable() and "ratio" not in options.applicable()
 
 

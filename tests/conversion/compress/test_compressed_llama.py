@@ -558,12 +558,12 @@ def test_equal_ratios_give_equal_model_sizes(q_mode):
         compressed, report = C.compress_model(model, options, calib_ids=calib)
         acc = report.accounting
         # parameter counts from the module shapes agree with the plan
-        assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
-        assert abs(acc["ratio_over_compressed"] - 0.3) <= 0.05
-        totals[structure] = acc["compressed_model_params"]
+        assert acc.compressed_model_params_counted == acc.compressed_model_params
+        assert abs(acc.ratio_over_compressed - 0.3) <= 0.05
+        totals[structure] = acc.compressed_model_params
         out = compressed.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         assert out.shape == (1, 14)
-    p_c = acc["dense_params_of_compressed_matrices"]
+    p_c = acc.dense_params_of_compressed_matrices
     assert max(totals.values()) - min(totals.values()) <= 0.1 * p_c, totals
 
 
@@ -572,14 +572,14 @@ def test_ratio_is_reported_per_matrix_and_over_the_model():
     options = C.CompressOptions(structure="kron", ratio=0.25, stage="none", ratio_slack=0.05)
     compressed, report = C.compress_model(model, options)
     acc = report.accounting
-    per = acc["per_matrix"]
+    per = acc.per_matrix
     assert per["layers.0.v_proj"]["ratio"] == 0  # V stays dense, as in the paper
     assert all(0.2 < per[f"layers.0.{m}"]["ratio"] < 0.3 for m in ("q_proj", "o_proj", "down_proj"))
-    assert sum(p.numel() for p in compressed.parameters()) == acc["compressed_model_params"]
+    assert sum(p.numel() for p in compressed.parameters()) == acc.compressed_model_params
     dense = sum(p.numel() for p in model.parameters())
-    assert acc["dense_model_params"] == dense
-    assert acc["ratio_over_model"] == pytest.approx(1 - acc["compressed_model_params"] / dense)
-    assert 0 < acc["ratio_over_model"] < acc["ratio_over_compressed"]
+    assert acc.dense_model_params == dense
+    assert acc.ratio_over_model == pytest.approx(1 - acc.compressed_model_params / dense)
+    assert 0 < acc.ratio_over_model < acc.ratio_over_compressed
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -1030,8 +1030,9 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     seq, _ = _walk(model, calib)
     for k in (1, 2):  # layer 0's attention (o) and FFN (down) segments
         kept, eaten = copy.deepcopy(seq), copy.deepcopy(seq)
-        a, _ = S.segment_terms(S.SolveInputs(plan, layers, globals_, kept), "w", options, only=k)[k]
-        b, _ = S.segment_terms(S.SolveInputs(plan, layers, globals_, eaten), "w", options, only=k, consume=True)[k]
+        run = C.CompressRun(src, config, options, plan=plan)
+        a, _ = S.segment_terms(replace(run, stats=kept), layers, globals_, "w", only=k)[k]
+        b, _ = S.segment_terms(replace(run, stats=eaten), layers, globals_, "w", only=k, consume=True)[k]
         assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
         for ta, tb in zip(a, b):
             assert _rel(tb.M, ta.M) < 1e-12, ta.name

@@ -43,7 +43,8 @@ def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama")
 
 def _held(plan, layers, globals_, stats, stage, options, iters):
     """The whole problem in memory, solved at once (the reference)."""
-    segments = SV.segment_terms(SV.SolveInputs(plan, layers, globals_, stats), stage, options)
+    run = C.CompressRun(None, {}, options, progress=False, plan=plan, stats=stats)
+    segments = SV.segment_terms(run, layers, globals_, stage)
     terms = [t for seg, _ in segments for t in seg]
     res = solve_segment(
         terms,
@@ -74,10 +75,11 @@ def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure
     segments_done = []
     kept = SV.Kept(on_segment=lambda k, Qs, f: segments_done.append(k))
     Qs, traces = SV._solve_stage(
-        SV.SolveInputs(plan, layers, globals_, stats),
+        C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats),
+        layers,
+        globals_,
         SV.Stage(stage, iters, "t"),
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
-        C.CompressRun(src, config, options, progress=False),
         kept,
     )
     factors = kept.factors
@@ -106,10 +108,11 @@ def test_streamed_global_solve_in_float32_iterations_matches_closely():
     plan, layers, globals_, stats, options, src, config = _setup("kron", "w", "float32")
     Q_ref, f_ref, trace_ref = _held(plan, layers, globals_, stats, "w", options, options.w_iters)
     Qs, traces = SV._solve_stage(
-        SV.SolveInputs(plan, layers, globals_, stats),
+        C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats),
+        layers,
+        globals_,
         SV.Stage("w", options.w_iters, "t"),
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
-        C.CompressRun(src, config, options, progress=False),
         SV.Kept(),
     )
     assert float((Qs[0] - Q_ref).abs().max()) < 1e-4

@@ -51,7 +51,11 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
     d = model.config.hidden_size
     if family == "opt":
         full, report = compress_layer_norm_model(model, SLICE, _calib(), width=d)
-        assert report.accounting["compressed_model_params_counted"] == report.accounting["compressed_model_params"]
+        acc = report.accounting
+        assert acc.compressed_model_params_counted == acc.compressed_model_params
+        # the whole accounting is at the width given (d), not the ratio's
+        assert acc.ratio_over_model == pytest.approx(1 - acc.compressed_model_params / acc.dense_model_params)
+        assert {m["structure"]["width"] for m in acc.per_matrix.values()} == {d}
     else:
         sink = DictSink()
         cfg, _ = slice_into(
@@ -77,10 +81,10 @@ def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basi
     model = tiny_model(family)
     sliced, report = compress_model(model, SLICE, _calib())  # the entry point dispatches on the family
     acc = report.accounting
-    w = acc["residual"]
+    w = acc.residual
     assert isinstance(sliced, RMSDecoderForCausalLM) and sliced.config.residual_size == w < model.config.hidden_size
-    assert abs(acc["ratio_over_compressed"] - 0.25) < 0.02
-    assert acc["compressed_model_params_counted"] == acc["compressed_model_params"]
+    assert abs(acc.ratio_over_compressed - 0.25) < 0.02
+    assert acc.compressed_model_params_counted == acc.compressed_model_params
     err_pca = _delta(model, sliced)
     assert err_pca > 1e-3  # slicing is not free
     # negative control: the same width in a random basis loses more

@@ -138,8 +138,8 @@ def test_at_a_ratio_the_model_has_the_planned_size_and_loads_as_remote_code_with
         compressed, report = C.compress_model(model, options, calib_ids=_calib())
         acc = report.accounting
         assert isinstance(compressed, RMSDecoderForCausalLM)
-        assert acc["compressed_model_params_counted"] == acc["compressed_model_params"] < acc["dense_model_params"]
-        assert abs(acc["ratio_over_compressed"] - 0.25) <= 0.05
+        assert acc.compressed_model_params_counted == acc.compressed_model_params < acc.dense_model_params
+        assert abs(acc.ratio_over_compressed - 0.25) <= 0.05
         assert compressed.config.skip_connections == ("orthogonal" if structure == "kron" else "none")
         assert _delta(model, compressed) > 1e-3  # compressed for real
         name = f"{family}_{structure}"
@@ -182,7 +182,7 @@ def test_the_orthogonal_transform_lowers_the_error_at_equal_size():
     base = dict(structure="kron", ratio=0.25, calib_seq_len=40, ratio_slack=0.05)
     rotated, r1 = C.compress_model(model, C.CompressOptions(**base, w_iters=5), calib_ids=calib)
     identity, r2 = C.compress_model(model, C.CompressOptions(**base, f_iters=0, w_iters=0), calib_ids=calib)
-    assert r1.accounting["compressed_model_params"] == r2.accounting["compressed_model_params"]
+    assert r1.accounting.compressed_model_params == r2.accounting.compressed_model_params
     skip = rotated.model.layers[0].attn_skip.matrix()
     assert (skip - torch.eye(skip.shape[0], dtype=skip.dtype)).abs().max() > 1e-2  # it did rotate
     assert _kl(model, rotated, calib) < 0.8 * _kl(model, identity, calib)

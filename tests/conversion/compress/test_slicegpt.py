@@ -299,8 +299,8 @@ def test_per_segment_widths_slice_and_pad_the_stream_as_one_basis_demands(exact_
     assert len(widths) == 2 * L + 1 and d == 48
     compressed, cfg, report, counted, Q = _widths_model(model, widths)
     assert cfg["residual_sizes"] == widths and cfg["residual_size"] == max(widths)
-    assert counted == report.accounting["compressed_model_params"]
-    assert report.accounting["residual_sizes"] == widths
+    assert counted == report.accounting.compressed_model_params
+    assert report.accounting.residual_sizes == widths
     ids = input_ids()
     got = outputs(compressed, ids)
     handles = _projected_original(model, Q, widths)

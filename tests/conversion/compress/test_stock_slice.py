@@ -88,7 +88,7 @@ def test_stock_slice_gives_the_compressed_familys_logits(family, width, cls, exa
     stock, report, compressed = _same_slice(model, width, calib, _float64())
     assert type(stock).__name__ == cls and stock.config.hidden_size == width
     d = model.config.hidden_size
-    assert report.accounting["norm_constant"] == pytest.approx(math.sqrt(d / width))
+    assert report.accounting.norm_constant == pytest.approx(math.sqrt(d / width))
     assert stock.config.rms_norm_eps == pytest.approx(model.config.rms_norm_eps * d / width)
     assert all(
         torch.equal(p, torch.ones_like(p))
@@ -98,7 +98,10 @@ def test_stock_slice_gives_the_compressed_familys_logits(family, width, cls, exa
     ids = input_ids()
     ref = outputs(compressed, ids)
     assert (outputs(stock, ids) - ref).abs().max() < 1e-10
-    assert sum(p.numel() for p in stock.parameters()) == report.accounting["compressed_model_params"]
+    assert sum(p.numel() for p in stock.parameters()) == report.accounting.compressed_model_params
+    # the whole accounting is at the width given, not the ratio's
+    assert {m["structure"]["width"] for m in report.accounting.per_matrix.values()} == {width}
+    assert report.accounting.residual == width and report.accounting.round_to is None
     # negative controls: the constant left out changes the logits clearly; ε not rescaled, slightly
     without, _, _ = _same_slice(model, width, calib, _float64(), constant=False, rescale_eps=False)
     assert (outputs(without, ids) - ref).abs().max() > 0.1
@@ -257,7 +260,7 @@ def test_smollm2_stock_slice_equals_the_compressed_family(smollm2, smollm2_token
 
     calib = tokenize_text(smollm2_tokenizer, read_text(text_path("britannica-calib")), max_tokens=1024)
     stock, report, compressed = _same_slice(smollm2, 384, calib)
-    assert type(stock).__name__ == "MistralForCausalLM" and report.accounting["untied_head_params"] == 49152 * 384
+    assert type(stock).__name__ == "MistralForCausalLM" and report.accounting.untied_head_params == 49152 * 384
     ids = eval_ids[:256][None]
     ref = outputs(compressed, ids)
     assert (outputs(stock, ids) - ref).abs().max() < 1e-3

@@ -32,7 +32,7 @@ from ..report import CompressReport
 from ..routes import CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
-from .slice import RMSDecoderSlice, plan_width, sliced_params
+from .slice import RMSDecoderSlice, plan_width
 from .structured import layer_norm_plan, plan_structured, structured_tensors
 
 
@@ -75,7 +75,7 @@ def compress_layer_norm_model(
     else:
         new_config, report = _run(run)
     compressed, counted = build(dict(sink), new_config, dtype)
-    report.accounting["compressed_model_params_counted"] = counted
+    report.accounting.compressed_model_params_counted = counted
     return compressed, report
 
 
@@ -108,7 +108,6 @@ __all__ = [
     "plan_structured",
     "plan_width",
     "RMSDecoderSlice",
-    "sliced_params",
     "structured_tensors",
     "through_rms_decoder",
 ]

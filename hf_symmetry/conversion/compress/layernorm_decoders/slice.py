@@ -24,12 +24,13 @@ import torch
 
 from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
+from ....solvers import structures as st
 from ....symmetry import actions
 from ...rms_decoder import check_layer_norm_decoder, rms_decoder_config
 from ...stream import StreamOptions, TensorSource, partition_keys
-from ..options import CompressOptions
+from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
 from ..pca import SliceOutput, nearest_width
-from ..plan import source_numels
+from ..plan import Accounting, MatrixPlan, params_at, sliced_entry, source_numels
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
@@ -50,56 +51,59 @@ def _shapes(adapter: Adapter, source: TensorSource, keys: list[str]) -> dict:
     }
 
 
-def sliced_params(shapes: dict, n_layers: int, w: int) -> int:
-    """Parameters of the RMS-decoder model at residual width ``w`` (reader biases kept whole, writer
-    biases sliced, untied head with its bias, no norm weights)."""
-    readers = sum(shapes["out"].values())
-    per_layer = readers * (w + 1) + sum((k + 1) * w for k in shapes["in"].values())
-    return n_layers * per_layer + shapes["vocab"] * (2 * w + 1) + shapes["rows"] * w
+def _matrices(adapter: Adapter, shapes: dict) -> list[MatrixPlan]:
+    """The RMS-decoder model's matrices at full width, as a plan holds them: every layer's linears with
+    their biases, the embedding and the position table (writers of segment 0), the untied head with its
+    bias; no norm weights. Their count at a width is :func:`..plan.params_at`'s."""
+    d, L, vocab = adapter.hidden, adapter.n_layers, shapes["vocab"]
+    layers = [
+        MatrixPlan(f"layers.{i}.{c}", c, i, LAYER_MODULES[c][1], 2 * i + SEGMENT_OFFSET[c], st.Dense((k, d)), True)
+        for i in range(L)
+        for c, k in (*shapes["out"].items(), *shapes["in"].items())
+    ]
+    return layers + [
+        MatrixPlan("embed", "embed", None, "writer", 0, st.Dense((vocab, d))),
+        MatrixPlan("pos", "pos", None, "writer", 0, st.Dense((shapes["rows"], d))),
+        MatrixPlan("lm_head", "lm_head", None, "reader", 2 * L, st.Dense((vocab, d)), True),
+    ]
 
 
-def plan_width(adapter: Adapter, source: TensorSource, keys: list[str], options: CompressOptions) -> tuple[int, dict]:
-    """The residual width and the parameter accounting (the keys the compressed family's reports use)."""
+def plan_width(
+    adapter: Adapter, source: TensorSource, keys: list[str], options: CompressOptions, width: int | None = None
+) -> tuple[int, Accounting]:
+    """The residual width (the ratio's; ``width`` given: that one) and the parameter accounting at it."""
     d, L = adapter.hidden, adapter.n_layers
     shapes = _shapes(adapter, source, keys)
+    matrices = _matrices(adapter, shapes)
     dense_total = source_numels(source, keys, adapter.tied_embeddings)
     layer_params = L * (sum(shapes["out"].values()) + sum(shapes["in"].values())) * d
     embed_params = (shapes["vocab"] * (1 if adapter.tied_embeddings else 2) + shapes["rows"]) * d
     p_compressed = layer_params + (embed_params if options.compress_embeddings else 0)
     target = dense_total - options.ratio * p_compressed
-    w = nearest_width(lambda x: sliced_params(shapes, L, x), target, range(1, d + 1))
-    total = sliced_params(shapes, L, w)
-    per_matrix = {
-        f"layers.{i}.{c}": {
-            "structure": {"type": "dense", "width": w},
-            "params": k * w,
-            "dense_params": k * d,
-            "ratio": 1 - w / d,
-        }
-        for i in range(L)
-        for c, k in (*shapes["out"].items(), *shapes["in"].items())
-    }
-    accounting = {
-        "hidden": d,
-        "residual": w,
-        "dense_model_params": dense_total,
-        "compressed_model_params": total,
-        "ratio_over_model": (dense_total - total) / dense_total,
-        "ratio_over_compressed": (dense_total - total) / p_compressed,
-        "ratio_per_matrix_mean": 1 - w / d,
-        "skip_params": 0,
-        "head_mix_params": 0,
-        "untied_head_params": shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
-        "output_family": RMSDecoderConfig.model_type,
-        "per_matrix": per_matrix,
-    }
-    if abs(accounting["ratio_over_compressed"] - options.ratio) > options.ratio_slack:
+    w = nearest_width(lambda x: params_at(matrices, lambda _: x), target, range(1, d + 1))
+    nearest = (dense_total - params_at(matrices, lambda _: w)) / p_compressed
+    if abs(nearest - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"SliceGPT on {adapter.family} cannot meet ratio {options.ratio:g} within {options.ratio_slack:g} "
-            f"(nearest: {accounting['ratio_over_compressed']:.4f}; a tied head is untied by the centring "
-            "and costs vocab × width)"
+            f"(nearest: {nearest:.4f}; a tied head is untied by the centring and costs vocab × width)"
         )
-    return w, accounting
+    w = w if width is None else int(width)
+    total = params_at(matrices, lambda _: w)
+    per_matrix = {m.name: sliced_entry(m.shape[0], d, w) for m in matrices if m.layer is not None}
+    return w, Accounting(
+        dense_model_params=dense_total,
+        compressed_model_params=total,
+        ratio_over_compressed=(dense_total - total) / p_compressed,
+        ratio_over_model=(dense_total - total) / dense_total,
+        ratio_per_matrix_mean=1 - w / d,
+        skip_params=0,
+        head_mix_params=0,
+        per_matrix=per_matrix,
+        untied_head_params=shapes["vocab"] * (w + 1) if adapter.tied_embeddings else 0,
+        output_family=RMSDecoderConfig.model_type,
+        hidden=d,
+        residual=w,
+    )
 
 
 class RMSDecoderSlice(SliceOutput):
@@ -113,14 +117,10 @@ class RMSDecoderSlice(SliceOutput):
         keys = source.keys()
         adapter = Adapter.from_config(config, keys)
         check(adapter, options, keys)
-        w, accounting = plan_width(adapter, source, keys, options)
-        if width is not None:
-            w = int(width)
-            shapes = _shapes(adapter, source, keys)
-            accounting.update(residual=w, compressed_model_params=sliced_params(shapes, adapter.n_layers, w))
+        w, accounting = plan_width(adapter, source, keys, options, width)
         return adapter, w, accounting
 
-    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict):
+    def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
         check_layer_norm_decoder(config)
         shapes = _shapes(adapter, source, source.keys())
         new_config = rms_decoder_config(adapter, config, shapes["out"]["up"], shapes["rows"], residual_size=width)
@@ -130,5 +130,5 @@ class RMSDecoderSlice(SliceOutput):
     def finish_layer(self, layer: dict) -> dict:
         return layer if self.layout is None else actions.interleaved_to_half(layer, self.layout)
 
-    def method(self, accounting: dict) -> str:
+    def method(self, accounting: Accounting) -> str:
         return "centred into the RMS-decoder family"

@@ -48,9 +48,9 @@ Tensors = dict[str, torch.Tensor]
 CANONICAL = ("q", "k", "v", "o", "up", "down")
 
 
-def _entries(centred: CentredSource) -> list[tuple]:
-    """``(name, canonical name, layer, role, segment, shape, bias)`` of every linear of the centred model
-    (the embedding and head last: no bias of their own here)."""
+def _entries(centred: CentredSource) -> list[MatrixPlan]:
+    """Every linear of the centred model, dense, as :func:`..plan.matrix_entries` gives the compressed
+    family's (the embedding and head last: no bias of their own here)."""
     adapter, cfg = centred.adapter, centred.config
     d, L = adapter.hidden, adapter.n_layers
     inner = cfg["num_attention_heads"] * cfg["head_dim"]
@@ -63,13 +63,13 @@ def _entries(centred: CentredSource) -> list[tuple]:
         "down": cfg["intermediate_size"],
     }
     entries = [
-        (
+        MatrixPlan(
             f"layers.{i}.{LAYER_MODULES[c][0].split('.')[1]}",
             c,
             i,
             LAYER_MODULES[c][1],
             2 * i + SEGMENT_OFFSET[c],
-            (k_of[c], d),
+            st.Dense((k_of[c], d)),
             True,
         )
         for i in range(L)
@@ -77,8 +77,8 @@ def _entries(centred: CentredSource) -> list[tuple]:
     ]
     vocab = int(cfg["vocab_size"])
     return entries + [
-        ("embed", "embed", None, "writer", 0, (vocab, d), False),
-        ("lm_head", "lm_head", None, "reader", 2 * L, (vocab, d), False),
+        MatrixPlan("embed", "embed", None, "writer", 0, st.Dense((vocab, d))),
+        MatrixPlan("lm_head", "lm_head", None, "reader", 2 * L, st.Dense((vocab, d))),
     ]
 
 
@@ -91,16 +91,15 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
     vocab = int(cfg["vocab_size"])
     tied = adapter.tied_embeddings
     # the budget, as the compressed family's: a tied head counts once (here it is untied, and pays for it)
-    p_compressed = sum(
-        k * n for name, c, *_, (k, n), _ in entries if in_policy(c, options) and not (tied and c == "lm_head")
-    )
-    struct_size = sum(k * n for _, c, *_, (k, n), _ in entries if in_policy(c, options))
+    compressed = [e for e in entries if in_policy(e.canon, options)]
+    p_compressed = sum(e.structure.params() for e in compressed if not (tied and e.canon == "lm_head"))
+    struct_size = sum(e.structure.params() for e in compressed)
     rows = int(cfg["max_position_embeddings"] + cfg["position_offset"]) if not cfg.get("rotary") else 0
     extra = rows * d + vocab  # the position table and the head's bias, both dense
     skip = "orthogonal" if options.segment_rotations else "none"
     fixed = (
-        sum(k * n for _, c, *_, (k, n), _ in entries if not in_policy(c, options))
-        + sum(k if role == "reader" else d for _, _, _, role, _, (k, _), bias in entries if bias)
+        sum(e.structure.params() for e in entries if not in_policy(e.canon, options))
+        + sum(e.shape[0] if e.role == "reader" else d for e in entries if e.bias)
         + extra
         + rotation_overhead(d, L, options.segment_rotations, "separate")
     )
@@ -113,32 +112,27 @@ def plan_structured(centred: CentredSource, dense_total: int, options: CompressO
             f"{target:,.0f} parameters; use a smaller ratio" + (" or --q-mode global" if skip != "none" else "")
         )
     kron_q = shared_factor(options, d, kappa)
-    matrices = []
-    for name, c, i, role, seg, shape, bias in entries:
-        s = (
-            structure_for(options, name, *shape, kappa, kron_q, c in ("embed", "lm_head"))
-            if in_policy(c, options)
-            else st.Dense(shape)
-        )
-        matrices.append(MatrixPlan(name, c, i, role, seg, s, bias))
+    embedding = ("embed", "lm_head")
+    matrices = [
+        replace(e, structure=structure_for(options, e.name, *e.shape, kappa, kron_q, e.canon in embedding))
+        if in_policy(e.canon, options)
+        else e
+        for e in entries
+    ]
     plan = Plan(adapter.family, d, d, L, False, skip, "separate", matrices)
-    acc = accounting(plan, dense_total, p_compressed, options)
-    total = acc["compressed_model_params"] + extra
-    acc.update(
-        compressed_model_params=total,
-        ratio_over_compressed=(dense_total - total) / p_compressed,
-        ratio_over_model=1 - total / dense_total,
-        uniform_keep=kappa,
-        kron_factor=kron_q,
-        target_params=round(target) if options.matrix_keep is None else total,
-        untied_head_params=plan.by_name()["lm_head"].structure.params() if tied else 0,
-        output_family=RMSDecoderConfig.model_type,
-    )
-    plan.accounting = acc
-    if options.matrix_keep is None and abs(acc["ratio_over_compressed"] - options.ratio) > options.ratio_slack:
+    acc = plan.accounting = accounting(plan, dense_total, p_compressed, options)
+    total = acc.compressed_model_params + extra
+    acc.compressed_model_params = total
+    acc.ratio_over_compressed = (dense_total - total) / p_compressed
+    acc.ratio_over_model = 1 - total / dense_total
+    acc.uniform_keep, acc.kron_factor = kappa, kron_q
+    acc.target_params = round(target) if options.matrix_keep is None else total
+    acc.untied_head_params = plan.by_name()["lm_head"].structure.params() if tied else 0
+    acc.output_family = RMSDecoderConfig.model_type
+    if options.matrix_keep is None and abs(acc.ratio_over_compressed - options.ratio) > options.ratio_slack:
         raise ValueError(
             f"no {options.structure} configuration meets ratio {options.ratio:g} within "
-            f"{options.ratio_slack:g} on {adapter.family} (nearest: {acc['ratio_over_compressed']:.4f})"
+            f"{options.ratio_slack:g} on {adapter.family} (nearest: {acc.ratio_over_compressed:.4f})"
             + ("; try another --kron-factor" if kron_q is not None else "")
         )
     return plan
