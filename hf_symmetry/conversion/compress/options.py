@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
+from ...calibration import CalibrationText
 from ...flags import flag
 from ...modeling.structured_linear import STRUCTURE_TYPES
 from ...solvers import structures as st
@@ -41,9 +42,14 @@ SEGMENT_OFFSET = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 1, "up": 1, "down": 2}
 
 #: the names reports and cards give three options (the ``--tol`` flag's, and the ones they have always had)
 REPORTED_AS = {"stop_tol": "tol", "wopp_stop_tol": "wopp_tol", "ratio_slack": "tolerance"}
-_ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len")
+_ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters")
 #: the matrices the paper leaves dense (``--compress-v`` compresses them too)
 PAPER_DENSE = ("v",)
+
+
+def _calibration_sizes(calibration: CalibrationText) -> dict:
+    """How reports and cards name the calibration's sizes."""
+    return {"calib_tokens": calibration.tokens, "calib_seq_len": calibration.seq_len}
 
 
 def parse_gs_blocks(text: str | None) -> tuple[int, int] | None:
@@ -142,8 +148,6 @@ class CompressOptions:
     solver_dtype: str = "float32"  # iterations in float32 (fast), final projections in float64
     damping: float = 0.01  # covariance damping, relative to the mean eigenvalue
     ratio_slack: float = 0.02  # largest |achieved ratio − ratio| accepted
-    calib_tokens: int = flag(16384, "calibration tokens (default: 16384)", type=int)
-    calib_seq_len: int = flag(512, "tokens per calibration batch (default: 512)", type=int)
     sequential: bool = flag(
         False,
         "stage w (and slice): take each residual segment's statistics from the model whose "
@@ -215,7 +219,7 @@ class CompressOptions:
         if self.allocation != "uniform" and not self.needs_calibration:
             raise ValueError("non-uniform allocation measures sensitivity on calibration text: use stage f or w")
         for name in _ITER_NAMES:
-            if getattr(self, name) < 0 or (name.startswith("calib") and getattr(self, name) < 2):
+            if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
 
     @property
@@ -326,8 +330,9 @@ class CompressOptions:
             return f"ProcrustesGPT (lowrank, stage {self.stage}{extra})"
         return f"ProcrustesGPT ({self.structure}, stage {self.stage}, {self.q_mode} Q{extra})"
 
-    def applicable(self) -> dict:
-        """The settings that apply to this method (what a card lists), scalars only."""
+    def applicable(self, calibration: CalibrationText) -> dict:
+        """The settings that apply to this method (what a card lists), scalars only; the sizes of
+        ``calibration`` (its text aside) where the method calibrates."""
         keys = [
             "structure",
             "ratio" if self.matrix_keep is None else "matrix_keep",
@@ -355,7 +360,7 @@ class CompressOptions:
             keys = [k for k in keys if not k.startswith("calib")]
         out = {}
         for k in keys:
-            v = getattr(self, k)
+            v = _calibration_sizes(calibration)[k] if k.startswith("calib") else getattr(self, k)
             out[REPORTED_AS.get(k, k)] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
         return out
 
@@ -374,9 +379,10 @@ class CompressOptions:
             iters=iters, als_iters=self.als_iters, wopp_iters=self.wopp_iters, dtype=dtype, keep_weights=False, **rule
         )
 
-    def as_dict(self) -> dict:
-        """Every option, under the names reports and cards use (:data:`REPORTED_AS`)."""
-        return {REPORTED_AS.get(k, k): v for k, v in asdict(self).items()}
+    def as_dict(self, calibration: CalibrationText) -> dict:
+        """Every option, under the names reports and cards use (:data:`REPORTED_AS`), and the sizes of
+        ``calibration`` (its text aside)."""
+        return {**{REPORTED_AS.get(k, k): v for k, v in asdict(self).items()}, **_calibration_sizes(calibration)}
 
     def with_(self, **changes) -> "CompressOptions":
         return replace(self, **changes)

@@ -227,12 +227,11 @@ def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: Compres
 def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: CompressRun, kept: Kept):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
-    calibration engine (:func:`.moments.sequential_weighted`, on :meth:`.routes.CompressRun.calibration`),
+    calibration engine (:func:`.moments.sequential_weighted`, on the run's calibration ids),
     and its matrices are replaced there by their approximations once solved. ``match_original``: each
     matrix then targets the original model's outputs and writers the original residual stream
     (:func:`.targets.matched_target`), instead of the matrix's own outputs on X̂."""
     plan, options = inputs.plan, run.options
-    calib = run.calibration()
     iters = options.w_iters if options.rotates else 0
     ms = plan.by_name()
     Qs, traces = [None] * plan.n_segments, {}
@@ -268,7 +267,7 @@ def _solve_sequential(inputs: SolveInputs, Q_init: list[torch.Tensor], run: Comp
 
     try:
         seq = sequential_weighted(
-            calib,
+            run,
             inputs.stats.token_counts,
             options.match_original,
             segment,
