@@ -47,7 +47,18 @@ from .moments import (
     sequential_weighted,
     token_sequences,
 )
-from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
+from .options import (
+    ALLOCATIONS,
+    LAYER_MODULES,
+    METHODS,
+    PRESETS,
+    Q_MODES,
+    SLICE,
+    STAGES,
+    STRUCTURE_CHOICES,
+    STRUCTURES,
+    CompressOptions,
+)
 from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
 from .core import compress_into
 from .pipeline import compress_checkpoint, compress_model, compress_tensors, route_for
@@ -82,6 +93,9 @@ __all__ = [
     "Q_MODES",
     "STAGES",
     "STRUCTURES",
+    "STRUCTURE_CHOICES",
+    "METHODS",
+    "SLICE",
     "CompressOptions",
     "REPORT_FILE",
     "CompressReport",

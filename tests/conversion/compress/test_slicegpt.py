@@ -47,6 +47,13 @@ def test_slice_defaults_to_one_global_pca_and_its_card_lists_only_its_settings()
     ):
         assert absent not in settings, absent
     assert {"structure", "ratio", "q_mode", "calib_tokens"} <= set(settings)
+    # SliceGPT is a method, not a structure: no structure class, named "slice" where users read it
+    assert options == C.CompressOptions(method="slicegpt") and options.method == "slicegpt" and options.slicing
+    assert options.structure is None and options.structure_class is None and options.structure_name == "slice"
+    assert settings["structure"] == "slice" == options.as_dict(C.CALIBRATION)["structure"]
+    assert "method" not in options.as_dict(C.CALIBRATION)  # the reports' options keep their keys
+    kron = C.CompressOptions(structure="kron")  # negative control
+    assert kron.method == "procrustesgpt" and not kron.slicing and kron.structure_name == kron.structure == "kron"
     gs = C.CompressOptions(structure="gs", stage="w").applicable(C.CALIBRATION)
     assert {"stage", "f_iters", "w_iters", "gs_blocks"} <= set(gs) and "kron_factor" not in gs
 
