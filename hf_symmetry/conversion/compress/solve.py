@@ -285,7 +285,7 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     ``run.plan``, weighted by ``run.stats``, on the norm-folded ``layers`` and ``globals_``.
     ``run.rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. Sequential calibration
-    (``options.sequential``) runs on :meth:`.routes.CompressRun.calibration`; the solvers' linear algebra
+    (``options.sequential``) runs on the run itself (its calibration ids); the solvers' linear algebra
     runs on ``run.device`` (the matrices and statistics of one segment are moved there; results come back
     to the CPU), and one global Q spills its warm starts under ``run.folder`` (default: the system's
     temporary folder). ``kept`` (:class:`Kept`): ``keep_stats=False``: sequential calibration drops each
