@@ -30,6 +30,7 @@ import platform
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,7 +65,14 @@ def cached_stats(source, config, calib_ids, seq_len) -> C.CalibrationStats:
             [t[f"mlp_hidden.{i}"] for i in range(L)],
         )
     stats = C.collect_statistics(
-        C.CalibrationInput(source, config, calib_ids, seq_len), want_normed=True, want_stream=True
+        C.CompressRun(
+            source,
+            config,
+            calib_ids=calib_ids,
+            calibration=replace(C.CALIBRATION, tokens=calib_ids.numel(), seq_len=seq_len),
+        ),
+        want_normed=True,
+        want_stream=True,
     )
     tensors = {"tokens": torch.tensor([stats.tokens]), "token_counts": stats.token_counts}
     for name in ("normed", "stream", "attn_out", "mlp_hidden"):

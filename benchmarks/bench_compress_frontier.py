@@ -32,6 +32,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -136,8 +137,6 @@ def run_row(row: dict, args, results: dict) -> dict:
         }
     reader = CheckpointReader(src)
     opts = {
-        "calib_tokens": args.calib_tokens,
-        "calib_seq_len": 512,
         "f_iters": args.f_iters,
         "ratio_slack": 0.05,
         **row.get("options", {}),
@@ -149,16 +148,17 @@ def run_row(row: dict, args, results: dict) -> dict:
         acc = plan.accounting
         opts["ratio"] = (acc.dense_model_params - target) / acc.dense_params_of_compressed_matrices
     options = C.CompressOptions.preset(row["preset"], **opts) if "preset" in row else C.CompressOptions(**opts)
-    calib_ids = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens)
+    calibration = replace(C.CALIBRATION, tokens=args.calib_tokens, seq_len=512)
+    calib_ids = tokenize_text(tok, read_text(text_path("britannica-calib")), max_tokens=calibration.tokens)
     state, cfg, report = C.compress_tensors(
-        C.CompressRun(reader, reader.config, options, calib_ids=calib_ids, progress=False)
+        C.CompressRun(reader, reader.config, options, calib_ids=calib_ids, progress=False, calibration=calibration)
     )
     model, counted = C.build_model(state, cfg)
     state_norms = {k: float(v.double().pow(2).sum()) for k, v in state.items() if k.endswith(".weight")}
     del state
     acc = report.accounting
     out = {
-        "options": {k: v for k, v in options.applicable().items()},
+        "options": {k: v for k, v in options.applicable(calibration).items()},
         "label": options.label,
         "perplexity": ppl(model),
         "params": counted,
@@ -238,7 +238,12 @@ def segment_objectives(args) -> dict:
         load_tokenizer(smollm2_dir()), read_text(text_path("britannica-calib")), max_tokens=args.calib_tokens
     )
     stats = C.collect_statistics(
-        C.CalibrationInput(reader, reader.config, ids, 512), want_normed=False, want_stream=True, progress=False
+        C.CompressRun(
+            reader, reader.config, calib_ids=ids, calibration=replace(C.CALIBRATION, tokens=ids.numel(), seq_len=512)
+        ),
+        want_normed=False,
+        want_stream=True,
+        progress=False,
     )
     Qg = pca(sum(Cm / Cm.trace() for Cm in stats.stream))
     width = C.plan_for(reader, reader.config, C.CompressOptions(structure="slice", ratio=args.ratio))[0].residual

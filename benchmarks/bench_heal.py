@@ -109,13 +109,14 @@ def convert(name: str, work: Path, progress: bool, placement=None) -> Path:
     t0 = time.perf_counter()
     if name == "slice25":
         from hf_symmetry.assets import resolve_text
+        from hf_symmetry.calibration import CalibrationText
         from hf_symmetry.conversion.compress import CompressOptions, compress_checkpoint
 
         compress_checkpoint(
             resolve_model("smollm2"),
             out,
-            CompressOptions(structure="slice", q_mode="global", ratio=0.25, calib_tokens=1024),
-            resolve_text("britannica-calib"),
+            CompressOptions(structure="slice", q_mode="global", ratio=0.25),
+            CalibrationText(resolve_text("britannica-calib"), tokens=1024, seq_len=512),
             progress=progress,
             placement=placement,
         )

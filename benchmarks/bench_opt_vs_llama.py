@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_t6_training import prepared_data
 
+    from hf_symmetry.calibration import CalibrationText
     from hf_symmetry.conversion.compress import CompressOptions, compress_model
     from hf_symmetry.training import TrainSettings, train
 
@@ -142,6 +143,7 @@ def main(argv=None) -> int:
     train_ds, val_ds, vocab, ids, data_info, full_vocab = prepared_data(work, o["seq_len"], o["val_tokens"])
     opt_cfg, llama_cfg, counts = configs(vocab, ids, o)
     calib = train_ds.sequences.reshape(-1)[: o["calib_tokens"]]
+    calibration = CalibrationText(tokens=o["calib_tokens"], seq_len=o["seq_len"])  # the text: the training data's
     val = val_ds.sequences
     result = {
         "machine": "2-core CPU VM, no GPU, shared with other jobs; one torch thread, nice 10",
@@ -204,10 +206,8 @@ def main(argv=None) -> int:
         }
         for ratio in (float(r) for r in str(o["ratios"]).split(",")):
             t = time.process_time()
-            options = CompressOptions(
-                structure="slice", ratio=ratio, calib_tokens=o["calib_tokens"], calib_seq_len=o["seq_len"]
-            )
-            sliced, report = compress_model(model, options, calib_ids=calib)
+            options = CompressOptions(structure="slice", ratio=ratio)
+            sliced, report = compress_model(model, options, calib_ids=calib, calibration=calibration)
             slice_cpu = time.process_time() - t
             sliced_ppl = perplexity(sliced.float(), val)
             acc = report.accounting
@@ -233,10 +233,8 @@ def main(argv=None) -> int:
             options = CompressOptions(
                 structure=structure,
                 ratio=o["structured_ratio"],
-                calib_tokens=o["calib_tokens"],
-                calib_seq_len=o["seq_len"],
             )
-            compressed, report = compress_model(model, options, calib_ids=calib)
+            compressed, report = compress_model(model, options, calib_ids=calib, calibration=calibration)
             cpu = time.process_time() - t
             ppl = perplexity(compressed.float(), val)
             acc = report.accounting

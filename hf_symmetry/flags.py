@@ -8,7 +8,8 @@ name, type, choices, metavar, action and help live there and nowhere else::
         residual_iters: int = flag(0, "refinement passes ...", type=int)
 
 * :func:`add_flags` ``(parser, Options, *names)`` adds the flags of ``Options`` to an ``argparse`` parser or
-  argument group: those of ``names``, in that order, else every flagged field in field order;
+  argument group: those of ``names``, in that order, else every flagged field in field order (``"field.sub"``
+  names one flag of a nested field, for a command that shows its flags in different places);
 * :func:`from_args` ``(Options, args, **given)`` builds the options from the parsed arguments (fields whose flag
   the parser lacks keep their default; ``given`` sets the others);
 * :func:`changed_flags` ``(Options, args)``: the flags given a value other than the field's default, as the user
@@ -16,7 +17,8 @@ name, type, choices, metavar, action and help live there and nowhere else::
 
 A field holding another dataclass (e.g. :class:`hf_symmetry.calibration.CalibrationText`) is declared with
 :func:`nested`: each of its fields takes a flag of the outer class's choosing, and the field is None while its
-first flag is not given. The parser's value of a flag becomes the field's value through ``Flag.parse``
+first flag is not given (:func:`nested_from_args`: the value a nested field's flags give, whatever its default).
+The parser's value of a flag becomes the field's value through ``Flag.parse``
 (default: unchanged); ``Flag.unset`` is what the parser holds when the flag is not given, where that differs
 from the field's default (e.g. None for "not given: a preset decides").
 """
@@ -95,13 +97,28 @@ def nested(cls: type, default=None, **flags: Flag) -> Any:
 
 
 def _flagged(options_cls, names: tuple[str, ...]) -> list[tuple[dataclasses.Field, Any]]:
-    """The fields of ``options_cls`` named (all flagged ones when none is), with their flag declaration."""
+    """The fields of ``options_cls`` named (all flagged ones when none is), with their flag declaration; a
+    ``"field.sub"`` name gives the nested field ``field`` with only its flag ``sub``."""
     fields = {f.name: f for f in dataclasses.fields(options_cls)}
-    unknown = [n for n in names if FLAG not in getattr(fields.get(n), "metadata", {})]
+    outer = [n.split(".")[0] for n in names]
+    unknown = [n for n, o in zip(names, outer) if FLAG not in getattr(fields.get(o), "metadata", {})]
+    unknown += [
+        n
+        for n, o in zip(names, outer)
+        if n not in unknown and "." in n and n.split(".")[1] not in getattr(fields[o].metadata[FLAG], "flags", {})
+    ]
     if unknown:
         raise KeyError(f"{options_cls.__name__} declares no flag for {', '.join(unknown)}")
-    chosen = [fields[n] for n in names] if names else [f for f in fields.values() if FLAG in f.metadata]
-    return [(f, f.metadata[FLAG]) for f in chosen]
+    if not names:
+        return [(f, f.metadata[FLAG]) for f in fields.values() if FLAG in f.metadata]
+    chosen = []
+    for name, o in zip(names, outer):
+        decl = fields[o].metadata[FLAG]
+        if "." in name:
+            sub = name.split(".")[1]
+            decl = Nested(decl.cls, {sub: decl.flags[sub]})
+        chosen.append((fields[o], decl))
+    return chosen
 
 
 def _nested_defaults(decl: Nested) -> dict:
@@ -109,8 +126,8 @@ def _nested_defaults(decl: Nested) -> dict:
 
 
 def add_flags(parser, options_cls, *names: str) -> None:
-    """Add the flags of ``options_cls``'s fields ``names`` (default: every flagged field, in field order) to
-    ``parser`` (a parser or an argument group)."""
+    """Add the flags of ``options_cls``'s fields ``names`` (default: every flagged field, in field order; a
+    ``"field.sub"`` name: one flag of a nested field) to ``parser`` (a parser or an argument group)."""
     for field, decl in _flagged(options_cls, names):
         if isinstance(decl, Nested):
             defaults = _nested_defaults(decl)
@@ -120,6 +137,14 @@ def add_flags(parser, options_cls, *names: str) -> None:
         else:
             name, keywords = decl.argument(field.name, field.default)
             parser.add_argument(name, **keywords)
+
+
+def nested_from_args(options_cls, name: str, args):
+    """The value the flags of ``options_cls``'s nested field ``name`` give in the parsed ``args``: a ``cls``
+    built from them, or None while the first is not given (whatever the field's default)."""
+    ((_, decl),) = _flagged(options_cls, (name,))
+    subs = {sub: f.value(args, sub) for sub, f in decl.flags.items()}
+    return None if next(iter(subs.values())) is None else decl.cls(**subs)
 
 
 def from_args(options_cls, args, **given):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from hf_symmetry.calibration import CalibrationText
-from hf_symmetry.flags import Flag, add_flags, changed_flags, flag, from_args, nested
+from hf_symmetry.flags import Flag, add_flags, changed_flags, flag, from_args, nested, nested_from_args
 
 
 def _channels(text: str) -> tuple[int, ...]:
@@ -75,6 +75,34 @@ def test_options_come_back_from_the_parsed_flags():
     # flags the parser lacks keep the field's default; given values win over parsed ones
     partial = from_args(Options, _generated("mode").parse_args(["--mode", "qk"]), rank=2)
     assert partial == Options(mode="qk", rank=2)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A nested field whose default is a value (compress's ``CompressRun.calibration``), its flags shown apart."""
+
+    calibration: CalibrationText = nested(
+        CalibrationText,
+        CalibrationText("embedded", tokens=128),
+        text=Flag("calibration text", name="--calib", metavar="FILE", unset=None),
+        tokens=Flag("calibration tokens", name="--calib-tokens", type=int, unset=128),
+    )
+
+
+def test_one_flag_of_a_nested_field_and_the_nested_value_the_flags_give():
+    p = argparse.ArgumentParser(prog="x")
+    add_flags(p, Run, "calibration.tokens")  # only that flag, where the command shows it
+    p.add_argument("--between")
+    add_flags(p, Run, "calibration.text")
+    help_text = p.format_help()
+    assert help_text.index("--calib-tokens") < help_text.index("--between") < help_text.index("--calib FILE")
+    given = nested_from_args(Run, "calibration", p.parse_args(["--calib", "t.txt", "--calib-tokens", "9"]))
+    assert given == CalibrationText("t.txt", tokens=9)
+    # no --calib: None (no text given), not the field's default, whatever --calib-tokens says
+    assert nested_from_args(Run, "calibration", p.parse_args(["--calib-tokens", "9"])) is None
+    assert from_args(Run, p.parse_args([])) == Run()  # from_args keeps the field's default
+    with pytest.raises(KeyError, match="calibration.seq_len"):  # negative control: a flag not declared
+        add_flags(argparse.ArgumentParser(), Run, "calibration.seq_len")
 
 
 def test_changed_flags_name_what_was_given_as_typed():

@@ -98,6 +98,7 @@ def structure():
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from hf_symmetry.conversion.compress.options import CompressOptions
+    from hf_symmetry.conversion.compress.routes import CALIBRATION
     from hf_symmetry.modeling.structured_linear import STRUCTURE_TYPES
     from hf_symmetry.testing import input_ids, run_without_hf_symmetry
     from hf_symmetry.training.peft_targets import lora_plan
@@ -128,7 +129,7 @@ def structure():
     return {
         "structure_types": list(STRUCTURE_TYPES),
         "choices": list(flag("compress", "--structure").choices),
-        "settings": CompressOptions(structure="toy", gs_blocks=(2, 2)).applicable(),
+        "settings": CompressOptions(structure="toy", gs_blocks=(2, 2)).applicable(CALIBRATION),
         "modules": sorted({type(m).__name__ for m in toy.modules()}),
         "types": sorted({e["type"] for layer in config["layer_structures"] for e in layer.values()}),
         "same_tensors": tensors["toy"].keys() == tensors["gs"].keys()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..assets import resolve_model, resolve_text
@@ -14,12 +15,14 @@ from ..checkpoint_io import CheckpointReader
 from ..conversion.compress import (
     PRESETS,
     CompressOptions,
+    CompressRun,
     compress_checkpoint,
     record_verification,
 )
 from ..conversion.compress.pipeline import route_for
+from ..conversion.compress.routes import CALIBRATION, check_calibration
 from ..conversion.compress.stock import REMOTE_CODE, StockOptions
-from ..flags import add_flags, from_args
+from ..flags import add_flags, from_args, nested_from_args
 from .common import (
     add_device_args,
     add_output_args,
@@ -80,12 +83,7 @@ def _add_method_args(p) -> None:
         help="fraction of the compressed matrices' parameters removed, skip/head matrices paid for "
         "(equal ratios give equal model sizes across methods; default: 0.25)",
     )
-    p.add_argument(
-        "--calib",
-        metavar="TEXT",
-        help="calibration text: a UTF-8 file or an embedded name such as britannica-calib "
-        "(needed for stages f and w and for slice)",
-    )
+    add_flags(p, CompressRun, "calibration.text")
 
 
 def _add_rotation_args(p) -> None:
@@ -135,7 +133,7 @@ def _add_stock_args(p) -> None:
 
 def _add_calibration_size_args(p) -> None:
     """How much calibration text is read, and in what batches."""
-    add_flags(p, CompressOptions, "calib_tokens", "calib_seq_len")
+    add_flags(p, CompressRun, "calibration.tokens", "calibration.seq_len")
 
 
 def stock_from_args(args, options) -> StockOptions:
@@ -199,12 +197,14 @@ class Compress(Conversion):
         elif args.ratio is not None:
             self.options = self.options.with_(ratio=args.ratio)
         self.options.validate()
+        self.calibration = nested_from_args(CompressRun, "calibration", args)  # None: no --calib
+        check_calibration(self.calibration)
         self.stock = stock_from_args(args, self.options)
         self.placement = placement_from_args(args)  # an unusable device fails before any work
         check_verify_args(args, args.model)
         self.original = resolve_model(args.model)
-        self.calib = resolve_text(args.calib) if args.calib else None
-        if self.calib is not None:
+        if self.calibration is not None:
+            self.calibration = replace(self.calibration, text=resolve_text(self.calibration.text))
             check_text_tokens(
                 args.calib, args.model, {"--calib-tokens": (args.calib_tokens, CALIB_TOKENS_DEFAULT["compress"])}
             )
@@ -220,7 +220,7 @@ class Compress(Conversion):
             src,
             args.out,
             options,
-            self.calib,
+            self.calibration,
             stock=self.stock,
             progress=not args.quiet,
             placement=self.placement,
@@ -245,7 +245,7 @@ class Compress(Conversion):
         its figures into the ``--json`` summary."""
         self.verification = None if verified is None else verified.figures
         if verified is not None:
-            record_verification(self.out, report, self.options, verified.measured)
+            record_verification(self.out, report, self.options, self.calibration or CALIBRATION, verified.measured)
 
     def summary(self, report) -> dict:
         summary = report.as_dict()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+from dataclasses import replace
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -20,6 +21,8 @@ from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa, convert_model_to_tpa
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model, run_without_hf_symmetry
+
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _delta(a, b, ids=None) -> float:
@@ -86,7 +89,7 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
     model = tiny_model("qwen3")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, ratio_slack=1.0)
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     plan = C.plan_for(src, config, options)[0]
     plan.residual = plan.hidden
@@ -102,13 +105,14 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
             plan=plan,
             dtype=torch.float64,
             progress=False,
+            calibration=SEQ40,
         )
     )
     compressed = C.build_model(state, cfg, torch.float64)[0]
     assert _delta(model, compressed) <= 1e-9
     # negative control: sliced for real (25 %), the function changes
     sliced, _ = C.compress_model(
-        model, C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0), calib_ids=calib
+        model, C.CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0), calib_ids=calib, calibration=SEQ40
     )
     assert sliced.config.residual_size < model.config.hidden_size and _delta(model, sliced) > 1e-3
 
@@ -162,8 +166,9 @@ def test_new_output_folders_load_as_remote_code_without_hf_symmetry(tmp_path):
     opt = tiny_model("opt")
     sliced, _ = C.compress_model(
         opt,
-        C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0),
+        C.CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0),
         calib_ids=input_ids(batch=1, length=120, seed=3)[0],
+        calibration=SEQ40,
     )
     sliced.save_pretrained(out / "sliced_opt")
 
@@ -228,7 +233,6 @@ def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, e
         w_iters=2,
         als_iters=2,
         wopp_iters=10,
-        calib_seq_len=40,
         ratio_slack=1.0,
     )
     src = _source(model)
@@ -246,6 +250,7 @@ def test_full_rank_sequential_stage_w_of_qwen3_reproduces_the_model(structure, e
             dtype=torch.float64,
             progress=False,
             placement=_placement64(),
+            calibration=SEQ40,
         )
     )
     assert report.options["sequential"] and cfg["qk_norm"]

@@ -35,7 +35,8 @@ SPECS = {
 def test_everything_that_names_structures_derives_from_the_registry():
     assert SL.STRUCTURE_TYPES == tuple(SL.LINEAR_CLASSES) == ("dense", "kron", "gs", "lowrank")
     assert set(st.CLASSES) == set(SL.LINEAR_CLASSES)  # every solver class has its module class and back
-    assert options.STRUCTURES == ("kron", "gs", "lowrank", "slice")  # `compress --help` keeps its order
+    assert options.STRUCTURES == ("kron", "gs", "lowrank")  # the structure classes, dense aside
+    assert options.STRUCTURE_CHOICES == ("kron", "gs", "lowrank", "slice")  # `compress --help` keeps its order
     fields = {f.name for f in dataclasses.fields(options.CompressOptions)}
     assert set(options._SIZING_OPTIONS.values()) <= fields
     assert set(peft_targets.STRUCTURED_CLASSES) == {c.__name__ for c in SL.LINEAR_CLASSES.values()}

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from heal_models import byte_tokenizer, tiny  # noqa: E402
 
 from hf_symmetry.assets import resolve_text  # noqa: E402
+from hf_symmetry.calibration import CalibrationText  # noqa: E402
 from hf_symmetry.conversion.layer_map import MAP_FILE, LayerMap, read_layer_map  # noqa: E402
 from hf_symmetry.training.distill import layer_outputs, layer_state_loss  # noqa: E402
 
@@ -89,8 +90,8 @@ def sliced(root):
         compress_checkpoint(
             root / "teacher",
             out,
-            CompressOptions(structure="slice", ratio=0.01, ratio_slack=1.0, calib_tokens=2048, calib_seq_len=64),
-            root / "train.txt",
+            CompressOptions(structure="slice", ratio=0.01, ratio_slack=1.0),
+            CalibrationText(root / "train.txt", tokens=2048, seq_len=64),
             progress=False,
         )
     return out
@@ -140,10 +141,8 @@ def test_per_segment_rotations_map_each_layer_through_its_own_segment(root):
         compress_checkpoint(
             root / "teacher",
             out,
-            CompressOptions(
-                structure="slice", q_mode="segment", ratio=0.01, ratio_slack=1.0, calib_tokens=2048, calib_seq_len=64
-            ),
-            root / "train.txt",
+            CompressOptions(structure="slice", q_mode="segment", ratio=0.01, ratio_slack=1.0),
+            CalibrationText(root / "train.txt", tokens=2048, seq_len=64),
             progress=False,
         )
     m = read_layer_map(out)
@@ -177,8 +176,8 @@ def test_a_lossy_slice_records_its_narrower_width(root):
     compress_checkpoint(
         root / "teacher",
         out,
-        CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0, calib_tokens=2048, calib_seq_len=64),
-        root / "train.txt",
+        CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0),
+        CalibrationText(root / "train.txt", tokens=2048, seq_len=64),
         progress=False,
     )
     m = read_layer_map(out)

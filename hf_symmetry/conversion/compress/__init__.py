@@ -26,9 +26,9 @@ The steps, one module each:
   centred, then sliced (SliceGPT) or structured (the steps above on the centred model), written as the
   RMS-decoder family;
 - :mod:`.stock` — SliceGPT written as the source's own stock family, where it can be;
-- :mod:`.routes` — one conversion as one object (:class:`CompressRun`: source, options, calibration, device,
-  dtype, sink, folder), and the routes of an output folder as objects (compressed family, stock, LayerNorm
-  decoders);
+- :mod:`.routes` — one conversion as one object (:class:`CompressRun`: source, options, calibration text and
+  ids, device, dtype, sink, folder; the calibration passes run on it), and the routes of an output folder as
+  objects (compressed family, stock, LayerNorm decoders);
 - :mod:`.pipeline` — the entry points (tensors, a loaded model, a checkpoint folder: the one folder entry
   point, which decides the route once);
 - :mod:`.report` — the report and the finishing of an output folder, shared by every route;
@@ -41,20 +41,30 @@ from ..stream import DictSource, TensorSource
 from .assemble import Assembler, build_model, compressed_config, config_object, module_tensors
 from .folded import FoldedGlobals, FoldedLayers, read_folded
 from .moments import (
-    CalibrationInput,
     CalibrationStats,
     collect_statistics,
     one_pass_statistics,
     sequential_weighted,
     token_sequences,
 )
-from .options import ALLOCATIONS, LAYER_MODULES, PRESETS, Q_MODES, STAGES, STRUCTURES, CompressOptions
+from .options import (
+    ALLOCATIONS,
+    LAYER_MODULES,
+    METHODS,
+    PRESETS,
+    Q_MODES,
+    SLICE,
+    STAGES,
+    STRUCTURE_CHOICES,
+    STRUCTURES,
+    CompressOptions,
+)
 from .pca import SlicedLayer, pca_rotations, sequential_stream_pca
 from .core import compress_into
 from .pipeline import compress_checkpoint, compress_model, compress_tensors, route_for
 from .plan import MatrixPlan, Plan, check_family, plan_compression, plan_for, source_numels
 from .report import REPORT_FILE, CompressReport, record_verification
-from .routes import CompressRun, Route
+from .routes import CALIBRATION, CompressRun, Route
 from .solve import Kept
 from .targets import matched_target
 
@@ -70,7 +80,6 @@ __all__ = [
     "config_object",
     "module_tensors",
     "read_folded",
-    "CalibrationInput",
     "CalibrationStats",
     "SlicedLayer",
     "sequential_stream_pca",
@@ -84,6 +93,9 @@ __all__ = [
     "Q_MODES",
     "STAGES",
     "STRUCTURES",
+    "STRUCTURE_CHOICES",
+    "METHODS",
+    "SLICE",
     "CompressOptions",
     "REPORT_FILE",
     "CompressReport",
@@ -92,6 +104,7 @@ __all__ = [
     "compress_tensors",
     "compress_into",
     "route_for",
+    "CALIBRATION",
     "CompressRun",
     "Route",
     "record_verification",

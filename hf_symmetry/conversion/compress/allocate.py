@@ -30,9 +30,9 @@ import torch
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
 from ...solvers import structures as st
-from .moments import CalibrationInput
 from .options import LAYER_MODULES, CompressOptions
 from .plan import MatrixPlan, check_family, in_policy, matrix_entries, shared_factor, structure_for
+from .routes import CompressRun
 
 #: sizes at which sensitivity is measured, and the finer grid the allocator chooses from
 MEASURED = (0.1, 0.25, 0.4, 0.55, 0.7, 0.85)
@@ -218,7 +218,7 @@ def output_error(step, module: torch.nn.Module) -> float:
 
 
 def measure_sensitivity(
-    calib: CalibrationInput,
+    calib: CompressRun,
     adapter,
     entries: list[MatrixPlan],
     options: CompressOptions,
@@ -293,7 +293,7 @@ def allocate_for(run, token_counts: torch.Tensor | None = None):
     """``(keep map, report)``: measure each group's sensitivity on ``run``'s calibration (a
     :class:`.routes.CompressRun`) and allocate the budget of its uniform plan ``run.plan`` (same ratio, same
     rotations and skips) between the groups (SliceGPT's widths: :func:`.allocate_widths.allocate_slice_for`)."""
-    calib, options, uniform = run.calibration(), run.options, run.plan
+    calib, options, uniform = run, run.options, run.plan
     adapter = check_family(calib.config, calib.source.keys())
     entries = matrix_entries(calib.config, calib.source.keys(), adapter)
     kron_q = uniform.accounting.kron_factor

@@ -16,9 +16,10 @@ import torch
 from ...calibration import CalibrationEngine, StatsRequest
 from ...calibration import token_batches as batches
 from .allocate import Choice, Group, adapter_path, allocate, output_error, trace_of
-from .moments import CalibrationInput, collect_statistics
+from .moments import collect_statistics
 from .pca import pca
 from .plan import MatrixPlan, check_family, final_gamma, matrix_entries, params_at
+from .routes import CompressRun
 
 #: widths (fractions of the hidden size) at which the sliced layers are measured; full width is exact
 MEASURED_WIDTHS = (0.15, 0.3, 0.45, 0.6, 0.7, 0.8, 0.9)
@@ -107,7 +108,7 @@ def _sliced_layer(module: torch.nn.Module, adapter, P: torch.Tensor) -> torch.nn
 
 
 def measure_slice_sensitivity(
-    calib: CalibrationInput,
+    calib: CompressRun,
     adapter,
     Q: torch.Tensor,
     stream_first: torch.Tensor,
@@ -245,7 +246,7 @@ def allocate_slice_for(run):
     the global rotation from ``run.stats`` (one-pass stream moments, as the solve takes it), each group's
     sensitivity measured at several widths, then per-segment widths at the total of the uniform plan
     ``run.plan`` (``keep``: ``segment{k}`` → width / d)."""
-    calib, stats, uniform, progress = run.calibration(), run.stats, run.plan, run.progress
+    calib, stats, uniform, progress = run, run.stats, run.plan, run.progress
     source = calib.source
     adapter = check_family(calib.config, source.keys())
     entries = matrix_entries(calib.config, source.keys(), adapter)

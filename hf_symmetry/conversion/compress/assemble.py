@@ -220,7 +220,7 @@ def structure_entries(plan: Plan, options: CompressOptions, source_model_type: s
         "compression": {
             "method": options.method,
             "label": options.label,
-            "structure": options.structure,
+            "structure": options.structure_name,
             "stage": options.stage,
             "q_mode": options.q_mode,
             "ratio": options.ratio,

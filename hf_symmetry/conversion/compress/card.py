@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...calibration import CalibrationText
 from ...hub.cards import perplexity_result, public_model_label, public_text_label
 from ...hub.cards import write_card as render
 from .options import CompressOptions
 from .plan import Accounting
 
 
-def write_card(folder: Path, report, options: CompressOptions) -> None:
+def write_card(folder: Path, report, options: CompressOptions, calibration: CalibrationText) -> None:
     """A README model card via :mod:`hf_symmetry.hub.cards`, listing only the settings that apply to
-    the method."""
+    the method (with the sizes of ``calibration`` where it calibrates)."""
     acc, method = report.accounting, options.label
     results = []
     if report.perplexity:
@@ -39,7 +40,7 @@ def write_card(folder: Path, report, options: CompressOptions) -> None:
                 f"left). " + _loading(acc)
             ),
             "method": method,
-            "parameters": options.applicable(),
+            "parameters": options.applicable(calibration),
             "inputs": [report.source],
             "size": {"parameters": acc.compressed_model_params},
             "eval_results": results,

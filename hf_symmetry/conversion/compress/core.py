@@ -74,13 +74,12 @@ def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, Co
     assembler = Assembler(plan, layers, globals_, gamma, run.dtype, run.sink)
     new_config = output.config(run, plan)
     if options.solver == "pca-sequential":
-        calib = run.calibration()
         rotations, stats = sequential_stream_pca(
-            source, config, calib.ids, calib.seq_len, plan.residual, run.placement, run.progress
+            source, config, run.ids, run.seq_len, plan.residual, run.placement, run.progress
         )
         run = replace(run, rotations=rotations, stats=stats)
     elif options.sequential:
-        run.calibration()  # refused without calibration tokens, before any solve
+        run.require_calibration()  # before any solve
 
     kept = Kept(run.dtype, assembler.segment_done, keep_stats=False) if output.streams else Kept(keep_stats=False)
     with limit_threads(1):
@@ -95,7 +94,7 @@ def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, Co
         source="",
         output=None,
         family=plan.family,
-        options=options.as_dict(),
+        options=options.as_dict(run.calibration),
         accounting=plan.accounting,
         relative_errors=res.relative_errors,
         objective=summarise_traces(res.traces),

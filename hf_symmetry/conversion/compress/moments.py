@@ -11,12 +11,15 @@ already compressed (as SliceGPT and GPTQ calibrate), both on the calibration eng
 (one decoder layer in memory). Stage W: :func:`sequential_weighted`, each layer run as the family's own
 module with its norms folded and its matrices replaced by their approximations; SliceGPT:
 :func:`.pca.sequential_stream_pca`. Also here: the calibration text read into token ids (:func:`read_calibration`)
-and the one-pass statistics a set of options needs (:func:`one_pass_statistics`)."""
+and the one-pass statistics a set of options needs (:func:`one_pass_statistics`). Every pass runs on a
+:class:`.routes.CompressRun`: its source and config, its calibration ids in sequences of its ``seq_len``, on its
+placement."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +30,9 @@ from ...calibration.statistics import base_site
 from ...evaluation.compare import load_tokenizer
 from ...symmetry import actions
 from ...text import read_text, tokenize_text
+
+if TYPE_CHECKING:  # annotations only: the run imports nothing of this module
+    from .routes import CompressRun
 
 Tensors = dict[str, torch.Tensor]
 
@@ -61,31 +67,25 @@ def token_sequences(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     return [b.reshape(-1) for b in batches(ids, seq_len)]
 
 
-def read_calibration(src, calib_text, options) -> torch.Tensor | None:
-    """The calibration text ``calib_text`` (a UTF-8 file or an embedded name) as token ids of the
-    tokenizer of the folder ``src``, at most ``options.calib_tokens``; ``None`` where ``options`` needs
-    no calibration. The text is read even then, so an empty file fails before any work."""
-    calib = read_text(calib_text) if calib_text is not None else None
+def read_calibration(src, calibration, options) -> torch.Tensor | None:
+    """The text of ``calibration`` (a :class:`...calibration.CalibrationText`: a UTF-8 file or an embedded name;
+    ``None``: none given) as token ids of the tokenizer of the folder ``src``, at most ``calibration.tokens``;
+    ``None`` where ``options`` needs no calibration. The text is read even then, so an empty file fails before
+    any work."""
+    calib = read_text(calibration.text) if calibration is not None else None
     if options.needs_calibration and calib is None:
         raise ValueError(
             f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)"
         )
     if not options.needs_calibration:
         return None
-    calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=options.calib_tokens)
+    calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=calibration.tokens)
     if calib_ids.numel() < 2:
-        raise ValueError(f"calibration text {calib_text} has fewer than two tokens")
+        raise ValueError(f"calibration text {calibration.text} has fewer than two tokens")
     return calib_ids
 
 
-def require_calibration(options, calib_ids: torch.Tensor | None) -> None:
-    """Fail, with the reason, where ``options`` needs calibration tokens and ``calib_ids`` has fewer than two."""
-    if calib_ids is None or calib_ids.numel() < 2:
-        what = "sequential calibration" if options.sequential else "this compression"
-        raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
-
-
-def one_pass_statistics(run, on_demand: bool = False) -> CalibrationStats | None:
+def one_pass_statistics(run: CompressRun, on_demand: bool = False) -> CalibrationStats | None:
     """The statistics of one pass of the original model that ``run.options`` (a :class:`.CompressOptions`)
     needs (token counts only where it needs no activations; ``None`` where it needs no calibration),
     layer by layer from ``run.source`` (``run``: a :class:`.routes.CompressRun`). ``on_demand`` (for a
@@ -95,11 +95,11 @@ def one_pass_statistics(run, on_demand: bool = False) -> CalibrationStats | None
     options = run.options
     if not options.needs_calibration:
         return None
-    calib = run.calibration()
+    run.require_calibration()
     if on_demand and options.statistics_on_demand:
-        return one_pass_on_demand(calib, progress=run.progress)
+        return one_pass_on_demand(run, progress=run.progress)
     return collect_statistics(
-        calib,
+        run,
         want_normed=options.want_normed,
         want_stream=options.want_stream,
         progress=run.progress,
@@ -114,7 +114,7 @@ _ONE_PASS_SITES = {
 
 
 def collect_statistics(
-    calib: CalibrationInput,
+    calib: CompressRun,
     want_normed: bool,
     want_stream: bool,
     progress: bool = True,
@@ -123,9 +123,9 @@ def collect_statistics(
     """One pass of the original model over ``calib.ids`` in chunks of ``calib.seq_len``, layer by layer
     from the checkpoint (:class:`hf_symmetry.calibration.CalibrationEngine`: one decoder layer in memory
     at a time, on ``calib.placement``'s device): per residual segment the second moments of the
-    normalised and/or raw stream, and the inputs of ``o_proj`` and ``down_proj``; ``calib.source`` is a
-    checkpoint reader or any tensor source with ``calib.config``. Each layer's moments are taken as the
-    engine reaches it.
+    normalised and/or raw stream, and the inputs of ``o_proj`` and ``down_proj``; ``calib`` is a
+    :class:`.routes.CompressRun`, whose ``source`` is a checkpoint reader or any tensor source with its
+    ``config``. Each layer's moments are taken as the engine reaches it.
     ``stream_sum``: keep only the running sum of the trace-normalised raw-stream moments
     (``stats.stream_sum``, all one global PCA needs: one ``d × d`` matrix whatever the depth) instead of
     every segment's (``stats.stream``)."""
@@ -197,7 +197,7 @@ class _OnDemand:
         self.items[k] = value
 
 
-def one_pass_on_demand(calib: CalibrationInput, progress: bool = True) -> CalibrationStats:
+def one_pass_on_demand(calib: CompressRun, progress: bool = True) -> CalibrationStats:
     """The one-pass statistics of :func:`collect_statistics` (``want_normed``: the normalised stream per
     segment, the writers' inputs per layer), measured as they are first read instead of all up front:
     reading segment k's entries runs the calibration pass on to the layer that produces them (segment
@@ -258,19 +258,6 @@ def one_pass_on_demand(calib: CalibrationInput, progress: bool = True) -> Calibr
     return stats
 
 
-@dataclass
-class CalibrationInput:
-    """What calibration runs on (one pass, sequential, the sensitivity measurements): the checkpoint (or
-    tensor source with its config), the calibration token ids, the batch length and the device placement
-    of the calibration engine."""
-
-    source: object
-    config: dict
-    ids: torch.Tensor
-    seq_len: int
-    placement: object = None
-
-
 #: per segment kind: the writer's input site, the stream before the writer adds to it, the stream
 #: the segment's readers see (normalised), the stream after the writer, on a decoder layer of the
 #: calibration engine
@@ -309,7 +296,7 @@ def _record(
 
 
 def sequential_weighted(
-    calib: CalibrationInput,
+    calib: CompressRun,
     token_counts: torch.Tensor,
     match_original: bool,
     solve_segment,

@@ -11,14 +11,22 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
+from ...calibration import CalibrationText
 from ...flags import flag
 from ...modeling.structured_linear import STRUCTURE_TYPES
 from ...solvers import structures as st
 from ...solvers.segments import Alternation
 
-#: ``--structure``: every structured module type (:data:`...modeling.structured_linear.STRUCTURE_TYPES`, in its
-#: order) with a solver class (:data:`...solvers.structures.CLASSES`), dense aside, or SliceGPT
-STRUCTURES = (*(k for k in STRUCTURE_TYPES if k in st.CLASSES and k != st.Dense.kind), "slice")
+#: the structures of ProcrustesGPT: every structured module type (:data:`...modeling.structured_linear.STRUCTURE_TYPES`,
+#: in its order) with a solver class (:data:`...solvers.structures.CLASSES`), dense aside
+STRUCTURES = tuple(k for k in STRUCTURE_TYPES if k in st.CLASSES and k != st.Dense.kind)
+#: the methods: ProcrustesGPT (a structure class after orthogonal transforms) and SliceGPT (PCA rotations, then
+#: the residual stream sliced: its matrices stay dense and narrower, no structure class)
+METHODS = ("procrustesgpt", "slicegpt")
+#: how ``--structure``, reports, cards and ``config.json`` name SliceGPT
+SLICE = "slice"
+#: ``--structure``'s choices: the structures, then SliceGPT
+STRUCTURE_CHOICES = (*STRUCTURES, SLICE)
 #: the option that sets each sizing argument of a structure class (:attr:`...structures.Structure.sizing`)
 _SIZING_OPTIONS = {arg: option for cls in st.CLASSES.values() for arg, option in cls.sizing.items()}
 STAGES = ("none", "f", "w")
@@ -41,9 +49,14 @@ SEGMENT_OFFSET = {"q": 0, "k": 0, "v": 0, "o": 1, "gate": 1, "up": 1, "down": 2}
 
 #: the names reports and cards give three options (the ``--tol`` flag's, and the ones they have always had)
 REPORTED_AS = {"stop_tol": "tol", "wopp_stop_tol": "wopp_tol", "ratio_slack": "tolerance"}
-_ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters", "calib_tokens", "calib_seq_len")
+_ITER_NAMES = ("f_iters", "w_iters", "als_iters", "wopp_iters")
 #: the matrices the paper leaves dense (``--compress-v`` compresses them too)
 PAPER_DENSE = ("v",)
+
+
+def _calibration_sizes(calibration: CalibrationText) -> dict:
+    """How reports and cards name the calibration's sizes."""
+    return {"calib_tokens": calibration.tokens, "calib_seq_len": calibration.seq_len}
 
 
 def parse_gs_blocks(text: str | None) -> tuple[int, int] | None:
@@ -65,16 +78,21 @@ class CompressOptions:
     ``q_mode`` ``None`` means the better default of the structure: one global rotation for SliceGPT
     (its per-segment variant pays for dense skip matrices and measured clearly worse), one rotation per
     residual segment for the ProcrustesGPT classes (the paper). A field with :func:`...flags.flag` is
-    ``compress``'s flag of that name (its help is the flag's)."""
+    ``compress``'s flag of that name (its help is the flag's).
 
-    structure: str = flag(
+    ``method``: :data:`METHODS`; ``structure``: ProcrustesGPT's structure class (:data:`STRUCTURES`; ``None`` for
+    SliceGPT). ``structure="slice"`` (``--structure slice``, the command line's spelling) means
+    ``method="slicegpt"``."""
+
+    structure: str | None = flag(
         "kron",
         "kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
         "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron). CPU speed (1 thread, 75%% of the "
         "parameters): faster than dense from 8-token batches on 576x576 matrices and up; decoding one token, "
         "lowrank and kron (from 576x576) about as fast or faster, gs slower up to 1536x576",
-        choices=STRUCTURES,
+        choices=STRUCTURE_CHOICES,
     )
+    method: str = "procrustesgpt"
     ratio: float = 0.25  # (--ratio: hand-written, since a preset refuses it)
     stage: str = flag(
         "w",
@@ -142,8 +160,6 @@ class CompressOptions:
     solver_dtype: str = "float32"  # iterations in float32 (fast), final projections in float64
     damping: float = 0.01  # covariance damping, relative to the mean eigenvalue
     ratio_slack: float = 0.02  # largest |achieved ratio − ratio| accepted
-    calib_tokens: int = flag(16384, "calibration tokens (default: 16384)", type=int)
-    calib_seq_len: int = flag(512, "tokens per calibration batch (default: 512)", type=int)
     sequential: bool = flag(
         False,
         "stage w (and slice): take each residual segment's statistics from the model whose "
@@ -169,15 +185,21 @@ class CompressOptions:
     )
 
     def __post_init__(self):
+        if self.structure == SLICE:
+            object.__setattr__(self, "method", "slicegpt")
+        if self.method == "slicegpt":
+            object.__setattr__(self, "structure", None)
         if self.q_mode is None:
-            object.__setattr__(self, "q_mode", "global" if self.structure == "slice" else "segment")
+            object.__setattr__(self, "q_mode", "global" if self.slicing else "segment")
         if isinstance(self.dense_modules, list):
             object.__setattr__(self, "dense_modules", tuple(self.dense_modules))
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        if self.structure not in STRUCTURES:
-            raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURES)}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not self.slicing and self.structure not in STRUCTURES:
+            raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURE_CHOICES)}")
         if not 0.0 < float(self.ratio) < 1.0:
             raise ValueError(f"ratio must be in (0, 1) (the fraction of parameters removed), got {self.ratio}")
         if self.stage not in STAGES:
@@ -215,7 +237,7 @@ class CompressOptions:
         if self.allocation != "uniform" and not self.needs_calibration:
             raise ValueError("non-uniform allocation measures sensitivity on calibration text: use stage f or w")
         for name in _ITER_NAMES:
-            if getattr(self, name) < 0 or (name.startswith("calib") and getattr(self, name) < 2):
+            if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
 
     @property
@@ -245,13 +267,18 @@ class CompressOptions:
         if self.slicing:
             return None
         if self.structure not in st.CLASSES:
-            raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURES)}")
+            raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURE_CHOICES)}")
         return st.CLASSES[self.structure]
 
     @property
     def slicing(self) -> bool:
         """SliceGPT: PCA rotations, then the residual stream sliced."""
-        return self.structure == "slice"
+        return self.method == "slicegpt"
+
+    @property
+    def structure_name(self) -> str:
+        """How ``--structure``, reports, cards and ``config.json`` name the structure (SliceGPT's: :data:`SLICE`)."""
+        return SLICE if self.slicing else self.structure
 
     @property
     def rotates(self) -> bool:
@@ -312,10 +339,6 @@ class CompressOptions:
         return "stages"
 
     @property
-    def method(self) -> str:
-        return "slicegpt" if self.slicing else "procrustesgpt"
-
-    @property
     def label(self) -> str:
         """How the method is named in output, reports and cards."""
         if self.slicing:
@@ -326,8 +349,9 @@ class CompressOptions:
             return f"ProcrustesGPT (lowrank, stage {self.stage}{extra})"
         return f"ProcrustesGPT ({self.structure}, stage {self.stage}, {self.q_mode} Q{extra})"
 
-    def applicable(self) -> dict:
-        """The settings that apply to this method (what a card lists), scalars only."""
+    def applicable(self, calibration: CalibrationText) -> dict:
+        """The settings that apply to this method (what a card lists), scalars only; the sizes of
+        ``calibration`` (its text aside) where the method calibrates."""
         keys = [
             "structure",
             "ratio" if self.matrix_keep is None else "matrix_keep",
@@ -354,8 +378,9 @@ class CompressOptions:
         if not self.needs_calibration:
             keys = [k for k in keys if not k.startswith("calib")]
         out = {}
+        given = {**asdict(self), "structure": self.structure_name, **_calibration_sizes(calibration)}
         for k in keys:
-            v = getattr(self, k)
+            v = given[k]
             out[REPORTED_AS.get(k, k)] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
         return out
 
@@ -374,9 +399,12 @@ class CompressOptions:
             iters=iters, als_iters=self.als_iters, wopp_iters=self.wopp_iters, dtype=dtype, keep_weights=False, **rule
         )
 
-    def as_dict(self) -> dict:
-        """Every option, under the names reports and cards use (:data:`REPORTED_AS`)."""
-        return {REPORTED_AS.get(k, k): v for k, v in asdict(self).items()}
+    def as_dict(self, calibration: CalibrationText) -> dict:
+        """Every option, under the names reports and cards use (:data:`REPORTED_AS`; the method is the structure's
+        name, :attr:`structure_name`), and the sizes of ``calibration`` (its text aside)."""
+        options = {**asdict(self), "structure": self.structure_name}
+        del options["method"]
+        return {**{REPORTED_AS.get(k, k): v for k, v in options.items()}, **_calibration_sizes(calibration)}
 
     def with_(self, **changes) -> "CompressOptions":
         return replace(self, **changes)

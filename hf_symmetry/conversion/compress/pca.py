@@ -214,7 +214,7 @@ def slice_into(
     tokens = 0
     if rotation is None:
         stats = collect_statistics(
-            run.calibration(),
+            run,
             want_normed=False,
             want_stream=True,
             progress=run.progress,
@@ -241,7 +241,7 @@ def slice_into(
         source="",
         output=None,
         family=adapter.family,
-        options=options.as_dict(),
+        options=options.as_dict(run.calibration),
         accounting=accounting,
         relative_errors={},
         objective={},

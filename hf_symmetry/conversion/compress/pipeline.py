@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from ...calibration import CalibrationText
 from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ..remote_code import save_family_config
@@ -21,7 +22,7 @@ from .moments import CalibrationStats, read_calibration
 from .options import CompressOptions
 from .plan import Plan, plan_for
 from .report import CompressReport, finish_folder
-from .routes import CompressRun, CountingSink, Route, checkpoint_dtype
+from .routes import CALIBRATION, CompressRun, CountingSink, Route, check_calibration, checkpoint_dtype
 from .stock import REMOTE_CODE, StockOptions, StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
@@ -44,12 +45,17 @@ def compress_model(
     progress: bool = False,
     stats: CalibrationStats | None = None,
     placement=None,
+    calibration: CalibrationText = CALIBRATION,
 ):
     """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report); an OPT / GPT-2
-    model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm_decoders`)."""
+    model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm_decoders`). ``calib_ids``: the calibration
+    token ids, of which the first ``calibration.tokens`` run in sequences of ``calibration.seq_len``."""
     options.validate()
+    check_calibration(calibration)
     if through_rms_decoder(model.config):
-        return compress_layer_norm_model(model, options, calib_ids, progress=progress, placement=placement)
+        return compress_layer_norm_model(
+            model, options, calib_ids, progress=progress, placement=placement, calibration=calibration
+        )
     dtype = next(model.parameters()).dtype
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
     state, new_config, report = compress_tensors(
@@ -63,6 +69,7 @@ def compress_model(
             dtype,
             hf_config=model.config,
             stats=stats,
+            calibration=calibration,
         )
     )
     compressed, counted = build_model(state, new_config, dtype)
@@ -106,34 +113,47 @@ def compress_checkpoint(
     src: str | Path,
     out: str | Path,
     options: CompressOptions,
-    calib_text: str | Path | None,
+    calibration: CalibrationText | None = None,
     stock: StockOptions = REMOTE_CODE,
     overwrite: bool = False,
     progress: bool = True,
     placement=None,
 ) -> CompressReport:
-    """Compress the HF folder ``src`` into ``out`` (a non-empty one only with ``overwrite``): the one entry
-    point of every route (:func:`route_for`). ``stock`` (a :class:`.stock.StockOptions`; default
-    :data:`.stock.REMOTE_CODE`): unless it says ``remote_code``, where SliceGPT with one global PCA and one
-    width can be written as the source's own stock family (:func:`.stock.why_not_stock`), it is (no remote
-    code); otherwise the output loads with ``trust_remote_code=True``. Every input is checked before any work;
-    ``out`` appears only when everything succeeded. The tokenizer is loaded once; the source model is never
-    loaded whole: calibration reads the checkpoint one decoder layer at a time on ``placement``'s device,
-    the solvers read the layers as they need them, and the tensors are written to safetensors shards (of at
-    most 2 GB) as they are made. Perplexity before/after is the command's verification step
-    (:func:`record_verification`), run on the written folder."""
+    """Compress the HF folder ``src`` into ``out`` (a non-empty one only with ``overwrite``): the one entry point of
+    every route (:func:`route_for`). ``calibration`` (a :class:`...calibration.CalibrationText`; needed by every
+    method but stage none): its text's first ``tokens`` tokens, in sequences of ``seq_len``. ``stock`` (a
+    :class:`.stock.StockOptions`; default :data:`.stock.REMOTE_CODE`): unless it says ``remote_code``, where
+    SliceGPT with one global PCA and one width can be written as the source's own stock family
+    (:func:`.stock.why_not_stock`), it is (no remote code); otherwise the output loads with
+    ``trust_remote_code=True``. Every input is checked before any work; ``out`` appears only when everything
+    succeeded. The tokenizer is loaded once; the source model is never loaded whole: calibration reads the
+    checkpoint one decoder layer at a time on ``placement``'s device, the solvers read the layers as they need them,
+    and the tensors are written to safetensors shards (of at most 2 GB) as they are made. Perplexity before/after is
+    the command's verification step (:func:`record_verification`), run on the written folder."""
     options.validate()
+    check_calibration(calibration)
     check_output_dir(out, overwrite)
     reader = CheckpointReader(src)
     route = route_for(reader.config, options, stock)
     route.check(reader, options)
-    calib_ids = read_calibration(src, calib_text, options)  # an empty file fails here, before any load
+    calib_ids = read_calibration(src, calibration, options)  # an empty file fails here, before any load
     dtype = checkpoint_dtype(reader.config)
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size("2GB"), metadata={"hf_symmetry": "compress"})
         sink = CountingSink(writer)
-        run = CompressRun(reader, reader.config, options, calib_ids, placement, progress, dtype, sink, tmp)
+        run = CompressRun(
+            reader,
+            reader.config,
+            options,
+            calib_ids,
+            placement,
+            progress,
+            dtype,
+            sink,
+            tmp,
+            calibration=calibration or CALIBRATION,
+        )
         report = route.write(run)
         writer.close()
-        finish_folder(tmp, report, options, src, reader.path, out, sink.counted)
+        finish_folder(tmp, report, run, src, out, sink.counted)
     return report

@@ -10,6 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...calibration import CalibrationText
 from ...checkpoint_io import copy_side_files
 from ...hub.cards import public_report
 from .card import write_card
@@ -46,29 +47,24 @@ def write_report(folder: str | Path, report: CompressReport) -> None:
     (Path(folder) / REPORT_FILE).write_text(json.dumps(public_report(report.as_dict()), indent=2, default=str) + "\n")
 
 
-def finish_folder(
-    folder: Path,
-    report: CompressReport,
-    options: CompressOptions,
-    source: str | Path,
-    source_folder: str | Path,
-    out: str | Path,
-    counted: int,
-) -> None:
-    """Complete an output folder whose weights and config are written: the parameters ``counted`` as
-    written, the source folder's side files (tokenizer, generation config), the report (naming
-    ``source`` and ``out``) and the card; every file made readable as ``save_pretrained`` leaves it."""
+def finish_folder(folder: Path, report: CompressReport, run, source: str | Path, out: str | Path, counted: int) -> None:
+    """Complete the output folder of ``run`` (a :class:`.routes.CompressRun` on a checkpoint), whose weights and
+    config are written: the parameters ``counted`` as written, the source folder's side files (tokenizer,
+    generation config), the report (naming ``source`` and ``out``) and the card; every file made readable as
+    ``save_pretrained`` leaves it."""
     report.accounting.compressed_model_params_counted = counted
-    copy_side_files(source_folder, folder)
+    copy_side_files(run.source.path, folder)
     report.source, report.output = str(source), str(out)
     write_report(folder, report)
-    write_card(folder, report, options)
+    write_card(folder, report, run.options, run.calibration)
     for f in Path(folder).iterdir():
         if f.is_file():
             os.chmod(f, 0o644)
 
 
-def record_verification(folder: str | Path, report: CompressReport, options: CompressOptions, verification) -> None:
+def record_verification(
+    folder: str | Path, report: CompressReport, options: CompressOptions, calibration: CalibrationText, verification
+) -> None:
     """Put the verification's perplexities (original and compressed, the shared definition) into the
     report (``compression_report.json``) and the card of ``folder``, which the verification step then
     completes with its own figures."""
@@ -85,4 +81,4 @@ def record_verification(folder: str | Path, report: CompressReport, options: Com
     }
     folder = Path(folder)
     write_report(folder, report)
-    write_card(folder, report, options)
+    write_card(folder, report, options, calibration)

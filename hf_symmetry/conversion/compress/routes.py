@@ -2,7 +2,7 @@
 folder takes, as objects: the compressed family (:mod:`.pipeline`), SliceGPT as the source's own stock
 family (:mod:`.stock`) and LayerNorm decoders through the RMS-decoder family (:mod:`.layernorm_decoders`).
 :func:`.pipeline.compress_checkpoint` decides the route once (:func:`.pipeline.route_for`) and runs the
-folder steps every route shares (options checked, output folder checked, calibration read, dtype, atomic
+folder steps every route shares (options checked, output folder checked, calibration text read, dtype, atomic
 folder, shard writer, finish); a route checks what it refuses before any work (:meth:`Route.check`) and
 writes its weights into the run's sink and its config into the run's folder (:meth:`Route.write`)."""
 
@@ -15,31 +15,40 @@ from pathlib import Path
 
 import torch
 
+from ...calibration import CalibrationText
 from ...checkpoint_io import CheckpointReader, ShardedWriter
 from ...devices import Placement, linalg_device
+from ...flags import Flag, nested
 from ..stream import TensorSource
-from .moments import CalibrationInput, require_calibration
 from .options import CompressOptions
 from .report import CompressReport
+
+#: compress's calibration: its first 16384 tokens in sequences of 512 (the text is ``--calib``'s; a run handed
+#: token ids reads only the sizes)
+CALIBRATION = CalibrationText("britannica-calib", tokens=16384, seq_len=512)
 
 
 @dataclass(frozen=True)
 class CompressRun:
     """One compress conversion, everything its steps read (each route's tensor-level function:
     :func:`.core.compress_into`, SliceGPT's :func:`.pca.slice_into`,
-    :func:`.layernorm_decoders.structured_tensors`; the solvers, :func:`.solve.solve`): the ``source`` (a
-    checkpoint reader or any tensor source) with its ``config`` dict (and ``hf_config``, its config object
-    where there is one), the validated ``options``, the calibration token ids (``None`` where the method
-    needs none), where calibration runs (``placement``, :func:`hf_symmetry.devices.resolve`; ``None``: CPU
-    float32) and with it the solvers' linear algebra (:attr:`device`), progress bars, the output ``dtype``,
-    the ``sink`` (a :class:`..stream.TensorSink`) that receives the tensors as they are made and the
-    (temporary) output ``folder`` (``None`` in memory: a route writes its config there, one global Q its
-    warm starts under it). A caller may hand in what is otherwise made: the ``plan`` (structures and sizes),
-    the calibration ``stats`` (e.g. cached by a benchmark) and the starting ``rotations`` (one per segment)."""
+    :func:`.layernorm_decoders.structured_tensors`; the solvers, :func:`.solve.solve`; calibration,
+    :mod:`.moments`, which runs on the run itself: :attr:`ids` in sequences of :attr:`seq_len` over
+    ``source`` on ``placement``): the ``source`` (a checkpoint reader or any tensor source) with its ``config``
+    dict (and ``hf_config``, its config object where there is one), the validated ``options``, the
+    calibration token ids ``calib_ids`` (``None`` where the method needs none) of the ``calibration`` text
+    (:class:`...calibration.CalibrationText`: its first ``tokens`` ids are used, in sequences of ``seq_len``;
+    ``compress``'s ``--calib``, ``--calib-tokens`` and ``--calib-seq-len``), where calibration runs
+    (``placement``, :func:`hf_symmetry.devices.resolve`; ``None``: CPU float32) and with it the solvers' linear
+    algebra (:attr:`device`), progress bars, the output ``dtype``, the ``sink`` (a :class:`..stream.TensorSink`)
+    that receives the tensors as they are made and the (temporary) output ``folder`` (``None`` in memory: a
+    route writes its config there, one global Q its warm starts under it). A caller may hand in what is
+    otherwise made: the ``plan`` (structures and sizes), the calibration ``stats`` (e.g. cached by a
+    benchmark) and the starting ``rotations`` (one per segment)."""
 
     source: TensorSource
     config: dict
-    options: CompressOptions
+    options: CompressOptions = CompressOptions()
     calib_ids: torch.Tensor | None = None
     placement: Placement | None = None
     progress: bool = True
@@ -50,18 +59,60 @@ class CompressRun:
     plan: object = None
     stats: object = None
     rotations: list | None = None
+    calibration: CalibrationText = nested(
+        CalibrationText,
+        CALIBRATION,
+        text=Flag(
+            "calibration text: a UTF-8 file or an embedded name such as britannica-calib "
+            "(needed for stages f and w and for slice)",
+            name="--calib",
+            metavar="TEXT",
+            unset=None,
+        ),
+        tokens=Flag(
+            f"calibration tokens (default: {CALIBRATION.tokens})",
+            name="--calib-tokens",
+            type=int,
+            unset=CALIBRATION.tokens,
+        ),
+        seq_len=Flag(
+            f"tokens per calibration batch (default: {CALIBRATION.seq_len})",
+            name="--calib-seq-len",
+            type=int,
+            unset=CALIBRATION.seq_len,
+        ),
+    )
 
     @property
     def device(self) -> torch.device:
         """Where the solvers' float64 linear algebra runs: the calibration device (CPU for MPS)."""
         return linalg_device(self.placement)
 
-    def calibration(self) -> CalibrationInput:
-        """What calibration runs on: the source, the first ``options.calib_tokens`` token ids in batches of
-        ``options.calib_seq_len``, on ``placement`` (refused without calibration tokens)."""
-        require_calibration(self.options, self.calib_ids)
-        ids = self.calib_ids[: self.options.calib_tokens]
-        return CalibrationInput(self.source, self.config, ids, self.options.calib_seq_len, self.placement)
+    def require_calibration(self) -> None:
+        """Fail, with the reason, where the run has fewer than two calibration tokens."""
+        if self.calib_ids is None or self.calib_ids.numel() < 2:
+            what = "sequential calibration" if self.options.sequential else "this compression"
+            raise ValueError(f"{what} needs calibration text (--calib) with at least two tokens")
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """What calibration runs on: the first ``calibration.tokens`` token ids (refused without two)."""
+        self.require_calibration()
+        return self.calib_ids[: self.calibration.tokens]
+
+    @property
+    def seq_len(self) -> int:
+        """The length of the sequences calibration runs (``calibration.seq_len``)."""
+        return self.calibration.seq_len
+
+
+def check_calibration(calibration: CalibrationText | None) -> None:
+    """Refuse calibration sizes below two tokens (``None``: no text given, nothing to check)."""
+    if calibration is None:
+        return
+    for name, value in (("calib_tokens", calibration.tokens), ("calib_seq_len", calibration.seq_len)):
+        if value < 2:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
 class CountingSink:

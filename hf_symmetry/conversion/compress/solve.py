@@ -225,12 +225,11 @@ def _solve_rotating_segment(each, Q0: torch.Tensor, iters: int, options: Compres
 def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors, Q_init: list, kept: Kept):
     """Stage W with sequential calibration (SliceGPT/GPTQ-style): segment k is weighted by the
     statistics of the model whose segments before k are already compressed, measured on the
-    calibration engine (:func:`.moments.sequential_weighted`, on :meth:`.routes.CompressRun.calibration`),
+    calibration engine (:func:`.moments.sequential_weighted`, on the run's calibration ids),
     and its matrices are replaced there by their approximations once solved. ``match_original``: each
     matrix then targets the original model's outputs and writers the original residual stream
     (:func:`.targets.matched_target`), instead of the matrix's own outputs on X̂."""
     plan, options = run.plan, run.options
-    calib = run.calibration()
     iters = options.w_iters if options.rotates else 0
     ms = plan.by_name()
     Qs, traces = [None] * plan.n_segments, {}
@@ -266,7 +265,7 @@ def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors
 
     try:
         seq = sequential_weighted(
-            calib,
+            run,
             run.stats.token_counts,
             options.match_original,
             segment,
@@ -284,7 +283,7 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
     ``run.plan``, weighted by ``run.stats``, on the norm-folded ``layers`` and ``globals_``.
     ``run.rotations`` (one per segment) replaces the identity as the starting point — with stage ``none``
     the factors are simply projected at these rotations. Sequential calibration
-    (``options.sequential``) runs on :meth:`.routes.CompressRun.calibration`; the solvers' linear algebra
+    (``options.sequential``) runs on the run itself (its calibration ids); the solvers' linear algebra
     runs on ``run.device`` (the matrices and statistics of one segment are moved there; results come back
     to the CPU), and one global Q spills its warm starts under ``run.folder`` (default: the system's
     temporary folder). ``kept`` (:class:`Kept`): ``keep_stats=False``: sequential calibration drops each

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+from dataclasses import replace
 import pytest
 import torch
 
@@ -19,6 +20,8 @@ from hf_symmetry.conversion.compress import allocate as A
 from hf_symmetry.conversion.compress import allocate_widths as W
 from hf_symmetry.conversion.compress.plan import check_family, matrix_entries
 from hf_symmetry.testing import input_ids, run_without_hf_symmetry, tiny_model
+
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _source(model):
@@ -120,11 +123,11 @@ def test_measured_sensitivity_grows_as_the_layer_shrinks():
     model = tiny_model("llama", dtype=torch.float32)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="lowrank", ratio=0.3, stage="w", allocation="sensitivity", calib_seq_len=40)
+    options = C.CompressOptions(structure="lowrank", ratio=0.3, stage="w", allocation="sensitivity")
     src = _source(model)
     adapter = check_family(config, src.keys())
     entries = matrix_entries(config, src.keys(), adapter)
-    calib_input = C.CalibrationInput(src, config, calib, options.calib_seq_len)
+    calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40)
     curves = A.measure_sensitivity(calib_input, adapter, entries, options, progress=False)
     assert set(curves) >= {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
@@ -194,14 +197,17 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     model = tiny_model("llama", dtype=torch.float32)
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", ratio=0.3, allocation="sensitivity", calib_seq_len=40)
+    options = C.CompressOptions(structure="slice", ratio=0.3, allocation="sensitivity")
     src = _source(model)
     adapter = check_family(config, src.keys())
     stats = C.collect_statistics(
-        C.CalibrationInput(src, config, calib, 40), want_normed=False, want_stream=True, progress=False
+        C.CompressRun(src, config, calib_ids=calib, calibration=SEQ40),
+        want_normed=False,
+        want_stream=True,
+        progress=False,
     )
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
-    calib_input = C.CalibrationInput(src, config, calib, options.calib_seq_len)
+    calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40)
     curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream[0], progress=False)
     assert set(curves) == {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
@@ -238,7 +244,7 @@ def test_procrustesgpt_llama_preset_is_the_papers_configuration():
     assert acc.ratio_over_model == pytest.approx(1 - acc.compressed_model_params / dense)
     assert acc.target_ratio is None
     assert acc.target_params == acc.compressed_model_params  # what an allocation of the preset must meet
-    assert "matrix_keep" in options.applicable() and "ratio" not in options.applicable()
+    assert "matrix_keep" in options.applicable(C.CALIBRATION) and "ratio" not in options.applicable(C.CALIBRATION)
 
 
 # ----------------------------------------------------------------------------- remote code

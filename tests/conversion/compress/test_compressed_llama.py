@@ -32,6 +32,7 @@ def _source(model):
 
 
 _full_rank = full_rank
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=torch.float64, seed=0):
@@ -119,7 +120,7 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     model = tiny_model("llama")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, ratio_slack=1.0)
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
     assert plan.residual < plan.hidden and plan.skip == "dense"
@@ -136,6 +137,7 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
             plan=plan,
             dtype=torch.float64,
             progress=False,
+            calibration=SEQ40,
         )
     )
     compressed = C.build_model(state, cfg, torch.float64)[0]
@@ -161,7 +163,10 @@ def _walk_setup(model, options, calib, seq_len, placement=None):
     config, src = model.config.to_dict(), _source(model)
     plan, adapter = C.plan_for(src, config, options)
     layers, globals_, gamma = C.read_folded(src, adapter, src.keys(), plan.tied)
-    return plan, adapter, layers, globals_, gamma, C.CalibrationInput(src, config, calib, seq_len, placement)
+    run = C.CompressRun(
+        src, config, calib_ids=calib, placement=placement, calibration=replace(C.CALIBRATION, seq_len=seq_len)
+    )
+    return plan, adapter, layers, globals_, gamma, run
 
 
 def _walk(model, calib, replace=lambda k, seq: []):
@@ -170,14 +175,14 @@ def _walk(model, calib, replace=lambda k, seq: []):
     config = model.config.to_dict()
     placement = _placement64()
     seq = C.sequential_weighted(
-        C.CalibrationInput(_source(model), config, calib, 40, placement),
+        C.CompressRun(_source(model), config, calib_ids=calib, placement=placement, calibration=SEQ40),
         torch.ones(config["vocab_size"], dtype=torch.float64),
         True,
         replace,
         progress=False,
     )
     ref = C.collect_statistics(
-        C.CalibrationInput(_source(model), config, calib, 40, placement),
+        C.CompressRun(_source(model), config, calib_ids=calib, placement=placement, calibration=SEQ40),
         want_normed=True,
         want_stream=False,
         progress=False,
@@ -265,21 +270,27 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
         w_iters=2,
         als_iters=2,
         wopp_iters=10,
-        calib_seq_len=40,
         ratio_slack=1.0,
     )
     plan, adapter, layers, globals_, gamma, calib_input = _walk_setup(model, options, calib, 40)
     one_pass = C.collect_statistics(
-        C.CalibrationInput(_source(model), model.config.to_dict(), calib, 40),
+        C.CompressRun(_source(model), model.config.to_dict(), calib_ids=calib, calibration=SEQ40),
         want_normed=True,
         want_stream=False,
         progress=False,
     )
     run = C.CompressRun(
-        calib_input.source, calib_input.config, options, calib, progress=False, plan=plan, stats=one_pass
+        calib_input.source,
+        calib_input.config,
+        options,
+        calib,
+        progress=False,
+        plan=plan,
+        stats=one_pass,
+        calibration=SEQ40,
     )
-    used = run.calibration()  # the sequential calibration runs on the same input
-    assert torch.equal(used.ids, calib_input.ids) and used.seq_len == calib_input.seq_len == 40
+    # the sequential calibration runs on the same input
+    assert torch.equal(run.ids, calib_input.ids) and run.seq_len == calib_input.seq_len == 40
     res = solve_mod.solve(run, layers, globals_)
     state = assemble_module.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
     compressed = C.build_model(
@@ -328,7 +339,6 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
         w_iters=2,
         als_iters=2,
         wopp_iters=10,
-        calib_seq_len=40,
         ratio_slack=1.0,
     )
     src = _source(model)
@@ -346,6 +356,7 @@ def test_full_rank_sequential_stage_w_reproduces_the_model(structure, match, exa
             dtype=torch.float64,
             progress=False,
             placement=_placement64(),
+            calibration=SEQ40,
         )
     )
     assert report.options["sequential"] and any(
@@ -384,15 +395,16 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
 
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(str((7 * i) % 97) for i in range(300)))
-    options = C.CompressOptions(
-        structure=structure, ratio=0.3, sequential=True, calib_seq_len=64, f_iters=1, w_iters=1, ratio_slack=0.1
-    )
+    options = C.CompressOptions(structure=structure, ratio=0.3, sequential=True, f_iters=1, w_iters=1, ratio_slack=0.1)
+    calibration = replace(C.CALIBRATION, text=calib, seq_len=64)
     reader = CheckpointReader(tiny_dir)
     assert TallTerm.applies(C.plan_for(reader, reader.config, options)[0].by_name()["embed"])
-    C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calib, progress=False)
-    ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=options.calib_tokens)
+    C.compress_checkpoint(tiny_dir, tmp_path / "out", options, calibration, progress=False)
+    ids = tokenize_text(load_tokenizer(tiny_dir), read_text(calib), max_tokens=calibration.tokens)
     state, _, _ = C.compress_tensors(
-        C.CompressRun(reader, reader.config, options, calib_ids=ids, dtype=torch.float32, progress=False)
+        C.CompressRun(
+            reader, reader.config, options, calib_ids=ids, dtype=torch.float32, progress=False, calibration=calibration
+        )
     )
     written = CheckpointReader(tmp_path / "out")
     row_factor = {"lowrank": "lr_u", "gs": "gs_left", "kron": "kron_b"}[structure]
@@ -431,7 +443,6 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
         ratio=0.25,
         stage="w",
         sequential=sequential,
-        calib_seq_len=40,
         ratio_slack=1.0,
         f_iters=0,
         w_iters=0,
@@ -468,6 +479,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
                 dtype=torch.float64,
                 progress=False,
                 placement=_placement64(),
+                calibration=SEQ40,
             )
         )
         return state, report
@@ -551,11 +563,10 @@ def test_equal_ratios_give_equal_model_sizes(q_mode):
             f_iters=1,
             w_iters=2,
             als_iters=2,
-            calib_seq_len=40,
             ratio_slack=0.05,
             wopp_iters=10,
         )
-        compressed, report = C.compress_model(model, options, calib_ids=calib)
+        compressed, report = C.compress_model(model, options, calib_ids=calib, calibration=SEQ40)
         acc = report.accounting
         # parameter counts from the module shapes agree with the plan
         assert acc.compressed_model_params_counted == acc.compressed_model_params
@@ -613,7 +624,9 @@ def test_empty_calibration_text_fails_before_any_work(tiny_dir, tmp_path, capsys
     empty.write_text("  \n")
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="empty"):
-        C.compress_checkpoint(tiny_dir, out, C.CompressOptions(stage="f"), empty, progress=False)
+        C.compress_checkpoint(
+            tiny_dir, out, C.CompressOptions(stage="f"), replace(C.CALIBRATION, text=empty), progress=False
+        )
     assert not out.exists() and not list(tmp_path.glob(".out.partial-*"))
     assert main(["compress", str(tiny_dir), str(out), "--calib", str(empty), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -945,17 +958,17 @@ def test_stage_w_runs_to_convergence_by_default_and_the_flags_reach_the_solver(m
     model = tiny_model("llama", dtype=torch.float32)
     calib = input_ids(batch=1, length=120, seed=5)[0]
     options = C.CompressOptions(
-        structure="gs", ratio=0.3, stage="w", f_iters=3, calib_seq_len=40, ratio_slack=0.05, als_iters=2, wopp_iters=10
+        structure="gs", ratio=0.3, stage="w", f_iters=3, ratio_slack=0.05, als_iters=2, wopp_iters=10
     )
     assert (options.w_iters, options.stop_tol, options.extrapolate) == (50, 1e-3, True)
-    C.compress_model(model, options, calib_ids=calib)
+    C.compress_model(model, options, calib_ids=calib, calibration=SEQ40)
     n_seg = 2 * model.config.num_hidden_layers + 1
     stage_f, stage_w = calls[:n_seg], calls[n_seg:]
     assert len(stage_w) == n_seg
     assert all(c[:3] == (3, 1e-3, False) for c in stage_f)
     assert all(c[:3] == (50, 1e-3, True) for c in stage_w)
     assert any(c[4] and 1 <= c[3] < 50 for c in stage_w), stage_w  # stopped by the rule, not the cap
-    params = options.applicable()
+    params = options.applicable(SEQ40)
     assert params["w_iters"] == 50 and params["tol"] == 1e-3 and params["extrapolate"] is True
 
     parser = build_parser()

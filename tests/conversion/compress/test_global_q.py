@@ -6,6 +6,7 @@ each alternation instead of holding them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import pytest
 import torch
 
@@ -15,6 +16,8 @@ from hf_symmetry.conversion.compress import solve as SV
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.solvers.segments import Alternation, solve_segment
 from hf_symmetry.testing import input_ids, tiny_model
+
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama"):
@@ -31,12 +34,11 @@ def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama")
         wopp_iters=10,
         ratio_slack=1.0,
         solver_dtype=solver_dtype,
-        calib_seq_len=40,
     )
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     plan, adapter = C.plan_for(src, config, options)
     calib = input_ids(batch=1, length=120, seed=5)[0]
-    stats = one_pass_statistics(C.CompressRun(src, config, options, calib, progress=False))
+    stats = one_pass_statistics(C.CompressRun(src, config, options, calib, progress=False, calibration=SEQ40))
     layers, globals_, _ = C.read_folded(src, adapter, src.keys(), plan.tied, lazy=True, keep=2)
     return plan, layers, globals_, stats, options, src, config
 
@@ -75,7 +77,7 @@ def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure
     segments_done = []
     kept = SV.Kept(on_segment=lambda k, Qs, f: segments_done.append(k))
     Qs, traces = SV._solve_stage(
-        C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats),
+        C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats, calibration=SEQ40),
         layers,
         globals_,
         SV.Stage(stage, iters, "t"),
@@ -108,7 +110,7 @@ def test_streamed_global_solve_in_float32_iterations_matches_closely():
     plan, layers, globals_, stats, options, src, config = _setup("kron", "w", "float32")
     Q_ref, f_ref, trace_ref = _held(plan, layers, globals_, stats, "w", options, options.w_iters)
     Qs, traces = SV._solve_stage(
-        C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats),
+        C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats, calibration=SEQ40),
         layers,
         globals_,
         SV.Stage("w", options.w_iters, "t"),
@@ -125,7 +127,7 @@ def test_global_stage_f_before_stage_w_keeps_no_factors(monkeypatch):
     kept = []
     real = SV._keep
     monkeypatch.setattr(SV, "_keep", lambda terms, *a, **k: (kept.extend(t.name for t in terms), real(terms, *a, **k)))
-    run = C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats)
+    run = C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats, calibration=SEQ40)
     res = SV.solve(run, layers, globals_)
     compressed = [m.name for m in plan.matrices if m.compressed]
     assert sorted(kept) == sorted(compressed)  # once each: stage W's, none of stage F's
@@ -151,16 +153,17 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         als_iters=2,
         wopp_iters=5,
         ratio_slack=1.0,
-        calib_seq_len=40,
     )
     assert options.statistics_on_demand
     assert not C.CompressOptions(structure="kron", q_mode="global").statistics_on_demand
     assert not C.CompressOptions(structure="kron", sequential=True).statistics_on_demand
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     calib = input_ids(batch=1, length=120, seed=5)[0]
-    eager = one_pass_statistics(C.CompressRun(src, config, options, calib, progress=False))
+    eager = one_pass_statistics(C.CompressRun(src, config, options, calib, progress=False, calibration=SEQ40))
     assert isinstance(eager.mlp_hidden, list)
-    ref, _, _ = compress_tensors(C.CompressRun(src, config, options, calib_ids=calib, stats=eager, progress=False))
+    ref, _, _ = compress_tensors(
+        C.CompressRun(src, config, options, calib_ids=calib, stats=eager, progress=False, calibration=SEQ40)
+    )
 
     held = []
     real = MO.one_pass_on_demand
@@ -177,7 +180,9 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         return stats
 
     monkeypatch.setattr(MO, "one_pass_on_demand", watched)
-    out, _, report = compress_tensors(C.CompressRun(src, config, options, calib_ids=calib, progress=False))
+    out, _, report = compress_tensors(
+        C.CompressRun(src, config, options, calib_ids=calib, progress=False, calibration=SEQ40)
+    )
     assert len(held) == 2 * model.config.num_hidden_layers + 1  # every segment released once solved
     assert max(held) == 1  # one layer's FFN moments at a time
     assert report.calibration_tokens == eager.tokens

@@ -7,6 +7,7 @@ tests/conversion/compress/test_layernorm_structured.py.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import shutil
 
@@ -17,20 +18,21 @@ import hf_symmetry  # noqa: F401
 from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion.compress import CompressOptions, compress_model
-from hf_symmetry.conversion.compress.moments import CalibrationInput, collect_statistics
+from hf_symmetry.conversion.compress.moments import collect_statistics
 from hf_symmetry.conversion.compress.pca import global_rotation, pca, slice_into
 from hf_symmetry.conversion.compress.layernorm_decoders import (
     RMSDecoderSlice,
     build,
     compress_layer_norm_model,
 )
-from hf_symmetry.conversion.compress.routes import CompressRun
+from hf_symmetry.conversion.compress.routes import CALIBRATION, CompressRun
 from hf_symmetry.conversion.stream import DictSink, DictSource
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import input_ids, outputs, tiny_model
 
-SLICE = CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
+SLICE = CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0)
+SEQ40 = replace(CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _delta(a, b) -> float:
@@ -50,7 +52,7 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
     model = tiny_model(family)
     d = model.config.hidden_size
     if family == "opt":
-        full, report = compress_layer_norm_model(model, SLICE, _calib(), width=d)
+        full, report = compress_layer_norm_model(model, SLICE, _calib(), width=d, calibration=SEQ40)
         acc = report.accounting
         assert acc.compressed_model_params_counted == acc.compressed_model_params
         # the whole accounting is at the width given (d), not the ratio's
@@ -66,6 +68,7 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
                 calib_ids=None,
                 sink=sink,
                 progress=False,
+                calibration=SEQ40,
             ),
             RMSDecoderSlice(),
             width=d,
@@ -79,7 +82,9 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
 @pytest.mark.parametrize("family", ["opt", "gpt2"])
 def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basis(family):
     model = tiny_model(family)
-    sliced, report = compress_model(model, SLICE, _calib())  # the entry point dispatches on the family
+    sliced, report = compress_model(
+        model, SLICE, _calib(), calibration=SEQ40
+    )  # the entry point dispatches on the family
     acc = report.accounting
     w = acc.residual
     assert isinstance(sliced, RMSDecoderForCausalLM) and sliced.config.residual_size == w < model.config.hidden_size
@@ -98,6 +103,7 @@ def test_slicing_a_layernorm_decoder_keeps_the_ratio_and_pca_beats_a_random_basi
             calib_ids=None,
             sink=sink,
             progress=False,
+            calibration=SEQ40,
         ),
         RMSDecoderSlice(),
         rotation=Q,
@@ -111,7 +117,9 @@ def test_the_pca_is_taken_of_the_centred_stream():
     of that stream's energy at every width as PCA of the raw ``C``, and puts the mean direction last."""
     model = tiny_model("opt")
     stats = collect_statistics(
-        CalibrationInput(DictSource(dict(model.state_dict())), model.config.to_dict(), _calib(), 40),
+        CompressRun(
+            DictSource(dict(model.state_dict())), model.config.to_dict(), calib_ids=_calib(), calibration=SEQ40
+        ),
         want_normed=False,
         want_stream=True,
         progress=False,
@@ -137,7 +145,7 @@ def test_per_segment_and_sequential_slicegpt_are_refused_with_the_reason():
     post_ln = tiny_model("opt", dtype=torch.float32, do_layer_norm_before=False)  # OPT-350m's layout
     assert "post-LN" in reason(post_ln.config, "slicegpt")
     with pytest.raises(UnsupportedSymmetry, match="SliceGPT: opt is post-LN"):
-        compress_model(post_ln, SLICE, _calib())
+        compress_model(post_ln, SLICE, _calib(), calibration=SEQ40)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import json
 import shutil
 import textwrap
 
+from dataclasses import replace
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -26,6 +27,8 @@ from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.modeling.structured_linear import GSLinear, KroneckerLinear
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
 from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
+
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _calib():
@@ -134,8 +137,8 @@ def test_at_a_ratio_the_model_has_the_planned_size_and_loads_as_remote_code_with
     names = []
     for family, structure in (("opt", "kron"), ("gpt2", "lowrank")):
         model = tiny_model(family)
-        options = C.CompressOptions(structure=structure, ratio=0.25, calib_seq_len=40, w_iters=2, ratio_slack=0.05)
-        compressed, report = C.compress_model(model, options, calib_ids=_calib())
+        options = C.CompressOptions(structure=structure, ratio=0.25, w_iters=2, ratio_slack=0.05)
+        compressed, report = C.compress_model(model, options, calib_ids=_calib(), calibration=SEQ40)
         acc = report.accounting
         assert isinstance(compressed, RMSDecoderForCausalLM)
         assert acc.compressed_model_params_counted == acc.compressed_model_params < acc.dense_model_params
@@ -179,9 +182,11 @@ def test_the_orthogonal_transform_lowers_the_error_at_equal_size():
     parameter counts; the KL divergence from the original on the calibration text is lower with the rotation."""
     model = tiny_model("opt")
     calib = _calib()
-    base = dict(structure="kron", ratio=0.25, calib_seq_len=40, ratio_slack=0.05)
-    rotated, r1 = C.compress_model(model, C.CompressOptions(**base, w_iters=5), calib_ids=calib)
-    identity, r2 = C.compress_model(model, C.CompressOptions(**base, f_iters=0, w_iters=0), calib_ids=calib)
+    base = dict(structure="kron", ratio=0.25, ratio_slack=0.05)
+    rotated, r1 = C.compress_model(model, C.CompressOptions(**base, w_iters=5), calib_ids=calib, calibration=SEQ40)
+    identity, r2 = C.compress_model(
+        model, C.CompressOptions(**base, f_iters=0, w_iters=0), calib_ids=calib, calibration=SEQ40
+    )
     assert r1.accounting.compressed_model_params == r2.accounting.compressed_model_params
     skip = rotated.model.layers[0].attn_skip.matrix()
     assert (skip - torch.eye(skip.shape[0], dtype=skip.dtype)).abs().max() > 1e-2  # it did rotate

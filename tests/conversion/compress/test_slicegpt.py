@@ -4,6 +4,7 @@ SliceGPT code calibrates)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import pytest
 import torch
 
@@ -11,6 +12,8 @@ import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.testing import input_ids, outputs, tiny_model
+
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _source(model):
@@ -31,7 +34,7 @@ def test_slice_defaults_to_one_global_pca_and_its_card_lists_only_its_settings()
     options = C.CompressOptions(structure="slice")
     assert options.q_mode == "global" and options.label == "SliceGPT (global PCA)"
     assert C.CompressOptions(structure="kron").q_mode == "segment"
-    settings = options.applicable()
+    settings = options.applicable(C.CALIBRATION)
     for absent in (
         "stage",
         "f_iters",
@@ -44,7 +47,14 @@ def test_slice_defaults_to_one_global_pca_and_its_card_lists_only_its_settings()
     ):
         assert absent not in settings, absent
     assert {"structure", "ratio", "q_mode", "calib_tokens"} <= set(settings)
-    gs = C.CompressOptions(structure="gs", stage="w").applicable()
+    # SliceGPT is a method, not a structure: no structure class, named "slice" where users read it
+    assert options == C.CompressOptions(method="slicegpt") and options.method == "slicegpt" and options.slicing
+    assert options.structure is None and options.structure_class is None and options.structure_name == "slice"
+    assert settings["structure"] == "slice" == options.as_dict(C.CALIBRATION)["structure"]
+    assert "method" not in options.as_dict(C.CALIBRATION)  # the reports' options keep their keys
+    kron = C.CompressOptions(structure="kron")  # negative control
+    assert kron.method == "procrustesgpt" and not kron.slicing and kron.structure_name == kron.structure == "kron"
+    gs = C.CompressOptions(structure="gs", stage="w").applicable(C.CALIBRATION)
     assert {"stage", "f_iters", "w_iters", "gs_blocks"} <= set(gs) and "kron_factor" not in gs
 
 
@@ -56,7 +66,10 @@ def test_sequential_slicing_with_nothing_sliced_measures_the_one_pass_statistics
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=110, seed=3)[0]
     ref = C.collect_statistics(
-        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True, progress=False
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        want_normed=False,
+        want_stream=True,
+        progress=False,
     )
     Qs, seq = C.sequential_stream_pca(src, config, calib, 40, config["hidden_size"], _float64(), progress=False)
     assert len(Qs) == len(seq.stream) == 2 * config["num_hidden_layers"] + 1 and seq.tokens == ref.tokens
@@ -70,9 +83,7 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
     model = tiny_model("llama")
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(
-        structure="slice", q_mode="segment", sequential=True, ratio=0.25, calib_seq_len=40, ratio_slack=1.0
-    )
+    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, ratio=0.25, ratio_slack=1.0)
     state, cfg, report = C.compress_tensors(
         C.CompressRun(
             src,
@@ -83,6 +94,7 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
             dtype=torch.float64,
             progress=False,
             placement=_float64(),
+            calibration=SEQ40,
         )
     )
     sliced = C.build_model(state, cfg, torch.float64)[0]
@@ -108,7 +120,9 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
     for h in handles:
         h.remove()
     one_pass = C.collect_statistics(
-        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        want_normed=False,
+        want_stream=True,
     )
     for k in range(len(Qs)):
         Qk = Qs[k][:, :dr]
@@ -123,7 +137,7 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
     model = tiny_model("llama")
     config = model.config.to_dict()
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, calib_seq_len=40, ratio_slack=1.0)
+    options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, ratio_slack=1.0)
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
     plan.residual = plan.hidden
@@ -140,6 +154,7 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
             dtype=torch.float64,
             progress=False,
             placement=_float64(),
+            calibration=SEQ40,
         )
     )
     assert report.method == "SliceGPT (PCA per segment, sequential)"
@@ -198,7 +213,7 @@ def _widths_model(model, widths, placement=None):
     config, src = model.config.to_dict(), _source(model)
     d = config["hidden_size"]
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", calib_seq_len=40, ratio_slack=1.0)
+    options = C.CompressOptions(structure="slice", ratio_slack=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": w / d for k, w in enumerate(widths)})[0]
     state, cfg, report = C.compress_tensors(
         C.CompressRun(
@@ -211,11 +226,15 @@ def _widths_model(model, widths, placement=None):
             dtype=torch.float64,
             progress=False,
             placement=_float64(),
+            calibration=SEQ40,
         )
     )
     compressed, counted = C.build_model(state, cfg, torch.float64)
     stats = C.collect_statistics(
-        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True, progress=False
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        want_normed=False,
+        want_stream=True,
+        progress=False,
     )
     from hf_symmetry.conversion.compress.pca import pca_rotations
 
@@ -266,7 +285,7 @@ def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
     d, L = model.config.hidden_size, model.config.num_hidden_layers
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
-    options = C.CompressOptions(structure="slice", calib_seq_len=40, ratio_slack=1.0)
+    options = C.CompressOptions(structure="slice", ratio_slack=1.0)
     plan = C.plan_for(src, config, options, keep={f"segment{k}": 1.0 for k in range(2 * L + 1)})[0]
     plan.residual_sizes = [d] * (2 * L + 1)  # force the per-segment path
     state, cfg, _ = C.compress_tensors(
@@ -280,6 +299,7 @@ def test_per_segment_widths_at_full_width_are_exact(exact_rmsnorm):
             dtype=torch.float64,
             progress=False,
             placement=_float64(),
+            calibration=SEQ40,
         )
     )
     assert cfg["residual_sizes"] == [d] * (2 * L + 1)
@@ -356,10 +376,13 @@ def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
     each = C.collect_statistics(
-        C.CalibrationInput(src, config, calib, 40, _float64()), want_normed=False, want_stream=True, progress=False
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        want_normed=False,
+        want_stream=True,
+        progress=False,
     )
     summed = C.collect_statistics(
-        C.CalibrationInput(src, config, calib, 40, _float64()),
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
         want_normed=False,
         want_stream=True,
         progress=False,

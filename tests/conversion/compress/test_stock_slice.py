@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+from dataclasses import replace
 import pytest
 import torch
 
@@ -19,7 +20,9 @@ from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.conversion.compress.pca import pca_rotations
 from hf_symmetry.testing import input_ids, outputs, run_without_hf_symmetry, tiny_model
 
-OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, calib_seq_len=40, ratio_slack=1.0)
+SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+
+OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0)
 FULL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
 
 
@@ -48,7 +51,9 @@ def _untied_view(model):
 def _same_slice(model, width, calib, placement=None, **controls):
     """(stock model, its report, compressed-family model) at ``width`` from one measured rotation."""
     source, config = C.DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
-    stats = one_pass_statistics(C.CompressRun(source, config, OPTIONS, calib, placement, progress=False))
+    stats = one_pass_statistics(
+        C.CompressRun(source, config, OPTIONS, calib, placement, progress=False, calibration=SEQ40)
+    )
     Q = pca_rotations(stats, 2 * config["num_hidden_layers"] + 1, "global")[0]
     stock, report = S.stock_slice_model(
         model, OPTIONS, calib, S.StockOptions(untie=True, round_to=1), width=width, rotation=Q, **controls
@@ -57,7 +62,17 @@ def _same_slice(model, width, calib, placement=None, **controls):
     plan = S.compressed_plan_at(usource, uconfig, OPTIONS, width)
     dtype = next(model.parameters()).dtype
     state, new_config, _ = C.compress_tensors(
-        C.CompressRun(usource, uconfig, OPTIONS, calib_ids=calib, plan=plan, stats=stats, dtype=dtype, progress=False)
+        C.CompressRun(
+            usource,
+            uconfig,
+            OPTIONS,
+            calib_ids=calib,
+            plan=plan,
+            stats=stats,
+            dtype=dtype,
+            progress=False,
+            calibration=SEQ40,
+        )
     )
     compressed, _ = C.build_model(state, new_config, dtype)
     return stock, report, compressed
@@ -195,10 +210,11 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    calib_ids = tokenize_text(load_tokenizer(src), read_text(calib), max_tokens=OPTIONS.calib_tokens)
-    options = OPTIONS.with_(calib_seq_len=64)
+    calibration = replace(C.CALIBRATION, seq_len=64)
+    calib_ids = tokenize_text(load_tokenizer(src), read_text(calib), max_tokens=calibration.tokens)
+    options = OPTIONS
     source, cfg = _untied_view(model)
-    stats = one_pass_statistics(C.CompressRun(source, cfg, options, calib_ids, progress=False))
+    stats = one_pass_statistics(C.CompressRun(source, cfg, options, calib_ids, progress=False, calibration=calibration))
     state, new_config, _ = C.compress_tensors(
         C.CompressRun(
             source,
@@ -208,6 +224,7 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
             stats=stats,
             plan=S.compressed_plan_at(source, cfg, options, w),
             progress=False,
+            calibration=calibration,
         )
     )
     compressed, _ = C.build_model(state, new_config)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ....architectures import Adapter
+from ....calibration import CalibrationText
 from ....checkpoint_io import CheckpointReader, write_config
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
@@ -29,7 +30,7 @@ from ...stream import DictSink, DictSource
 from ..options import CompressOptions
 from ..pca import slice_into
 from ..report import CompressReport
-from ..routes import CompressRun, Route
+from ..routes import CALIBRATION, CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
 from .slice import RMSDecoderSlice, plan_width
@@ -61,15 +62,17 @@ def compress_layer_norm_model(
     progress: bool = False,
     width: int | None = None,
     placement=None,
+    calibration: CalibrationText = CALIBRATION,
 ):
     """In memory: a loaded OPT / GPT-2 / GPT-NeoX / GPT-J ``...ForCausalLM`` -> (RMSDecoderForCausalLM,
-    report). ``width`` (SliceGPT only) overrides the planned residual width."""
+    report). ``width`` (SliceGPT only) overrides the planned residual width; ``calibration``: the sizes
+    ``calib_ids`` run at (:class:`..routes.CompressRun`)."""
     options.validate()
     dtype = next(model.parameters()).dtype
     source, config = DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
     check(Adapter.from_config(config, source.keys()), options, source.keys())
     sink = DictSink()
-    run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink)
+    run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink, calibration=calibration)
     if width is not None:
         new_config, report = slice_into(run, RMSDecoderSlice(), width)
     else:
