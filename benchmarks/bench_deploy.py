@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from child import machine, run_child  # benchmarks/ is on the path: this script runs from there
+from child import Clock, Memory, machine, rss, run_child, trim  # benchmarks/ is on the path: the script runs there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -324,16 +324,9 @@ def save(out: Path, data: dict, runs: dict, args, argv) -> None:
 # ----------------------------------------------------------------------------------------------
 # Child: one configuration in a fresh process
 # ----------------------------------------------------------------------------------------------
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def child(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench_tpa_decode import Memory, trim  # the resident-set sampler shared with the TPA decode benchmark
 
     torch.manual_seed(0)
     device = torch.device(job["device"])
@@ -362,17 +355,7 @@ def child(job: dict) -> dict:
 
 def eager(model, tok, ids, job, mem, sync) -> dict:
     import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    stamps = []
-
-    class Clock(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            sync()
-            stamps.append((time.perf_counter(), mem.read()))
-            if len(stamps) == 1:
-                mem.start()  # the decode peak starts after the first token
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    from transformers import StoppingCriteriaList
 
     extra = {} if job["nbits"] is None else {"cache_implementation": "quantized"}
     if job["nbits"] is not None:
@@ -394,12 +377,13 @@ def eager(model, tok, ids, job, mem, sync) -> dict:
     generate(ids[:, :32], WARM)  # warm-up: first-call allocations and kernel choices
     base = mem.start()
     t0 = time.perf_counter()
-    gen = generate(ids, NEW_TOKENS, StoppingCriteriaList([Clock()]))
+    clock = Clock(mem, sync)
+    gen = generate(ids, NEW_TOKENS, StoppingCriteriaList([clock]))
     return {
         "cache_layer": type(gen.past_key_values.layers[0]).__name__,
-        "prefill_s": round(stamps[0][0] - t0, 4),
-        "decode_ms": round(1000 * (stamps[-1][0] - stamps[0][0]) / (len(stamps) - 1), 3),
-        "prefill_peak_mb": round((stamps[0][1] - base) / 1e6, 1),
+        "prefill_s": round(clock.prefill_s(t0), 4),
+        "decode_ms": round(clock.decode_ms(), 3),
+        "prefill_peak_mb": round(clock.prefill_peak(base) / 1e6, 1),
         "decode_peak_mb": round((mem.read() - base) / 1e6, 1),
     }
 
