@@ -338,7 +338,7 @@ def child(job: dict) -> dict:
         if job["nbits"] is not None:
             extra["cache_config"] = {**QCACHE, "nbits": job["nbits"]}
         base = mem.start()
-        t0 = time.perf_counter()
+        clock.start()
         with torch.no_grad():
             gen = model.generate(
                 ids,
@@ -355,7 +355,7 @@ def child(job: dict) -> dict:
         cache = gen.past_key_values
         held = cache_bytes(cache)
         out.update(
-            prefill_s=round(clock.prefill_s(t0), 3),
+            prefill_s=round(clock.prefill_s(), 3),
             decode_ms=round(clock.decode_ms(), 2),
             prefill_peak_mb=round(clock.prefill_peak(base) / 1e6, 1),
             decode_peak_mb=round((decode_peak - base) / 1e6, 1),

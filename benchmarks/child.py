@@ -128,28 +128,35 @@ class Memory:
 
 
 class Clock(StoppingCriteria):
-    """A stopping criterion that never stops ``generate``: it stamps every generated token with the time and
-    ``memory``'s level (``sync`` first: a device's queued work), and restarts ``memory``'s peak after the first
-    token (the decode peak starts there)."""
+    """A stopping criterion that never stops ``generate``: it stamps every generated token with the wall time,
+    the calling thread's CPU time and ``memory``'s level (``sync`` first: a device's queued work), and restarts
+    ``memory``'s peak after the first token (the decode peak starts there). ``start()`` just before ``generate``.
+
+    With one torch thread on a CPU every operation runs on the calling thread, so its CPU time is the time the
+    model computed, less what a shared machine's scheduler gave other processes (``cpu=True``)."""
 
     def __init__(self, memory: Memory, sync=lambda: None):
         self.memory, self.sync, self.stamps = memory, sync, []
+        self.t0 = (time.perf_counter(), time.thread_time())
+
+    def start(self) -> None:
+        self.t0 = (time.perf_counter(), time.thread_time())
 
     def __call__(self, input_ids, scores, **kwargs):
         self.sync()
-        self.stamps.append((time.perf_counter(), self.memory.read()))
+        self.stamps.append((time.perf_counter(), time.thread_time(), self.memory.read()))
         if len(self.stamps) == 1:
             self.memory.start()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    def prefill_s(self, t0: float) -> float:
-        """Seconds from ``t0`` (``generate`` called) to the first token."""
-        return self.stamps[0][0] - t0
+    def prefill_s(self, cpu: bool = False) -> float:
+        """Seconds from ``start()`` to the first token."""
+        return self.stamps[0][cpu] - self.t0[cpu]
 
-    def decode_ms(self) -> float:
+    def decode_ms(self, cpu: bool = False) -> float:
         """Milliseconds per token after the first."""
-        return 1000 * (self.stamps[-1][0] - self.stamps[0][0]) / (len(self.stamps) - 1)
+        return 1000 * (self.stamps[-1][cpu] - self.stamps[0][cpu]) / (len(self.stamps) - 1)
 
     def prefill_peak(self, base: int) -> int:
         """Memory at the first token above ``base``."""
-        return self.stamps[0][1] - base
+        return self.stamps[0][2] - base
