@@ -134,7 +134,7 @@ def cell_label(cell: tuple) -> str:
 def speedups(runs: list[dict], config: str, cell: tuple) -> tuple[float | None, float | None]:
     """Median over rounds of source time / ``config``'s time in the same round (same run): prefill, decode. The
     time is the computing thread's CPU time where both records have it (one-thread cells since 2026-11-29
-    09:50 UTC: what a loaded shared machine's scheduler gives other processes is not counted), else wall time."""
+    09:45 UTC: what a loaded shared machine's scheduler gives other processes is not counted), else wall time."""
     by = {(r["config"], r["run"], r["round"]): r for r in runs if cell_of(r) == cell and "error" not in r}
     pre, dec = [], []
     for (name, run, rnd), rec in by.items():
