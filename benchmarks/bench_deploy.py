@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from child import machine, run_child  # benchmarks/ is on the path: this script runs from there
+from child import Clock, Memory, machine, rss, run_child, trim  # benchmarks/ is on the path: the script runs there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -132,23 +132,30 @@ def cell_label(cell: tuple) -> str:
 
 
 def speedups(runs: list[dict], config: str, cell: tuple) -> tuple[float | None, float | None]:
-    """Median over rounds of source time / ``config``'s time in the same round (same run): prefill, decode."""
+    """Median over rounds of source time / ``config``'s time in the same round (same run): prefill, decode. The
+    time is the computing thread's CPU time where both records have it (one-thread cells since 2026-11-29
+    09:45 UTC: what a loaded shared machine's scheduler gives other processes is not counted), else wall time."""
     by = {(r["config"], r["run"], r["round"]): r for r in runs if cell_of(r) == cell and "error" not in r}
     pre, dec = [], []
     for (name, run, rnd), rec in by.items():
         src = by.get(("source", run, rnd))
         if name != config or src is None:
             continue
-        if rec.get("prefill_s") and src.get("prefill_s"):
-            pre.append(src["prefill_s"] / rec["prefill_s"])
-        if rec.get("decode_ms") and src.get("decode_ms"):
-            dec.append(src["decode_ms"] / rec["decode_ms"])
+        for ratios, wall, cpu in ((pre, "prefill_s", "prefill_cpu_s"), (dec, "decode_ms", "decode_cpu_ms")):
+            field = cpu if rec.get(cpu) and src.get(cpu) else wall  # CPU time where both have it (one thread)
+            if rec.get(field) and src.get(field):
+                ratios.append(src[field] / rec[field])
     return (statistics.median(pre) if pre else None), (statistics.median(dec) if dec else None)
 
 
 def _median(records: list[dict], field: str) -> float | None:
     values = [r[field] for r in records if r.get(field) is not None]
     return statistics.median(values) if values else None
+
+
+def _pair(pre: float | None, dec: float | None) -> str:
+    """A cell of speed-ups: prefill / decode."""
+    return f"{pre:.2f} / {dec:.2f}" if pre and dec else (f"– / {dec:.2f}" if dec else "–")
 
 
 def _x(value, ref) -> str:
@@ -160,14 +167,16 @@ def tables(runs: list[dict]) -> list[dict]:
     configs = [c for c in CONFIGS if any(r["config"] == c for r in runs)]
     size = {c: _median([r for r in runs if r["config"] == c], "weight_bytes") for c in configs}
     load = {c: _median([r for r in runs if r["config"] == c and r["mode"] == "eager"], "load_mb") for c in configs}
-    main_rows = []
+    goal = [c for c in cells if c[1:4] == (1, 512, 1)]  # the issue's shape: one thread, 512 tokens, batch 1
+    shapes = [c for c in cells if c not in goal]
+    main_rows, shape_rows = [], []
     for c in configs:
         row = [CONFIGS[c][0], f"{size[c] / 1e6:.0f}" if size[c] else "–", _x(size[c], size["source"])]
         row += [f"{load[c]:.0f}" if load[c] else "–", _x(load[c], load.get("source"))]
-        for cell in cells:
-            pre, dec = speedups(runs, c, cell)
-            row.append(f"{pre:.2f} / {dec:.2f}" if pre and dec else (f"– / {dec:.2f}" if dec else "–"))
-        main_rows.append(row)
+        main_rows.append(row + [_pair(*speedups(runs, c, cell)) for cell in goal])
+        shape_row = [_pair(*speedups(runs, c, cell)) for cell in shapes]
+        if c != "source" and any(x != "–" for x in shape_row):
+            shape_rows.append([CONFIGS[c][0], *shape_row])
     detail_rows = []
     for cell in cells:
         for c in configs:
@@ -177,6 +186,7 @@ def tables(runs: list[dict]) -> list[dict]:
             ok = [r for r in recs if "error" not in r]
             tok_s = _median(ok, "prefill_tok_s")
             peak, dec, comp = _median(ok, "decode_peak_mb"), _median(ok, "decode_ms"), _median(ok, "compile_s")
+            dec_cpu = _median(ok, "decode_cpu_ms")
             loads = [r["load_avg"] for r in recs if r.get("load_avg") is not None]
             note = "" if ok else "failed: " + recs[-1]["error"].strip().splitlines()[-1][:120].replace("|", "\\|")
             detail_rows.append(
@@ -185,6 +195,7 @@ def tables(runs: list[dict]) -> list[dict]:
                     CONFIGS[c][0],
                     f"{tok_s:.0f}" if tok_s else "–",
                     f"{dec:.1f}" if dec else "–",
+                    f"{dec_cpu:.1f}" if dec_cpu else "–",
                     f"{peak:.0f}" if peak is not None else "–",
                     f"{comp:.0f}" if comp else "–",
                     f"{min(loads):.1f}–{max(loads):.1f}" if loads else "–",
@@ -198,16 +209,25 @@ def tables(runs: list[dict]) -> list[dict]:
             "caption": "Against the source, measured in the same run: weights = bytes of the safetensors (MB, × "
             "source); RSS after load = the process's resident set with the model loaded (the process's own ~0.5 "
             "GB included; eager cells); then per cell (mode, threads, context × batch) the speed-up prefill / decode = "
-            "median over interleaved rounds of source time / this model's time (above 1: faster than the source); "
-            "compiled cells: decode compiled, prefill eager into the static cache.",
+            "median over interleaved rounds of source time / this model's time (above 1: faster than the source; "
+            "the computing thread's CPU time where recorded, else wall time); compiled cells: decode compiled, "
+            "prefill eager into the static cache.",
             "columns": ["output", "weights MB", "× source", "RSS after load MB", "× source"]
-            + [cell_label(c) for c in cells],
+            + [cell_label(c) for c in goal],
             "rows": main_rows,
+        },
+        {
+            "name": "shapes",
+            "caption": "The other cells (context × batch, threads): speed-up prefill / decode over the source, "
+            "median over interleaved rounds of the same run (above 1: faster than the source; – not measured).",
+            "columns": ["output"] + [cell_label(c) for c in shapes],
+            "rows": shape_rows,
         },
         {
             "name": "detail",
             "caption": "Medians over rounds: prefill tokens/s (B·L / time to the first token; compiled cells: eager "
-            "prefill into the static cache), decode ms/token, decode peak = resident set above the loaded level "
+            "prefill into the static cache), decode ms/token (wall; CPU: the computing thread's CPU time, one-thread "
+            "cells measured since it was recorded), decode peak = resident set above the loaded level "
             "during generation (MB), compile s = the two warm-up steps; load = the machine's 1-minute load average "
             "over the rounds (2 cores).",
             "columns": [
@@ -215,6 +235,7 @@ def tables(runs: list[dict]) -> list[dict]:
                 "output",
                 "prefill tok/s",
                 "decode ms/token",
+                "decode CPU ms/token",
                 "decode peak MB",
                 "compile s",
                 "load",
@@ -324,16 +345,9 @@ def save(out: Path, data: dict, runs: dict, args, argv) -> None:
 # ----------------------------------------------------------------------------------------------
 # Child: one configuration in a fresh process
 # ----------------------------------------------------------------------------------------------
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def child(job: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench_tpa_decode import Memory, trim  # the resident-set sampler shared with the TPA decode benchmark
 
     torch.manual_seed(0)
     device = torch.device(job["device"])
@@ -362,17 +376,7 @@ def child(job: dict) -> dict:
 
 def eager(model, tok, ids, job, mem, sync) -> dict:
     import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    stamps = []
-
-    class Clock(StoppingCriteria):
-        def __call__(self, input_ids, scores, **kwargs):
-            sync()
-            stamps.append((time.perf_counter(), mem.read()))
-            if len(stamps) == 1:
-                mem.start()  # the decode peak starts after the first token
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    from transformers import StoppingCriteriaList
 
     extra = {} if job["nbits"] is None else {"cache_implementation": "quantized"}
     if job["nbits"] is not None:
@@ -393,13 +397,17 @@ def eager(model, tok, ids, job, mem, sync) -> dict:
 
     generate(ids[:, :32], WARM)  # warm-up: first-call allocations and kernel choices
     base = mem.start()
-    t0 = time.perf_counter()
-    gen = generate(ids, NEW_TOKENS, StoppingCriteriaList([Clock()]))
+    clock = Clock(mem, sync)
+    clock.start()
+    gen = generate(ids, NEW_TOKENS, StoppingCriteriaList([clock]))
+    one_thread = job["threads"] == 1 and job["device"] == "cpu"  # all the work on this thread: its CPU time
     return {
         "cache_layer": type(gen.past_key_values.layers[0]).__name__,
-        "prefill_s": round(stamps[0][0] - t0, 4),
-        "decode_ms": round(1000 * (stamps[-1][0] - stamps[0][0]) / (len(stamps) - 1), 3),
-        "prefill_peak_mb": round((stamps[0][1] - base) / 1e6, 1),
+        "prefill_s": round(clock.prefill_s(), 4),
+        "decode_ms": round(clock.decode_ms(), 3),
+        **({"prefill_cpu_s": round(clock.prefill_s(cpu=True), 4)} if one_thread else {}),
+        **({"decode_cpu_ms": round(clock.decode_ms(cpu=True), 3)} if one_thread else {}),
+        "prefill_peak_mb": round(clock.prefill_peak(base) / 1e6, 1),
         "decode_peak_mb": round((mem.read() - base) / 1e6, 1),
     }
 

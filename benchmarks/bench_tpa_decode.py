@@ -42,11 +42,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from child import machine, run_child  # benchmarks/ is on the path: this script runs from there
+from child import Clock, Memory, machine, run_child, trim  # benchmarks/ is on the path: this script runs from there
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -204,64 +203,6 @@ def main(argv=None) -> int:
 # ----------------------------------------------------------------------------------------------
 # Child: one configuration in a fresh process
 # ----------------------------------------------------------------------------------------------
-def trim() -> None:
-    """Hand the C heap's free memory back to the system (glibc), so that the baseline holds no free memory left
-    over from loading (it would hide what ``generate`` allocates): measurement hygiene, not part of any model."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Memory:
-    """Peak memory above a baseline: resident set sampled by a thread (CPU) or CUDA's allocator peak."""
-
-    def __init__(self, device):
-        import torch
-
-        self.cuda = device.type == "cuda"
-        self.torch = torch
-        self.peak = 0
-        self.running = not self.cuda
-        if self.running:
-            self.thread = threading.Thread(target=self._sample, daemon=True)
-            self.thread.start()
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, rss())
-            time.sleep(0.0005)
-
-    def now(self) -> int:
-        return self.torch.cuda.memory_allocated() if self.cuda else rss()
-
-    def start(self) -> int:
-        """Reset the peak; return the current level."""
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            self.torch.cuda.reset_peak_memory_stats()
-        self.peak = self.now()
-        return self.peak
-
-    def read(self) -> int:
-        if self.cuda:
-            self.torch.cuda.synchronize()
-            return self.torch.cuda.max_memory_allocated()
-        return max(self.peak, rss())
-
-    def stop(self):
-        self.running = False
-
-
 def cache_bytes(cache) -> dict:
     """Bytes the cache holds (per-token tensors; non-contextual A is the model's own parameter) and its tokens."""
     import torch
@@ -360,7 +301,7 @@ def hamlet_ids(tokenizer, n: int):
 
 def child(job: dict) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
 
     import hf_symmetry  # noqa: F401  (registers the TPA family: the same code a saved folder carries)
 
@@ -392,21 +333,12 @@ def child(job: dict) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     if job["mode"] in ("eager", "live"):
-        stamps = []
-
-        class Clock(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                sync()
-                stamps.append((time.perf_counter(), mem.read()))
-                if len(stamps) == 1:
-                    mem.start()  # the decode peak starts after the first token
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
+        clock = Clock(mem, sync)
         extra = {} if job["nbits"] is None else {"cache_implementation": "quantized"}
         if job["nbits"] is not None:
             extra["cache_config"] = {**QCACHE, "nbits": job["nbits"]}
         base = mem.start()
-        t0 = time.perf_counter()
+        clock.start()
         with torch.no_grad():
             gen = model.generate(
                 ids,
@@ -416,16 +348,16 @@ def child(job: dict) -> dict:
                 do_sample=False,
                 pad_token_id=tok.eos_token_id,
                 return_dict_in_generate=True,
-                stopping_criteria=StoppingCriteriaList([Clock()]),
+                stopping_criteria=StoppingCriteriaList([clock]),
                 **extra,
             )
         decode_peak = mem.read()
         cache = gen.past_key_values
         held = cache_bytes(cache)
         out.update(
-            prefill_s=round(stamps[0][0] - t0, 3),
-            decode_ms=round(1000 * (stamps[-1][0] - stamps[0][0]) / (len(stamps) - 1), 2),
-            prefill_peak_mb=round((stamps[0][1] - base) / 1e6, 1),
+            prefill_s=round(clock.prefill_s(), 3),
+            decode_ms=round(clock.decode_ms(), 2),
+            prefill_peak_mb=round(clock.prefill_peak(base) / 1e6, 1),
             decode_peak_mb=round((decode_peak - base) / 1e6, 1),
             cache_mb=round(held["bytes"] / 1e6, 2),
             cache_tokens=held["tokens"],
