@@ -173,7 +173,7 @@ def decode_speed_warning(structure: str, config: dict) -> str | None:
         return None
     return (
         f"warning: {structure} matrices as small as this model's {rows}x{cols} decode one token slower than dense "
-        "on CPU (benchmarks/results/structured_linear.json); the gain is in prefill and batches"
+        "on CPU (BENCHMARKS.md, 'structured_linear'); larger matrices, prefill and batches gain"
     )
 
 

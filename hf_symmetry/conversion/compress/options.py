@@ -89,7 +89,7 @@ class CompressOptions:
         "kron: sums of Kronecker products; gs: block-diagonal·shuffle·block-diagonal; lowrank; "
         "slice: SliceGPT (PCA rotation + slicing) baseline (default: kron). CPU speed (1 thread, 75%% of the "
         "parameters): faster than dense from 8-token batches on 576x576 matrices and up; decoding one token, "
-        "lowrank and kron (from 576x576) about as fast or faster, gs slower up to 1536x576",
+        "lowrank from 192x576, kron and gs from 576x576 about as fast or faster",
         choices=STRUCTURE_CHOICES,
     )
     method: str = "procrustesgpt"
