@@ -264,7 +264,13 @@ def text_path(name: str = "britannica") -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike | None) -> Path:
-    """A model argument: an HF folder, or one of the embedded aliases."""
+    """A model argument: an HF folder, or one of the embedded aliases. An alias that also names a model folder in
+    the working directory is refused (which one the user meant is not ours to guess): ``./NAME`` is the folder."""
+    if str(name_or_path) in MODEL_ALIASES and (Path(str(name_or_path)) / "config.json").is_file():
+        raise ValueError(
+            f"{name_or_path} is both an embedded model and a model folder here: write ./{name_or_path} for the "
+            "folder (or run elsewhere for the embedded model)"
+        )
     if name_or_path is None or str(name_or_path) in ("default", "smollm2"):
         return smollm2_dir()
     if str(name_or_path) == "minilm":

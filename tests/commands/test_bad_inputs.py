@@ -238,6 +238,21 @@ def test_a_short_text_at_the_default_token_counts_is_taken_whole(root, capsys, t
     assert {c: sub[c].get_default("calib_tokens") for c in CALIB_TOKENS_DEFAULT} == CALIB_TOKENS_DEFAULT
 
 
+def test_an_alias_that_is_also_a_folder_here_is_refused(root, capsys, tmp_path, monkeypatch):
+    """``smollm2`` in a directory holding a model folder of that name: one line, exit 2, nothing written (the
+    embedded model is not silently taken for the user's folder); ``./smollm2`` is the folder (the control)."""
+    shutil.copytree(root / "tiny", tmp_path / "smollm2")
+    monkeypatch.chdir(tmp_path)
+    before = digests(tmp_path)
+    code, err = run_cli(["rotate", "smollm2", "out", "--no-verify", "--quiet"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "smollm2 is both an embedded model and a model folder here: write ./smollm2" in err[0]
+    assert digests(tmp_path) == before and not (tmp_path / "out").exists()
+    code, err = run_cli(["rotate", "./smollm2", "out", "--no-verify", "--quiet"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 97  # the folder, not SmolLM2
+
+
 def test_the_checks_see_a_good_input(root, capsys, tmp_path):
     """The control: the same folder and text the table spoils convert, and the run writes OUT and its JSON."""
     out, summary = tmp_path / "out", tmp_path / "s.json"
