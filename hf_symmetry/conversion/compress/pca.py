@@ -28,6 +28,7 @@ from ..rms_decoder import centre_globals, centre_layer
 from ..stream import StreamOptions, TensorSource, transform_checkpoint
 from .moments import CalibrationStats, collect_statistics
 from .options import CompressOptions
+from .plan import Accounting
 from .report import CompressReport
 from .routes import CompressRun
 
@@ -159,12 +160,6 @@ def sequential_stream_pca(
     return Qs, stats
 
 
-def nearest_width(params, target: float, widths) -> int:
-    """The width among ``widths`` whose parameter count ``params(w)`` is closest to ``target`` (the first
-    one on a tie)."""
-    return min(widths, key=lambda w: abs(params(w) - target))
-
-
 class SliceOutput(ABC):
     """What a SliceGPT output with one global rotation and one width is: its family's width and parameter
     accounting (:meth:`plan`), its config and how its tensors are written (:meth:`output`, which also fixes
@@ -174,13 +169,13 @@ class SliceOutput(ABC):
     @abstractmethod
     def plan(
         self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None
-    ) -> tuple[Adapter, int, dict]:
+    ) -> tuple[Adapter, int, Accounting]:
         """Refuse what this output cannot hold; the source's adapter, the residual width (``width`` given:
         that one) and the parameter accounting."""
 
     @abstractmethod
     def output(
-        self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: dict
+        self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting
     ) -> tuple[dict, StreamOptions]:
         """The output's config dict and how its tensors are written (``accounting`` completed)."""
 
@@ -193,7 +188,7 @@ class SliceOutput(ABC):
         return g
 
     @abstractmethod
-    def method(self, accounting: dict) -> str:
+    def method(self, accounting: Accounting) -> str:
         """What the report says the output is."""
 
 

@@ -356,8 +356,14 @@ def plan_slice(entries, d, n_layers, tied, segment, target_total) -> tuple[int, 
     def total(dp: int) -> int:
         return params_at(entries, lambda _: dp) + (2 * n_layers * dp * dp if segment else 0) + (dp * dp if tied else 0)
 
-    best = min(range(1, d + 1), key=lambda dp: abs(total(dp) - target_total))
+    best = nearest_width(total, target_total, range(1, d + 1))
     return best, {e.name: st.Dense((e.shape[0], best)) for e in entries}
+
+
+def nearest_width(params, target: float, widths) -> int:
+    """The width among ``widths`` whose parameter count ``params(w)`` is closest to ``target`` (the first
+    one on a tie)."""
+    return min(widths, key=lambda w: abs(params(w) - target))
 
 
 def segment_widths(keep: dict[str, float], d: int, n_layers: int) -> list[int]:

@@ -41,13 +41,14 @@ from ...checkpoint_io import write_config
 from ...solvers import structures as st
 from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
-from .pca import SliceOutput, nearest_width, slice_into
+from .pca import SliceOutput, slice_into
 from .plan import (
     Accounting,
     accounting,
     check_family,
     in_policy,
     matrix_entries,
+    nearest_width,
     params_at,
     plan_for,
     sliced_entry,

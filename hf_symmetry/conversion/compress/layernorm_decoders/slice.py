@@ -29,8 +29,8 @@ from ....symmetry import actions
 from ...rms_decoder import check_layer_norm_decoder, rms_decoder_config
 from ...stream import StreamOptions, TensorSource, partition_keys
 from ..options import LAYER_MODULES, SEGMENT_OFFSET, CompressOptions
-from ..pca import SliceOutput, nearest_width
-from ..plan import Accounting, MatrixPlan, params_at, sliced_entry, source_numels
+from ..pca import SliceOutput
+from ..plan import Accounting, MatrixPlan, nearest_width, params_at, sliced_entry, source_numels
 from .checks import check
 
 _READERS, _WRITERS = ("q", "k", "v", "up"), ("o", "down")
