@@ -10,10 +10,17 @@ import os
 import subprocess
 import sys
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import transformers as T
+
+from .conversion.compress.routes import CALIBRATION
+from .solvers.structures import Dense
+
+#: compress's calibration in 40-token sequences: the tests' 120 calibration token ids run as three sequences
+SEQ40 = replace(CALIBRATION, seq_len=40)
 
 TINY_FAMILIES = ("llama", "mistral", "smollm3", "qwen2", "qwen3", "gpt2", "opt", "gptj", "bert", "roberta")
 # Families added with structural capabilities: sandwich norms and (1+γ) RMSNorms (Gemma), fused
@@ -279,6 +286,15 @@ def run_without_hf_symmetry(script: str, workdir, timeout: int = 300, **constant
         return json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         raise AssertionError(f"no JSON on the last stdout line: {run.stdout[-1000:]!r}\n{run.stderr[-1000:]}") from None
+
+
+def full_width(plan):
+    """A SliceGPT plan at full width (in place; returns the plan): the residual unsliced and every matrix dense at
+    the hidden size: the sliced model must then be the original function."""
+    plan.residual = plan.hidden
+    for m in plan.matrices:
+        m.structure = Dense((m.structure.shape[0], plan.hidden))
+    return plan
 
 
 def full_rank(plan):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-from dataclasses import replace
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -19,10 +18,7 @@ from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, reason
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.to_tpa import convert_checkpoint_to_tpa, convert_model_to_tpa
-from hf_symmetry.solvers import structures as S
-from hf_symmetry.testing import input_ids, outputs, tiny_config, tiny_model, run_without_hf_symmetry
-
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+from hf_symmetry.testing import SEQ40, full_width, input_ids, outputs, run_without_hf_symmetry, tiny_config, tiny_model
 
 
 def _delta(a, b, ids=None) -> float:
@@ -92,9 +88,7 @@ def test_full_width_slicegpt_of_qwen3_is_exact(exact_rmsnorm):
     options = C.CompressOptions(structure="slice", q_mode="segment", ratio=0.25, ratio_slack=1.0)
     src = C.DictSource({k: v.detach() for k, v in model.state_dict().items()})
     plan = C.plan_for(src, config, options)[0]
-    plan.residual = plan.hidden
-    for m in plan.matrices:
-        m.structure = S.Dense((m.structure.shape[0], plan.hidden))
+    full_width(plan)
     state, cfg, _ = C.compress_tensors(
         C.CompressRun(
             src,

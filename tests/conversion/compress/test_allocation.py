@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-from dataclasses import replace
 import pytest
 import torch
 
@@ -19,9 +18,7 @@ from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import allocate as A
 from hf_symmetry.conversion.compress import allocate_widths as W
 from hf_symmetry.conversion.compress.plan import check_family, matrix_entries
-from hf_symmetry.testing import input_ids, run_without_hf_symmetry, tiny_model
-
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+from hf_symmetry.testing import SEQ40, input_ids, run_without_hf_symmetry, tiny_model
 
 
 def _source(model):

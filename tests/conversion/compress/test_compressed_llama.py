@@ -24,7 +24,7 @@ from hf_symmetry.conversion.compress.tall import TallTerm
 from hf_symmetry.conversion.stream import DictSink
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
+from hf_symmetry.testing import SEQ40, full_width, full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 
 def _source(model):
@@ -32,7 +32,6 @@ def _source(model):
 
 
 _full_rank = full_rank
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _exact_compression(model, structure: str, q_mode: str = "segment", dtype=torch.float64, seed=0):
@@ -124,9 +123,7 @@ def test_full_width_slicegpt_is_exact(exact_rmsnorm):
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
     assert plan.residual < plan.hidden and plan.skip == "dense"
-    plan.residual = plan.hidden
-    for m in plan.matrices:
-        m.structure = S.Dense((m.structure.shape[0], plan.hidden))
+    full_width(plan)
     state, cfg, _ = C.compress_tensors(
         C.CompressRun(
             src,

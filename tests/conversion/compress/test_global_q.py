@@ -6,7 +6,6 @@ each alternation instead of holding them."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 import pytest
 import torch
 
@@ -15,9 +14,7 @@ from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import solve as SV
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.solvers.segments import Alternation, solve_segment
-from hf_symmetry.testing import input_ids, tiny_model
-
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+from hf_symmetry.testing import SEQ40, input_ids, tiny_model
 
 
 def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama"):

@@ -7,7 +7,6 @@ tests/conversion/compress/test_layernorm_structured.py.)"""
 
 from __future__ import annotations
 
-from dataclasses import replace
 import json
 import shutil
 
@@ -25,14 +24,13 @@ from hf_symmetry.conversion.compress.layernorm_decoders import (
     build,
     compress_layer_norm_model,
 )
-from hf_symmetry.conversion.compress.routes import CALIBRATION, CompressRun
+from hf_symmetry.conversion.compress.routes import CompressRun
 from hf_symmetry.conversion.stream import DictSink, DictSource
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.testing import input_ids, outputs, tiny_model
+from hf_symmetry.testing import SEQ40, input_ids, outputs, tiny_model
 
 SLICE = CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0)
-SEQ40 = replace(CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
 
 
 def _delta(a, b) -> float:

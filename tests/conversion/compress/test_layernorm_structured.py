@@ -11,7 +11,6 @@ import json
 import shutil
 import textwrap
 
-from dataclasses import replace
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -26,9 +25,7 @@ from hf_symmetry.conversion.stream import DictSink
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from hf_symmetry.modeling.structured_linear import GSLinear, KroneckerLinear
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
-from hf_symmetry.testing import full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
-
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+from hf_symmetry.testing import SEQ40, full_rank, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 
 def _calib():

@@ -4,16 +4,12 @@ SliceGPT code calibrates)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 import pytest
 import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.solvers import structures as S
-from hf_symmetry.testing import input_ids, outputs, tiny_model
-
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+from hf_symmetry.testing import SEQ40, full_width, input_ids, outputs, tiny_model
 
 
 def _source(model):
@@ -140,9 +136,7 @@ def test_full_width_sequential_slicegpt_is_exact(exact_rmsnorm):
     options = C.CompressOptions(structure="slice", q_mode="segment", sequential=True, ratio_slack=1.0)
     src = _source(model)
     plan = C.plan_for(src, config, options)[0]
-    plan.residual = plan.hidden
-    for m in plan.matrices:
-        m.structure = S.Dense((m.structure.shape[0], plan.hidden))
+    full_width(plan)
     state, cfg, report = C.compress_tensors(
         C.CompressRun(
             src,

@@ -18,9 +18,7 @@ from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import stock as S
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.conversion.compress.pca import pca_rotations
-from hf_symmetry.testing import input_ids, outputs, run_without_hf_symmetry, tiny_model
-
-SEQ40 = replace(C.CALIBRATION, seq_len=40)  # the tests' calibration: 120 token ids in three sequences
+from hf_symmetry.testing import SEQ40, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0)
 FULL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
