@@ -12,8 +12,7 @@ from .plan import Accounting
 
 
 def write_card(folder: Path, report, options: CompressOptions, calibration: CalibrationText) -> None:
-    """A README model card via :mod:`hf_symmetry.hub.cards`, listing only the settings that apply to
-    the method (with the sizes of ``calibration`` where it calibrates)."""
+    """The README model card, listing only the settings that apply to the method."""
     acc, method = report.accounting, options.label
     results = []
     if report.perplexity:
@@ -67,8 +66,7 @@ def _loading(acc: Accounting) -> str:
 
 
 def per_matrix_rows(per_matrix: dict) -> list[dict]:
-    """The accounting's per-matrix entries grouped by module (``layers.3.q_proj`` → ``q_proj``) and
-    structure, for the card."""
+    """The per-matrix entries grouped by module (``layers.3.q_proj`` → ``q_proj``) and structure."""
     rows: dict = {}
     for name, m in per_matrix.items():
         module = name.split(".")[-1]

@@ -1,6 +1,5 @@
-"""The pipeline on tensors (:func:`compress_into`): the plan, calibration, the solvers and the assembly of
-factors and rotations, written by an :class:`Output`: the compressed (remote-code) family by default, the
-RMS-decoder family for a LayerNorm decoder's centred model (:mod:`.layernorm_decoders.structured`)."""
+"""The pipeline on tensors (:func:`compress_into`): plan, calibration, solve, assembly, written by an
+:class:`Output` (the compressed family; the RMS-decoder family for a LayerNorm decoder's centred model)."""
 
 from __future__ import annotations
 
@@ -23,20 +22,17 @@ from .solve import Kept, solve
 
 
 class Output:
-    """What :func:`compress_into` writes, here the compressed (remote-code) family: the norm-folded layers
-    and globals it reads (:meth:`read`), its config (:meth:`config`), what it adds once everything is
-    assembled (:meth:`finish`) and its name in the report (:meth:`method`). ``streams``: each part is
-    written as soon as its segments are solved (else all at the end, in the assembler's order)."""
+    """What :func:`compress_into` reads and writes, here for the compressed family. ``streams``: each part is
+    written as soon as its segments are solved (else all at the end)."""
 
     streams = True
 
     def read(self, run: CompressRun, plan: Plan):
-        """(layers, globals, the final norm's γ), norms folded, read from ``run.source`` as they are used."""
+        """(layers, globals, the final norm's γ), norms folded, read as they are used."""
         keys = run.source.keys()
         adapter = check_family(run.config, keys)
-        # the solvers walk the segments in order (two layers at a time; sequential calibration holds its
-        # own copy of the layer it runs, so one is kept and a segment reaching into the next layer re-reads
-        # the previous one for its assembly); SliceGPT's PCA reads no weights
+        # the solvers walk the segments in order, two layers at a time; sequential calibration holds its own
+        # copy of the layer it runs and SliceGPT's PCA reads no weights, so one is kept
         one = run.options.slicing or run.options.sequential
         return read_folded(run.source, adapter, keys, plan.tied, lazy=True, keep=1 if one else 2)
 
@@ -51,11 +47,8 @@ class Output:
 
 
 def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, CompressReport, LayerMap | None]:
-    """The whole pipeline on tensors, written by ``output`` into ``run.sink`` (a :class:`..stream.TensorSink`)
-    as they are assembled, layer by layer: (config dict, report, the layer map where every layer maps to the
-    source, else None). Calibration runs the layer-wise engine over ``run.source`` on ``run.placement``; ``run``
-    may hand in the statistics, the planned structures and the starting rotations (see :func:`.solve.solve`).
-    The norm-folded layers are read from the source as the steps need them."""
+    """The whole pipeline on tensors, written by ``output`` into ``run.sink`` layer by layer as it is
+    assembled: (config dict, report, the layer map where every layer maps to the source, else None)."""
     times = {}
     t0 = time.perf_counter()
     source, config, options = run.source, run.config, run.options
@@ -106,8 +99,7 @@ def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, Co
 
 
 def _allocated_plan(run: CompressRun) -> Plan:
-    """``--allocation sensitivity``: the plan at the sizes measured per layer (SliceGPT: per segment), with
-    the allocation's report in its accounting."""
+    """``--allocation sensitivity``: the plan at the sizes allocated per layer (SliceGPT: per segment)."""
     if run.options.slicing:
         keep, allocation = allocate_slice_for(run)
     else:

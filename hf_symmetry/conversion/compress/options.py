@@ -1,9 +1,6 @@
-"""What the user asked for, and everything that follows from it, decided in one place.
-
-:class:`CompressOptions` holds the flags; its properties answer every question the later steps ask
-(does this method rotate, one rotation per segment or one global one, which statistics does the
-calibration need, which solver path runs, how is the method named, which settings apply to it), so
-that no step re-derives them from the flag combination."""
+"""What the user asked for, and everything that follows from it, decided in one place: :class:`CompressOptions`
+holds the flags and its properties answer every question a later step asks of their combination (does the method
+rotate, which statistics does calibration need, which solver path runs, how is it named)."""
 
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ STAGES = ("none", "f", "w")
 Q_MODES = ("segment", "global")
 PRESETS = ("procrustesgpt-llama",)
 ALLOCATIONS = ("uniform", "sensitivity")
+_CHOICES = {"method": METHODS, "stage": STAGES, "q_mode": Q_MODES, "allocation": ALLOCATIONS}
 
 #: canonical name -> (module path inside a decoder layer, role)
 LAYER_MODULES = {
@@ -72,17 +70,13 @@ def parse_gs_blocks(text: str | None) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class CompressOptions:
-    """``ratio``: fraction of the compressed matrices' parameters removed, overheads (skip matrices,
-    the tied head's change of basis) included — equal ratios mean equal total parameter counts.
-
-    ``q_mode`` ``None`` means the better default of the structure: one global rotation for SliceGPT
-    (its per-segment variant pays for dense skip matrices and measured clearly worse), one rotation per
-    residual segment for the ProcrustesGPT classes (the paper). A field with :func:`...flags.flag` is
-    ``compress``'s flag of that name (its help is the flag's).
-
-    ``method``: :data:`METHODS`; ``structure``: ProcrustesGPT's structure class (:data:`STRUCTURES`; ``None`` for
-    SliceGPT). ``structure="slice"`` (``--structure slice``, the command line's spelling) means
-    ``method="slicegpt"``."""
+    """``ratio``: fraction of the compressed matrices' parameters removed, overheads (skip matrices, the tied
+    head's change of basis) included: equal ratios mean equal total parameter counts. ``method``:
+    :data:`METHODS`; ``structure``: ProcrustesGPT's structure class (``None`` for SliceGPT;
+    ``structure="slice"``, the command line's spelling, means ``method="slicegpt"``). ``q_mode`` ``None``: one
+    global rotation for SliceGPT (its per-segment variant pays for dense skip matrices and measured worse),
+    one per residual segment for the structure classes (the paper). A field with :func:`...flags.flag` is
+    ``compress``'s flag of that name."""
 
     structure: str | None = flag(
         "kron",
@@ -196,16 +190,14 @@ class CompressOptions:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                what = name.replace("_", " ")
+                raise ValueError(f"unknown {what} {getattr(self, name)!r}; choose one of {', '.join(choices)}")
         if not self.slicing and self.structure not in STRUCTURES:
             raise ValueError(f"unknown structure {self.structure!r}; choose one of {', '.join(STRUCTURE_CHOICES)}")
         if not 0.0 < float(self.ratio) < 1.0:
             raise ValueError(f"ratio must be in (0, 1) (the fraction of parameters removed), got {self.ratio}")
-        if self.stage not in STAGES:
-            raise ValueError(f"unknown stage {self.stage!r}; choose one of {', '.join(STAGES)}")
-        if self.q_mode not in Q_MODES:
-            raise ValueError(f"unknown q mode {self.q_mode!r}; choose one of {', '.join(Q_MODES)}")
         if self.kron_factor is not None and (not isinstance(self.kron_factor, int) or self.kron_factor < 2):
             raise ValueError(f"kron factor must be an integer >= 2, got {self.kron_factor!r}")
         if self.gs_blocks is not None and (len(self.gs_blocks) != 2 or min(self.gs_blocks) < 1):
@@ -227,8 +219,6 @@ class CompressOptions:
             raise ValueError("a fixed size per matrix applies to the structured classes, not to SliceGPT")
         if self.stop_tol < 0 or self.wopp_stop_tol < 0:
             raise ValueError(f"tolerances must be >= 0, got tol={self.stop_tol}, wopp_tol={self.wopp_stop_tol}")
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"unknown allocation {self.allocation!r}; choose one of {', '.join(ALLOCATIONS)}")
         if self.allocation != "uniform" and self.slicing and self.q_mode != "global":
             raise ValueError(
                 "per-segment SliceGPT widths (--allocation sensitivity) need one global PCA "
@@ -248,12 +238,9 @@ class CompressOptions:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "CompressOptions":
-        """A named configuration; ``overrides`` (e.g. ``structure``) change it.
-
-        ``procrustesgpt-llama``: the reference ProcrustesGPT code's Llama configuration — embedding and
-        head dense, q, k, o, gate, up and down each structured at 75 % of its parameters, V dense; the
-        skip matrices come on top, and the report gives the parameters removed as a fraction of the
-        whole model, as the paper does."""
+        """A named configuration that ``overrides`` change. ``procrustesgpt-llama``: the reference code's Llama
+        configuration (embedding, head and V dense, the other matrices each at 75 % of its parameters, skip
+        matrices on top)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         base = dict(compress_embeddings=False, dense_modules=PAPER_DENSE, matrix_keep=0.75, stage="w")
@@ -262,8 +249,7 @@ class CompressOptions:
     # ------------------------------------------------------------------ what the flags mean
     @property
     def structure_class(self) -> type[st.Structure] | None:
-        """The structure class of the compressed matrices (``None`` for SliceGPT, whose matrices stay
-        dense and narrower)."""
+        """The structure class of the compressed matrices (``None`` for SliceGPT: dense and narrower)."""
         if self.slicing:
             return None
         if self.structure not in st.CLASSES:
@@ -282,8 +268,8 @@ class CompressOptions:
 
     @property
     def rotates(self) -> bool:
-        """Whether any rotation is sought: never for low rank (the rank of M Q is that of M, also in the
-        weighted norms), never at stage ``none``; always for SliceGPT (its PCA)."""
+        """Whether a rotation is sought: always for SliceGPT (its PCA); never at stage ``none`` or for low rank
+        (the rank of M Q is that of M, also in the weighted norms)."""
         return self.slicing or (self.structure_class.rotation_helps and self.stage != "none")
 
     @property
@@ -307,10 +293,9 @@ class CompressOptions:
 
     @property
     def statistics_on_demand(self) -> bool:
-        """Whether the one-pass statistics are measured as the per-segment solve reaches each segment
-        (:func:`.moments.one_pass_on_demand`: about one layer's moments held) instead of all before
-        it: stage W with one rotation per segment, not sequential, uniform sizes (the sensitivity
-        allocation and one global rotation read every segment's moments)."""
+        """One-pass statistics measured as the per-segment solve reaches each segment (about one layer's
+        moments held): stage W, one rotation per segment, not sequential, uniform sizes (an allocation and
+        one global rotation read every segment's moments)."""
         return self.want_normed and not self.want_stream and self.q_mode == "segment" and self.allocation == "uniform"
 
     @property
@@ -320,16 +305,14 @@ class CompressOptions:
 
     @property
     def stream_sum(self) -> bool:
-        """Whether the one-pass stream statistics reduce to one running sum of the trace-normalised
-        segment moments (SliceGPT with one global PCA and one width: all its PCA needs; per-segment
-        widths also measure the first and last segment's own)."""
+        """One-pass stream statistics as one running sum of the trace-normalised segment moments: all
+        SliceGPT's global PCA at one width needs (per-segment widths also read single segments')."""
         return self.want_stream and self.q_mode == "global" and self.allocation == "uniform"
 
     @property
     def solver(self) -> str:
-        """The solve path: ``pca`` (SliceGPT, one pass), ``pca-sequential``, ``projection`` (no rotation
-        search), ``sequential`` (stage W segment after segment on the partly compressed model) or
-        ``stages`` (stage F, then stage W on one pass)."""
+        """The solve path: ``pca``, ``pca-sequential`` (SliceGPT), ``projection`` (no rotation search),
+        ``sequential`` (stage W on the partly compressed model) or ``stages`` (F, then W on one pass)."""
         if self.slicing:
             return "pca-sequential" if self.sequential else "pca"
         if self.sequential:
@@ -350,8 +333,8 @@ class CompressOptions:
         return f"ProcrustesGPT ({self.structure}, stage {self.stage}, {self.q_mode} Q{extra})"
 
     def applicable(self, calibration: CalibrationText) -> dict:
-        """The settings that apply to this method (what a card lists), scalars only; the sizes of
-        ``calibration`` (its text aside) where the method calibrates."""
+        """The settings that apply to this method (what a card lists), and ``calibration``'s sizes where it
+        calibrates."""
         keys = [
             "structure",
             "ratio" if self.matrix_keep is None else "matrix_keep",
@@ -385,23 +368,20 @@ class CompressOptions:
         return out
 
     def stopping(self, stage: str = "w") -> dict:
-        """Stage F/W's stopping rule and acceleration (:func:`...solvers.segments.solve_segment`'s
-        keywords): both stages stop by ``stop_tol``; stage W over-relaxes Q between alternations
-        (``extrapolate``)."""
+        """Stage F/W's stopping rule; stage W also over-relaxes Q between alternations (``extrapolate``)."""
         return {"tol": self.stop_tol, "wopp_tol": self.wopp_stop_tol, "extrapolate": self.extrapolate and stage == "w"}
 
     def alternation(self, iters: int, stage: str | None = "w", dtype: torch.dtype = torch.float64) -> Alternation:
-        """:func:`...solvers.segments.solve_segment`'s schedule: ``iters`` alternations of these options' ALS
-        and rotation steps in ``dtype``, the row weights released once reduced; ``stage`` ("f"/"w") adds its
-        stopping rule and acceleration (:meth:`stopping`), ``None`` none (a fixed count)."""
+        """The solver's schedule: ``iters`` alternations in ``dtype``, with ``stage``'s stopping rule (``None``:
+        a fixed count)."""
         rule = self.stopping(stage) if stage else {}
         return Alternation(
             iters=iters, als_iters=self.als_iters, wopp_iters=self.wopp_iters, dtype=dtype, keep_weights=False, **rule
         )
 
     def as_dict(self, calibration: CalibrationText) -> dict:
-        """Every option, under the names reports and cards use (:data:`REPORTED_AS`; the method is the structure's
-        name, :attr:`structure_name`), and the sizes of ``calibration`` (its text aside)."""
+        """Every option under the names reports use (:data:`REPORTED_AS`; the method as its structure's name),
+        and ``calibration``'s sizes."""
         options = {**asdict(self), "structure": self.structure_name}
         del options["method"]
         return {**{REPORTED_AS.get(k, k): v for k, v in options.items()}, **_calibration_sizes(calibration)}

@@ -1,6 +1,4 @@
-"""Entry points: the whole pipeline on tensors, on a loaded model, and on a checkpoint folder (the one
-folder entry point of every route: the compressed family here, the stock SliceGPT output in :mod:`.stock`,
-LayerNorm decoders in :mod:`.layernorm_decoders`)."""
+"""Entry points: the pipeline on tensors, on a loaded model, and on a checkpoint folder (every route's)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,8 @@ from ..remote_code import save_family_config
 from ..stream import DictSink, DictSource
 from .assemble import build_model, config_object
 from .core import compress_into
-from .layernorm_decoders import LayerNormDecoders, compress_layer_norm_model, through_rms_decoder
+from .layernorm_decoders import LayerNormDecoders, layer_norm_tensors, through_rms_decoder
+from .layernorm_decoders import build as build_rms_decoder
 from .moments import CalibrationStats, read_calibration
 from .options import CompressOptions
 from .plan import Plan, plan_for
@@ -29,8 +28,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 def compress_tensors(run: CompressRun) -> tuple[Tensors, dict, CompressReport]:
-    """The whole pipeline on tensors, collected in memory: (compressed state dict, config dict, report)
-    (:func:`compress_into` with a :class:`..stream.DictSink`; ``run.sink`` must be unset)."""
+    """The whole pipeline on tensors, collected in memory: (state dict, config dict, report)."""
     if run.sink is not None:
         raise ValueError("compress_tensors collects the tensors itself; write into a sink with compress_into")
     sink = DictSink()
@@ -46,40 +44,29 @@ def compress_model(
     stats: CalibrationStats | None = None,
     placement=None,
     calibration: CalibrationText = CALIBRATION,
+    width: int | None = None,
 ):
-    """In memory: a loaded HF Llama-family model -> (CompressedLlamaForCausalLM, report); an OPT / GPT-2
-    model -> (RMSDecoderForCausalLM, report) (:mod:`.layernorm_decoders`). ``calib_ids``: the calibration
-    token ids, of which the first ``calibration.tokens`` run in sequences of ``calibration.seq_len``."""
+    """In memory: a loaded model -> (CompressedLlamaForCausalLM, report), or (RMSDecoderForCausalLM, report)
+    for a LayerNorm decoder (``width``: SliceGPT's residual width there instead of the ratio's). ``calib_ids``
+    run at ``calibration``'s sizes."""
     options.validate()
     check_calibration(calibration)
-    if through_rms_decoder(model.config):
-        return compress_layer_norm_model(
-            model, options, calib_ids, progress=progress, placement=placement, calibration=calibration
-        )
     dtype = next(model.parameters()).dtype
     source = DictSource({k: v.detach() for k, v in model.state_dict().items()})
-    state, new_config, report = compress_tensors(
-        CompressRun(
-            source,
-            model.config.to_dict(),
-            options,
-            calib_ids,
-            placement,
-            progress,
-            dtype,
-            hf_config=model.config,
-            stats=stats,
-            calibration=calibration,
-        )
-    )
-    compressed, counted = build_model(state, new_config, dtype)
+    config, sink = model.config.to_dict(), DictSink()
+    run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink, calibration=calibration)
+    if through_rms_decoder(config):
+        new_config, report = layer_norm_tensors(run, width)
+        compressed, counted = build_rms_decoder(dict(sink), new_config, dtype)
+    else:
+        new_config, report, _ = compress_into(replace(run, hf_config=model.config, stats=stats))
+        compressed, counted = build_model(dict(sink), new_config, dtype)
     report.accounting.compressed_model_params_counted = counted
     return compressed, report
 
 
 class CompressedFamily(Route):
-    """The compressed (remote-code) family: the plan (made by :meth:`check`), calibration, solvers and
-    assembly of this package."""
+    """The compressed (remote-code) family; its plan is made by :meth:`check`."""
 
     plan: Plan | None = None
 
@@ -97,8 +84,8 @@ class CompressedFamily(Route):
 
 def route_for(config: dict, options: CompressOptions, stock: StockOptions = REMOTE_CODE) -> Route:
     """The one decision of a folder's route: SliceGPT as the source's stock family where ``stock`` asks for
-    it (not ``remote_code``) and :func:`.stock.why_not_stock` allows; LayerNorm decoders through the
-    RMS-decoder family; else the compressed family."""
+    it and :func:`.stock.why_not_stock` allows; LayerNorm decoders through the RMS-decoder family; else the
+    compressed family."""
     refusal = None
     if options.slicing:
         refusal = "--remote-code" if stock.remote_code else why_not_stock(config, options, stock.untie)
@@ -119,17 +106,11 @@ def compress_checkpoint(
     progress: bool = True,
     placement=None,
 ) -> CompressReport:
-    """Compress the HF folder ``src`` into ``out`` (a non-empty one only with ``overwrite``): the one entry point of
-    every route (:func:`route_for`). ``calibration`` (a :class:`...calibration.CalibrationText`; needed by every
-    method but stage none): its text's first ``tokens`` tokens, in sequences of ``seq_len``. ``stock`` (a
-    :class:`.stock.StockOptions`; default :data:`.stock.REMOTE_CODE`): unless it says ``remote_code``, where
-    SliceGPT with one global PCA and one width can be written as the source's own stock family
-    (:func:`.stock.why_not_stock`), it is (no remote code); otherwise the output loads with
-    ``trust_remote_code=True``. Every input is checked before any work; ``out`` appears only when everything
-    succeeded. The tokenizer is loaded once; the source model is never loaded whole: calibration reads the
-    checkpoint one decoder layer at a time on ``placement``'s device, the solvers read the layers as they need them,
-    and the tensors are written to safetensors shards (of at most 2 GB) as they are made. Perplexity before/after is
-    the command's verification step (:func:`record_verification`), run on the written folder."""
+    """Compress the HF folder ``src`` into ``out`` (a non-empty one only with ``overwrite``) by its route
+    (:func:`route_for`). ``calibration`` is needed by every method but stage none; ``stock`` (default
+    :data:`.stock.REMOTE_CODE`) may write SliceGPT as the source's stock family. Every input is checked before
+    any work and ``out`` appears only when everything succeeded. The source is never loaded whole: calibration
+    reads one decoder layer at a time on ``placement``'s device, and tensors go to 2 GB shards as they are made."""
     options.validate()
     check_calibration(calibration)
     check_output_dir(out, overwrite)

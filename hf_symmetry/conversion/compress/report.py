@@ -1,7 +1,5 @@
-"""What every ``compress`` route ends with: the report (:class:`CompressReport`, ``compression_report.json``)
-and the finishing of an output folder (:func:`finish_folder`: side files, report, card), shared by the
-compressed family (:mod:`.pipeline`), the stock SliceGPT output (:mod:`.stock`) and the RMS-decoder
-family (:mod:`.layernorm_decoders`)."""
+"""What every ``compress`` route ends with: the report (``compression_report.json``) and the finished output
+folder (side files, report, card)."""
 
 from __future__ import annotations
 
@@ -48,10 +46,9 @@ def write_report(folder: str | Path, report: CompressReport) -> None:
 
 
 def finish_folder(folder: Path, report: CompressReport, run, source: str | Path, out: str | Path, counted: int) -> None:
-    """Complete the output folder of ``run`` (a :class:`.routes.CompressRun` on a checkpoint), whose weights and
-    config are written: the parameters ``counted`` as written, the source folder's side files (tokenizer,
-    generation config), the report (naming ``source`` and ``out``) and the card; every file made readable as
-    ``save_pretrained`` leaves it."""
+    """Complete ``run``'s output folder, whose weights and config are written: the source's side files
+    (tokenizer, generation config), the report and the card, every file readable as ``save_pretrained``
+    leaves it."""
     report.accounting.compressed_model_params_counted = counted
     copy_side_files(run.source.path, folder)
     report.source, report.output = str(source), str(out)
@@ -65,9 +62,7 @@ def finish_folder(folder: Path, report: CompressReport, run, source: str | Path,
 def record_verification(
     folder: str | Path, report: CompressReport, options: CompressOptions, calibration: CalibrationText, verification
 ) -> None:
-    """Put the verification's perplexities (original and compressed, the shared definition) into the
-    report (``compression_report.json``) and the card of ``folder``, which the verification step then
-    completes with its own figures."""
+    """Put the verification's perplexities (original and compressed) into ``folder``'s report and card."""
     v = verification
     if v.perplexity_original is None or v.perplexity_converted is None:
         return

@@ -1,10 +1,8 @@
-"""One compress conversion as one object (:class:`CompressRun`), and the routes a ``compress`` output
-folder takes, as objects: the compressed family (:mod:`.pipeline`), SliceGPT as the source's own stock
-family (:mod:`.stock`) and LayerNorm decoders through the RMS-decoder family (:mod:`.layernorm_decoders`).
-:func:`.pipeline.compress_checkpoint` decides the route once (:func:`.pipeline.route_for`) and runs the
-folder steps every route shares (options checked, output folder checked, calibration text read, dtype, atomic
-folder, shard writer, finish); a route checks what it refuses before any work (:meth:`Route.check`) and
-writes its weights into the run's sink and its config into the run's folder (:meth:`Route.write`)."""
+"""One compress conversion as one object (:class:`CompressRun`), and the routes an output folder takes
+(:class:`Route`): the compressed family (:mod:`.pipeline`), SliceGPT as the source's stock family
+(:mod:`.stock`), LayerNorm decoders through the RMS-decoder family (:mod:`.layernorm_decoders`). A route
+refuses what it cannot do before any work (:meth:`Route.check`), then writes its weights into the run's sink
+and its config into the run's folder (:meth:`Route.write`)."""
 
 from __future__ import annotations
 
@@ -30,21 +28,12 @@ CALIBRATION = CalibrationText("britannica-calib", tokens=16384, seq_len=512)
 
 @dataclass(frozen=True)
 class CompressRun:
-    """One compress conversion, everything its steps read (each route's tensor-level function:
-    :func:`.core.compress_into`, SliceGPT's :func:`.pca.slice_into`,
-    :func:`.layernorm_decoders.structured_tensors`; the solvers, :func:`.solve.solve`; calibration,
-    :mod:`.moments`, which runs on the run itself: :attr:`ids` in sequences of :attr:`seq_len` over
-    ``source`` on ``placement``): the ``source`` (a checkpoint reader or any tensor source) with its ``config``
-    dict (and ``hf_config``, its config object where there is one), the validated ``options``, the
-    calibration token ids ``calib_ids`` (``None`` where the method needs none) of the ``calibration`` text
-    (:class:`...calibration.CalibrationText`: its first ``tokens`` ids are used, in sequences of ``seq_len``;
-    ``compress``'s ``--calib``, ``--calib-tokens`` and ``--calib-seq-len``), where calibration runs
-    (``placement``, :func:`hf_symmetry.devices.resolve`; ``None``: CPU float32) and with it the solvers' linear
-    algebra (:attr:`device`), progress bars, the output ``dtype``, the ``sink`` (a :class:`..stream.TensorSink`)
-    that receives the tensors as they are made and the (temporary) output ``folder`` (``None`` in memory: a
-    route writes its config there, one global Q its warm starts under it). A caller may hand in what is
-    otherwise made: the ``plan`` (structures and sizes), the calibration ``stats`` (e.g. cached by a
-    benchmark) and the starting ``rotations`` (one per segment)."""
+    """One compress conversion: everything its steps read. ``source`` (a checkpoint reader or any tensor
+    source) with its ``config`` dict (``hf_config``: its config object, where there is one), the validated
+    ``options``, the calibration token ids ``calib_ids`` of the ``calibration`` text (``None`` where the
+    method needs none), where calibration runs (``placement``; ``None``: CPU float32), the output ``dtype``,
+    the ``sink`` receiving tensors as they are made and the temporary output ``folder`` (``None``: in
+    memory). A caller may hand in the ``plan``, the calibration ``stats`` and the starting ``rotations``."""
 
     source: TensorSource
     config: dict
@@ -85,7 +74,7 @@ class CompressRun:
 
     @property
     def device(self) -> torch.device:
-        """Where the solvers' float64 linear algebra runs: the calibration device (CPU for MPS)."""
+        """Where the solvers' float64 linear algebra runs (CPU for MPS)."""
         return linalg_device(self.placement)
 
     def require_calibration(self) -> None:
@@ -96,18 +85,17 @@ class CompressRun:
 
     @property
     def ids(self) -> torch.Tensor:
-        """What calibration runs on: the first ``calibration.tokens`` token ids (refused without two)."""
+        """The first ``calibration.tokens`` token ids (refused without two)."""
         self.require_calibration()
         return self.calib_ids[: self.calibration.tokens]
 
     @property
     def seq_len(self) -> int:
-        """The length of the sequences calibration runs (``calibration.seq_len``)."""
         return self.calibration.seq_len
 
 
 def check_calibration(calibration: CalibrationText | None) -> None:
-    """Refuse calibration sizes below two tokens (``None``: no text given, nothing to check)."""
+    """Refuse calibration sizes below two tokens (``None``: no text given)."""
     if calibration is None:
         return
     for name, value in (("calib_tokens", calibration.tokens), ("calib_seq_len", calibration.seq_len)):
@@ -116,8 +104,8 @@ def check_calibration(calibration: CalibrationText | None) -> None:
 
 
 class CountingSink:
-    """Every route's sink (a :class:`..stream.TensorSink`): each module's tensors go straight to the shard
-    writer, their parameters counted (not the rotary buffers a stock family carries)."""
+    """Every route's sink: each module's tensors go straight to the shard writer, their parameters counted
+    (not the rotary buffers a stock family carries)."""
 
     row_blocks = True  # takes RowBlocks, which the shard writer streams (:meth:`.assemble.Assembler.put`)
 
@@ -145,8 +133,8 @@ class Route(ABC):
         """Write the weights into ``run.sink`` and the config (and any remote code) into ``run.folder``."""
 
     def output_lines(self, report: CompressReport, config: dict) -> list[str]:
-        """What the command's size report says about the output family: for SliceGPT, why it stays in a
-        remote-code family (and, for a tied head, what untying would cost)."""
+        """The size report's lines on the output family: for SliceGPT, why it stays in the remote-code
+        family (and, for a tied head, what untying would cost)."""
         if self.stock_refusal is None:
             return []
         reason = self.stock_refusal

@@ -22,7 +22,6 @@ from hf_symmetry.conversion.compress.pca import global_rotation, pca, slice_into
 from hf_symmetry.conversion.compress.layernorm_decoders import (
     RMSDecoderSlice,
     build,
-    compress_layer_norm_model,
 )
 from hf_symmetry.conversion.compress.routes import CompressRun
 from hf_symmetry.conversion.stream import DictSink, DictSource
@@ -50,7 +49,7 @@ def test_full_width_slicegpt_of_a_layernorm_decoder_is_exact(family, exact_rmsno
     model = tiny_model(family)
     d = model.config.hidden_size
     if family == "opt":
-        full, report = compress_layer_norm_model(model, SLICE, _calib(), width=d, calibration=SEQ40)
+        full, report = compress_model(model, SLICE, _calib(), width=d, calibration=SEQ40)
         acc = report.accounting
         assert acc.compressed_model_params_counted == acc.compressed_model_params
         # the whole accounting is at the width given (d), not the ratio's

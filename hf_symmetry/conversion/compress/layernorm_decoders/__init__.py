@@ -11,8 +11,7 @@ into its readers, which leaves the function unchanged and makes the stream rotat
 - :mod:`.structured` — ProcrustesGPT (Kronecker sums, GS, low rank): the compressed family's plan,
   solvers and assembly on the centred model, biases and the position table kept dense;
 - :mod:`.checks` — what this route refuses, before any work;
-- here: the entry point on a loaded model, and the folder route (:class:`LayerNormDecoders`) that
-  :func:`..pipeline.compress_checkpoint` takes for these models.
+- here: both routes on tensors (:func:`layer_norm_tensors`) and the folder route (:class:`LayerNormDecoders`).
 """
 
 from __future__ import annotations
@@ -21,16 +20,14 @@ from __future__ import annotations
 import torch
 
 from ....architectures import Adapter
-from ....calibration import CalibrationText
 from ....checkpoint_io import CheckpointReader, write_config
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from ...rms_decoder import copy_remote_code
-from ...stream import DictSink, DictSource
 from ..options import CompressOptions
 from ..pca import slice_into
 from ..report import CompressReport
-from ..routes import CALIBRATION, CompressRun, Route
+from ..routes import CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
 from .slice import RMSDecoderSlice, plan_width
@@ -48,38 +45,13 @@ def build(state: dict, config: dict, dtype: torch.dtype):
     return model.eval(), counted
 
 
-def _run(run: CompressRun):
-    """Either route into ``run.sink`` (a :class:`DictSink` or the folder's sink): (config dict, report)."""
+def layer_norm_tensors(run: CompressRun, width: int | None = None):
+    """Either route into ``run.sink``: (config dict, report). ``width`` (SliceGPT only) overrides the
+    planned residual width."""
+    check(Adapter.from_config(run.config, run.source.keys()), run.options, run.source.keys())
     if run.options.slicing:
-        return slice_into(run, RMSDecoderSlice())
+        return slice_into(run, RMSDecoderSlice(), width)
     return structured_tensors(run)
-
-
-def compress_layer_norm_model(
-    model,
-    options: CompressOptions,
-    calib_ids: torch.Tensor | None = None,
-    progress: bool = False,
-    width: int | None = None,
-    placement=None,
-    calibration: CalibrationText = CALIBRATION,
-):
-    """In memory: a loaded OPT / GPT-2 / GPT-NeoX / GPT-J ``...ForCausalLM`` -> (RMSDecoderForCausalLM,
-    report). ``width`` (SliceGPT only) overrides the planned residual width; ``calibration``: the sizes
-    ``calib_ids`` run at (:class:`..routes.CompressRun`)."""
-    options.validate()
-    dtype = next(model.parameters()).dtype
-    source, config = DictSource({k: v.detach() for k, v in model.state_dict().items()}), model.config.to_dict()
-    check(Adapter.from_config(config, source.keys()), options, source.keys())
-    sink = DictSink()
-    run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink, calibration=calibration)
-    if width is not None:
-        new_config, report = slice_into(run, RMSDecoderSlice(), width)
-    else:
-        new_config, report = _run(run)
-    compressed, counted = build(dict(sink), new_config, dtype)
-    report.accounting.compressed_model_params_counted = counted
-    return compressed, report
 
 
 class LayerNormDecoders(Route):
@@ -95,7 +67,7 @@ class LayerNormDecoders(Route):
             layer_norm_plan(reader, reader.config, options)
 
     def write(self, run: CompressRun) -> CompressReport:
-        new_config, report = _run(run)
+        new_config, report = layer_norm_tensors(run)
         write_config(run.folder, new_config)
         copy_remote_code(run.folder)
         return report
@@ -106,7 +78,7 @@ __all__ = [
     "build",
     "check",
     "LayerNormDecoders",
-    "compress_layer_norm_model",
+    "layer_norm_tensors",
     "layer_norm_plan",
     "plan_structured",
     "plan_width",
