@@ -1,9 +1,7 @@
 """The centred model as a tensor source: a LayerNorm decoder with every writer mean-centred and every
-LayerNorm folded into its readers is exactly an RMS-decoder model at full width (weightless RMSNorms,
-biases everywhere, untied head with a bias). :class:`CentredSource` presents it under the RMS-decoder
-family's checkpoint names, computed from the original checkpoint one layer at a time when asked for, so
-the compressed family's steps (calibration on the layer-wise engine, the solvers' folded layers) run on
-it unchanged: the normalised stream its readers see, ``P x / rms(P x)``, is then measured directly."""
+LayerNorm folded into its readers is exactly an RMS-decoder model at full width (weightless RMSNorms, biases
+everywhere, untied head with a bias). :class:`CentredSource` presents it under the RMS-decoder family's
+checkpoint names, one layer at a time, so the compressed family's steps run on it unchanged."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ _F64 = {"": torch.float64}  # write in float64 (the adapter's default dtype for 
 
 
 class CentredSource:
-    """``keys()`` / ``get(names)`` of the centred, LayerNorm-folded model (float64), read layer by layer
-    from ``source`` (the last layer computed is kept, so a layer's tensors asked for one by one are
-    centred once). ``config``: the RMS-decoder config dict of this full-width model."""
+    """The centred model's tensors (float64), read layer by layer from ``source`` (the last layer is kept,
+    so its tensors asked for one by one are centred once); ``config``: its RMS-decoder config dict."""
 
     def __init__(self, source, config: dict):
         keys = source.keys()
