@@ -1,20 +1,18 @@
 """Non-uniform allocation: at a fixed total parameter count, each layer's size from its measured
 sensitivity.
 
-1. **Sensitivity**: for every decoder layer and several sizes ``κ`` (the fraction of its compressed
-   matrices' parameters kept), the layer's matrices are projected onto the structure at that size and
-   the layer is run on its calibration inputs (the layer-wise engine, one layer in memory): the error is
-   the squared output error relative to the layer's residual update, ``‖ŷ − y‖² / ‖y − x‖²`` summed over
-   calibration tokens. The embedding (and an untied head) count as groups of their own, with the
-   token-weighted relative error of their rows.
-2. **Allocation**: a multiple-choice knapsack over the groups — minimise the sum of the groups' errors
-   subject to the total parameter budget of the uniform plan at the same ratio — solved greedily on each
-   group's lower convex hull of (parameters, error), then filled with the best single upgrades that still
-   fit. Every group may also stay dense (κ = 1, error 0): a layer stays dense only when that is worth its
-   parameters, by the same rule.
+1. **Sensitivity**: for each decoder layer and several sizes ``κ`` (the fraction of its compressed matrices'
+   parameters kept), the layer with its matrices projected onto the structure at that size is run on its
+   calibration inputs (the layer-wise engine, one layer in memory): its error is ``Σ‖ŷ − y‖² / Σ‖y − x‖²``
+   over the calibration tokens, relative to the layer's residual update. The embedding (and an untied
+   head) are groups of their own, with the token-weighted relative error of their rows.
+2. **Allocation**: a multiple-choice knapsack over the groups' choices ``(keep, params, error)`` — minimise
+   the summed error within the parameter budget of the uniform plan at the same ratio — solved greedily on
+   each group's lower convex hull of (params, error), then filled with the best single upgrades that still
+   fit. Dense (κ = 1, error 0) is one of the choices: a layer stays dense only where that is worth its
+   parameters.
 
-A group's choices are ``(keep, params, error)``, cheapest first. The result is a ``keep`` map (matrix
-name → κ) for the plan. SliceGPT's widths: :mod:`.allocate_widths`."""
+The result is a ``keep`` map (matrix name → κ) for the plan. SliceGPT's widths: :mod:`.allocate_widths`."""
 
 from __future__ import annotations
 
@@ -78,11 +76,9 @@ def _hull(choices: Choices) -> list[int]:
             continue
         while len(hull) >= 2:
             (_, pa, ea), (_, pb, eb) = choices[hull[-2]], choices[hull[-1]]
-            # b is above the segment a -> c: drop it (points on the segment stay: finer steps)
-            if (eb - ea) * (p - pa) > (e - ea) * (pb - pa) + 1e-12 * (abs(ea) + abs(e)) * (p - pa):
-                hull.pop()
-            else:
-                break
+            if (eb - ea) * (p - pa) <= (e - ea) * (pb - pa) + 1e-12 * (abs(ea) + abs(e)) * (p - pa):
+                break  # b is not above the segment a -> c (points on it stay: finer steps)
+            hull.pop()
         hull.append(i)
     return hull
 
@@ -105,35 +101,30 @@ def allocate(groups: dict[str, Choices], budget: int) -> dict[str, int]:
         if p + 1 < len(h):
             (_, pa, ea), (_, pb, eb) = groups[name][h[p]], groups[name][h[p + 1]]
             # ties (piecewise linear curves): the group holding the fewest parameters goes first
-            heapq.heappush(heap, (-float(f"{(ea - eb) / max(pb - pa, 1):.6g}"), pa, name))
+            heapq.heappush(heap, (-float(f"{(ea - eb) / max(pb - pa, 1):.6g}"), pa, name, pb - pa))
 
     for name in groups:
         push(name)
     while heap:
-        *_, name = heapq.heappop(heap)
-        h, p = hulls[name], pos[name]
-        step = groups[name][h[p + 1]][1] - groups[name][h[p]][1]
-        if total + step > budget:
-            continue  # this group cannot afford its next hull point
-        total += step
-        pos[name] = p + 1
-        push(name)
+        *_, name, step = heapq.heappop(heap)
+        if total + step <= budget:  # else this group cannot afford its next hull point
+            total += step
+            pos[name] += 1
+            push(name)
     return fill(groups, {name: hulls[name][p] for name, p in pos.items()}, budget, total_of)
 
 
 def fill(
     groups: dict[str, Choices], chosen: dict[str, int], budget: int, total_of, first_fit: bool = False
 ) -> dict[str, int]:
-    """Take, while one fits, the single upgrade (off the hull too) that lowers the error most per parameter;
-    ``total_of(chosen)``: the parameters at a choice per group. With ``first_fit`` a group offers only its
-    next choice that lowers the error and fits."""
+    """While one fits, take the single upgrade (off the hull too) lowering the error most per parameter
+    (``total_of``: the parameters at a choice per group); with ``first_fit``, only each group's first that fits."""
     while True:
         total, upgrades = total_of(chosen), []
         for name, choices in groups.items():
             error = choices[chosen[name]][2]
-            for j in range(chosen[name] + 1, len(choices)):
-                if choices[j][2] >= error:
-                    continue
+            lower = [j for j in range(chosen[name] + 1, len(choices)) if choices[j][2] < error]
+            for j in lower:
                 extra = total_of({**chosen, name: j}) - total
                 if total + extra <= budget:
                     upgrades.append(((error - choices[j][2]) / max(extra, 1), name, j))
@@ -145,22 +136,13 @@ def fill(
         chosen[name] = j
 
 
-# ---------------------------------------------------------------------------------------------
-# measuring
-# ---------------------------------------------------------------------------------------------
 def trace_of(t: torch.Tensor) -> float:
     return float(t.diagonal().sum())
 
 
-def _output_error(step, module: torch.nn.Module) -> float:
-    """``Σ‖ŷ − y‖²`` over the calibration tokens: ``ŷ`` the changed layer ``module`` on the original layer's
-    inputs, ``y`` its outputs (the step's ``layer_out`` Gram)."""
-    got = step.collect(StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),)), module=module)
-    return (
-        trace_of(got.grams["layer_out"])
-        - 2 * trace_of(got.cross[("layer_out", "layer_out")])
-        + trace_of(step.stats.grams["layer_out"])
-    )
+def _distance(a: torch.Tensor, ab: torch.Tensor, b: torch.Tensor) -> float:
+    """``Σ‖a − b‖²`` over the tokens from the Grams ``Σaᵀa``, ``Σaᵀb``, ``Σbᵀb``."""
+    return trace_of(a) - 2 * trace_of(ab) + trace_of(b)
 
 
 def layer_sensitivity(calib: CompressRun, request: StatsRequest, reference, variants) -> Curves:
@@ -168,10 +150,14 @@ def layer_sensitivity(calib: CompressRun, request: StatsRequest, reference, vari
     layer)`` that ``variants(step)`` yields (none: the layer is not measured); ``request`` holds what
     ``reference`` reads, ``layer_out`` among it."""
     curves: Curves = {}
+    changed = StatsRequest(grams=("layer_out",), cross=(("layer_out", "layer_out"),))
 
     def on_layer(step):
-        norm = max(reference(step.stats), 1e-300)
-        curve = [(x, max(_output_error(step, module), 0.0) / norm) for x, module in variants(step)]
+        norm, y, curve = max(reference(step.stats), 1e-300), step.stats.grams["layer_out"], []
+        for x, module in variants(step):
+            got = step.collect(changed, module=module)  # ŷ on the original layer's inputs; y: its outputs
+            error = _distance(got.grams["layer_out"], got.cross[("layer_out", "layer_out")], y)
+            curve.append((x, max(error, 0.0) / norm))
         if curve:
             curves[f"layers.{step.index}"] = curve
 
@@ -192,24 +178,15 @@ def _compressed_layer(module: torch.nn.Module, es: list[MatrixPlan], structures,
     return new
 
 
-def measure_sensitivity(
-    calib: CompressRun,
-    adapter,
-    entries: list[MatrixPlan],
-    kron_q: int | None,
-    token_counts: torch.Tensor | None = None,
-) -> Curves:
+def measure_sensitivity(calib: CompressRun, adapter, entries: list[MatrixPlan], kron_q: int | None) -> Curves:
     """Per group: ``[(fraction of parameters kept, relative error)]`` at the sizes of :data:`MEASURED`
-    (the module docstring's step 1); ``kron_q``: the plan's shared Kronecker factor."""
+    (the module docstring's step 1; the embedding's rows weighted by ``calib.stats``' token counts + 1);
+    ``kron_q``: the plan's shared Kronecker factor."""
     options = calib.options
     groups = group_entries(entries, options)
 
-    def update(s):  # ‖y − x‖²
-        return (
-            trace_of(s.grams["layer_out"])
-            - 2 * trace_of(s.joint[("layer_in", "layer_out")])
-            + trace_of(s.grams["layer_in"])
-        )
+    def update(s):  # Σ‖y − x‖²
+        return _distance(s.grams["layer_out"], s.joint[("layer_in", "layer_out")], s.grams["layer_in"])
 
     def variants(step):
         es = groups.get(f"layers.{step.index}")
@@ -222,15 +199,14 @@ def measure_sensitivity(
 
     request = StatsRequest(grams=("layer_in", "layer_out"), joint=(("layer_in", "layer_out"),))
     curves = layer_sensitivity(calib, request, update, variants)
-    # embedding / untied head: token-weighted relative error of their rows
-    weights = None if token_counts is None else token_counts.to(torch.float64) + 1.0
+    counts = None if calib.stats is None else calib.stats.token_counts
     for name in ("embed", "lm_head"):
         es = groups.get(name)
         if not es:
             continue
         key = f"{adapter.prefix}{adapter.spec.embed}.weight" if name == "embed" else f"{adapter.spec.lm_head}.weight"
         E = calib.source.get([key])[key].to(torch.float64)
-        w = torch.ones(E.shape[0], dtype=torch.float64) if weights is None else weights[: E.shape[0]]
+        w = torch.ones(len(E), dtype=torch.float64) if counts is None else counts[: len(E)].double() + 1
         energy = float((w[:, None] * E.pow(2)).sum())
         curve = []
         for keep in MEASURED:
@@ -249,21 +225,20 @@ def budget_of(uniform) -> int:
     return acc.structured_params_of_compressed_matrices + acc.target_params - acc.compressed_model_params
 
 
-def allocate_for(run: CompressRun, token_counts: torch.Tensor | None = None):
+def allocate_for(run: CompressRun):
     """``(keep map, report)``: each group's sensitivity measured on ``run``'s calibration, then the budget of
     its uniform plan ``run.plan`` (same ratio, rotations and skips) allocated between the groups."""
     adapter = check_family(run.config, run.source.keys())
     entries = matrix_entries(run.config, run.source.keys(), adapter)
     kron_q = run.plan.accounting.kron_factor
-    curves = measure_sensitivity(run, adapter, entries, kron_q, token_counts)
+    curves = measure_sensitivity(run, adapter, entries, kron_q)
     budget = budget_of(run.plan)
     groups = build_groups(entries, run.options, kron_q, curves)
     chosen = {name: groups[name][i] for name, i in allocate(groups, budget).items()}
     keep = {e.name: chosen[name][0] for name, es in group_entries(entries, run.options).items() for e in es}
-    report = {
+    return keep, {
         "budget": budget,
         "allocated": sum(params for _, params, _ in chosen.values()),
         "groups": {name: {"keep": k, "params": p, "error": e} for name, (k, p, e) in chosen.items()},
         "sensitivity": curves,
     }
-    return keep, report

@@ -211,7 +211,7 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     )
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
     calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40, progress=False)
-    curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream[0])
+    curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream, tied=False)
     assert set(curves) == {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
