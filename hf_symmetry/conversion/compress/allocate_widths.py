@@ -1,10 +1,8 @@
-"""Non-uniform allocation for SliceGPT: per-segment residual widths at a fixed total parameter count.
-
-SliceGPT with one global PCA (:func:`allocate_slice_for`) allocates residual *widths* the same way: all
-segments share one basis, so a segment narrower or wider than the one before is the same stream with
-coordinates dropped or zero-padded, and no skip matrix is needed. The groups are the embedding's
-segment and the decoder layers (the two segments layer i writes, at one width); a layer's sensitivity
-is its output error with those segments projected onto the first ``w`` principal directions."""
+"""Non-uniform allocation for SliceGPT with one global PCA: per-segment residual widths at a fixed total
+parameter count, by the knapsack of :mod:`.allocate`. All segments share one basis, so a segment narrower
+or wider than the one before is the same stream with coordinates dropped or zero-padded, and no skip
+matrix is needed. The groups are the embedding's segment and the decoder layers (the two segments layer i
+writes, at one width); a group's choices are ``(width / d, params, error)``."""
 
 from __future__ import annotations
 
@@ -13,9 +11,8 @@ import copy
 import numpy as np
 import torch
 
-from ...calibration import CalibrationEngine, StatsRequest
-from ...calibration import token_batches as batches
-from .allocate import Choice, Group, adapter_path, allocate, output_error, trace_of
+from ...calibration import StatsRequest
+from .allocate import Choices, Curves, allocate, fill, layer_sensitivity, trace_of
 from .moments import collect_statistics
 from .pca import pca
 from .plan import MatrixPlan, check_family, final_gamma, matrix_entries, params_at
@@ -26,143 +23,95 @@ MEASURED_WIDTHS = (0.15, 0.3, 0.45, 0.6, 0.7, 0.8, 0.9)
 
 
 def slice_groups(n_layers: int) -> dict[str, tuple[int, ...]]:
-    """SliceGPT's groups: ``embed`` is the segment the embedding writes (0); decoder layer ``i`` writes
-    segments ``2i + 1`` (after its attention) and ``2i + 2`` (after its MLP), at one width."""
-    groups = {"embed": (0,)}
-    groups.update({f"layers.{i}": (2 * i + 1, 2 * i + 2) for i in range(n_layers)})
-    return groups
-
-
-def width_grid(d: int) -> list[int]:
-    """The widths the allocator chooses from: multiples of ``d // 72`` (8 for 576) and ``d`` itself."""
-    step = max(1, d // 72)
-    return sorted(set(range(step, d, step)) | {d})
-
-
-def slice_params_per_width(entries: list[MatrixPlan], n_layers: int, tied: bool, head_width: int) -> dict[int, int]:
-    """Parameters per unit of width of each residual segment: the columns of the matrices that read
-    it, the rows (and bias) of those that write it; the tied head's mix ``[w_0, w_2L]`` is charged to
-    the final segment at ``head_width`` for ``w_0`` (the allocation is checked exactly afterwards)."""
-    per = {k: 0 for k in range(2 * n_layers + 1)}
-    for e in entries:  # the count is linear in the width: its slope
-        per[e.segment] += params_at([e], lambda _: 1) - params_at([e], lambda _: 0)
-    if tied:
-        per[2 * n_layers] += head_width
-    return per
+    """Each group's segments: ``embed`` writes 0; layer ``i`` ``2i + 1`` (after attention) and ``2i + 2`` (MLP)."""
+    return {"embed": (0,), **{f"layers.{i}": (2 * i + 1, 2 * i + 2) for i in range(n_layers)}}
 
 
 def build_slice_groups(
-    entries: list[MatrixPlan],
-    n_layers: int,
-    d: int,
-    tied: bool,
-    head_width: int,
-    curves: dict[str, list[tuple[float, float]]],
-) -> list[Group]:
-    """Each group's choices on :func:`width_grid` (``keep`` = width / d), exact parameters, errors
-    interpolated in the width from the measured ``curves`` (full width: error 0)."""
-    per = slice_params_per_width(entries, n_layers, tied, head_width)
-    groups = []
+    entries: list[MatrixPlan], n_layers: int, d: int, tied: bool, head_width: int, curves: Curves
+) -> dict[str, Choices]:
+    """Each group's choices at the multiples of ``d // 72`` (8 for 576) and ``d``, errors interpolated in the
+    width from ``curves``. Parameters are linear in the width: per segment, the columns of the matrices that
+    read it, the rows (and bias) of those that write it, and a tied head's mix ``[w_0, w_2L]`` charged to the
+    final segment at ``head_width`` for ``w_0`` (the total is checked exactly afterwards)."""
+    slope = dict.fromkeys(range(2 * n_layers + 1), 0)
+    for e in entries:
+        slope[e.segment] += params_at([e], lambda _: 1) - params_at([e], lambda _: 0)
+    if tied:
+        slope[2 * n_layers] += head_width
+    step = max(1, d // 72)
+    grid = sorted(set(range(step, d, step)) | {d})
+    groups = {}
     for name, segs in slice_groups(n_layers).items():
-        unit = sum(per[k] for k in segs)
+        unit = sum(slope[k] for k in segs)
         # full width loses nothing; no width below the narrowest measured one is offered, and the
         # error is made non-increasing in the width (a wider slice contains the narrower one)
         xs, ys = zip(*sorted(curves[name] + [(1.0, 0.0)]))
         ys = np.maximum.accumulate(np.asarray(ys)[::-1])[::-1]
-        choices = [Choice(w / d, unit * w, float(np.interp(w / d, xs, ys))) for w in width_grid(d) if w / d >= xs[0]]
-        groups.append(Group(name, [f"segment{k}" for k in segs], choices))
+        groups[name] = [(w / d, unit * w, float(np.interp(w / d, xs, ys))) for w in grid if w / d >= xs[0]]
     return groups
 
 
-class _SlicedOutputs(torch.nn.Module):
-    """A decoder layer as SliceGPT with one global basis computes it when the two segments it writes
-    are ``w`` wide: the stream after its attention, ``x + a``, and after its MLP are projected onto the
-    first ``w`` principal directions (``P``, original basis; the MLP's norm sees ``‖P(x + a)‖`` as the
-    sliced model's does). Its input is left as it comes (the previous group's width)."""
-
-    def __init__(self, layer: torch.nn.Module, attention: torch.nn.Module, P: torch.Tensor):
-        super().__init__()
-        self.layer, self.P, self._x = layer, P, None
-        attention.register_forward_hook(self._project_attention)
-
-    def _project_attention(self, _module, _args, out):
-        a, *rest = out if isinstance(out, tuple) else (out,)
-        a = (self._x + a) @ self.P - self._x  # the layer adds x back: x + a -> P(x + a)
-        return (a, *rest) if isinstance(out, tuple) else a
-
-    def forward(self, hidden_states, *args, **kwargs):
-        self._x = hidden_states
-        try:
-            out = self.layer(hidden_states, *args, **kwargs)
-        finally:
-            self._x = None
-        if isinstance(out, tuple):
-            return (out[0] @ self.P, *out[1:])
-        return out @ self.P
+def _first_output(out, f):
+    return (f(out[0]), *out[1:]) if isinstance(out, tuple) else f(out)
 
 
 def _sliced_layer(module: torch.nn.Module, adapter, P: torch.Tensor) -> torch.nn.Module:
-    new = copy.deepcopy(module)
-    part = adapter_path(adapter, "self_attn.o_proj").rsplit(".", 1)[0]  # the attention block
-    return _SlicedOutputs(new, new.get_submodule(part), P)
+    """A copy of decoder layer ``module`` as SliceGPT with one global basis computes it when the two segments
+    it writes are ``w`` wide: the stream after its attention, ``x + a``, and after its MLP are projected onto
+    the first ``w`` principal directions (``P``, original basis; the MLP's norm sees ``‖P(x + a)‖`` as the
+    sliced model's does). Its input ``x`` is left as it comes (the previous group's width)."""
+    new, x = copy.deepcopy(module), []
+
+    def keep_input(_module, args, kwargs):
+        x[:] = [args[0] if args else kwargs["hidden_states"]]
+
+    def attention(_module, _args, out):  # the layer adds x back: x + a -> P(x + a)
+        return _first_output(out, lambda a: (x[0] + a) @ P - x[0])
+
+    new.register_forward_pre_hook(keep_input, with_kwargs=True)
+    new.get_submodule(adapter.spec.attention.o.rsplit(".", 1)[0]).register_forward_hook(attention)
+    new.register_forward_hook(lambda _module, _args, out: _first_output(out, lambda y: y @ P))
+    return new
 
 
-def measure_slice_sensitivity(
-    calib: CompressRun,
-    adapter,
-    Q: torch.Tensor,
-    stream_first: torch.Tensor,
-    progress: bool = True,
-) -> dict[str, list[tuple[float, float]]]:
-    """Per group: ``[(width / d, relative output error)]`` at :data:`MEASURED_WIDTHS`. A decoder layer's
-    error is ``Σ‖ŷ − y‖² / Σ‖y‖²`` over the calibration tokens, ``ŷ`` the layer run with the segments it
-    writes sliced (:class:`_SlicedOutputs`) on the original layer's inputs — relative to the stream,
-    which the next layers read normalised; the embedding's is the share of its output's energy outside
-    the kept directions, ``tr((I − P) C₀) / tr C₀``.
+def measure_slice_sensitivity(calib: CompressRun, adapter, Q: torch.Tensor, stream: list, tied: bool) -> Curves:
+    """Per group: ``[(width / d, relative error)]`` at :data:`MEASURED_WIDTHS`. A decoder layer's is
+    ``Σ‖ŷ − y‖² / Σ‖y‖²``, ``ŷ`` the layer with the segments it writes sliced (relative to the stream, which
+    the next layers read normalised); the embedding's, the share ``tr((I − P) C₀) / tr C₀`` of its output's
+    energy outside the kept directions (``C`` the stream's second moments), plus for a tied head (reading the
+    embedding at its width) the logits' ``h γ (I − P) Eᵀ`` relative error over the final stream ``h`` (the
+    norm's per-token scale left out), ``tr(B₂₂ A₂₂) / tr(B A)`` with ``B = Qᵀ EᵀE Q``, ``A = Qᵀ γ C γ Q``.
 
     Measured on SmolLM2 (BENCHMARKS.md), neither this nor the structured classes' normalisation (the
     layer's residual update) gives widths that beat one uniform width: a direction dropped at one
     segment is gone from every later one, which no layer-local error sees."""
-    source, config, ids, placement = calib.source, calib.config, calib.ids, calib.placement
     d = Q.shape[0]
     widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]
-    curves: dict[str, list[tuple[float, float]]] = {}
-    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-    projections = {w: (Q[:, :w] @ Q[:, :w].T).to(device=engine.device, dtype=engine.dtype) for w in widths}
 
-    def on_layer(step):
-        energy = trace_of(step.stats.grams["layer_out"])
-        curve = []
+    def variants(step):
+        engine = step.run.engine
         for w in widths:
-            err = output_error(step, _sliced_layer(step.module, adapter, projections[w]))
-            curve.append((w / d, max(err, 0.0) / max(energy, 1e-300)))
-        curves[f"layers.{step.index}"] = curve
-        return None
+            P = (Q[:, :w] @ Q[:, :w].T).to(device=engine.device, dtype=engine.dtype)
+            yield w / d, _sliced_layer(step.module, adapter, P)
 
-    engine.collect(
-        batches(ids, calib.seq_len), StatsRequest(grams=("layer_out",)), on_layer=on_layer, carry_original=True
+    curves = layer_sensitivity(
+        calib, StatsRequest(grams=("layer_out",)), lambda s: trace_of(s.grams["layer_out"]), variants
     )
-    C = Q.T @ stream_first.to(Q) @ Q
+    C = Q.T @ stream[0].to(Q) @ Q
     total = float(C.diagonal().sum())
     curves["embed"] = [(w / d, float(C.diagonal()[w:].sum()) / max(total, 1e-300)) for w in widths]
+    if tied:
+        key = f"{adapter.prefix}{adapter.spec.embed}.weight"
+        E = calib.source.get([key])[key].to(torch.float64) @ Q
+        B = E.T @ E
+        del E
+        gamma = final_gamma(calib.source, adapter).to(Q)
+        A_ = Q.T @ (gamma[:, None] * stream[-1].to(Q) * gamma[None, :]) @ Q
+        total = float((B * A_).sum())
+        head = [float((B[w:, w:] * A_[w:, w:]).sum()) / max(total, 1e-300) for w in widths]
+        curves["embed"] = [(x, e + h) for (x, e), h in zip(curves["embed"], head)]
     return curves
-
-
-def tied_head_curve(source, adapter, Q: torch.Tensor, stream_last: torch.Tensor) -> list[tuple[float, float]]:
-    """A tied head reads the embedding matrix sliced to the first segment's width: the relative error
-    of the logits ``h γ (I − P) Eᵀ`` over the calibration tokens' final stream ``h`` (its raw second
-    moment, the norm's per-token scale left out), ``tr(B₂₂ A₂₂) / tr(B A)`` in the principal basis with
-    ``B = Qᵀ EᵀE Q``, ``A = Qᵀ γ C γ Q``. Added to the embedding's group error."""
-    key = f"{adapter.prefix}{adapter.spec.embed}.weight"
-    E = source.get([key])[key].to(torch.float64) @ Q
-    gamma = final_gamma(source, adapter).to(Q)
-    A_ = Q.T @ (gamma[:, None] * stream_last.to(Q) * gamma[None, :]) @ Q
-    B = E.T @ E
-    del E
-    total = float((B * A_).sum())
-    d = Q.shape[0]
-    widths = [max(1, round(f * d)) for f in MEASURED_WIDTHS]
-    return [(w / d, float((B[w:, w:] * A_[w:, w:]).sum()) / max(total, 1e-300)) for w in widths]
 
 
 def _exact_slice_total(widths: list[int], entries: list[MatrixPlan], tied: bool) -> int:
@@ -171,106 +120,67 @@ def _exact_slice_total(widths: list[int], entries: list[MatrixPlan], tied: bool)
 
 
 def allocate_slice(
-    entries: list[MatrixPlan],
-    n_layers: int,
-    d: int,
-    tied: bool,
-    target: int,
-    curves: dict[str, list[tuple[float, float]]],
-    head_width: int,
-) -> tuple[list[int], dict[str, Choice], list[Group]]:
-    """Per-segment widths minimising the summed errors with the model at most ``target`` parameters:
-    the knapsack of :func:`allocate`. The tied head's mix ``[w_0, w_2L]`` couples two groups, so the
-    knapsack is repeated with the first width it chose (``head_width`` to start) until that width
-    settles; then the exact total is checked — while over, the group whose next narrower width costs
-    the least error per parameter is narrowed; while an upgrade fits, the one that lowers the error
-    most per parameter is taken."""
-    constant = params_at(entries, lambda _: 0)  # what does not depend on the widths: the readers' biases
-    n_seg = 2 * n_layers + 1
+    entries: list[MatrixPlan], n_layers: int, d: int, tied: bool, target: int, curves: Curves, head_width: int
+) -> tuple[list[int], dict[str, tuple[float, int, float]]]:
+    """Per-segment widths minimising the summed errors with the model at most ``target`` parameters, and each
+    group's choice. A tied head's mix ``[w_0, w_2L]`` couples two groups, so the knapsack is repeated with the
+    first width it chose (``head_width`` to start) until that width settles. Then, on the exact total: while
+    over, the group whose next narrower width costs the least error per parameter is narrowed; while one
+    fits, the next wider width of a group that lowers the error most per parameter is taken."""
+    segments = slice_groups(n_layers)
 
-    def widths_of(groups, ch):
-        out = [0] * n_seg
-        for g in groups:
-            for m in g.matrices:
-                out[int(m[len("segment") :])] = round(ch[g.name].keep * d)
+    def widths_of(chosen):  # chosen: a choice of ``groups`` per group
+        out = [0] * (2 * n_layers + 1)
+        for name, i in chosen.items():
+            for k in segments[name]:
+                out[k] = round(groups[name][i][0] * d)
         return out
 
+    def total_of(chosen):
+        return _exact_slice_total(widths_of(chosen), entries, tied)
+
+    def narrowing_cost(name):  # error added per parameter saved
+        (_, pa, ea), (_, pb, eb) = groups[name][chosen[name] - 1], groups[name][chosen[name]]
+        return (ea - eb) / max(pb - pa, 1)
+
+    constant = params_at(entries, lambda _: 0)  # what does not depend on the widths: the readers' biases
     for _ in range(5):
         groups = build_slice_groups(entries, n_layers, d, tied, head_width, curves)
         chosen = allocate(groups, target - constant)
-        widths = widths_of(groups, chosen)
-        if widths[0] == head_width or not tied:
+        if not tied or widths_of(chosen)[0] == head_width:
             break
-        head_width = widths[0]
-    by_name = {g.name: g for g in groups}
-
-    def index(name):
-        return next(j for j, c in enumerate(by_name[name].choices) if c.keep == chosen[name].keep)
-
-    while _exact_slice_total(widths, entries, tied) > target:
-        best = None
-        for g in groups:
-            i = index(g.name)
-            if i == 0:
-                continue
-            a, b = g.choices[i - 1], g.choices[i]
-            cost = (a.error - b.error) / max(b.params - a.params, 1)
-            if best is None or cost < best[0]:
-                best = (cost, g.name, a)
-        if best is None:
+        head_width = widths_of(chosen)[0]
+    while total_of(chosen) > target:
+        narrower = [name for name, i in chosen.items() if i > 0]
+        if not narrower:
             raise ValueError(f"the parameter budget {target:,} is below the narrowest SliceGPT widths")
-        chosen[best[1]] = best[2]
-        widths = widths_of(groups, chosen)
-    while True:
-        total, best = _exact_slice_total(widths, entries, tied), None
-        for g in groups:
-            i = index(g.name)
-            c = g.choices[i]
-            for o in g.choices[i + 1 :]:
-                trial = dict(chosen, **{g.name: o})
-                extra = _exact_slice_total(widths_of(groups, trial), entries, tied) - total
-                if o.error < c.error and total + extra <= target:
-                    gain = (c.error - o.error) / max(extra, 1)
-                    if best is None or gain > best[0]:
-                        best = (gain, g.name, o)
-                    break  # the next wider width that fits is enough per group
-        if best is None:
-            break
-        chosen[best[1]] = best[2]
-        widths = widths_of(groups, chosen)
-    return widths, chosen, groups
+        chosen[min(narrower, key=narrowing_cost)] -= 1  # the first of equal costs
+    chosen = fill(groups, chosen, target, total_of, first_fit=True)
+    return widths_of(chosen), {name: groups[name][i] for name, i in chosen.items()}
 
 
-def allocate_slice_for(run):
-    """``(keep map, report)`` for SliceGPT with one global PCA (``run``: a :class:`.routes.CompressRun`):
-    the global rotation from ``run.stats`` (one-pass stream moments, as the solve takes it), each group's
-    sensitivity measured at several widths, then per-segment widths at the total of the uniform plan
-    ``run.plan`` (``keep``: ``segment{k}`` → width / d)."""
-    calib, stats, uniform, progress = run, run.stats, run.plan, run.progress
-    source = calib.source
-    adapter = check_family(calib.config, source.keys())
-    entries = matrix_entries(calib.config, source.keys(), adapter)
+def allocate_slice_for(run: CompressRun):
+    """``(keep map, report)``: the global rotation from ``run.stats`` (one-pass stream moments, as the solve
+    takes it), each group's sensitivity measured at several widths, then per-segment widths at the total of
+    the uniform plan ``run.plan`` (``keep``: ``segment{k}`` → width / d)."""
+    stats, uniform = run.stats, run.plan
+    adapter = check_family(run.config, run.source.keys())
+    entries = matrix_entries(run.config, run.source.keys(), adapter)
     if stats is None or stats.stream is None:
-        stats = collect_statistics(calib, want_normed=False, want_stream=True, progress=progress)
+        stats = collect_statistics(run, want_normed=False, want_stream=True, progress=run.progress)
     Q = pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
-    n_layers, d = adapter.n_layers, adapter.hidden
-    curves = measure_slice_sensitivity(calib, adapter, Q, stats.stream[0], progress)
-    if uniform.tied:
-        curves["embed"] = [
-            (x, e + h) for (x, e), (_, h) in zip(curves["embed"], tied_head_curve(source, adapter, Q, stats.stream[-1]))
-        ]
+    d = adapter.hidden
+    curves = measure_slice_sensitivity(run, adapter, Q, stats.stream, uniform.tied)
     target = uniform.accounting.target_params
-    widths, chosen, _ = allocate_slice(entries, n_layers, d, uniform.tied, target, curves, uniform.residual)
+    widths, chosen = allocate_slice(entries, adapter.n_layers, d, uniform.tied, target, curves, uniform.residual)
     keep = {f"segment{k}": w / d for k, w in enumerate(widths)}
-    report = {
+    return keep, {
         "budget": target,
         "allocated": _exact_slice_total(widths, entries, uniform.tied),
         "uniform_width": uniform.residual,
         "widths": widths,
         "groups": {
-            n: {"keep": c.keep, "width": round(c.keep * d), "params": c.params, "error": c.error}
-            for n, c in chosen.items()
+            name: {"keep": k, "width": round(k * d), "params": p, "error": e} for name, (k, p, e) in chosen.items()
         },
         "sensitivity": curves,
     }
-    return keep, report

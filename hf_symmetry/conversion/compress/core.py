@@ -103,7 +103,7 @@ def _allocated_plan(run: CompressRun) -> Plan:
     if run.options.slicing:
         keep, allocation = allocate_slice_for(run)
     else:
-        keep, allocation = allocate_for(run, run.stats.token_counts if run.stats is not None else None)
+        keep, allocation = allocate_for(run)
     plan, _ = plan_for(run.source, run.config, run.options, keep=keep)
     plan.accounting.allocation_report = allocation
     return plan

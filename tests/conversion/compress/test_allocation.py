@@ -70,9 +70,13 @@ def _curves(entries, options, scale=None):
 
 
 def _allocated(options, plan, entries, curves):
+    """Each group's choices ``(keep, params, error)`` and the index of the one chosen."""
     groups = A.build_groups(entries, options, plan.accounting.kron_factor, curves)
-    chosen = A.allocate(groups, A.budget_of(plan))
-    return groups, chosen
+    return groups, A.allocate(groups, A.budget_of(plan))
+
+
+def _params(groups, chosen):
+    return {name: groups[name][i][1] for name, i in chosen.items()}
 
 
 @pytest.mark.parametrize(
@@ -83,36 +87,38 @@ def test_allocation_meets_the_budget_and_is_uniform_for_equal_sensitivity(smollm
     the embedding compressed too, the budget is still met to 0.1 % of the model."""
     options, plan, entries = _uniform(smollm2_shapes, structure, embeddings=embeddings)
     groups, chosen = _allocated(options, plan, entries, _curves(entries, options))
-    keep = A.keep_map(groups, chosen)
+    keep = {e.name: groups[g][chosen[g]][0] for g, es in A.group_entries(entries, options).items() for e in es}
     config, keys, dense_total = smollm2_shapes
     allocated = C.plan_compression(config, keys, dense_total, None, options, keep=keep)
     target = plan.accounting.target_params
     assert abs(allocated.accounting.compressed_model_params - target) <= 1e-3 * target
-    layer_params = [chosen[f"layers.{i}"].params for i in range(30)]
-    g = next(g for g in groups if g.name == "layers.0")
-    i = next(j for j, c in enumerate(g.choices) if c.params == chosen["layers.0"].params)
-    step = max(b.params - a.params for a, b in zip(g.choices[max(i - 2, 0) : i + 3], g.choices[max(i - 1, 1) : i + 3]))
+    layer_params = [_params(groups, chosen)[f"layers.{i}"] for i in range(30)]
+    choices, i = groups["layers.0"], chosen["layers.0"]
+    step = max(b[1] - a[1] for a, b in zip(choices[max(i - 2, 0) : i + 3], choices[max(i - 1, 1) : i + 3]))
     assert max(layer_params) - min(layer_params) <= step, (layer_params, step)
 
 
 @pytest.mark.parametrize("structure", ["lowrank", "gs"])
 def test_allocation_moves_parameters_to_a_sensitive_layer(smollm2_shapes, structure):
     options, plan, entries = _uniform(smollm2_shapes, structure)
-    _, even = _allocated(options, plan, entries, _curves(entries, options))
-    _, skewed = _allocated(options, plan, entries, _curves(entries, options, {"layers.7": 50.0}))
-    others = [skewed[f"layers.{i}"].params for i in range(30) if i != 7]
-    assert skewed["layers.7"].params > even["layers.7"].params
-    assert skewed["layers.7"].params > max(others)
-    assert sum(c.params for c in skewed.values()) <= A.budget_of(plan)
+    even = _params(*_allocated(options, plan, entries, _curves(entries, options)))
+    skewed = _params(*_allocated(options, plan, entries, _curves(entries, options, {"layers.7": 50.0})))
+    others = [skewed[f"layers.{i}"] for i in range(30) if i != 7]
+    assert skewed["layers.7"] > even["layers.7"]
+    assert skewed["layers.7"] > max(others)
+    assert sum(skewed.values()) <= A.budget_of(plan)
 
 
 def test_allocator_may_keep_a_layer_dense_and_refuses_an_impossible_budget():
-    cheap = A.Group("a", ["a"], [A.Choice(0.1, 10, 1.0), A.Choice(0.5, 50, 0.6), A.Choice(1.0, 100, 0.0)])
-    flat = A.Group("b", ["b"], [A.Choice(0.1, 10, 0.2), A.Choice(0.5, 50, 0.19), A.Choice(1.0, 100, 0.0)])
-    chosen = A.allocate([cheap, flat], 110)
-    assert chosen["a"].keep == 1.0 and chosen["b"].keep == 0.1  # dense where it pays, by the same rule
+    groups = {  # (keep, params, error)
+        "cheap": [(0.1, 10, 1.0), (0.5, 50, 0.6), (1.0, 100, 0.0)],
+        "flat": [(0.1, 10, 0.2), (0.5, 50, 0.19), (1.0, 100, 0.0)],
+    }
+    chosen = A.allocate(groups, 110)
+    keep = {name: groups[name][i][0] for name, i in chosen.items()}
+    assert keep == {"cheap": 1.0, "flat": 0.1}  # dense where it pays, by the same rule
     with pytest.raises(ValueError, match="below the smallest allocation"):
-        A.allocate([cheap, flat], 15)
+        A.allocate(groups, 15)
 
 
 def test_measured_sensitivity_grows_as_the_layer_shrinks():
@@ -124,8 +130,8 @@ def test_measured_sensitivity_grows_as_the_layer_shrinks():
     src = _source(model)
     adapter = check_family(config, src.keys())
     entries = matrix_entries(config, src.keys(), adapter)
-    calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40)
-    curves = A.measure_sensitivity(calib_input, adapter, entries, options, progress=False)
+    calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40, progress=False)
+    curves = A.measure_sensitivity(calib_input, adapter, entries, None)  # low rank: no Kronecker factor
     assert set(curves) >= {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
@@ -156,7 +162,7 @@ def _slice_widths(smollm2_shapes, scale=None):
         name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in W.MEASURED_WIDTHS]
         for name in W.slice_groups(30)
     }
-    widths, _, _ = W.allocate_slice(entries, 30, 576, True, uniform.accounting.target_params, curves, uniform.residual)
+    widths, _ = W.allocate_slice(entries, 30, 576, True, uniform.accounting.target_params, curves, uniform.residual)
     keep = {f"segment{k}": w / 576 for k, w in enumerate(widths)}
     return uniform, C.plan_compression(config, keys, dense_total, None, options, keep=keep), widths
 
@@ -204,8 +210,8 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
         progress=False,
     )
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
-    calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40)
-    curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream[0], progress=False)
+    calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40, progress=False)
+    curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream, tied=False)
     assert set(curves) == {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
