@@ -308,7 +308,7 @@ class CompressOptions:
     @property
     def statistics_on_demand(self) -> bool:
         """Whether the one-pass statistics are measured as the per-segment solve reaches each segment
-        (:func:`.moments.one_pass_on_demand`: about one layer's moments held) instead of all before
+        (:func:`.moments.collect_statistics` ``on_demand``: about one layer's moments held) instead of all before
         it: stage W with one rotation per segment, not sequential, uniform sizes (the sensitivity
         allocation and one global rotation read every segment's moments)."""
         return self.want_normed and not self.want_stream and self.q_mode == "segment" and self.allocation == "uniform"
