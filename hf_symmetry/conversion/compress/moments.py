@@ -86,7 +86,6 @@ def one_pass_statistics(run: CompressRun, on_demand: bool = False) -> Calibratio
     options = run.options
     if not options.needs_calibration:
         return None
-    run.require_calibration()
     return collect_statistics(
         run,
         want_normed=options.want_normed,
@@ -104,9 +103,6 @@ class _OnDemand:
     def __init__(self, n: int, advance, layer_of):
         self.items: list = [None] * n
         self._advance, self._layer_of = advance, layer_of
-
-    def __len__(self) -> int:
-        return len(self.items)
 
     def __getitem__(self, k: int):
         self._advance(self._layer_of(k))
