@@ -299,7 +299,7 @@ def main() -> None:
         if options.stage == "f" and options.structure != "lowrank":
             save_rotations(key, res.Qs if options.q_mode == "segment" else res.Qs[:1])
         seconds = time.perf_counter() - t0
-        state = C.assemble.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
+        state = C.Assembler(plan, layers, globals_, gamma, torch.float32).finish(res, progress=False)
         compressed, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
         acc = plan.accounting
         row = {

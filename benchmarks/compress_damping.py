@@ -34,7 +34,7 @@ run = C.CompressRun(source, config, options, calib_ids, progress=False, plan=pla
 t = time.perf_counter()
 with limit_threads(1):
     res = C.solve.solve(run, layers, globals_)
-state = C.assemble.assemble(plan, layers, globals_, gamma, res, torch.float32, progress=False)
+state = C.Assembler(plan, layers, globals_, gamma, torch.float32).finish(res, progress=False)
 m, counted = C.build_model(state, C.compressed_config(config, plan, options, model.config))
 p = perplexity(m, eval_ids, window=512, stride=512, progress=False).perplexity
 print(

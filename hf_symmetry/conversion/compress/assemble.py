@@ -1,8 +1,6 @@
-"""Step 4, assembly: the compressed model's tensors and config from the solved rotations and factors.
-
-Norms folded (read on demand: :mod:`.folded`), each dense matrix rotated into (and sliced to) its
-segments' bases, structured factors in place of the compressed matrices: a
-:class:`CompressedLlamaForCausalLM`, written part by part as the solver finishes it (:class:`Assembler`)."""
+"""Step 4, assembly: the compressed model's tensors and config from the solved rotations and factors: the
+norm-folded dense matrices rotated into (and sliced to) their segments' bases, structured factors in place
+of the compressed ones, written part by part as the solver finishes them (:class:`Assembler`)."""
 
 from __future__ import annotations
 
@@ -27,15 +25,13 @@ Tensors = dict[str, torch.Tensor]
 
 
 def module_tensors(m: MatrixPlan, factors: st.Factors) -> Tensors:
-    """Matrix ``m``'s factors (M orientation) -> the parameters of its module of
-    ``modeling_compressed_llama`` (``[out, in]`` orientation: :meth:`.Structure.module_tensors`)."""
+    """Matrix ``m``'s factors (M orientation) -> its module's parameters (``[out, in]`` orientation)."""
     f = factors if m.module_structure is m.structure else m.structure.transpose_factors(factors)
     return m.module_structure.module_tensors(f)
 
 
 def _rotated_rows(globals_, key: str, Q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``W Q`` for the norm-folded global ``key`` (embedding, head), rounded to ``dtype``, computed in
-    float64 a block of rows at a time (a vocabulary-sized matrix is never in memory whole in float64)."""
+    """``W Q`` for the global ``key`` (embedding, head) in ``dtype``, computed a block of rows at a time."""
     n, blocks = global_row_blocks(globals_, key)
     out = torch.empty(n, Q.shape[1], dtype=dtype)
     for i, block in blocks:
@@ -44,28 +40,24 @@ def _rotated_rows(globals_, key: str, Q: torch.Tensor, dtype: torch.dtype) -> to
 
 
 class Assembler:
-    """The compressed model's tensors (cast to ``dtype``), part by part: the embedding once segment 0
-    is solved, decoder layer i once segments 2i, 2i + 1 and 2i + 2 are, the head once the last one is
-    (:meth:`segment_done`, for solvers that finish the segments in order; each part's factors are
-    dropped once written), and whatever is left at the end (:meth:`finish`). Dense matrices are
-    rotated and sliced one matrix at a time from the norm-folded layers and globals (the vocabulary-sized
-    ones a block of rows at a time). ``sink`` (a :class:`..stream.TensorSink`, e.g. a
-    :class:`..stream.DictSink`) receives each module's tensors as they are made (``sink.add``); a sink whose
-    class sets ``row_blocks = True`` (:class:`.routes.CountingSink`) is handed vocabulary-sized row factors
-    as :class:`...checkpoint_io.RowBlocks` (the shard writer streams them), any other gets whole tensors."""
+    """The compressed model's tensors in ``dtype``, handed to ``sink`` (default a :class:`..stream.DictSink`)
+    part by part: the embedding once segment 0 is solved, layer i once segments 2i to 2i + 2 are, the head
+    once the last one is (:meth:`segment_done`), and what is left at the end (:meth:`finish`); each part's
+    factors are dropped once written. A sink whose class sets ``row_blocks = True`` is handed
+    vocabulary-sized row factors as :class:`...checkpoint_io.RowBlocks`, any other whole tensors."""
 
-    def __init__(self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink: TensorSink):
+    def __init__(
+        self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink: TensorSink | None = None
+    ):
         self.plan, self.layers, self.globals = plan, layers, globals_
-        self.gamma, self.dtype, self.sink = gamma, dtype, sink
+        self.gamma, self.dtype, self.sink = gamma, dtype, DictSink() if sink is None else sink
         self.done: set = set()  # "embed", "head", layer indices
         self.written: set = set()  # names of the layer matrices written
-
         # how each decoder layer's output relates to the original's (read by ``heal``)
         self.layer_map = LayerMapRecorder(plan.n_layers, plan.hidden, "compress")
 
     def put(self, prefix: str, tensors: Tensors) -> None:
-        """Cast and hand on one module's tensors (a :class:`...checkpoint_io.RowBlocks` factor is streamed
-        into a sink that takes row blocks, else made whole)."""
+        """Cast and hand on one module's tensors."""
         made = {
             f"{prefix}.{k}": v.to(self.dtype) if isinstance(v, RowBlocks) else v.to(self.dtype).contiguous()
             for k, v in tensors.items()
@@ -78,25 +70,22 @@ class Assembler:
         """The kept columns of segment ``segment``'s rotation."""
         return Qs[segment][:, : self.plan.width(segment)]
 
-    def _global(self, m: MatrixPlan, key: str, Qs, factors: dict, consume: bool) -> Tensors:
+    def _global(self, m: MatrixPlan, key: str, Qs, factors: dict) -> Tensors:
         if m.compressed:
-            f = factors.pop(m.name) if consume else factors[m.name]
-            return module_tensors(m, f)
+            return module_tensors(m, factors.pop(m.name))
         return {"weight": _rotated_rows(self.globals, key, self._basis(Qs, m.segment), self.dtype)}
 
-    def embed(self, Qs, factors: dict, consume: bool = False) -> None:
-        self.put(family.EMBED_MODULE, self._global(self.plan.by_name()["embed"], "embed.weight", Qs, factors, consume))
+    def embed(self, Qs, factors: dict) -> None:
+        self.put(family.EMBED_MODULE, self._global(self.plan.by_name()["embed"], "embed.weight", Qs, factors))
         self.done.add("embed")
 
-    def matrix(self, m: MatrixPlan, Qs, factors: dict, consume: bool = False) -> None:
+    def matrix(self, m: MatrixPlan, Qs, factors: dict) -> None:
         """Layer matrix ``m``'s module: its factors, or the dense matrix rotated into (and sliced to) its
-        segment's basis (readers ``W Q``, writers ``Qᵀ W``), with its bias. Needs only its own
-        segment's rotation."""
+        segment's basis (readers ``W Q``, writers ``Qᵀ W``), with its bias."""
         W = self.layers[m.layer]
         Q = self._basis(Qs, m.segment)
         if m.compressed:
-            f = factors.pop(m.name) if consume else factors[m.name]
-            tensors = module_tensors(m, f)
+            tensors = module_tensors(m, factors.pop(m.name))
         else:
             w = W[f"{m.canon}.weight"]
             tensors = {"weight": w @ Q if m.role == "reader" else Q.T @ w}
@@ -106,29 +95,38 @@ class Assembler:
         self.put(family.LAYER_PREFIX.format(m.layer) + LAYER_MODULES[m.canon][0], tensors)
         self.written.add(m.name)
 
-    def layer(self, i: int, Qs, factors: dict, consume: bool = False) -> None:
-        """Decoder layer ``i``: its matrices not yet written (:meth:`matrix`), its QK norms and its
-        two skip connections (which need both rotations around them)."""
+    def layer(self, i: int, Qs, factors: dict) -> None:
+        """Decoder layer ``i``: its matrices not yet written, its QK norms and its two skip connections."""
         plan, W = self.plan, self.layers[i]
         prefix = family.LAYER_PREFIX.format(i)
         for m in plan.layer_matrices(i).values():
             if m.name not in self.written:
-                self.matrix(m, Qs, factors, consume)
+                self.matrix(m, Qs, factors)
         for canon, path in family.QK_NORM_MODULES.items():  # QK-norm: on the heads, untouched by the stream's rotations
             if f"{canon}.weight" in W:
                 self.put(prefix + path, {"weight": W[f"{canon}.weight"]})
         dr = plan.residual
         for name, (a, b) in (("attn_skip", (2 * i, 2 * i + 1)), ("mlp_skip", (2 * i + 1, 2 * i + 2))):
-            _SKIP_TENSORS[plan.skip](self.put, prefix + name, Qs[a][:, :dr].T @ Qs[b][:, :dr])
+            self.skip(prefix + name, Qs[a][:, :dr].T @ Qs[b][:, :dr])
         self.layer_map.add(i, Qs[2 * i + 2], plan.width(2 * i + 2))  # layer i writes segment 2i + 2
         self.done.add(i)
 
-    def head(self, Qs, factors: dict, consume: bool = False) -> None:
+    def skip(self, prefix: str, S: torch.Tensor) -> None:
+        """A skip connection's matrix ``S``, as the plan's ``skip`` writes it (orthogonal: by its Cayley
+        encoding, checked to decode to ``S``)."""
+        if self.plan.skip == "dense":
+            self.put(prefix, {"weight": S.T})
+        elif self.plan.skip == "orthogonal":
+            k, signs = cayley_encode(S)
+            err = (family.cayley_decode(k, signs) - S).abs().max().item()
+            if err > 1e-8:
+                raise RuntimeError(f"{prefix}: Cayley encoding of the skip rotation is inaccurate ({err:.1e})")
+            self.put(prefix, {"skip_k": k, "skip_signs": signs})
+
+    def head(self, Qs, factors: dict) -> None:
         plan, L = self.plan, self.plan.n_layers
         if plan.lm_head == "separate":
-            self.put(
-                family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], "lm_head.weight", Qs, factors, consume)
-            )
+            self.put(family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], "lm_head.weight", Qs, factors))
         elif plan.lm_head == "tied_mixed":
             # logits = RMSNorm(s) M Êᵀ
             M = self._basis(Qs, 2 * L).T @ (self.gamma[:, None] * self._basis(Qs, 0))
@@ -136,29 +134,27 @@ class Assembler:
         self.done.add("head")
 
     def segment_done(self, k: int, Qs: list, factors: dict) -> None:
-        """Segment ``k``'s rotation and factors are final (``Qs[j]`` and the factors of every segment
-        ``j ≤ k`` are): write what they complete, and drop its factors from ``factors`` and the
-        rotations no later part reads from ``Qs`` (set to ``None``: a ``[d, d]`` float64 rotation per
-        segment would otherwise grow with depth, 19 MB each at d = 1536)."""
+        """Segments ``j ≤ k`` are final: write what they complete, and drop from ``Qs`` the rotations no later
+        part reads (a ``[d, d]`` float64 rotation per segment would grow with depth, 19 MB at d = 1536)."""
         if k == 0:
-            self.embed(Qs, factors, consume=True)
+            self.embed(Qs, factors)
         # the layer matrices of segment k at once (their factors need not wait for the layer's last segment)
         for m in self.plan.matrices:
             if m.segment == k and m.layer is not None and m.name not in self.written:
-                self.matrix(m, Qs, factors, consume=True)
+                self.matrix(m, Qs, factors)
         if k >= 2 and k % 2 == 0:
             i = k // 2 - 1
-            self.layer(i, Qs, factors, consume=True)
+            self.layer(i, Qs, factors)
             if isinstance(self.layers, FoldedLayers):
                 self.layers.drop(i)
             for j in (2 * i, 2 * i + 1):  # read by layer i only (and segment 0 by a tied, mixed head)
                 if not (j == 0 and self.plan.lm_head == "tied_mixed"):
                     Qs[j] = None
         if k == self.plan.n_segments - 1:
-            self.head(Qs, factors, consume=True)
+            self.head(Qs, factors)
 
-    def finish(self, res: Kept, progress: bool = True) -> None:
-        """Everything not yet written, from the solved rotations and factors."""
+    def finish(self, res: Kept, progress: bool = True) -> TensorSink:
+        """Write everything not yet written (consuming ``res.factors``); the sink."""
         if "embed" not in self.done:
             self.embed(res.Qs, res.factors)
         todo = [i for i in range(self.plan.n_layers) if i not in self.done]
@@ -166,44 +162,12 @@ class Assembler:
             self.layer(i, res.Qs, res.factors)
         if "head" not in self.done:
             self.head(res.Qs, res.factors)
-
-
-def assemble(
-    plan: Plan,
-    layers: list[Tensors],
-    globals_: Tensors,
-    gamma: torch.Tensor,
-    res: Kept,
-    dtype: torch.dtype,
-    progress: bool = True,
-) -> Tensors:
-    """The compressed model's state dict (cast to ``dtype``) from the norm-folded layers and globals and
-    the final norm's γ (:class:`Assembler` into a sink writes the parts as a solver finishes them)."""
-    sink = DictSink()
-    Assembler(plan, layers, globals_, gamma, dtype, sink).finish(res, progress)
-    return dict(sink)
-
-
-def _orthogonal_skip(put, prefix: str, S: torch.Tensor) -> None:
-    """An orthogonal skip matrix, stored by its Cayley encoding (checked to decode to ``S``)."""
-    k, signs = cayley_encode(S)
-    err = (family.cayley_decode(k, signs) - S).abs().max().item()
-    if err > 1e-8:
-        raise RuntimeError(f"{prefix}: Cayley encoding of the skip rotation is inaccurate ({err:.1e})")
-    put(prefix, {"skip_k": k, "skip_signs": signs})
-
-
-#: how a skip connection's matrix ``S`` is written, by the plan's ``skip`` (the config's ``skip_connections``)
-_SKIP_TENSORS = {
-    "none": lambda put, prefix, S: None,
-    "dense": lambda put, prefix, S: put(prefix, {"weight": S.T}),
-    "orthogonal": _orthogonal_skip,
-}
+        return self.sink
 
 
 def structure_entries(plan: Plan, options: CompressOptions, source_model_type: str | None) -> dict:
-    """The config entries both compressed families read the same way: each module's structure (with its
-    bias), the skip connections and the ``compression`` record."""
+    """The config entries both compressed families share: each module's structure (with its bias), the skip
+    connections and the ``compression`` record."""
     ms = plan.by_name()
 
     def entry(m: MatrixPlan) -> dict:
@@ -237,7 +201,7 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0))}
     L = Adapter.from_config(config).layout
-    new = {
+    return {
         "architectures": ["CompressedLlamaForCausalLM"],
         "model_type": CompressedLlamaConfig.model_type,
         "vocab_size": int(config["vocab_size"]),
@@ -262,7 +226,6 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
         "qk_norm": L.qk_norm,
         **structure_entries(plan, options, config.get("model_type")),
     }
-    return new
 
 
 def config_object(config: dict):

@@ -67,9 +67,7 @@ def compress_into(run: CompressRun, output: Output = Output()) -> tuple[dict, Co
     assembler = Assembler(plan, layers, globals_, gamma, run.dtype, run.sink)
     new_config = output.config(run, plan)
     if options.solver == "pca-sequential":
-        rotations, stats = sequential_stream_pca(
-            source, config, run.ids, run.seq_len, plan.residual, run.placement, run.progress
-        )
+        rotations, stats = sequential_stream_pca(run, plan.residual)
         run = replace(run, rotations=rotations, stats=stats)
     elif options.sequential:
         run.require_calibration()  # before any solve

@@ -1,8 +1,6 @@
-"""The source checkpoint as the solvers and the assembly read it: canonical float64 tensors with the
-norms folded into their readers (:func:`...symmetry.actions.fold_layer_norms`,
-:func:`...symmetry.actions.fold_final_norm`), read on demand one matrix at a time (:class:`FoldedLayers`,
-:class:`FoldedGlobals`; :func:`read_folded`), the vocabulary-sized ones a block of rows at a time
-(:func:`global_row_blocks`, :func:`global_rows`)."""
+"""The source checkpoint as the solvers and the assembly read it: canonical float64 tensors with the norms
+folded into their readers, read when asked for, one matrix at a time (the vocabulary-sized ones a block of
+rows at a time), so memory holds the matrices a step works on, whatever the depth."""
 
 from __future__ import annotations
 
@@ -18,11 +16,8 @@ Tensors = dict[str, torch.Tensor]
 
 
 class FoldedLayer(Mapping):
-    """One layer's norm-folded canonical tensors (:func:`actions.fold_layer_norms`), each read from the
-    checkpoint and folded in float64 when it is asked for (the matrix and its norm only; the norms, a
-    few vectors, are kept in float64): every access returns a fresh float64 tensor equal to that of the
-    whole-layer fold, so a step holds in float64 only the matrices it works on, and nothing holds the
-    layer's matrices between accesses."""
+    """One layer's norm-folded canonical tensors, each read and folded when asked for (only the norms are
+    kept, in float64): every access returns a fresh float64 tensor equal to the whole-layer fold's."""
 
     _NORM_OF = {**{r: "attn_norm" for r in actions._ATTN_READERS}, **{r: "ffn_norm" for r in actions._FFN_READERS}}
 
@@ -66,9 +61,7 @@ class FoldedLayer(Mapping):
 
 
 class FoldedLayers:
-    """The norm-folded canonical float64 layers as a read-only sequence of :class:`FoldedLayer`, each
-    reading its matrices from the checkpoint one at a time when asked for (only the last ``keep``
-    layers' norms are kept): memory holds the matrices a step works on, whatever the depth."""
+    """The layers as a read-only sequence of :class:`FoldedLayer` (the last ``keep`` of them kept)."""
 
     def __init__(self, source: TensorSource, adapter: Adapter, per_layer: dict[int, list[str]], keep: int = 2):
         self.source, self.adapter, self.per_layer, self.keep = source, adapter, per_layer, keep
@@ -97,10 +90,8 @@ class FoldedLayers:
 
 
 class FoldedGlobals(Mapping):
-    """The canonical globals with the final norm folded into an untied head, read from the checkpoint
-    when asked for and not kept: ``g["embed.weight"]`` is a fresh float64 copy each time, so a
-    vocabulary-sized matrix is in memory only while a step uses it. :meth:`rows` gives it in its own
-    dtype, with the final norm's γ as a column scale still to apply (for row-block computations)."""
+    """The canonical globals with the final norm folded into an untied head; the embedding and head are
+    read when asked for and not kept (a fresh float64 copy each time)."""
 
     _LARGE = ("embed.weight", "lm_head.weight")
 
@@ -137,32 +128,25 @@ class FoldedGlobals(Mapping):
         t = self.adapter.read_globals({self._where[key]: raw})[key]
         return t * self.gamma[None, :] if key == "lm_head.weight" else t  # as fold_final_norm folds
 
-    def _rows(self, key: str, rows: torch.Tensor) -> torch.Tensor:
-        ckey = self._where[key]
-        if hasattr(self.source, "get_rows"):
-            return self.source.get_rows(ckey, rows)
-        return self.source.get([ckey])[ckey][rows]
-
     def row_blocks(self, key: str, chunk: int = 1024):
-        """``(rows, blocks)``: the number of rows of ``self[key]`` and an iterator of ``(first row, block)``
-        over it in float64, read from the checkpoint a block of rows at a time."""
+        """``(rows, iterator of (first row, block))`` over ``self[key]``, float64."""
         ckey = self._where[key]
         if not hasattr(self.source, "get_rows"):  # a tensor source in memory: its own tensor, sliced
             W = self.source.get([ckey])[ckey]
             return W.shape[0], ((i, self._fold(key, W[i : i + chunk])) for i in range(0, W.shape[0], chunk))
         n = self.source.shapes()[ckey][0]
-        return n, (
-            (i, self._fold(key, self._rows(key, torch.arange(i, min(i + chunk, n))))) for i in range(0, n, chunk)
-        )
+        return n, ((i, self.take(key, torch.arange(i, min(i + chunk, n)))) for i in range(0, n, chunk))
 
     def take(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (sorted unique indices) of ``self[key]``, float64."""
-        return self._fold(key, self._rows(key, rows))
+        ckey = self._where[key]
+        if hasattr(self.source, "get_rows"):
+            return self._fold(key, self.source.get_rows(ckey, rows))
+        return self._fold(key, self.source.get([ckey])[ckey][rows])
 
 
 def global_row_blocks(globals_, key: str, chunk: int = 1024):
-    """The norm-folded global ``key`` (embedding, head) in float64, a block of rows at a time:
-    ``(rows, iterator of (first row, block))`` (:meth:`FoldedGlobals.row_blocks`, or a dict's tensor)."""
+    """:meth:`FoldedGlobals.row_blocks`, also of a dict of globals."""
     if isinstance(globals_, FoldedGlobals):
         return globals_.row_blocks(key, chunk)
     W = globals_[key]
@@ -170,17 +154,16 @@ def global_row_blocks(globals_, key: str, chunk: int = 1024):
 
 
 def global_rows(globals_, key: str, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` (sorted unique indices) of the norm-folded global ``key``, float64."""
+    """:meth:`FoldedGlobals.take`, also of a dict of globals."""
     if isinstance(globals_, FoldedGlobals):
         return globals_.take(key, rows)
     return globals_[key][rows].to(torch.float64)
 
 
 def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False, keep: int = 2):
-    """Canonical float64 layers with both norms folded, the globals with the final norm folded into an
-    untied head (a tied head has none: the final γ goes into the head's change of basis), and that γ.
-    ``lazy``: the layers as :class:`FoldedLayers` (read on demand, ``keep`` in memory) and the globals as
-    :class:`FoldedGlobals` (the embedding and head read when used) instead of a list and a dict."""
+    """(layers, globals, γ): the layers with both norms folded, the globals with the final norm folded into
+    an untied head (a tied head has none: the final γ goes into the head's change of basis) and that γ.
+    ``lazy``: read when used (:class:`FoldedLayers`, :class:`FoldedGlobals`) instead of a list and a dict."""
     global_keys, per_layer, rest = partition_keys(adapter, keys)
     rest = [k for k in rest if not k.endswith("rotary_emb.inv_freq")]
     if rest:

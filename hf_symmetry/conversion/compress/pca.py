@@ -1,16 +1,11 @@
 """SliceGPT: its rotations and its slice, one piece of code for every output family.
 
-The rotations are eigenvectors of the residual stream's second moments, largest first, from one pass of
-the original model (:func:`pca_rotations`: one per segment, or one global one of the trace-normalised
-sum, :func:`global_rotation`; a LayerNorm decoder's of its centred stream) or sequential
-(:func:`sequential_stream_pca`: segment k's PCA taken of the model whose earlier segments are already
-sliced, each decoder layer run as :class:`SlicedLayer`, the stream projected onto the kept directions).
-
-One global rotation and one width: :func:`slice_into` slices the tensors (norms folded, a LayerNorm
-decoder centred first; every reader ``W Q′``, every writer ``Q′ᵀ W``, the embeddings ``E Q′``) and a
-:class:`SliceOutput` says only what is written: the source's own stock family (:mod:`.stock`) or the
-RMS-decoder family (:mod:`.layernorm_decoders.slice`). Per-segment rotations and widths are the
-compressed family's (:func:`.core.compress_into`, its assembly), from the same :func:`pca_rotations`.
+The rotations are eigenvectors of the residual stream's second moments, largest first: from one pass of the
+original model (one per segment, or one global one of the trace-normalised sum; a LayerNorm decoder's of its
+centred stream), or sequential (segment k's PCA taken of the model whose earlier segments are already
+sliced). :func:`slice_into` slices the tensors with one global rotation and one width; its
+:class:`SliceOutput` says only what is written. Per-segment rotations and widths are the compressed
+family's (:func:`.core.compress_into`).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from ...calibration import token_batches as batches
 from ...symmetry import actions
 from ..rms_decoder import centre_globals, centre_layer
 from ..stream import StreamOptions, TensorSource, transform_checkpoint
-from .moments import CalibrationStats, collect_statistics
+from .moments import CalibrationStats, collect_statistics, token_counts
 from .options import CompressOptions
 from .plan import Accounting
 from .report import CompressReport
@@ -34,17 +29,15 @@ from .routes import CompressRun
 
 
 def pca_rotations(stats: CalibrationStats, n_seg: int, q_mode: str) -> list[torch.Tensor]:
-    """SliceGPT (one pass): eigenvectors of the residual stream's second moment, largest first; one
-    per segment, or (``q_mode`` global) :func:`global_rotation` for every segment."""
+    """SliceGPT's one-pass rotations: one per segment, or (``q_mode`` global) the global one for each."""
     if q_mode == "global":
         return [global_rotation(stats)] * n_seg
     return [pca(C) for C in stats.stream]
 
 
 def global_rotation(stats: CalibrationStats, centred: bool = False) -> torch.Tensor:
-    """One rotation for the whole stream: eigenvectors of ``Σ_k C_k / tr C_k`` (``stats.stream_sum``
-    where calibration kept only that sum). ``centred``: of a LayerNorm decoder's centred model, whose
-    stream is ``P x`` (``P = I − 11ᵀ/d``), from the original model's moments: ``C_k`` is ``P C_k P``."""
+    """The PCA of ``Σ_k C_k / tr C_k``. ``centred``: of a LayerNorm decoder's centred model, whose stream
+    is ``P x`` (``P = I − 11ᵀ/d``), from the original model's moments: ``C_k`` is ``P C_k P``."""
     if stats.stream_sum is not None and not centred:
         return pca(stats.stream_sum)
     moments = stats.stream
@@ -55,27 +48,21 @@ def global_rotation(stats: CalibrationStats, centred: bool = False) -> torch.Ten
     return pca(sum(C / C.trace().clamp_min(1e-300) for C in moments))
 
 
-def _project(h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
-    if basis is None:
-        return h
+def _project(h: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     B = basis.to(device=h.device, dtype=h.dtype)
     return (h @ B) @ B.T
 
 
 class SlicedLayer(torch.nn.Module):
-    """A family's own decoder layer run as SliceGPT's sliced model runs it, in the original basis: the
-    incoming stream is projected onto the kept directions of its segment (``basis_in``, ``[d, d']``
-    orthonormal), and the stream after attention onto those of the next segment (``basis_mid``; ``None``:
-    not yet chosen, left unprojected). The output is the stream after the FFN *before* its own segment's
-    projection — what the next segment's PCA is taken of. The mid-layer projection is applied by a
-    forward hook on the attention module, which replaces the attention output ``a`` by
-    ``P(x̂ + a) − x̂`` so that the layer's own residual addition yields ``P(x̂ + a)``."""
+    """A family's own decoder layer run as SliceGPT's sliced model runs it, in the original basis: its input
+    projected onto its segment's kept directions (``basis_in``, ``[d, d']`` orthonormal), the stream after
+    attention onto the next segment's once chosen (``basis_mid``; ``None``: unprojected). The output is
+    the stream after the FFN before its own segment's projection: what the next PCA is taken of. A hook on
+    the attention replaces its output ``a`` by ``P(x̂ + a) − x̂``, so the residual addition gives ``P(x̂ + a)``."""
 
-    def __init__(
-        self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor | None, basis_mid: torch.Tensor | None
-    ):
+    def __init__(self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor):
         super().__init__()
-        self.layer, self.basis_in, self.basis_mid = layer, basis_in, basis_mid
+        self.layer, self.basis_in, self.basis_mid = layer, basis_in, None
         self._x = None
         self._handle = layer.get_submodule(attention_path).register_forward_hook(self._mid)
 
@@ -109,69 +96,47 @@ def pca(C: torch.Tensor) -> torch.Tensor:
     return V[:, torch.argsort(lam, descending=True)]
 
 
-def sequential_stream_pca(
-    source, config: dict, ids: torch.Tensor, seq_len: int, width: int, placement=None, progress: bool = True
-) -> tuple[list[torch.Tensor], CalibrationStats]:
-    """SliceGPT as its reference code calibrates, layer by layer on the calibration engine: segment k's
-    PCA is taken of the stream of the model whose segments before k are already sliced to ``width``
-    (each decoder layer runs as :class:`SlicedLayer`). Returns the rotations (one per residual segment)
-    and the stream second moments they were taken of (``stats.stream``, before each segment's own
-    projection). With ``width`` equal to the hidden size nothing is sliced: the statistics are those of
-    one pass of the original model."""
-    adapter = Adapter.from_config(config, source.keys())
-    attention = adapter.spec.attention.o.rsplit(".", 1)[0]
-    vocab = int(config["vocab_size"])
-    n_seg = 2 * adapter.n_layers + 1
-    stats = CalibrationStats(
-        0, torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab], stream=[None] * n_seg
-    )
+def sequential_stream_pca(run: CompressRun, width: int) -> tuple[list[torch.Tensor], CalibrationStats]:
+    """SliceGPT as its reference code calibrates, on ``run``'s calibration: segment k's PCA is taken of the
+    stream of the model whose earlier segments are already sliced to ``width`` (each layer run as
+    :class:`SlicedLayer`). Returns the rotations and the moments they were taken of (``stats.stream``); at
+    full width, those of one pass of the original model."""
+    engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
+    attention = engine.adapter.spec.attention.o.rsplit(".", 1)[0]
+    n_seg = 2 * engine.adapter.n_layers + 1
+    stats = CalibrationStats(0, token_counts(run.ids, int(run.config["vocab_size"])), stream=[None] * n_seg)
     Qs: list[torch.Tensor | None] = [None] * n_seg
-    engine = CalibrationEngine(source, config, placement=placement, progress=progress)
-
-    used: list[SlicedLayer] = []  # replacements already run by the engine: unhook them (no cycles kept)
-
-    def on_layer(step):
-        while used:
-            used.pop().close()
-        i, n = step.index, step.stats.tokens
-        stats.stream[2 * i] = step.stats.grams["layer_in"] / n
+    calibration = engine.start(batches(run.ids, run.seq_len))
+    sliced = None
+    for step in calibration.layers(StatsRequest(grams=("layer_in",))):
+        if sliced is not None:
+            sliced.close()  # the previous layer's, run by the engine: unhooked (no cycles kept)
+        i = step.index
+        stats.stream[2 * i] = step.stats.grams["layer_in"] / step.stats.tokens
         Qs[2 * i] = pca(stats.stream[2 * i])
-        probe = SlicedLayer(step.module, attention, Qs[2 * i][:, :width], None)
-        try:
-            mid = step.collect(StatsRequest(grams=("ffn_norm_in",)), module=probe)
-        finally:
-            probe.close()
+        sliced = SlicedLayer(step.module, attention, Qs[2 * i][:, :width])
+        mid = step.collect(StatsRequest(grams=("ffn_norm_in",)), module=sliced)
         stats.stream[2 * i + 1] = mid.grams["ffn_norm_in"] / mid.tokens
         Qs[2 * i + 1] = pca(stats.stream[2 * i + 1])
-        used.append(SlicedLayer(step.module, attention, Qs[2 * i][:, :width], Qs[2 * i + 1][:, :width]))
-        return used[-1]
-
-    result = engine.collect(
-        batches(ids, seq_len),
-        StatsRequest(grams=("layer_in",)),
-        final=StatsRequest(grams=("final_in",)),
-        on_layer=on_layer,
-    )
-    while used:
-        used.pop().close()
-    stats.tokens = result.tokens
-    stats.stream[-1] = result.final.grams["final_in"] / result.final.tokens
+        sliced.basis_mid = Qs[2 * i + 1][:, :width]
+        step.replace(sliced)
+    sliced.close()
+    final = calibration.final(StatsRequest(grams=("final_in",)))
+    stats.tokens = calibration.tokens
+    stats.stream[-1] = final.grams["final_in"] / final.tokens
     Qs[-1] = pca(stats.stream[-1])
     return Qs, stats
 
 
 class SliceOutput(ABC):
-    """What a SliceGPT output with one global rotation and one width is: its family's width and parameter
-    accounting (:meth:`plan`), its config and how its tensors are written (:meth:`output`, which also fixes
-    what :meth:`finish_layer` / :meth:`finish_globals` change in the sliced tensors) and its name in the
-    report (:meth:`method`). The slice itself is :func:`slice_into`'s, the same for every output."""
+    """What a SliceGPT output with one global rotation and one width writes (the slice is
+    :func:`slice_into`'s, the same for every output)."""
 
     @abstractmethod
     def plan(
         self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None
     ) -> tuple[Adapter, int, Accounting]:
-        """Refuse what this output cannot hold; the source's adapter, the residual width (``width`` given:
-        that one) and the parameter accounting."""
+        """Refuse what this output cannot hold; the adapter, the residual width (or ``width``), the accounting."""
 
     @abstractmethod
     def output(
@@ -195,13 +160,11 @@ class SliceOutput(ABC):
 def slice_into(
     run: CompressRun, output: SliceOutput, width: int | None = None, rotation: torch.Tensor | None = None
 ) -> tuple[dict, CompressReport]:
-    """SliceGPT with one global rotation and one width on ``run`` (a :class:`.routes.CompressRun`, its options
-    validated by the caller), written by ``output`` into ``run.sink``: (config dict, report). One pass of the
-    original model measures the stream's second moments (a LayerNorm decoder's: of its centred stream,
-    :func:`global_rotation`); every layer is then read, its norms folded (a LayerNorm decoder's writers
-    centred first, its head untied as the centring needs; a tied head of the others untied too), rotated
-    into the first ``w`` principal directions and cut to them. ``width`` overrides the planned width,
-    ``rotation`` the measured ``Q`` (``[d, d]``, principal directions first)."""
+    """SliceGPT with one global rotation and one width on ``run``, written by ``output`` into ``run.sink``:
+    (config dict, report). Every layer is read, centred (a LayerNorm decoder), its norms folded (a tied head
+    untied), rotated into the first ``w`` principal directions (readers ``W Q′``, writers ``Q′ᵀ W``, the
+    embeddings ``E Q′``) and cut to them. ``width`` overrides the planned width, ``rotation`` the measured
+    ``Q`` (``[d, d]``, principal directions first)."""
     source, config, options = run.source, run.config, run.options
     t0 = time.perf_counter()
     adapter, w, accounting = output.plan(source, config, options, width)

@@ -16,7 +16,6 @@ import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.checkpoint_io import RowBlocks
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.conversion.compress import assemble as assemble_module
 from hf_symmetry.conversion.compress import folded as folded_mod
 from hf_symmetry.conversion.compress import solve as solve_mod
 from hf_symmetry.conversion.compress import targets as targets_mod
@@ -289,7 +288,7 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
     # the sequential calibration runs on the same input
     assert torch.equal(run.ids, calib_input.ids) and run.seq_len == calib_input.seq_len == 40
     res = solve_mod.solve(run, layers, globals_)
-    state = assemble_module.assemble(plan, layers, globals_, gamma, res, torch.float64, progress=False)
+    state = C.Assembler(plan, layers, globals_, gamma, torch.float64).finish(res, progress=False)
     compressed = C.build_model(
         state, C.compressed_config(model.config.to_dict(), plan, options, model.config), torch.float64
     )[0]

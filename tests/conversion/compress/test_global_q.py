@@ -163,10 +163,11 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
     )
 
     held = []
-    real = MO.one_pass_on_demand
+    real = MO.collect_statistics
 
     def watched(*a, **k):
         stats = real(*a, **k)
+        assert k["on_demand"]
         release = stats.release_segment
 
         def release_segment(j):
@@ -176,7 +177,7 @@ def test_one_pass_statistics_on_demand_give_the_same_model_and_hold_one_layers_m
         stats.release_segment = release_segment
         return stats
 
-    monkeypatch.setattr(MO, "one_pass_on_demand", watched)
+    monkeypatch.setattr(MO, "collect_statistics", watched)
     out, _, report = compress_tensors(
         C.CompressRun(src, config, options, calib_ids=calib, progress=False, calibration=SEQ40)
     )

@@ -67,7 +67,10 @@ def test_sequential_slicing_with_nothing_sliced_measures_the_one_pass_statistics
         want_stream=True,
         progress=False,
     )
-    Qs, seq = C.sequential_stream_pca(src, config, calib, 40, config["hidden_size"], _float64(), progress=False)
+    Qs, seq = C.sequential_stream_pca(
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), progress=False, calibration=SEQ40),
+        config["hidden_size"],
+    )
     assert len(Qs) == len(seq.stream) == 2 * config["num_hidden_layers"] + 1 and seq.tokens == ref.tokens
     for a, b in zip(seq.stream, ref.stream):
         assert _rel(a, b) < 1e-10
@@ -95,7 +98,9 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
     )
     sliced = C.build_model(state, cfg, torch.float64)[0]
     dr = cfg["residual_size"]
-    Qs, seq = C.sequential_stream_pca(src, config, calib, 40, dr, _float64(), progress=False)
+    Qs, seq = C.sequential_stream_pca(
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), progress=False, calibration=SEQ40), dr
+    )
     acc = {}
 
     def hook(k):
