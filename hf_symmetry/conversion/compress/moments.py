@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -139,10 +138,9 @@ def collect_statistics(
     L = engine.adapter.n_layers
     run = engine.start(batches(ids, calib.seq_len))
     n = stats.tokens = run.tokens
-    sites = [_PREFIX[kind] + s for kind in kinds for s in ("ffn_norm_in", "layer_out")]
-    sites += ["o_in", "down_in"] if want_normed else []
-    first = StatsRequest(grams=(*(_PREFIX[kind] + "layer_in" for kind in kinds), *sites))
-    steps = chain(run.layers(first, stop=1), run.layers(StatsRequest(grams=tuple(sites))))
+    # layer_in is used at layer 0 only (later ones equal the previous output), but one request keeps one bar
+    sites = [_PREFIX[kind] + s for kind in kinds for s in ("layer_in", "ffn_norm_in", "layer_out")]
+    steps = run.layers(StatsRequest(grams=(*sites, *(["o_in", "down_in"] if want_normed else []))))
     del run
     measured = [0]  # layers measured
 
@@ -161,9 +159,13 @@ def collect_statistics(
             step.release()  # the outputs are made: the original layer can go
             for kind in kinds:  # in place: no second copy of the moments
                 p = _PREFIX[kind]
-                segments = [(0, "layer_in")] if i == 0 else []
-                for k, site in segments + [(2 * i + 1, "ffn_norm_in"), (2 * i + 2, "layer_out")]:
-                    store(kind, k, grams.pop(p + site).div_(n))
+                first = grams.pop(p + "layer_in")
+                segments = [(0, first)] if i == 0 else []
+                for k, site in [(2 * i + 1, "ffn_norm_in"), (2 * i + 2, "layer_out")]:
+                    segments.append((k, grams.pop(p + site)))
+                for k, C in segments:
+                    store(kind, k, C.div_(n))
+                del first, segments
             if want_normed:
                 stats.attn_out.items[i] = grams.pop("o_in").div_(n)
                 stats.mlp_hidden.items[i] = grams.pop("down_in").div_(n)
