@@ -1,9 +1,7 @@
-"""Sequential calibration's targets and the solvers' weights, from the calibration statistics.
-
-The GPTQ-style dampening of every weighted problem (:func:`damped`), and, when sequential calibration
-matches the original model, each matrix's target on the partly compressed model's inputs
-(:func:`matched_target`): readers share one map A per segment (:func:`_reader_weights`), writers solve
-their own damped system, in place where the statistics are consumed (:func:`_cholesky_in_place`)."""
+"""The solvers' weights from the calibration statistics, GPTQ-style damped (:func:`damped`), and, when
+sequential calibration matches the original model, each matrix's target on the partly compressed model's
+inputs (:func:`matched_target`): readers share one map A per segment, writers solve their own damped
+system."""
 
 from __future__ import annotations
 
@@ -37,27 +35,19 @@ def matched_target(
     rows_gram: bool = False,
     reader_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """GPTQ-style target of sequential calibration matching the original model: on the partly compressed
-    model's inputs X̂ the matrix that best reproduces the original outputs X M (readers act on the other
-    side) and, for writers, also undoes the residual stream's drift D = H − Ĥ before them; least squares
-    ridge-regularised towards M itself, so that X̂ = X gives M back exactly. Readers:
-    ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M`` (:func:`segment_reader_map`, or ``reader_map`` when the caller made it);
-    writers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``, from the target moment ``X̂ᵀ(X M + D)`` the calibration
-    measured (:class:`.moments.CalibrationStats`) — then approximated in the metric X̂ᵀX̂ like any
-    stage W term. Returns the target and, for a writer, its damped moments ``X̂ᵀX̂ + δI`` (its row weight;
-    ``None`` for a reader, whose segment shares one column weight).
-    ``consume``: the caller owns the statistics and needs them no more: a writer's are dropped from
-    ``stats``, and its moments damped and its target moment turned into the right-hand side in place,
-    so that one of the FFN's ``[4d, 4d]`` float64 matrices is held (and its factorisation while solving).
-    ``rows_gram`` (with ``consume``, for a writer whose term is reducible): return ``M'ᵀ (X̂ᵀX̂ + δI) M'``
-    (``[d, d]``, all its solve needs of the row weight; :meth:`Term.set_rows_gram`) instead of the
-    moments. Then M is not needed once the right-hand side is made (a caller that hands it over
-    without keeping a reference frees it there), and on the CPU the moments are factorised and the
-    right-hand side solved in place (:func:`_cholesky_in_place`: no second ``[4d, 4d]`` matrix, no
-    second target-sized one)."""
+    """On the partly compressed model's inputs X̂, the matrix that best reproduces the original outputs X M
+    (readers act on the other side) and, for writers, also undoes the stream's drift D = H − Ĥ before them;
+    least squares ridge-regularised towards M, so that X̂ = X gives M back. Readers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M``
+    (``reader_map``: A, where the caller made it); writers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``. Returns the
+    target and a writer's damped moments ``X̂ᵀX̂ + δI`` (its row weight). ``consume``: a writer's statistics are
+    dropped from ``stats`` and made the moments and right-hand side in place (one ``[4d, 4d]`` matrix held).
+    ``rows_gram`` (with ``consume``, a reducible writer): return ``M'ᵀ (X̂ᵀX̂ + δI) M'`` (``[d, d]``, all its
+    solve needs) instead; M is then freed once the right-hand side is made, and on the CPU the system is
+    solved in place (no second ``[4d, 4d]`` or target-sized matrix)."""
     if m.role == "reader":  # M Aᵀ (a segment's readers share its moments: nothing is consumed)
-        A = reader_map if reader_map is not None else segment_reader_map(m.segment, stats, damping, M.device)
-        return M @ A.T, None
+        if reader_map is None:
+            reader_map = reader_weights(m.segment, stats, damping, M.device, matched=True, consume=False)[1]
+        return M @ reader_map.T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
     G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
     if consume:
@@ -71,12 +61,8 @@ def matched_target(
     if not (consume and rows_gram):
         return torch.linalg.solve(Gd, rhs), Gd
     del M
-    if (
-        Gd.device.type == "cpu"
-        and Gd.dtype == rhs.dtype == torch.float64
-        and Gd.is_contiguous()
-        and rhs.is_contiguous()
-    ):
+    cpu = Gd.device.type == "cpu" and Gd.dtype == rhs.dtype == torch.float64
+    if cpu and Gd.is_contiguous() and rhs.is_contiguous():
         return _cholesky_in_place(Gd, rhs, m.name)
     target = torch.linalg.solve(Gd, rhs)
     del Gd
@@ -85,9 +71,8 @@ def matched_target(
 
 def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(X, XᵀAX)`` with ``X = A⁻¹ B``, for a symmetric positive definite float64 CPU ``A`` (C-ordered,
-    like ``B``): ``A``'s memory receives its Cholesky factor L (LAPACK ``dpotrf``) and ``B``'s becomes
-    ``Z = L⁻¹B``, whose ``ZᵀZ = XᵀAX`` is taken, and then X (BLAS ``dtrsm`` from the right on ``Bᵀ``,
-    which is ``B``'s buffer read in Fortran order). Both are destroyed; no matrix-sized copy is made."""
+    like ``B``), destroying both: ``A``'s memory receives its Cholesky factor L and ``B``'s becomes
+    ``Z = L⁻¹B`` (``ZᵀZ = XᵀAX``) and then X (``dtrsm`` on ``Bᵀ``, ``B``'s buffer read in Fortran order)."""
     # A is symmetric: its C-ordered buffer read as a Fortran-ordered matrix is A itself
     L, info = dpotrf(A.numpy().T, lower=1, clean=0, overwrite_a=1)
     if info != 0:
@@ -103,14 +88,13 @@ def _cholesky_in_place(A: torch.Tensor, B: torch.Tensor, name: str) -> tuple[tor
     return torch.from_numpy(Bt.T), P
 
 
-def _reader_weights(
+def reader_weights(
     segment: int, stats: CalibrationStats, damping: float, device, matched: bool, consume: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Segment ``segment``'s column weight ``X̂ᵀX̂ + δI`` and (``matched``) its readers' map
-    ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): the matched target of each of its readers ``M`` is
-    ``M Aᵀ`` (:func:`matched_target`), so a vocabulary-sized head can be matched a block of rows at a time.
-    ``consume``: made in place from the normalised-stream moments, which are dropped from ``stats``
-    (the caller owns them): two ``[d, d]`` matrices held through the segment instead of four."""
+    ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): each reader's matched target is ``M Aᵀ``, so a
+    vocabulary-sized head can be matched a block of rows at a time. ``consume``: made in place from the
+    moments, which are dropped from ``stats``: two ``[d, d]`` matrices held through the segment, not four."""
     G = stats.normed[segment].to(device)
     A = None
     if matched:
@@ -124,15 +108,3 @@ def _reader_weights(
     if matched:
         A = torch.linalg.solve(Gd, rhs)
     return Gd, A
-
-
-def segment_reader_map(segment: int, stats: CalibrationStats, damping: float, device=None) -> torch.Tensor:
-    """Segment ``segment``'s readers' map A (:func:`_reader_weights`), the statistics left as they are."""
-    return _reader_weights(segment, stats, damping, device, matched=True, consume=False)[1]
-
-
-def consume_reader_moments(
-    segment: int, stats: CalibrationStats, damping: float, device, matched: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_reader_weights` consuming the segment's moments."""
-    return _reader_weights(segment, stats, damping, device, matched, consume=True)

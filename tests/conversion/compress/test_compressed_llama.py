@@ -409,8 +409,8 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
     assert all(torch.equal(got[k], state[k]) for k in state)
 
 
-def _whole_reader_moments(segment, stats, damping, device, matched):
-    """``consume_reader_moments`` as a dense-ridge computation that leaves the statistics in place."""
+def _whole_reader_moments(segment, stats, damping, device, matched, consume):
+    """``reader_weights`` as a dense-ridge computation that leaves the statistics in place."""
     G = stats.normed[segment]
     ridge = targets_mod.damped(G, damping) - G
     A = torch.linalg.solve(G + ridge, stats.normed_cross[segment] + ridge) if matched else None
@@ -487,7 +487,7 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
         mp.setattr(folded_mod.FoldedGlobals, "__getitem__", whole_read)
         mp.setattr(TallTerm, "applies", staticmethod(lambda m: False))
         mp.setattr(targets_mod, "matched_target", _whole_matched)
-        mp.setattr(targets_mod, "consume_reader_moments", _whole_reader_moments)
+        mp.setattr(targets_mod, "reader_weights", _whole_reader_moments)
         mp.setattr(C.Assembler, "segment_done", lambda self, k, Qs, f: None)
         whole, whole_report = run()
         other, _ = run(damping=0.0101)
@@ -1040,8 +1040,8 @@ def test_consuming_terms_build_the_same_problem_and_drop_the_writer_statistics(e
     for k in (1, 2):  # layer 0's attention (o) and FFN (down) segments
         kept, eaten = copy.deepcopy(seq), copy.deepcopy(seq)
         run = C.CompressRun(src, config, options, plan=plan)
-        a, _ = S.segment_terms(replace(run, stats=kept), layers, globals_, "w", only=k)[k]
-        b, _ = S.segment_terms(replace(run, stats=eaten), layers, globals_, "w", only=k, consume=True)[k]
+        a = S.segment_terms(replace(run, stats=kept), layers, globals_, "w", k)
+        b = S.segment_terms(replace(run, stats=eaten), layers, globals_, "w", k, consume=True)
         assert [t.name for t in a] == [t.name for t in b] and len(a) >= 2
         for ta, tb in zip(a, b):
             assert _rel(tb.M, ta.M) < 1e-12, ta.name

@@ -43,8 +43,7 @@ def _setup(structure: str, stage: str, solver_dtype: str, family: str = "llama")
 def _held(plan, layers, globals_, stats, stage, options, iters):
     """The whole problem in memory, solved at once (the reference)."""
     run = C.CompressRun(None, {}, options, progress=False, plan=plan, stats=stats)
-    segments = SV.segment_terms(run, layers, globals_, stage)
-    terms = [t for seg, _ in segments for t in seg]
+    terms = [t for k in range(plan.n_segments) for t in SV.segment_terms(run, layers, globals_, stage, k)]
     res = solve_segment(
         terms,
         torch.eye(plan.hidden, dtype=torch.float64),
@@ -57,9 +56,9 @@ def _held(plan, layers, globals_, stats, stage, options, iters):
             **options.stopping(stage),
         ),
     )
-    factors, rel = {}, {}
-    SV._keep(terms, res.Q, factors, rel)
-    return res.Q, factors, res.trace
+    kept = SV.Kept()
+    kept.keep(terms, res.Q)
+    return res.Q, kept.factors, res.trace
 
 
 @pytest.mark.parametrize("structure,stage", [("kron", "f"), ("gs", "w"), ("kron", "w"), ("lowrank", "w")])
@@ -77,7 +76,7 @@ def test_streamed_global_solve_equals_the_whole_problem_solved_at_once(structure
         C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats, calibration=SEQ40),
         layers,
         globals_,
-        SV.Stage(stage, iters, "t"),
+        stage,
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
         kept,
     )
@@ -110,7 +109,7 @@ def test_streamed_global_solve_in_float32_iterations_matches_closely():
         C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats, calibration=SEQ40),
         layers,
         globals_,
-        SV.Stage("w", options.w_iters, "t"),
+        "w",
         [torch.eye(plan.hidden, dtype=torch.float64)] * plan.n_segments,
         SV.Kept(),
     )
@@ -122,8 +121,10 @@ def test_global_stage_f_before_stage_w_keeps_no_factors(monkeypatch):
     """Stage F's factors are replaced by stage W's: only its rotation is kept (no last sweep)."""
     plan, layers, globals_, stats, options, src, config = _setup("gs", "w", "float64")
     kept = []
-    real = SV._keep
-    monkeypatch.setattr(SV, "_keep", lambda terms, *a, **k: (kept.extend(t.name for t in terms), real(terms, *a, **k)))
+    real = SV.Kept.keep
+    monkeypatch.setattr(
+        SV.Kept, "keep", lambda self, terms, Q: (kept.extend(t.name for t in terms), real(self, terms, Q))
+    )
     run = C.CompressRun(src, config, options, progress=False, plan=plan, stats=stats, calibration=SEQ40)
     res = SV.solve(run, layers, globals_)
     compressed = [m.name for m in plan.matrices if m.compressed]
