@@ -33,7 +33,7 @@ from ..report import CompressReport
 from ..routes import CALIBRATION, CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
-from .slice import RMSDecoderSlice, plan_width
+from .slice import RMSDecoderSlice
 from .structured import layer_norm_plan, plan_structured, structured_tensors
 
 
@@ -90,7 +90,7 @@ class LayerNormDecoders(Route):
         adapter = Adapter.from_config(reader.config, reader.keys())
         check(adapter, options, reader.keys())
         if options.slicing:  # an unreachable ratio fails here
-            plan_width(adapter, reader, reader.keys(), options)
+            RMSDecoderSlice().plan(reader, reader.config, options)
         else:
             layer_norm_plan(reader, reader.config, options)
 
@@ -109,7 +109,6 @@ __all__ = [
     "compress_layer_norm_model",
     "layer_norm_plan",
     "plan_structured",
-    "plan_width",
     "RMSDecoderSlice",
     "structured_tensors",
     "through_rms_decoder",
