@@ -84,9 +84,8 @@ def sliced(root):
     from hf_symmetry.conversion.compress import plan as plan_module
 
     out = root / "slice-full"
-    full_width = plan_module.plan_slice
     with pytest.MonkeyPatch.context() as mp:  # SliceGPT at full width: its PCA rotation alone, exact
-        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10**12))
+        mp.setattr(plan_module, "nearest_width", lambda params, target, widths: max(widths))
         compress_checkpoint(
             root / "teacher",
             out,
@@ -135,9 +134,8 @@ def test_per_segment_rotations_map_each_layer_through_its_own_segment(root):
     from hf_symmetry.conversion.compress import plan as plan_module
 
     out = root / "slice-segments"
-    full_width = plan_module.plan_slice
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_module, "plan_slice", lambda *a: full_width(*a[:-1], 10**12))
+    with pytest.MonkeyPatch.context() as mp:  # the widest SliceGPT plan: full width
+        mp.setattr(plan_module, "nearest_width", lambda params, target, widths: max(widths))
         compress_checkpoint(
             root / "teacher",
             out,

@@ -30,7 +30,7 @@ from ..report import CompressReport
 from ..routes import CompressRun, Route
 from .centred import CentredSource
 from .checks import check, through_rms_decoder
-from .slice import RMSDecoderSlice, plan_width
+from .slice import RMSDecoderSlice
 from .structured import layer_norm_plan, plan_structured, structured_tensors
 
 
@@ -62,7 +62,7 @@ class LayerNormDecoders(Route):
         adapter = Adapter.from_config(reader.config, reader.keys())
         check(adapter, options, reader.keys())
         if options.slicing:  # an unreachable ratio fails here
-            plan_width(adapter, reader, reader.keys(), options)
+            RMSDecoderSlice().plan(reader, reader.config, options)
         else:
             layer_norm_plan(reader, reader.config, options)
 
@@ -81,7 +81,6 @@ __all__ = [
     "layer_norm_tensors",
     "layer_norm_plan",
     "plan_structured",
-    "plan_width",
     "RMSDecoderSlice",
     "structured_tensors",
     "through_rms_decoder",
