@@ -21,7 +21,7 @@ from ..conversion.compress import (
 )
 from ..conversion.compress.pipeline import route_for
 from ..conversion.compress.routes import CALIBRATION, check_calibration
-from ..conversion.compress.stock import REMOTE_CODE, StockOptions
+from ..conversion.compress.stock import StockSlice
 from ..flags import add_flags, from_args, nested_from_args
 from .common import (
     add_device_args,
@@ -136,18 +136,17 @@ def _add_calibration_size_args(p) -> None:
     add_flags(p, CompressRun, "calibration.tokens", "calibration.seq_len")
 
 
-def stock_from_args(args, options) -> StockOptions:
-    """The stock-output settings of a SliceGPT run (:data:`REMOTE_CODE` with ``--remote-code``, and for every
-    other structure: the compressed family)."""
+def stock_from_args(args, options) -> StockSlice | None:
+    """The stock route of a SliceGPT run (``None``: the compressed family, with ``--remote-code`` and for
+    every other structure)."""
     if not options.slicing:
         if args.untie or args.round_to is not None or args.remote_code:
             raise ValueError("--untie, --round-to and --remote-code apply to --structure slice")
-        return REMOTE_CODE
+        return None
     if args.remote_code and (args.untie or args.round_to is not None):
         raise ValueError("--untie and --round-to shape the stock output; --remote-code writes the compressed family")
-    stock = StockOptions(untie=args.untie, round_to=64 if args.round_to is None else args.round_to)
-    stock.validate()
-    return REMOTE_CODE if args.remote_code else stock
+    stock = StockSlice(untie=args.untie, round_to=64 if args.round_to is None else args.round_to)
+    return None if args.remote_code else stock
 
 
 def _config(src) -> dict:

@@ -22,7 +22,7 @@ from .options import CompressOptions
 from .plan import Plan, plan_for
 from .report import CompressReport, finish_folder
 from .routes import CALIBRATION, CompressRun, CountingSink, Route, check_calibration, checkpoint_dtype
-from .stock import REMOTE_CODE, StockOptions, StockSlice, why_not_stock
+from .stock import StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
 
@@ -82,15 +82,15 @@ class CompressedFamily(Route):
         return report
 
 
-def route_for(config: dict, options: CompressOptions, stock: StockOptions = REMOTE_CODE) -> Route:
-    """The one decision of a folder's route: SliceGPT as the source's stock family where ``stock`` asks for
-    it and :func:`.stock.why_not_stock` allows; LayerNorm decoders through the RMS-decoder family; else the
-    compressed family."""
+def route_for(config: dict, options: CompressOptions, stock: StockSlice | None = None) -> Route:
+    """The one decision of a folder's route: SliceGPT as the source's stock family where ``stock`` (the stock
+    route, ``None``: not wanted, ``--remote-code``) is given and :func:`.stock.why_not_stock` allows; LayerNorm
+    decoders through the RMS-decoder family; else the compressed family."""
     refusal = None
     if options.slicing:
-        refusal = "--remote-code" if stock.remote_code else why_not_stock(config, options, stock.untie)
+        refusal = "--remote-code" if stock is None else why_not_stock(config, options, stock.untie)
         if refusal is None:
-            return StockSlice(stock)
+            return stock
     if through_rms_decoder(config):
         return LayerNormDecoders(refusal)
     return CompressedFamily(refusal)
@@ -101,14 +101,14 @@ def compress_checkpoint(
     out: str | Path,
     options: CompressOptions,
     calibration: CalibrationText | None = None,
-    stock: StockOptions = REMOTE_CODE,
+    stock: StockSlice | None = None,
     overwrite: bool = False,
     progress: bool = True,
     placement=None,
 ) -> CompressReport:
     """Compress the HF folder ``src`` into ``out`` (a non-empty one only with ``overwrite``) by its route
-    (:func:`route_for`). ``calibration`` is needed by every method but stage none; ``stock`` (default
-    :data:`.stock.REMOTE_CODE`) may write SliceGPT as the source's stock family. Every input is checked before
+    (:func:`route_for`). ``calibration`` is needed by every method but stage none; ``stock`` (a
+    :class:`.stock.StockSlice`) writes SliceGPT as the source's stock family where it can. Every input is checked before
     any work and ``out`` appears only when everything succeeded. The source is never loaded whole: calibration
     reads one decoder layer at a time on ``placement``'s device, and tensors go to 2 GB shards as they are made."""
     options.validate()

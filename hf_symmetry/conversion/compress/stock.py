@@ -22,7 +22,7 @@ and tied heads without ``--untie`` stay in the compressed (remote-code) families
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,26 +54,6 @@ from .routes import CompressRun, Route
 #: model types whose stock RMSNorm is ``weight · x · rsqrt(mean(x²) + config.rms_norm_eps)`` and whose
 #: config takes an explicit ``head_dim`` (``ArchSpec.stock_slice``)
 STOCK_TYPES = tuple(t for s in SPECS if s.stock_slice for t in s.model_types)
-
-
-@dataclass(frozen=True)
-class StockOptions:
-    """How a SliceGPT output is written as the source's stock family: ``remote_code`` keeps the compressed
-    family; ``untie`` a tied head; widths rounded to a multiple of ``round_to`` (1: none). ``constant`` /
-    ``rescale_eps`` ``False`` (negative controls only): leave ``c`` out of the readers, or keep ε."""
-
-    untie: bool = False
-    round_to: int = 64
-    constant: bool = True
-    rescale_eps: bool = True
-    remote_code: bool = False
-
-    def validate(self) -> None:
-        if not isinstance(self.round_to, int) or self.round_to < 1:
-            raise ValueError(f"--round-to must be a positive integer, got {self.round_to!r}")
-
-
-REMOTE_CODE = StockOptions(remote_code=True)  # the compressed family for SliceGPT too (``--remote-code``)
 
 
 def why_not_stock(config: dict, options: CompressOptions, untie: bool = False) -> str | None:
@@ -154,15 +134,14 @@ def stock_slice_model(
     model,
     options: CompressOptions,
     calib_ids: torch.Tensor | None = None,
-    stock: StockOptions = StockOptions(),
+    stock: StockSlice | None = None,
     width: int | None = None,
     rotation: torch.Tensor | None = None,
     progress: bool = False,
     placement=None,
-    **controls,
 ):
     """In memory: a loaded stock ``...ForCausalLM`` -> (the same class at ``hidden_size = d′``, report), a
-    tied head untied; ``controls``: :class:`StockOptions`' negative controls."""
+    tied head untied; ``stock``: the route's settings (default ``StockSlice(untie=True)``)."""
     options.validate()
     reason = why_not_stock(model.config.to_dict(), options, untie=True)
     if reason is not None:
@@ -172,7 +151,7 @@ def stock_slice_model(
     sink = DictSink()
     new_config, report = slice_into(
         CompressRun(source, model.config.to_dict(), options, calib_ids, placement, progress, sink=sink),
-        StockSlice(replace(stock, **controls)),
+        stock or StockSlice(untie=True),
         width,
         rotation,
     )
@@ -189,11 +168,15 @@ def stock_slice_model(
 
 
 class StockSlice(Route, SliceOutput):
-    """The folder route where :func:`why_not_stock` allows, and the stock output of :func:`.pca.slice_into`."""
+    """The folder route where :func:`why_not_stock` allows, and the stock output of :func:`.pca.slice_into`:
+    ``untie`` a tied head (``--untie``), widths rounded to a multiple of ``round_to`` (1: none). ``constant`` /
+    ``rescale_eps`` ``False`` (negative controls only): leave ``c`` out of the readers, or keep ε."""
 
-    def __init__(self, stock: StockOptions):
+    def __init__(self, untie: bool = False, round_to: int = 64, constant: bool = True, rescale_eps: bool = True):
+        if not isinstance(round_to, int) or round_to < 1:
+            raise ValueError(f"--round-to must be a positive integer, got {round_to!r}")
         super().__init__()
-        self.stock = stock
+        self.untie, self.round_to, self.constant, self.rescale_eps = untie, round_to, constant, rescale_eps
         self.c = self.qk = 1.0
 
     def check(self, reader, options: CompressOptions) -> None:
@@ -208,7 +191,6 @@ class StockSlice(Route, SliceOutput):
     def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
         """The width ``d′`` whose parameter count is closest to the ratio's target, then the nearest multiple
         of ``round_to`` (``width`` given: that one, not rounded), and the accounting at it."""
-        self.stock.validate()
         keys = source.keys()
         adapter = check_family(config, keys)
         d, L, tied = adapter.hidden, adapter.n_layers, adapter.tied_embeddings
@@ -221,7 +203,7 @@ class StockSlice(Route, SliceOutput):
             return params_at(entries, lambda _: w) + (vocab * w if tied else 0) + (2 * L + 1) * w + carried
 
         exact = nearest_width(params, target, range(1, d + 1))
-        n = self.stock.round_to
+        n = self.round_to
         if n > d:
             raise ValueError(f"--round-to {n} exceeds the hidden size {d}: choose a smaller multiple (1: no rounding)")
         w = nearest_width(params, target, range(d // n * n, 0, -n))  # the wider one on a tie
@@ -254,9 +236,9 @@ class StockSlice(Route, SliceOutput):
 
     def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
         d, eps = adapter.hidden, adapter.eps  # c and ε′ of the module docstring
-        self.c = math.sqrt(d / width) if self.stock.constant else 1.0
+        self.c = math.sqrt(d / width) if self.constant else 1.0
         self.qk = self.c * self.c if adapter.layout.qk_norm else self.c
-        eps = eps * d / width if self.stock.rescale_eps else eps
+        eps = eps * d / width if self.rescale_eps else eps
         new_config = stock_config(config, adapter, width, eps)
         accounting.stock_class = new_config["architectures"][0]
         accounting.norm_constant, accounting.rms_norm_eps, accounting.source_rms_norm_eps = self.c, eps, adapter.eps

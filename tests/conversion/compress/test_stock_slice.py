@@ -54,7 +54,7 @@ def _same_slice(model, width, calib, placement=None, **controls):
     )
     Q = pca_rotations(stats, 2 * config["num_hidden_layers"] + 1, "global")[0]
     stock, report = S.stock_slice_model(
-        model, OPTIONS, calib, S.StockOptions(untie=True, round_to=1), width=width, rotation=Q, **controls
+        model, OPTIONS, calib, S.StockSlice(untie=True, round_to=1, **controls), width=width, rotation=Q
     )
     usource, uconfig = _untied_view(model)
     plan = S.compressed_plan_at(usource, uconfig, OPTIONS, width)
