@@ -22,7 +22,6 @@ and tied heads without ``--untie`` stay in the compressed (remote-code) families
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -31,20 +30,17 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ...architectures import Adapter
 from ...architectures.spec import SPECS, find_spec
 from ...checkpoint_io import write_config
-from ...solvers import structures as st
 from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
 from .pca import SliceOutput, slice_into
 from .plan import (
     Accounting,
-    accounting,
     budget,
     carried_params,
     check_family,
     matrix_entries,
     nearest_width,
     params_at,
-    plan_for,
     sliced_entry,
     source_numels,
 )
@@ -83,19 +79,6 @@ def stock_class(config: dict) -> str:
     if archs:
         return archs[0]
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
-
-
-def compressed_plan_at(source: TensorSource, config: dict, options: CompressOptions, width: int):
-    """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
-    ratio's: :class:`StockSlice`'s slice in the remote-code family, for comparisons."""
-    plan, _ = plan_for(source, config, options.with_(ratio_slack=1.0))
-    plan.residual = int(width)
-    plan.matrices = [replace(m, structure=st.Dense((m.shape[0], int(width)))) for m in plan.matrices]
-    acc = plan.accounting
-    plan.accounting = accounting(
-        plan, acc.dense_model_params, acc.dense_params_of_compressed_matrices, acc.target_params, options
-    )
-    return plan
 
 
 def stock_config(config: dict, adapter: Adapter, width: int, eps: float) -> dict:

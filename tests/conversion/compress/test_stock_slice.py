@@ -18,10 +18,25 @@ from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import stock as S
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
 from hf_symmetry.conversion.compress.pca import pca_rotations
+from hf_symmetry.conversion.compress.plan import accounting, plan_for
+from hf_symmetry.solvers import structures as st
 from hf_symmetry.testing import SEQ40, input_ids, outputs, run_without_hf_symmetry, tiny_model
 
 OPTIONS = C.CompressOptions(structure="slice", ratio=0.25, ratio_slack=1.0)
 FULL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}}
+
+
+def compressed_plan_at(source, config: dict, options, width: int):
+    """The compressed family's SliceGPT plan (one global PCA) at residual width ``width`` instead of the
+    ratio's: the stock route's slice in the remote-code family, for comparisons."""
+    plan, _ = plan_for(source, config, options.with_(ratio_slack=1.0))
+    plan.residual = int(width)
+    plan.matrices = [replace(m, structure=st.Dense((m.shape[0], int(width)))) for m in plan.matrices]
+    acc = plan.accounting
+    plan.accounting = accounting(
+        plan, acc.dense_model_params, acc.dense_params_of_compressed_matrices, acc.target_params, options
+    )
+    return plan
 
 
 @pytest.fixture
@@ -57,7 +72,7 @@ def _same_slice(model, width, calib, placement=None, **controls):
         model, OPTIONS, calib, S.StockSlice(untie=True, round_to=1, **controls), width=width, rotation=Q
     )
     usource, uconfig = _untied_view(model)
-    plan = S.compressed_plan_at(usource, uconfig, OPTIONS, width)
+    plan = compressed_plan_at(usource, uconfig, OPTIONS, width)
     dtype = next(model.parameters()).dtype
     state, new_config, _ = C.compress_tensors(
         C.CompressRun(
@@ -220,7 +235,7 @@ def test_cli_writes_the_stock_class_that_loads_without_remote_code(tmp_path, cap
             options,
             calib_ids=calib_ids,
             stats=stats,
-            plan=S.compressed_plan_at(source, cfg, options, w),
+            plan=compressed_plan_at(source, cfg, options, w),
             progress=False,
             calibration=calibration,
         )
