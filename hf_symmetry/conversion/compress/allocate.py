@@ -1,5 +1,4 @@
-"""Non-uniform allocation: at a fixed total parameter count, each layer's size from its measured
-sensitivity.
+"""Non-uniform allocation: at a fixed total parameter count, each layer's size from its measured sensitivity.
 
 1. **Sensitivity**: for each decoder layer and several sizes ``κ`` (the fraction of its compressed matrices'
    parameters kept), the layer with its matrices projected onto the structure at that size is run on its
@@ -35,28 +34,27 @@ GRID = tuple(round(0.05 + 0.01 * i, 2) for i in range(95)) + (1.0,)
 
 Choices = list[tuple[float, int, float]]  # a group's (keep, params, error), cheapest first
 Curves = dict[str, list[tuple[float, float]]]  # per group, the measured (size, relative error)
+Members = dict[str, list[MatrixPlan]]  # per group, its compressed matrices
 
 
-def group_entries(entries: list[MatrixPlan], options: CompressOptions) -> dict[str, list[MatrixPlan]]:
+def group_entries(entries: list[MatrixPlan], options: CompressOptions) -> Members:
     """The compressed matrices by group: ``layers.i`` per decoder layer, ``embed``, ``lm_head``."""
-    groups: dict[str, list[MatrixPlan]] = {}
+    members: Members = {}
     for e in entries:
         if in_policy(e.canon, options):
-            groups.setdefault(e.name if e.layer is None else f"layers.{e.layer}", []).append(e)
-    return groups
+            members.setdefault(e.name if e.layer is None else f"layers.{e.layer}", []).append(e)
+    return members
 
 
 def _structures(es: list[MatrixPlan], options: CompressOptions, kron_q: int | None, keep: float) -> list[st.Structure]:
     return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head")) for e in es]
 
 
-def build_groups(
-    entries: list[MatrixPlan], options: CompressOptions, kron_q: int | None, curves: Curves
-) -> dict[str, Choices]:
+def build_groups(members: Members, options: CompressOptions, kron_q: int | None, curves: Curves) -> dict[str, Choices]:
     """Each group's choices on :data:`GRID`: exact parameter counts, and the error interpolated (in the
     fraction of parameters actually kept) from the measured ``curves`` (dense: error 0)."""
     groups: dict[str, Choices] = {}
-    for name, es in group_entries(entries, options).items():
+    for name, es in members.items():
         dense = sum(e.shape[0] * e.shape[1] for e in es)
         xs, ys = zip(*sorted(curves[name] + [(1.0, 0.0)]))
         seen = {}
@@ -85,11 +83,7 @@ def _hull(choices: Choices) -> list[int]:
 
 def allocate(groups: dict[str, Choices], budget: int) -> dict[str, int]:
     """The choice (its index) per group minimising the summed error with at most ``budget`` parameters in all."""
-
-    def total_of(chosen):
-        return sum(groups[name][i][1] for name, i in chosen.items())
-
-    total = total_of(dict.fromkeys(groups, 0))
+    total = sum(choices[0][1] for choices in groups.values())
     if total > budget:
         raise ValueError(f"the parameter budget {budget:,} is below the smallest allocation ({total:,})")
     hulls = {name: _hull(choices) for name, choices in groups.items()}
@@ -111,14 +105,16 @@ def allocate(groups: dict[str, Choices], budget: int) -> dict[str, int]:
             total += step
             pos[name] += 1
             push(name)
-    return fill(groups, {name: hulls[name][p] for name, p in pos.items()}, budget, total_of)
+    return fill(groups, {name: hulls[name][p] for name, p in pos.items()}, budget)
 
 
 def fill(
-    groups: dict[str, Choices], chosen: dict[str, int], budget: int, total_of, first_fit: bool = False
+    groups: dict[str, Choices], chosen: dict[str, int], budget: int, total_of=None, first_fit: bool = False
 ) -> dict[str, int]:
     """While one fits, take the single upgrade (off the hull too) lowering the error most per parameter
-    (``total_of``: the parameters at a choice per group); with ``first_fit``, only each group's first that fits."""
+    (``total_of``: the parameters at a choice per group, by default the sum of the choices'); with ``first_fit``,
+    only each group's first that fits."""
+    total_of = total_of or (lambda c: sum(groups[name][i][1] for name, i in c.items()))
     while True:
         total, upgrades = total_of(chosen), []
         for name, choices in groups.items():
@@ -178,18 +174,16 @@ def _compressed_layer(module: torch.nn.Module, es: list[MatrixPlan], structures,
     return new
 
 
-def measure_sensitivity(calib: CompressRun, adapter, entries: list[MatrixPlan], kron_q: int | None) -> Curves:
+def measure_sensitivity(calib: CompressRun, adapter, members: Members, kron_q: int | None) -> Curves:
     """Per group: ``[(fraction of parameters kept, relative error)]`` at the sizes of :data:`MEASURED`
-    (the module docstring's step 1; the embedding's rows weighted by ``calib.stats``' token counts + 1);
-    ``kron_q``: the plan's shared Kronecker factor."""
+    (step 1 above; the embedding's rows weighted by their token counts + 1); ``kron_q``: the plan's Kronecker factor."""
     options = calib.options
-    groups = group_entries(entries, options)
 
     def update(s):  # Σ‖y − x‖²
         return _distance(s.grams["layer_out"], s.joint[("layer_in", "layer_out")], s.grams["layer_in"])
 
     def variants(step):
-        es = groups.get(f"layers.{step.index}")
+        es = members.get(f"layers.{step.index}")
         if not es:
             return
         dense = sum(e.shape[0] * e.shape[1] for e in es)
@@ -200,19 +194,15 @@ def measure_sensitivity(calib: CompressRun, adapter, entries: list[MatrixPlan], 
     request = StatsRequest(grams=("layer_in", "layer_out"), joint=(("layer_in", "layer_out"),))
     curves = layer_sensitivity(calib, request, update, variants)
     counts = None if calib.stats is None else calib.stats.token_counts
-    for name in ("embed", "lm_head"):
-        es = groups.get(name)
-        if not es:
-            continue
+    for name in [n for n in ("embed", "lm_head") if n in members]:
         key = f"{adapter.prefix}{adapter.spec.embed}.weight" if name == "embed" else f"{adapter.spec.lm_head}.weight"
         E = calib.source.get([key])[key].to(torch.float64)
-        w = torch.ones(len(E), dtype=torch.float64) if counts is None else counts[: len(E)].double() + 1
-        energy = float((w[:, None] * E.pow(2)).sum())
+        w = (torch.ones(len(E), dtype=torch.float64) if counts is None else counts[: len(E)].double() + 1)[:, None]
+        energy = max(float((w * E.pow(2)).sum()), 1e-300)
         curve = []
         for keep in MEASURED:
-            s = _structures(es, options, kron_q, keep)[0]
-            D = E - s.dense(s.project(E))
-            curve.append((s.params() / E.numel(), float((w[:, None] * D.pow(2)).sum()) / max(energy, 1e-300)))
+            s = _structures(members[name], options, kron_q, keep)[0]
+            curve.append((s.params() / E.numel(), float((w * (E - s.dense(s.project(E))).pow(2)).sum()) / energy))
         curves[name] = curve
         del E
     return curves
@@ -230,12 +220,12 @@ def allocate_for(run: CompressRun):
     its uniform plan ``run.plan`` (same ratio, rotations and skips) allocated between the groups."""
     adapter = check_family(run.config, run.source.keys())
     entries = matrix_entries(run.config, run.source.keys(), adapter)
-    kron_q = run.plan.accounting.kron_factor
-    curves = measure_sensitivity(run, adapter, entries, kron_q)
+    members, kron_q = group_entries(entries, run.options), run.plan.accounting.kron_factor
+    curves = measure_sensitivity(run, adapter, members, kron_q)
     budget = budget_of(run.plan)
-    groups = build_groups(entries, run.options, kron_q, curves)
+    groups = build_groups(members, run.options, kron_q, curves)
     chosen = {name: groups[name][i] for name, i in allocate(groups, budget).items()}
-    keep = {e.name: chosen[name][0] for name, es in group_entries(entries, run.options).items() for e in es}
+    keep = {e.name: chosen[name][0] for name, es in members.items() for e in es}
     return keep, {
         "budget": budget,
         "allocated": sum(params for _, params, _ in chosen.values()),

@@ -14,7 +14,7 @@ import torch
 from ...calibration import StatsRequest
 from .allocate import Choices, Curves, allocate, fill, layer_sensitivity, trace_of
 from .moments import collect_statistics
-from .pca import pca
+from .pca import global_rotation
 from .plan import MatrixPlan, check_family, final_gamma, matrix_entries, params_at
 from .routes import CompressRun
 
@@ -98,9 +98,8 @@ def measure_slice_sensitivity(calib: CompressRun, adapter, Q: torch.Tensor, stre
     curves = layer_sensitivity(
         calib, StatsRequest(grams=("layer_out",)), lambda s: trace_of(s.grams["layer_out"]), variants
     )
-    C = Q.T @ stream[0].to(Q) @ Q
-    total = float(C.diagonal().sum())
-    curves["embed"] = [(w / d, float(C.diagonal()[w:].sum()) / max(total, 1e-300)) for w in widths]
+    C = Q.T @ stream[0].to(Q) @ Q  # the moments of the embedding's output, in the principal basis
+    curves["embed"] = [(w / d, float(C.diagonal()[w:].sum()) / max(trace_of(C), 1e-300)) for w in widths]
     if tied:
         key = f"{adapter.prefix}{adapter.spec.embed}.weight"
         E = calib.source.get([key])[key].to(torch.float64) @ Q
@@ -168,7 +167,7 @@ def allocate_slice_for(run: CompressRun):
     entries = matrix_entries(run.config, run.source.keys(), adapter)
     if stats is None or stats.stream is None:
         stats = collect_statistics(run, want_normed=False, want_stream=True, progress=run.progress)
-    Q = pca(sum(C / C.trace().clamp_min(1e-300) for C in stats.stream))
+    Q = global_rotation(stats)
     d = adapter.hidden
     curves = measure_slice_sensitivity(run, adapter, Q, stats.stream, uniform.tied)
     target = uniform.accounting.target_params

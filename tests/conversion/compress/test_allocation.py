@@ -71,7 +71,7 @@ def _curves(entries, options, scale=None):
 
 def _allocated(options, plan, entries, curves):
     """Each group's choices ``(keep, params, error)`` and the index of the one chosen."""
-    groups = A.build_groups(entries, options, plan.accounting.kron_factor, curves)
+    groups = A.build_groups(A.group_entries(entries, options), options, plan.accounting.kron_factor, curves)
     return groups, A.allocate(groups, A.budget_of(plan))
 
 
@@ -131,7 +131,8 @@ def test_measured_sensitivity_grows_as_the_layer_shrinks():
     adapter = check_family(config, src.keys())
     entries = matrix_entries(config, src.keys(), adapter)
     calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40, progress=False)
-    curves = A.measure_sensitivity(calib_input, adapter, entries, None)  # low rank: no Kronecker factor
+    members = A.group_entries(entries, options)
+    curves = A.measure_sensitivity(calib_input, adapter, members, None)  # low rank: no Kronecker factor
     assert set(curves) >= {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
