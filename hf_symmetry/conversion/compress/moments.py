@@ -306,9 +306,8 @@ def _replace(approximations, replaced: dict[int, Tensors], calibration, chunks, 
 
 
 class _Overlay(Mapping):
-    """A layer's tensors in ``dtype``: ``replaced`` (the approximations so far) over the norm-folded ``layer``,
-    whose other tensors are read and cast when a module is built (only the approximations are held between
-    modules)."""
+    """A layer's tensors in ``dtype``: ``replaced`` over the norm-folded ``layer``, whose other tensors are read
+    and cast when a module is built (only the approximations are held between modules)."""
 
     def __init__(self, layer, dtype: torch.dtype, replaced: Tensors):
         self.layer, self.dtype, self.replaced = layer, dtype, replaced

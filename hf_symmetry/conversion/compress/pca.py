@@ -54,8 +54,7 @@ def _project(h: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 class SlicedLayer(torch.nn.Module):
     """A family's own decoder layer run as SliceGPT's sliced model runs it, in the original basis: its input
     projected onto its segment's kept directions (``basis_in``, ``[d, d']`` orthonormal), the stream after
-    attention onto the next segment's once chosen (``basis_mid``; ``None``: unprojected). The output is
-    the stream after the FFN before its own segment's projection: what the next PCA is taken of. A hook on
+    attention onto the next segment's once chosen (``basis_mid``), its output left for the next PCA. A hook on
     the attention replaces its output ``a`` by ``P(x̂ + a) − x̂``, so the residual addition gives ``P(x̂ + a)``."""
 
     def __init__(self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor):
@@ -95,10 +94,9 @@ def pca(C: torch.Tensor) -> torch.Tensor:
 
 
 def sequential_stream_pca(run: CompressRun, width: int) -> tuple[list[torch.Tensor], CalibrationStats]:
-    """SliceGPT as its reference code calibrates, on ``run``'s calibration: segment k's PCA is taken of the
-    stream of the model whose earlier segments are already sliced to ``width`` (each layer run as
-    :class:`SlicedLayer`). Returns the rotations and the moments they were taken of (``stats.stream``); at
-    full width, those of one pass of the original model."""
+    """SliceGPT as its reference code calibrates: segment k's PCA is taken of the stream of the model whose
+    earlier segments are already sliced to ``width``. Returns the rotations and the moments they were taken of
+    (``stats.stream``; at full width, those of one pass of the original model)."""
     engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
     attention = engine.adapter.spec.attention.o.rsplit(".", 1)[0]
     n_seg = 2 * engine.adapter.n_layers + 1
@@ -158,11 +156,10 @@ class SliceOutput(ABC):
 def slice_into(
     run: CompressRun, output: SliceOutput, width: int | None = None, rotation: torch.Tensor | None = None
 ) -> tuple[dict, CompressReport]:
-    """SliceGPT with one global rotation and one width on ``run``, written by ``output`` into ``run.sink``:
-    (config dict, report). Every layer is read, centred (a LayerNorm decoder), its norms folded (a tied head
-    untied), rotated into the first ``w`` principal directions (readers ``W Q′``, writers ``Q′ᵀ W``, the
-    embeddings ``E Q′``) and cut to them. ``width`` overrides the planned width, ``rotation`` the measured
-    ``Q`` (``[d, d]``, principal directions first)."""
+    """SliceGPT with one global rotation and one width, written by ``output`` into ``run.sink``: (config dict,
+    report). Every layer is read, centred (a LayerNorm decoder), its norms folded (a tied head untied), rotated
+    into the first ``w`` principal directions (readers ``W Q′``, writers ``Q′ᵀ W``, the embeddings ``E Q′``)
+    and cut to them. ``width`` overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``)."""
     source, config, options = run.source, run.config, run.options
     t0 = time.perf_counter()
     adapter, w, accounting = output.plan(source, config, options, width)
