@@ -123,11 +123,6 @@ class FoldedGlobals(Mapping):
             read = actions.fold_final_norm({**read, "final_norm.weight": self.gamma})
         return read[key]
 
-    def row_blocks(self, key: str, chunk: int = 1024):
-        """``(rows, iterator of (first row, block))`` over ``self[key]``, float64."""
-        n = self.source.shapes()[self._where[key]][0]
-        return n, ((i, self.take(key, torch.arange(i, min(i + chunk, n)))) for i in range(0, n, chunk))
-
     def take(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (sorted unique indices) of ``self[key]``, float64."""
         ckey = self._where[key]
@@ -139,19 +134,20 @@ class FoldedGlobals(Mapping):
         return t * self.gamma[None, :] if key == "lm_head.weight" else t  # as fold_final_norm folds
 
 
-def global_row_blocks(globals_, key: str, chunk: int = 1024):
-    """:meth:`FoldedGlobals.row_blocks`, also of a dict of globals."""
-    if isinstance(globals_, FoldedGlobals):
-        return globals_.row_blocks(key, chunk)
-    W = globals_[key]
-    return W.shape[0], ((i, W[i : i + chunk].to(torch.float64)) for i in range(0, W.shape[0], chunk))
-
-
 def global_rows(globals_, key: str, rows: torch.Tensor) -> torch.Tensor:
-    """:meth:`FoldedGlobals.take`, also of a dict of globals."""
+    """Rows ``rows`` (sorted unique indices) of ``globals_[key]`` (a dict or :class:`FoldedGlobals`), float64."""
     if isinstance(globals_, FoldedGlobals):
         return globals_.take(key, rows)
     return globals_[key][rows].to(torch.float64)
+
+
+def global_row_blocks(globals_, key: str, chunk: int = 1024):
+    """``(rows, iterator of (first row, block))`` over ``globals_[key]``, float64."""
+    if isinstance(globals_, FoldedGlobals):  # its shape, without reading it
+        n = globals_.source.shapes()[globals_._where[key]][0]
+    else:
+        n = globals_[key].shape[0]
+    return n, ((i, global_rows(globals_, key, torch.arange(i, min(i + chunk, n)))) for i in range(0, n, chunk))
 
 
 def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False, keep: int = 2):
