@@ -168,19 +168,19 @@ def collect_statistics(
             if i == L - 1:
                 next(steps, None)  # the pass ends (nothing runs after the last layer)
 
+    def entries(n: int, layer_of) -> list | _OnDemand:
+        return _OnDemand(n, advance, layer_of) if on_demand else [None] * n
+
     per_segment, per_layer = (lambda k: max(0, (k - 1) // 2)), (lambda i: i)
     if want_normed:
-        stats.normed = _OnDemand(2 * L + 1, advance, per_segment)
-        stats.attn_out, stats.mlp_hidden = _OnDemand(L, advance, per_layer), _OnDemand(L, advance, per_layer)
+        stats.normed = entries(2 * L + 1, per_segment)
+        stats.attn_out, stats.mlp_hidden = entries(L, per_layer), entries(L, per_layer)
     if want_stream and not stream_sum:
-        stats.stream = _OnDemand(2 * L + 1, advance, per_segment)
+        stats.stream = entries(2 * L + 1, per_segment)
     if on_demand:
         stats.release_segment = partial(release_segment, stats)
-        return stats
-    advance(L - 1)
-    for name in ("normed", "stream", "attn_out", "mlp_hidden"):
-        if isinstance(getattr(stats, name), _OnDemand):
-            setattr(stats, name, getattr(stats, name).items)
+    else:
+        advance(L - 1)
     return stats
 
 
