@@ -239,11 +239,14 @@ def segment_objectives(args) -> dict:
     )
     stats = C.collect_statistics(
         C.CompressRun(
-            reader, reader.config, calib_ids=ids, calibration=replace(C.CALIBRATION, tokens=ids.numel(), seq_len=512)
+            reader,
+            reader.config,
+            calib_ids=ids,
+            calibration=replace(C.CALIBRATION, tokens=ids.numel(), seq_len=512),
+            progress=False,
         ),
         want_normed=False,
         want_stream=True,
-        progress=False,
     )
     Qg = pca(sum(Cm / Cm.trace() for Cm in stats.stream))
     width = C.plan_for(reader, reader.config, C.CompressOptions(structure="slice", ratio=args.ratio))[0].residual

@@ -25,7 +25,7 @@ from ..stream import DictSource
 from .assemble import Assembler, build_model, compressed_config
 from .core import compress_into
 from .folded import FoldedLayers, read_folded
-from .moments import CalibrationStats, collect_statistics, sequential_weighted, token_sequences
+from .moments import CalibrationStats, collect_statistics, sequential_weighted
 from .options import PRESETS, CompressOptions
 from .pca import sequential_stream_pca
 from .pipeline import compress_checkpoint, compress_model, compress_tensors
@@ -59,5 +59,4 @@ __all__ = [
     "record_verification",
     "sequential_stream_pca",
     "sequential_weighted",
-    "token_sequences",
 ]

@@ -166,7 +166,7 @@ def allocate_slice_for(run: CompressRun):
     adapter = check_family(run.config, run.source.keys())
     entries = matrix_entries(run.config, run.source.keys(), adapter)
     if stats is None or stats.stream is None:
-        stats = collect_statistics(run, want_normed=False, want_stream=True, progress=run.progress)
+        stats = collect_statistics(run, want_normed=False, want_stream=True)
     Q = global_rotation(stats)
     d = adapter.hidden
     curves = measure_slice_sensitivity(run, adapter, Q, stats.stream, uniform.tied)

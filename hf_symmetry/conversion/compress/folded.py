@@ -123,41 +123,31 @@ class FoldedGlobals(Mapping):
             read = actions.fold_final_norm({**read, "final_norm.weight": self.gamma})
         return read[key]
 
-    def _fold(self, key: str, raw: torch.Tensor) -> torch.Tensor:
-        """Rows of the checkpoint tensor of ``key`` -> the same rows of ``self[key]`` (float64, folded)."""
-        t = self.adapter.read_globals({self._where[key]: raw})[key]
-        return t * self.gamma[None, :] if key == "lm_head.weight" else t  # as fold_final_norm folds
-
-    def row_blocks(self, key: str, chunk: int = 1024):
-        """``(rows, iterator of (first row, block))`` over ``self[key]``, float64."""
-        ckey = self._where[key]
-        if not hasattr(self.source, "get_rows"):  # a tensor source in memory: its own tensor, sliced
-            W = self.source.get([ckey])[ckey]
-            return W.shape[0], ((i, self._fold(key, W[i : i + chunk])) for i in range(0, W.shape[0], chunk))
-        n = self.source.shapes()[ckey][0]
-        return n, ((i, self.take(key, torch.arange(i, min(i + chunk, n)))) for i in range(0, n, chunk))
-
     def take(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` (sorted unique indices) of ``self[key]``, float64."""
         ckey = self._where[key]
-        if hasattr(self.source, "get_rows"):
-            return self._fold(key, self.source.get_rows(ckey, rows))
-        return self._fold(key, self.source.get([ckey])[ckey][rows])
-
-
-def global_row_blocks(globals_, key: str, chunk: int = 1024):
-    """:meth:`FoldedGlobals.row_blocks`, also of a dict of globals."""
-    if isinstance(globals_, FoldedGlobals):
-        return globals_.row_blocks(key, chunk)
-    W = globals_[key]
-    return W.shape[0], ((i, W[i : i + chunk].to(torch.float64)) for i in range(0, W.shape[0], chunk))
+        if hasattr(self.source, "get_rows"):  # a checkpoint: only their bytes read
+            raw = self.source.get_rows(ckey, rows)
+        else:
+            raw = self.source.get([ckey])[ckey][rows]
+        t = self.adapter.read_globals({ckey: raw})[key]
+        return t * self.gamma[None, :] if key == "lm_head.weight" else t  # as fold_final_norm folds
 
 
 def global_rows(globals_, key: str, rows: torch.Tensor) -> torch.Tensor:
-    """:meth:`FoldedGlobals.take`, also of a dict of globals."""
+    """Rows ``rows`` (sorted unique indices) of ``globals_[key]`` (a dict or :class:`FoldedGlobals`), float64."""
     if isinstance(globals_, FoldedGlobals):
         return globals_.take(key, rows)
     return globals_[key][rows].to(torch.float64)
+
+
+def global_row_blocks(globals_, key: str, chunk: int = 1024):
+    """``(rows, iterator of (first row, block))`` over ``globals_[key]``, float64."""
+    if isinstance(globals_, FoldedGlobals):  # its shape, without reading it
+        n = globals_.source.shapes()[globals_._where[key]][0]
+    else:
+        n = globals_[key].shape[0]
+    return n, ((i, global_rows(globals_, key, torch.arange(i, min(i + chunk, n)))) for i in range(0, n, chunk))
 
 
 def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: bool, lazy: bool = False, keep: int = 2):
@@ -168,12 +158,5 @@ def read_folded(source: TensorSource, adapter: Adapter, keys: list[str], tied: b
     rest = [k for k in rest if not k.endswith("rotary_emb.inv_freq")]
     if rest:
         raise ValueError(f"checkpoint has tensors compress does not know how to carry: {rest[:4]}")
-    layers = FoldedLayers(source, adapter, per_layer, keep=keep)
-    if lazy:
-        g = FoldedGlobals(source, adapter, global_keys, tied)
-        return layers, g, g.gamma
-    g = adapter.read_globals(source.get(global_keys))
-    if tied:
-        g.pop("lm_head.weight", None)
-    gamma = g["final_norm.weight"].clone()
-    return [dict(layer) for layer in layers], actions.fold_final_norm(g), gamma
+    layers, g = FoldedLayers(source, adapter, per_layer, keep=keep), FoldedGlobals(source, adapter, global_keys, tied)
+    return (layers, g, g.gamma) if lazy else ([dict(layer) for layer in layers], dict(g), g.gamma)

@@ -5,7 +5,7 @@ stream (the folded readers' inputs; a rotation moves them to ``Qᵀ Σ Q`` exact
 uncompressed" statistics come from this one pass), the writers' inputs (``o_proj``, ``down_proj``), token
 counts (the embedding's and head's ``√(D+1)`` weights) and, for SliceGPT, the raw stream's. Sequential
 calibration (:func:`sequential_weighted`) measures segment k on the model whose earlier segments are already
-compressed, as SliceGPT and GPTQ calibrate. Every pass runs on a :class:`.routes.CompressRun`."""
+compressed, as SliceGPT and GPTQ calibrate."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...calibration import CalibrationEngine, StatsRequest
+from ...assets import resolve_text
+from ...calibration import CalibrationEngine, StatsRequest, token_counts
 from ...calibration import token_batches as batches
 from ...calibration.run import Activations
 from ...calibration.statistics import base_site
 from ...evaluation.compare import load_tokenizer
 from ...symmetry import actions
-from ...text import read_text, tokenize_text
+from ...text import read_text
 
 if TYPE_CHECKING:  # annotations only: the run imports nothing of this module
     from .routes import CompressRun
@@ -51,32 +52,35 @@ class CalibrationStats:
     # one global PCA: Σ_k C_k / tr C_k over the raw-stream moments, in segment order (instead of ``stream``)
     stream_sum: torch.Tensor | None = None
 
-
-def token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """How often each token id occurs in ``ids``, float64 ``[vocab]``."""
-    return torch.bincount(ids.reshape(-1), minlength=vocab).to(torch.float64)[:vocab]
-
-
-def token_sequences(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
-    """The 1-D sequences the engine runs (:func:`...calibration.token_batches`)."""
-    return [b.reshape(-1) for b in batches(ids, seq_len)]
+    def writer_moments(self, segment: int, consume: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Segment ``segment``'s writer's (layer ``(segment − 1) // 2``'s o or down) input moments and, matching
+        the original model, its target (else ``None``); ``consume``: both dropped from these statistics."""
+        name, layer = _WRITERS[segment % 2][0], (segment - 1) // 2
+        moments, targets = getattr(self, name), getattr(self, name + "_target")
+        out = moments[layer], None if targets is None else targets[layer]
+        if consume:
+            moments[layer] = None
+            if targets is not None:
+                targets[layer] = None
+        return out
 
 
 def read_calibration(src, calibration, options) -> torch.Tensor | None:
     """The token ids of ``calibration`` (a :class:`...calibration.CalibrationText`, or ``None``) with the
-    tokenizer of the folder ``src``; ``None`` where ``options`` needs no calibration. The text is read even
-    then, so an empty file fails before any work."""
-    calib = read_text(calibration.text) if calibration is not None else None
-    if options.needs_calibration and calib is None:
-        raise ValueError(
-            f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)"
-        )
-    if not options.needs_calibration:
+    tokenizer of the folder ``src``; ``None`` where ``options`` needs no calibration."""
+    if calibration is None:
+        if options.needs_calibration:
+            raise ValueError(
+                f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)"
+            )
         return None
-    calib_ids = tokenize_text(load_tokenizer(src), calib, max_tokens=calibration.tokens)
-    if calib_ids.numel() < 2:
+    if not options.needs_calibration:
+        read_text(resolve_text(calibration.text))  # unused, but an empty file fails before any work
+        return None
+    ids = calibration.ids(load_tokenizer(src))
+    if ids.numel() < 2:
         raise ValueError(f"calibration text {calibration.text} has fewer than two tokens")
-    return calib_ids
+    return ids
 
 
 def one_pass_statistics(run: CompressRun, on_demand: bool = False) -> CalibrationStats | None:
@@ -89,7 +93,6 @@ def one_pass_statistics(run: CompressRun, on_demand: bool = False) -> Calibratio
         run,
         want_normed=options.want_normed,
         want_stream=options.want_stream,
-        progress=run.progress,
         stream_sum=options.stream_sum,
         on_demand=on_demand and options.statistics_on_demand,
     )
@@ -116,32 +119,27 @@ _PREFIX = {"normed": "normed:", "stream": ""}
 
 
 def collect_statistics(
-    calib: CompressRun,
-    want_normed: bool,
-    want_stream: bool,
-    progress: bool = True,
-    stream_sum: bool = False,
-    on_demand: bool = False,
+    run: CompressRun, want_normed: bool, want_stream: bool, stream_sum: bool = False, on_demand: bool = False
 ) -> CalibrationStats:
     """One pass of the original model, one decoder layer in memory: per segment the moments of the normalised
-    (``want_normed``, with the writers' inputs) and/or raw stream (``want_stream``). Layer i measures segments
-    2i+1 and 2i+2 (layer 0 also 0): its output is the next layer's input, and the last one's the final stream,
-    bit for bit. ``stream_sum``: only ``stats.stream_sum`` (one ``d × d`` matrix) instead of ``stats.stream``.
-    ``on_demand``: each entry measured when first read; a solver releasing each segment once solved
-    (``stats.release_segment(k)``) then holds about one layer's moments (the FFN's ``4d × 4d`` among them)."""
-    ids = calib.ids
-    stats = CalibrationStats(ids.numel(), token_counts(ids, int(calib.config["vocab_size"])))
+    (``want_normed``, with the writers' inputs) and/or raw stream (``want_stream``; ``stream_sum``: only their
+    sum, one ``d × d`` matrix). Layer i measures segments 2i+1 and 2i+2 (layer 0 also 0): its output is the next
+    layer's input, and the last one's the final stream, bit for bit. ``on_demand``: each entry measured when
+    first read; a solver releasing each segment once solved (``stats.release_segment(k)``) then holds about one
+    layer's moments (the FFN's ``4d × 4d`` among them)."""
+    ids = run.ids
+    stats = CalibrationStats(ids.numel(), token_counts([ids], int(run.config["vocab_size"])))
     kinds = [kind for kind, want in (("normed", want_normed), ("stream", want_stream)) if want]
     if not kinds:
         return stats
-    engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
+    engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
     L = engine.adapter.n_layers
-    run = engine.start(batches(ids, calib.seq_len))
-    n = stats.tokens = run.tokens
+    calibration = engine.start(batches(ids, run.seq_len))
+    n = stats.tokens = calibration.tokens
     # layer_in is used at layer 0 only (later ones equal the previous output), but one request keeps one bar
     sites = [_PREFIX[kind] + s for kind in kinds for s in ("layer_in", "ffn_norm_in", "layer_out")]
-    steps = run.layers(StatsRequest(grams=(*sites, *(["o_in", "down_in"] if want_normed else []))))
-    del run
+    steps = calibration.layers(StatsRequest(grams=(*sites, *(["o_in", "down_in"] if want_normed else []))))
+    del calibration  # the pass's activations go with its last step
     measured = [0]  # layers measured
 
     def store(kind: str, k: int, C: torch.Tensor) -> None:
@@ -149,7 +147,7 @@ def collect_statistics(
             C = C / C.trace().clamp_min(1e-300)
             stats.stream_sum = C if stats.stream_sum is None else stats.stream_sum + C
         else:
-            getattr(stats, kind).items[k] = C
+            getattr(stats, kind)[k] = C
 
     def advance(layer: int) -> None:
         while measured[0] <= layer:
@@ -157,36 +155,32 @@ def collect_statistics(
             i, grams = step.index, step.stats.grams
             step.stats = None
             step.release()  # the outputs are made: the original layer can go
-            for kind in kinds:  # in place: no second copy of the moments
-                p = _PREFIX[kind]
-                first = grams.pop(p + "layer_in")
-                segments = [(0, first)] if i == 0 else []
-                for k, site in [(2 * i + 1, "ffn_norm_in"), (2 * i + 2, "layer_out")]:
-                    segments.append((k, grams.pop(p + site)))
-                for k, C in segments:
-                    store(kind, k, C.div_(n))
-                del first, segments
+            segments = [(0, "layer_in")] if i == 0 else []
+            segments += [(2 * i + 1, "ffn_norm_in"), (2 * i + 2, "layer_out")]
+            for kind in kinds:
+                for k, site in segments:  # in place: no second copy of the moments
+                    store(kind, k, grams.pop(_PREFIX[kind] + site).div_(n))
             if want_normed:
-                stats.attn_out.items[i] = grams.pop("o_in").div_(n)
-                stats.mlp_hidden.items[i] = grams.pop("down_in").div_(n)
+                stats.attn_out[i] = grams.pop("o_in").div_(n)
+                stats.mlp_hidden[i] = grams.pop("down_in").div_(n)
             del step, grams
             measured[0] = i + 1
             if i == L - 1:
                 next(steps, None)  # the pass ends (nothing runs after the last layer)
 
+    def entries(n: int, layer_of) -> list | _OnDemand:
+        return _OnDemand(n, advance, layer_of) if on_demand else [None] * n
+
     per_segment, per_layer = (lambda k: max(0, (k - 1) // 2)), (lambda i: i)
     if want_normed:
-        stats.normed = _OnDemand(2 * L + 1, advance, per_segment)
-        stats.attn_out, stats.mlp_hidden = _OnDemand(L, advance, per_layer), _OnDemand(L, advance, per_layer)
+        stats.normed = entries(2 * L + 1, per_segment)
+        stats.attn_out, stats.mlp_hidden = entries(L, per_layer), entries(L, per_layer)
     if want_stream and not stream_sum:
-        stats.stream = _OnDemand(2 * L + 1, advance, per_segment)
+        stats.stream = entries(2 * L + 1, per_segment)
     if on_demand:
         stats.release_segment = partial(release_segment, stats)
-        return stats
-    advance(L - 1)
-    for name in ("normed", "stream", "attn_out", "mlp_hidden"):
-        if isinstance(getattr(stats, name), _OnDemand):
-            setattr(stats, name, getattr(stats, name).items)
+    else:
+        advance(L - 1)
     return stats
 
 
@@ -200,14 +194,12 @@ _WRITERS = {
 
 
 def release_segment(stats: CalibrationStats, k: int) -> None:
-    """Drop segment ``k``'s moments and its writer's (of layer ``(k − 1) // 2``), once it is solved."""
-    names = [("normed", k), ("normed_cross", k)]
-    if k > 0:
-        writer = _WRITERS[k % 2][0]
-        names += [(writer, (k - 1) // 2), (writer + "_target", (k - 1) // 2)]
-    for name, index in names:
+    """Drop segment ``k``'s moments and its writer's, once it is solved."""
+    for name in ("normed", "normed_cross"):
         if getattr(stats, name) is not None:
-            getattr(stats, name)[index] = None
+            getattr(stats, name)[k] = None
+    if k > 0:
+        stats.writer_moments(k, consume=True)
 
 
 def _request(sites: tuple[str, str, str, str], match_original: bool):
@@ -223,10 +215,10 @@ def _record(stats: CalibrationStats, got, segment: int, bias: torch.Tensor | Non
     """Segment ``segment``'s statistics from one :meth:`LayerStep.collect`: the writer's X̂ᵀX̂, the readers'
     normalised stream and, matching the original model, the readers' X̂ᵀX and the writer's target
     X̂ᵀ(H' − b − Ĥ) (``bias`` b: the writer's, which it keeps)."""
-    writer_moments, _, (writer, before, normed, after) = _WRITERS[segment % 2]
+    name, _, (writer, before, normed, after) = _WRITERS[segment % 2]
     layer, n = (segment - 1) // 2, got.tokens
     # in place (the sums are not needed again): no second copy of the FFN's [4d, 4d]-sized moments
-    getattr(stats, writer_moments)[layer] = got.grams.pop(writer).div_(n)
+    getattr(stats, name)[layer] = got.grams.pop(writer).div_(n)
     stats.normed[segment] = got.grams.pop(normed).div_(n)
     if stats.normed_cross is not None:
         stats.normed_cross[segment] = got.cross.pop((normed, normed)).div_(n)
@@ -234,130 +226,94 @@ def _record(stats: CalibrationStats, got, segment: int, bias: torch.Tensor | Non
         total = got.sums.pop(writer)
         if bias is not None:
             target.sub_(torch.outer(total, bias.to(target)))
-        getattr(stats, writer_moments + "_target")[layer] = target.div_(n)
+        getattr(stats, name + "_target")[layer] = target.div_(n)
 
 
-def sequential_weighted(
-    calib: CompressRun,
-    token_counts: torch.Tensor,
-    match_original: bool,
-    solve_segment,
-    progress: bool = True,
-    keep: bool = True,
-    folded=None,
-) -> CalibrationStats:
+def sequential_weighted(run: CompressRun, solve_segment, keep: bool = True, folded=None) -> CalibrationStats:
     """Stage W with sequential calibration: segments ``0 … 2L`` in order, each measured on the model whose
-    earlier segments are compressed (``match_original``: the original stream carried alongside).
-    ``solve_segment(k, stats)`` returns ``[(MatrixPlan, M̂)]``: the approximations replacing segment k's
-    matrices from then on (``[k, d]``, original basis; ``M̂`` or a function making it, the embedding's maybe a
-    function of the token ids giving its rows). ``keep=False``: each segment's statistics are dropped once
-    solved. ``folded``: the solver's norm-folded layers, shared instead of read twice.
+    earlier segments are compressed (matching the original model: the original stream carried alongside).
+    ``solve_segment(k, stats)`` returns ``[(MatrixPlan, M̂)]``: what replaces segment k's matrices from then on
+    (``[k, d]``, original basis; ``M̂``, or a function making it or, the embedding's, its rows of token ids).
+    ``keep=False``: each segment's statistics dropped once solved. ``folded``: the solver's norm-folded layers.
 
-    Each layer runs as the family's own module with its norms folded: with one rotation per segment the
-    compressed model *is* this model with each compressed matrix replaced by its approximation in the
-    original basis (RMSNorm commutes with rotations, the skips are exact). Layer i measures segment 2i+1
-    (o, gate, up) with q/k/v replaced, segment 2i+2 (down, the next q/k/v or the head) with o/gate/up replaced
-    too; segment 0 is measured on the embeddings. A segment's own writer counts as dense in its statistics."""
-    engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=progress)
-    adapter = engine.adapter
+    With one rotation per segment the compressed model *is* the norm-folded model with each compressed matrix
+    replaced by its approximation in the original basis (RMSNorm commutes with rotations, the skips are exact),
+    each layer run as the family's own module. Layer i measures segment 2i+1 (o, gate, up) with q/k/v replaced,
+    segment 2i+2 (down, the next q/k/v or the head) with o/gate/up replaced too; segment 0 is measured on the
+    embeddings. A segment's own writer counts as dense in its statistics."""
+    match = run.options.match_original
+    engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
+    adapter, dtype = engine.adapter, engine.dtype
     L, n_seg = adapter.n_layers, 2 * adapter.n_layers + 1
-    stats = CalibrationStats(0, token_counts, normed=[None] * n_seg, attn_out=[None] * L, mlp_hidden=[None] * L)
-    if match_original:
-        stats.normed_cross, stats.attn_out_target, stats.mlp_hidden_target = [None] * n_seg, [None] * L, [None] * L
-    chunks = batches(calib.ids, calib.seq_len)
-    run = engine.start(chunks, carry_original=match_original)
-    stats.tokens = run.tokens
-    first = StatsRequest(
-        grams=("normed:layer_in",), cross=(("normed:layer_in", "normed:layer_in"),) if match_original else ()
+    stats = CalibrationStats(
+        0, run.stats.token_counts, normed=[None] * n_seg, attn_out=[None] * L, mlp_hidden=[None] * L
     )
-    apply = _Replacements(engine, run, chunks)
+    if match:
+        stats.normed_cross, stats.attn_out_target, stats.mlp_hidden_target = [None] * n_seg, [None] * L, [None] * L
+    chunks = batches(run.ids, run.seq_len)
+    calibration = engine.start(chunks, carry_original=match)
+    stats.tokens = calibration.tokens
+    first = StatsRequest(grams=("normed:layer_in",), cross=(("normed:layer_in", "normed:layer_in"),) if match else ())
     # the original stream's sites the cross statistics read, kept: the original layer is released first
     kept = {base_site(b) for *_, sites in _WRITERS.values() for b in _request(sites, True).original_sites()}
-    kept = tuple(sorted(kept - {"layer_out"})) if match_original else ()  # (the layer's output is kept anyway)
+    kept = tuple(sorted(kept - {"layer_out"})) if match else ()  # (the layer's output is kept anyway)
+    replaced: dict[int, Tensors] = {}  # per layer, its matrices solved so far (the next layer's readers too)
 
-    def solved(k: int, layer: int, canon: _Overlay) -> None:
-        apply(solve_segment(k, stats), layer, canon)
+    def solved(k: int) -> None:
+        _replace(solve_segment(k, stats), replaced, calibration, chunks, dtype)
         if not keep:
             release_segment(stats, k)
 
-    def module(i: int, like: dict, canon: _Overlay) -> torch.nn.Module:
-        """Layer ``i``'s module with the tensors ``canon``, built from the family's meta skeleton."""
+    def module(i: int, like: dict, canon: _Overlay) -> torch.nn.Module:  # built from the family's meta skeleton
         return engine.layer_module(i, adapter.write_layer(i, canon, like))
 
-    for step in run.layers(first, only={0}, keep_original=kept, replaced=True):
+    for step in calibration.layers(first, only={0}, keep_original=kept, replaced=True):
         i = step.index
         layer = folded[i] if folded is not None else actions.fold_layer_norms(adapter.read_layer(i, step.tensors()))
-        canon = _Overlay(layer, engine.dtype)
-        like = {adapter.layer_prefix(i) + n: engine.dtype for n, _ in step.module.named_parameters()}
+        canon = _Overlay(layer, dtype, replaced.setdefault(i, {}))
+        like = {adapter.layer_prefix(i) + n: dtype for n, _ in step.module.named_parameters()}
         step.release()
         if i == 0:
             n = step.stats.tokens
             stats.normed[0] = step.stats.grams["normed:layer_in"] / n
-            if match_original:
+            if match:
                 stats.normed_cross[0] = step.stats.cross[("normed:layer_in", "normed:layer_in")] / n
             step.stats = None
-            solved(0, -1, canon)
-        for key in list(apply.pending):
-            canon[key] = apply.pending.pop(key)
+            solved(0)
         for k in (2 * i + 1, 2 * i + 2):
             _, bias, sites = _WRITERS[k % 2]
-            partial_layer = module(i, like, canon)
-            got = step.collect(_request(sites, match_original), module=partial_layer)
-            del partial_layer
+            got = step.collect(_request(sites, match), module=module(i, like, canon))
             _record(stats, got, k, layer[bias] if bias in layer else None)
             del got
-            solved(k, i, canon)
+            solved(k)
         step.replace(module(i, like, canon))
+        del replaced[i]
     return stats
 
 
-class _Replacements:
-    """Puts a solved segment's approximations into the sequential calibration: the embedding's rows into
-    the run's stream, a layer's matrices into its tensors, the next layer's readers into :attr:`pending`."""
-
-    def __init__(self, engine, run, chunks):
-        self.engine, self.run, self.chunks = engine, run, chunks
-        self.pending: dict[str, torch.Tensor] = {}  # weights of the next layer's solved readers
-
-    def __call__(self, replacements, layer: int, canon: Tensors) -> None:
-        dtype = self.engine.dtype
-        for m, M in replacements:
-            if m.canon == "embed":  # the approximation, or its rows (a function of the token ids)
-                rows = M if callable(M) else (lambda idx, E=M.to(dtype): E[idx.to(E.device)])
-                home = self.run.stream.batches[0].device
-                self.run.stream = Activations([rows(b).to(device=home, dtype=dtype) for b in self.chunks])
-                continue
-            if m.canon == "lm_head":
-                continue  # nothing runs after the head
-            if callable(M):
-                M = M()  # made now: one float64 approximation at a time
+def _replace(approximations, replaced: dict[int, Tensors], calibration, chunks, dtype: torch.dtype) -> None:
+    """Puts a solved segment's approximations into the sequential calibration: the embedding's rows into the
+    stream of ``calibration`` (the engine's run over ``chunks``), a layer's matrices into ``replaced``."""
+    for m, M in approximations:
+        if m.canon == "embed":  # the approximation, or its rows (a function of the token ids)
+            rows = M if callable(M) else (lambda idx, E=M.to(dtype): E[idx.to(E.device)])
+            home = calibration.stream.batches[0].device
+            calibration.stream = Activations([rows(b).to(device=home, dtype=dtype) for b in chunks])
+        elif m.canon != "lm_head":  # (nothing runs after the head)
+            M = M() if callable(M) else M  # made now: one float64 approximation at a time
             # in the engine's dtype at once: the layer module is built in it (the same values), half the memory
-            W = (M if m.role == "reader" else M.T).to(dtype)
-            del M
-            if m.layer == layer:
-                canon[f"{m.canon}.weight"] = W
-            elif m.layer == layer + 1:
-                self.pending[f"{m.canon}.weight"] = W
-            else:
-                raise AssertionError(f"segment solve replaced {m.name} out of order (layer {layer})")
+            replaced.setdefault(m.layer, {})[f"{m.canon}.weight"] = (M if m.role == "reader" else M.T).to(dtype)
 
 
 class _Overlay(Mapping):
-    """A layer's tensors in ``dtype``: the approximations set so far over the norm-folded layer, whose other
-    tensors are read and cast when a module is built (only the approximations are held between modules)."""
+    """A layer's tensors in ``dtype``: ``replaced`` over the norm-folded ``layer``, whose other tensors are read
+    and cast when a module is built (only the approximations are held between modules)."""
 
-    def __init__(self, layer, dtype: torch.dtype):
-        self.layer, self.dtype, self.replaced = layer, dtype, {}
+    def __init__(self, layer, dtype: torch.dtype, replaced: Tensors):
+        self.layer, self.dtype, self.replaced = layer, dtype, replaced
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key in self.replaced:
-            return self.replaced[key]
-        return self.layer[key].to(self.dtype)
-
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        if key not in self.layer:
-            raise KeyError(key)
-        self.replaced[key] = value
+        return self.replaced[key] if key in self.replaced else self.layer[key].to(self.dtype)
 
     def __iter__(self):
         return iter(self.layer)

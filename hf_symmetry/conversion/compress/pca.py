@@ -3,10 +3,8 @@
 The rotations are eigenvectors of the residual stream's second moments, largest first: from one pass of the
 original model (one per segment, or one global one of the trace-normalised sum; a LayerNorm decoder's of its
 centred stream), or sequential (segment k's PCA taken of the model whose earlier segments are already
-sliced). :func:`slice_into` slices the tensors with one global rotation and one width; its
-:class:`SliceOutput` says only what is written. Per-segment rotations and widths are the compressed
-family's (:func:`.core.compress_into`).
-"""
+sliced). :func:`slice_into` slices with one global rotation and one width, whatever the output family (a
+:class:`SliceOutput`); per-segment rotations and widths are the compressed family's."""
 
 from __future__ import annotations
 
@@ -16,12 +14,12 @@ from abc import ABC, abstractmethod
 import torch
 
 from ...architectures import Adapter
-from ...calibration import CalibrationEngine, StatsRequest
+from ...calibration import CalibrationEngine, StatsRequest, token_counts
 from ...calibration import token_batches as batches
 from ...symmetry import actions
 from ..rms_decoder import centre_globals, centre_layer
 from ..stream import StreamOptions, TensorSource, transform_checkpoint
-from .moments import CalibrationStats, collect_statistics, token_counts
+from .moments import CalibrationStats, collect_statistics
 from .options import CompressOptions
 from .plan import Accounting
 from .report import CompressReport
@@ -56,8 +54,7 @@ def _project(h: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 class SlicedLayer(torch.nn.Module):
     """A family's own decoder layer run as SliceGPT's sliced model runs it, in the original basis: its input
     projected onto its segment's kept directions (``basis_in``, ``[d, d']`` orthonormal), the stream after
-    attention onto the next segment's once chosen (``basis_mid``; ``None``: unprojected). The output is
-    the stream after the FFN before its own segment's projection: what the next PCA is taken of. A hook on
+    attention onto the next segment's once chosen (``basis_mid``), its output left for the next PCA. A hook on
     the attention replaces its output ``a`` by ``P(x̂ + a) − x̂``, so the residual addition gives ``P(x̂ + a)``."""
 
     def __init__(self, layer: torch.nn.Module, attention_path: str, basis_in: torch.Tensor):
@@ -97,40 +94,39 @@ def pca(C: torch.Tensor) -> torch.Tensor:
 
 
 def sequential_stream_pca(run: CompressRun, width: int) -> tuple[list[torch.Tensor], CalibrationStats]:
-    """SliceGPT as its reference code calibrates, on ``run``'s calibration: segment k's PCA is taken of the
-    stream of the model whose earlier segments are already sliced to ``width`` (each layer run as
-    :class:`SlicedLayer`). Returns the rotations and the moments they were taken of (``stats.stream``); at
-    full width, those of one pass of the original model."""
+    """SliceGPT as its reference code calibrates: segment k's PCA is taken of the stream of the model whose
+    earlier segments are already sliced to ``width``. Returns the rotations and the moments they were taken of
+    (``stats.stream``; at full width, those of one pass of the original model)."""
     engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
     attention = engine.adapter.spec.attention.o.rsplit(".", 1)[0]
     n_seg = 2 * engine.adapter.n_layers + 1
-    stats = CalibrationStats(0, token_counts(run.ids, int(run.config["vocab_size"])), stream=[None] * n_seg)
+    stats = CalibrationStats(0, token_counts([run.ids], int(run.config["vocab_size"])), stream=[None] * n_seg)
     Qs: list[torch.Tensor | None] = [None] * n_seg
+
+    def kept(k: int, got, site: str) -> torch.Tensor:
+        """Segment ``k``'s moments (at ``site`` in ``got``) and PCA; its first ``width`` directions."""
+        stats.stream[k] = got.grams[site] / got.tokens
+        Qs[k] = pca(stats.stream[k])
+        return Qs[k][:, :width]
+
     calibration = engine.start(batches(run.ids, run.seq_len))
     sliced = None
     for step in calibration.layers(StatsRequest(grams=("layer_in",))):
         if sliced is not None:
             sliced.close()  # the previous layer's, run by the engine: unhooked (no cycles kept)
         i = step.index
-        stats.stream[2 * i] = step.stats.grams["layer_in"] / step.stats.tokens
-        Qs[2 * i] = pca(stats.stream[2 * i])
-        sliced = SlicedLayer(step.module, attention, Qs[2 * i][:, :width])
+        sliced = SlicedLayer(step.module, attention, kept(2 * i, step.stats, "layer_in"))
         mid = step.collect(StatsRequest(grams=("ffn_norm_in",)), module=sliced)
-        stats.stream[2 * i + 1] = mid.grams["ffn_norm_in"] / mid.tokens
-        Qs[2 * i + 1] = pca(stats.stream[2 * i + 1])
-        sliced.basis_mid = Qs[2 * i + 1][:, :width]
+        sliced.basis_mid = kept(2 * i + 1, mid, "ffn_norm_in")
         step.replace(sliced)
     sliced.close()
-    final = calibration.final(StatsRequest(grams=("final_in",)))
+    kept(n_seg - 1, calibration.final(StatsRequest(grams=("final_in",))), "final_in")
     stats.tokens = calibration.tokens
-    stats.stream[-1] = final.grams["final_in"] / final.tokens
-    Qs[-1] = pca(stats.stream[-1])
     return Qs, stats
 
 
 class SliceOutput(ABC):
-    """What a SliceGPT output with one global rotation and one width writes (the slice is
-    :func:`slice_into`'s, the same for every output)."""
+    """What a SliceGPT output with one global rotation and one width writes (:func:`slice_into` slices)."""
 
     @abstractmethod
     def plan(
@@ -160,24 +156,17 @@ class SliceOutput(ABC):
 def slice_into(
     run: CompressRun, output: SliceOutput, width: int | None = None, rotation: torch.Tensor | None = None
 ) -> tuple[dict, CompressReport]:
-    """SliceGPT with one global rotation and one width on ``run``, written by ``output`` into ``run.sink``:
-    (config dict, report). Every layer is read, centred (a LayerNorm decoder), its norms folded (a tied head
-    untied), rotated into the first ``w`` principal directions (readers ``W Q′``, writers ``Q′ᵀ W``, the
-    embeddings ``E Q′``) and cut to them. ``width`` overrides the planned width, ``rotation`` the measured
-    ``Q`` (``[d, d]``, principal directions first)."""
+    """SliceGPT with one global rotation and one width, written by ``output`` into ``run.sink``: (config dict,
+    report). Every layer is read, centred (a LayerNorm decoder), its norms folded (a tied head untied), rotated
+    into the first ``w`` principal directions (readers ``W Q′``, writers ``Q′ᵀ W``, the embeddings ``E Q′``)
+    and cut to them. ``width`` overrides the planned width, ``rotation`` the measured ``Q`` (``[d, d]``)."""
     source, config, options = run.source, run.config, run.options
     t0 = time.perf_counter()
     adapter, w, accounting = output.plan(source, config, options, width)
     centred = adapter.spec.norm_kind == "layer"
     tokens = 0
-    if rotation is None:
-        stats = collect_statistics(
-            run,
-            want_normed=False,
-            want_stream=True,
-            progress=run.progress,
-            stream_sum=not centred,  # the centred moments P C P are normalised each by its own trace
-        )
+    if rotation is None:  # (the centred moments P C P are normalised each by its own trace: not summed here)
+        stats = collect_statistics(run, want_normed=False, want_stream=True, stream_sum=not centred)
         rotation, tokens = global_rotation(stats, centred), stats.tokens
         del stats
     t1 = time.perf_counter()

@@ -161,15 +161,7 @@ def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors
         return approximations
 
     with bar:
-        kept.stats = sequential_weighted(
-            run,
-            run.stats.token_counts,
-            options.match_original,
-            segment,
-            progress=run.progress,
-            keep=kept.keep_stats,
-            folded=layers,
-        )
+        kept.stats = sequential_weighted(run, segment, keep=kept.keep_stats, folded=layers)
     return Qs, traces
 
 

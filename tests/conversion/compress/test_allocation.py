@@ -205,10 +205,9 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     src = _source(model)
     adapter = check_family(config, src.keys())
     stats = C.collect_statistics(
-        C.CompressRun(src, config, calib_ids=calib, calibration=SEQ40),
+        C.CompressRun(src, config, calib_ids=calib, calibration=SEQ40, progress=False),
         want_normed=False,
         want_stream=True,
-        progress=False,
     )
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
     calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40, progress=False)

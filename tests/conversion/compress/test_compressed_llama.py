@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
+from hf_symmetry.calibration import token_batches
 from hf_symmetry.checkpoint_io import RowBlocks
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
@@ -169,20 +170,9 @@ def _walk(model, calib, replace=lambda k, seq: []):
     """Sequential stage-W statistics on the calibration engine (float64), with ``replace(k, stats)``
     in place of the segment solves; also the one-pass statistics of the original model."""
     config = model.config.to_dict()
-    placement = _placement64()
-    seq = C.sequential_weighted(
-        C.CompressRun(_source(model), config, calib_ids=calib, placement=placement, calibration=SEQ40),
-        torch.ones(config["vocab_size"], dtype=torch.float64),
-        True,
-        replace,
-        progress=False,
-    )
-    ref = C.collect_statistics(
-        C.CompressRun(_source(model), config, calib_ids=calib, placement=placement, calibration=SEQ40),
-        want_normed=True,
-        want_stream=False,
-        progress=False,
-    )
+    given = dict(calib_ids=calib, placement=_placement64(), progress=False, calibration=SEQ40)
+    ref = C.collect_statistics(C.CompressRun(_source(model), config, **given), want_normed=True, want_stream=False)
+    seq = C.sequential_weighted(C.CompressRun(_source(model), config, stats=ref, **given), replace)
     return seq, ref
 
 
@@ -270,10 +260,9 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
     )
     plan, adapter, layers, globals_, gamma, calib_input = _walk_setup(model, options, calib, 40)
     one_pass = C.collect_statistics(
-        C.CompressRun(_source(model), model.config.to_dict(), calib_ids=calib, calibration=SEQ40),
+        C.CompressRun(_source(model), model.config.to_dict(), calib_ids=calib, calibration=SEQ40, progress=False),
         want_normed=True,
         want_stream=False,
-        progress=False,
     )
     run = C.CompressRun(
         calib_input.source,
@@ -307,8 +296,8 @@ def test_sequential_statistics_are_those_of_the_compressed_model():
         for part, proj in (("self_attn", "o_proj"), ("mlp", "down_proj"))
     ]
     with torch.no_grad():
-        for batch in C.token_sequences(calib, 40):
-            compressed(input_ids=batch[None])
+        for batch in token_batches(calib, 40):
+            compressed(input_ids=batch)
     for h in handles:
         h.remove()
     for i in range(plan.n_layers):

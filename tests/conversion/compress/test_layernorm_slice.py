@@ -115,11 +115,14 @@ def test_the_pca_is_taken_of_the_centred_stream():
     model = tiny_model("opt")
     stats = collect_statistics(
         CompressRun(
-            DictSource(dict(model.state_dict())), model.config.to_dict(), calib_ids=_calib(), calibration=SEQ40
+            DictSource(dict(model.state_dict())),
+            model.config.to_dict(),
+            calib_ids=_calib(),
+            calibration=SEQ40,
+            progress=False,
         ),
         want_normed=False,
         want_stream=True,
-        progress=False,
     )
     d = model.config.hidden_size
     P = torch.eye(d, dtype=torch.float64) - 1.0 / d

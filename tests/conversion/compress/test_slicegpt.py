@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hf_symmetry  # noqa: F401  (registers the family)
+from hf_symmetry.calibration import token_batches
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.testing import SEQ40, full_width, input_ids, outputs, tiny_model
 
@@ -62,10 +63,9 @@ def test_sequential_slicing_with_nothing_sliced_measures_the_one_pass_statistics
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=110, seed=3)[0]
     ref = C.collect_statistics(
-        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40, progress=False),
         want_normed=False,
         want_stream=True,
-        progress=False,
     )
     Qs, seq = C.sequential_stream_pca(
         C.CompressRun(src, config, calib_ids=calib, placement=_float64(), progress=False, calibration=SEQ40),
@@ -116,8 +116,8 @@ def test_sequential_slicing_measures_the_sliced_model_and_differs_from_one_pass(
         handles.append(layer.post_attention_layernorm.register_forward_pre_hook(hook(2 * i + 1)))
     handles.append(sliced.model.norm.register_forward_pre_hook(hook(2 * len(sliced.model.layers))))
     with torch.no_grad():
-        for batch in C.token_sequences(calib, 40):
-            sliced(input_ids=batch[None])
+        for batch in token_batches(calib, 40):
+            sliced(input_ids=batch)
     for h in handles:
         h.remove()
     one_pass = C.collect_statistics(
@@ -230,10 +230,9 @@ def _widths_model(model, widths, placement=None):
     )
     compressed, counted = C.build_model(state, cfg, torch.float64)
     stats = C.collect_statistics(
-        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40, progress=False),
         want_normed=False,
         want_stream=True,
-        progress=False,
     )
     from hf_symmetry.conversion.compress.pca import pca_rotations
 
@@ -375,16 +374,14 @@ def test_one_global_pca_keeps_one_running_sum_of_the_segment_moments():
     config, src = model.config.to_dict(), _source(model)
     calib = input_ids(batch=1, length=120, seed=3)[0]
     each = C.collect_statistics(
-        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40, progress=False),
         want_normed=False,
         want_stream=True,
-        progress=False,
     )
     summed = C.collect_statistics(
-        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40),
+        C.CompressRun(src, config, calib_ids=calib, placement=_float64(), calibration=SEQ40, progress=False),
         want_normed=False,
         want_stream=True,
-        progress=False,
         stream_sum=True,
     )
     n_seg = 2 * config["num_hidden_layers"] + 1
