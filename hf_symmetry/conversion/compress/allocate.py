@@ -21,7 +21,7 @@ import heapq
 import numpy as np
 import torch
 
-from ...calibration import CalibrationEngine, StatsRequest
+from ...calibration import StatsRequest
 from ...calibration import token_batches as batches
 from ...solvers import structures as st
 from .options import CompressOptions
@@ -157,7 +157,7 @@ def layer_sensitivity(calib: CompressRun, request: StatsRequest, reference, vari
         if curve:
             curves[f"layers.{step.index}"] = curve
 
-    engine = CalibrationEngine(calib.source, calib.config, placement=calib.placement, progress=calib.progress)
+    engine = calib.engine()
     engine.collect(batches(calib.ids, calib.seq_len), request, on_layer=on_layer, carry_original=True)
     return curves
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...assets import resolve_text
-from ...calibration import CalibrationEngine, StatsRequest, token_counts
+from ...calibration import StatsRequest, token_counts
 from ...calibration import token_batches as batches
 from ...calibration.run import Activations
 from ...calibration.statistics import base_site
@@ -132,7 +132,7 @@ def collect_statistics(
     kinds = [kind for kind, want in (("normed", want_normed), ("stream", want_stream)) if want]
     if not kinds:
         return stats
-    engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
+    engine = run.engine()
     L = engine.adapter.n_layers
     calibration = engine.start(batches(ids, run.seq_len))
     n = stats.tokens = calibration.tokens
@@ -242,7 +242,7 @@ def sequential_weighted(run: CompressRun, solve_segment, keep: bool = True, fold
     segment 2i+2 (down, the next q/k/v or the head) with o/gate/up replaced too; segment 0 is measured on the
     embeddings. A segment's own writer counts as dense in its statistics."""
     match = run.options.match_original
-    engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
+    engine = run.engine()
     adapter, dtype = engine.adapter, engine.dtype
     L, n_seg = adapter.n_layers, 2 * adapter.n_layers + 1
     stats = CalibrationStats(

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from ...architectures import Adapter
-from ...calibration import CalibrationEngine, StatsRequest, token_counts
+from ...calibration import StatsRequest, token_counts
 from ...calibration import token_batches as batches
 from ...symmetry import actions
 from ..rms_decoder import centre_globals, centre_layer
@@ -97,7 +97,7 @@ def sequential_stream_pca(run: CompressRun, width: int) -> tuple[list[torch.Tens
     """SliceGPT as its reference code calibrates: segment k's PCA is taken of the stream of the model whose
     earlier segments are already sliced to ``width``. Returns the rotations and the moments they were taken of
     (``stats.stream``; at full width, those of one pass of the original model)."""
-    engine = CalibrationEngine(run.source, run.config, placement=run.placement, progress=run.progress)
+    engine = run.engine()
     attention = engine.adapter.spec.attention.o.rsplit(".", 1)[0]
     n_seg = 2 * engine.adapter.n_layers + 1
     stats = CalibrationStats(0, token_counts([run.ids], int(run.config["vocab_size"])), stream=[None] * n_seg)

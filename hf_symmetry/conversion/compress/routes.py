@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ...calibration import CalibrationText
+from ...calibration import CalibrationEngine, CalibrationText
 from ...checkpoint_io import CheckpointReader, ShardedWriter
 from ...devices import Placement, linalg_device
 from ...flags import Flag, nested
@@ -71,6 +71,10 @@ class CompressRun:
             unset=CALIBRATION.seq_len,
         ),
     )
+
+    def engine(self) -> CalibrationEngine:
+        """The calibration engine over the source, on the run's placement."""
+        return CalibrationEngine(self.source, self.config, placement=self.placement, progress=self.progress)
 
     @property
     def device(self) -> torch.device:
