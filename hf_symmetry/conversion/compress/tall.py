@@ -65,17 +65,10 @@ class TallTerm:
         s, (row, dim) = term.structure, term.structure.row_factor
         n, _ = self._blocks()
         RF = s.map_rows(self.R, term.factors[row])
-
-        def blocks():
-            for _, B in self._blocks()[1]:
-                yield s.map_rows(B, RF)
-
         shape = tuple(RF.shape[:dim]) + (n,) + tuple(RF.shape[dim + 1 :])
-        factors = tuple(
-            RowBlocks(shape, self.row_dtype, blocks, row_dim=dim) if j == row else f.cpu()
-            for j, f in enumerate(term.factors)
-        )
-        D = Q.to(self.R) - self.R @ term.structure.dense(term.factors)
+        lifted = RowBlocks(shape, self.row_dtype, lambda: (s.map_rows(B, RF) for _, B in self._blocks()[1]), dim)
+        factors = tuple(lifted if j == row else f.cpu() for j, f in enumerate(term.factors))
+        D = Q.to(self.R) - self.R @ s.dense(term.factors)
         err = float(
             torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) / torch.sqrt(self.plain.trace()).clamp_min(1e-300)
         )

@@ -14,16 +14,28 @@ from .plan import MatrixPlan
 
 
 def _ridge(G: torch.Tensor, damping: float) -> torch.Tensor:
-    """GPTQ-style dampening ``δ mean(diag G)``, added to the diagonal of ``G`` (a 0-d tensor)."""
+    """The dampening ``δ mean(diag G)`` (a 0-d tensor)."""
     return damping * G.diagonal().mean().clamp_min(1e-12)
 
 
 def damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Tensor:
-    """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening); one
-    copy of G with the diagonal added in place, or G itself changed (``in_place``: the caller owns G)."""
+    """``G + δ mean(diag G) I``, which keeps every weighted problem well posed: a copy, or G itself changed
+    (``in_place``: the caller owns G)."""
     out = G if in_place else G.clone()
     out.diagonal().add_(_ridge(G, damping))
     return out
+
+
+def writer_stats(stats: CalibrationStats, m: MatrixPlan, consume: bool, target: bool = False) -> list:
+    """Writer ``m``'s input moments (and, ``target``, its matched right-hand side), dropped from ``stats``
+    when consumed."""
+    key = "attn_out" if m.canon == "o" else "mlp_hidden"
+    names = (key, key + "_target") if target else (key,)
+    taken = [getattr(stats, name)[m.layer] for name in names]
+    if consume:
+        for name in names:
+            getattr(stats, name)[m.layer] = None
+    return taken
 
 
 def matched_target(
@@ -39,20 +51,15 @@ def matched_target(
     (readers act on the other side) and, for writers, also undoes the stream's drift D = H − Ĥ before them;
     least squares ridge-regularised towards M, so that X̂ = X gives M back. Readers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M``
     (``reader_map``: A, where the caller made it); writers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``. Returns the
-    target and a writer's damped moments ``X̂ᵀX̂ + δI`` (its row weight). ``consume``: a writer's statistics are
-    dropped from ``stats`` and made the moments and right-hand side in place (one ``[4d, 4d]`` matrix held).
-    ``rows_gram`` (with ``consume``, a reducible writer): return ``M'ᵀ (X̂ᵀX̂ + δI) M'`` (``[d, d]``, all its
-    solve needs) instead; M is then freed once the right-hand side is made, and on the CPU the system is
-    solved in place (no second ``[4d, 4d]`` or target-sized matrix)."""
+    target and a writer's row weight ``X̂ᵀX̂ + δI``. ``consume``: a writer's statistics are dropped from ``stats``
+    and turned into the moments and right-hand side in place (one ``[4d, 4d]`` matrix held). ``rows_gram`` (with
+    ``consume``, a reducible writer): the row weight is ``M'ᵀ (X̂ᵀX̂ + δI) M'`` (``[d, d]``, all its solve needs),
+    M is freed once the right-hand side is made, and on the CPU the system is solved in place."""
     if m.role == "reader":  # M Aᵀ (a segment's readers share its moments: nothing is consumed)
         if reader_map is None:
             reader_map = reader_weights(m.segment, stats, damping, M.device, matched=True, consume=False)[1]
         return M @ reader_map.T, None
-    key = "attn_out" if m.canon == "o" else "mlp_hidden"
-    G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
-    if consume:
-        for name in (key, key + "_target"):
-            getattr(stats, name)[m.layer] = None
+    G, T = writer_stats(stats, m, consume, target=True)
     G = G.to(M.device)
     rhs = T.to(M.device, copy=not consume).add_(M, alpha=float(_ridge(G, damping)))
     del T
