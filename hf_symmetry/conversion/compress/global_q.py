@@ -45,9 +45,7 @@ class _Spill:
         save_file({str(i): f.detach().cpu().contiguous() for i, f in enumerate(factors)}, str(path))
         self.files[name] = path
 
-    def get(self, name: str, dtype: torch.dtype, device) -> tuple[Tensor, ...] | None:
-        if name not in self.files:
-            return None
+    def get(self, name: str, dtype: torch.dtype, device) -> tuple[Tensor, ...]:
         loaded = load_file(str(self.files[name]))
         return tuple(loaded[str(i)].to(device=device, dtype=dtype) for i in range(len(loaded)))
 

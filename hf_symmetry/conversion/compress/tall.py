@@ -20,8 +20,7 @@ class TallTerm:
 
     def __init__(self, m: MatrixPlan, globals_, device, row_dtype, right: torch.Tensor | None = None):
         self.globals, self.key, self.device = globals_, f"{m.canon}.weight", device
-        self.row_dtype = row_dtype or torch.float64
-        self.right = right
+        self.row_dtype, self.right = row_dtype or torch.float64, right
 
     @classmethod
     def reduced(cls, m: MatrixPlan, globals_, weights, device, row_dtype, right=None, col_gram=None) -> Term:
@@ -39,8 +38,7 @@ class TallTerm:
         tall.plain = P if P1 is None else P1  # Mᵀ M (the relative error's metric)
         shell = Term(m.name, torch.empty(n, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
         term, tall.R = shell.reduced_from_gram(P)
-        term.col_gram = col_gram
-        term.tall = tall
+        term.col_gram, term.tall = col_gram, tall
         return term
 
     def _map(self, B: torch.Tensor) -> torch.Tensor:

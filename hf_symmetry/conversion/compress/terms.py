@@ -53,7 +53,8 @@ class _Weighting:
             )
         return self._column
 
-    def reader_map(self) -> torch.Tensor:
+    def reader_map(self) -> torch.Tensor | None:
+        """The readers' map A (``None`` unless matched)."""
         self.column_weight()
         return self._map
 
@@ -67,9 +68,7 @@ class _Weighting:
         """A tall embedding or head, weighted as :meth:`term`; a head's matched target a block of rows at a time."""
         col = right = None
         if self.weighted and m.canon == "lm_head":
-            col = self.column_weight()
-            if self.matched:
-                right = self.reader_map()
+            col, right = self.column_weight(), self.reader_map()
         token = self.token_gram.diag if self.token_rows(m) else None
         return TallTerm.reduced(m, globals_, token, self.device, row_dtype, right, col)
 
