@@ -113,9 +113,8 @@ class GlobalSolve:
     def solve(
         self, Q0: Tensor, progress: bool, desc: str, kept, scratch: str | Path | None, final: bool = True
     ) -> tuple[Tensor, list[float]]:
-        """Alternate sweeps and rotation steps from ``Q0`` as :func:`...solvers.segments.solve_segment` does, then
-        :meth:`finish` at the final Q unless not ``final``, the warm starts spilled under ``scratch`` (default: the
-        system's temporary folder). Returns (Q, objective trace)."""
+        """Alternate sweeps and rotation steps from ``Q0`` as ``solve_segment`` does, then :meth:`finish` at the
+        final Q where ``final``; warm starts spilled under ``scratch`` (None: the system's temporary folder)."""
         schedule = self.schedule
         iters, dtype = schedule.iters, schedule.dtype
         fast = dtype != torch.float64 and iters > 0
