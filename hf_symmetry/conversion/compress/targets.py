@@ -26,16 +26,20 @@ def damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Ten
     return out
 
 
+def _take(stats: CalibrationStats, names: tuple[str, ...], i: int, consume: bool) -> list:
+    """Entry ``i`` of each of the statistics ``names``, dropped from ``stats`` when consumed."""
+    taken = [getattr(stats, name)[i] for name in names]
+    if consume:
+        for name in names:
+            getattr(stats, name)[i] = None
+    return taken
+
+
 def writer_stats(stats: CalibrationStats, m: MatrixPlan, consume: bool, target: bool = False) -> list:
     """Writer ``m``'s input moments (and, ``target``, its matched right-hand side), dropped from ``stats``
     when consumed."""
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
-    names = (key, key + "_target") if target else (key,)
-    taken = [getattr(stats, name)[m.layer] for name in names]
-    if consume:
-        for name in names:
-            getattr(stats, name)[m.layer] = None
-    return taken
+    return _take(stats, (key, key + "_target") if target else (key,), m.layer, consume)
 
 
 def matched_target(
@@ -102,16 +106,11 @@ def reader_weights(
     ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): each reader's matched target is ``M Aᵀ``, so a
     vocabulary-sized head can be matched a block of rows at a time. ``consume``: made in place from the
     moments, which are dropped from ``stats``: two ``[d, d]`` matrices held through the segment, not four."""
-    G = stats.normed[segment].to(device)
-    A = None
-    if matched:
-        rhs = stats.normed_cross[segment].to(device=device, copy=not consume)
-        rhs.diagonal().add_(_ridge(G, damping))
+    G, *cross = _take(stats, ("normed", "normed_cross") if matched else ("normed",), segment, consume)
+    G = G.to(device)
+    if not matched:
+        return damped(G, damping, in_place=consume), None
+    rhs = cross[0].to(device=device, copy=not consume)
+    rhs.diagonal().add_(_ridge(G, damping))
     Gd = damped(G, damping, in_place=consume)
-    if consume:
-        stats.normed[segment] = None
-        if matched:
-            stats.normed_cross[segment] = None
-    if matched:
-        A = torch.linalg.solve(Gd, rhs)
-    return Gd, A
+    return Gd, torch.linalg.solve(Gd, rhs)
