@@ -40,11 +40,10 @@ def _rotated_rows(globals_, key: str, Q: torch.Tensor, dtype: torch.dtype) -> to
 
 
 class Assembler:
-    """The compressed model's tensors in ``dtype``, handed to ``sink`` (default a :class:`..stream.DictSink`)
-    part by part: the embedding once segment 0 is solved, layer i once segments 2i to 2i + 2 are, the head
-    once the last one is (:meth:`segment_done`), and what is left at the end (:meth:`finish`); each part's
-    factors are dropped once written. A sink whose class sets ``row_blocks = True`` is handed
-    vocabulary-sized row factors as :class:`...checkpoint_io.RowBlocks`, any other whole tensors."""
+    """The compressed model's tensors in ``dtype``, handed to ``sink`` part by part: the embedding once segment 0
+    is solved, layer i once segments 2i to 2i + 2 are, the head once the last one is, and what is left at the
+    end (:meth:`finish`); each part's factors are dropped once written. A sink whose class sets ``row_blocks =
+    True`` is handed vocabulary-sized row factors as :class:`...checkpoint_io.RowBlocks`, any other whole tensors."""
 
     def __init__(
         self, plan: Plan, layers, globals_, gamma: torch.Tensor, dtype: torch.dtype, sink: TensorSink | None = None
@@ -70,13 +69,14 @@ class Assembler:
         """The kept columns of segment ``segment``'s rotation."""
         return Qs[segment][:, : self.plan.width(segment)]
 
-    def _global(self, m: MatrixPlan, key: str, Qs, factors: dict) -> Tensors:
+    def _global(self, m: MatrixPlan, Qs, factors: dict) -> Tensors:
+        """The embedding's or head's module: its factors, or its rows rotated into its segment's basis."""
         if m.compressed:
             return module_tensors(m, factors.pop(m.name))
-        return {"weight": _rotated_rows(self.globals, key, self._basis(Qs, m.segment), self.dtype)}
+        return {"weight": _rotated_rows(self.globals, f"{m.canon}.weight", self._basis(Qs, m.segment), self.dtype)}
 
     def embed(self, Qs, factors: dict) -> None:
-        self.put(family.EMBED_MODULE, self._global(self.plan.by_name()["embed"], "embed.weight", Qs, factors))
+        self.put(family.EMBED_MODULE, self._global(self.plan.by_name()["embed"], Qs, factors))
         self.done.add("embed")
 
     def matrix(self, m: MatrixPlan, Qs, factors: dict) -> None:
@@ -126,7 +126,7 @@ class Assembler:
     def head(self, Qs, factors: dict) -> None:
         plan, L = self.plan, self.plan.n_layers
         if plan.lm_head == "separate":
-            self.put(family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], "lm_head.weight", Qs, factors))
+            self.put(family.LM_HEAD_MODULE, self._global(plan.by_name()["lm_head"], Qs, factors))
         elif plan.lm_head == "tied_mixed":
             # logits = RMSNorm(s) M Êᵀ
             M = self._basis(Qs, 2 * L).T @ (self.gamma[:, None] * self._basis(Qs, 0))
@@ -217,9 +217,7 @@ def compressed_config(config: dict, plan: Plan, options: CompressOptions, hf_con
         "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
         "initializer_range": float(config.get("initializer_range", 0.02)),
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "bos_token_id": config.get("bos_token_id"),
-        "eos_token_id": config.get("eos_token_id"),
-        "pad_token_id": config.get("pad_token_id"),
+        **{k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         "attention_dropout": float(config.get("attention_dropout", 0.0) or 0.0),
         "rope_parameters": dict(rope),
         "lm_head": plan.lm_head,

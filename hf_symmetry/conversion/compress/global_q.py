@@ -1,15 +1,14 @@
-"""One global rotation (``--q-mode global``): stage F/W with one Q for every residual segment, solved over
-all the compressed matrices together, the weights streamed from the checkpoint.
+"""One global rotation (``--q-mode global``): stage F/W with one Q for every residual segment, over all the
+compressed matrices at once, the weights streamed from the checkpoint.
 
-The alternation of :func:`...solvers.segments.solve_segment` needs every matrix at each projection step,
-but between projections only their summaries: the rotation step minimises
+Between projections the alternation needs only the matrices' summaries: the rotation step minimises
 ``C − 2 tr(QᵀK) + Σ_p tr(Σ_p Q H_p Qᵀ)``, where C, ``K`` (``d × d``) and one ``H_p`` per segment with
 compressed readers (``Σ_p``: its column weight) are sums over the matrices. So each alternation is one
-*sweep* over the segments in order: each matrix is read, weighted, fitted at the current Q, added to the
-summaries and dropped. Held across sweeps: Q, the summaries and the warm starts of the alternating least
-squares fits (weighted Kronecker/GS), spilled to safetensors files; memory does not grow with depth. The
-last sweep fits the matrices at the final Q in float64 and keeps their factors. The solve equals
-:func:`~...solvers.segments.solve_segment` on all the terms at once, to round-off."""
+*sweep* over the segments: each matrix is read, weighted, fitted at the current Q, added to the summaries
+and dropped. Held across sweeps: Q, the summaries and the warm starts of the alternating least squares fits
+(weighted Kronecker/GS), spilled to safetensors files: memory does not grow with depth. The last sweep fits
+at the final Q in float64 and keeps the factors. The result equals ``solve_segment`` on all the terms at
+once, to round-off."""
 
 from __future__ import annotations
 
@@ -46,9 +45,7 @@ class _Spill:
         save_file({str(i): f.detach().cpu().contiguous() for i, f in enumerate(factors)}, str(path))
         self.files[name] = path
 
-    def get(self, name: str, dtype: torch.dtype, device) -> tuple[Tensor, ...] | None:
-        if name not in self.files:
-            return None
+    def get(self, name: str, dtype: torch.dtype, device) -> tuple[Tensor, ...]:
         loaded = load_file(str(self.files[name]))
         return tuple(loaded[str(i)].to(device=device, dtype=dtype) for i in range(len(loaded)))
 
@@ -70,37 +67,39 @@ class GlobalSolve:
         self.terms, self.n_segments, self.schedule = terms, n_segments, schedule
         self.d, self.device = d, torch.device(device or "cpu")
 
-    def sweep(self, Q: Tensor, dtype: torch.dtype, warm: _Spill | None, spill: _Spill | None) -> Summary:
-        """Fit every matrix at ``Q`` (iterations in ``dtype``, started from ``warm``'s factors where the
-        fit uses them, the new ones put in ``spill``): the summary of the fitted factors."""
+    def _fit(self, t: Term, Q: Tensor, dtype: torch.dtype, warm: _Spill | None, grams: dict):
+        """``t``'s working term fitted at ``Q`` in ``dtype`` (from ``warm``'s factors where the fit uses them), and
+        ``R`` to lift it back (:func:`...solvers.segments.work_term`)."""
+        w, R = work_term(t, keep_weights=False)
+        if dtype != w.M.dtype:
+            w = w.cast(dtype, grams)
+        if warm is not None and _warm_started(w):
+            w.factors = warm.get(w.name, dtype, w.M.device)
+        w.fit(Q, self.schedule.als_iters)
+        return w, R
+
+    def sweep(self, Q: Tensor, dtype: torch.dtype, warm: _Spill | None, spill: _Spill) -> Summary:
+        """Every matrix fitted at ``Q`` (the warm starts of the new fits put in ``spill``): their summary."""
         summary = Summary(torch.zeros(self.d, self.d, dtype=dtype, device=Q.device))
         for k in range(self.n_segments):
             grams: dict = {}  # the segment's column weight, cast once for its readers
             for t in self.terms(k):
-                w, _ = work_term(t, keep_weights=False)
+                w, _ = self._fit(t, Q, dtype, warm, grams)
                 del t
-                if dtype != w.M.dtype:
-                    w = w.cast(dtype, grams)
-                if warm is not None and _warm_started(w):
-                    w.factors = warm.get(w.name, dtype, w.M.device)
-                w.fit(Q, self.schedule.als_iters)
                 summary.add(w, at=Q)
                 w._summary = None
-                if spill is not None and _warm_started(w):
+                if _warm_started(w):
                     spill.put(w.name, w.factors)
                 del w
         return summary
 
     def finish(self, Q: Tensor, warm: _Spill | None, kept) -> float:
-        """The last sweep: every matrix fitted at ``Q`` in float64 (from ``warm``'s factors), lifted, kept
-        (``kept``: a :class:`.solve.Kept`) and dropped, each segment handed on once kept. Returns the objective."""
+        """The last sweep: every matrix fitted at ``Q`` in float64, lifted, kept (``kept``: a :class:`.solve.Kept`)
+        and dropped, each segment handed on once kept. Returns the objective."""
         total, Qs = 0.0, [Q.cpu()] * self.n_segments
         for k in range(self.n_segments):
             for t in self.terms(k):
-                w, R = work_term(t, keep_weights=False)
-                if warm is not None and _warm_started(w):
-                    w.factors = warm.get(w.name, torch.float64, w.M.device)
-                w.fit(Q, self.schedule.als_iters)
+                w, R = self._fit(t, Q, torch.float64, warm, {})
                 if not w.is_dense:
                     total += w.weight * w.error(Q)
                 w._summary = None
@@ -114,9 +113,8 @@ class GlobalSolve:
     def solve(
         self, Q0: Tensor, progress: bool, desc: str, kept, scratch: str | Path | None, final: bool = True
     ) -> tuple[Tensor, list[float]]:
-        """Alternate sweeps and rotation steps from ``Q0`` as :func:`...solvers.segments.solve_segment` does, then
-        :meth:`finish` at the final Q unless not ``final``, the warm starts spilled under ``scratch`` (default: the
-        system's temporary folder). Returns (Q, objective trace)."""
+        """Alternate sweeps and rotation steps from ``Q0`` as ``solve_segment`` does, then :meth:`finish` at the
+        final Q where ``final``; warm starts spilled under ``scratch`` (None: the system's temporary folder)."""
         schedule = self.schedule
         iters, dtype = schedule.iters, schedule.dtype
         fast = dtype != torch.float64 and iters > 0

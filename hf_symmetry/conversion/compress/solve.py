@@ -1,7 +1,7 @@
-"""Step 3, rotations and factors: stage ``none`` (plain projection at Q), ``f`` (alternating Frobenius projection
-/ Procrustes) and ``w`` (from stage F's Q: both weighted by the calibration covariances), see
-:mod:`...solvers.segments`; one Q per residual segment (skip connections carry ``Q_prevᵀ Q_next``) or one global
-Q. SliceGPT: PCA of the stream. Which path runs is :attr:`CompressOptions.solver`."""
+"""Step 3, rotations and factors: stage ``none`` (plain projection at Q), ``f`` (alternating projection /
+Procrustes) and ``w`` (the same from stage F's Q, weighted by the calibration covariances), one Q per residual
+segment (skip connections carry ``Q_prevᵀ Q_next``) or one global Q; SliceGPT: PCA of the stream. Which path
+runs is :attr:`CompressOptions.solver`."""
 
 from __future__ import annotations
 
@@ -27,12 +27,10 @@ Tensors = dict[str, torch.Tensor]
 
 
 class Kept:
-    """A solve's results: the ``factors`` (M orientation, on the CPU, in ``row_dtype`` where given: the output's)
-    and ``relative_errors`` of each compressed matrix, the rotations ``Qs`` (``None`` where ``on_segment``
-    released one), the objective ``traces`` and the ``stats`` sequential calibration measured.
-    ``on_segment(k, Qs, factors)``: segment k's rotation and factors, and every earlier one's, are final (the
-    assembler writes what they complete). ``keep_stats=False``: sequential calibration drops each segment's
-    statistics once solved."""
+    """A solve's results: each compressed matrix's ``factors`` (M orientation, on the CPU, in ``row_dtype``
+    where given) and ``relative_errors``, the rotations ``Qs`` (``None`` where ``on_segment`` released one),
+    the objective ``traces`` and the ``stats`` sequential calibration measured (each segment's dropped once
+    solved unless ``keep_stats``). ``on_segment(k, Qs, factors)`` is called once segments ``≤ k`` are final."""
 
     def __init__(
         self, row_dtype: torch.dtype | None = None, on_segment: Callable | None = None, keep_stats: bool = True
@@ -62,7 +60,7 @@ class Kept:
 
 
 def _schedule(options: CompressOptions, stage: str) -> Alternation:
-    """Stage ``stage``'s alternations (none where no rotation lowers the error), iterated in the solver's dtype."""
+    """Stage ``stage``'s alternations (none where no rotation lowers the error) in the solver's dtype."""
     iters = {"f": options.f_iters, "w": options.w_iters}.get(stage, 0) if options.rotates else 0
     return options.alternation(iters, stage, getattr(torch, options.solver_dtype))
 
@@ -109,13 +107,12 @@ def _approximation(t: Term, Q: torch.Tensor, m: MatrixPlan):
     return lambda s=t.structure, f=t.factors: s.dense(f) @ Q.T
 
 
-def _each_at_fixed_rotation(each, Q: torch.Tensor, options: CompressOptions, kept: Kept):
+def _each_at_fixed_rotation(each, Q: torch.Tensor, schedule: Alternation, kept: Kept):
     """A segment at a fixed rotation ``Q``: the terms do not interact, so each of ``each`` is solved, kept, its
     approximation made and dropped before the next is built. Returns the ``(MatrixPlan, approximation)`` pairs
     and the objective at Q, balanced: the writers' errors plus λ times the readers', ``λ = Σ`` writers' energies
     ``/ Σ`` readers' (compressed terms only)."""
     approximations, errors, energies, compressed = [], Counter(), Counter(), Counter()
-    schedule = options.alternation(0, None, getattr(torch, options.solver_dtype))
     for m, t in each:
         if not t.is_dense:
             energies[m.role] += t.energy()
@@ -133,8 +130,7 @@ def _each_at_fixed_rotation(each, Q: torch.Tensor, options: CompressOptions, kep
 
 def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors, Q_init: list, kept: Kept):
     """Stage W with sequential calibration: segment k is weighted by the statistics of the model whose segments
-    before k are already compressed, and its matrices are replaced there by their approximations once solved.
-    Returns (Qs, traces); the statistics go to ``kept.stats``."""
+    before k are compressed, and its matrices are replaced there by their approximations once solved."""
     plan, options = run.plan, run.options
     schedule = _schedule(options, "w")
     ms = plan.by_name()
@@ -145,7 +141,7 @@ def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors
         seq_run, consume = replace(run, stats=seq), not kept.keep_stats
         if schedule.iters == 0:  # Q fixed: each term solved and dropped in turn
             each = each_term(seq_run, layers, globals_, "w", k, kept.row_dtype, consume)
-            approximations, J = _each_at_fixed_rotation(each, Q_init[k], options, kept)
+            approximations, J = _each_at_fixed_rotation(each, Q_init[k], schedule, kept)
             Qs[k], traces[f"segment{k}"] = Q_init[k], [J]
         else:
             terms = segment_terms(seq_run, layers, globals_, "w", k, kept.row_dtype, consume)
@@ -166,9 +162,8 @@ def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors
 
 
 def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept | None = None) -> Kept:
-    """The rotations and factors of ``run.options.stage`` (or SliceGPT's PCA rotations) for ``run.plan`` on the
-    norm-folded ``layers`` and ``globals_``, into ``kept``, from ``run.rotations`` (default: the identity). The
-    linear algebra runs on ``run.device``, one segment's matrices and statistics at a time."""
+    """The rotations and factors of ``run.options.stage`` (or SliceGPT's PCA rotations) from ``run.rotations``
+    (default: the identity), into ``kept``; on ``run.device``, one segment's matrices and statistics at a time."""
     kept = Kept() if kept is None else kept
     options, n = run.options, run.plan.n_segments
     if options.solver == "pca":
@@ -179,8 +174,7 @@ def solve(run: CompressRun, layers: list[Tensors], globals_: Tensors, kept: Kept
             raise ValueError("sequential SliceGPT takes its rotations from sequential_stream_pca")
         kept.Qs, kept.stats = list(run.rotations), run.stats
         return kept
-    eye = torch.eye(run.plan.hidden, dtype=torch.float64)
-    Q0 = list(run.rotations) if run.rotations is not None else [eye] * n
+    Q0 = list(run.rotations) if run.rotations is not None else [torch.eye(run.plan.hidden, dtype=torch.float64)] * n
     if options.solver == "projection":  # low rank: no rotation lowers the error, the stage only picks the weighting
         kept.Qs, kept.traces = _solve_stage(run, layers, globals_, options.stage, Q0, kept)
     elif not options.rotates:  # low rank, sequential: one segment after the other, Q = I

@@ -20,8 +20,7 @@ class TallTerm:
 
     def __init__(self, m: MatrixPlan, globals_, device, row_dtype, right: torch.Tensor | None = None):
         self.globals, self.key, self.device = globals_, f"{m.canon}.weight", device
-        self.row_dtype = row_dtype or torch.float64
-        self.right = right
+        self.row_dtype, self.right = row_dtype or torch.float64, right
 
     @classmethod
     def reduced(cls, m: MatrixPlan, globals_, weights, device, row_dtype, right=None, col_gram=None) -> Term:
@@ -29,7 +28,7 @@ class TallTerm:
         weights ``weights`` or none; and ``MᵀM``) accumulated block by block; ``col_gram``: the head's column
         weight. Its ``tall`` lifts it back (and does not refer to it: both are freed with the term)."""
         tall = cls(m, globals_, device, row_dtype, right)
-        n, blocks = tall._blocks()
+        tall.n_rows, blocks = tall._blocks()
         P = P1 = None
         for i, B in blocks:
             GB = B if weights is None else weights[i : i + len(B)].to(device)[:, None] * B
@@ -37,10 +36,9 @@ class TallTerm:
             if weights is not None:
                 P1 = B.T @ B if P1 is None else P1.addmm_(B.T, B)
         tall.plain = P if P1 is None else P1  # Mᵀ M (the relative error's metric)
-        shell = Term(m.name, torch.empty(n, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
+        shell = Term(m.name, torch.empty(tall.n_rows, P.shape[0], dtype=P.dtype, device="meta"), m.structure)
         term, tall.R = shell.reduced_from_gram(P)
-        term.col_gram = col_gram
-        term.tall = tall
+        term.col_gram, term.tall = col_gram, tall
         return term
 
     def _map(self, B: torch.Tensor) -> torch.Tensor:
@@ -63,19 +61,11 @@ class TallTerm:
         Kronecker: ``[r, vocab, n₂]``) is a :class:`...checkpoint_io.RowBlocks` in the output's dtype, made
         from the checkpoint's rows when it is written (220 MB in float32 for a 49152 × 1117 factor)."""
         s, (row, dim) = term.structure, term.structure.row_factor
-        n, _ = self._blocks()
         RF = s.map_rows(self.R, term.factors[row])
-
-        def blocks():
-            for _, B in self._blocks()[1]:
-                yield s.map_rows(B, RF)
-
-        shape = tuple(RF.shape[:dim]) + (n,) + tuple(RF.shape[dim + 1 :])
-        factors = tuple(
-            RowBlocks(shape, self.row_dtype, blocks, row_dim=dim) if j == row else f.cpu()
-            for j, f in enumerate(term.factors)
-        )
-        D = Q.to(self.R) - self.R @ term.structure.dense(term.factors)
+        shape = tuple(RF.shape[:dim]) + (self.n_rows,) + tuple(RF.shape[dim + 1 :])
+        lifted = RowBlocks(shape, self.row_dtype, lambda: (s.map_rows(B, RF) for _, B in self._blocks()[1]), dim)
+        factors = tuple(lifted if j == row else f.cpu() for j, f in enumerate(term.factors))
+        D = Q.to(self.R) - self.R @ s.dense(term.factors)
         err = float(
             torch.sqrt((D * (self.plain @ D)).sum().clamp_min(0)) / torch.sqrt(self.plain.trace()).clamp_min(1e-300)
         )

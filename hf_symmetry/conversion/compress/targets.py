@@ -14,16 +14,32 @@ from .plan import MatrixPlan
 
 
 def _ridge(G: torch.Tensor, damping: float) -> torch.Tensor:
-    """GPTQ-style dampening ``δ mean(diag G)``, added to the diagonal of ``G`` (a 0-d tensor)."""
+    """The dampening ``δ mean(diag G)`` (a 0-d tensor)."""
     return damping * G.diagonal().mean().clamp_min(1e-12)
 
 
 def damped(G: torch.Tensor, damping: float, in_place: bool = False) -> torch.Tensor:
-    """``G + δ mean(diag G) I``: keeps every weighted problem well posed (GPTQ-style dampening); one
-    copy of G with the diagonal added in place, or G itself changed (``in_place``: the caller owns G)."""
+    """``G + δ mean(diag G) I``, which keeps every weighted problem well posed: a copy, or G itself changed
+    (``in_place``: the caller owns G)."""
     out = G if in_place else G.clone()
     out.diagonal().add_(_ridge(G, damping))
     return out
+
+
+def _take(stats: CalibrationStats, names: tuple[str, ...], i: int, consume: bool) -> list:
+    """Entry ``i`` of each of the statistics ``names``, dropped from ``stats`` when consumed."""
+    taken = [getattr(stats, name)[i] for name in names]
+    if consume:
+        for name in names:
+            getattr(stats, name)[i] = None
+    return taken
+
+
+def writer_stats(stats: CalibrationStats, m: MatrixPlan, consume: bool, target: bool = False) -> list:
+    """Writer ``m``'s input moments (and, ``target``, its matched right-hand side), dropped from ``stats``
+    when consumed."""
+    key = "attn_out" if m.canon == "o" else "mlp_hidden"
+    return _take(stats, (key, key + "_target") if target else (key,), m.layer, consume)
 
 
 def matched_target(
@@ -39,20 +55,15 @@ def matched_target(
     (readers act on the other side) and, for writers, also undoes the stream's drift D = H − Ĥ before them;
     least squares ridge-regularised towards M, so that X̂ = X gives M back. Readers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI) M``
     (``reader_map``: A, where the caller made it); writers: ``(X̂ᵀX̂ + δI)⁻¹ (X̂ᵀ(X M + D) + δ M)``. Returns the
-    target and a writer's damped moments ``X̂ᵀX̂ + δI`` (its row weight). ``consume``: a writer's statistics are
-    dropped from ``stats`` and made the moments and right-hand side in place (one ``[4d, 4d]`` matrix held).
-    ``rows_gram`` (with ``consume``, a reducible writer): return ``M'ᵀ (X̂ᵀX̂ + δI) M'`` (``[d, d]``, all its
-    solve needs) instead; M is then freed once the right-hand side is made, and on the CPU the system is
-    solved in place (no second ``[4d, 4d]`` or target-sized matrix)."""
+    target and a writer's row weight ``X̂ᵀX̂ + δI``. ``consume``: a writer's statistics are dropped from ``stats``
+    and turned into the moments and right-hand side in place (one ``[4d, 4d]`` matrix held). ``rows_gram`` (with
+    ``consume``, a reducible writer): the row weight is ``M'ᵀ (X̂ᵀX̂ + δI) M'`` (``[d, d]``, all its solve needs),
+    M is freed once the right-hand side is made, and on the CPU the system is solved in place."""
     if m.role == "reader":  # M Aᵀ (a segment's readers share its moments: nothing is consumed)
         if reader_map is None:
             reader_map = reader_weights(m.segment, stats, damping, M.device, matched=True, consume=False)[1]
         return M @ reader_map.T, None
-    key = "attn_out" if m.canon == "o" else "mlp_hidden"
-    G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
-    if consume:
-        for name in (key, key + "_target"):
-            getattr(stats, name)[m.layer] = None
+    G, T = writer_stats(stats, m, consume, target=True)
     G = G.to(M.device)
     rhs = T.to(M.device, copy=not consume).add_(M, alpha=float(_ridge(G, damping)))
     del T
@@ -95,16 +106,11 @@ def reader_weights(
     ``A = (X̂ᵀX̂ + δI)⁻¹ (X̂ᵀX + δI)`` (``[d, d]``): each reader's matched target is ``M Aᵀ``, so a
     vocabulary-sized head can be matched a block of rows at a time. ``consume``: made in place from the
     moments, which are dropped from ``stats``: two ``[d, d]`` matrices held through the segment, not four."""
-    G = stats.normed[segment].to(device)
-    A = None
-    if matched:
-        rhs = stats.normed_cross[segment].to(device=device, copy=not consume)
-        rhs.diagonal().add_(_ridge(G, damping))
+    G, *cross = _take(stats, ("normed", "normed_cross") if matched else ("normed",), segment, consume)
+    G = G.to(device)
+    if not matched:
+        return damped(G, damping, in_place=consume), None
+    rhs = cross[0].to(device=device, copy=not consume)
+    rhs.diagonal().add_(_ridge(G, damping))
     Gd = damped(G, damping, in_place=consume)
-    if consume:
-        stats.normed[segment] = None
-        if matched:
-            stats.normed_cross[segment] = None
-    if matched:
-        A = torch.linalg.solve(Gd, rhs)
-    return Gd, A
+    return Gd, torch.linalg.solve(Gd, rhs)

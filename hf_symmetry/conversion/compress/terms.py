@@ -45,20 +45,17 @@ class _Weighting:
         self._column = self._map = None
 
     def column_weight(self) -> torch.Tensor:
+        """The readers' column weight, made with their map A where matched (consumed: both from the segment's
+        moments in place)."""
         if self._column is None:
-            # consumed: the readers' weight and map made at once, from the segment's moments in place
             self._column, self._map = targets.reader_weights(
-                self.segment, self.stats, self.damping, self.device, self.matched and self.consume, self.consume
+                self.segment, self.stats, self.damping, self.device, self.matched, self.consume
             )
         return self._column
 
-    def reader_map(self) -> torch.Tensor:
-        if self.consume:
-            self.column_weight()
-        if self._map is None:
-            self._map = targets.reader_weights(
-                self.segment, self.stats, self.damping, self.device, matched=True, consume=False
-            )[1]
+    def reader_map(self) -> torch.Tensor | None:
+        """The readers' map A (``None`` unless matched)."""
+        self.column_weight()
         return self._map
 
     def token_rows(self, m: MatrixPlan) -> bool:
@@ -71,9 +68,7 @@ class _Weighting:
         """A tall embedding or head, weighted as :meth:`term`; a head's matched target a block of rows at a time."""
         col = right = None
         if self.weighted and m.canon == "lm_head":
-            col = self.column_weight()
-            if self.matched:
-                right = self.reader_map()
+            col, right = self.column_weight(), self.reader_map()
         token = self.token_gram.diag if self.token_rows(m) else None
         return TallTerm.reduced(m, globals_, token, self.device, row_dtype, right, col)
 
@@ -95,10 +90,7 @@ class _Weighting:
         else:
             M = _matrix_of(m, layers, globals_).to(device)
             if self.weighted and m.canon in ("o", "down"):
-                key = "attn_out" if m.canon == "o" else "mlp_hidden"
-                G = getattr(stats, key)[m.layer]
-                if consume:
-                    getattr(stats, key)[m.layer] = None
+                (G,) = targets.writer_stats(stats, m, consume)
                 row_weight = targets.damped(G.to(device), self.damping, in_place=consume)
                 del G
         term = Term(m.name, M, m.structure)
@@ -134,12 +126,9 @@ def each_term(run, layers: list[Tensors], globals_: Tensors, stage: str, segment
 def segment_terms(
     run, layers: list[Tensors], globals_: Tensors, stage: str, segment: int, row_dtype=None, consume=False
 ) -> list[Term]:
-    """The terms of :func:`each_term`, balanced (:func:`...solvers.segments.balance`; stage ``none`` is not)."""
-    terms, readers = [], []
-    for m, t in each_term(run, layers, globals_, stage, segment, row_dtype, consume):
-        terms.append(t)
-        if m.role == "reader":
-            readers.append(t)
+    """The terms of :func:`each_term`, balanced (stage ``none`` is not)."""
+    pairs = list(each_term(run, layers, globals_, stage, segment, row_dtype, consume))
+    terms = [t for _, t in pairs]
     if stage != "none":
-        balance(terms, readers)
+        balance(terms, [t for m, t in pairs if m.role == "reader"])
     return terms
