@@ -35,13 +35,6 @@ def _take(stats: CalibrationStats, names: tuple[str, ...], i: int, consume: bool
     return taken
 
 
-def writer_stats(stats: CalibrationStats, m: MatrixPlan, consume: bool, target: bool = False) -> list:
-    """Writer ``m``'s input moments (and, ``target``, its matched right-hand side), dropped from ``stats``
-    when consumed."""
-    key = "attn_out" if m.canon == "o" else "mlp_hidden"
-    return _take(stats, (key, key + "_target") if target else (key,), m.layer, consume)
-
-
 def matched_target(
     m: MatrixPlan,
     M: torch.Tensor,
@@ -63,7 +56,7 @@ def matched_target(
         if reader_map is None:
             reader_map = reader_weights(m.segment, stats, damping, M.device, matched=True, consume=False)[1]
         return M @ reader_map.T, None
-    G, T = writer_stats(stats, m, consume, target=True)
+    G, T = stats.writer_moments(m.segment, consume)
     G = G.to(M.device)
     rhs = T.to(M.device, copy=not consume).add_(M, alpha=float(_ridge(G, damping)))
     del T

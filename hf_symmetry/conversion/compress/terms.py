@@ -90,7 +90,7 @@ class _Weighting:
         else:
             M = _matrix_of(m, layers, globals_).to(device)
             if self.weighted and m.canon in ("o", "down"):
-                (G,) = targets.writer_stats(stats, m, consume)
+                G, _ = stats.writer_moments(m.segment, consume)
                 row_weight = targets.damped(G.to(device), self.damping, in_place=consume)
                 del G
         term = Term(m.name, M, m.structure)
