@@ -1,23 +1,8 @@
 """``compress``: ProcrustesGPT structured compression with orthogonal transforms, and SliceGPT as a
 built-in baseline, saved as loadable Hugging Face models (RMSNorm decoders the compressed family can
 express; LayerNorm decoders through the RMS-decoder family; ``hf-symmetry families`` gives the reason for
-any other). See ``docs/compress.md``. The steps, in the order a run takes them:
-
-- :mod:`.options` — the flags, and what their combinations mean (decided once);
-- :mod:`.routes` — one conversion as one object (:class:`CompressRun`) and the routes an output folder takes;
-- :mod:`.plan` — which matrices are compressed, into which structure and size, and the parameter accounting;
-- :mod:`.moments` — the calibration moments the solvers weight by (one pass, or sequential);
-- :mod:`.folded` — the source checkpoint with its norms folded, read a matrix at a time;
-- :mod:`.allocate`, :mod:`.allocate_widths` — non-uniform sizes at the same total, from measured sensitivity;
-- :mod:`.terms`, :mod:`.targets`, :mod:`.tall` — each compressed matrix weighted for its stage;
-- :mod:`.solve`, :mod:`.global_q` — rotations and structured factors, segment by segment or one global Q;
-- :mod:`.pca` — SliceGPT's rotations and slice;
-- :mod:`.assemble` — the compressed model's tensors and config, written as the solver finishes them;
-- :mod:`.core`, :mod:`.pipeline` — the pipeline on tensors, a loaded model and a checkpoint folder;
-- :mod:`.stock` — SliceGPT written as the source's own stock family;
-- :mod:`.layernorm_decoders` — LayerNorm decoders, centred, then sliced or structured;
-- :mod:`.report`, :mod:`.card` — ``compression_report.json`` and the model card.
-"""
+any other). One module per step: the table "The steps" of ``docs/compress.md`` says which does what, in the
+order a run takes them (options, plan, calibration moments, allocation, terms, solve, assembly, routes)."""
 
 from __future__ import annotations
 

@@ -367,16 +367,19 @@ class CompressOptions:
             out[REPORTED_AS.get(k, k)] = ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v
         return out
 
-    def stopping(self, stage: str = "w") -> dict:
-        """Stage F/W's stopping rule; stage W also over-relaxes Q between alternations (``extrapolate``)."""
-        return {"tol": self.stop_tol, "wopp_tol": self.wopp_stop_tol, "extrapolate": self.extrapolate and stage == "w"}
-
-    def alternation(self, iters: int, stage: str | None = "w", dtype: torch.dtype = torch.float64) -> Alternation:
-        """The solver's schedule: ``iters`` alternations in ``dtype``, with ``stage``'s stopping rule (``None``:
-        a fixed count)."""
-        rule = self.stopping(stage) if stage else {}
+    def schedule(self, stage: str) -> Alternation:
+        """Stage ``stage``'s solver schedule in the solver's dtype: at most ``f_iters`` / ``w_iters`` alternations
+        (none where no rotation lowers the error), stopped by ``stop_tol``; stage W also over-relaxes Q between
+        alternations (``extrapolate``)."""
         return Alternation(
-            iters=iters, als_iters=self.als_iters, wopp_iters=self.wopp_iters, dtype=dtype, keep_weights=False, **rule
+            iters={"f": self.f_iters, "w": self.w_iters}.get(stage, 0) if self.rotates else 0,
+            als_iters=self.als_iters,
+            wopp_iters=self.wopp_iters,
+            dtype=getattr(torch, self.solver_dtype),
+            keep_weights=False,
+            tol=self.stop_tol,
+            wopp_tol=self.wopp_stop_tol,
+            extrapolate=self.extrapolate and stage == "w",
         )
 
     def as_dict(self, calibration: CalibrationText) -> dict:

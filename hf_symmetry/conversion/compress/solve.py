@@ -17,7 +17,6 @@ from ...solvers import structures as st
 from ...solvers.segments import Alternation, Term, solve_segment
 from .global_q import GlobalSolve
 from .moments import CalibrationStats, sequential_weighted
-from .options import CompressOptions
 from .pca import pca_rotations
 from .plan import MatrixPlan
 from .routes import CompressRun
@@ -59,17 +58,11 @@ class Kept:
             del D
 
 
-def _schedule(options: CompressOptions, stage: str) -> Alternation:
-    """Stage ``stage``'s alternations (none where no rotation lowers the error) in the solver's dtype."""
-    iters = {"f": options.f_iters, "w": options.w_iters}.get(stage, 0) if options.rotates else 0
-    return options.alternation(iters, stage, getattr(torch, options.solver_dtype))
-
-
 def _solve_stage(run: CompressRun, layers, globals_: Tensors, stage: str, Q_init: list, kept: Kept, final=True):
     """Stage ``stage`` on one pass's statistics from the rotations ``Q_init``, segment by segment or globally:
     (Qs, traces). ``final=False``: only the rotations are wanted (stage F's before stage W)."""
     options, n = run.options, run.plan.n_segments
-    schedule = _schedule(options, stage)
+    schedule = options.schedule(stage)
     desc = "projection" if options.solver == "projection" else f"stage {stage.upper()}"
     if options.q_mode == "global":
         terms = partial(segment_terms, run, layers, globals_, stage, row_dtype=kept.row_dtype)
@@ -132,7 +125,7 @@ def _solve_sequential(run: CompressRun, layers: list[Tensors], globals_: Tensors
     """Stage W with sequential calibration: segment k is weighted by the statistics of the model whose segments
     before k are compressed, and its matrices are replaced there by their approximations once solved."""
     plan, options = run.plan, run.options
-    schedule = _schedule(options, "w")
+    schedule = options.schedule("w")
     ms = plan.by_name()
     Qs, traces = [None] * plan.n_segments, {}
     bar = tqdm(total=plan.n_segments, desc="stage W (sequential)", unit="segment", disable=not run.progress)

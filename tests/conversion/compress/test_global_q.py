@@ -6,6 +6,8 @@ each alternation instead of holding them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import solve as SV
 from hf_symmetry.conversion.compress.moments import one_pass_statistics
-from hf_symmetry.solvers.segments import Alternation, solve_segment
+from hf_symmetry.solvers.segments import solve_segment
 from hf_symmetry.testing import SEQ40, input_ids, tiny_model
 
 
@@ -47,14 +49,7 @@ def _held(plan, layers, globals_, stats, stage, options, iters):
     res = solve_segment(
         terms,
         torch.eye(plan.hidden, dtype=torch.float64),
-        Alternation(
-            iters=iters,
-            als_iters=options.als_iters,
-            wopp_iters=options.wopp_iters,
-            dtype=getattr(torch, options.solver_dtype),
-            keep_weights=False,
-            **options.stopping(stage),
-        ),
+        replace(options.schedule(stage), iters=iters),
     )
     kept = SV.Kept()
     kept.keep(terms, res.Q)
