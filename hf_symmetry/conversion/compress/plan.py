@@ -114,7 +114,6 @@ class Plan:
     hidden: int
     residual: int  # width of the compressed residual stream (< hidden for SliceGPT)
     n_layers: int
-    tied: bool
     skip: str  # none | orthogonal | dense
     lm_head: str  # tied | tied_mixed | separate
     matrices: list[MatrixPlan]
@@ -123,6 +122,10 @@ class Plan:
     # parameters outside the planned matrices, kept as they are: QK-norm γ; a LayerNorm decoder's position
     # table and head bias
     carried: int = 0
+
+    @property
+    def tied(self) -> bool:  # the head is the embedding (mixed or not)
+        return self.lm_head != "separate"
 
     @property
     def n_segments(self) -> int:
@@ -305,7 +308,7 @@ def plan_compression(
     entries = matrix_entries(config, keys, adapter)
     p_compressed, target = budget(entries, dense_total, options, tied)
     segment = options.segment_rotations
-    plan = Plan(adapter.family, d, d, n_layers, tied, "none", "separate", entries, carried=carried_params(adapter))
+    plan = Plan(adapter.family, d, d, n_layers, "none", "separate", entries, carried=carried_params(adapter))
     kappa = kron_q = None
     if options.slicing:
         plan.skip, plan.lm_head = "dense" if segment else "none", "tied_mixed" if tied else "separate"

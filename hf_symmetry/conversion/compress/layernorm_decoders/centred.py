@@ -27,14 +27,14 @@ class CentredSource:
         self.global_keys, self.per_layer, _ = partition_keys(self.adapter, keys)
         self._cache: tuple[int, Tensors] | None = None
         canon0 = self._canonical(0)
-        shapes = source.shapes()  # the position table's rows (0: none)
-        rows = sum(shapes[f"{self.adapter.prefix}{n}.weight"][0] for n in self.adapter.spec.pos_embed)
-        self.config = rms_decoder_config(self.adapter, config, canon0["up.weight"].shape[0], rows)
+        shapes, prefix = source.shapes(), self.adapter.prefix  # the position table's rows (0: none)
+        self.position_rows = sum(shapes[f"{prefix}{n}.weight"][0] for n in self.adapter.spec.pos_embed)
+        self.config = rms_decoder_config(self.adapter, config, canon0["up.weight"].shape[0], self.position_rows)
         self.config.pop("dtype", None)
         self.writer = Adapter.from_config(self.config)
         self._layer_suffixes = [k[len(self.writer.layer_prefix(0)) :] for k in self.writer.write_layer(0, canon0, _F64)]
         dummy = {"embed.weight": torch.empty(0), "lm_head.weight": torch.empty(0), "lm_head.bias": torch.empty(0)}
-        if rows:
+        if self.position_rows:
             dummy["pos0.weight"] = torch.empty(0)
         self._global_names = list(self.writer.write_globals(dummy, _F64))
 

@@ -15,7 +15,7 @@ from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....solvers import structures as st
 from ....symmetry import actions
 from ...rms_decoder import rms_decoder_config
-from ...stream import StreamOptions, TensorSource, partition_keys
+from ...stream import StreamOptions, TensorSource
 from ..options import CompressOptions
 from ..pca import SliceOutput
 from ..plan import (
@@ -29,6 +29,7 @@ from ..plan import (
     sliced_entry,
     source_numels,
 )
+from .centred import CentredSource
 
 
 class RMSDecoderSlice(SliceOutput):
@@ -41,14 +42,11 @@ class RMSDecoderSlice(SliceOutput):
     def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
         """The width whose parameter count is closest to the ratio's target (``width`` given: that one) and
         the accounting at it (the source passed by the package's ``check``)."""
-        keys = source.keys()
-        adapter = Adapter.from_config(config, keys)
+        centred = CentredSource(source, config)  # the centred model's sizes
+        adapter = centred.adapter
         d, tied = adapter.hidden, adapter.tied_embeddings
-        _, per_layer, _ = partition_keys(adapter, keys)  # layer 0 read: the adapter splits fused projections
-        self.intermediate = adapter.read_layer(0, source.get(per_layer[0]))["up.weight"].shape[0]
-        shapes = source.shapes()
-        self.rows = sum(shapes[f"{adapter.prefix}{name}.weight"][0] for name in adapter.spec.pos_embed)
-        vocab = shapes[f"{adapter.prefix}{adapter.spec.embed}.weight"][0]
+        self.intermediate, self.rows = centred.config["intermediate_size"], centred.position_rows
+        vocab = source.shapes()[f"{adapter.prefix}{adapter.spec.embed}.weight"][0]
         matrices = [
             *dense_entries(adapter, self.intermediate, vocab, lambda _: True, head=True),
             MatrixPlan("pos", "pos", None, "writer", 0, st.Dense((self.rows, d))),

@@ -44,10 +44,9 @@ def plan_structured(centred: CentredSource, options: CompressOptions) -> Plan:
     entries = dense_entries(adapter, cfg["intermediate_size"], vocab, lambda _: True, head=True)
     dense_total = source_numels(centred.source, tied)
     p_compressed, target = budget(entries, dense_total, options, tied)  # the head, untied here, pays for itself
-    rows = int(cfg["max_position_embeddings"] + cfg["position_offset"]) if not cfg.get("rotary") else 0
-    carried = rows * d + vocab  # the position table and the head's bias, both dense
+    carried = centred.position_rows * d + vocab  # the position table and the head's bias, both dense
     skip = "orthogonal" if options.segment_rotations else "none"
-    plan = Plan(adapter.family, d, d, L, False, skip, "separate", entries, carried=carried)
+    plan = Plan(adapter.family, d, d, L, skip, "separate", entries, carried=carried)
     struct_size = sum(e.structure.params() for e in entries if in_policy(e.canon, options))
     fixed = plan.params() - struct_size  # what stays dense: all but the policy's matrices, and the skips
     kappa = options.matrix_keep if options.matrix_keep is not None else (target - fixed) / struct_size
@@ -112,9 +111,8 @@ class RMSDecoderStructures(Output):
 def structured_tensors(run: CompressRun):
     """The whole route of ``run`` into ``run.sink``: (RMS-decoder config dict, report); ``run`` may hand in
     the plan, the statistics and the starting rotations, as to :func:`..core.compress_into`."""
-    source, config = run.source, run.config
-    centred = CentredSource(source, config)
+    centred = CentredSource(run.source, run.config)
     plan = run.plan if run.plan is not None else plan_structured(centred, run.options)
     centred_run = replace(run, source=centred, config=centred.config, plan=plan)
-    new_config, report, _ = compress_into(centred_run, RMSDecoderStructures(centred, config))
+    new_config, report, _ = compress_into(centred_run, RMSDecoderStructures(centred, run.config))
     return new_config, report
