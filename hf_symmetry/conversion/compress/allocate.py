@@ -47,7 +47,7 @@ def group_entries(entries: list[MatrixPlan], options: CompressOptions) -> Member
 
 
 def _structures(es: list[MatrixPlan], options: CompressOptions, kron_q: int | None, keep: float) -> list[st.Structure]:
-    return [structure_for(options, e.name, *e.shape, keep, kron_q, e.canon in ("embed", "lm_head")) for e in es]
+    return [structure_for(options, e, keep, kron_q) for e in es]
 
 
 def build_groups(members: Members, options: CompressOptions, kron_q: int | None, curves: Curves) -> dict[str, Choices]:

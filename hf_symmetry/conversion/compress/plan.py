@@ -114,7 +114,6 @@ class Plan:
     hidden: int
     residual: int  # width of the compressed residual stream (< hidden for SliceGPT)
     n_layers: int
-    tied: bool
     skip: str  # none | orthogonal | dense
     lm_head: str  # tied | tied_mixed | separate
     matrices: list[MatrixPlan]
@@ -123,6 +122,10 @@ class Plan:
     # parameters outside the planned matrices, kept as they are: QK-norm γ; a LayerNorm decoder's position
     # table and head bias
     carried: int = 0
+
+    @property
+    def tied(self) -> bool:  # the head is the embedding (mixed or not)
+        return self.lm_head != "separate"
 
     @property
     def n_segments(self) -> int:
@@ -146,7 +149,7 @@ class Plan:
         return last * skip, width(0) * width(last) if self.lm_head == "tied_mixed" else 0
 
     def params(self, width=None) -> int:
-        """The compressed model's parameters: the matrices (:func:`params_at`), the overhead and the carried."""
+        """The compressed model's parameters: the matrices, the overhead and the carried."""
         return params_at(self.matrices, width or self.width) + sum(self.overhead(width)) + self.carried
 
 
@@ -163,34 +166,35 @@ def check_family(config: dict, keys: list[str]) -> Adapter:
     return adapter
 
 
-def dense_entries(adapter: Adapter, rows: dict[str, int], vocab: int, bias, head: bool) -> list[MatrixPlan]:
-    """Every matrix, dense: each layer's ``M [k, d]`` (``rows``: key → ``k``; a bias where ``bias(key)``),
-    the embedding and, where ``head``, an untied head."""
-    d, L = adapter.hidden, adapter.n_layers
+def dense_entries(adapter: Adapter, intermediate: int, vocab: int, bias, head: bool) -> list[MatrixPlan]:
+    """Every matrix, dense: each layer's ``M [k, d]`` (the gate where the FFN is gated; a bias where
+    ``bias(key)``), the embedding and, where ``head``, an untied head."""
+    d, n_layers, L = adapter.hidden, adapter.n_layers, adapter.layout
+    q, kv, inter = L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim, intermediate
+    rows = {"q": q, "k": kv, "v": kv, "o": q, "gate": inter, "up": inter, "down": inter}
+    if not adapter.spec.is_gated:
+        del rows["gate"]
     entries = []
-    for i in range(L):
+    for i in range(n_layers):
         for c, k in rows.items():
             module, role = LAYER_MODULES[c]
             name = f"layers.{i}.{module.split('.')[1]}"
             entries.append(MatrixPlan(name, c, i, role, 2 * i + SEGMENT_OFFSET[c], st.Dense((k, d)), bias(c)))
     entries.append(MatrixPlan("embed", "embed", None, "writer", 0, st.Dense((vocab, d))))
     if head:
-        entries.append(MatrixPlan("lm_head", "lm_head", None, "reader", 2 * L, st.Dense((vocab, d))))
+        entries.append(MatrixPlan("lm_head", "lm_head", None, "reader", 2 * n_layers, st.Dense((vocab, d))))
     return entries
 
 
 def matrix_entries(config: dict, keys: list[str], adapter: Adapter) -> list[MatrixPlan]:
     """Every matrix of an RMSNorm checkpoint before its structure is chosen (dense)."""
-    L = adapter.layout
-    inter = int(config.get("intermediate_size"))
-    q_out, kv_out = L.n_heads * L.head_dim, L.n_kv_heads * L.head_dim
-    rows = {"q": q_out, "k": kv_out, "v": kv_out, "o": q_out, "gate": inter, "up": inter, "down": inter}
     keyset = set(keys)
 
     def bias(canon):
         return f"{adapter.layer_prefix(0)}{LAYER_MODULES[canon][0]}.bias" in keyset
 
-    return dense_entries(adapter, rows, int(config["vocab_size"]), bias, not adapter.tied_embeddings)
+    inter, vocab = int(config.get("intermediate_size")), int(config["vocab_size"])
+    return dense_entries(adapter, inter, vocab, bias, not adapter.tied_embeddings)
 
 
 def carried_params(adapter: Adapter) -> int:
@@ -224,34 +228,26 @@ def check_ratio(acc: Accounting, options: CompressOptions, family: str, hint: st
         )
 
 
-def shared_factor(options: CompressOptions, d: int, kappa: float) -> int | None:
-    """The split every matrix of a plan shares (the Kronecker ``q``; else ``None``)."""
-    cls = options.structure_class
-    return None if cls is None else cls.plan_factor(d, kappa, options.kron_factor)
-
-
-def structure_for(
-    options: CompressOptions, name: str, k: int, d: int, kappa: float, factor: int | None, embedding: bool
-) -> st.Structure:
-    """The structure of ``options.structure`` on ``M [k, d]`` keeping about ``kappa`` of its parameters
-    (``kappa >= 1``: dense); ``factor``: the plan's :func:`shared_factor`."""
+def structure_for(options: CompressOptions, e: MatrixPlan, kappa: float, factor: int | None) -> st.Structure:
+    """The structure of ``options.structure`` on ``e``'s ``M [k, d]`` keeping about ``kappa`` of its parameters
+    (``kappa >= 1``: dense); ``factor``: the split every matrix of the plan shares (the Kronecker ``q``)."""
     if kappa >= 1.0:
-        return st.Dense((k, d))
+        return st.Dense(e.shape)
+    embedding = e.canon in ("embed", "lm_head")
     return options.structure_class.sized(
-        (k, d), kappa, factor=factor, blocks=options.gs_blocks, embedding=embedding, name=name
+        e.shape, kappa, factor=factor, blocks=options.gs_blocks, embedding=embedding, name=e.name
     )
 
 
 def sized(entries, options: CompressOptions, d: int, kappa: float, keep: dict[str, float] | None = None):
     """``(kron_q, matrices)``: the policy's matrices in ``options``' structure keeping ``kappa`` of their
     parameters (``keep``'s fraction where it names one), the others dense."""
-    kron_q = shared_factor(options, d, kappa)
+    kron_q = options.structure_class.plan_factor(d, kappa, options.kron_factor)
 
     def structure(e: MatrixPlan) -> st.Structure:
         if not in_policy(e.canon, options):
             return e.structure
-        kept = kappa if keep is None else keep.get(e.name, kappa)
-        return structure_for(options, e.name, *e.shape, kept, kron_q, e.canon in ("embed", "lm_head"))
+        return structure_for(options, e, kappa if keep is None else keep.get(e.name, kappa), kron_q)
 
     return kron_q, [replace(e, structure=structure(e)) for e in entries]
 
@@ -312,7 +308,7 @@ def plan_compression(
     entries = matrix_entries(config, keys, adapter)
     p_compressed, target = budget(entries, dense_total, options, tied)
     segment = options.segment_rotations
-    plan = Plan(adapter.family, d, d, n_layers, tied, "none", "separate", entries, carried=carried_params(adapter))
+    plan = Plan(adapter.family, d, d, n_layers, "none", "separate", entries, carried=carried_params(adapter))
     kappa = kron_q = None
     if options.slicing:
         plan.skip, plan.lm_head = "dense" if segment else "none", "tied_mixed" if tied else "separate"

@@ -19,7 +19,9 @@ import hf_symmetry  # noqa: F401
 from hf_symmetry.architectures import UnsupportedSymmetry
 from hf_symmetry.architectures.capabilities import allows, families_text, reason
 from hf_symmetry.conversion import compress as C
-from hf_symmetry.conversion.compress.layernorm_decoders import build, layer_norm_plan, structured_tensors
+from hf_symmetry.conversion.compress.layernorm_decoders import build, structured_tensors
+from hf_symmetry.conversion.compress.layernorm_decoders.centred import CentredSource
+from hf_symmetry.conversion.compress.layernorm_decoders.structured import plan_structured
 from hf_symmetry.conversion.compress.routes import CompressRun
 from hf_symmetry.conversion.stream import DictSink
 from hf_symmetry.modeling.modeling_rms_decoder import RMSDecoderForCausalLM
@@ -46,7 +48,7 @@ def _exact(model, structure: str, q_mode: str = "segment", seed: int = 0):
     config = model.config.to_dict()
     options = C.CompressOptions(structure=structure, ratio=0.25, stage="f", q_mode=q_mode, f_iters=0, ratio_slack=1.0)
     source = C.DictSource(dict(model.state_dict()))
-    plan = _full_rank(layer_norm_plan(source, config, options))
+    plan = _full_rank(plan_structured(CentredSource(source, config), options))
     n_seg = 2 * plan.n_layers + 1
     Qs = (
         [haar_orthogonal(plan.hidden, rng(seed, k)) for k in range(n_seg)]

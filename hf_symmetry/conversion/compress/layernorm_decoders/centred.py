@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ....architectures import Adapter
-from ...rms_decoder import centre_globals, centre_layer, check_layer_norm_decoder, rms_decoder_config
+from ...rms_decoder import centre_globals, centre_layer, rms_decoder_config
 from ...stream import partition_keys
 from ....symmetry import actions
 
@@ -18,26 +18,23 @@ _F64 = {"": torch.float64}  # write in float64 (the adapter's default dtype for 
 
 class CentredSource:
     """The centred model's tensors (float64), read layer by layer from ``source`` (the last layer is kept,
-    so its tensors asked for one by one are centred once); ``config``: its RMS-decoder config dict."""
+    so its tensors asked for one by one are centred once); ``source`` and ``config`` passed by the package's
+    ``check``; ``self.config``: the centred model's RMS-decoder config dict."""
 
     def __init__(self, source, config: dict):
         keys = source.keys()
-        check_layer_norm_decoder(config)
         self.source, self.adapter = source, Adapter.from_config(config, keys)
-        self.global_keys, self.per_layer, rest = partition_keys(self.adapter, keys)
-        if rest:
-            raise ValueError(f"checkpoint has tensors compress does not know how to carry: {rest[:4]}")
+        self.global_keys, self.per_layer, _ = partition_keys(self.adapter, keys)
         self._cache: tuple[int, Tensors] | None = None
         canon0 = self._canonical(0)
-        pos = [f"{self.adapter.prefix}{n}.weight" for n in self.adapter.spec.pos_embed[:1]]
-        pos = [k for k in pos if k in set(keys)]
-        rows = self.source.get(pos)[pos[0]].shape[0] if pos else 0
-        self.config = rms_decoder_config(self.adapter, config, canon0["up.weight"].shape[0], rows)
+        shapes, prefix = source.shapes(), self.adapter.prefix  # the position table's rows (0: none)
+        self.position_rows = sum(shapes[f"{prefix}{n}.weight"][0] for n in self.adapter.spec.pos_embed)
+        self.config = rms_decoder_config(self.adapter, config, canon0["up.weight"].shape[0], self.position_rows)
         self.config.pop("dtype", None)
         self.writer = Adapter.from_config(self.config)
         self._layer_suffixes = [k[len(self.writer.layer_prefix(0)) :] for k in self.writer.write_layer(0, canon0, _F64)]
         dummy = {"embed.weight": torch.empty(0), "lm_head.weight": torch.empty(0), "lm_head.bias": torch.empty(0)}
-        if pos:
+        if self.position_rows:
             dummy["pos0.weight"] = torch.empty(0)
         self._global_names = list(self.writer.write_globals(dummy, _F64))
 

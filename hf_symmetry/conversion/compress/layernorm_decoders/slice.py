@@ -1,14 +1,10 @@
-"""SliceGPT on LayerNorm decoders (OPT, GPT-2, GPT-NeoX, GPT-J), through the RMS-decoder family.
+"""SliceGPT on LayerNorm decoders (Ashkboos et al., 2024, §3.2), through the RMS-decoder family.
 
-SliceGPT's own route for LayerNorm (Ashkboos et al., 2024, §3.2): every writer to the residual stream
-(token and position embeddings, attention and FFN outputs with their biases) is mean-centred, which
-leaves the function unchanged and makes each LayerNorm an RMSNorm followed by its γ and β, folded into the
-readers. The centred stream is ``P x`` (``P = I − 11ᵀ/d``), its second moment per segment ``P C P``; one
-global rotation ``Q`` (as the compressed family's global SliceGPT) maps it and its first ``w`` coordinates
-are kept. The output is the RMS-decoder family with ``residual_size = w`` (norms still divide by ``d``; the
-head, untied by the centring, reads the sliced stream); at ``w = d`` an exact rotation. ``w`` meets the
-ratio on the matrices on the stream, V and the position table included. The slice itself is
-:func:`..pca.slice_into`'s; here is what the RMS-decoder family writes."""
+The centred stream (:mod:`.centred`) is ``P x`` (``P = I − 11ᵀ/d``), its second moment per segment ``P C P``;
+one global rotation ``Q`` maps it and its first ``w`` coordinates are kept (the slice is
+:func:`..pca.slice_into`'s). The output is the RMS-decoder family with ``residual_size = w`` (norms still divide
+by ``d``; the head, untied by the centring, reads the sliced stream); at ``w = d`` an exact rotation. ``w`` meets
+the ratio on the matrices on the stream, V and the position table included."""
 
 from __future__ import annotations
 
@@ -18,13 +14,22 @@ from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
 from ....solvers import structures as st
 from ....symmetry import actions
-from ...rms_decoder import check_layer_norm_decoder, rms_decoder_config
-from ...stream import StreamOptions, TensorSource, partition_keys
+from ...rms_decoder import rms_decoder_config
+from ...stream import StreamOptions, TensorSource
 from ..options import CompressOptions
 from ..pca import SliceOutput
-from ..plan import Accounting, MatrixPlan, budget, check_ratio, nearest_width, params_at, sliced_entry, source_numels
-from .checks import check
-from .structured import centred_matrices
+from ..plan import (
+    Accounting,
+    MatrixPlan,
+    budget,
+    check_ratio,
+    dense_entries,
+    nearest_width,
+    params_at,
+    sliced_entry,
+    source_numels,
+)
+from .centred import CentredSource
 
 
 class RMSDecoderSlice(SliceOutput):
@@ -36,18 +41,14 @@ class RMSDecoderSlice(SliceOutput):
 
     def plan(self, source: TensorSource, config: dict, options: CompressOptions, width: int | None = None):
         """The width whose parameter count is closest to the ratio's target (``width`` given: that one) and
-        the accounting at it."""
-        keys = source.keys()
-        adapter = Adapter.from_config(config, keys)
-        check(adapter, options, keys)
+        the accounting at it (the source passed by the package's ``check``)."""
+        centred = CentredSource(source, config)  # the centred model's sizes
+        adapter = centred.adapter
         d, tied = adapter.hidden, adapter.tied_embeddings
-        _, per_layer, _ = partition_keys(adapter, keys)  # layer 0 read: the adapter splits fused projections
-        self.intermediate = adapter.read_layer(0, source.get(per_layer[0]))["up.weight"].shape[0]
-        shapes = source.shapes()
-        self.rows = sum(shapes[f"{adapter.prefix}{name}.weight"][0] for name in adapter.spec.pos_embed)
-        vocab = shapes[f"{adapter.prefix}{adapter.spec.embed}.weight"][0]
+        self.intermediate, self.rows = centred.config["intermediate_size"], centred.position_rows
+        vocab = source.shapes()[f"{adapter.prefix}{adapter.spec.embed}.weight"][0]
         matrices = [
-            *centred_matrices(adapter, self.intermediate, vocab),
+            *dense_entries(adapter, self.intermediate, vocab, lambda _: True, head=True),
             MatrixPlan("pos", "pos", None, "writer", 0, st.Dense((self.rows, d))),
         ]
         dense_total = source_numels(source, tied)
@@ -82,7 +83,6 @@ class RMSDecoderSlice(SliceOutput):
         return (adapter, w, acc) if width is None else (adapter, int(width), at(int(width)))
 
     def output(self, source: TensorSource, adapter: Adapter, config: dict, width: int, accounting: Accounting):
-        check_layer_norm_decoder(config)
         new_config = rms_decoder_config(adapter, config, self.intermediate, self.rows, residual_size=width)
         self.layout = adapter.layout if adapter.layout.rope_layout == "interleaved" else None
         return new_config, StreamOptions(globals_dtype=torch.float64, writer=Adapter.from_config(new_config))

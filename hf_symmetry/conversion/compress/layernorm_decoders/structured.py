@@ -14,15 +14,13 @@ from dataclasses import replace
 
 import torch
 
-from ....architectures import Adapter
 from ....modeling.configuration_rms_decoder import RMSDecoderConfig
-from ...stream import TensorSource, partition_keys
+from ...stream import partition_keys
 from ..assemble import structure_entries
 from ..core import Output, compress_into
 from ..folded import FoldedLayers
 from ..options import CompressOptions
 from ..plan import (
-    MatrixPlan,
     Plan,
     accounting,
     budget,
@@ -36,27 +34,19 @@ from ..routes import CompressRun
 from .centred import CentredSource
 
 
-def centred_matrices(adapter: Adapter, intermediate: int, vocab: int) -> list[MatrixPlan]:
-    """The centred model's matrices, dense: every layer's q, k, v, o, up and down with their biases, the
-    embedding and the head (untied by the centring; its bias, the final LayerNorm's β, is not the plan's)."""
-    inner = adapter.layout.n_heads * adapter.layout.head_dim
-    rows = {"q": inner, "k": inner, "v": inner, "o": inner, "up": intermediate, "down": intermediate}
-    return dense_entries(adapter, rows, vocab, lambda _: True, head=True)
-
-
 def plan_structured(centred: CentredSource, options: CompressOptions) -> Plan:
     """The structures of ``options`` on the centred model, sized so that the whole model meets the ratio
     (a preset: each compressed matrix keeps ``matrix_keep`` of its parameters)."""
     adapter, cfg = centred.adapter, centred.config
     d, L, tied = adapter.hidden, adapter.n_layers, adapter.tied_embeddings
     vocab = int(cfg["vocab_size"])
-    entries = centred_matrices(adapter, cfg["intermediate_size"], vocab)
+    # a bias on every linear, the head untied by the centring (its bias, the final LayerNorm's β, is carried)
+    entries = dense_entries(adapter, cfg["intermediate_size"], vocab, lambda _: True, head=True)
     dense_total = source_numels(centred.source, tied)
     p_compressed, target = budget(entries, dense_total, options, tied)  # the head, untied here, pays for itself
-    rows = int(cfg["max_position_embeddings"] + cfg["position_offset"]) if not cfg.get("rotary") else 0
-    carried = rows * d + vocab  # the position table and the head's bias, both dense
+    carried = centred.position_rows * d + vocab  # the position table and the head's bias, both dense
     skip = "orthogonal" if options.segment_rotations else "none"
-    plan = Plan(adapter.family, d, d, L, False, skip, "separate", entries, carried=carried)
+    plan = Plan(adapter.family, d, d, L, skip, "separate", entries, carried=carried)
     struct_size = sum(e.structure.params() for e in entries if in_policy(e.canon, options))
     fixed = plan.params() - struct_size  # what stays dense: all but the policy's matrices, and the skips
     kappa = options.matrix_keep if options.matrix_keep is not None else (target - fixed) / struct_size
@@ -121,14 +111,8 @@ class RMSDecoderStructures(Output):
 def structured_tensors(run: CompressRun):
     """The whole route of ``run`` into ``run.sink``: (RMS-decoder config dict, report); ``run`` may hand in
     the plan, the statistics and the starting rotations, as to :func:`..core.compress_into`."""
-    source, config = run.source, run.config
-    centred = CentredSource(source, config)
+    centred = CentredSource(run.source, run.config)
     plan = run.plan if run.plan is not None else plan_structured(centred, run.options)
     centred_run = replace(run, source=centred, config=centred.config, plan=plan)
-    new_config, report, _ = compress_into(centred_run, RMSDecoderStructures(centred, config))
+    new_config, report, _ = compress_into(centred_run, RMSDecoderStructures(centred, run.config))
     return new_config, report
-
-
-def layer_norm_plan(source: TensorSource, config: dict, options: CompressOptions) -> Plan:
-    """The plan alone (tests, dry runs): reads layer 0 and the checkpoint's shapes."""
-    return plan_structured(CentredSource(source, config), options)
