@@ -234,8 +234,13 @@ def config_object(config: dict):
 
 
 def build_model(state: Tensors, config: dict, dtype: torch.dtype = torch.float32):
-    """A :class:`CompressedLlamaForCausalLM` holding ``state`` (strict: every parameter accounted for)."""
-    model = CompressedLlamaForCausalLM(config_object(config)).to(dtype)
+    """A :class:`CompressedLlamaForCausalLM` holding ``state``, and its counted parameters (:func:`loaded`)."""
+    return loaded(CompressedLlamaForCausalLM(config_object(config)).to(dtype), state)
+
+
+def loaded(model, state: Tensors):
+    """``model`` holding ``state`` (every parameter accounted for), in eval mode, and its counted parameters
+    (with the ±1 signs of orthogonal skips)."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RuntimeError(

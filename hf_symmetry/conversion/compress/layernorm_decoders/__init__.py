@@ -19,6 +19,7 @@ from ....modeling.modeling_rms_decoder import RMSDecoderForCausalLM
 from ...rms_decoder import check_layer_norm_decoder, copy_remote_code
 from ...stream import partition_keys
 from ..options import CompressOptions
+from ..assemble import loaded
 from ..pca import slice_into
 from ..report import CompressReport
 from ..routes import CompressRun, Route
@@ -77,14 +78,8 @@ def check(config: dict, keys: list[str], options: CompressOptions) -> None:
 
 
 def build(state: dict, config: dict, dtype: torch.dtype):
-    """The RMS-decoder model holding ``state`` (strict), and its counted parameters (with the ±1 signs of
-    orthogonal skips, as the compressed family counts them)."""
-    model = RMSDecoderForCausalLM(RMSDecoderConfig.from_dict(config)).to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
-    counted = sum(p.numel() for p in model.parameters()) + sum(
-        b.numel() for n, b in model.named_buffers() if n.endswith("skip_signs")
-    )
-    return model.eval(), counted
+    """The RMS-decoder model holding ``state``, and its counted parameters."""
+    return loaded(RMSDecoderForCausalLM(RMSDecoderConfig.from_dict(config)).to(dtype), state)
 
 
 def layer_norm_tensors(run: CompressRun, width: int | None = None):
