@@ -17,7 +17,7 @@ from .pipeline import compress_checkpoint, compress_model, compress_tensors
 from .plan import MatrixPlan, check_family, plan_compression, plan_for
 from .report import record_verification
 from .routes import CALIBRATION, CompressRun
-from .targets import matched_target
+from .terms import matched_target
 
 __all__ = [
     "CALIBRATION",

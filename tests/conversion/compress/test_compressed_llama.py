@@ -19,8 +19,8 @@ from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import folded as folded_mod
 from hf_symmetry.conversion.compress import solve as solve_mod
-from hf_symmetry.conversion.compress import targets as targets_mod
-from hf_symmetry.conversion.compress.tall import TallTerm
+from hf_symmetry.conversion.compress import terms as terms_mod
+from hf_symmetry.conversion.compress.terms import TallTerm
 from hf_symmetry.conversion.stream import DictSink
 from hf_symmetry.solvers import structures as S
 from hf_symmetry.symmetry.groups import haar_orthogonal, rng
@@ -359,11 +359,11 @@ def _whole_matched(m, M, stats, damping, consume=False, rows_gram=False, reader_
     damped moments."""
     if m.role == "reader":
         G, Cx = stats.normed[m.segment], stats.normed_cross[m.segment]
-        ridge = targets_mod.damped(G, damping) - G
+        ridge = terms_mod.damped(G, damping) - G
         return torch.linalg.solve(G + ridge, (Cx + ridge) @ M.T).T, None
     key = "attn_out" if m.canon == "o" else "mlp_hidden"
     G, T = getattr(stats, key)[m.layer], getattr(stats, key + "_target")[m.layer]
-    ridge = targets_mod.damped(G, damping) - G
+    ridge = terms_mod.damped(G, damping) - G
     out = torch.linalg.solve(G + ridge, T + ridge @ M)
     return out, (out.T @ (G + ridge) @ out if rows_gram else G + ridge)
 
@@ -401,7 +401,7 @@ def test_written_checkpoint_holds_the_in_memory_tensors(tiny_dir, tmp_path, stru
 def _whole_reader_moments(segment, stats, damping, device, matched, consume):
     """``reader_weights`` as a dense-ridge computation that leaves the statistics in place."""
     G = stats.normed[segment]
-    ridge = targets_mod.damped(G, damping) - G
+    ridge = terms_mod.damped(G, damping) - G
     A = torch.linalg.solve(G + ridge, stats.normed_cross[segment] + ridge) if matched else None
     return G + ridge, A
 
@@ -475,8 +475,8 @@ def test_streamed_low_rank_equals_the_whole_matrix_computation(sequential, tied,
     with monkeypatch.context() as mp:
         mp.setattr(folded_mod.FoldedGlobals, "__getitem__", whole_read)
         mp.setattr(TallTerm, "applies", staticmethod(lambda m: False))
-        mp.setattr(targets_mod, "matched_target", _whole_matched)
-        mp.setattr(targets_mod, "reader_weights", _whole_reader_moments)
+        mp.setattr(terms_mod, "matched_target", _whole_matched)
+        mp.setattr(terms_mod, "reader_weights", _whole_reader_moments)
         mp.setattr(C.Assembler, "segment_done", lambda self, k, Qs, f: None)
         whole, whole_report = run()
         other, _ = run(damping=0.0101)
@@ -504,7 +504,8 @@ def test_matched_targets_are_ridge_least_squares_fits_of_the_original_outputs(ca
         stats.normed_cross = [Xh.T @ X / n]
     else:
         setattr(stats, key + "_target", [Xh.T @ (X @ M + D) / n])
-    m = C.MatrixPlan("m", canon, 0, "reader" if reader else "writer", 0, S.Dense((k, d)))
+    segment = {"q": 0, "o": 1, "down": 2}[canon]  # layer 0's
+    m = C.MatrixPlan("m", canon, 0, "reader" if reader else "writer", segment, S.Dense((k, d)))
     G0 = G.clone()
     got, metric = C.matched_target(m, M, stats, damping=0.05, consume=True)
     if reader:

@@ -1,5 +1,5 @@
 """``--q-mode global``: one rotation over every segment, solved with the weights streamed from the
-checkpoint on each alternation (:class:`hf_symmetry.conversion.compress.global_q.GlobalSolve`). It must
+checkpoint on each alternation (:class:`hf_symmetry.conversion.compress.solve.GlobalSolve`). It must
 give the same rotation and factors as the whole problem held in memory and solved at once
 (:func:`hf_symmetry.solvers.segments.solve_segment` on every term), and read the layers again on
 each alternation instead of holding them."""
