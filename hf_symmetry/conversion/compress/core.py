@@ -9,8 +9,7 @@ from dataclasses import replace
 
 from ...solvers.linalg import limit_threads
 from ..layer_map import LayerMap
-from .allocate import allocate_for
-from .allocate_widths import allocate_slice_for
+from .allocate import allocate_for, allocate_slice_for
 from .assemble import Assembler, compressed_config
 from .folded import read_folded
 from .moments import one_pass_statistics

@@ -16,7 +16,6 @@ import hf_symmetry  # noqa: F401  (registers the family)
 from hf_symmetry.cli import main
 from hf_symmetry.conversion import compress as C
 from hf_symmetry.conversion.compress import allocate as A
-from hf_symmetry.conversion.compress import allocate_widths as W
 from hf_symmetry.conversion.compress.plan import check_family, matrix_entries
 from hf_symmetry.testing import SEQ40, input_ids, run_without_hf_symmetry, tiny_model
 
@@ -160,10 +159,10 @@ def _slice_widths(smollm2_shapes, scale=None):
     uniform = C.plan_compression(config, keys, dense_total, None, options)
     entries = matrix_entries(config, keys, check_family(config, keys))
     curves = {
-        name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in W.MEASURED_WIDTHS]
-        for name in W.slice_groups(30)
+        name: [(x, (scale or {}).get(name, 1.0) * (1 - x) ** 2) for x in A.MEASURED_WIDTHS]
+        for name in A.slice_groups(30)
     }
-    widths, _ = W.allocate_slice(entries, 30, 576, True, uniform.accounting.target_params, curves, uniform.residual)
+    widths, _ = A.allocate_slice(entries, 30, 576, True, uniform.accounting.target_params, curves, uniform.residual)
     keep = {f"segment{k}": w / 576 for k, w in enumerate(widths)}
     return uniform, C.plan_compression(config, keys, dense_total, None, options, keep=keep), widths
 
@@ -211,7 +210,7 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     )
     Q = pca(sum(C_ / C_.trace() for C_ in stats.stream))
     calib_input = C.CompressRun(src, config, options, calib, calibration=SEQ40, progress=False)
-    curves = W.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream, tied=False)
+    curves = A.measure_slice_sensitivity(calib_input, adapter, Q, stats.stream, tied=False)
     assert set(curves) == {"layers.0", "layers.1", "embed"}
     for name, curve in curves.items():
         errors = [e for _, e in sorted(curve)]
@@ -219,7 +218,7 @@ def test_measured_slice_sensitivity_grows_as_the_width_shrinks():
     layer = model.model.layers[0]
     x = torch.randn(1, 5, config["hidden_size"])
     pos = model.model.rotary_emb(x, torch.arange(5)[None])
-    full = W._sliced_layer(layer, adapter, torch.eye(config["hidden_size"]))
+    full = A._sliced_layer(layer, adapter, torch.eye(config["hidden_size"]))
 
     def first(out):
         return out[0] if isinstance(out, tuple) else out
