@@ -661,5 +661,11 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+def config_dtype(config: dict) -> torch.dtype:
+    """The dtype a checkpoint's config names (``dtype`` or ``torch_dtype``; float32 where it names none)."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return name if isinstance(name, torch.dtype) else getattr(torch, str(name).removeprefix("torch."), torch.float32)
+
+
 def write_config(dst: Path, config: dict) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -9,7 +9,14 @@ import torch
 from transformers import AutoConfig
 
 from ...calibration import CalibrationText
-from ...checkpoint_io import CheckpointReader, ShardedWriter, atomic_output_dir, check_output_dir, parse_size
+from ...checkpoint_io import (
+    CheckpointReader,
+    ShardedWriter,
+    atomic_output_dir,
+    check_output_dir,
+    config_dtype,
+    parse_size,
+)
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
 from ..remote_code import save_family_config
 from ..stream import DictSink, DictSource
@@ -21,7 +28,7 @@ from .moments import CalibrationStats, read_calibration
 from .options import CompressOptions
 from .plan import Plan, plan_for
 from .report import CompressReport, finish_folder
-from .routes import CALIBRATION, CompressRun, CountingSink, Route, check_calibration, checkpoint_dtype
+from .routes import CALIBRATION, CompressRun, CountingSink, Route, check_calibration
 from .stock import StockSlice, why_not_stock
 
 Tensors = dict[str, torch.Tensor]
@@ -118,7 +125,7 @@ def compress_checkpoint(
     route = route_for(reader.config, options, stock)
     route.check(reader, options)
     calib_ids = read_calibration(src, calibration, options)  # an empty file fails here, before any load
-    dtype = checkpoint_dtype(reader.config)
+    dtype = config_dtype(reader.config)
     with atomic_output_dir(out, overwrite) as tmp:
         writer = ShardedWriter(tmp, parse_size("2GB"), metadata={"hf_symmetry": "compress"})
         sink = CountingSink(writer)

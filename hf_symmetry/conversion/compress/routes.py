@@ -151,9 +151,3 @@ class Route(ABC):
                 f"= {int(config['vocab_size']) * width:,} at this width (the ratio then picks a narrower one)"
             )
         return lines
-
-
-def checkpoint_dtype(config: dict) -> torch.dtype:
-    """The dtype a checkpoint's config names (``dtype`` or ``torch_dtype``; float32 where it names none)."""
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype

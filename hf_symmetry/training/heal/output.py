@@ -8,9 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 
-from ...checkpoint_io import atomic_output_dir
+from ...checkpoint_io import atomic_output_dir, config_dtype
 from ...conversion.layer_map import MAP_FILE
 from ...hub.lineage import public_report
 from .checks import read_config
@@ -32,7 +31,7 @@ def write_output(
             model = trained.merge_and_unload()
         else:
             model = trained
-        dtype = saved_dtype(src)
+        dtype = config_dtype(read_config(src))
         model = model.to("cpu", dtype)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
@@ -63,9 +62,3 @@ def save_adapter_folder(trained, folder: Path) -> None:
 
 def public_heal_report(d: dict) -> dict:
     return public_report({**d, "teacher": Path(d["teacher"]).name})
-
-
-def saved_dtype(src: Path) -> torch.dtype:
-    cfg = read_config(src)
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return getattr(torch, str(name).removeprefix("torch."), torch.float32)
