@@ -32,6 +32,7 @@ from ...architectures.spec import SPECS, find_spec
 from ...checkpoint_io import write_config
 from ..stream import DictSink, DictSource, StreamOptions, TensorSource
 from .options import CompressOptions
+from .assemble import loaded
 from .pca import SliceOutput, slice_into
 from .plan import (
     Accounting,
@@ -139,15 +140,9 @@ def stock_slice_model(
         rotation,
     )
     cfg = AutoConfig.for_model(**{k: v for k, v in new_config.items() if k != "transformers_version"})
-    out = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    missing, unexpected = out.load_state_dict({k: v.to(dtype) for k, v in sink.items()}, strict=False)
-    missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
-    if missing or unexpected:
-        raise RuntimeError(
-            f"stock slice does not match {type(out).__name__}: missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    report.accounting.compressed_model_params_counted = sum(p.numel() for p in out.parameters())
-    return out.eval(), report
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)  # in the source's dtype before the weights go in
+    out, report.accounting.compressed_model_params_counted = loaded(model, dict(sink))
+    return out, report
 
 
 class StockSlice(Route, SliceOutput):
