@@ -16,14 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...assets import resolve_text
 from ...calibration import StatsRequest, token_counts
 from ...calibration import token_batches as batches
 from ...calibration.run import Activations
 from ...calibration.statistics import base_site
-from ...evaluation.compare import load_tokenizer
 from ...symmetry import actions
-from ...text import read_text
 
 if TYPE_CHECKING:  # annotations only: the run imports nothing of this module
     from .routes import CompressRun
@@ -63,24 +60,6 @@ class CalibrationStats:
             if targets is not None:
                 targets[layer] = None
         return out
-
-
-def read_calibration(src, calibration, options) -> torch.Tensor | None:
-    """The token ids of ``calibration`` (a :class:`...calibration.CalibrationText`, or ``None``) with the
-    tokenizer of the folder ``src``; ``None`` where ``options`` needs no calibration."""
-    if calibration is None:
-        if options.needs_calibration:
-            raise ValueError(
-                f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)"
-            )
-        return None
-    if not options.needs_calibration:
-        read_text(resolve_text(calibration.text))  # unused, but an empty file fails before any work
-        return None
-    ids = calibration.ids(load_tokenizer(src))
-    if ids.numel() < 2:
-        raise ValueError(f"calibration text {calibration.text} has fewer than two tokens")
-    return ids
 
 
 def one_pass_statistics(run: CompressRun, on_demand: bool = False) -> CalibrationStats | None:

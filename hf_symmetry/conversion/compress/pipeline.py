@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from ...assets import resolve_text
 from ...calibration import CalibrationText
 from ...checkpoint_io import (
     CheckpointReader,
@@ -17,14 +18,16 @@ from ...checkpoint_io import (
     config_dtype,
     parse_size,
 )
+from ...evaluation.compare import load_tokenizer
 from ...modeling.modeling_compressed_llama import CompressedLlamaForCausalLM
+from ...text import read_text
 from ..remote_code import save_family_config
 from ..stream import DictSink, DictSource
 from .assemble import build_model, config_object
 from .core import compress_into
 from .layernorm_decoders import LayerNormDecoders, layer_norm_tensors, through_rms_decoder
 from .layernorm_decoders import build as build_rms_decoder
-from .moments import CalibrationStats, read_calibration
+from .moments import CalibrationStats
 from .options import CompressOptions
 from .plan import Plan, plan_for
 from .report import CompressReport, finish_folder
@@ -101,6 +104,24 @@ def route_for(config: dict, options: CompressOptions, stock: StockSlice | None =
     if through_rms_decoder(config):
         return LayerNormDecoders(refusal)
     return CompressedFamily(refusal)
+
+
+def read_calibration(src, calibration, options) -> torch.Tensor | None:
+    """The token ids of ``calibration`` (a :class:`...calibration.CalibrationText`, or ``None``) with the
+    tokenizer of the folder ``src``; ``None`` where ``options`` needs no calibration."""
+    if calibration is None:
+        if options.needs_calibration:
+            raise ValueError(
+                f"--calib is required for {options.label} (calibration text: a UTF-8 file or an embedded name)"
+            )
+        return None
+    if not options.needs_calibration:
+        read_text(resolve_text(calibration.text))  # unused, but an empty file fails before any work
+        return None
+    ids = calibration.ids(load_tokenizer(src))
+    if ids.numel() < 2:
+        raise ValueError(f"calibration text {calibration.text} has fewer than two tokens")
+    return ids
 
 
 def compress_checkpoint(
