@@ -26,6 +26,7 @@ from ..stream import DictSink, DictSource
 from .assemble import build_model, config_object
 from .core import compress_into
 from .layernorm_decoders import LayerNormDecoders, layer_norm_tensors, through_rms_decoder
+from .layernorm_decoders import check as check_layer_norm
 from .layernorm_decoders import build as build_rms_decoder
 from .moments import CalibrationStats
 from .options import CompressOptions
@@ -66,6 +67,7 @@ def compress_model(
     config, sink = model.config.to_dict(), DictSink()
     run = CompressRun(source, config, options, calib_ids, placement, progress, dtype, sink, calibration=calibration)
     if through_rms_decoder(config):
+        check_layer_norm(config, source.keys(), options)
         new_config, report = layer_norm_tensors(run, width)
         compressed, counted = build_rms_decoder(dict(sink), new_config, dtype)
     else:

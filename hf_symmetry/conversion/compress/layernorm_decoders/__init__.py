@@ -84,8 +84,7 @@ def build(state: dict, config: dict, dtype: torch.dtype):
 
 def layer_norm_tensors(run: CompressRun, width: int | None = None):
     """Either route into ``run.sink``: (config dict, report). ``width`` (SliceGPT only) overrides the
-    planned residual width."""
-    check(run.config, run.source.keys(), run.options)
+    planned residual width. Refused inputs are :func:`check`'s (the caller's, before any work)."""
     if run.options.slicing:
         return slice_into(run, RMSDecoderSlice(), width)
     return structured_tensors(run)
@@ -111,6 +110,7 @@ class LayerNormDecoders(Route):
 
 __all__ = [
     "build",
+    "check",
     "LayerNormDecoders",
     "layer_norm_tensors",
     "RMSDecoderSlice",
